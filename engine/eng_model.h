@@ -1,0 +1,89 @@
+/*
+ * eng_model.h - engine-internal view of a loaded model: the config, and for
+ * every layer the weights the forward pass reads.
+ *
+ * Large matrices stay where they are (an mmap of the safetensors shards, in
+ * their stored dtype). Small per-channel vectors (norm weights, A_log,
+ * dt_bias, conv taps, router bias) are converted once to float32 into
+ * `small_f32`, an arena owned by the model, because the hot path reads them
+ * for every token.
+ *
+ * Not part of the public API (engine/eng.h is); included by engine/*.c and
+ * by tests that poke at internals.
+ */
+#ifndef ENG_MODEL_H
+#define ENG_MODEL_H
+
+#include "eng.h"
+#include "eng_config.h"
+#include "eng_safetensors.h"
+#include "kern.h"
+
+/* A 2-D weight [rows, cols] (PyTorch Linear: out, in) read in place. */
+typedef struct eng_weight {
+    kern_dtype dt;
+    const void *data;   /* borrowed from the mapping */
+    int rows, cols;
+} eng_weight;
+
+typedef struct eng_kda_weights {
+    eng_weight q_proj, k_proj, v_proj;      /* [H*K, hidden], [H*K, hidden], [HV*V, hidden] */
+    const float *q_conv, *k_conv, *v_conv;  /* [C, W] f32 (taps contiguous, last = current) */
+    eng_weight f_a_proj, f_b_proj;          /* [K, hidden], [HV*K, K] */
+    const float *A_log;                     /* [HV] */
+    const float *dt_bias;                   /* [HV*K] */
+    eng_weight b_proj;                      /* [HV, hidden] */
+    eng_weight g_a_proj, g_b_proj;          /* [V, hidden], [HV*V, V] */
+    const float *o_norm;                    /* [V] */
+    eng_weight o_proj;                      /* [hidden, HV*V] */
+} eng_kda_weights;
+
+typedef struct eng_mla_weights {
+    eng_weight q_proj;                 /* [nh*(dn+dr), hidden] (q_lora_rank == 0) */
+    eng_weight q_a_proj, q_b_proj;     /* when q_lora_rank > 0 */
+    const float *q_a_layernorm;        /* [q_lora_rank] or NULL */
+    eng_weight kv_a_proj_with_mqa;     /* [kv_lora_rank + dr, hidden] */
+    const float *kv_a_layernorm;       /* [kv_lora_rank] */
+    eng_weight kv_b_proj;              /* [nh*(dn+dv), kv_lora_rank] */
+    eng_weight o_proj;                 /* [hidden, nh*dv] */
+} eng_mla_weights;
+
+typedef struct eng_ffn_weights {
+    bool is_moe;
+    /* dense MLP (is_moe == false) */
+    eng_weight gate_proj, up_proj, down_proj;
+    /* MoE */
+    eng_weight router;                    /* [E, hidden] */
+    const float *router_bias;             /* [E] e_score_correction_bias, or NULL */
+    eng_weight *w1, *w3, *w2;             /* E each: [I, hidden], [I, hidden], [hidden, I] */
+    eng_weight sh_gate, sh_up, sh_down;   /* shared experts (rows 0 when none) */
+} eng_ffn_weights;
+
+typedef struct eng_layer_weights {
+    eng_layer_kind kind;
+    const float *input_layernorm;          /* [hidden] */
+    const float *post_attention_layernorm; /* [hidden] */
+    eng_kda_weights kda;
+    eng_mla_weights mla;
+    eng_ffn_weights ffn;
+} eng_layer_weights;
+
+#define ENG_MAX_SHARDS 256
+
+struct eng_model {
+    char *dir;
+    eng_config cfg;
+    char fingerprint[33];            /* 32 hex digits + NUL */
+    eng_st_file *shards[ENG_MAX_SHARDS];
+    int n_shards;
+    eng_weight embed_tokens;         /* [vocab, hidden] */
+    const float *final_norm;         /* [hidden] */
+    eng_weight lm_head;              /* [vocab, hidden] */
+    eng_layer_weights *layers;       /* [num_hidden_layers] */
+    eng_weight *expert_arena;        /* backing store of the w1/w3/w2 arrays */
+    float *small_f32;                /* arena of converted small vectors */
+    size_t small_f32_used, small_f32_cap;
+    eng_tokenizer *tokenizer;        /* owned */
+};
+
+#endif /* ENG_MODEL_H */

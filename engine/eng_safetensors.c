@@ -1,0 +1,372 @@
+/* eng_safetensors.c - validated mmap reader and atomic writer for safetensors. */
+#define _GNU_SOURCE
+#include "eng_safetensors.h"
+
+#include <cJSON.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+/* A header larger than this is not a model header but an attack or damage. */
+#define ST_MAX_HEADER_BYTES ((uint64_t)100 << 20)
+
+struct eng_st_file {
+    char *path;
+    void *map;
+    size_t map_len;
+    cJSON *json;             /* parsed header; tensor names borrow from it */
+    eng_st_tensor *tensors;
+    size_t n_tensors;
+    cJSON *metadata;         /* borrowed from json */
+};
+
+static const struct {
+    const char *name;
+    eng_st_dtype dt;
+    size_t size;
+} DTYPES[] = {
+    {"F32", ENG_ST_F32, 4},   {"BF16", ENG_ST_BF16, 2}, {"F16", ENG_ST_F16, 2},
+    {"F64", ENG_ST_F64, 8},   {"I32", ENG_ST_I32, 4},   {"I64", ENG_ST_I64, 8},
+    {"I16", ENG_ST_I16, 2},   {"I8", ENG_ST_I8, 1},     {"U8", ENG_ST_U8, 1},
+    {"BOOL", ENG_ST_BOOL, 1},
+};
+
+const char *eng_st_dtype_name(eng_st_dtype dt) {
+    for (size_t i = 0; i < sizeof DTYPES / sizeof DTYPES[0]; i++)
+        if (DTYPES[i].dt == dt) return DTYPES[i].name;
+    return "?";
+}
+
+size_t eng_st_dtype_size(eng_st_dtype dt) {
+    for (size_t i = 0; i < sizeof DTYPES / sizeof DTYPES[0]; i++)
+        if (DTYPES[i].dt == dt) return DTYPES[i].size;
+    return 0;
+}
+
+static int dtype_from_name(const char *s, eng_st_dtype *out) {
+    for (size_t i = 0; i < sizeof DTYPES / sizeof DTYPES[0]; i++)
+        if (strcmp(DTYPES[i].name, s) == 0) {
+            *out = DTYPES[i].dt;
+            return 1;
+        }
+    return 0;
+}
+
+typedef struct span {
+    uint64_t begin, end;
+    size_t index;
+} span;
+
+static int span_cmp(const void *a, const void *b) {
+    const span *x = a, *y = b;
+    return x->begin < y->begin ? -1 : x->begin > y->begin ? 1 : 0;
+}
+
+/* Parse one tensor entry; sets everything but `data`. */
+static kds_status parse_entry(const char *path, const cJSON *item, eng_st_tensor *t,
+                              uint64_t *begin, uint64_t *end, kds_err *err) {
+    t->name = item->string;
+    const cJSON *dt = cJSON_GetObjectItemCaseSensitive(item, "dtype");
+    const cJSON *shape = cJSON_GetObjectItemCaseSensitive(item, "shape");
+    const cJSON *offs = cJSON_GetObjectItemCaseSensitive(item, "data_offsets");
+    if (!cJSON_IsObject(item) || !cJSON_IsString(dt) || !cJSON_IsArray(shape) ||
+        !cJSON_IsArray(offs))
+        return kds_err_set(err, KDS_BAD_FORMAT,
+                           "%s: tensor '%s' needs dtype, shape and data_offsets", path, t->name);
+    if (!dtype_from_name(dt->valuestring, &t->dtype))
+        return kds_err_set(err, KDS_BAD_FORMAT, "%s: tensor '%s' has unknown dtype '%s'", path,
+                           t->name, dt->valuestring);
+    int nd = cJSON_GetArraySize(shape);
+    if (nd > ENG_ST_MAX_DIMS)
+        return kds_err_set(err, KDS_BAD_FORMAT, "%s: tensor '%s' has %d dims (max %d)", path,
+                           t->name, nd, ENG_ST_MAX_DIMS);
+    t->n_dims = nd;
+    uint64_t n = 1;
+    for (int i = 0; i < nd; i++) {
+        const cJSON *d = cJSON_GetArrayItem(shape, i);
+        if (!cJSON_IsNumber(d) || d->valuedouble < 0 || d->valuedouble > 9.0e15 ||
+            d->valuedouble != (double)(int64_t)d->valuedouble)
+            return kds_err_set(err, KDS_BAD_FORMAT, "%s: tensor '%s' has a bad shape entry",
+                               path, t->name);
+        t->shape[i] = (int64_t)d->valuedouble;
+        if (t->shape[i] != 0 && n > UINT64_MAX / (uint64_t)t->shape[i])
+            return kds_err_set(err, KDS_BAD_FORMAT, "%s: tensor '%s' shape overflows", path,
+                               t->name);
+        n *= (uint64_t)t->shape[i];
+    }
+    if (cJSON_GetArraySize(offs) != 2)
+        return kds_err_set(err, KDS_BAD_FORMAT, "%s: tensor '%s' data_offsets needs 2 numbers",
+                           path, t->name);
+    const cJSON *b = cJSON_GetArrayItem(offs, 0), *e = cJSON_GetArrayItem(offs, 1);
+    if (!cJSON_IsNumber(b) || !cJSON_IsNumber(e) || b->valuedouble < 0 ||
+        e->valuedouble < b->valuedouble || e->valuedouble > 9.0e15)
+        return kds_err_set(err, KDS_BAD_FORMAT, "%s: tensor '%s' has bad data_offsets", path,
+                           t->name);
+    *begin = (uint64_t)b->valuedouble;
+    *end = (uint64_t)e->valuedouble;
+    size_t esz = eng_st_dtype_size(t->dtype);
+    if (n > UINT64_MAX / esz || n * esz != *end - *begin)
+        return kds_err_set(err, KDS_BAD_FORMAT,
+                           "%s: tensor '%s' shape needs %" PRIu64 " bytes of %s but data_offsets "
+                           "span %" PRIu64,
+                           path, t->name, n * esz, dt->valuestring, *end - *begin);
+    t->n_elems = (size_t)n;
+    t->n_bytes = (size_t)(*end - *begin);
+    return KDS_OK;
+}
+
+kds_status eng_st_open(const char *path, eng_st_file **out, kds_err *err) {
+    kds_status rc = KDS_OK;
+    *out = NULL;
+    eng_st_file *f = calloc(1, sizeof *f);
+    span *spans = NULL;
+    int fd = -1;
+    if (!f) return kds_err_set(err, KDS_NOMEM, "out of memory opening %s", path);
+    f->path = strdup(path);
+    if (!f->path) {
+        rc = kds_err_set(err, KDS_NOMEM, "out of memory opening %s", path);
+        goto fail;
+    }
+    fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+        rc = kds_err_set(err, errno == ENOENT ? KDS_NOT_FOUND : KDS_IO, "%s: %s", path,
+                         strerror(errno));
+        goto fail;
+    }
+    struct stat st;
+    if (fstat(fd, &st) != 0) {
+        rc = kds_err_set(err, KDS_IO, "%s: %s", path, strerror(errno));
+        goto fail;
+    }
+    if (st.st_size < 8) {
+        rc = kds_err_set(err, KDS_BAD_FORMAT, "%s: file of %lld bytes is too short for a "
+                         "safetensors header", path, (long long)st.st_size);
+        goto fail;
+    }
+    f->map_len = (size_t)st.st_size;
+    f->map = mmap(NULL, f->map_len, PROT_READ, MAP_PRIVATE, fd, 0);
+    if (f->map == MAP_FAILED) {
+        f->map = NULL;
+        rc = kds_err_set(err, KDS_IO, "%s: mmap: %s", path, strerror(errno));
+        goto fail;
+    }
+    const unsigned char *base = f->map;
+    uint64_t hlen = 0;
+    for (int i = 7; i >= 0; i--) hlen = (hlen << 8) | base[i];
+    if (hlen > f->map_len - 8 || hlen > ST_MAX_HEADER_BYTES) {
+        rc = kds_err_set(err, KDS_BAD_FORMAT, "%s: header length %" PRIu64
+                         " runs past the end of the %zu-byte file", path, hlen, f->map_len);
+        goto fail;
+    }
+    f->json = cJSON_ParseWithLength((const char *)base + 8, (size_t)hlen);
+    if (!f->json || !cJSON_IsObject(f->json)) {
+        rc = kds_err_set(err, KDS_BAD_FORMAT, "%s: header is not a JSON object", path);
+        goto fail;
+    }
+    size_t data_len = f->map_len - 8 - (size_t)hlen;
+    const unsigned char *data = base + 8 + hlen;
+    size_t n = 0;
+    for (cJSON *it = f->json->child; it; it = it->next)
+        if (strcmp(it->string, "__metadata__") != 0) n++;
+    f->tensors = calloc(n ? n : 1, sizeof *f->tensors);
+    spans = calloc(n ? n : 1, sizeof *spans);
+    if (!f->tensors || !spans) {
+        rc = kds_err_set(err, KDS_NOMEM, "out of memory reading %s", path);
+        goto fail;
+    }
+    size_t i = 0;
+    for (cJSON *it = f->json->child; it; it = it->next) {
+        if (strcmp(it->string, "__metadata__") == 0) {
+            if (!cJSON_IsObject(it)) {
+                rc = kds_err_set(err, KDS_BAD_FORMAT, "%s: __metadata__ is not an object", path);
+                goto fail;
+            }
+            f->metadata = it;
+            continue;
+        }
+        uint64_t b, e;
+        rc = parse_entry(path, it, &f->tensors[i], &b, &e, err);
+        if (rc != KDS_OK) goto fail;
+        if (e > data_len) {
+            rc = kds_err_set(err, KDS_BAD_FORMAT, "%s: tensor '%s' ends at byte %" PRIu64
+                             " past the %zu-byte data section (truncated file?)",
+                             path, f->tensors[i].name, e, data_len);
+            goto fail;
+        }
+        f->tensors[i].data = data + b;
+        spans[i] = (span){b, e, i};
+        i++;
+    }
+    f->n_tensors = n;
+    qsort(spans, n, sizeof *spans, span_cmp);
+    for (size_t j = 1; j < n; j++) {
+        if (spans[j].begin < spans[j - 1].end) {
+            rc = kds_err_set(err, KDS_BAD_FORMAT, "%s: tensors '%s' and '%s' overlap", path,
+                             f->tensors[spans[j - 1].index].name, f->tensors[spans[j].index].name);
+            goto fail;
+        }
+    }
+    free(spans);
+    close(fd);
+    *out = f;
+    return KDS_OK;
+fail:
+    free(spans);
+    if (fd >= 0) close(fd);
+    eng_st_close(f);
+    return rc;
+}
+
+void eng_st_close(eng_st_file *f) {
+    if (!f) return;
+    if (f->map) munmap(f->map, f->map_len);
+    cJSON_Delete(f->json);
+    free(f->tensors);
+    free(f->path);
+    free(f);
+}
+
+size_t eng_st_count(const eng_st_file *f) { return f->n_tensors; }
+
+const eng_st_tensor *eng_st_at(const eng_st_file *f, size_t i) {
+    return i < f->n_tensors ? &f->tensors[i] : NULL;
+}
+
+const eng_st_tensor *eng_st_find(const eng_st_file *f, const char *name) {
+    for (size_t i = 0; i < f->n_tensors; i++)
+        if (strcmp(f->tensors[i].name, name) == 0) return &f->tensors[i];
+    return NULL;
+}
+
+const char *eng_st_metadata(const eng_st_file *f, const char *key) {
+    if (!f->metadata) return NULL;
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(f->metadata, key);
+    return cJSON_IsString(v) ? v->valuestring : NULL;
+}
+
+const char *eng_st_path(const eng_st_file *f) { return f->path; }
+
+/* ------------------------------------------------------------------------ */
+
+static kds_status write_all(int fd, const void *buf, size_t n, const char *path, kds_err *err) {
+    const char *p = buf;
+    while (n > 0) {
+        ssize_t w = write(fd, p, n);
+        if (w < 0) {
+            if (errno == EINTR) continue;
+            return kds_err_set(err, KDS_IO, "%s: write: %s", path, strerror(errno));
+        }
+        p += w;
+        n -= (size_t)w;
+    }
+    return KDS_OK;
+}
+
+static size_t out_bytes(const eng_st_out_tensor *t) {
+    size_t n = eng_st_dtype_size(t->dtype);
+    for (int d = 0; d < t->n_dims; d++) n *= (size_t)t->shape[d];
+    return n;
+}
+
+static kds_status copy_fill(void *user, size_t index, void *buf, size_t n_bytes, kds_err *err) {
+    (void)err;
+    const eng_st_out_tensor *t = user;
+    memcpy(buf, t[index].data, n_bytes);
+    return KDS_OK;
+}
+
+kds_status eng_st_write(const char *path, const eng_st_out_tensor *tensors, size_t n,
+                        const char *const *metadata, kds_err *err) {
+    return eng_st_write_stream(path, tensors, n, metadata, copy_fill, (void *)tensors, err);
+}
+
+kds_status eng_st_write_stream(const char *path, const eng_st_out_tensor *tensors, size_t n,
+                               const char *const *metadata, eng_st_fill_fn fill, void *user,
+                               kds_err *err) {
+    kds_status rc = KDS_OK;
+    char *header = NULL, *tmp = NULL;
+    void *buf = NULL;
+    int fd = -1;
+    cJSON *root = cJSON_CreateObject();
+    if (!root) return kds_err_set(err, KDS_NOMEM, "out of memory writing %s", path);
+    if (metadata) {
+        cJSON *md = cJSON_AddObjectToObject(root, "__metadata__");
+        for (size_t i = 0; md && metadata[i] && metadata[i + 1]; i += 2)
+            cJSON_AddStringToObject(md, metadata[i], metadata[i + 1]);
+    }
+    uint64_t off = 0;
+    size_t max_bytes = 0;
+    for (size_t i = 0; i < n; i++) {
+        cJSON *t = cJSON_AddObjectToObject(root, tensors[i].name);
+        if (!t) {
+            rc = kds_err_set(err, KDS_NOMEM, "out of memory writing %s", path);
+            goto out;
+        }
+        cJSON_AddStringToObject(t, "dtype", eng_st_dtype_name(tensors[i].dtype));
+        cJSON *sh = cJSON_AddArrayToObject(t, "shape");
+        for (int d = 0; d < tensors[i].n_dims; d++)
+            cJSON_AddItemToArray(sh, cJSON_CreateNumber((double)tensors[i].shape[d]));
+        size_t nb = out_bytes(&tensors[i]);
+        if (nb > max_bytes) max_bytes = nb;
+        cJSON *of = cJSON_AddArrayToObject(t, "data_offsets");
+        cJSON_AddItemToArray(of, cJSON_CreateNumber((double)off));
+        cJSON_AddItemToArray(of, cJSON_CreateNumber((double)(off + nb)));
+        off += nb;
+    }
+    header = cJSON_PrintUnformatted(root);
+    if (!header) {
+        rc = kds_err_set(err, KDS_NOMEM, "out of memory writing %s", path);
+        goto out;
+    }
+    size_t hlen = strlen(header);
+    size_t padded = (hlen + 7) & ~(size_t)7; /* keep tensor data 8-byte aligned */
+    if (asprintf(&tmp, "%s.tmp.%d", path, (int)getpid()) < 0) {
+        tmp = NULL;
+        rc = kds_err_set(err, KDS_NOMEM, "out of memory writing %s", path);
+        goto out;
+    }
+    fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) {
+        rc = kds_err_set(err, KDS_IO, "%s: %s", tmp, strerror(errno));
+        goto out;
+    }
+    unsigned char lenb[8];
+    for (int i = 0; i < 8; i++) lenb[i] = (unsigned char)((uint64_t)padded >> (8 * i));
+    if ((rc = write_all(fd, lenb, 8, tmp, err)) != KDS_OK) goto out;
+    if ((rc = write_all(fd, header, hlen, tmp, err)) != KDS_OK) goto out;
+    if ((rc = write_all(fd, "        ", padded - hlen, tmp, err)) != KDS_OK) goto out;
+    buf = malloc(max_bytes ? max_bytes : 1);
+    if (!buf) {
+        rc = kds_err_set(err, KDS_NOMEM, "out of memory writing %s", path);
+        goto out;
+    }
+    for (size_t i = 0; i < n; i++) {
+        size_t nb = out_bytes(&tensors[i]);
+        if ((rc = fill(user, i, buf, nb, err)) != KDS_OK) goto out;
+        if ((rc = write_all(fd, buf, nb, tmp, err)) != KDS_OK) goto out;
+    }
+    if (fsync(fd) != 0 || close(fd) != 0) {
+        fd = -1;
+        rc = kds_err_set(err, KDS_IO, "%s: %s", tmp, strerror(errno));
+        goto out;
+    }
+    fd = -1;
+    if (rename(tmp, path) != 0) {
+        rc = kds_err_set(err, KDS_IO, "rename %s -> %s: %s", tmp, path, strerror(errno));
+        goto out;
+    }
+out:
+    if (fd >= 0) close(fd);
+    if (rc != KDS_OK && tmp) unlink(tmp);
+    free(tmp);
+    free(buf);
+    free(header);
+    cJSON_Delete(root);
+    return rc;
+}

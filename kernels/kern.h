@@ -1,0 +1,132 @@
+/*
+ * kern.h - numeric kernels of kdaserve: the CPU reference implementations
+ * (kernels/cpu/, always built) and, behind the same contracts, the CUDA ones
+ * (kernels/cuda/, built when nvcc is found; see kern_cuda.h).
+ *
+ * Contract for every kernel here:
+ *   - Pure functions over caller-owned buffers. No allocation, no globals, no
+ *     I/O: callable on the per-token hot path. Scratch memory, when needed,
+ *     is passed in by the caller (sized by the matching *_workspace() call).
+ *   - All activations and states are float32. Weights may be F32, BF16 or F16
+ *     (kern_dtype); they are read in place (usually from an mmap).
+ *   - Thread-safety: reentrant. Kernels that take a [begin, end) range work on
+ *     that slice only, so a caller's thread pool can split the work: distinct
+ *     ranges never write the same memory.
+ *   - Shapes are in row-major order, last index fastest, written [A, B, C].
+ */
+#ifndef KERN_H
+#define KERN_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kds_status.h"
+
+/* Element type of a stored weight. */
+typedef enum kern_dtype {
+    KERN_F32 = 0,
+    KERN_BF16 = 1,
+    KERN_F16 = 2,
+} kern_dtype;
+
+/* Bytes per element of `dt` (4, 2 or 2). */
+size_t kern_dtype_size(kern_dtype dt);
+
+/* Scalar conversions (exact for bf16 -> f32; round-to-nearest-even back). */
+float kern_bf16_to_f32(uint16_t h);
+uint16_t kern_f32_to_bf16(float f);
+float kern_f16_to_f32(uint16_t h);
+uint16_t kern_f32_to_f16(float f);
+
+/* Convert `n` elements of type `dt` at `src` to float32 at `dst`. */
+void kern_to_f32(kern_dtype dt, const void *src, float *dst, size_t n);
+
+/* ------------------------------------------------------------------------ */
+/* Dense products                                                            */
+
+/*
+ * y[t, r] = sum_i x[t, i] * W[r, i]  for t in [0, T), r in [r0, r1).
+ *   W: [rows, in] of dtype `dt` (a PyTorch Linear weight, row-major).
+ *   x: [T, in] float32.   y: [T, ldy] float32 (only columns r0..r1-1 written).
+ * Small T uses vectorised dot products straight from W (no conversion);
+ * larger T converts row blocks of W to float32 in `scratch` and calls BLAS.
+ *   scratch: kern_matmul_scratch_floats(in) floats, or NULL to force the
+ *   direct path.
+ */
+void kern_matmul(kern_dtype dt, const void *W, int in, const float *x, int T,
+                 float *y, int ldy, int r0, int r1, float *scratch);
+size_t kern_matmul_scratch_floats(int in);
+
+/* ------------------------------------------------------------------------ */
+/* Element-wise and normalisation                                            */
+
+/* y = x * rsqrt(mean(x^2) + eps) * w   over one vector of length n.
+ * w has dtype `dt` and may be NULL (no weight). x and y may alias. */
+void kern_rmsnorm(const float *x, const void *w, kern_dtype dt, int n, float eps, float *y);
+
+/* x /= sqrt(sum(x^2) + eps), in place, over `n_vecs` vectors of length dim
+ * (fla's l2norm; eps 1e-6 for KDA q and k). */
+void kern_l2norm(float *x, int n_vecs, int dim, float eps);
+
+/* silu(x) = x * sigmoid(x), in place. */
+void kern_silu(float *x, size_t n);
+/* a[i] = silu(a[i]) * b[i] (SwiGLU), in place into a. */
+void kern_swiglu(float *a, const float *b, size_t n);
+float kern_sigmoid(float x);
+/* softplus with PyTorch's threshold 20: x > 20 ? x : log1p(exp(x)). */
+float kern_softplus(float x);
+
+/* ------------------------------------------------------------------------ */
+/* KDA (Kimi Delta Attention) core                                           */
+
+/*
+ * Shapes of one KDA layer for one sequence.
+ *   H  : query/key heads, HV: value heads (HV % H == 0; value head hv uses
+ *        q/k head hv / (HV / H): "GVA"; Kimi-Linear has HV == H),
+ *   K  : key (and query) head dim, V: value head dim,
+ *   scale: multiplies q in the read-out (K^-1/2 by default).
+ */
+typedef struct kern_kda_shape {
+    int H, HV, K, V;
+    float scale;
+} kern_kda_shape;
+
+/*
+ * Decay gate in log space, per token t, value head hv and key dim d:
+ *   softplus form (lower_bound >= 0, i.e. "off"; Kimi-Linear-48B):
+ *     g = -exp(A_log[hv]) * softplus(g_raw + dt_bias[hv*K + d])
+ *   lower-bound form (lower_bound < 0):
+ *     g = lower_bound * sigmoid(exp(A_log[hv]) * (g_raw + dt_bias[hv*K + d]))
+ * g_raw, g: [T, HV, K]; A_log: [HV]; dt_bias: [HV*K] or NULL (no bias).
+ * g may alias g_raw.
+ */
+void kern_kda_gate(const float *g_raw, const float *A_log, const float *dt_bias, int T,
+                   int HV, int K, float lower_bound, float *g);
+
+/*
+ * Token-by-token delta rule (the decode path; exact reference of the
+ * recurrence in kda-model-spec.md §3.5), for value heads [hv0, hv1):
+ *   S = diag(exp(g_t)) S ;  S += beta_t * k_t (v_t - S^T k_t)^T ;
+ *   o_t = S^T (scale * q_t)
+ * q, k: [T, H, K] (already L2-normalised); v: [T, HV, V]; g: [T, HV, K];
+ * beta: [T, HV] (after sigmoid); state: [HV, K, V] in/out; o: [T, HV, V].
+ */
+void kern_kda_recurrent(const kern_kda_shape *sh, int T, const float *q, const float *k,
+                        const float *v, const float *g, const float *beta, float *state,
+                        float *o, int hv0, int hv1);
+
+/*
+ * Chunked (WY / UT) form of the same recurrence for prefill (spec §4.1), for
+ * value heads [hv0, hv1): the sequence is cut in chunks of `chunk` tokens
+ * (the last may be shorter); within a chunk the work is dense matrix
+ * products, across chunks the state is carried. Same inputs, outputs and
+ * state semantics as kern_kda_recurrent, so the two must agree to rounding.
+ * workspace: kern_kda_chunked_workspace_floats(sh, chunk) floats per calling
+ * thread (caller-owned, reused across calls).
+ */
+void kern_kda_chunked(const kern_kda_shape *sh, int T, int chunk, const float *q,
+                      const float *k, const float *v, const float *g, const float *beta,
+                      float *state, float *o, int hv0, int hv1, float *workspace);
+size_t kern_kda_chunked_workspace_floats(const kern_kda_shape *sh, int chunk);
+
+#endif /* KERN_H */
