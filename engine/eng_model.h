@@ -8,7 +8,7 @@
  * `small_f32`, an arena owned by the model, because the hot path reads them
  * for every token.
  *
- * Not part of the public API (engine/eng.h is); included by engine/*.c and
+ * Not part of the public API (engine/eng.h is); included by the engine sources and
  * by tests that poke at internals.
  */
 #ifndef ENG_MODEL_H

@@ -190,7 +190,7 @@ kds_status eng_st_open(const char *path, eng_st_file **out, kds_err *err) {
             f->metadata = it;
             continue;
         }
-        uint64_t b, e;
+        uint64_t b = 0, e = 0;
         rc = parse_entry(path, it, &f->tensors[i], &b, &e, err);
         if (rc != KDS_OK) goto fail;
         if (e > data_len) {

@@ -32,9 +32,11 @@ kds_status kds_err_prefix(kds_err *err, const char *fmt, ...) {
     va_start(ap, fmt);
     vsnprintf(head, sizeof head, fmt, ap);
     va_end(ap);
-    char joined[sizeof err->msg];
+    /* Longer than msg on purpose: the join is cut to fit, not refused. */
+    char joined[2 * sizeof err->msg + 2];
     snprintf(joined, sizeof joined, "%s: %s", head, err->msg);
-    memcpy(err->msg, joined, sizeof joined);
+    memcpy(err->msg, joined, sizeof err->msg - 1);
+    err->msg[sizeof err->msg - 1] = '\0';
     return err->status;
 }
 

@@ -1,0 +1,42 @@
+/*
+ * cli.h - the kdaserve program's subcommands. Each takes argc/argv with
+ * argv[0] = the subcommand's name and returns a process exit status
+ * (0 ok, 1 failure, 2 usage error). Errors go to stderr as one line:
+ * "kdaserve <cmd>: <reason>".
+ */
+#ifndef CLI_H
+#define CLI_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "eng.h"
+
+int cmd_gen_model(int argc, char **argv);
+int cmd_info(int argc, char **argv);
+int cmd_generate(int argc, char **argv);
+int cmd_logits(int argc, char **argv);
+int cmd_bench(int argc, char **argv);
+
+/* Shared helpers (cli_common.c). */
+
+/* Print "kdaserve <cmd>: <msg>" to stderr; returns 1. */
+int cli_fail(const char *cmd, const kds_err *err);
+int cli_failf(const char *cmd, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* Resolve the model directory: the --model value, else $KDASERVE_MODEL, else
+ * ./models/default. Returns NULL (with a message) when none exists. */
+const char *cli_model_dir(const char *cmd, const char *given);
+
+/* Strict number parsing: the whole string must be a number in range. */
+bool cli_parse_i64(const char *s, int64_t lo, int64_t hi, int64_t *out);
+bool cli_parse_f32(const char *s, float lo, float hi, float *out);
+
+/* Seconds on a monotonic clock. */
+double cli_now(void);
+
+/* Load model + context with the common options; prints what went wrong. */
+int cli_open(const char *cmd, const char *model_dir, int threads, int max_batch, eng_model **m,
+             eng_ctx **c);
+
+#endif

@@ -1,0 +1,85 @@
+/* cli_common.c - helpers shared by the subcommands. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <time.h>
+
+#include "cli.h"
+
+int cli_fail(const char *cmd, const kds_err *err) {
+    fprintf(stderr, "kdaserve %s: %s\n", cmd,
+            err && err->msg[0] ? err->msg : kds_status_str(err ? err->status : KDS_INTERNAL));
+    return 1;
+}
+
+int cli_failf(const char *cmd, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "kdaserve %s: ", cmd);
+    vfprintf(stderr, fmt, ap);
+    fputc('\n', stderr);
+    va_end(ap);
+    return 1;
+}
+
+static bool is_dir(const char *p) {
+    struct stat st;
+    return p && stat(p, &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+const char *cli_model_dir(const char *cmd, const char *given) {
+    if (given) return given;
+    const char *env = getenv("KDASERVE_MODEL");
+    if (env && *env) return env;
+    if (is_dir("models/default")) return "models/default";
+    cli_failf(cmd, "no model: pass --model DIR, set KDASERVE_MODEL, or run from a directory "
+                   "with models/default (make one with `kdaserve gen-model --preset tiny --out DIR`)");
+    return NULL;
+}
+
+bool cli_parse_i64(const char *s, int64_t lo, int64_t hi, int64_t *out) {
+    if (!s || !*s) return false;
+    char *end;
+    errno = 0;
+    long long v = strtoll(s, &end, 10);
+    if (errno || *end || v < lo || v > hi) return false;
+    *out = v;
+    return true;
+}
+
+bool cli_parse_f32(const char *s, float lo, float hi, float *out) {
+    if (!s || !*s) return false;
+    char *end;
+    errno = 0;
+    float v = strtof(s, &end);
+    if (errno || *end || isnan(v) || v < lo || v > hi) return false;
+    *out = v;
+    return true;
+}
+
+double cli_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+int cli_open(const char *cmd, const char *model_dir, int threads, int max_batch, eng_model **m,
+             eng_ctx **c) {
+    kds_err err = {0};
+    eng_model_params mp = eng_model_default_params();
+    mp.progress = true;
+    if (eng_model_load(model_dir, &mp, m, &err) != KDS_OK) return cli_fail(cmd, &err);
+    eng_ctx_params cp = eng_ctx_default_params();
+    cp.n_threads = threads;
+    if (max_batch > 0) cp.max_batch = max_batch;
+    if (eng_ctx_create(*m, &cp, c, &err) != KDS_OK) {
+        eng_model_free(*m);
+        *m = NULL;
+        return cli_fail(cmd, &err);
+    }
+    return 0;
+}

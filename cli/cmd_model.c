@@ -1,0 +1,121 @@
+/* cmd_model.c - subcommands about model files: gen-model, info. */
+#define _GNU_SOURCE
+#include <getopt.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "cli.h"
+#include "eng_config.h"
+#include "eng_genmodel.h"
+#include "kern.h"
+
+static void gen_usage(FILE *f) {
+    fprintf(f,
+            "usage: kdaserve gen-model (--preset NAME | --config FILE) --out DIR [--seed S]\n"
+            "                          [--dtype bf16|f16|f32] [--dry-run]\n\n"
+            "Writes a complete Hugging Face Kimi-Linear model (config.json + safetensors)\n"
+            "with seeded random weights, for tests and benchmarks.\n\n"
+            "  --preset NAME   tiny, tiny-hybrid, llamacpp-tiny, wide, full27, kimi-linear-48b\n"
+            "  --config FILE   any Kimi-Linear config.json instead of a preset\n"
+            "  --out DIR       output directory (created if missing)\n"
+            "  --seed S        weight seed (default 0): same seed, same bytes\n"
+            "  --dtype T       weight dtype (default bf16, as real checkpoints)\n"
+            "  --dry-run       print tensor count, parameter count and per-session state\n"
+            "                  size instead of writing anything\n");
+}
+
+int cmd_gen_model(int argc, char **argv) {
+    static const struct option opts[] = {
+        {"preset", required_argument, 0, 'p'}, {"config", required_argument, 0, 'c'},
+        {"out", required_argument, 0, 'o'},    {"seed", required_argument, 0, 's'},
+        {"dtype", required_argument, 0, 't'},  {"dry-run", no_argument, 0, 'n'},
+        {"help", no_argument, 0, 'h'},         {0, 0, 0, 0}};
+    const char *preset = NULL, *config = NULL, *out = NULL, *dtype_s = "bf16";
+    int64_t seed = 0;
+    bool dry = false;
+    optind = 1;
+    for (int o; (o = getopt_long(argc, argv, "h", opts, NULL)) != -1;) {
+        switch (o) {
+        case 'p': preset = optarg; break;
+        case 'c': config = optarg; break;
+        case 'o': out = optarg; break;
+        case 't': dtype_s = optarg; break;
+        case 'n': dry = true; break;
+        case 's':
+            if (!cli_parse_i64(optarg, 0, INT64_MAX, &seed))
+                return cli_failf("gen-model", "--seed wants a number >= 0, got '%s'", optarg);
+            break;
+        case 'h': gen_usage(stdout); return 0;
+        default: gen_usage(stderr); return 2;
+        }
+    }
+    if (!!preset == !!config) {
+        gen_usage(stderr);
+        return cli_failf("gen-model", "give exactly one of --preset or --config");
+    }
+    kern_dtype dt;
+    if (!strcmp(dtype_s, "bf16"))
+        dt = KERN_BF16;
+    else if (!strcmp(dtype_s, "f16"))
+        dt = KERN_F16;
+    else if (!strcmp(dtype_s, "f32"))
+        dt = KERN_F32;
+    else
+        return cli_failf("gen-model", "--dtype wants bf16, f16 or f32, got '%s'", dtype_s);
+    eng_config cfg;
+    kds_err err = {0};
+    kds_status st = preset ? eng_genmodel_preset(preset, &cfg, &err)
+                           : eng_config_load(config, &cfg, &err);
+    if (st != KDS_OK) return cli_fail("gen-model", &err);
+    if (dry) {
+        eng_genmodel_describe(&cfg, dt, stdout);
+        return 0;
+    }
+    if (!out) return cli_failf("gen-model", "--out DIR is required (or use --dry-run)");
+    if (eng_genmodel_write(&cfg, (uint64_t)seed, dt, out, true, &err) != KDS_OK)
+        return cli_fail("gen-model", &err);
+    fprintf(stderr, "[kdaserve] wrote %s model to %s\n", preset ? preset : config, out);
+    return 0;
+}
+
+static void info_usage(FILE *f) {
+    fprintf(f, "usage: kdaserve info [--model DIR]\n\n"
+               "Loads and checks a model, then prints its layout, sizes, per-session state\n"
+               "size and fingerprint.\n");
+}
+
+int cmd_info(int argc, char **argv) {
+    static const struct option opts[] = {
+        {"model", required_argument, 0, 'm'}, {"help", no_argument, 0, 'h'}, {0, 0, 0, 0}};
+    const char *model = NULL;
+    optind = 1;
+    for (int o; (o = getopt_long(argc, argv, "m:h", opts, NULL)) != -1;) {
+        if (o == 'm')
+            model = optarg;
+        else if (o == 'h') {
+            info_usage(stdout);
+            return 0;
+        } else {
+            info_usage(stderr);
+            return 2;
+        }
+    }
+    const char *dir = cli_model_dir("info", model);
+    if (!dir) return 1;
+    kds_err err = {0};
+    eng_model *m = NULL;
+    eng_model_params mp = eng_model_default_params();
+    mp.progress = true;
+    if (eng_model_load(dir, &mp, &m, &err) != KDS_OK) return cli_fail("info", &err);
+    const eng_config *cfg = eng_model_config(m);
+    printf("model        %s\n", dir);
+    printf("fingerprint  %s\n", eng_model_fingerprint(m));
+    printf("layers       %d:", cfg->num_hidden_layers);
+    for (int l = 0; l < cfg->num_hidden_layers; l++)
+        printf(" %s%s", cfg->layer_kind[l] == ENG_LAYER_KDA ? "KDA" : "MLA",
+               cfg->layer_is_moe[l] ? "+MoE" : "+MLP");
+    printf("\n");
+    eng_genmodel_describe(cfg, KERN_BF16, stdout);
+    eng_model_free(m);
+    return 0;
+}

@@ -1,0 +1,838 @@
+/*
+ * eng_forward.c - compute contexts and the forward pass (spec §3-§7).
+ *
+ * One function, forward(), runs T tokens of one sequence through every layer,
+ * layer by layer over the whole batch, so each weight matrix is streamed once
+ * per batch. KDA layers take the chunked WY path when prefill is asked for
+ * and the token-by-token recurrence otherwise; everything else is the same
+ * code for both, so prefill and decode differ only in the KDA core and in
+ * the summation order inside BLAS.
+ *
+ * Parallelism: every matrix product is cut into row blocks and run on the
+ * context's pool (several products that read the same input go out in one
+ * dispatch); the KDA core and MLA attention are split by head. OpenBLAS is
+ * pinned to one thread so that it never competes with the pool.
+ *
+ * Memory: all activations live in scratch buffers sized at eng_ctx_create
+ * for max_batch tokens; the only allocation on the hot path is the MLA cache
+ * growing geometrically (eng__seq_reserve) and the per-thread attention score
+ * rows growing with it.
+ */
+#include <cblas.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "eng_pool.h"
+#include "eng_seq.h"
+
+#define MAX_MM_JOBS 8
+#define MAX_MM_TASKS 1024
+
+typedef struct mm_job {
+    const eng_weight *w;
+    const float *x;    /* [T, w->cols] */
+    int T;
+    float *y;          /* [T, ldy], columns [0, w->rows) written */
+    int ldy;
+} mm_job;
+
+typedef struct mm_task {
+    int job, r0, r1;
+} mm_task;
+
+typedef struct thread_scratch {
+    float *mm;          /* widened weight rows for BLAS */
+    float *kda_ws;      /* chunked KDA workspace */
+    float *mla_w;       /* one head's kv_b rows, widened: [(dn+dv), dc] */
+    float *mla_vec;     /* q_abs [dc] + latent [dc] */
+    float *scores;      /* [scores_cap] attention scores */
+    int64_t scores_cap;
+} thread_scratch;
+
+struct eng_ctx {
+    const eng_model *m;
+    eng_dims d;
+    eng_pool *pool;
+    int n_threads, max_batch, kda_chunk;
+    int ffn_width;        /* widest FFN hidden width (dense, shared or routed) */
+    int top_k, n_experts;
+    /* activations, [max_batch, ...] */
+    float *x, *xn, *mix;                 /* [B, hidden] residual, normed, mixer/ffn out */
+    float *ext;                          /* [W-1+B, conv_ch] conv input incl. tail */
+    float *q, *k, *v;                    /* [B, H*K], [B, H*K], [B, HV*V] */
+    float *fa, *ga, *g, *beta, *gz, *o;  /* gate/beta/output-gate inputs, core output */
+    float *mq, *kva;                     /* MLA: [B, nh*(dn+dr)], [B, dc+dr] */
+    float *fa_buf, *fb_buf, *shared_out; /* FFN: [B*top_k, width] x2, [B, hidden] */
+    float *router;                       /* [B, E] */
+    int32_t *sel;                        /* [B, top_k] chosen experts */
+    float *selw;                         /* [B, top_k] their weights */
+    int32_t *exp_off;                    /* [E+1] first gathered row of each expert */
+    int32_t *exp_fill;                   /* [E] next free row while gathering */
+    int32_t *row_of;                     /* [B, top_k] -> row in gathered buffers */
+    float *xg, *yg;                      /* [B*top_k, hidden] gathered in / expert out */
+    /* sampler */
+    float *cand_p;                       /* [vocab] */
+    int32_t *cand_id;                    /* [vocab] */
+    thread_scratch *ts;                  /* [n_threads] */
+    mm_job jobs[MAX_MM_JOBS];
+    mm_task tasks[MAX_MM_TASKS];
+    int n_tasks;
+};
+
+eng_ctx_params eng_ctx_default_params(void) {
+    return (eng_ctx_params){.n_threads = 0, .max_batch = 256, .kda_chunk = 64};
+}
+
+eng_sampler_params eng_sampler_default_params(void) {
+    return (eng_sampler_params){.temperature = 0.8f, .top_k = 40, .top_p = 0.95f, .min_p = 0.05f,
+                                .repeat_penalty = 1.0f, .repeat_last_n = 64};
+}
+
+/* ------------------------------------------------------------------------ */
+/* Matrix products on the pool                                               */
+
+static void mm_task_fn(void *arg, int t, int thread) {
+    eng_ctx *c = arg;
+    const mm_task *task = &c->tasks[t];
+    const mm_job *j = &c->jobs[task->job];
+    kern_matmul(j->w->dt, j->w->data, j->w->cols, j->x, j->T, j->y, j->ldy, task->r0, task->r1,
+                c->ts[thread].mm);
+}
+
+/* Run up to MAX_MM_JOBS products in one dispatch, cut into row blocks of
+ * roughly equal work. Small totals run inline: a dispatch costs more than a
+ * few thousand multiply-adds. */
+static void run_mm(eng_ctx *c, int n_jobs) {
+    double total = 0;
+    for (int i = 0; i < n_jobs; i++)
+        total += (double)c->jobs[i].w->rows * c->jobs[i].w->cols * c->jobs[i].T;
+    int n_tasks = 0;
+    if (c->n_threads == 1 || total < 65536.0) {
+        for (int i = 0; i < n_jobs; i++)
+            c->tasks[n_tasks++] = (mm_task){i, 0, c->jobs[i].w->rows};
+        for (int t = 0; t < n_tasks; t++) mm_task_fn(c, t, 0);
+        return;
+    }
+    double target = total / (c->n_threads * 4.0);
+    if (target < 32768.0) target = 32768.0;
+    for (int i = 0; i < n_jobs; i++) {
+        const mm_job *j = &c->jobs[i];
+        int rows = j->w->rows;
+        double work = (double)rows * j->w->cols * j->T;
+        int nb = (int)ceil(work / target);
+        if (nb > rows) nb = rows;
+        if (nb < 1) nb = 1;
+        int room = MAX_MM_TASKS - n_tasks - (n_jobs - i - 1);
+        if (nb > room) nb = room;
+        for (int b = 0; b < nb; b++) {
+            int r0 = (int)((int64_t)rows * b / nb), r1 = (int)((int64_t)rows * (b + 1) / nb);
+            if (r1 > r0) c->tasks[n_tasks++] = (mm_task){i, r0, r1};
+        }
+    }
+    c->n_tasks = n_tasks;
+    eng_pool_run(c->pool, mm_task_fn, c, n_tasks);
+}
+
+static void job(eng_ctx *c, int i, const eng_weight *w, const float *x, int T, float *y, int ldy) {
+    c->jobs[i] = (mm_job){w, x, T, y, ldy};
+}
+
+/* ------------------------------------------------------------------------ */
+/* KDA layer                                                                 */
+
+typedef struct kda_run {
+    eng_ctx *c;
+    float *state;       /* [HV, K, V] of this layer */
+    int T, chunked;
+} kda_run;
+
+static void kda_core_fn(void *arg, int hv, int thread) {
+    kda_run *r = arg;
+    eng_ctx *c = r->c;
+    kern_kda_shape sh = {c->d.H, c->d.HV, c->d.K, c->d.V, 1.0f / sqrtf((float)c->d.K)};
+    if (r->chunked)
+        kern_kda_chunked(&sh, r->T, c->kda_chunk, c->q, c->k, c->v, c->g, c->beta, r->state, c->o,
+                         hv, hv + 1, c->ts[thread].kda_ws);
+    else
+        kern_kda_recurrent(&sh, r->T, c->q, c->k, c->v, c->g, c->beta, r->state, c->o, hv, hv + 1);
+}
+
+static void kda_layer(eng_ctx *c, eng_seq *s, const eng_layer_weights *L, int slot, int T,
+                      int chunked) {
+    const eng_dims *d = &c->d;
+    const eng_kda_weights *w = &L->kda;
+    const int C = d->conv_ch, taps = d->W - 1;
+    float *conv_tail = s->conv_tail + (size_t)slot * taps * C;
+    float *in = c->ext + (size_t)taps * C; /* projections land after the tail rows */
+    memcpy(c->ext, conv_tail, (size_t)taps * C * sizeof(float));
+
+    job(c, 0, &w->q_proj, c->xn, T, in, C);
+    job(c, 1, &w->k_proj, c->xn, T, in + d->kda_qk, C);
+    job(c, 2, &w->v_proj, c->xn, T, in + 2 * d->kda_qk, C);
+    job(c, 3, &w->f_a_proj, c->xn, T, c->fa, w->f_a_proj.rows);
+    job(c, 4, &w->b_proj, c->xn, T, c->beta, d->HV);
+    job(c, 5, &w->g_a_proj, c->xn, T, c->ga, w->g_a_proj.rows);
+    run_mm(c, 6);
+    job(c, 0, &w->f_b_proj, c->fa, T, c->g, d->HV * d->K);
+    job(c, 1, &w->g_b_proj, c->ga, T, c->gz, d->kda_v);
+    run_mm(c, 2);
+
+    /* Depthwise causal conv + SiLU: out_t[ch] = sum_j w[ch, j] * in_{t-taps+j}[ch]
+     * over ext rows t..t+taps (row t+taps is token t itself). */
+    for (int t = 0; t < T; t++) {
+        const float *rows = c->ext + (size_t)t * C;
+        for (int part = 0; part < 3; part++) {
+            int base = part == 0 ? 0 : part == 1 ? d->kda_qk : 2 * d->kda_qk;
+            int n = part == 2 ? d->kda_v : d->kda_qk;
+            const float *wc = part == 0 ? w->q_conv : part == 1 ? w->k_conv : w->v_conv;
+            float *out = (part == 0 ? c->q : part == 1 ? c->k : c->v) + (size_t)t * n;
+            for (int ch = 0; ch < n; ch++) {
+                float acc = 0.0f;
+                for (int j = 0; j <= taps; j++)
+                    acc += wc[(size_t)ch * d->W + j] * rows[(size_t)j * C + base + ch];
+                out[ch] = acc / (1.0f + expf(-acc));
+            }
+        }
+    }
+    memcpy(conv_tail, c->ext + (size_t)T * C, (size_t)taps * C * sizeof(float));
+
+    kern_l2norm(c->q, T * d->H, d->K, 1e-6f);
+    kern_l2norm(c->k, T * d->H, d->K, 1e-6f);
+    const eng_config *cfg = &c->m->cfg;
+    kern_kda_gate(c->g, w->A_log, w->dt_bias, T, d->HV, d->K,
+                  cfg->has_gate_lower_bound ? cfg->gate_lower_bound : 0.0f, c->g);
+    for (int i = 0; i < T * d->HV; i++) c->beta[i] = kern_sigmoid(c->beta[i]);
+
+    kda_run r = {c, s->kda_state + (size_t)slot * d->HV * d->K * d->V, T, chunked};
+    if ((double)T * d->HV * d->K * d->V < 65536.0 || c->n_threads == 1)
+        for (int hv = 0; hv < d->HV; hv++) kda_core_fn(&r, hv, 0);
+    else
+        eng_pool_run(c->pool, kda_core_fn, &r, d->HV);
+
+    /* Gated output norm per head: o * rsqrt(mean(o^2) + eps) * w * sigmoid(z). */
+    for (int i = 0; i < T * d->HV; i++) {
+        float *oh = c->o + (size_t)i * d->V;
+        const float *z = c->gz + (size_t)i * d->V;
+        kern_rmsnorm(oh, w->o_norm, KERN_F32, d->V, cfg->rms_norm_eps, oh);
+        for (int e = 0; e < d->V; e++) oh[e] *= kern_sigmoid(z[e]);
+    }
+    job(c, 0, &w->o_proj, c->o, T, c->mix, d->hidden);
+    run_mm(c, 1);
+}
+
+/* ------------------------------------------------------------------------ */
+/* MLA layer (absorbed form, spec §5.2; no RoPE)                             */
+
+typedef struct mla_run {
+    eng_ctx *c;
+    eng_seq *s;
+    const eng_mla_weights *w;
+    const float *cache;     /* [pos + T, dc + dr] */
+    int T;
+} mla_run;
+
+static void mla_head_fn(void *arg, int h, int thread) {
+    mla_run *r = arg;
+    eng_ctx *c = r->c;
+    const eng_dims *d = &c->d;
+    thread_scratch *ts = &c->ts[thread];
+    const int dc = d->dc, dn = d->dn, dr = d->dr, dv = d->dv, row = d->mla_row;
+    const eng_weight *kvb = &r->w->kv_b_proj; /* [nh*(dn+dv), dc] */
+    size_t esz = kern_dtype_size(kvb->dt);
+    /* W_UK_h = rows [h*(dn+dv), +dn), W_UV_h = the next dv rows. */
+    kern_to_f32(kvb->dt, (const char *)kvb->data + (size_t)h * (dn + dv) * dc * esz, ts->mla_w,
+                (size_t)(dn + dv) * dc);
+    const float *wuk = ts->mla_w, *wuv = ts->mla_w + (size_t)dn * dc;
+    float *qabs = ts->mla_vec, *lat = ts->mla_vec + dc;
+    const float scale = 1.0f / sqrtf((float)(dn + dr));
+    const int qstride = d->mla_heads * (dn + dr);
+    for (int t = 0; t < r->T; t++) {
+        const float *qh = c->mq + (size_t)t * qstride + (size_t)h * (dn + dr);
+        /* q_abs = W_UK_h^T q_nope: [dc] */
+        memset(qabs, 0, (size_t)dc * sizeof(float));
+        for (int i = 0; i < dn; i++) {
+            const float qi = qh[i], *wr = wuk + (size_t)i * dc;
+            for (int j = 0; j < dc; j++) qabs[j] += qi * wr[j];
+        }
+        int64_t n_ctx = r->s->pos + t + 1;
+        float mx = -INFINITY;
+        for (int64_t tau = 0; tau < n_ctx; tau++) {
+            const float *kv = r->cache + (size_t)tau * row;
+            float sc = 0.0f;
+            for (int j = 0; j < dc; j++) sc += qabs[j] * kv[j];
+            for (int j = 0; j < dr; j++) sc += qh[dn + j] * kv[dc + j];
+            sc *= scale;
+            ts->scores[tau] = sc;
+            if (sc > mx) mx = sc;
+        }
+        double sum = 0.0;
+        for (int64_t tau = 0; tau < n_ctx; tau++) {
+            float e = expf(ts->scores[tau] - mx);
+            ts->scores[tau] = e;
+            sum += e;
+        }
+        memset(lat, 0, (size_t)dc * sizeof(float));
+        for (int64_t tau = 0; tau < n_ctx; tau++) {
+            const float p = (float)(ts->scores[tau] / sum), *kv = r->cache + (size_t)tau * row;
+            for (int j = 0; j < dc; j++) lat[j] += p * kv[j];
+        }
+        float *oh = c->o + (size_t)t * d->mla_heads * dv + (size_t)h * dv;
+        for (int i = 0; i < dv; i++) {
+            const float *wr = wuv + (size_t)i * dc;
+            float acc = 0.0f;
+            for (int j = 0; j < dc; j++) acc += wr[j] * lat[j];
+            oh[i] = acc;
+        }
+    }
+}
+
+static void mla_layer(eng_ctx *c, eng_seq *s, const eng_layer_weights *L, int slot, int T) {
+    const eng_dims *d = &c->d;
+    const eng_mla_weights *w = &L->mla;
+    const eng_config *cfg = &c->m->cfg;
+    if (cfg->q_lora_rank > 0) {
+        job(c, 0, &w->q_a_proj, c->xn, T, c->fa, cfg->q_lora_rank);
+        job(c, 1, &w->kv_a_proj_with_mqa, c->xn, T, c->kva, d->mla_row);
+        run_mm(c, 2);
+        for (int t = 0; t < T; t++) {
+            float *qa = c->fa + (size_t)t * cfg->q_lora_rank;
+            kern_rmsnorm(qa, w->q_a_layernorm, KERN_F32, cfg->q_lora_rank, cfg->rms_norm_eps, qa);
+        }
+        job(c, 0, &w->q_b_proj, c->fa, T, c->mq, d->mla_heads * (d->dn + d->dr));
+        run_mm(c, 1);
+    } else {
+        job(c, 0, &w->q_proj, c->xn, T, c->mq, d->mla_heads * (d->dn + d->dr));
+        job(c, 1, &w->kv_a_proj_with_mqa, c->xn, T, c->kva, d->mla_row);
+        run_mm(c, 2);
+    }
+    float *cache = s->mla_cache[slot];
+    for (int t = 0; t < T; t++) {
+        const float *a = c->kva + (size_t)t * d->mla_row;
+        float *dst = cache + (size_t)(s->pos + t) * d->mla_row;
+        kern_rmsnorm(a, w->kv_a_layernorm, KERN_F32, d->dc, cfg->rms_norm_eps, dst);
+        memcpy(dst + d->dc, a + d->dc, (size_t)d->dr * sizeof(float));
+    }
+    mla_run r = {c, s, w, cache, T};
+    if (c->n_threads == 1)
+        for (int h = 0; h < d->mla_heads; h++) mla_head_fn(&r, h, 0);
+    else
+        eng_pool_run(c->pool, mla_head_fn, &r, d->mla_heads);
+    job(c, 0, &w->o_proj, c->o, T, c->mix, d->hidden);
+    run_mm(c, 1);
+}
+
+/* ------------------------------------------------------------------------ */
+/* FFN: dense MLP and MoE (spec §6)                                          */
+
+static void dense_ffn(eng_ctx *c, const eng_weight *gate, const eng_weight *up,
+                      const eng_weight *down, const float *x, int T, float *out) {
+    int inner = gate->rows;
+    job(c, 0, gate, x, T, c->fa_buf, inner);
+    job(c, 1, up, x, T, c->fb_buf, inner);
+    run_mm(c, 2);
+    kern_swiglu(c->fa_buf, c->fb_buf, (size_t)T * inner);
+    job(c, 0, down, c->fa_buf, T, out, c->d.hidden);
+    run_mm(c, 1);
+}
+
+/* Pick experts for one token. s: sigmoid scores [E]; bias may be NULL.
+ * Selection uses s + bias (and the group limit); weights use s alone
+ * (project decision, spec §10 Q1). Ties go to the lower expert index. */
+static void route_token(const eng_config *cfg, const float *s, const float *bias, int32_t *sel,
+                        float *selw) {
+    const int E = cfg->num_experts, k = cfg->num_experts_per_token;
+    const int G = cfg->use_grouped_topk && cfg->num_expert_group > 1 ? cfg->num_expert_group : 1;
+    const int per_group = E / G;
+    uint64_t group_ok[4] = {0}; /* up to 256 groups */
+    if (G > 1) {
+        /* group score = sum of its two best biased scores; keep topk_group groups */
+        float gscore[256];
+        for (int g = 0; g < G && g < 256; g++) {
+            float b1 = -INFINITY, b2 = -INFINITY;
+            for (int e = g * per_group; e < (g + 1) * per_group; e++) {
+                float v = s[e] + (bias ? bias[e] : 0.0f);
+                if (v > b1) {
+                    b2 = b1;
+                    b1 = v;
+                } else if (v > b2) {
+                    b2 = v;
+                }
+            }
+            gscore[g] = b1 + (per_group > 1 ? b2 : 0.0f);
+        }
+        for (int n = 0; n < cfg->topk_group && n < G; n++) {
+            int best = -1;
+            for (int g = 0; g < G && g < 256; g++)
+                if (!(group_ok[g / 64] >> (g % 64) & 1) && (best < 0 || gscore[g] > gscore[best]))
+                    best = g;
+            if (best >= 0) group_ok[best / 64] |= 1ull << (best % 64);
+        }
+    }
+    for (int n = 0; n < k; n++) {
+        int best = -1;
+        float bv = -INFINITY;
+        for (int e = 0; e < E; e++) {
+            int g = e / per_group;
+            if (G > 1 && !(group_ok[g / 64] >> (g % 64) & 1)) continue;
+            int taken = 0;
+            for (int m = 0; m < n; m++) taken |= sel[m] == e;
+            if (taken) continue;
+            float v = s[e] + (bias ? bias[e] : 0.0f);
+            if (best < 0 || v > bv) {
+                best = e;
+                bv = v;
+            }
+        }
+        sel[n] = best;
+    }
+    double sum = 0.0;
+    for (int n = 0; n < k; n++) sum += s[sel[n]];
+    for (int n = 0; n < k; n++) {
+        float wgt = s[sel[n]];
+        if (cfg->moe_renormalize && sum > 0.0) wgt = (float)(wgt / sum);
+        selw[n] = wgt * cfg->routed_scaling_factor;
+    }
+}
+
+static void moe_ffn(eng_ctx *c, const eng_ffn_weights *f, int T) {
+    const eng_config *cfg = &c->m->cfg;
+    const int E = cfg->num_experts, k = cfg->num_experts_per_token, hid = c->d.hidden;
+    job(c, 0, &f->router, c->xn, T, c->router, E);
+    run_mm(c, 1);
+    memset(c->exp_off, 0, (size_t)(E + 1) * sizeof(int32_t));
+    for (int t = 0; t < T; t++) {
+        float *sc = c->router + (size_t)t * E;
+        for (int e = 0; e < E; e++) sc[e] = kern_sigmoid(sc[e]);
+        route_token(cfg, sc, f->router_bias, c->sel + (size_t)t * k, c->selw + (size_t)t * k);
+        for (int n = 0; n < k; n++) c->exp_off[c->sel[t * k + n] + 1]++;
+    }
+    for (int e = 0; e < E; e++) c->exp_off[e + 1] += c->exp_off[e];
+    /* Gather each expert's tokens into a contiguous block of xg. */
+    int32_t *fill = c->exp_fill;
+    memcpy(fill, c->exp_off, (size_t)E * sizeof(int32_t));
+    for (int t = 0; t < T; t++)
+        for (int n = 0; n < k; n++) {
+            int row = fill[c->sel[t * k + n]]++;
+            c->row_of[t * k + n] = row;
+            memcpy(c->xg + (size_t)row * hid, c->xn + (size_t)t * hid, (size_t)hid * sizeof(float));
+        }
+    const int inner = cfg->moe_intermediate_size;
+    /* Up projections of all active experts (and the shared expert) in as few
+     * dispatches as the job table allows. */
+    int nj = 0;
+    for (int e = 0; e < E; e++) {
+        int n_e = c->exp_off[e + 1] - c->exp_off[e];
+        if (n_e == 0) continue;
+        if (nj + 2 > MAX_MM_JOBS) {
+            run_mm(c, nj);
+            nj = 0;
+        }
+        size_t off = (size_t)c->exp_off[e];
+        job(c, nj++, &f->w1[e], c->xg + off * hid, n_e, c->fa_buf + off * inner, inner);
+        job(c, nj++, &f->w3[e], c->xg + off * hid, n_e, c->fb_buf + off * inner, inner);
+    }
+    if (nj) run_mm(c, nj);
+    kern_swiglu(c->fa_buf, c->fb_buf, (size_t)T * k * inner);
+    nj = 0;
+    for (int e = 0; e < E; e++) {
+        int n_e = c->exp_off[e + 1] - c->exp_off[e];
+        if (n_e == 0) continue;
+        if (nj + 1 > MAX_MM_JOBS) {
+            run_mm(c, nj);
+            nj = 0;
+        }
+        size_t off = (size_t)c->exp_off[e];
+        job(c, nj++, &f->w2[e], c->fa_buf + off * inner, n_e, c->yg + off * hid, hid);
+    }
+    if (nj) run_mm(c, nj);
+    /* Routed sum in selection order (the same order for prefill and decode). */
+    for (int t = 0; t < T; t++) {
+        float *out = c->mix + (size_t)t * hid;
+        memset(out, 0, (size_t)hid * sizeof(float));
+        for (int n = 0; n < k; n++) {
+            const float wgt = c->selw[t * k + n];
+            const float *y = c->yg + (size_t)c->row_of[t * k + n] * hid;
+            for (int i = 0; i < hid; i++) out[i] += wgt * y[i];
+        }
+    }
+    if (f->sh_gate.rows > 0) {
+        dense_ffn(c, &f->sh_gate, &f->sh_up, &f->sh_down, c->xn, T, c->shared_out);
+        for (size_t i = 0; i < (size_t)T * hid; i++) c->mix[i] += c->shared_out[i];
+    }
+}
+
+/* ------------------------------------------------------------------------ */
+/* Whole model                                                               */
+
+static kds_status check_ids(const eng_ctx *c, const int32_t *ids, int64_t n, kds_err *err) {
+    for (int64_t i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= c->d.vocab)
+            return kds_err_set(err, KDS_INVALID_ARG,
+                               "token id %d at position %lld is outside the vocabulary [0, %d)",
+                               ids[i], (long long)i, c->d.vocab);
+    return KDS_OK;
+}
+
+/* Grow per-thread score rows to hold `n_ctx` positions. */
+static kds_status reserve_scores(eng_ctx *c, int64_t n_ctx, kds_err *err) {
+    if (c->d.n_mla == 0) return KDS_OK;
+    for (int i = 0; i < c->n_threads; i++) {
+        thread_scratch *ts = &c->ts[i];
+        if (ts->scores_cap >= n_ctx) continue;
+        int64_t cap = ts->scores_cap ? ts->scores_cap : 256;
+        while (cap < n_ctx) cap *= 2;
+        float *p = realloc(ts->scores, (size_t)cap * sizeof(float));
+        if (!p) return kds_err_set(err, KDS_NOMEM, "out of memory for attention scores");
+        ts->scores = p;
+        ts->scores_cap = cap;
+    }
+    return KDS_OK;
+}
+
+/* Run T <= max_batch tokens. logits: NULL (only the sequence's last logits)
+ * or [T, vocab]. Inputs are validated by the callers. */
+static void forward(eng_ctx *c, eng_seq *s, const int32_t *ids, int T, int chunked,
+                    float *logits) {
+    const eng_model *m = c->m;
+    const eng_config *cfg = &m->cfg;
+    const int hid = c->d.hidden;
+    const size_t esz = kern_dtype_size(m->embed_tokens.dt);
+    for (int t = 0; t < T; t++)
+        kern_to_f32(m->embed_tokens.dt, (const char *)m->embed_tokens.data + (size_t)ids[t] * hid * esz,
+                    c->x + (size_t)t * hid, (size_t)hid);
+    for (int l = 0; l < cfg->num_hidden_layers; l++) {
+        const eng_layer_weights *L = &m->layers[l];
+        for (int t = 0; t < T; t++)
+            kern_rmsnorm(c->x + (size_t)t * hid, L->input_layernorm, KERN_F32, hid,
+                         cfg->rms_norm_eps, c->xn + (size_t)t * hid);
+        if (L->kind == ENG_LAYER_KDA)
+            kda_layer(c, s, L, c->d.layer_slot[l], T, chunked);
+        else
+            mla_layer(c, s, L, c->d.layer_slot[l], T);
+        for (size_t i = 0; i < (size_t)T * hid; i++) c->x[i] += c->mix[i];
+        for (int t = 0; t < T; t++)
+            kern_rmsnorm(c->x + (size_t)t * hid, L->post_attention_layernorm, KERN_F32, hid,
+                         cfg->rms_norm_eps, c->xn + (size_t)t * hid);
+        if (L->ffn.is_moe)
+            moe_ffn(c, &L->ffn, T);
+        else
+            dense_ffn(c, &L->ffn.gate_proj, &L->ffn.up_proj, &L->ffn.down_proj, c->xn, T, c->mix);
+        for (size_t i = 0; i < (size_t)T * hid; i++) c->x[i] += c->mix[i];
+    }
+    /* Final norm and lm_head: every row when asked, else the last row only. */
+    int first = logits ? 0 : T - 1, n = T - first;
+    for (int t = first; t < T; t++)
+        kern_rmsnorm(c->x + (size_t)t * hid, m->final_norm, KERN_F32, hid, cfg->rms_norm_eps,
+                     c->xn + (size_t)(t - first) * hid);
+    float *dst = logits ? logits : s->logits;
+    job(c, 0, &m->lm_head, c->xn, n, dst, c->d.vocab);
+    run_mm(c, 1);
+    if (logits) memcpy(s->logits, logits + (size_t)(T - 1) * c->d.vocab, (size_t)c->d.vocab * sizeof(float));
+    s->has_logits = 1;
+    for (int t = 0; t < T; t++) eng__seq_push_recent(s, ids[t]);
+    s->pos += T;
+}
+
+kds_status eng_prefill(eng_ctx *c, eng_seq *s, const int32_t *ids, int64_t n, float *logits_all,
+                       eng_progress_fn progress, void *user, kds_err *err) {
+    if (s->model != c->m)
+        return kds_err_set(err, KDS_INVALID_ARG, "sequence and context belong to different models");
+    if (n <= 0) return KDS_OK;
+    kds_status rc = check_ids(c, ids, n, err);
+    if (rc != KDS_OK) return rc;
+    if ((rc = eng__seq_reserve(s, s->pos + n, err)) != KDS_OK) return rc;
+    if ((rc = reserve_scores(c, s->pos + n, err)) != KDS_OK) return rc;
+    for (int64_t done = 0; done < n;) {
+        int T = n - done < c->max_batch ? (int)(n - done) : c->max_batch;
+        forward(c, s, ids + done, T, 1, logits_all ? logits_all + (size_t)done * c->d.vocab : NULL);
+        done += T;
+        if (progress) progress(user, done, n);
+    }
+    return KDS_OK;
+}
+
+kds_status eng_decode(eng_ctx *c, eng_seq *s, int32_t id, kds_err *err) {
+    if (s->model != c->m)
+        return kds_err_set(err, KDS_INVALID_ARG, "sequence and context belong to different models");
+    kds_status rc = check_ids(c, &id, 1, err);
+    if (rc != KDS_OK) return rc;
+    if ((rc = eng__seq_reserve(s, s->pos + 1, err)) != KDS_OK) return rc;
+    if ((rc = reserve_scores(c, s->pos + 1, err)) != KDS_OK) return rc;
+    forward(c, s, &id, 1, 0, NULL);
+    return KDS_OK;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Context lifecycle                                                         */
+
+static int max_cols(const eng_model *m) {
+    int best = m->lm_head.cols;
+    for (int l = 0; l < m->cfg.num_hidden_layers; l++) {
+        const eng_layer_weights *L = &m->layers[l];
+        const eng_weight *ws[] = {&L->kda.o_proj,   &L->kda.f_b_proj,  &L->kda.g_b_proj,
+                                  &L->mla.o_proj,   &L->mla.q_b_proj,  &L->ffn.down_proj,
+                                  &L->ffn.sh_down,  &L->kda.q_proj};
+        for (size_t i = 0; i < sizeof ws / sizeof ws[0]; i++)
+            if (ws[i]->cols > best) best = ws[i]->cols;
+        if (L->ffn.is_moe && L->ffn.w2 && L->ffn.w2[0].cols > best) best = L->ffn.w2[0].cols;
+    }
+    return best;
+}
+
+kds_status eng_ctx_create(const eng_model *m, const eng_ctx_params *p, eng_ctx **out,
+                          kds_err *err) {
+    *out = NULL;
+    eng_ctx_params def = eng_ctx_default_params();
+    if (!p) p = &def;
+    eng_ctx *c = calloc(1, sizeof *c);
+    if (!c) return kds_err_set(err, KDS_NOMEM, "out of memory creating a context");
+    c->m = m;
+    eng__dims(&m->cfg, &c->d);
+    const eng_dims *d = &c->d;
+    const eng_config *cfg = &m->cfg;
+    long online = sysconf(_SC_NPROCESSORS_ONLN);
+    c->n_threads = p->n_threads > 0 ? p->n_threads : (online > 0 ? (int)online : 1);
+    c->max_batch = p->max_batch > 0 ? p->max_batch : def.max_batch;
+    c->kda_chunk = p->kda_chunk > 0 ? p->kda_chunk : def.kda_chunk;
+    c->top_k = cfg->num_experts > 0 ? cfg->num_experts_per_token : 1;
+    c->n_experts = cfg->num_experts;
+    int width = cfg->intermediate_size;
+    if (cfg->num_experts > 0) {
+        if (cfg->moe_intermediate_size > width) width = cfg->moe_intermediate_size;
+        if (cfg->moe_intermediate_size * cfg->num_shared_experts > width)
+            width = cfg->moe_intermediate_size * cfg->num_shared_experts;
+    }
+    c->ffn_width = width;
+    const size_t B = (size_t)c->max_batch, Bk = B * (size_t)c->top_k;
+    int rank = d->K > d->V ? d->K : d->V;
+    for (int l = 0; l < cfg->num_hidden_layers; l++) {
+        if (m->layers[l].kda.f_a_proj.rows > rank) rank = m->layers[l].kda.f_a_proj.rows;
+        if (m->layers[l].kda.g_a_proj.rows > rank) rank = m->layers[l].kda.g_a_proj.rows;
+    }
+    if (cfg->q_lora_rank > rank) rank = cfg->q_lora_rank;
+    size_t o_width = (size_t)d->kda_v;
+    if ((size_t)d->mla_heads * d->dv > o_width && d->n_mla) o_width = (size_t)d->mla_heads * d->dv;
+    int taps = d->W > 1 ? d->W - 1 : 0;
+#define ALLOC(ptr, count)                                             \
+    do {                                                              \
+        (ptr) = calloc((size_t)(count) + 1, sizeof *(ptr));           \
+        if (!(ptr)) goto nomem;                                       \
+    } while (0)
+    ALLOC(c->x, B * d->hidden);
+    ALLOC(c->xn, B * d->hidden);
+    ALLOC(c->mix, B * d->hidden);
+    ALLOC(c->ext, (B + taps) * d->conv_ch);
+    ALLOC(c->q, B * d->kda_qk);
+    ALLOC(c->k, B * d->kda_qk);
+    ALLOC(c->v, B * d->kda_v);
+    ALLOC(c->fa, B * rank);
+    ALLOC(c->ga, B * rank);
+    ALLOC(c->g, B * d->HV * d->K);
+    ALLOC(c->beta, B * d->HV);
+    ALLOC(c->gz, B * d->kda_v);
+    ALLOC(c->o, B * o_width);
+    if (d->n_mla) {
+        ALLOC(c->mq, B * d->mla_heads * (d->dn + d->dr));
+        ALLOC(c->kva, B * d->mla_row);
+    }
+    ALLOC(c->fa_buf, Bk * width);
+    ALLOC(c->fb_buf, Bk * width);
+    ALLOC(c->shared_out, B * d->hidden);
+    if (cfg->num_experts > 0) {
+        ALLOC(c->router, B * cfg->num_experts);
+        ALLOC(c->sel, Bk);
+        ALLOC(c->selw, Bk);
+        ALLOC(c->exp_off, cfg->num_experts + 1);
+        ALLOC(c->exp_fill, cfg->num_experts);
+        ALLOC(c->row_of, Bk);
+        ALLOC(c->xg, Bk * d->hidden);
+        ALLOC(c->yg, Bk * d->hidden);
+    }
+    ALLOC(c->cand_p, d->vocab);
+    ALLOC(c->cand_id, d->vocab);
+    ALLOC(c->ts, c->n_threads);
+    kern_kda_shape sh = {d->H, d->HV, d->K, d->V, 1.0f};
+    for (int i = 0; i < c->n_threads; i++) {
+        ALLOC(c->ts[i].mm, kern_matmul_scratch_floats(max_cols(m)));
+        if (d->n_kda) ALLOC(c->ts[i].kda_ws, kern_kda_chunked_workspace_floats(&sh, c->kda_chunk));
+        if (d->n_mla) {
+            ALLOC(c->ts[i].mla_w, (size_t)(d->dn + d->dv) * d->dc);
+            ALLOC(c->ts[i].mla_vec, 2 * (size_t)d->dc);
+        }
+    }
+#undef ALLOC
+    kds_status rc = eng_pool_create(c->n_threads, &c->pool, err);
+    if (rc != KDS_OK) {
+        eng_ctx_free(c);
+        return rc;
+    }
+    /* The pool parallelises over row blocks; BLAS threads would only fight it. */
+    openblas_set_num_threads(1);
+    *out = c;
+    return KDS_OK;
+nomem:
+    eng_ctx_free(c);
+    return kds_err_set(err, KDS_NOMEM, "out of memory creating a context for %d tokens",
+                       p->max_batch > 0 ? p->max_batch : def.max_batch);
+}
+
+void eng_ctx_free(eng_ctx *c) {
+    if (!c) return;
+    eng_pool_free(c->pool);
+    if (c->ts)
+        for (int i = 0; i < c->n_threads; i++) {
+            free(c->ts[i].mm);
+            free(c->ts[i].kda_ws);
+            free(c->ts[i].mla_w);
+            free(c->ts[i].mla_vec);
+            free(c->ts[i].scores);
+        }
+    float *bufs[] = {c->x,  c->xn, c->mix, c->ext, c->q,  c->k,      c->v,      c->fa,
+                     c->ga, c->g,  c->beta, c->gz, c->o,  c->mq,     c->kva,    c->fa_buf,
+                     c->fb_buf, c->shared_out, c->router, c->selw, c->xg, c->yg, c->cand_p};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
+    free(c->sel);
+    free(c->exp_off);
+    free(c->exp_fill);
+    free(c->row_of);
+    free(c->cand_id);
+    free(c->ts);
+    free(c);
+}
+
+int eng_ctx_threads(const eng_ctx *c) { return c->n_threads; }
+
+/* ------------------------------------------------------------------------ */
+/* Sampling                                                                  */
+
+static uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
+
+/* xoshiro256** step; the state lives in the sequence. */
+static uint64_t rng_next(uint64_t s[4]) {
+    uint64_t r = rotl(s[1] * 5, 7) * 9, t = s[1] << 17;
+    s[2] ^= s[0];
+    s[3] ^= s[1];
+    s[1] ^= s[2];
+    s[0] ^= s[3];
+    s[2] ^= t;
+    s[3] = rotl(s[3], 45);
+    return r;
+}
+
+/* Order candidates by descending logit, ties by ascending id. */
+static void sift_down(float *p, int32_t *id, int n, int i) {
+    for (;;) {
+        int l = 2 * i + 1, r = l + 1, m = i;
+        /* min-heap on (p, -id): the root is the worst kept candidate */
+        if (l < n && (p[l] < p[m] || (p[l] == p[m] && id[l] > id[m]))) m = l;
+        if (r < n && (p[r] < p[m] || (p[r] == p[m] && id[r] > id[m]))) m = r;
+        if (m == i) return;
+        float tp = p[i];
+        p[i] = p[m];
+        p[m] = tp;
+        int32_t ti = id[i];
+        id[i] = id[m];
+        id[m] = ti;
+        i = m;
+    }
+}
+
+kds_status eng_sample(eng_ctx *c, eng_seq *s, const eng_sampler_params *p, int32_t *token,
+                      kds_err *err) {
+    if (!s->has_logits)
+        return kds_err_set(err, KDS_INVALID_ARG, "nothing to sample from: the sequence is empty");
+    const int V = c->d.vocab;
+    float *lp = c->cand_p;
+    int32_t *ids = c->cand_id;
+    memcpy(lp, s->logits, (size_t)V * sizeof(float));
+    if (p->repeat_penalty > 0.0f && p->repeat_penalty != 1.0f) {
+        int n = s->n_recent < ENG_RECENT_TOKENS ? s->n_recent : ENG_RECENT_TOKENS;
+        if (p->repeat_last_n < n) n = p->repeat_last_n > 0 ? p->repeat_last_n : 0;
+        for (int i = 0; i < n; i++) {
+            int32_t id = s->recent[((uint32_t)s->n_recent - 1 - (uint32_t)i) % ENG_RECENT_TOKENS];
+            if (id < 0 || id >= V) continue;
+            /* penalise each distinct token once */
+            int seen = 0;
+            for (int j = 0; j < i; j++)
+                seen |= s->recent[((uint32_t)s->n_recent - 1 - (uint32_t)j) % ENG_RECENT_TOKENS] == id;
+            if (!seen) lp[id] = lp[id] > 0 ? lp[id] / p->repeat_penalty : lp[id] * p->repeat_penalty;
+        }
+    }
+    if (p->temperature <= 0.0f) {
+        int best = 0;
+        for (int i = 1; i < V; i++)
+            if (lp[i] > lp[best]) best = i;
+        *token = best;
+        return KDS_OK;
+    }
+    /* Keep the best k candidates with a bounded min-heap (k = V when off). */
+    int k = p->top_k > 0 && p->top_k < V ? p->top_k : V;
+    int n = 0;
+    for (int i = 0; i < V; i++) {
+        float v = lp[i] / p->temperature;
+        if (n < k) {
+            lp[n] = v; /* safe: n <= i, and lp[i] was read first */
+            ids[n] = i;
+            n++;
+            if (n == k)
+                for (int j = k / 2 - 1; j >= 0; j--) sift_down(lp, ids, k, j);
+        } else if (v > lp[0]) {
+            lp[0] = v;
+            ids[0] = i;
+            sift_down(lp, ids, k, 0);
+        }
+    }
+    if (n < k) {
+        k = n;
+        for (int j = k / 2 - 1; j >= 0; j--) sift_down(lp, ids, k, j);
+    }
+    /* Heap-sort ascending-worst to the end: afterwards lp[0] is the best. */
+    for (int end = k - 1; end > 0; end--) {
+        float tp = lp[0];
+        lp[0] = lp[end];
+        lp[end] = tp;
+        int32_t ti = ids[0];
+        ids[0] = ids[end];
+        ids[end] = ti;
+        sift_down(lp, ids, end, 0);
+    }
+    /* softmax over the sorted candidates */
+    const float mx = lp[0];
+    double sum = 0.0;
+    for (int i = 0; i < k; i++) {
+        lp[i] = expf(lp[i] - mx);
+        sum += lp[i];
+    }
+    int keep = k;
+    if (p->min_p > 0.0f) {
+        float floor_p = p->min_p * lp[0];
+        while (keep > 1 && lp[keep - 1] < floor_p) keep--;
+    }
+    if (p->top_p < 1.0f) {
+        double kept_sum = 0.0;
+        for (int i = 0; i < keep; i++) kept_sum += lp[i];
+        double acc = 0.0;
+        for (int i = 0; i < keep; i++) {
+            acc += lp[i];
+            if (acc >= p->top_p * kept_sum) {
+                keep = i + 1;
+                break;
+            }
+        }
+    }
+    sum = 0.0;
+    for (int i = 0; i < keep; i++) sum += lp[i];
+    double u = (double)(rng_next(s->rng) >> 11) * 0x1.0p-53 * sum, acc = 0.0;
+    int pick = keep - 1;
+    for (int i = 0; i < keep; i++) {
+        acc += lp[i];
+        if (u < acc) {
+            pick = i;
+            break;
+        }
+    }
+    *token = ids[pick];
+    return KDS_OK;
+}

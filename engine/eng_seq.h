@@ -1,0 +1,50 @@
+/*
+ * eng_seq.h - engine-internal layout of one sequence's state (struct eng_seq)
+ * and of its flat byte form. The byte form is documented in docs/formats.md;
+ * keep the two in step.
+ */
+#ifndef ENG_SEQ_H
+#define ENG_SEQ_H
+
+#include "eng_model.h"
+
+#define ENG_STATE_MAGIC "KDSSTATE"
+#define ENG_STATE_VERSION 1u
+#define ENG_STATE_HEADER_BYTES 128u
+#define ENG_RECENT_TOKENS 64
+
+/* Per-layer dimensions derived once from the config. */
+typedef struct eng_dims {
+    int hidden, vocab;
+    int H, HV, K, V, W;          /* KDA heads, value heads, key dim, value dim, conv width */
+    int kda_qk, kda_v;           /* H*K, HV*V */
+    int conv_ch;                 /* 2*H*K + HV*V channels through the short conv */
+    int mla_heads, dn, dr, dv, dc;  /* MLA: heads, nope dim, rope dim, v dim, kv_lora_rank */
+    int mla_row;                 /* dc + dr floats cached per token per MLA layer */
+    int n_kda, n_mla, n_layers;
+    int layer_slot[ENG_MAX_LAYERS]; /* index among KDA (or MLA) layers */
+} eng_dims;
+
+void eng__dims(const eng_config *c, eng_dims *d);
+
+struct eng_seq {
+    const eng_model *model;
+    eng_dims d;
+    int64_t pos;
+    float *kda_state;            /* [n_kda, HV, K, V] */
+    float *conv_tail;            /* [n_kda, W-1, conv_ch], oldest first */
+    float **mla_cache;           /* n_mla pointers, each [mla_cap, dc + dr] */
+    int64_t mla_cap;
+    float *logits;               /* [vocab] */
+    int has_logits;
+    uint64_t rng[4];             /* xoshiro256** */
+    int32_t recent[ENG_RECENT_TOKENS]; /* ring of the last tokens (repetition penalty) */
+    int32_t n_recent;            /* tokens ever pushed, saturating at INT32_MAX */
+};
+
+/* Make room for `tokens` positions in every MLA cache (geometric growth). */
+kds_status eng__seq_reserve(eng_seq *s, int64_t tokens, kds_err *err);
+/* Remember a consumed token (for the repetition penalty). */
+void eng__seq_push_recent(eng_seq *s, int32_t id);
+
+#endif

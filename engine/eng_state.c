@@ -1,0 +1,286 @@
+/*
+ * eng_state.c - sequence objects and their flat byte form.
+ *
+ * Byte form, version 1 (all little-endian; docs/formats.md):
+ *   header  128 bytes: magic "KDSSTATE", u32 version, u32 header bytes,
+ *           u64 position, u32 n_kda, u32 n_mla, u32 H, HV, K, V, W,
+ *           u32 conv_ch, u32 mla_row, u32 vocab, u32 has_logits,
+ *           u32 n_recent, u64 rng[4], zero padding
+ *   kda     n_kda * HV * K * V f32   recurrent states, [layer, hv, k, v]
+ *   conv    n_kda * (W-1) * conv_ch f32  conv tails, oldest first, q|k|v
+ *   logits  vocab f32                 logits after the last token
+ *   recent  64 i32                    ring of recent tokens
+ *   mla     n_mla * position * (dc+dr) f32  latent cache rows [c | k_pe]
+ */
+#include "eng_seq.h"
+
+#include <limits.h>
+#include <stdlib.h>
+#include <string.h>
+
+void eng__dims(const eng_config *c, eng_dims *d) {
+    memset(d, 0, sizeof *d);
+    d->hidden = c->hidden_size;
+    d->vocab = c->vocab_size;
+    d->H = c->kda_num_heads;
+    d->HV = c->kda_num_v_heads ? c->kda_num_v_heads : c->kda_num_heads;
+    d->K = c->kda_head_dim;
+    d->V = c->kda_v_head_dim ? c->kda_v_head_dim : c->kda_head_dim;
+    d->W = c->short_conv_kernel_size;
+    d->kda_qk = d->H * d->K;
+    d->kda_v = d->HV * d->V;
+    d->conv_ch = 2 * d->kda_qk + d->kda_v;
+    d->mla_heads = c->num_attention_heads;
+    d->dn = c->qk_nope_head_dim;
+    d->dr = c->qk_rope_head_dim;
+    d->dv = c->v_head_dim;
+    d->dc = c->kv_lora_rank;
+    d->mla_row = d->dc + d->dr;
+    d->n_layers = c->num_hidden_layers;
+    for (int l = 0; l < c->num_hidden_layers; l++)
+        d->layer_slot[l] = c->layer_kind[l] == ENG_LAYER_KDA ? d->n_kda++ : d->n_mla++;
+}
+
+static size_t kda_floats(const eng_dims *d) { return (size_t)d->n_kda * d->HV * d->K * d->V; }
+static size_t conv_floats(const eng_dims *d) {
+    return (size_t)d->n_kda * (size_t)(d->W > 1 ? d->W - 1 : 0) * d->conv_ch;
+}
+
+eng_state_size eng_config_state_size(const eng_config *c) {
+    eng_dims d;
+    eng__dims(c, &d);
+    eng_state_size s;
+    s.kda_state = kda_floats(&d) * sizeof(float);
+    s.conv_state = conv_floats(&d) * sizeof(float);
+    s.fixed = ENG_STATE_HEADER_BYTES + s.kda_state + s.conv_state +
+              (size_t)d.vocab * sizeof(float) + ENG_RECENT_TOKENS * sizeof(int32_t);
+    s.per_token = (size_t)d.n_mla * d.mla_row * sizeof(float);
+    return s;
+}
+
+static uint64_t splitmix64(uint64_t *x) {
+    uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+void eng_seq_reset(eng_seq *s, uint64_t seed) {
+    s->pos = 0;
+    memset(s->kda_state, 0, kda_floats(&s->d) * sizeof(float));
+    memset(s->conv_tail, 0, conv_floats(&s->d) * sizeof(float));
+    memset(s->logits, 0, (size_t)s->d.vocab * sizeof(float));
+    s->has_logits = 0;
+    uint64_t x = seed;
+    for (int i = 0; i < 4; i++) s->rng[i] = splitmix64(&x);
+    memset(s->recent, 0, sizeof s->recent);
+    s->n_recent = 0;
+}
+
+kds_status eng__seq_reserve(eng_seq *s, int64_t tokens, kds_err *err) {
+    if (s->d.n_mla == 0 || tokens <= s->mla_cap) return KDS_OK;
+    int64_t cap = s->mla_cap ? s->mla_cap : 256;
+    while (cap < tokens) cap *= 2;
+    size_t row = (size_t)s->d.mla_row * sizeof(float);
+    for (int i = 0; i < s->d.n_mla; i++) {
+        float *p = realloc(s->mla_cache[i], (size_t)cap * row);
+        if (!p)
+            return kds_err_set(err, KDS_NOMEM,
+                               "out of memory growing the MLA cache to %lld tokens",
+                               (long long)cap);
+        s->mla_cache[i] = p;
+    }
+    s->mla_cap = cap;
+    return KDS_OK;
+}
+
+void eng__seq_push_recent(eng_seq *s, int32_t id) {
+    s->recent[(uint32_t)s->n_recent % ENG_RECENT_TOKENS] = id;
+    if (s->n_recent < INT32_MAX) s->n_recent++;
+}
+
+kds_status eng_seq_create(const eng_model *m, uint64_t seed, eng_seq **out, kds_err *err) {
+    *out = NULL;
+    eng_seq *s = calloc(1, sizeof *s);
+    if (!s) goto nomem;
+    s->model = m;
+    eng__dims(&m->cfg, &s->d);
+    s->kda_state = malloc(kda_floats(&s->d) * sizeof(float) + 1);
+    s->conv_tail = malloc(conv_floats(&s->d) * sizeof(float) + 1);
+    s->logits = malloc((size_t)s->d.vocab * sizeof(float));
+    s->mla_cache = calloc((size_t)s->d.n_mla + 1, sizeof *s->mla_cache);
+    if (!s->kda_state || !s->conv_tail || !s->logits || !s->mla_cache) goto nomem;
+    eng_seq_reset(s, seed);
+    *out = s;
+    return KDS_OK;
+nomem:
+    eng_seq_free(s);
+    return kds_err_set(err, KDS_NOMEM, "out of memory creating a sequence");
+}
+
+void eng_seq_free(eng_seq *s) {
+    if (!s) return;
+    if (s->mla_cache)
+        for (int i = 0; i < s->d.n_mla; i++) free(s->mla_cache[i]);
+    free(s->mla_cache);
+    free(s->kda_state);
+    free(s->conv_tail);
+    free(s->logits);
+    free(s);
+}
+
+kds_status eng_seq_clone(const eng_seq *s, eng_seq **out, kds_err *err) {
+    eng_seq *c;
+    kds_status rc = eng_seq_create(s->model, 0, &c, err);
+    if (rc != KDS_OK) return rc;
+    if ((rc = eng__seq_reserve(c, s->pos, err)) != KDS_OK) {
+        eng_seq_free(c);
+        return rc;
+    }
+    c->pos = s->pos;
+    memcpy(c->kda_state, s->kda_state, kda_floats(&s->d) * sizeof(float));
+    memcpy(c->conv_tail, s->conv_tail, conv_floats(&s->d) * sizeof(float));
+    memcpy(c->logits, s->logits, (size_t)s->d.vocab * sizeof(float));
+    for (int i = 0; i < s->d.n_mla; i++)
+        memcpy(c->mla_cache[i], s->mla_cache[i], (size_t)s->pos * s->d.mla_row * sizeof(float));
+    c->has_logits = s->has_logits;
+    memcpy(c->rng, s->rng, sizeof c->rng);
+    memcpy(c->recent, s->recent, sizeof c->recent);
+    c->n_recent = s->n_recent;
+    *out = c;
+    return KDS_OK;
+}
+
+int64_t eng_seq_pos(const eng_seq *s) { return s->pos; }
+const float *eng_seq_logits(const eng_seq *s) { return s->has_logits ? s->logits : NULL; }
+
+size_t eng_seq_state_bytes(const eng_seq *s) {
+    eng_state_size z = eng_config_state_size(&s->model->cfg);
+    return z.fixed + z.per_token * (size_t)s->pos;
+}
+
+/* Little-endian field writers/readers: the byte form is LE on every host. */
+static void put32(unsigned char *p, uint32_t v) {
+    for (int i = 0; i < 4; i++) p[i] = (unsigned char)(v >> (8 * i));
+}
+static void put64(unsigned char *p, uint64_t v) {
+    for (int i = 0; i < 8; i++) p[i] = (unsigned char)(v >> (8 * i));
+}
+static uint32_t get32(const unsigned char *p) {
+    uint32_t v = 0;
+    for (int i = 3; i >= 0; i--) v = (v << 8) | p[i];
+    return v;
+}
+static uint64_t get64(const unsigned char *p) {
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; i--) v = (v << 8) | p[i];
+    return v;
+}
+
+/* Header fields after magic, version and header size, in order. */
+enum { HDR_POS = 16, HDR_DIMS = 24, HDR_RNG = 80 };
+
+static void dims_words(const eng_seq *s, uint32_t w[13]) {
+    const eng_dims *d = &s->d;
+    uint32_t v[13] = {(uint32_t)d->n_kda, (uint32_t)d->n_mla, (uint32_t)d->H, (uint32_t)d->HV,
+                      (uint32_t)d->K,     (uint32_t)d->V,     (uint32_t)d->W, (uint32_t)d->conv_ch,
+                      (uint32_t)d->mla_row, (uint32_t)d->vocab, (uint32_t)s->has_logits,
+                      (uint32_t)s->n_recent, 0};
+    memcpy(w, v, sizeof v);
+}
+
+static const char *const DIM_NAMES[] = {"KDA layers", "MLA layers", "KDA heads", "KDA value heads",
+                                        "key dim",    "value dim",  "conv width", "conv channels",
+                                        "MLA row",    "vocab"};
+
+kds_status eng_seq_state_save(const eng_seq *s, void *buf, size_t len, kds_err *err) {
+    size_t need = eng_seq_state_bytes(s);
+    if (len < need)
+        return kds_err_set(err, KDS_TOO_LARGE, "state needs %zu bytes, buffer has %zu", need, len);
+    unsigned char *p = buf;
+    memset(p, 0, ENG_STATE_HEADER_BYTES);
+    memcpy(p, ENG_STATE_MAGIC, 8);
+    put32(p + 8, ENG_STATE_VERSION);
+    put32(p + 12, ENG_STATE_HEADER_BYTES);
+    put64(p + HDR_POS, (uint64_t)s->pos);
+    uint32_t w[13];
+    dims_words(s, w);
+    for (int i = 0; i < 13; i++) put32(p + HDR_DIMS + 4 * i, w[i]);
+    for (int i = 0; i < 4; i++) put64(p + HDR_RNG + 8 * i, s->rng[i]);
+    p += ENG_STATE_HEADER_BYTES;
+    /* Float sections are copied as host bytes: every supported host is
+     * little-endian (checked at configure time). */
+    size_t n = kda_floats(&s->d) * sizeof(float);
+    memcpy(p, s->kda_state, n);
+    p += n;
+    n = conv_floats(&s->d) * sizeof(float);
+    memcpy(p, s->conv_tail, n);
+    p += n;
+    n = (size_t)s->d.vocab * sizeof(float);
+    memcpy(p, s->logits, n);
+    p += n;
+    for (int i = 0; i < ENG_RECENT_TOKENS; i++) put32(p + 4 * i, (uint32_t)s->recent[i]);
+    p += ENG_RECENT_TOKENS * 4;
+    n = (size_t)s->pos * s->d.mla_row * sizeof(float);
+    for (int i = 0; i < s->d.n_mla; i++) {
+        memcpy(p, s->mla_cache[i], n);
+        p += n;
+    }
+    return KDS_OK;
+}
+
+kds_status eng_seq_state_load(eng_seq *s, const void *buf, size_t len, kds_err *err) {
+    const unsigned char *p = buf;
+    if (len < ENG_STATE_HEADER_BYTES || memcmp(p, ENG_STATE_MAGIC, 8) != 0)
+        return kds_err_set(err, KDS_BAD_FORMAT, "not a kdaserve sequence state (bad magic)");
+    uint32_t version = get32(p + 8);
+    if (version != ENG_STATE_VERSION)
+        return kds_err_set(err, KDS_UNSUPPORTED, "sequence state version %u is not supported "
+                           "(this build reads version %u)", version, ENG_STATE_VERSION);
+    if (get32(p + 12) != ENG_STATE_HEADER_BYTES)
+        return kds_err_set(err, KDS_BAD_FORMAT, "sequence state header size %u, expected %u",
+                           get32(p + 12), ENG_STATE_HEADER_BYTES);
+    uint64_t pos = get64(p + HDR_POS);
+    uint32_t want[13];
+    dims_words(s, want);
+    for (int i = 0; i < 10; i++) {
+        uint32_t got = get32(p + HDR_DIMS + 4 * i);
+        if (got != want[i])
+            return kds_err_set(err, KDS_MISMATCH, "state was made by another model: %s %u, "
+                               "this model has %u", DIM_NAMES[i], got, want[i]);
+    }
+    eng_state_size z = eng_config_state_size(&s->model->cfg);
+    if (pos > (uint64_t)INT64_MAX / (z.per_token ? z.per_token : 1) ||
+        len != z.fixed + z.per_token * pos)
+        return kds_err_set(err, KDS_BAD_FORMAT, "state of %zu bytes does not match its position "
+                           "%llu (expected %zu bytes)", len, (unsigned long long)pos,
+                           (size_t)(z.fixed + z.per_token * pos));
+    uint32_t has_logits = get32(p + HDR_DIMS + 40);
+    if (has_logits > 1 || (has_logits == 0) != (pos == 0))
+        return kds_err_set(err, KDS_BAD_FORMAT, "state logits flag %u does not fit position %llu",
+                           has_logits, (unsigned long long)pos);
+    kds_status rc = eng__seq_reserve(s, (int64_t)pos, err);
+    if (rc != KDS_OK) return rc;
+    s->pos = (int64_t)pos;
+    s->has_logits = (int)has_logits;
+    s->n_recent = (int32_t)get32(p + HDR_DIMS + 44);
+    for (int i = 0; i < 4; i++) s->rng[i] = get64(p + HDR_RNG + 8 * i);
+    p += ENG_STATE_HEADER_BYTES;
+    size_t n = kda_floats(&s->d) * sizeof(float);
+    memcpy(s->kda_state, p, n);
+    p += n;
+    n = conv_floats(&s->d) * sizeof(float);
+    memcpy(s->conv_tail, p, n);
+    p += n;
+    n = (size_t)s->d.vocab * sizeof(float);
+    memcpy(s->logits, p, n);
+    p += n;
+    for (int i = 0; i < ENG_RECENT_TOKENS; i++) s->recent[i] = (int32_t)get32(p + 4 * i);
+    p += ENG_RECENT_TOKENS * 4;
+    n = (size_t)pos * s->d.mla_row * sizeof(float);
+    for (int i = 0; i < s->d.n_mla; i++) {
+        memcpy(s->mla_cache[i], p, n);
+        p += n;
+    }
+    return KDS_OK;
+}

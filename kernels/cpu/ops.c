@@ -1,0 +1,231 @@
+/*
+ * ops.c - CPU reference kernels: dtype conversion, dense products, norms and
+ * activations (contracts in kernels/kern.h).
+ *
+ * Dense products have two paths. Decode-sized batches (few tokens) are
+ * memory-bound: they stream each weight row once from the mmap in its stored
+ * dtype and dot it with every token, 16 lanes at a time. Prefill-sized
+ * batches are compute-bound: row blocks of W are widened to float32 in the
+ * caller's scratch and handed to BLAS (sgemm), or F32 weights go straight to
+ * BLAS. The SIMD paths are chosen at compile time (-march=native); the
+ * scalar loops are the portable fallback and the readable specification.
+ */
+#include "kern.h"
+
+#include <cblas.h>
+#include <math.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define KERN_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define KERN_AVX2 1
+#endif
+
+size_t kern_dtype_size(kern_dtype dt) { return dt == KERN_F32 ? 4 : 2; }
+
+float kern_bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+uint16_t kern_f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);                                         /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+float kern_f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu;
+    uint32_t man = h & 0x3ffu;
+    uint32_t u;
+    if (exp == 0) {
+        if (man == 0) {
+            u = sign;
+        } else { /* subnormal: renormalise */
+            int e = -1;
+            do {
+                e++;
+                man <<= 1;
+            } while (!(man & 0x400u));
+            u = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ffu) << 13);
+        }
+    } else if (exp == 31) {
+        u = sign | 0x7f800000u | (man << 13);
+    } else {
+        u = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+uint16_t kern_f32_to_f16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    uint32_t sign = (u >> 16) & 0x8000u;
+    int32_t exp = (int32_t)((u >> 23) & 0xff) - 127 + 15;
+    uint32_t man = u & 0x7fffffu;
+    if (((u >> 23) & 0xff) == 0xff) return (uint16_t)(sign | 0x7c00u | (man ? 0x200u : 0));
+    if (exp >= 31) return (uint16_t)(sign | 0x7c00u);
+    if (exp <= 0) {
+        if (exp < -10) return (uint16_t)sign;
+        man |= 0x800000u;
+        uint32_t shift = (uint32_t)(14 - exp);
+        uint32_t half = 1u << (shift - 1);
+        uint32_t r = man >> shift;
+        uint32_t rem = man & ((1u << shift) - 1);
+        if (rem > half || (rem == half && (r & 1u))) r++;
+        return (uint16_t)(sign | r);
+    }
+    uint32_t r = (uint32_t)exp << 10 | (man >> 13);
+    uint32_t rem = man & 0x1fffu;
+    if (rem > 0x1000u || (rem == 0x1000u && (r & 1u))) r++;
+    return (uint16_t)(sign | r);
+}
+
+void kern_to_f32(kern_dtype dt, const void *src, float *dst, size_t n) {
+    size_t i = 0;
+    if (dt == KERN_F32) {
+        memcpy(dst, src, n * sizeof(float));
+        return;
+    }
+    const uint16_t *s = src;
+    if (dt == KERN_BF16) {
+#if KERN_AVX512
+        for (; i + 16 <= n; i += 16) {
+            __m256i h = _mm256_loadu_si256((const __m256i *)(s + i));
+            __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+            _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(w));
+        }
+#endif
+        for (; i < n; i++) dst[i] = kern_bf16_to_f32(s[i]);
+    } else {
+#if KERN_AVX512
+        for (; i + 16 <= n; i += 16)
+            _mm512_storeu_ps(dst + i,
+                             _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + i))));
+#endif
+        for (; i < n; i++) dst[i] = kern_f16_to_f32(s[i]);
+    }
+}
+
+/* ------------------------------------------------------------------------ */
+/* Dot products of one weight row with up to DOT_TOKENS activation rows.     */
+
+#define DOT_TOKENS 4
+
+#if KERN_AVX512
+static inline __m512 load16(kern_dtype dt, const void *row, int i) {
+    if (dt == KERN_F32) return _mm512_loadu_ps((const float *)row + i);
+    __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i));
+    if (dt == KERN_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);
+}
+#endif
+
+static inline float load1(kern_dtype dt, const void *row, int i) {
+    if (dt == KERN_F32) return ((const float *)row)[i];
+    if (dt == KERN_BF16) return kern_bf16_to_f32(((const uint16_t *)row)[i]);
+    return kern_f16_to_f32(((const uint16_t *)row)[i]);
+}
+
+/* out[t] = row . x[t*ldx ...] for t < nt (nt <= DOT_TOKENS). */
+static void dot_row(kern_dtype dt, const void *row, int in, const float *x, int ldx, int nt,
+                    float *out) {
+    int i = 0;
+    float acc[DOT_TOKENS] = {0};
+#if KERN_AVX512
+    __m512 a[DOT_TOKENS];
+    for (int t = 0; t < DOT_TOKENS; t++) a[t] = _mm512_setzero_ps();
+    for (; i + 16 <= in; i += 16) {
+        __m512 w = load16(dt, row, i);
+        for (int t = 0; t < nt; t++) a[t] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + (size_t)t * ldx + i), a[t]);
+    }
+    for (int t = 0; t < nt; t++) acc[t] = _mm512_reduce_add_ps(a[t]);
+#endif
+    for (; i < in; i++) {
+        float w = load1(dt, row, i);
+        for (int t = 0; t < nt; t++) acc[t] += w * x[(size_t)t * ldx + i];
+    }
+    for (int t = 0; t < nt; t++) out[t] = acc[t];
+}
+
+size_t kern_matmul_scratch_floats(int in) { return (size_t)128 * (size_t)in; }
+
+/* Below this many tokens the direct (streaming) path wins over widen+sgemm. */
+#define MATMUL_BLAS_MIN_T 8
+
+void kern_matmul(kern_dtype dt, const void *W, int in, const float *x, int T, float *y, int ldy,
+                 int r0, int r1, float *scratch) {
+    if (r1 <= r0 || T <= 0) return;
+    size_t esz = kern_dtype_size(dt);
+    if (T >= MATMUL_BLAS_MIN_T && (dt == KERN_F32 || scratch)) {
+        if (dt == KERN_F32) {
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, r1 - r0, in, 1.0f, x, in,
+                        (const float *)W + (size_t)r0 * in, in, 0.0f, y + r0, ldy);
+            return;
+        }
+        for (int rb = r0; rb < r1; rb += 128) {
+            int nr = r1 - rb < 128 ? r1 - rb : 128;
+            kern_to_f32(dt, (const char *)W + (size_t)rb * in * esz, scratch, (size_t)nr * in);
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, nr, in, 1.0f, x, in, scratch,
+                        in, 0.0f, y + rb, ldy);
+        }
+        return;
+    }
+    float out[DOT_TOKENS];
+    for (int t0 = 0; t0 < T; t0 += DOT_TOKENS) {
+        int nt = T - t0 < DOT_TOKENS ? T - t0 : DOT_TOKENS;
+        for (int r = r0; r < r1; r++) {
+            dot_row(dt, (const char *)W + (size_t)r * in * esz, in, x + (size_t)t0 * in, in, nt,
+                    out);
+            for (int t = 0; t < nt; t++) y[(size_t)(t0 + t) * ldy + r] = out[t];
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------ */
+
+void kern_rmsnorm(const float *x, const void *w, kern_dtype dt, int n, float eps, float *y) {
+    double ss = 0.0; /* double: the sum of squares of thousands of values */
+    for (int i = 0; i < n; i++) ss += (double)x[i] * x[i];
+    float r = (float)(1.0 / sqrt(ss / n + eps));
+    if (!w) {
+        for (int i = 0; i < n; i++) y[i] = x[i] * r;
+    } else if (dt == KERN_F32) {
+        const float *wf = w;
+        for (int i = 0; i < n; i++) y[i] = x[i] * r * wf[i];
+    } else {
+        for (int i = 0; i < n; i++) y[i] = x[i] * r * load1(dt, w, i);
+    }
+}
+
+void kern_l2norm(float *x, int n_vecs, int dim, float eps) {
+    for (int v = 0; v < n_vecs; v++) {
+        float *p = x + (size_t)v * dim;
+        double ss = 0.0;
+        for (int i = 0; i < dim; i++) ss += (double)p[i] * p[i];
+        float r = (float)(1.0 / sqrt(ss + eps));
+        for (int i = 0; i < dim; i++) p[i] *= r;
+    }
+}
+
+float kern_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+float kern_softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+
+void kern_silu(float *x, size_t n) {
+    for (size_t i = 0; i < n; i++) x[i] = x[i] / (1.0f + expf(-x[i]));
+}
+
+void kern_swiglu(float *a, const float *b, size_t n) {
+    for (size_t i = 0; i < n; i++) a[i] = a[i] / (1.0f + expf(-a[i])) * b[i];
+}
