@@ -1,0 +1,268 @@
+/*
+ * Engine behaviour beyond the golden logits: the sequence state's byte form
+ * (exact round trip, refusals that leave the sequence untouched), token-id
+ * checks, the sampler's determinism and its RNG living in the state, and
+ * forks being independent. Uses the golden micro checkpoints as small real
+ * models.
+ */
+#include <criterion/criterion.h>
+
+#include "eng.h"
+#include "eng_config.h"
+#include "test_helpers.h"
+
+#define HYBRID GOLDEN_ROOT "/model/micro-hybrid"
+#define PURE GOLDEN_ROOT "/model/micro-kda"
+
+typedef struct fixture {
+    eng_model *m;
+    eng_ctx *c;
+    int vocab;
+} fixture;
+
+static fixture open_model(const char *dir) {
+    fixture f = {0};
+    kds_err err = {0};
+    eng_model_params mp = eng_model_default_params();
+    mp.no_fingerprint_cache = true;
+    cr_assert_eq(eng_model_load(dir, &mp, &f.m, &err), KDS_OK, "%s", err.msg);
+    eng_ctx_params cp = eng_ctx_default_params();
+    cp.max_batch = 32;
+    cr_assert_eq(eng_ctx_create(f.m, &cp, &f.c, &err), KDS_OK, "%s", err.msg);
+    f.vocab = eng_model_config(f.m)->vocab_size;
+    return f;
+}
+
+static void close_model(fixture *f) {
+    eng_ctx_free(f->c);
+    eng_model_free(f->m);
+}
+
+static void prompt(int32_t *ids, int n, int vocab, uint32_t seed) {
+    for (int i = 0; i < n; i++) {
+        seed = seed * 1664525u + 1013904223u;
+        ids[i] = (int32_t)(seed >> 8) % vocab;
+    }
+}
+
+/* Feed `n` sampled tokens; record tokens and last logits. */
+static void run_tokens(fixture *f, eng_seq *s, const eng_sampler_params *sp, int n, int32_t *toks,
+                       float *last_logits) {
+    kds_err err = {0};
+    for (int i = 0; i < n; i++) {
+        cr_assert_eq(eng_sample(f->c, s, sp, &toks[i], &err), KDS_OK, "%s", err.msg);
+        cr_assert_eq(eng_decode(f->c, s, toks[i], &err), KDS_OK, "%s", err.msg);
+    }
+    if (last_logits) memcpy(last_logits, eng_seq_logits(s), (size_t)f->vocab * sizeof(float));
+}
+
+static void resume_is_exact(const char *dir, float temperature) {
+    fixture f = open_model(dir);
+    kds_err err = {0};
+    int32_t ids[40];
+    prompt(ids, 40, f.vocab, 7);
+    eng_sampler_params sp = eng_sampler_default_params();
+    sp.temperature = temperature;
+    /* One go: prompt, then 12 tokens. */
+    eng_seq *a = NULL;
+    cr_assert_eq(eng_seq_create(f.m, 42, &a, &err), KDS_OK);
+    cr_assert_eq(eng_prefill(f.c, a, ids, 40, NULL, NULL, NULL, &err), KDS_OK, "%s", err.msg);
+    int32_t one[12], two[12];
+    float *la = malloc((size_t)f.vocab * sizeof(float)), *lb = malloc((size_t)f.vocab * sizeof(float));
+    run_tokens(&f, a, &sp, 12, one, la);
+    /* Split: prompt, 5 tokens, save, load into a fresh sequence, 7 more. */
+    eng_seq *b = NULL, *r = NULL;
+    cr_assert_eq(eng_seq_create(f.m, 42, &b, &err), KDS_OK);
+    cr_assert_eq(eng_prefill(f.c, b, ids, 40, NULL, NULL, NULL, &err), KDS_OK);
+    run_tokens(&f, b, &sp, 5, two, NULL);
+    size_t n = eng_seq_state_bytes(b);
+    eng_state_size z = eng_config_state_size(eng_model_config(f.m));
+    cr_assert_eq(n, z.fixed + z.per_token * (size_t)eng_seq_pos(b));
+    void *buf = malloc(n);
+    cr_assert_eq(eng_seq_state_save(b, buf, n, &err), KDS_OK, "%s", err.msg);
+    eng_seq_free(b);
+    cr_assert_eq(eng_seq_create(f.m, 999, &r, &err), KDS_OK); /* seed is overwritten by load */
+    cr_assert_eq(eng_seq_state_load(r, buf, n, &err), KDS_OK, "%s", err.msg);
+    cr_assert_eq(eng_seq_pos(r), 45);
+    run_tokens(&f, r, &sp, 7, two + 5, lb);
+    cr_assert_arr_eq(one, two, sizeof one, "tokens differ after resume");
+    cr_assert_arr_eq(la, lb, (size_t)f.vocab * sizeof(float), "logits differ after resume");
+    free(buf);
+    free(la);
+    free(lb);
+    eng_seq_free(a);
+    eng_seq_free(r);
+    close_model(&f);
+}
+
+Test(engine, resume_exact_greedy_hybrid) { resume_is_exact(HYBRID, 0.0f); }
+Test(engine, resume_exact_sampled_hybrid) { resume_is_exact(HYBRID, 1.0f); }
+Test(engine, resume_exact_greedy_pure) { resume_is_exact(PURE, 0.0f); }
+Test(engine, resume_exact_sampled_pure) { resume_is_exact(PURE, 0.9f); }
+
+Test(engine, state_refusals_leave_sequence_alone) {
+    fixture f = open_model(HYBRID), g = open_model(PURE);
+    kds_err err = {0};
+    int32_t ids[10];
+    prompt(ids, 10, f.vocab, 3);
+    eng_seq *s = NULL, *t = NULL;
+    cr_assert_eq(eng_seq_create(f.m, 1, &s, &err), KDS_OK);
+    cr_assert_eq(eng_prefill(f.c, s, ids, 10, NULL, NULL, NULL, &err), KDS_OK);
+    size_t n = eng_seq_state_bytes(s);
+    unsigned char *good = malloc(n), *bad = malloc(n);
+    cr_assert_eq(eng_seq_state_save(s, good, n, &err), KDS_OK);
+    cr_assert_eq(eng_seq_create(f.m, 1, &t, &err), KDS_OK);
+
+    memcpy(bad, good, n);
+    bad[0] ^= 0xff;
+    cr_expect_eq(eng_seq_state_load(t, bad, n, &err), KDS_BAD_FORMAT);
+    cr_expect(strstr(err.msg, "magic"), "message: %s", err.msg);
+    memcpy(bad, good, n);
+    bad[8] = 99; /* version */
+    cr_expect_eq(eng_seq_state_load(t, bad, n, &err), KDS_UNSUPPORTED);
+    cr_expect(strstr(err.msg, "version 99"), "message: %s", err.msg);
+    cr_expect_eq(eng_seq_state_load(t, good, n - 1, &err), KDS_BAD_FORMAT, "truncated");
+    cr_expect_eq(eng_seq_state_load(t, good, 20, &err), KDS_BAD_FORMAT, "header cut");
+    memcpy(bad, good, n);
+    bad[16] ^= 1; /* position no longer matches the length */
+    cr_expect_eq(eng_seq_state_load(t, bad, n, &err), KDS_BAD_FORMAT);
+    cr_expect_eq(eng_seq_pos(t), 0, "a refused load must not change the sequence");
+
+    /* A state of another model is refused by the receiving model. */
+    eng_seq *u = NULL;
+    cr_assert_eq(eng_seq_create(g.m, 1, &u, &err), KDS_OK);
+    cr_expect_eq(eng_seq_state_load(u, good, n, &err), KDS_MISMATCH);
+    cr_expect(strstr(err.msg, "another model"), "message: %s", err.msg);
+    cr_expect_eq(eng_seq_pos(u), 0);
+
+    cr_expect_eq(eng_seq_state_load(t, good, n, &err), KDS_OK, "%s", err.msg);
+    cr_expect_eq(eng_seq_pos(t), 10);
+    free(good);
+    free(bad);
+    eng_seq_free(s);
+    eng_seq_free(t);
+    eng_seq_free(u);
+    close_model(&f);
+    close_model(&g);
+}
+
+Test(engine, token_ids_out_of_range_are_refused) {
+    fixture f = open_model(PURE);
+    kds_err err = {0};
+    eng_seq *s = NULL;
+    cr_assert_eq(eng_seq_create(f.m, 1, &s, &err), KDS_OK);
+    int32_t ids[3] = {1, f.vocab, 2};
+    cr_expect_eq(eng_prefill(f.c, s, ids, 3, NULL, NULL, NULL, &err), KDS_INVALID_ARG);
+    cr_expect(strstr(err.msg, "outside the vocabulary"), "message: %s", err.msg);
+    cr_expect_eq(eng_seq_pos(s), 0);
+    cr_expect_eq(eng_decode(f.c, s, -5, &err), KDS_INVALID_ARG);
+    cr_expect_eq(eng_seq_pos(s), 0);
+    int32_t tok;
+    cr_expect_eq(eng_sample(f.c, s, &(eng_sampler_params){.temperature = 0}, &tok, &err),
+                 KDS_INVALID_ARG, "sampling an empty sequence");
+    eng_seq_free(s);
+    close_model(&f);
+}
+
+Test(engine, sampler_seeds_and_filters) {
+    fixture f = open_model(HYBRID);
+    kds_err err = {0};
+    int32_t ids[8];
+    prompt(ids, 8, f.vocab, 11);
+    eng_seq *s = NULL;
+    cr_assert_eq(eng_seq_create(f.m, 5, &s, &err), KDS_OK);
+    cr_assert_eq(eng_prefill(f.c, s, ids, 8, NULL, NULL, NULL, &err), KDS_OK);
+    const float *lg = eng_seq_logits(s);
+    int best = 0;
+    for (int i = 1; i < f.vocab; i++)
+        if (lg[i] > lg[best]) best = i;
+    int32_t tok;
+    eng_sampler_params sp = eng_sampler_default_params();
+    sp.temperature = 0.0f;
+    cr_assert_eq(eng_sample(f.c, s, &sp, &tok, &err), KDS_OK);
+    cr_expect_eq(tok, best, "temperature 0 is argmax");
+    sp.temperature = 1.5f;
+    sp.top_k = 1;
+    cr_assert_eq(eng_sample(f.c, s, &sp, &tok, &err), KDS_OK);
+    cr_expect_eq(tok, best, "top-k 1 is argmax");
+    /* min-p 1 keeps only the best token too. */
+    sp.top_k = 0;
+    sp.top_p = 1.0f;
+    sp.min_p = 1.0f;
+    cr_assert_eq(eng_sample(f.c, s, &sp, &tok, &err), KDS_OK);
+    cr_expect_eq(tok, best, "min-p 1 is argmax");
+    /* Same seed, same draws; the draws spread over several tokens. */
+    sp = eng_sampler_default_params();
+    sp.temperature = 2.0f;
+    sp.top_k = 0;
+    sp.top_p = 1.0f;
+    sp.min_p = 0.0f;
+    int32_t a[64], b[64];
+    eng_seq_reset(s, 77);
+    cr_assert_eq(eng_prefill(f.c, s, ids, 8, NULL, NULL, NULL, &err), KDS_OK);
+    for (int i = 0; i < 64; i++) eng_sample(f.c, s, &sp, &a[i], &err);
+    eng_seq_reset(s, 77);
+    cr_assert_eq(eng_prefill(f.c, s, ids, 8, NULL, NULL, NULL, &err), KDS_OK);
+    for (int i = 0; i < 64; i++) eng_sample(f.c, s, &sp, &b[i], &err);
+    cr_expect_arr_eq(a, b, sizeof a, "same seed must give the same draws");
+    int distinct = 0;
+    for (int i = 0; i < 64; i++) {
+        int seen = 0;
+        for (int j = 0; j < i; j++) seen |= a[j] == a[i];
+        distinct += !seen;
+    }
+    cr_expect_gt(distinct, 3, "hot sampling should not be stuck on one token");
+    eng_seq_free(s);
+    close_model(&f);
+}
+
+Test(engine, forks_are_independent) {
+    fixture f = open_model(HYBRID);
+    kds_err err = {0};
+    int32_t ids[12];
+    prompt(ids, 12, f.vocab, 5);
+    eng_seq *p = NULL, *a = NULL, *b = NULL;
+    cr_assert_eq(eng_seq_create(f.m, 3, &p, &err), KDS_OK);
+    cr_assert_eq(eng_prefill(f.c, p, ids, 12, NULL, NULL, NULL, &err), KDS_OK);
+    size_t n = eng_seq_state_bytes(p);
+    void *before = malloc(n), *after = malloc(n);
+    eng_seq_state_save(p, before, n, &err);
+    cr_assert_eq(eng_seq_clone(p, &a, &err), KDS_OK);
+    cr_assert_eq(eng_seq_clone(p, &b, &err), KDS_OK);
+    cr_assert_eq(eng_decode(f.c, a, 1, &err), KDS_OK);
+    cr_assert_eq(eng_decode(f.c, b, 2, &err), KDS_OK);
+    cr_expect_neq(memcmp(eng_seq_logits(a), eng_seq_logits(b), (size_t)f.vocab * sizeof(float)), 0,
+                  "forks fed different tokens must diverge");
+    eng_seq_state_save(p, after, n, &err);
+    cr_expect_eq(memcmp(before, after, n), 0, "the parent must not change");
+    free(before);
+    free(after);
+    eng_seq_free(p);
+    eng_seq_free(a);
+    eng_seq_free(b);
+    close_model(&f);
+}
+
+Test(engine, one_thread_matches_many) {
+    fixture f = open_model(HYBRID);
+    kds_err err = {0};
+    eng_ctx_params cp = eng_ctx_default_params();
+    cp.n_threads = 1;
+    eng_ctx *c1 = NULL;
+    cr_assert_eq(eng_ctx_create(f.m, &cp, &c1, &err), KDS_OK);
+    int32_t ids[30];
+    prompt(ids, 30, f.vocab, 9);
+    float *x = malloc(30 * (size_t)f.vocab * sizeof(float)), *y = malloc(30 * (size_t)f.vocab * sizeof(float));
+    eng_seq *s = NULL;
+    cr_assert_eq(eng_seq_create(f.m, 0, &s, &err), KDS_OK);
+    cr_assert_eq(eng_prefill(c1, s, ids, 30, x, NULL, NULL, &err), KDS_OK);
+    eng_seq_reset(s, 0);
+    cr_assert_eq(eng_prefill(f.c, s, ids, 30, y, NULL, NULL, &err), KDS_OK);
+    double ref, d = th_max_abs_diff(x, y, 30 * (size_t)f.vocab, &ref);
+    cr_expect_leq(d, 1e-5 * ref, "threads change logits by %g", d);
+    free(x);
+    free(y);
+    eng_seq_free(s);
+    eng_ctx_free(c1);
+    close_model(&f);
+}
