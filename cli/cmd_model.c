@@ -68,7 +68,9 @@ int cmd_gen_model(int argc, char **argv) {
                            : eng_config_load(config, &cfg, &err);
     if (st != KDS_OK) return cli_fail("gen-model", &err);
     if (dry) {
-        eng_genmodel_describe(&cfg, dt, stdout);
+        snprintf(cfg.torch_dtype, sizeof cfg.torch_dtype, "%s",
+                 dt == KERN_BF16 ? "bfloat16" : dt == KERN_F16 ? "float16" : "float32");
+        eng_genmodel_describe(&cfg, stdout);
         return 0;
     }
     if (!out) return cli_failf("gen-model", "--out DIR is required (or use --dry-run)");
@@ -115,7 +117,7 @@ int cmd_info(int argc, char **argv) {
         printf(" %s%s", cfg->layer_kind[l] == ENG_LAYER_KDA ? "KDA" : "MLA",
                cfg->layer_is_moe[l] ? "+MoE" : "+MLP");
     printf("\n");
-    eng_genmodel_describe(cfg, KERN_BF16, stdout);
+    eng_genmodel_describe(cfg, stdout);
     eng_model_free(m);
     return 0;
 }
