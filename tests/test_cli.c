@@ -1,0 +1,139 @@
+/*
+ * The kdaserve program end to end, as a user runs it: generated tiny and
+ * tiny-hybrid models, `logits` on the prefill path against `logits --decode`
+ * (must agree to 1e-4 of the largest logit), `generate` determinism, and
+ * clean refusals (non-zero exit, one clear line) for bad arguments and
+ * missing models.
+ */
+#include <criterion/criterion.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "eng_safetensors.h"
+#include "test_helpers.h"
+
+#define KDASERVE KDS_BINARY_DIR "/kdaserve"
+
+static char tmpdir[256];
+
+static void make_tmp(void) {
+    snprintf(tmpdir, sizeof tmpdir, "/tmp/kds_cli_XXXXXX");
+    cr_assert(mkdtemp(tmpdir), "mkdtemp");
+}
+
+static void rm_tmp(void) {
+    char cmd[512];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmpdir);
+    th_system(cmd);
+}
+
+/* Run a shell command, capture stdout+stderr into out (cap bytes). */
+static int run(char *out, size_t cap, const char *fmt, ...) {
+    char cmd[4096];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(cmd, sizeof cmd, fmt, ap);
+    va_end(ap);
+    FILE *p = popen(cmd, "r");
+    cr_assert(p, "popen %s", cmd);
+    size_t n = out ? fread(out, 1, cap - 1, p) : 0;
+    if (out) out[n] = '\0';
+    else {
+        char sink[4096];
+        while (fread(sink, 1, sizeof sink, p) > 0) {}
+    }
+    int st = pclose(p);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+static void compare_paths(const char *preset) {
+    make_tmp();
+    char out[8192];
+    cr_assert_eq(run(out, sizeof out, KDASERVE " gen-model --preset %s --seed 3 --out %s/m 2>&1",
+                     preset, tmpdir), 0, "%s", out);
+    const char *ids = "1,5,9,200,17,3,3,3,44,100,7,8,250,251,2,9,9,1,0,11,12,13,14,15,16,17,18,"
+                      "19,20,21,22,23,24,25,26,27,28,29,30,31,32,33,34,35,36,37,38,39,40,41,42,"
+                      "43,44,45,46,47,48,49,50,51,52,53,54,55,56,57,58,59,60,61,62,63,64,65,66,67,"
+                      "68,69,70";
+    cr_assert_eq(run(out, sizeof out, KDASERVE " logits --model %s/m --ids %s --out %s/p.st 2>&1",
+                     tmpdir, ids, tmpdir), 0, "%s", out);
+    cr_assert_eq(run(out, sizeof out,
+                     KDASERVE " logits --model %s/m --ids %s --out %s/d.st --decode 2>&1", tmpdir,
+                     ids, tmpdir), 0, "%s", out);
+    char pp[512], dp[512];
+    snprintf(pp, sizeof pp, "%s/p.st", tmpdir);
+    snprintf(dp, sizeof dp, "%s/d.st", tmpdir);
+    eng_st_file *pf = NULL, *df = NULL;
+    kds_err err = {0};
+    cr_assert_eq(eng_st_open(pp, &pf, &err), KDS_OK, "%s", err.msg);
+    cr_assert_eq(eng_st_open(dp, &df, &err), KDS_OK, "%s", err.msg);
+    const eng_st_tensor *a = eng_st_find(pf, "logits"), *b = eng_st_find(df, "logits");
+    cr_assert(a && b && a->n_elems == b->n_elems && a->n_dims == 2);
+    int64_t n_ids = 1;
+    for (const char *q = ids; *q; q++) n_ids += *q == ',';
+    cr_assert_eq(a->shape[0], n_ids);
+    double ref, d = th_max_abs_diff(b->data, a->data, a->n_elems, &ref);
+    fprintf(stderr, "cli %s: prefill vs decode logits max err %.3g = %.3g of max |logit|\n", preset,
+            d, d / ref);
+    cr_expect_leq(d, 1e-4 * ref, "%s: prefill and decode differ by %g (max |logit| %g)", preset,
+                  d, ref);
+    cr_expect_str_eq(eng_st_metadata(pf, "path"), "prefill");
+    cr_expect_str_eq(eng_st_metadata(df, "path"), "decode");
+    eng_st_close(pf);
+    eng_st_close(df);
+    rm_tmp();
+}
+
+Test(cli, logits_prefill_matches_decode_tiny, .timeout = 120) { compare_paths("tiny"); }
+Test(cli, logits_prefill_matches_decode_tiny_hybrid, .timeout = 120) { compare_paths("tiny-hybrid"); }
+
+Test(cli, generate_is_deterministic_per_seed, .timeout = 120) {
+    make_tmp();
+    char a[4096], b[4096], c[4096];
+    cr_assert_eq(run(a, sizeof a, KDASERVE " gen-model --preset tiny --out %s/m 2>&1", tmpdir), 0,
+                 "%s", a);
+    const char *fmt = KDASERVE " generate --model %s/m --prompt 'Once upon' --max-tokens 24 "
+                               "--seed %d --temperature 1 --min-p 0 2>/dev/null";
+    cr_assert_eq(run(a, sizeof a, fmt, tmpdir, 1), 0);
+    cr_assert_eq(run(b, sizeof b, fmt, tmpdir, 1), 0);
+    cr_assert_eq(run(c, sizeof c, fmt, tmpdir, 2), 0);
+    cr_expect_str_eq(a, b, "same seed, same text");
+    cr_expect_str_neq(a, c, "different seeds should differ");
+    rm_tmp();
+}
+
+Test(cli, help_lists_commands) {
+    char out[4096];
+    cr_assert_eq(run(out, sizeof out, KDASERVE " --help"), 0);
+    const char *cmds[] = {"generate", "logits", "bench", "gen-model", "info"};
+    for (size_t i = 0; i < sizeof cmds / sizeof cmds[0]; i++)
+        cr_expect(strstr(out, cmds[i]), "--help lacks %s", cmds[i]);
+    cr_expect_eq(run(out, sizeof out, KDASERVE " frobnicate 2>&1"), 2);
+    cr_expect(strstr(out, "unknown command 'frobnicate'"), "%s", out);
+}
+
+Test(cli, refusals_are_one_clear_line) {
+    char out[4096];
+    cr_expect_eq(run(out, sizeof out, KDASERVE " generate --model /nonexistent/dir --prompt x 2>&1"), 1);
+    cr_expect(strstr(out, "/nonexistent/dir"), "names the path: %s", out);
+    cr_expect_eq(run(out, sizeof out, KDASERVE " generate --max-tokens -3 --prompt x 2>&1"), 1);
+    cr_expect(strstr(out, "--max-tokens"), "%s", out);
+    cr_expect_eq(run(out, sizeof out, KDASERVE " logits --model %s --ids 1,x --out /tmp/x 2>&1",
+                     GOLDEN_ROOT "/model/micro-kda"), 1);
+    cr_expect(strstr(out, "--ids"), "%s", out);
+    cr_expect_eq(run(out, sizeof out, KDASERVE " logits --model %s --ids 1,99999 --out /tmp/x 2>&1",
+                     GOLDEN_ROOT "/model/micro-kda"), 1);
+    cr_expect(strstr(out, "token id 99999"), "%s", out);
+    cr_expect_eq(run(out, sizeof out, KDASERVE " gen-model --preset nope --out /tmp/x 2>&1"), 1);
+    cr_expect(strstr(out, "nope"), "%s", out);
+    cr_expect_eq(run(out, sizeof out, KDASERVE " gen-model --preset tiny --dtype f8 --out /tmp/x 2>&1"), 1);
+    cr_expect(strstr(out, "--dtype"), "%s", out);
+}
+
+Test(cli, dry_run_reports_48b_sizes) {
+    char out[4096];
+    cr_assert_eq(run(out, sizeof out, KDASERVE " gen-model --preset kimi-linear-48b --dry-run"), 0);
+    cr_expect(strstr(out, "20,493"), "tensor count: %s", out);
+    cr_expect(strstr(out, "49,122,681,728"), "parameter count: %s", out);
+    cr_expect(strstr(out, "KDA state 40.00 MiB"), "state size: %s", out);
+}
