@@ -1,0 +1,755 @@
+/*
+ * eng_config.c - parse, check and write the Kimi-Linear config.json
+ * (kda-model-spec.md §1), and the tensor/parameter counts it implies (§2).
+ *
+ * Two kinds of refusal: a field of the wrong JSON type or a missing required
+ * field is KDS_BAD_FORMAT; a well-typed value that makes no sense (sizes <= 0,
+ * top-k > experts, layer lists out of range, ...) is KDS_INVALID_ARG; a valid
+ * value this engine does not run (a softmax router, RoPE'd MLA, a non-SiLU
+ * activation) is KDS_UNSUPPORTED. Every message names the file and the field.
+ */
+#include "eng_config.h"
+
+#include <cJSON.h>
+#include <errno.h>
+#include <limits.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* A config.json larger than this is not a config. */
+#define CFG_MAX_FILE_BYTES ((long)16 << 20)
+
+/* Largest single dimension (rows or columns of any weight) we accept: keeps
+ * every shape inside an int and every byte count far from overflow. */
+#define CFG_MAX_DIM ((int64_t)1 << 28)
+
+/* Largest total parameter count we accept (a 1000x larger model than 48B). */
+#define CFG_MAX_PARAMS 5.0e13
+
+/* ------------------------------------------------------------------------ */
+/* Typed field readers and checks. They share a sticky status: once one has
+ * failed, the others do nothing, so the first problem is the one reported
+ * and callers test `r->rc` only where a value read so far is needed.
+ * `path` is the field's name as the user sees it
+ * ("linear_attn_config.num_heads"); `origin` names the file.               */
+
+typedef struct reader {
+    const char *origin;
+    kds_err *err;
+    kds_status rc;
+} reader;
+
+static void fail(reader *r, kds_status s, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+static void fail(reader *r, kds_status s, const char *fmt, ...) {
+    if (r->rc != KDS_OK) return;
+    r->rc = s;
+    char msg[sizeof r->err->msg];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    kds_err_set(r->err, s, "%s: %s", r->origin, msg);
+}
+
+static void missing(reader *r, const char *path) {
+    fail(r, KDS_BAD_FORMAT, "missing required field '%s'", path);
+}
+
+static void bad_type(reader *r, const char *path, const char *want) {
+    fail(r, KDS_BAD_FORMAT, "field '%s' must be %s", path, want);
+}
+
+/* True when the item is absent or JSON null (optional fields). */
+static bool absent(const cJSON *it) {
+    return !it || cJSON_IsNull(it);
+}
+
+static bool as_int64(const cJSON *it, int64_t *out) {
+    if (!cJSON_IsNumber(it)) return false;
+    double d = it->valuedouble;
+    if (!isfinite(d) || d != floor(d) || d < -9.0e15 || d > 9.0e15) return false;
+    *out = (int64_t)d;
+    return true;
+}
+
+/* Integer field. Absent/null: `dflt` unless `required`. */
+static void read_int(reader *r, const cJSON *obj, const char *key, const char *path, bool required,
+                     int dflt, int *out) {
+    *out = dflt;
+    if (r->rc != KDS_OK) return;
+    const cJSON *it = cJSON_GetObjectItemCaseSensitive(obj, key);
+    if (absent(it)) {
+        if (required) missing(r, path);
+        return;
+    }
+    int64_t v;
+    if (!as_int64(it, &v) || v < INT_MIN || v > INT_MAX) {
+        bad_type(r, path, "an integer");
+        return;
+    }
+    *out = (int)v;
+}
+
+static void read_int64(reader *r, const cJSON *obj, const char *key, int64_t dflt, int64_t *out) {
+    *out = dflt;
+    if (r->rc != KDS_OK) return;
+    const cJSON *it = cJSON_GetObjectItemCaseSensitive(obj, key);
+    if (absent(it)) return;
+    if (!as_int64(it, out)) {
+        *out = dflt;
+        bad_type(r, key, "an integer");
+    }
+}
+
+static void read_float(reader *r, const cJSON *obj, const char *key, const char *path, float dflt,
+                       float *out, bool *present) {
+    *out = dflt;
+    if (present) *present = false;
+    if (r->rc != KDS_OK) return;
+    const cJSON *it = cJSON_GetObjectItemCaseSensitive(obj, key);
+    if (absent(it)) return;
+    if (!cJSON_IsNumber(it) || !isfinite(it->valuedouble) || fabs(it->valuedouble) > 3.0e38) {
+        bad_type(r, path, "a finite number");
+        return;
+    }
+    *out = (float)it->valuedouble;
+    if (present) *present = true;
+}
+
+static void read_bool(reader *r, const cJSON *obj, const char *key, const char *path, bool dflt,
+                      bool *out) {
+    *out = dflt;
+    if (r->rc != KDS_OK) return;
+    const cJSON *it = cJSON_GetObjectItemCaseSensitive(obj, key);
+    if (absent(it)) return;
+    if (!cJSON_IsBool(it)) {
+        bad_type(r, path, "true or false");
+        return;
+    }
+    *out = cJSON_IsTrue(it);
+}
+
+/* String field into a fixed buffer; absent/null gives `dflt`. */
+static void read_str(reader *r, const cJSON *obj, const char *key, const char *dflt, char *out,
+                     size_t cap) {
+    snprintf(out, cap, "%s", dflt);
+    if (r->rc != KDS_OK) return;
+    const cJSON *it = cJSON_GetObjectItemCaseSensitive(obj, key);
+    if (absent(it)) return;
+    if (!cJSON_IsString(it)) {
+        bad_type(r, key, "a string");
+        return;
+    }
+    if (strlen(it->valuestring) >= cap) {
+        fail(r, KDS_BAD_FORMAT, "field '%s' is too long ('%.40s')", key, it->valuestring);
+        return;
+    }
+    snprintf(out, cap, "%s", it->valuestring);
+}
+
+/* Token id: integer, null/absent (-1), or a list whose first entry counts
+ * (HF allows eos_token_id to be a list). */
+static void read_token_id(reader *r, const cJSON *obj, const char *key, int *out) {
+    *out = -1;
+    if (r->rc != KDS_OK) return;
+    const cJSON *it = cJSON_GetObjectItemCaseSensitive(obj, key);
+    if (absent(it)) return;
+    if (cJSON_IsArray(it)) {
+        it = cJSON_GetArrayItem(it, 0);
+        if (!it) return;
+    }
+    int64_t v;
+    if (!as_int64(it, &v) || v < -1 || v > INT_MAX) {
+        bad_type(r, key, "a token id (an integer >= 0) or null");
+        return;
+    }
+    *out = (int)v;
+}
+
+/* Mark the 1-based layers of linear_attn_config.<key> in `seen` (0-based)
+ * with `bit`. */
+static void read_layer_list(reader *r, const cJSON *lac, const char *key, int L,
+                            unsigned char *seen, unsigned char bit) {
+    if (r->rc != KDS_OK) return;
+    char path[64];
+    snprintf(path, sizeof path, "linear_attn_config.%s", key);
+    const cJSON *arr = cJSON_GetObjectItemCaseSensitive(lac, key);
+    if (!arr) {
+        missing(r, path);
+        return;
+    }
+    if (!cJSON_IsArray(arr)) {
+        bad_type(r, path, "a list of 1-based layer numbers");
+        return;
+    }
+    const cJSON *it;
+    cJSON_ArrayForEach(it, arr) {
+        int64_t v;
+        if (!as_int64(it, &v)) {
+            bad_type(r, path, "a list of 1-based layer numbers");
+            return;
+        }
+        if (v < 1 || v > L) {
+            fail(r, KDS_INVALID_ARG, "%s names layer %lld, outside 1..num_hidden_layers (%d)", path,
+                 (long long)v, L);
+            return;
+        }
+        if (seen[v - 1] & bit) {
+            fail(r, KDS_INVALID_ARG, "%s lists layer %lld twice", path, (long long)v);
+            return;
+        }
+        seen[v - 1] |= bit;
+    }
+}
+
+static void need_pos(reader *r, const char *field, int64_t v) {
+    if (v <= 0)
+        fail(r, KDS_INVALID_ARG, "%s must be positive (got %lld)", field, (long long)v);
+    else if (v > CFG_MAX_DIM)
+        fail(r, KDS_INVALID_ARG, "%s = %lld is too large (max %lld)", field, (long long)v,
+             (long long)CFG_MAX_DIM);
+}
+
+static void need_nonneg(reader *r, const char *field, int64_t v) {
+    if (v < 0)
+        fail(r, KDS_INVALID_ARG, "%s must not be negative (got %lld)", field, (long long)v);
+    else if (v > CFG_MAX_DIM)
+        fail(r, KDS_INVALID_ARG, "%s = %lld is too large (max %lld)", field, (long long)v,
+             (long long)CFG_MAX_DIM);
+}
+
+/* A derived weight dimension (a product of fields) must fit as well. */
+static void need_dim(reader *r, const char *what, int64_t v) {
+    if (v > CFG_MAX_DIM)
+        fail(r, KDS_INVALID_ARG, "%s = %lld is too large (max %lld)", what, (long long)v,
+             (long long)CFG_MAX_DIM);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Consistency                                                               */
+
+static void validate_kda(reader *r, const eng_config *c) {
+    need_pos(r, "linear_attn_config.num_heads", c->kda_num_heads);
+    need_pos(r, "linear_attn_config.num_v_heads", c->kda_num_v_heads);
+    need_pos(r, "linear_attn_config.head_dim", c->kda_head_dim);
+    need_pos(r, "linear_attn_config.short_conv_kernel_size", c->short_conv_kernel_size);
+    if (r->rc != KDS_OK) return;
+    if (c->short_conv_kernel_size > 64)
+        fail(r, KDS_INVALID_ARG,
+             "linear_attn_config.short_conv_kernel_size %d is too large "
+             "(max 64)",
+             c->short_conv_kernel_size);
+    else if (c->kda_num_v_heads % c->kda_num_heads != 0)
+        fail(r, KDS_INVALID_ARG,
+             "linear_attn_config.num_v_heads (%d) must be a multiple of "
+             "linear_attn_config.num_heads (%d)",
+             c->kda_num_v_heads, c->kda_num_heads);
+    need_dim(r, "linear_attn_config.num_heads * head_dim",
+             (int64_t)c->kda_num_heads * c->kda_head_dim);
+    need_dim(r, "linear_attn_config.num_v_heads * head_dim",
+             (int64_t)c->kda_num_v_heads * c->kda_v_head_dim);
+    if (c->has_gate_lower_bound && !(c->gate_lower_bound < 0.0f))
+        fail(r, KDS_INVALID_ARG, "linear_attn_config.gate_lower_bound must be negative (got %g)",
+             (double)c->gate_lower_bound);
+}
+
+static void validate_mla(reader *r, const eng_config *c) {
+    if (!c->mla_use_nope) {
+        fail(r, KDS_UNSUPPORTED,
+             "mla_use_nope is false: MLA layers with RoPE are not supported "
+             "(Kimi-Linear's MLA uses no positional encoding)");
+        return;
+    }
+    need_nonneg(r, "q_lora_rank", c->q_lora_rank);
+    need_pos(r, "kv_lora_rank", c->kv_lora_rank);
+    need_pos(r, "qk_nope_head_dim", c->qk_nope_head_dim);
+    need_nonneg(r, "qk_rope_head_dim", c->qk_rope_head_dim);
+    need_pos(r, "v_head_dim", c->v_head_dim);
+    if (r->rc != KDS_OK) return;
+    int64_t nh = c->num_attention_heads;
+    need_dim(r, "num_attention_heads * (qk_nope_head_dim + qk_rope_head_dim)",
+             nh * (c->qk_nope_head_dim + (int64_t)c->qk_rope_head_dim));
+    need_dim(r, "num_attention_heads * (qk_nope_head_dim + v_head_dim)",
+             nh * (c->qk_nope_head_dim + (int64_t)c->v_head_dim));
+    need_dim(r, "num_attention_heads * v_head_dim", nh * c->v_head_dim);
+    need_dim(r, "kv_lora_rank + qk_rope_head_dim", (int64_t)c->kv_lora_rank + c->qk_rope_head_dim);
+}
+
+static void validate_moe(reader *r, const eng_config *c) {
+    need_pos(r, "num_experts_per_token", c->num_experts_per_token);
+    need_pos(r, "moe_intermediate_size", c->moe_intermediate_size);
+    need_nonneg(r, "num_shared_experts", c->num_shared_experts);
+    need_nonneg(r, "first_k_dense_replace", c->first_k_dense_replace);
+    need_pos(r, "moe_layer_freq", c->moe_layer_freq);
+    need_pos(r, "num_expert_group", c->num_expert_group);
+    need_pos(r, "topk_group", c->topk_group);
+    if (r->rc != KDS_OK) return;
+    need_dim(r, "moe_intermediate_size * num_shared_experts",
+             (int64_t)c->moe_intermediate_size * c->num_shared_experts);
+    if (c->num_experts > 65536)
+        fail(r, KDS_INVALID_ARG, "num_experts %d is too large (max 65536)", c->num_experts);
+    if (c->num_experts_per_token > c->num_experts)
+        fail(r, KDS_INVALID_ARG, "num_experts_per_token (%d) is larger than num_experts (%d)",
+             c->num_experts_per_token, c->num_experts);
+    if (c->num_experts % c->num_expert_group != 0)
+        fail(r, KDS_INVALID_ARG, "num_experts (%d) must be a multiple of num_expert_group (%d)",
+             c->num_experts, c->num_expert_group);
+    if (c->topk_group > c->num_expert_group)
+        fail(r, KDS_INVALID_ARG, "topk_group (%d) is larger than num_expert_group (%d)",
+             c->topk_group, c->num_expert_group);
+    if (r->rc != KDS_OK) return;
+    int64_t reachable = (int64_t)c->topk_group * (c->num_experts / c->num_expert_group);
+    if (c->num_experts_per_token > reachable)
+        fail(r, KDS_INVALID_ARG,
+             "num_experts_per_token (%d) exceeds the %lld experts that "
+             "topk_group (%d) of num_expert_group (%d) groups offer",
+             c->num_experts_per_token, (long long)reachable, c->topk_group, c->num_expert_group);
+    if (!(c->routed_scaling_factor > 0.0f))
+        fail(r, KDS_INVALID_ARG, "routed_scaling_factor must be positive (got %g)",
+             (double)c->routed_scaling_factor);
+    if (strcmp(c->moe_router_activation_func, "sigmoid") != 0)
+        fail(r, KDS_UNSUPPORTED,
+             "moe_router_activation_func '%s' is not supported (only "
+             "'sigmoid')",
+             c->moe_router_activation_func);
+}
+
+static void validate(reader *r, const eng_config *c) {
+    need_pos(r, "vocab_size", c->vocab_size);
+    need_pos(r, "hidden_size", c->hidden_size);
+    need_pos(r, "num_attention_heads", c->num_attention_heads);
+    need_pos(r, "num_key_value_heads", c->num_key_value_heads);
+    need_nonneg(r, "head_dim", c->head_dim);
+    if (r->rc != KDS_OK) return;
+    if (!(c->rms_norm_eps > 0.0f) || c->rms_norm_eps > 1.0f)
+        fail(r, KDS_INVALID_ARG, "rms_norm_eps must be in (0, 1] (got %g)",
+             (double)c->rms_norm_eps);
+    const char *id_names[3] = {"bos_token_id", "eos_token_id", "pad_token_id"};
+    int ids[3] = {c->bos_token_id, c->eos_token_id, c->pad_token_id};
+    for (int i = 0; i < 3; i++)
+        if (ids[i] >= c->vocab_size)
+            fail(r, KDS_INVALID_ARG, "%s %d is outside the vocabulary (vocab_size %d)", id_names[i],
+                 ids[i], c->vocab_size);
+    if (c->model_max_length < 0) fail(r, KDS_INVALID_ARG, "model_max_length must not be negative");
+
+    bool any_dense = false;
+    for (int l = 0; l < c->num_hidden_layers; l++)
+        any_dense |= !c->layer_is_moe[l];
+    if (c->n_kda_layers > 0) validate_kda(r, c);
+    if (c->n_mla_layers > 0) validate_mla(r, c);
+    if (any_dense) need_pos(r, "intermediate_size", c->intermediate_size);
+    if (c->num_experts < 0)
+        fail(r, KDS_INVALID_ARG, "num_experts must not be negative (got %d)", c->num_experts);
+    if (c->num_experts > 0) validate_moe(r, c);
+    if (r->rc != KDS_OK) return;
+
+    /* Keep every later size computation (size_t) far from overflow. */
+    double D = c->hidden_size;
+    double per_layer =
+        3.0 * c->kda_num_v_heads * c->kda_head_dim * D +
+        3.0 * c->num_attention_heads *
+            ((double)c->qk_nope_head_dim + c->qk_rope_head_dim + c->v_head_dim) * D +
+        3.0 * c->intermediate_size * D +
+        3.0 * c->moe_intermediate_size * D * ((double)c->num_experts + c->num_shared_experts);
+    double params = 2.0 * c->vocab_size * D + c->num_hidden_layers * per_layer;
+    if (params > CFG_MAX_PARAMS)
+        fail(r, KDS_INVALID_ARG, "the model would have about %.3g parameters (max %.3g)", params,
+             CFG_MAX_PARAMS);
+}
+
+/* ------------------------------------------------------------------------ */
+
+/* Everything but the layer table and the checks. */
+static void read_fields(reader *r, const cJSON *root, eng_config *c) {
+    /* global */
+    read_int(r, root, "vocab_size", "vocab_size", true, 0, &c->vocab_size);
+    read_int(r, root, "hidden_size", "hidden_size", true, 0, &c->hidden_size);
+    read_int(r, root, "num_hidden_layers", "num_hidden_layers", true, 0, &c->num_hidden_layers);
+    /* HF defaults: 32 attention heads, kv heads = attention heads, legacy
+     * head_dim = hidden / heads. */
+    read_int(r, root, "num_attention_heads", "num_attention_heads", false, 32,
+             &c->num_attention_heads);
+    read_int(r, root, "num_key_value_heads", "num_key_value_heads", false, c->num_attention_heads,
+             &c->num_key_value_heads);
+    read_int(r, root, "head_dim", "head_dim", false,
+             c->num_attention_heads > 0 ? c->hidden_size / c->num_attention_heads : 0,
+             &c->head_dim);
+    read_int(r, root, "intermediate_size", "intermediate_size", false, 0, &c->intermediate_size);
+    read_float(r, root, "rms_norm_eps", "rms_norm_eps", 1e-6f, &c->rms_norm_eps, NULL);
+    read_bool(r, root, "tie_word_embeddings", "tie_word_embeddings", false,
+              &c->tie_word_embeddings);
+    read_token_id(r, root, "bos_token_id", &c->bos_token_id);
+    read_token_id(r, root, "eos_token_id", &c->eos_token_id);
+    read_token_id(r, root, "pad_token_id", &c->pad_token_id);
+    read_int64(r, root, "model_max_length", 0, &c->model_max_length);
+    /* Newer transformers write "dtype", older "torch_dtype". */
+    read_str(r, root, "torch_dtype", "", c->torch_dtype, sizeof c->torch_dtype);
+    if (!c->torch_dtype[0]) read_str(r, root, "dtype", "", c->torch_dtype, sizeof c->torch_dtype);
+
+    /* MLA (HF leaves these None when there is no MLA) */
+    read_bool(r, root, "mla_use_nope", "mla_use_nope", false, &c->mla_use_nope);
+    read_int(r, root, "q_lora_rank", "q_lora_rank", false, 0, &c->q_lora_rank);
+    read_int(r, root, "kv_lora_rank", "kv_lora_rank", false, 0, &c->kv_lora_rank);
+    read_int(r, root, "qk_nope_head_dim", "qk_nope_head_dim", false, 0, &c->qk_nope_head_dim);
+    read_int(r, root, "qk_rope_head_dim", "qk_rope_head_dim", false, 0, &c->qk_rope_head_dim);
+    read_int(r, root, "v_head_dim", "v_head_dim", false, 0, &c->v_head_dim);
+
+    /* MoE (num_experts null/absent: dense everywhere, HF's is_moe false) */
+    read_int(r, root, "num_experts", "num_experts", false, 0, &c->num_experts);
+    bool moe = c->num_experts > 0;
+    read_int(r, root, "num_experts_per_token", "num_experts_per_token", moe, 0,
+             &c->num_experts_per_token);
+    read_int(r, root, "num_shared_experts", "num_shared_experts", false, 0, &c->num_shared_experts);
+    read_int(r, root, "moe_intermediate_size", "moe_intermediate_size", moe, 0,
+             &c->moe_intermediate_size);
+    read_int(r, root, "first_k_dense_replace", "first_k_dense_replace", false, 0,
+             &c->first_k_dense_replace);
+    read_int(r, root, "moe_layer_freq", "moe_layer_freq", false, 1, &c->moe_layer_freq);
+    read_bool(r, root, "moe_renormalize", "moe_renormalize", true, &c->moe_renormalize);
+    read_float(r, root, "routed_scaling_factor", "routed_scaling_factor", 1.0f,
+               &c->routed_scaling_factor, NULL);
+    read_bool(r, root, "use_grouped_topk", "use_grouped_topk", true, &c->use_grouped_topk);
+    read_int(r, root, "num_expert_group", "num_expert_group", false, 1, &c->num_expert_group);
+    read_int(r, root, "topk_group", "topk_group", false, 1, &c->topk_group);
+    read_str(r, root, "moe_router_activation_func", "sigmoid", c->moe_router_activation_func,
+             sizeof c->moe_router_activation_func);
+}
+
+/* linear_attn_config: the layer table and the KDA sizes. */
+static void read_layers(reader *r, const cJSON *root, eng_config *c) {
+    if (r->rc != KDS_OK) return;
+    int L = c->num_hidden_layers;
+    if (L <= 0) {
+        fail(r, KDS_INVALID_ARG, "num_hidden_layers must be positive (got %d)", L);
+        return;
+    }
+    if (L > ENG_MAX_LAYERS) {
+        fail(r, KDS_INVALID_ARG, "num_hidden_layers %d is more than the %d supported", L,
+             ENG_MAX_LAYERS);
+        return;
+    }
+    const cJSON *lac = cJSON_GetObjectItemCaseSensitive(root, "linear_attn_config");
+    if (!lac) {
+        missing(r, "linear_attn_config");
+        return;
+    }
+    if (!cJSON_IsObject(lac)) {
+        bad_type(r, "linear_attn_config", "an object");
+        return;
+    }
+    unsigned char seen[ENG_MAX_LAYERS] = {0};
+    read_layer_list(r, lac, "kda_layers", L, seen, 1);
+    read_layer_list(r, lac, "full_attn_layers", L, seen, 2);
+    if (r->rc != KDS_OK) return;
+    for (int l = 0; l < L; l++) {
+        if (seen[l] == 0 || seen[l] == 3) {
+            fail(r, KDS_INVALID_ARG,
+                 "layer %d (1-based) must be in exactly one of "
+                 "linear_attn_config.kda_layers and linear_attn_config.full_attn_layers "
+                 "(it is in %s)",
+                 l + 1, seen[l] ? "both" : "neither");
+            return;
+        }
+        c->layer_kind[l] = seen[l] == 1 ? ENG_LAYER_KDA : ENG_LAYER_MLA;
+        if (seen[l] == 1)
+            c->n_kda_layers++;
+        else
+            c->n_mla_layers++;
+        /* is_moe(l) as HF's KimiDecoderLayer decides it */
+        c->layer_is_moe[l] = c->num_experts > 0 && l >= c->first_k_dense_replace &&
+                             c->moe_layer_freq > 0 && l % c->moe_layer_freq == 0;
+    }
+    bool kda = c->n_kda_layers > 0;
+    read_int(r, lac, "num_heads", "linear_attn_config.num_heads", kda, 0, &c->kda_num_heads);
+    read_int(r, lac, "num_v_heads", "linear_attn_config.num_v_heads", false, c->kda_num_heads,
+             &c->kda_num_v_heads);
+    read_int(r, lac, "head_dim", "linear_attn_config.head_dim", kda, 0, &c->kda_head_dim);
+    c->kda_v_head_dim = c->kda_head_dim; /* Kimi-Linear: V = K (there is no expand_v field) */
+    read_int(r, lac, "short_conv_kernel_size", "linear_attn_config.short_conv_kernel_size", false,
+             4, &c->short_conv_kernel_size);
+    read_float(r, lac, "gate_lower_bound", "linear_attn_config.gate_lower_bound", 0.0f,
+               &c->gate_lower_bound, &c->has_gate_lower_bound);
+    bool full_rank_gate = false;
+    read_bool(r, lac, "use_full_rank_gate", "linear_attn_config.use_full_rank_gate", false,
+              &full_rank_gate);
+    if (full_rank_gate && kda)
+        fail(r, KDS_UNSUPPORTED,
+             "linear_attn_config.use_full_rank_gate is not supported "
+             "(Kimi-Linear uses the low-rank f_a_proj/f_b_proj gate)");
+    if (c->n_mla_layers > 0) {
+        const char *need[] = {"kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"};
+        for (size_t i = 0; i < sizeof need / sizeof need[0]; i++)
+            if (absent(cJSON_GetObjectItemCaseSensitive(root, need[i]))) missing(r, need[i]);
+    }
+}
+
+kds_status eng_config_parse(const char *json_text, size_t len, const char *origin, eng_config *out,
+                            kds_err *err) {
+    reader r = {origin ? origin : "config.json", err, KDS_OK};
+    eng_config c;
+    memset(&c, 0, sizeof c);
+    if (!json_text || !out)
+        return kds_err_set(err, KDS_INVALID_ARG, "%s: no JSON text or no output", r.origin);
+    cJSON *root = cJSON_ParseWithLength(json_text, len);
+    if (!root) return kds_err_set(err, KDS_BAD_FORMAT, "%s: not valid JSON", r.origin);
+    if (!cJSON_IsObject(root)) {
+        fail(&r, KDS_BAD_FORMAT, "not a JSON object");
+        goto out;
+    }
+    /* Other architectures name their tensors differently: refuse early. */
+    char model_type[64], act[32];
+    read_str(&r, root, "model_type", "kimi_linear", model_type, sizeof model_type);
+    if (r.rc == KDS_OK && strcmp(model_type, "kimi_linear") != 0)
+        fail(&r, KDS_UNSUPPORTED, "model_type '%s' is not 'kimi_linear'", model_type);
+    read_str(&r, root, "hidden_act", "silu", act, sizeof act);
+    if (r.rc == KDS_OK && strcmp(act, "silu") != 0)
+        fail(&r, KDS_UNSUPPORTED, "hidden_act '%s' is not supported (only 'silu')", act);
+    read_fields(&r, root, &c);
+    read_layers(&r, root, &c);
+    if (r.rc == KDS_OK) validate(&r, &c);
+    if (r.rc == KDS_OK) *out = c;
+out:
+    cJSON_Delete(root);
+    return r.rc;
+}
+
+kds_status eng_config_load(const char *path, eng_config *out, kds_err *err) {
+    kds_status rc = KDS_OK;
+    char *buf = NULL;
+    FILE *f = fopen(path, "rb");
+    if (!f)
+        return kds_err_set(err, errno == ENOENT ? KDS_NOT_FOUND : KDS_IO, "%s: %s", path,
+                           strerror(errno));
+    if (fseek(f, 0, SEEK_END) != 0) {
+        rc = kds_err_set(err, KDS_IO, "%s: %s", path, strerror(errno));
+        goto out_close;
+    }
+    long n = ftell(f);
+    if (n < 0) {
+        rc = kds_err_set(err, KDS_IO, "%s: %s", path, strerror(errno));
+        goto out_close;
+    }
+    if (n > CFG_MAX_FILE_BYTES) {
+        rc = kds_err_set(err, KDS_TOO_LARGE, "%s: %ld bytes is too large for a config", path, n);
+        goto out_close;
+    }
+    rewind(f);
+    buf = malloc((size_t)n + 1);
+    if (!buf) {
+        rc = kds_err_set(err, KDS_NOMEM, "out of memory reading %s", path);
+        goto out_close;
+    }
+    if (fread(buf, 1, (size_t)n, f) != (size_t)n) {
+        rc = kds_err_set(err, KDS_IO, "%s: short read", path);
+        goto out_free;
+    }
+    buf[n] = '\0';
+    rc = eng_config_parse(buf, (size_t)n, path, out, err);
+out_free:
+    free(buf);
+out_close:
+    fclose(f);
+    return rc;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Writing                                                                   */
+
+/* The shortest decimal that reads back as the same float, as a double, so
+ * that 1e-5f is written "1e-05" rather than "9.99999974737875e-06". */
+static double short_float(float f) {
+    char buf[32];
+    for (int p = 1; p <= 9; p++) {
+        snprintf(buf, sizeof buf, "%.*g", p, (double)f);
+        double d = strtod(buf, NULL);
+        if ((float)d == f) return d;
+    }
+    return (double)f;
+}
+
+static void add_num(cJSON *o, const char *k, double v) {
+    cJSON_AddNumberToObject(o, k, v);
+}
+
+/* Number when `set`, else null. */
+static void add_opt(cJSON *o, const char *k, bool set, double v) {
+    if (set)
+        cJSON_AddNumberToObject(o, k, v);
+    else
+        cJSON_AddNullToObject(o, k);
+}
+
+static cJSON *layer_list(const eng_config *c, eng_layer_kind kind) {
+    cJSON *a = cJSON_CreateArray();
+    for (int l = 0; a && l < c->num_hidden_layers; l++)
+        if (c->layer_kind[l] == kind) cJSON_AddItemToArray(a, cJSON_CreateNumber(l + 1));
+    return a;
+}
+
+char *eng_config_to_json(const eng_config *c) {
+    char *text = NULL;
+    cJSON *o = cJSON_CreateObject();
+    if (!o) return NULL;
+    /* Field order follows the real Kimi-Linear-48B config.json. */
+    cJSON *arch = cJSON_AddArrayToObject(o, "architectures");
+    if (arch) cJSON_AddItemToArray(arch, cJSON_CreateString("KimiLinearForCausalLM"));
+    cJSON *am = cJSON_AddObjectToObject(o, "auto_map");
+    if (am) {
+        cJSON_AddStringToObject(am, "AutoConfig", "configuration_kimi.KimiLinearConfig");
+        cJSON_AddStringToObject(am, "AutoModel", "modeling_kimi.KimiLinearModel");
+        cJSON_AddStringToObject(am, "AutoModelForCausalLM", "modeling_kimi.KimiLinearForCausalLM");
+    }
+    cJSON_AddStringToObject(o, "model_type", "kimi_linear");
+    add_num(o, "vocab_size", c->vocab_size);
+    add_num(o, "hidden_size", c->hidden_size);
+    add_num(o, "num_hidden_layers", c->num_hidden_layers);
+    add_num(o, "num_attention_heads", c->num_attention_heads);
+    add_num(o, "num_key_value_heads", c->num_key_value_heads);
+    add_num(o, "head_dim", c->head_dim);
+    add_opt(o, "intermediate_size", c->intermediate_size > 0, c->intermediate_size);
+    cJSON_AddStringToObject(o, "hidden_act", "silu");
+    add_num(o, "rms_norm_eps", short_float(c->rms_norm_eps));
+    add_num(o, "rope_theta", 10000.0);
+    cJSON_AddNullToObject(o, "rope_scaling");
+    cJSON_AddBoolToObject(o, "mla_use_nope", c->mla_use_nope);
+    /* HF's Optional[int] fields: null when unset (0 here) */
+    add_opt(o, "q_lora_rank", c->q_lora_rank > 0, c->q_lora_rank);
+    add_opt(o, "kv_lora_rank", c->kv_lora_rank > 0, c->kv_lora_rank);
+    add_opt(o, "qk_nope_head_dim", c->qk_nope_head_dim > 0, c->qk_nope_head_dim);
+    add_opt(o, "qk_rope_head_dim", c->qk_rope_head_dim > 0, c->qk_rope_head_dim);
+    add_opt(o, "v_head_dim", c->v_head_dim > 0, c->v_head_dim);
+    cJSON *lac = cJSON_AddObjectToObject(o, "linear_attn_config");
+    if (lac) {
+        cJSON_AddItemToObject(lac, "kda_layers", layer_list(c, ENG_LAYER_KDA));
+        cJSON_AddItemToObject(lac, "full_attn_layers", layer_list(c, ENG_LAYER_MLA));
+        add_num(lac, "num_heads", c->kda_num_heads);
+        add_num(lac, "head_dim", c->kda_head_dim);
+        add_num(lac, "short_conv_kernel_size", c->short_conv_kernel_size);
+        if (c->kda_num_v_heads != c->kda_num_heads) add_num(lac, "num_v_heads", c->kda_num_v_heads);
+        if (c->has_gate_lower_bound)
+            add_num(lac, "gate_lower_bound", short_float(c->gate_lower_bound));
+    }
+    add_opt(o, "num_experts", c->num_experts > 0, c->num_experts);
+    add_opt(o, "num_experts_per_token", c->num_experts_per_token > 0, c->num_experts_per_token);
+    add_num(o, "num_shared_experts", c->num_shared_experts);
+    add_opt(o, "moe_intermediate_size", c->moe_intermediate_size > 0, c->moe_intermediate_size);
+    add_num(o, "first_k_dense_replace", c->first_k_dense_replace);
+    add_num(o, "moe_layer_freq", c->moe_layer_freq);
+    cJSON_AddStringToObject(o, "moe_router_activation_func",
+                            c->moe_router_activation_func[0] ? c->moe_router_activation_func
+                                                             : "sigmoid");
+    cJSON_AddBoolToObject(o, "moe_renormalize", c->moe_renormalize);
+    add_num(o, "routed_scaling_factor", short_float(c->routed_scaling_factor));
+    cJSON_AddBoolToObject(o, "use_grouped_topk", c->use_grouped_topk);
+    add_num(o, "num_expert_group", c->num_expert_group);
+    add_num(o, "topk_group", c->topk_group);
+    add_num(o, "num_nextn_predict_layers", 0);
+    cJSON_AddBoolToObject(o, "tie_word_embeddings", c->tie_word_embeddings);
+    if (c->torch_dtype[0]) {
+        cJSON_AddStringToObject(o, "torch_dtype", c->torch_dtype);
+        cJSON_AddStringToObject(o, "dtype", c->torch_dtype);
+    }
+    if (c->model_max_length > 0) add_num(o, "model_max_length", (double)c->model_max_length);
+    add_opt(o, "bos_token_id", c->bos_token_id >= 0, c->bos_token_id);
+    add_opt(o, "eos_token_id", c->eos_token_id >= 0, c->eos_token_id);
+    add_opt(o, "pad_token_id", c->pad_token_id >= 0, c->pad_token_id);
+    add_num(o, "initializer_range", 0.02);
+    cJSON_AddBoolToObject(o, "use_cache", true);
+    text = cJSON_Print(o);
+    cJSON_Delete(o);
+    return text;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Counts (kda-model-spec.md §2)                                            */
+
+typedef struct counts {
+    size_t tensors, params;
+} counts;
+
+static void add(counts *k, size_t n_params) {
+    k->tensors++;
+    k->params += n_params;
+}
+
+static counts count_all(const eng_config *c) {
+    counts k = {0, 0};
+    size_t D = (size_t)c->hidden_size;
+    add(&k, (size_t)c->vocab_size * D);                              /* model.embed_tokens.weight */
+    add(&k, D);                                                      /* model.norm.weight */
+    if (!c->tie_word_embeddings) add(&k, (size_t)c->vocab_size * D); /* lm_head.weight */
+    size_t H = (size_t)c->kda_num_heads, HV = (size_t)c->kda_num_v_heads;
+    size_t K = (size_t)c->kda_head_dim, V = (size_t)c->kda_v_head_dim;
+    size_t W = (size_t)c->short_conv_kernel_size;
+    size_t nh = (size_t)c->num_attention_heads, dn = (size_t)c->qk_nope_head_dim;
+    size_t dr = (size_t)c->qk_rope_head_dim, dv = (size_t)c->v_head_dim;
+    size_t R = (size_t)c->kv_lora_rank, qr = (size_t)c->q_lora_rank;
+    size_t E = (size_t)c->num_experts, I = (size_t)c->moe_intermediate_size;
+    size_t Is = I * (size_t)c->num_shared_experts;
+    for (int l = 0; l < c->num_hidden_layers; l++) {
+        add(&k, D); /* input_layernorm */
+        add(&k, D); /* post_attention_layernorm */
+        if (c->layer_kind[l] == ENG_LAYER_KDA) {
+            add(&k, H * K * D);  /* q_proj */
+            add(&k, H * K * D);  /* k_proj */
+            add(&k, HV * V * D); /* v_proj */
+            add(&k, H * K * W);  /* q_conv1d */
+            add(&k, H * K * W);  /* k_conv1d */
+            add(&k, HV * V * W); /* v_conv1d */
+            add(&k, K * D);      /* f_a_proj */
+            add(&k, HV * K * K); /* f_b_proj */
+            add(&k, HV);         /* A_log */
+            add(&k, HV * K);     /* dt_bias */
+            add(&k, HV * D);     /* b_proj */
+            add(&k, V * D);      /* g_a_proj */
+            add(&k, HV * V * V); /* g_b_proj */
+            add(&k, V);          /* o_norm */
+            add(&k, D * HV * V); /* o_proj */
+        } else {
+            if (qr > 0) {
+                add(&k, qr * D);              /* q_a_proj */
+                add(&k, qr);                  /* q_a_layernorm */
+                add(&k, nh * (dn + dr) * qr); /* q_b_proj */
+            } else {
+                add(&k, nh * (dn + dr) * D); /* q_proj */
+            }
+            add(&k, (R + dr) * D);       /* kv_a_proj_with_mqa */
+            add(&k, R);                  /* kv_a_layernorm */
+            add(&k, nh * (dn + dv) * R); /* kv_b_proj */
+            add(&k, D * nh * dv);        /* o_proj */
+        }
+        if (c->layer_is_moe[l]) {
+            add(&k, E * D); /* gate.weight */
+            add(&k, E);     /* gate.e_score_correction_bias */
+            for (size_t e = 0; e < E; e++) {
+                add(&k, I * D); /* w1 */
+                add(&k, I * D); /* w3 */
+                add(&k, D * I); /* w2 */
+            }
+            if (Is > 0) {
+                add(&k, Is * D); /* shared gate_proj */
+                add(&k, Is * D); /* shared up_proj */
+                add(&k, D * Is); /* shared down_proj */
+            }
+        } else {
+            size_t F = (size_t)c->intermediate_size;
+            add(&k, F * D); /* gate_proj */
+            add(&k, F * D); /* up_proj */
+            add(&k, D * F); /* down_proj */
+        }
+    }
+    return k;
+}
+
+size_t eng_config_param_count(const eng_config *c) {
+    return count_all(c).params;
+}
+
+size_t eng_config_tensor_count(const eng_config *c) {
+    return count_all(c).tensors;
+}

@@ -1,0 +1,757 @@
+/*
+ * eng_genmodel.c - named preset configs and seeded random Kimi-Linear
+ * checkpoints (see eng_genmodel.h for the format and the initialisation).
+ */
+#include "eng_genmodel.h"
+
+#include <cJSON.h>
+#include <errno.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include "eng.h"
+#include "eng_safetensors.h"
+
+/* A single model.safetensors up to this size; above it, shards of at most
+ * this size (one tensor larger than it gets a shard of its own). */
+#define GEN_SHARD_BYTES ((uint64_t)4 << 30)
+/* More tensors than this is a config mistake, not a model to write. */
+#define GEN_MAX_TENSORS ((size_t)4 << 20)
+/* Tensors with at least this many elements are filled by several threads. */
+#define GEN_PARALLEL_MIN ((size_t)1 << 20)
+#define GEN_MAX_THREADS 16
+
+/* ------------------------------------------------------------------------ */
+/* Presets                                                                   */
+
+static const char *const PRESET_NAMES[] = {
+    "tiny", "tiny-hybrid", "llamacpp-tiny", "kimi-linear-48b", "wide", "full27", NULL};
+
+const char *const *eng_genmodel_preset_names(void) {
+    return PRESET_NAMES;
+}
+
+/* Fields every preset shares (those of the real 48B config). */
+static void preset_common(eng_config *c) {
+    memset(c, 0, sizeof *c);
+    c->rms_norm_eps = 1e-5f;
+    c->tie_word_embeddings = false;
+    c->model_max_length = 1048576;
+    snprintf(c->torch_dtype, sizeof c->torch_dtype, "bfloat16");
+    c->short_conv_kernel_size = 4;
+    c->mla_use_nope = true;
+    c->q_lora_rank = 0;
+    c->first_k_dense_replace = 1;
+    c->moe_layer_freq = 1;
+    c->moe_renormalize = true;
+    c->routed_scaling_factor = 2.446f;
+    c->use_grouped_topk = true;
+    c->num_expert_group = 1;
+    c->topk_group = 1;
+    snprintf(c->moe_router_activation_func, sizeof c->moe_router_activation_func, "sigmoid");
+}
+
+/* Layer kinds from a string, one letter a layer: 'K' KDA, 'M' MLA. */
+static void preset_layers(eng_config *c, const char *kinds) {
+    c->num_hidden_layers = (int)strlen(kinds);
+    for (int l = 0; l < c->num_hidden_layers; l++)
+        c->layer_kind[l] = kinds[l] == 'M' ? ENG_LAYER_MLA : ENG_LAYER_KDA;
+}
+
+/* The 48B's MLA widths. */
+static void preset_mla_48b(eng_config *c) {
+    c->num_attention_heads = 32;
+    c->kv_lora_rank = 512;
+    c->qk_nope_head_dim = 128;
+    c->qk_rope_head_dim = 64;
+    c->v_head_dim = 128;
+}
+
+/* Real special ids where the vocabulary has them; else the byte
+ * tokenizer's <|bos|>/<|eos|> (256, 257) and the last id as padding. */
+static void preset_ids(eng_config *c) {
+    if (c->vocab_size >= 163840) {
+        c->bos_token_id = 163584; /* [BOS] */
+        c->eos_token_id = 163586; /* <|im_end|> */
+        c->pad_token_id = 163839; /* [PAD] */
+    } else {
+        c->bos_token_id = 256;
+        c->eos_token_id = 257;
+        c->pad_token_id = c->vocab_size - 1;
+    }
+}
+
+static void preset_tiny(eng_config *c, const char *layers) {
+    preset_common(c);
+    preset_layers(c, layers);
+    c->vocab_size = 512;
+    c->hidden_size = 256;
+    c->intermediate_size = 512;
+    c->kda_num_heads = c->kda_num_v_heads = 4;
+    c->kda_head_dim = c->kda_v_head_dim = 64;
+    c->num_attention_heads = 4;
+    c->kv_lora_rank = 64;
+    c->qk_nope_head_dim = 32;
+    c->qk_rope_head_dim = 16;
+    c->v_head_dim = 32;
+    c->num_experts = 8;
+    c->num_experts_per_token = 2;
+    c->num_shared_experts = 1;
+    c->moe_intermediate_size = 128;
+}
+
+static void preset_48b(eng_config *c, const char *layers, int experts) {
+    preset_common(c);
+    preset_layers(c, layers);
+    c->vocab_size = 163840;
+    c->hidden_size = 2304;
+    c->intermediate_size = 9216;
+    c->kda_num_heads = c->kda_num_v_heads = 32;
+    c->kda_head_dim = c->kda_v_head_dim = 128;
+    preset_mla_48b(c);
+    c->num_experts = experts;
+    c->num_experts_per_token = 8;
+    c->num_shared_experts = 1;
+    c->moe_intermediate_size = 1024;
+}
+
+kds_status eng_genmodel_preset(const char *name, eng_config *out, kds_err *err) {
+    eng_config c;
+    /* 48B layout: MLA at 1-based layers 4, 8, ..., 24 and 27 */
+    const char *layout27 = "KKKMKKKMKKKMKKKMKKKMKKKMKKM";
+    if (!name) name = "";
+    if (strcmp(name, "tiny") == 0) {
+        preset_tiny(&c, "KKKK");
+    } else if (strcmp(name, "tiny-hybrid") == 0) {
+        preset_tiny(&c, "KKMK");
+    } else if (strcmp(name, "llamacpp-tiny") == 0) {
+        preset_tiny(&c, "KKKM");
+        c.vocab_size = 50304;
+        c.kv_lora_rank = 128;
+        c.qk_nope_head_dim = 64;
+        c.qk_rope_head_dim = 64;
+        c.v_head_dim = 64;
+    } else if (strcmp(name, "kimi-linear-48b") == 0) {
+        preset_48b(&c, layout27, 256);
+    } else if (strcmp(name, "wide") == 0) {
+        preset_48b(&c, "KKKM", 32);
+    } else if (strcmp(name, "full27") == 0) {
+        preset_48b(&c, layout27, 16);
+    } else {
+        char known[160] = "";
+        for (const char *const *p = PRESET_NAMES; *p; p++)
+            snprintf(known + strlen(known), sizeof known - strlen(known), "%s%s",
+                     p == PRESET_NAMES ? "" : ", ", *p);
+        return kds_err_set(err, KDS_NOT_FOUND, "unknown model preset '%s' (known: %s)", name,
+                           known);
+    }
+    c.num_key_value_heads = c.num_attention_heads;
+    c.head_dim = c.hidden_size / c.num_attention_heads; /* legacy field: 2304/32 = 72 */
+    preset_ids(&c);
+    /* Derived fields (counts, is_moe) and the checks come from the parser,
+     * so a preset is exactly what its config.json will load as. */
+    char *json = eng_config_to_json(&c);
+    if (!json) return kds_err_set(err, KDS_NOMEM, "out of memory building preset '%s'", name);
+    kds_status rc = eng_config_parse(json, strlen(json), name, out, err);
+    free(json);
+    return rc;
+}
+
+/* ------------------------------------------------------------------------ */
+/* The tensor list                                                           */
+
+typedef enum init_kind {
+    INIT_NORMAL,  /* N(0, a^2)-ish */
+    INIT_UNIFORM, /* U(a, b) */
+    INIT_A_LOG,   /* log U(1, 16) */
+    INIT_DT_BIAS, /* inverse softplus of exp(U(log 1e-3, log 1e-1)) */
+} init_kind;
+
+typedef struct gen_tensor {
+    char name[96];
+    int n_dims;
+    int64_t shape[4];
+    size_t n_elems;
+    init_kind init;
+    float a, b;
+    uint64_t stream; /* RNG key of this tensor */
+} gen_tensor;
+
+typedef struct gen_list {
+    gen_tensor *t;
+    size_t n, cap;
+    uint64_t seed;
+} gen_list;
+
+static uint64_t mix64(uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static void add_tensor(gen_list *g, init_kind k, float a, float b, int nd, const int64_t *shape,
+                       const char *fmt, ...) __attribute__((format(printf, 7, 8)));
+
+static void add_tensor(gen_list *g, init_kind k, float a, float b, int nd, const int64_t *shape,
+                       const char *fmt, ...) {
+    if (g->n == g->cap) return; /* sized from eng_config_tensor_count: cannot happen */
+    gen_tensor *t = &g->t[g->n++];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(t->name, sizeof t->name, fmt, ap);
+    va_end(ap);
+    t->n_dims = nd;
+    t->n_elems = 1;
+    for (int i = 0; i < nd; i++) {
+        t->shape[i] = shape[i];
+        t->n_elems *= (size_t)shape[i];
+    }
+    t->init = k;
+    t->a = a;
+    t->b = b;
+    t->stream = mix64(g->seed ^ XXH3_64bits(t->name, strlen(t->name)));
+}
+
+#define SHAPE(...) ((const int64_t[]){__VA_ARGS__})
+#define SELF_ATTN "model.layers.%d.self_attn.%s"
+#define MOE "model.layers.%d.block_sparse_moe.%s"
+
+/* Standard deviation of a weight with `in` inputs (output projections get
+ * `res` on top, so the residual stream stays O(1) through every layer). */
+static float sd(int64_t in, float res) {
+    return res / sqrtf((float)in);
+}
+
+static void list_kda(gen_list *g, const eng_config *c, int l, float res) {
+    int64_t D = c->hidden_size, H = c->kda_num_heads, HV = c->kda_num_v_heads;
+    int64_t K = c->kda_head_dim, V = c->kda_v_head_dim, W = c->short_conv_kernel_size;
+    float x = sd(D, 1);
+    add_tensor(g, INIT_NORMAL, x, 0, 2, SHAPE(H * K, D), SELF_ATTN, l, "q_proj.weight");
+    add_tensor(g, INIT_UNIFORM, -0.5f, 0.5f, 3, SHAPE(H * K, 1, W), SELF_ATTN, l,
+               "q_conv1d.weight");
+    add_tensor(g, INIT_NORMAL, x, 0, 2, SHAPE(H * K, D), SELF_ATTN, l, "k_proj.weight");
+    add_tensor(g, INIT_UNIFORM, -0.5f, 0.5f, 3, SHAPE(H * K, 1, W), SELF_ATTN, l,
+               "k_conv1d.weight");
+    add_tensor(g, INIT_NORMAL, x, 0, 2, SHAPE(HV * V, D), SELF_ATTN, l, "v_proj.weight");
+    add_tensor(g, INIT_UNIFORM, -0.5f, 0.5f, 3, SHAPE(HV * V, 1, W), SELF_ATTN, l,
+               "v_conv1d.weight");
+    add_tensor(g, INIT_NORMAL, x, 0, 2, SHAPE(K, D), SELF_ATTN, l, "f_a_proj.weight");
+    add_tensor(g, INIT_NORMAL, sd(K, 1), 0, 2, SHAPE(HV * K, K), SELF_ATTN, l, "f_b_proj.weight");
+    add_tensor(g, INIT_A_LOG, 0, 0, 4, SHAPE(1, 1, HV, 1), SELF_ATTN, l, "A_log");
+    add_tensor(g, INIT_DT_BIAS, 0, 0, 1, SHAPE(HV * K), SELF_ATTN, l, "dt_bias");
+    add_tensor(g, INIT_NORMAL, x, 0, 2, SHAPE(HV, D), SELF_ATTN, l, "b_proj.weight");
+    add_tensor(g, INIT_NORMAL, x, 0, 2, SHAPE(V, D), SELF_ATTN, l, "g_a_proj.weight");
+    add_tensor(g, INIT_NORMAL, sd(V, 1), 0, 2, SHAPE(HV * V, V), SELF_ATTN, l, "g_b_proj.weight");
+    add_tensor(g, INIT_UNIFORM, 0.8f, 1.2f, 1, SHAPE(V), SELF_ATTN, l, "o_norm.weight");
+    add_tensor(g, INIT_NORMAL, sd(HV * V, res), 0, 2, SHAPE(D, HV * V), SELF_ATTN, l,
+               "o_proj.weight");
+}
+
+static void list_mla(gen_list *g, const eng_config *c, int l, float res) {
+    int64_t D = c->hidden_size, nh = c->num_attention_heads;
+    int64_t dn = c->qk_nope_head_dim, dr = c->qk_rope_head_dim, dv = c->v_head_dim;
+    int64_t R = c->kv_lora_rank, qr = c->q_lora_rank;
+    if (qr > 0) {
+        add_tensor(g, INIT_NORMAL, sd(D, 1), 0, 2, SHAPE(qr, D), SELF_ATTN, l, "q_a_proj.weight");
+        add_tensor(g, INIT_UNIFORM, 0.8f, 1.2f, 1, SHAPE(qr), SELF_ATTN, l, "q_a_layernorm.weight");
+        add_tensor(g, INIT_NORMAL, sd(qr, 1), 0, 2, SHAPE(nh * (dn + dr), qr), SELF_ATTN, l,
+                   "q_b_proj.weight");
+    } else {
+        add_tensor(g, INIT_NORMAL, sd(D, 1), 0, 2, SHAPE(nh * (dn + dr), D), SELF_ATTN, l,
+                   "q_proj.weight");
+    }
+    add_tensor(g, INIT_NORMAL, sd(D, 1), 0, 2, SHAPE(R + dr, D), SELF_ATTN, l,
+               "kv_a_proj_with_mqa.weight");
+    add_tensor(g, INIT_UNIFORM, 0.8f, 1.2f, 1, SHAPE(R), SELF_ATTN, l, "kv_a_layernorm.weight");
+    add_tensor(g, INIT_NORMAL, sd(R, 1), 0, 2, SHAPE(nh * (dn + dv), R), SELF_ATTN, l,
+               "kv_b_proj.weight");
+    add_tensor(g, INIT_NORMAL, sd(nh * dv, res), 0, 2, SHAPE(D, nh * dv), SELF_ATTN, l,
+               "o_proj.weight");
+}
+
+static void list_ffn(gen_list *g, const eng_config *c, int l, float res) {
+    int64_t D = c->hidden_size;
+    if (!c->layer_is_moe[l]) {
+        int64_t F = c->intermediate_size;
+        add_tensor(g, INIT_NORMAL, sd(D, 1), 0, 2, SHAPE(F, D),
+                   "model.layers.%d.mlp.gate_proj.weight", l);
+        add_tensor(g, INIT_NORMAL, sd(D, 1), 0, 2, SHAPE(F, D),
+                   "model.layers.%d.mlp.up_proj.weight", l);
+        add_tensor(g, INIT_NORMAL, sd(F, res), 0, 2, SHAPE(D, F),
+                   "model.layers.%d.mlp.down_proj.weight", l);
+        return;
+    }
+    int64_t E = c->num_experts, I = c->moe_intermediate_size;
+    int64_t Is = I * c->num_shared_experts;
+    add_tensor(g, INIT_NORMAL, sd(D, 1), 0, 2, SHAPE(E, D), MOE, l, "gate.weight");
+    add_tensor(g, INIT_UNIFORM, -0.1f, 0.1f, 1, SHAPE(E), MOE, l, "gate.e_score_correction_bias");
+    for (int e = 0; e < E; e++) {
+        add_tensor(g, INIT_NORMAL, sd(D, 1), 0, 2, SHAPE(I, D),
+                   "model.layers.%d.block_sparse_moe.experts.%d.w1.weight", l, e);
+        add_tensor(g, INIT_NORMAL, sd(I, res), 0, 2, SHAPE(D, I),
+                   "model.layers.%d.block_sparse_moe.experts.%d.w2.weight", l, e);
+        add_tensor(g, INIT_NORMAL, sd(D, 1), 0, 2, SHAPE(I, D),
+                   "model.layers.%d.block_sparse_moe.experts.%d.w3.weight", l, e);
+    }
+    if (Is > 0) {
+        add_tensor(g, INIT_NORMAL, sd(D, 1), 0, 2, SHAPE(Is, D), MOE, l,
+                   "shared_experts.gate_proj.weight");
+        add_tensor(g, INIT_NORMAL, sd(D, 1), 0, 2, SHAPE(Is, D), MOE, l,
+                   "shared_experts.up_proj.weight");
+        add_tensor(g, INIT_NORMAL, sd(Is, res), 0, 2, SHAPE(D, Is), MOE, l,
+                   "shared_experts.down_proj.weight");
+    }
+}
+
+/* Every tensor of the config, in HF's module order. */
+static void list_all(gen_list *g, const eng_config *c) {
+    int64_t D = c->hidden_size, Vb = c->vocab_size;
+    float res = 1.0f / sqrtf((float)c->num_hidden_layers);
+    add_tensor(g, INIT_NORMAL, 1.0f, 0, 2, SHAPE(Vb, D), "model.embed_tokens.weight");
+    for (int l = 0; l < c->num_hidden_layers; l++) {
+        add_tensor(g, INIT_UNIFORM, 0.8f, 1.2f, 1, SHAPE(D),
+                   "model.layers.%d.input_layernorm.weight", l);
+        if (c->layer_kind[l] == ENG_LAYER_KDA)
+            list_kda(g, c, l, res);
+        else
+            list_mla(g, c, l, res);
+        add_tensor(g, INIT_UNIFORM, 0.8f, 1.2f, 1, SHAPE(D),
+                   "model.layers.%d.post_attention_layernorm.weight", l);
+        list_ffn(g, c, l, res);
+    }
+    add_tensor(g, INIT_UNIFORM, 0.8f, 1.2f, 1, SHAPE(D), "model.norm.weight");
+    if (!c->tie_word_embeddings)
+        add_tensor(g, INIT_NORMAL, sd(D, 1), 0, 2, SHAPE(Vb, D), "lm_head.weight");
+}
+
+/* ------------------------------------------------------------------------ */
+/* Values                                                                    */
+
+static float sample(const gen_tensor *t, size_t i) {
+    /* splitmix64 in counter form: element i of the tensor's stream */
+    uint64_t r = mix64(t->stream + (uint64_t)(i + 1) * 0x9e3779b97f4a7c15ull);
+    double u = (double)(r >> 40) * (1.0 / 16777216.0); /* U[0, 1), 24 bits */
+    switch (t->init) {
+    case INIT_NORMAL: {
+        /* Irwin-Hall: four 16-bit uniforms, mean 2, variance 1/3 */
+        double s = (double)(r & 0xffff) + (double)((r >> 16) & 0xffff) +
+                   (double)((r >> 32) & 0xffff) + (double)(r >> 48);
+        return (float)((s * (1.0 / 65536.0) - 2.0) * 1.7320508075688772 * t->a);
+    }
+    case INIT_UNIFORM: return (float)(t->a + (t->b - t->a) * u);
+    case INIT_A_LOG: return (float)log(1.0 + 15.0 * u);
+    case INIT_DT_BIAS: {
+        double dt = exp(log(1e-3) + u * (log(1e-1) - log(1e-3)));
+        return (float)(dt + log(-expm1(-dt)));
+    }
+    }
+    return 0.0f;
+}
+
+static void fill_range(const gen_tensor *t, kern_dtype dt, void *buf, size_t i0, size_t i1) {
+    if (dt == KERN_F32) {
+        float *o = buf;
+        for (size_t i = i0; i < i1; i++)
+            o[i] = sample(t, i);
+    } else if (dt == KERN_BF16) {
+        uint16_t *o = buf;
+        for (size_t i = i0; i < i1; i++)
+            o[i] = kern_f32_to_bf16(sample(t, i));
+    } else {
+        uint16_t *o = buf;
+        for (size_t i = i0; i < i1; i++)
+            o[i] = kern_f32_to_f16(sample(t, i));
+    }
+}
+
+typedef struct fill_job {
+    const gen_tensor *t;
+    kern_dtype dt;
+    void *buf;
+    size_t i0, i1;
+} fill_job;
+
+static void *fill_thread(void *arg) {
+    fill_job *j = arg;
+    fill_range(j->t, j->dt, j->buf, j->i0, j->i1);
+    return NULL;
+}
+
+typedef struct writer {
+    const gen_tensor *first; /* tensors of the shard being written */
+    kern_dtype dt;
+    int n_threads;
+    bool progress;
+    const char *label;
+    uint64_t done, total;
+    double t0, last;
+} writer;
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* eng_st_fill_fn: values of tensor `index` of the current shard. */
+static kds_status fill(void *user, size_t index, void *buf, size_t n_bytes, kds_err *err) {
+    writer *w = user;
+    const gen_tensor *t = &w->first[index];
+    size_t n = t->n_elems;
+    int nt = n >= GEN_PARALLEL_MIN ? w->n_threads : 1;
+    pthread_t th[GEN_MAX_THREADS];
+    fill_job jobs[GEN_MAX_THREADS];
+    int started = 0;
+    for (int k = 0; k < nt; k++) {
+        jobs[k] =
+            (fill_job){t, w->dt, buf, n * (size_t)k / (size_t)nt, n * (size_t)(k + 1) / (size_t)nt};
+        /* job 0 runs here; if a thread cannot start its slice runs here too */
+        if (k == 0 || pthread_create(&th[k], NULL, fill_thread, &jobs[k]) != 0)
+            fill_thread(&jobs[k]);
+        else
+            started |= 1 << k;
+    }
+    for (int k = 1; k < nt; k++)
+        if (started & (1 << k)) pthread_join(th[k], NULL);
+    w->done += n_bytes;
+    double now = now_s();
+    if (w->progress && (now - w->last > 0.5 || w->done == w->total)) {
+        w->last = now;
+        fprintf(stderr, "\rwriting %s: %3d%% (%.2f / %.2f GB, %.0fs)", w->label,
+                (int)(100.0 * (double)w->done / (double)(w->total ? w->total : 1)), w->done / 1e9,
+                w->total / 1e9, now - w->t0);
+    }
+    (void)err;
+    return KDS_OK;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Files                                                                     */
+
+static char *path_join(const char *a, const char *b) {
+    size_t la = strlen(a), lb = strlen(b);
+    char *p = malloc(la + lb + 2);
+    if (!p) return NULL;
+    memcpy(p, a, la);
+    size_t n = la;
+    if (n > 0 && p[n - 1] != '/') p[n++] = '/';
+    memcpy(p + n, b, lb + 1);
+    return p;
+}
+
+static kds_status make_dirs(const char *path, kds_err *err) {
+    char *p = strdup(path);
+    if (!p) return kds_err_set(err, KDS_NOMEM, "out of memory creating %s", path);
+    kds_status rc = KDS_OK;
+    for (char *s = p + 1; *s && rc == KDS_OK; s++) {
+        if (*s != '/') continue;
+        *s = '\0';
+        if (mkdir(p, 0755) != 0 && errno != EEXIST)
+            rc = kds_err_set(err, KDS_IO, "mkdir %s: %s", p, strerror(errno));
+        *s = '/';
+    }
+    if (rc == KDS_OK && mkdir(p, 0755) != 0 && errno != EEXIST)
+        rc = kds_err_set(err, KDS_IO, "mkdir %s: %s", p, strerror(errno));
+    free(p);
+    return rc;
+}
+
+/* Write `text` to dir/name through a temporary file and a rename. */
+static kds_status write_text(const char *dir, const char *name, const char *text, kds_err *err) {
+    kds_status rc = KDS_OK;
+    char *path = path_join(dir, name);
+    size_t cap = path ? strlen(path) + 48 : 0;
+    char *tmp = path ? malloc(cap) : NULL;
+    if (!tmp) {
+        rc = kds_err_set(err, KDS_NOMEM, "out of memory writing %s", name);
+        goto out;
+    }
+    /* pid and a stack address: unique among processes and threads */
+    snprintf(tmp, cap, "%s.tmp.%ld.%lx", path, (long)getpid(), (unsigned long)(uintptr_t)&cap);
+    FILE *f = fopen(tmp, "wb");
+    if (!f) {
+        rc = kds_err_set(err, KDS_IO, "%s: %s", tmp, strerror(errno));
+        goto out;
+    }
+    size_t n = strlen(text);
+    bool ok = fwrite(text, 1, n, f) == n && fputc('\n', f) != EOF;
+    if (fclose(f) != 0) ok = false;
+    if (!ok) {
+        rc = kds_err_set(err, KDS_IO, "%s: write failed", tmp);
+        unlink(tmp);
+        goto out;
+    }
+    if (rename(tmp, path) != 0) {
+        rc = kds_err_set(err, KDS_IO, "rename %s -> %s: %s", tmp, path, strerror(errno));
+        unlink(tmp);
+    }
+out:
+    free(tmp);
+    free(path);
+    return rc;
+}
+
+static void remove_file(const char *dir, const char *name) {
+    char *p = path_join(dir, name);
+    if (p) unlink(p);
+    free(p);
+}
+
+static eng_st_dtype st_dtype(kern_dtype dt) {
+    return dt == KERN_F32 ? ENG_ST_F32 : dt == KERN_BF16 ? ENG_ST_BF16 : ENG_ST_F16;
+}
+
+static const char *torch_name(kern_dtype dt) {
+    return dt == KERN_F32 ? "float32" : dt == KERN_BF16 ? "bfloat16" : "float16";
+}
+
+/* One shard: tensors [begin, end) of the list into dir/name. */
+static kds_status write_shard(writer *w, const gen_tensor *t, size_t begin, size_t end,
+                              const char *dir, const char *name, kds_err *err) {
+    static const char *const metadata[] = {"format", "pt", NULL};
+    size_t n = end - begin;
+    eng_st_out_tensor *out = calloc(n ? n : 1, sizeof *out);
+    char *path = path_join(dir, name);
+    kds_status rc = KDS_OK;
+    if (!out || !path) {
+        rc = kds_err_set(err, KDS_NOMEM, "out of memory writing %s", name);
+        goto out;
+    }
+    for (size_t i = 0; i < n; i++) {
+        const gen_tensor *g = &t[begin + i];
+        out[i].name = g->name;
+        out[i].dtype = st_dtype(w->dt);
+        out[i].n_dims = g->n_dims;
+        for (int d = 0; d < g->n_dims; d++)
+            out[i].shape[d] = g->shape[d];
+        out[i].data = NULL;
+    }
+    w->first = &t[begin];
+    w->label = name;
+    rc = eng_st_write_stream(path, out, n, metadata, fill, w, err);
+out:
+    free(path);
+    free(out);
+    return rc;
+}
+
+/* model.safetensors.index.json for shards cut at `cuts` (n_shards + 1). */
+static kds_status write_index(const gen_tensor *t, const size_t *cuts, int n_shards, uint64_t total,
+                              const char *dir, kds_err *err) {
+    kds_status rc = KDS_OK;
+    char *text = NULL;
+    cJSON *root = cJSON_CreateObject();
+    cJSON *md = root ? cJSON_AddObjectToObject(root, "metadata") : NULL;
+    cJSON *wm = root ? cJSON_AddObjectToObject(root, "weight_map") : NULL;
+    if (!md || !wm) {
+        rc = kds_err_set(err, KDS_NOMEM, "out of memory writing the index");
+        goto out;
+    }
+    cJSON_AddNumberToObject(md, "total_size", (double)total);
+    for (int s = 0; s < n_shards; s++) {
+        char name[64];
+        snprintf(name, sizeof name, "model-%05d-of-%05d.safetensors", s + 1, n_shards);
+        for (size_t i = cuts[s]; i < cuts[s + 1]; i++)
+            if (!cJSON_AddStringToObject(wm, t[i].name, name)) {
+                rc = kds_err_set(err, KDS_NOMEM, "out of memory writing the index");
+                goto out;
+            }
+    }
+    text = cJSON_Print(root);
+    if (!text) {
+        rc = kds_err_set(err, KDS_NOMEM, "out of memory writing the index");
+        goto out;
+    }
+    rc = write_text(dir, "model.safetensors.index.json", text, err);
+out:
+    free(text);
+    cJSON_Delete(root);
+    return rc;
+}
+
+kds_status eng_genmodel_write(const eng_config *c, uint64_t seed, kern_dtype dtype,
+                              const char *out_dir, bool progress, kds_err *err) {
+    return eng__genmodel_write_sharded(c, seed, dtype, out_dir, progress, GEN_SHARD_BYTES, err);
+}
+
+kds_status eng__genmodel_write_sharded(const eng_config *c, uint64_t seed, kern_dtype dtype,
+                                       const char *out_dir, bool progress, uint64_t shard_bytes,
+                                       kds_err *err) {
+    kds_status rc = KDS_OK;
+    char *json = NULL;
+    gen_list g = {NULL, 0, 0, seed};
+    size_t *cuts = NULL;
+    eng_config cfg;
+    if (!c || !out_dir || !out_dir[0])
+        return kds_err_set(err, KDS_INVALID_ARG, "eng_genmodel_write: no config or directory");
+    if (dtype != KERN_F32 && dtype != KERN_BF16 && dtype != KERN_F16)
+        return kds_err_set(err, KDS_INVALID_ARG, "eng_genmodel_write: unknown dtype %d",
+                           (int)dtype);
+
+    /* Check the config exactly as the loader will read it back. */
+    eng_config want = *c;
+    snprintf(want.torch_dtype, sizeof want.torch_dtype, "%s", torch_name(dtype));
+    json = eng_config_to_json(&want);
+    if (!json) return kds_err_set(err, KDS_NOMEM, "out of memory writing %s", out_dir);
+    if ((rc = eng_config_parse(json, strlen(json), "generated config", &cfg, err)) != KDS_OK)
+        goto out;
+
+    size_t n = eng_config_tensor_count(&cfg);
+    if (n > GEN_MAX_TENSORS) {
+        rc = kds_err_set(err, KDS_TOO_LARGE, "%zu tensors is too many to generate (max %zu)", n,
+                         GEN_MAX_TENSORS);
+        goto out;
+    }
+    g.t = calloc(n, sizeof *g.t);
+    if (!g.t) {
+        rc = kds_err_set(err, KDS_NOMEM, "out of memory listing %zu tensors", n);
+        goto out;
+    }
+    g.cap = n;
+    list_all(&g, &cfg);
+    if (g.n != n) {
+        rc = kds_err_set(err, KDS_INTERNAL, "listed %zu tensors, expected %zu", g.n, n);
+        goto out;
+    }
+
+    /* Plan the shards: greedy, in order, at most shard_bytes each. */
+    size_t esz = kern_dtype_size(dtype);
+    uint64_t total = 0;
+    for (size_t i = 0; i < n; i++)
+        total += (uint64_t)g.t[i].n_elems * esz;
+    cuts = calloc(n + 2, sizeof *cuts);
+    if (!cuts) {
+        rc = kds_err_set(err, KDS_NOMEM, "out of memory planning shards");
+        goto out;
+    }
+    int n_shards = 1;
+    if (total > shard_bytes) {
+        uint64_t cur = 0;
+        n_shards = 0;
+        for (size_t i = 0; i < n; i++) {
+            uint64_t b = (uint64_t)g.t[i].n_elems * esz;
+            if (i == 0 || (cur > 0 && cur + b > shard_bytes)) {
+                cuts[n_shards++] = i;
+                cur = 0;
+            }
+            cur += b;
+        }
+        if (n_shards > 99999) {
+            rc = kds_err_set(err, KDS_TOO_LARGE, "%d shards is too many", n_shards);
+            goto out;
+        }
+    }
+    cuts[n_shards] = n;
+
+    if ((rc = make_dirs(out_dir, err)) != KDS_OK) goto out;
+    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    writer w = {.dt = dtype,
+                .n_threads = cpus < 1                 ? 1
+                             : cpus > GEN_MAX_THREADS ? GEN_MAX_THREADS
+                                                      : (int)cpus,
+                .progress = progress,
+                .total = total,
+                .t0 = now_s()};
+    if (n_shards == 1) {
+        rc = write_shard(&w, g.t, 0, n, out_dir, "model.safetensors", err);
+        if (rc != KDS_OK) goto out;
+        remove_file(out_dir, "model.safetensors.index.json"); /* a stale index */
+    } else {
+        for (int s = 0; s < n_shards; s++) {
+            char name[64];
+            snprintf(name, sizeof name, "model-%05d-of-%05d.safetensors", s + 1, n_shards);
+            rc = write_shard(&w, g.t, cuts[s], cuts[s + 1], out_dir, name, err);
+            if (rc != KDS_OK) goto out;
+        }
+        rc = write_index(g.t, cuts, n_shards, total, out_dir, err);
+        if (rc != KDS_OK) goto out;
+        /* the loader prefers model.safetensors: a stale one would win */
+        remove_file(out_dir, "model.safetensors");
+    }
+    if (progress) fprintf(stderr, "\n");
+    rc = write_text(out_dir, "config.json", json, err);
+out:
+    free(cuts);
+    free(g.t);
+    free(json);
+    return rc;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Describe                                                                  */
+
+/* 49122681728 -> "49,122,681,728" */
+static const char *grouped(size_t v, char *buf, size_t cap) {
+    char raw[32];
+    snprintf(raw, sizeof raw, "%zu", v);
+    size_t n = strlen(raw), o = 0;
+    for (size_t i = 0; i < n && o + 2 < cap; i++) {
+        if (i > 0 && (n - i) % 3 == 0) buf[o++] = ',';
+        buf[o++] = raw[i];
+    }
+    buf[o] = '\0';
+    return buf;
+}
+
+static const char *human(double bytes, char *buf, size_t cap) {
+    const char *unit[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+    int u = 0;
+    while (bytes >= 1024.0 && u < 4) {
+        bytes /= 1024.0;
+        u++;
+    }
+    snprintf(buf, cap, u ? "%.2f %s" : "%.0f %s", bytes, unit[u]);
+    return buf;
+}
+
+void eng_genmodel_describe(const eng_config *c, FILE *f) {
+    char a[48], b[48], d[48];
+    int L = c->num_hidden_layers, n_dense = 0;
+    for (int l = 0; l < L; l++)
+        n_dense += !c->layer_is_moe[l];
+    fprintf(f, "layers:      %d (%d KDA, %d MLA; %d dense, %d MoE)", L, c->n_kda_layers,
+            c->n_mla_layers, n_dense, L - n_dense);
+    if (L <= 8) {
+        fprintf(f, ":");
+        for (int l = 0; l < L; l++)
+            fprintf(f, "%s %s+%s", l ? "," : "", c->layer_kind[l] == ENG_LAYER_KDA ? "KDA" : "MLA",
+                    c->layer_is_moe[l] ? "MoE" : "dense");
+    }
+    fprintf(f, "\nwidths:      hidden %d, vocab %d, dense FFN %d\n", c->hidden_size, c->vocab_size,
+            c->intermediate_size);
+    if (c->n_kda_layers)
+        fprintf(f, "KDA:         %d q/k heads, %d v heads, head dim %d, conv %d, %s gate\n",
+                c->kda_num_heads, c->kda_num_v_heads, c->kda_head_dim, c->short_conv_kernel_size,
+                c->has_gate_lower_bound ? "lower-bound" : "softplus");
+    if (c->n_mla_layers)
+        fprintf(f,
+                "MLA:         %d heads, kv_lora_rank %d, q_lora_rank %d, nope %d, rope %d, "
+                "v %d\n",
+                c->num_attention_heads, c->kv_lora_rank, c->q_lora_rank, c->qk_nope_head_dim,
+                c->qk_rope_head_dim, c->v_head_dim);
+    if (c->num_experts)
+        fprintf(f, "MoE:         %d experts, top-%d, %d shared, width %d\n", c->num_experts,
+                c->num_experts_per_token, c->num_shared_experts, c->moe_intermediate_size);
+    size_t params = eng_config_param_count(c);
+    size_t esz = strcmp(c->torch_dtype, "float32") == 0 ? 4 : 2;
+    fprintf(f, "tensors:     %s\n", grouped(eng_config_tensor_count(c), a, sizeof a));
+    fprintf(f, "parameters:  %s\n", grouped(params, a, sizeof a));
+    fprintf(f, "bytes:       %s (%s as %s)\n", grouped(params * esz, a, sizeof a),
+            human((double)params * (double)esz, b, sizeof b),
+            c->torch_dtype[0] ? c->torch_dtype : "bfloat16");
+    eng_state_size s = eng_config_state_size(c);
+    fprintf(f, "state/seq:   %s fixed (KDA state %s, conv %s)", human((double)s.fixed, a, sizeof a),
+            human((double)s.kda_state, b, sizeof b), human((double)s.conv_state, d, sizeof d));
+    if (s.per_token)
+        fprintf(f, " + %zu B/token (%s at 128K tokens)", s.per_token,
+                human((double)s.fixed + (double)s.per_token * 131072.0, a, sizeof a));
+    fprintf(f, "\n");
+}

@@ -1,0 +1,83 @@
+/*
+ * eng_genmodel.h - random Kimi-Linear checkpoints for tests, benchmarks and
+ * comparisons with other engines.
+ *
+ * A generated model is an ordinary Hugging Face directory: config.json (every
+ * field the real Kimi-Linear-48B config has, see eng_config_to_json) and
+ * model.safetensors, or, above 4 GiB, model-0000N-of-0000M.safetensors
+ * shards of at most 4 GiB each plus model.safetensors.index.json. Tensor
+ * names and shapes are those of kda-model-spec.md §2 (A_log [1, 1, HV, 1],
+ * conv taps [C, 1, W]), so HF, vLLM and llama.cpp's converter accept it.
+ *
+ * Weights are deterministic in (config, seed, dtype): each tensor draws from
+ * its own counter-based stream (splitmix64 keyed by the seed and the tensor's
+ * name), so a value depends on neither the write order nor the thread that
+ * made it. Scales keep activations O(1) through any depth: matrices have
+ * standard deviation 1/sqrt(fan_in) (output projections a further
+ * 1/sqrt(num_hidden_layers)), the embedding 1, norm weights U(0.8, 1.2),
+ * A_log = log U(1, 16), dt_bias = inverse-softplus of a log-uniform step in
+ * [1e-3, 1e-1] (fla's initialisation), conv taps U(-0.5, 0.5), router
+ * correction bias U(-0.1, 0.1).
+ *
+ * Thread-safety: reentrant; no globals.
+ */
+#ifndef ENG_GENMODEL_H
+#define ENG_GENMODEL_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "eng_config.h"
+#include "kds_status.h"
+#include "kern.h"
+
+/*
+ * Fill *out with a named preset (checked as eng_config_parse would):
+ *   "tiny"            pure KDA + MoE, a few MB: hidden 256, 4 layers, 4 KDA
+ *                     heads x 64, layer 0 dense, 8 experts top-2 + 1 shared,
+ *                     vocab 512.
+ *   "tiny-hybrid"     as tiny with an MLA layer: KDA+dense, KDA+MoE,
+ *                     MLA+MoE, KDA+MoE.
+ *   "llamacpp-tiny"   the llama.cpp comparison model (~30M parameters):
+ *                     hidden 256, KDA+dense, KDA+MoE, KDA+MoE, MLA+MoE,
+ *                     8 experts top-2 + shared, vocab 50304.
+ *   "kimi-linear-48b" the exact Kimi-Linear-48B-A3B config (spec §1).
+ *   "wide"            48B widths (hidden 2304, 32x128 KDA, real MLA and
+ *                     expert sizes, vocab 163840), 4 layers KDA+dense,
+ *                     KDA+MoE, KDA+MoE, MLA+MoE, 32 experts.
+ *   "full27"          the real 27-layer layout and widths, 16 experts.
+ * torch_dtype is "bfloat16"; eng_genmodel_write replaces it with the dtype
+ * it writes. Errors: KDS_NOT_FOUND (unknown name, message lists the known).
+ */
+kds_status eng_genmodel_preset(const char *name, eng_config *out, kds_err *err);
+
+/* The preset names, NULL-terminated. Static storage. */
+const char *const *eng_genmodel_preset_names(void);
+
+/*
+ * Write a random model for config `c` into `out_dir` (created if needed;
+ * an earlier model's config.json, model.safetensors and index there are
+ * replaced, and the one the loader would prefer is removed, so the directory
+ * always loads as the new model; shard files of another count are left
+ * behind unused). Weights are stored in `dtype`; config.json's torch_dtype
+ * says which. Files are written under temporary names and renamed,
+ * config.json last. `progress` prints a
+ * progress line to stderr. Errors: what eng_config_parse says of `c`
+ * (KDS_INVALID_ARG, ...), KDS_IO, KDS_NOMEM, KDS_TOO_LARGE.
+ */
+kds_status eng_genmodel_write(const eng_config *c, uint64_t seed, kern_dtype dtype,
+                              const char *out_dir, bool progress, kds_err *err);
+
+/* Engine-internal: eng_genmodel_write with a chosen shard size (a single
+ * file when the total fits in `shard_bytes`), so tests can write sharded
+ * checkpoints without gigabytes. */
+kds_status eng__genmodel_write_sharded(const eng_config *c, uint64_t seed, kern_dtype dtype,
+                                       const char *out_dir, bool progress, uint64_t shard_bytes,
+                                       kds_err *err);
+
+/* Print a summary: layout, tensor and parameter counts, bytes at the
+ * config's torch_dtype (bf16 when unset) and the per-sequence state size. */
+void eng_genmodel_describe(const eng_config *c, FILE *f);
+
+#endif /* ENG_GENMODEL_H */

@@ -1,0 +1,907 @@
+/*
+ * eng_load.c - load a Kimi-Linear checkpoint directory (config.json plus
+ * model.safetensors, or model.safetensors.index.json and its shards) into a
+ * struct eng_model, and fingerprint it.
+ *
+ * Order of work: parse the config; open and validate every safetensors file
+ * (eng_st_open checks the headers); build a name-sorted catalog of the
+ * tensors; bind every tensor the config implies, checking presence, dtype
+ * and exact shape (kda-model-spec.md §2); convert the small per-channel
+ * vectors to float32; create the tokenizer; fingerprint.
+ *
+ * Nothing here trusts the files: every refusal names the file or tensor, and
+ * partial work is undone through eng_model_free (all fields start NULL).
+ */
+#define _XOPEN_SOURCE 700 /* realpath */
+#include <cJSON.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include "eng_model.h"
+#include "eng_tokenizer.h"
+
+/* JSON files larger than these are damage, not a model (the 48B index is
+ * about 2 MB, its config 2 KB). */
+#define LOAD_MAX_CONFIG_BYTES ((size_t)16 << 20)
+#define LOAD_MAX_INDEX_BYTES ((size_t)256 << 20)
+/* Models smaller than this hash in well under a second: no progress line. */
+#define LOAD_PROGRESS_MIN_BYTES ((uint64_t)256 << 20)
+/* Bytes hashed between progress updates. */
+#define LOAD_HASH_STEP ((size_t)64 << 20)
+/* Versioned into the cache key so a change of the hashed layout can never
+ * reuse an old cached value. */
+#define LOAD_FP_VERSION "kdaserve-fingerprint-v1"
+
+eng_model_params eng_model_default_params(void) {
+    eng_model_params p = {.cache_dir = NULL, .no_fingerprint_cache = false, .progress = false};
+    return p;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Small helpers                                                             */
+
+/* "a/b" (malloc'd), or NULL when out of memory. */
+static char *path_join(const char *a, const char *b) {
+    size_t la = strlen(a), lb = strlen(b);
+    char *p = malloc(la + lb + 2);
+    if (!p) return NULL;
+    memcpy(p, a, la);
+    size_t n = la;
+    if (n > 0 && p[n - 1] != '/') p[n++] = '/';
+    memcpy(p + n, b, lb + 1);
+    return p;
+}
+
+static bool file_exists(const char *path) {
+    struct stat st;
+    return stat(path, &st) == 0;
+}
+
+/* Read a whole (small) file; caller frees *buf (NUL-terminated). */
+static kds_status read_file(const char *path, size_t cap, char **buf, size_t *len, kds_err *err) {
+    kds_status rc = KDS_OK;
+    *buf = NULL;
+    *len = 0;
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return kds_err_set(err, errno == ENOENT ? KDS_NOT_FOUND : KDS_IO, "%s: %s", path,
+                           strerror(errno));
+    struct stat st;
+    if (fstat(fd, &st) != 0) {
+        rc = kds_err_set(err, KDS_IO, "%s: %s", path, strerror(errno));
+        goto out_close;
+    }
+    if (!S_ISREG(st.st_mode)) {
+        rc = kds_err_set(err, KDS_IO, "%s: not a regular file", path);
+        goto out_close;
+    }
+    if ((uint64_t)st.st_size > cap) {
+        rc = kds_err_set(err, KDS_TOO_LARGE, "%s: %lld bytes is too large", path,
+                         (long long)st.st_size);
+        goto out_close;
+    }
+    size_t n = (size_t)st.st_size;
+    char *b = malloc(n + 1);
+    if (!b) {
+        rc = kds_err_set(err, KDS_NOMEM, "out of memory reading %s", path);
+        goto out_close;
+    }
+    size_t got = 0;
+    while (got < n) {
+        ssize_t r = read(fd, b + got, n - got);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) {
+            free(b);
+            rc = kds_err_set(err, KDS_IO, "%s: short read", path);
+            goto out_close;
+        }
+        got += (size_t)r;
+    }
+    b[n] = '\0';
+    *buf = b;
+    *len = n;
+out_close:
+    close(fd);
+    return rc;
+}
+
+static void fmt_shape(char *buf, size_t cap, int nd, const int64_t *d) {
+    size_t o = 0;
+    o += (size_t)snprintf(buf + o, cap - o, "[");
+    for (int i = 0; i < nd && o < cap; i++)
+        o += (size_t)snprintf(buf + o, cap - o, "%s%lld", i ? ", " : "", (long long)d[i]);
+    if (o < cap) snprintf(buf + o, cap - o, "]");
+}
+
+/* ------------------------------------------------------------------------ */
+/* The catalog: every tensor of the checkpoint, sorted by name.              */
+
+typedef struct cat_entry {
+    const char *name; /* borrowed from the shard's header */
+    const eng_st_tensor *t;
+    int shard;
+} cat_entry;
+
+static int cat_cmp(const void *a, const void *b) {
+    const cat_entry *x = a, *y = b;
+    int c = strcmp(x->name, y->name);
+    if (c) return c;
+    return (x->shard > y->shard) - (x->shard < y->shard);
+}
+
+typedef struct loader {
+    eng_model *m;
+    const char *dir;
+    char *where;      /* the weights file or index, for messages */
+    char *index_path; /* NULL when unsharded */
+    cat_entry *cat;
+    size_t n_cat;
+    kds_err *err;
+    kds_status rc;  /* sticky: the first failure wins */
+    char name[256]; /* tensor being bound */
+} loader;
+
+static void fail(loader *ld, kds_status s, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+static void fail(loader *ld, kds_status s, const char *fmt, ...) {
+    if (ld->rc != KDS_OK) return;
+    ld->rc = s;
+    if (!ld->err) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(ld->err->msg, sizeof ld->err->msg, fmt, ap);
+    va_end(ap);
+    ld->err->status = s;
+}
+
+/* Sort the catalog and refuse a tensor listed twice. */
+static kds_status sort_catalog(loader *ld) {
+    qsort(ld->cat, ld->n_cat, sizeof *ld->cat, cat_cmp);
+    for (size_t i = 1; i < ld->n_cat; i++)
+        if (strcmp(ld->cat[i].name, ld->cat[i - 1].name) == 0)
+            return kds_err_set(ld->err, KDS_BAD_FORMAT, "%s: tensor '%s' appears twice", ld->where,
+                               ld->cat[i].name);
+    return KDS_OK;
+}
+
+static const cat_entry *cat_find(const loader *ld, const char *name) {
+    cat_entry key = {.name = name, .t = NULL, .shard = 0};
+    size_t lo = 0, hi = ld->n_cat;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        int c = strcmp(ld->cat[mid].name, key.name);
+        if (c == 0) return &ld->cat[mid];
+        if (c < 0)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return NULL;
+}
+
+static kds_status open_single(loader *ld, const char *path) {
+    eng_model *m = ld->m;
+    kds_status rc = eng_st_open(path, &m->shards[0], ld->err);
+    if (rc != KDS_OK) return rc;
+    m->n_shards = 1;
+    size_t n = eng_st_count(m->shards[0]);
+    ld->cat = calloc(n ? n : 1, sizeof *ld->cat);
+    if (!ld->cat) return kds_err_set(ld->err, KDS_NOMEM, "out of memory loading %s", path);
+    for (size_t i = 0; i < n; i++) {
+        const eng_st_tensor *t = eng_st_at(m->shards[0], i);
+        ld->cat[i] = (cat_entry){t->name, t, 0};
+    }
+    ld->n_cat = n;
+    return sort_catalog(ld);
+}
+
+/* A shard must be a plain file name next to the index (no directories: the
+ * index must not reach outside the model directory). */
+static bool shard_name_ok(const char *s) {
+    return s[0] && !strchr(s, '/') && strcmp(s, ".") != 0 && strcmp(s, "..") != 0;
+}
+
+/* model.safetensors.index.json: {"weight_map": {tensor: shard file}}. Opens
+ * each distinct shard once; every entry must name a tensor its shard has. */
+static kds_status open_sharded(loader *ld) {
+    eng_model *m = ld->m;
+    kds_status rc = KDS_OK;
+    char *text = NULL;
+    size_t len = 0;
+    cJSON *root = NULL;
+    char *shard_names[ENG_MAX_SHARDS] = {0};
+    int *entry_shard = NULL;
+    cat_entry *all = NULL;
+    size_t n_all = 0;
+
+    if ((rc = read_file(ld->index_path, LOAD_MAX_INDEX_BYTES, &text, &len, ld->err)) != KDS_OK)
+        goto out;
+    root = cJSON_ParseWithLength(text, len);
+    if (!root || !cJSON_IsObject(root)) {
+        rc = kds_err_set(ld->err, KDS_BAD_FORMAT, "%s: not a JSON object", ld->index_path);
+        goto out;
+    }
+    const cJSON *wm = cJSON_GetObjectItemCaseSensitive(root, "weight_map");
+    if (!cJSON_IsObject(wm)) {
+        rc = kds_err_set(ld->err, KDS_BAD_FORMAT, "%s: 'weight_map' is missing or not an object",
+                         ld->index_path);
+        goto out;
+    }
+    size_t n = (size_t)cJSON_GetArraySize(wm);
+    entry_shard = calloc(n ? n : 1, sizeof *entry_shard);
+    if (!entry_shard) {
+        rc = kds_err_set(ld->err, KDS_NOMEM, "out of memory reading %s", ld->index_path);
+        goto out;
+    }
+    /* Pass 1: open every distinct shard. */
+    size_t i = 0;
+    const cJSON *it;
+    cJSON_ArrayForEach(it, wm) {
+        if (!cJSON_IsString(it) || !shard_name_ok(it->valuestring)) {
+            rc = kds_err_set(ld->err, KDS_BAD_FORMAT,
+                             "%s: weight_map entry '%s' is not a plain shard file name",
+                             ld->index_path, it->string);
+            goto out;
+        }
+        int s = 0;
+        while (s < m->n_shards && strcmp(shard_names[s], it->valuestring) != 0)
+            s++;
+        if (s == m->n_shards) {
+            if (m->n_shards == ENG_MAX_SHARDS) {
+                rc = kds_err_set(ld->err, KDS_TOO_LARGE, "%s: more than %d shards", ld->index_path,
+                                 ENG_MAX_SHARDS);
+                goto out;
+            }
+            shard_names[s] = strdup(it->valuestring);
+            char *path = path_join(ld->dir, it->valuestring);
+            if (!shard_names[s] || !path) {
+                free(path);
+                rc = kds_err_set(ld->err, KDS_NOMEM, "out of memory reading %s", ld->index_path);
+                goto out;
+            }
+            rc = eng_st_open(path, &m->shards[s], ld->err);
+            free(path);
+            if (rc != KDS_OK) {
+                kds_err_prefix(ld->err, "%s: shard '%s' (holding '%s')", ld->index_path,
+                               it->valuestring, it->string);
+                goto out;
+            }
+            m->n_shards++;
+        }
+        entry_shard[i++] = s;
+    }
+    /* Pass 2: all tensors of all shards sorted by (name, shard), so each
+     * weight_map entry is one binary search. */
+    for (int s = 0; s < m->n_shards; s++)
+        n_all += eng_st_count(m->shards[s]);
+    all = calloc(n_all ? n_all : 1, sizeof *all);
+    ld->cat = calloc(n ? n : 1, sizeof *ld->cat);
+    if (!all || !ld->cat) {
+        rc = kds_err_set(ld->err, KDS_NOMEM, "out of memory reading %s", ld->index_path);
+        goto out;
+    }
+    size_t k = 0;
+    for (int s = 0; s < m->n_shards; s++)
+        for (size_t j = 0; j < eng_st_count(m->shards[s]); j++) {
+            const eng_st_tensor *t = eng_st_at(m->shards[s], j);
+            all[k++] = (cat_entry){t->name, t, s};
+        }
+    qsort(all, n_all, sizeof *all, cat_cmp);
+    i = 0;
+    cJSON_ArrayForEach(it, wm) {
+        cat_entry key = {it->string, NULL, entry_shard[i]};
+        const cat_entry *hit = bsearch(&key, all, n_all, sizeof *all, cat_cmp);
+        if (!hit) {
+            rc = kds_err_set(ld->err, KDS_NOT_FOUND,
+                             "%s: weight_map puts tensor '%s' in shard '%s', which has no such "
+                             "tensor",
+                             ld->index_path, it->string, it->valuestring);
+            goto out;
+        }
+        ld->cat[i++] = *hit;
+    }
+    ld->n_cat = n;
+    rc = sort_catalog(ld);
+out:
+    for (int s = 0; s < ENG_MAX_SHARDS; s++)
+        free(shard_names[s]);
+    free(all);
+    free(entry_shard);
+    cJSON_Delete(root);
+    free(text);
+    return rc;
+}
+
+static kds_status open_weights(loader *ld) {
+    kds_status rc = KDS_OK;
+    char *single = path_join(ld->dir, "model.safetensors");
+    char *index = path_join(ld->dir, "model.safetensors.index.json");
+    if (!single || !index) {
+        rc = kds_err_set(ld->err, KDS_NOMEM, "out of memory loading %s", ld->dir);
+        goto out;
+    }
+    /* Like transformers: a single model.safetensors wins over an index. */
+    if (file_exists(single)) {
+        ld->where = single;
+        single = NULL;
+        rc = open_single(ld, ld->where);
+    } else if (file_exists(index)) {
+        ld->where = strdup(index);
+        ld->index_path = index;
+        index = NULL;
+        rc = ld->where ? open_sharded(ld)
+                       : kds_err_set(ld->err, KDS_NOMEM, "out of memory loading %s", ld->dir);
+    } else {
+        rc = kds_err_set(ld->err, KDS_NOT_FOUND,
+                         "%s: no model.safetensors or model.safetensors.index.json", ld->dir);
+    }
+out:
+    free(single);
+    free(index);
+    return rc;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Binding tensors. Every binder is a no-op once the loader has failed; the
+ * tensor name is printf-formatted into ld->name.                           */
+
+static void set_name(loader *ld, const char *fmt, va_list ap) {
+    vsnprintf(ld->name, sizeof ld->name, fmt, ap);
+}
+
+/* Find ld->name and check its dtype; NULL (and a failure) otherwise. */
+static const eng_st_tensor *lookup(loader *ld, kern_dtype *dt, bool optional) {
+    const cat_entry *e = cat_find(ld, ld->name);
+    if (!e) {
+        if (!optional) fail(ld, KDS_NOT_FOUND, "tensor '%s' not found in %s", ld->name, ld->where);
+        return NULL;
+    }
+    switch (e->t->dtype) {
+    case ENG_ST_F32: *dt = KERN_F32; break;
+    case ENG_ST_BF16: *dt = KERN_BF16; break;
+    case ENG_ST_F16: *dt = KERN_F16; break;
+    default:
+        fail(ld, KDS_MISMATCH, "tensor '%s' has dtype %s; expected F32, BF16 or F16 (%s)", ld->name,
+             eng_st_dtype_name(e->t->dtype), ld->where);
+        return NULL;
+    }
+    return e->t;
+}
+
+/* A Linear weight [rows, cols], read in place. */
+static void bind_matrix(loader *ld, eng_weight *w, int64_t rows, int64_t cols, const char *fmt, ...)
+    __attribute__((format(printf, 5, 6)));
+
+static void bind_matrix(loader *ld, eng_weight *w, int64_t rows, int64_t cols, const char *fmt,
+                        ...) {
+    if (ld->rc != KDS_OK) return;
+    va_list ap;
+    va_start(ap, fmt);
+    set_name(ld, fmt, ap);
+    va_end(ap);
+    kern_dtype dt;
+    const eng_st_tensor *t = lookup(ld, &dt, false);
+    if (!t) return;
+    if (t->n_dims != 2 || t->shape[0] != rows || t->shape[1] != cols) {
+        char got[128], want[64];
+        int64_t wd[2] = {rows, cols};
+        fmt_shape(got, sizeof got, t->n_dims, t->shape);
+        fmt_shape(want, sizeof want, 2, wd);
+        fail(ld, KDS_MISMATCH, "tensor '%s' has shape %s; expected %s (%s)", ld->name, got, want,
+             ld->where);
+        return;
+    }
+    *w = (eng_weight){dt, t->data, (int)rows, (int)cols};
+}
+
+/* Accepted layouts of a small vector: up to 2 shapes of up to 4 dims. */
+typedef struct vshape {
+    int nd;
+    int64_t d[4];
+} vshape;
+
+/* A small vector of `n` floats, converted into the model's arena. Absent
+ * and `optional`: *out = NULL. */
+static void bind_vector(loader *ld, const float **out, size_t n, const vshape *shapes, int n_shapes,
+                        bool optional, const char *fmt, ...) __attribute__((format(printf, 7, 8)));
+
+static void bind_vector(loader *ld, const float **out, size_t n, const vshape *shapes, int n_shapes,
+                        bool optional, const char *fmt, ...) {
+    *out = NULL;
+    if (ld->rc != KDS_OK) return;
+    va_list ap;
+    va_start(ap, fmt);
+    set_name(ld, fmt, ap);
+    va_end(ap);
+    kern_dtype dt;
+    const eng_st_tensor *t = lookup(ld, &dt, optional);
+    if (!t) return;
+    bool ok = false;
+    for (int s = 0; s < n_shapes && !ok; s++) {
+        ok = t->n_dims == shapes[s].nd;
+        for (int i = 0; ok && i < shapes[s].nd; i++)
+            ok = t->shape[i] == shapes[s].d[i];
+    }
+    if (!ok) {
+        char got[128], want[128];
+        fmt_shape(got, sizeof got, t->n_dims, t->shape);
+        fmt_shape(want, sizeof want, shapes[0].nd, shapes[0].d);
+        if (n_shapes > 1) {
+            size_t o = strlen(want);
+            snprintf(want + o, sizeof want - o, " or ");
+            o = strlen(want);
+            fmt_shape(want + o, sizeof want - o, shapes[1].nd, shapes[1].d);
+        }
+        fail(ld, KDS_MISMATCH, "tensor '%s' has shape %s; expected %s (%s)", ld->name, got, want,
+             ld->where);
+        return;
+    }
+    eng_model *m = ld->m;
+    if (t->n_elems != n || m->small_f32_cap - m->small_f32_used < n) {
+        fail(ld, KDS_INTERNAL, "small-vector arena too small for '%s'", ld->name);
+        return;
+    }
+    float *dst = m->small_f32 + m->small_f32_used;
+    m->small_f32_used += n;
+    kern_to_f32(dt, t->data, dst, n);
+    *out = dst;
+}
+
+/* The common case: a plain [n] vector. */
+static vshape vec1(int64_t n) {
+    return (vshape){1, {n, 0, 0, 0}};
+}
+
+/* Floats the small-vector arena needs for this config. */
+static size_t small_floats(const eng_config *c) {
+    size_t D = (size_t)c->hidden_size, n = D; /* model.norm */
+    size_t H = (size_t)c->kda_num_heads, HV = (size_t)c->kda_num_v_heads;
+    size_t K = (size_t)c->kda_head_dim, V = (size_t)c->kda_v_head_dim;
+    size_t W = (size_t)c->short_conv_kernel_size;
+    for (int l = 0; l < c->num_hidden_layers; l++) {
+        n += 2 * D;
+        if (c->layer_kind[l] == ENG_LAYER_KDA)
+            n += (2 * H * K + HV * V) * W + HV + HV * K + V;
+        else
+            n += (size_t)c->kv_lora_rank + (size_t)c->q_lora_rank;
+        if (c->layer_is_moe[l]) n += (size_t)c->num_experts;
+    }
+    return n;
+}
+
+/* Names of attention tensors: "model.layers.<l>.self_attn.<what>". */
+#define SELF_ATTN "model.layers.%d.self_attn.%s"
+
+static void bind_kda(loader *ld, int l, eng_kda_weights *w) {
+    const eng_config *c = &ld->m->cfg;
+    int64_t D = c->hidden_size, H = c->kda_num_heads, HV = c->kda_num_v_heads;
+    int64_t K = c->kda_head_dim, V = c->kda_v_head_dim, W = c->short_conv_kernel_size;
+    bind_matrix(ld, &w->q_proj, H * K, D, SELF_ATTN, l, "q_proj.weight");  /* [H*K, D] */
+    bind_matrix(ld, &w->k_proj, H * K, D, SELF_ATTN, l, "k_proj.weight");  /* [H*K, D] */
+    bind_matrix(ld, &w->v_proj, HV * V, D, SELF_ATTN, l, "v_proj.weight"); /* [HV*V, D] */
+    /* depthwise conv taps: HF [C, 1, W]; llama.cpp's converter accepts [C, W] */
+    vshape qk_conv[2] = {{3, {H * K, 1, W, 0}}, {2, {H * K, W, 0, 0}}};
+    vshape v_conv[2] = {{3, {HV * V, 1, W, 0}}, {2, {HV * V, W, 0, 0}}};
+    bind_vector(ld, &w->q_conv, (size_t)(H * K * W), qk_conv, 2, false, SELF_ATTN, l,
+                "q_conv1d.weight");
+    bind_vector(ld, &w->k_conv, (size_t)(H * K * W), qk_conv, 2, false, SELF_ATTN, l,
+                "k_conv1d.weight");
+    bind_vector(ld, &w->v_conv, (size_t)(HV * V * W), v_conv, 2, false, SELF_ATTN, l,
+                "v_conv1d.weight");
+    bind_matrix(ld, &w->f_a_proj, K, D, SELF_ATTN, l, "f_a_proj.weight");      /* [K, D] */
+    bind_matrix(ld, &w->f_b_proj, HV * K, K, SELF_ATTN, l, "f_b_proj.weight"); /* [HV*K, K] */
+    /* A_log: HF [1, 1, HV, 1]; fla [HV] */
+    vshape a_log[2] = {{4, {1, 1, HV, 1}}, {1, {HV, 0, 0, 0}}};
+    bind_vector(ld, &w->A_log, (size_t)HV, a_log, 2, false, SELF_ATTN, l, "A_log");
+    vshape dtb = vec1(HV * K); /* index hv*K + d */
+    bind_vector(ld, &w->dt_bias, (size_t)(HV * K), &dtb, 1, false, SELF_ATTN, l, "dt_bias");
+    bind_matrix(ld, &w->b_proj, HV, D, SELF_ATTN, l, "b_proj.weight");         /* [HV, D] */
+    bind_matrix(ld, &w->g_a_proj, V, D, SELF_ATTN, l, "g_a_proj.weight");      /* [V, D] */
+    bind_matrix(ld, &w->g_b_proj, HV * V, V, SELF_ATTN, l, "g_b_proj.weight"); /* [HV*V, V] */
+    vshape on = vec1(V); /* shared by all heads */
+    bind_vector(ld, &w->o_norm, (size_t)V, &on, 1, false, SELF_ATTN, l, "o_norm.weight");
+    bind_matrix(ld, &w->o_proj, D, HV * V, SELF_ATTN, l, "o_proj.weight"); /* [D, HV*V] */
+}
+
+static void bind_mla(loader *ld, int l, eng_mla_weights *w) {
+    const eng_config *c = &ld->m->cfg;
+    int64_t D = c->hidden_size, nh = c->num_attention_heads;
+    int64_t dn = c->qk_nope_head_dim, dr = c->qk_rope_head_dim, dv = c->v_head_dim;
+    int64_t R = c->kv_lora_rank, qr = c->q_lora_rank;
+    if (qr > 0) {
+        vshape qn = vec1(qr);
+        bind_matrix(ld, &w->q_a_proj, qr, D, SELF_ATTN, l, "q_a_proj.weight"); /* [qr, D] */
+        bind_vector(ld, &w->q_a_layernorm, (size_t)qr, &qn, 1, false, SELF_ATTN, l,
+                    "q_a_layernorm.weight");
+        /* [nh*(dn+dr), qr] */
+        bind_matrix(ld, &w->q_b_proj, nh * (dn + dr), qr, SELF_ATTN, l, "q_b_proj.weight");
+    } else {
+        /* [nh*(dn+dr), D]: per head dn "nope" rows then dr "rope" rows */
+        bind_matrix(ld, &w->q_proj, nh * (dn + dr), D, SELF_ATTN, l, "q_proj.weight");
+    }
+    /* [R+dr, D]: rows 0..R-1 -> latent c, rows R..R+dr-1 -> shared k_pe */
+    bind_matrix(ld, &w->kv_a_proj_with_mqa, R + dr, D, SELF_ATTN, l, "kv_a_proj_with_mqa.weight");
+    vshape kn = vec1(R);
+    bind_vector(ld, &w->kv_a_layernorm, (size_t)R, &kn, 1, false, SELF_ATTN, l,
+                "kv_a_layernorm.weight");
+    /* [nh*(dn+dv), R]: per head dn rows of W_UK then dv rows of W_UV */
+    bind_matrix(ld, &w->kv_b_proj, nh * (dn + dv), R, SELF_ATTN, l, "kv_b_proj.weight");
+    bind_matrix(ld, &w->o_proj, D, nh * dv, SELF_ATTN, l, "o_proj.weight"); /* [D, nh*dv] */
+}
+
+static void bind_ffn(loader *ld, int l, eng_ffn_weights *w, eng_weight *experts) {
+    const eng_config *c = &ld->m->cfg;
+    int64_t D = c->hidden_size;
+    w->is_moe = c->layer_is_moe[l];
+    if (!w->is_moe) {
+        int64_t F = c->intermediate_size;
+        bind_matrix(ld, &w->gate_proj, F, D, "model.layers.%d.mlp.gate_proj.weight", l);
+        bind_matrix(ld, &w->up_proj, F, D, "model.layers.%d.mlp.up_proj.weight", l);
+        bind_matrix(ld, &w->down_proj, D, F, "model.layers.%d.mlp.down_proj.weight", l);
+        return;
+    }
+    int64_t E = c->num_experts, I = c->moe_intermediate_size;
+    int64_t Is = I * c->num_shared_experts;
+    bind_matrix(ld, &w->router, E, D, "model.layers.%d.block_sparse_moe.gate.weight", l);
+    vshape eb = vec1(E);
+    bind_vector(ld, &w->router_bias, (size_t)E, &eb, 1, true,
+                "model.layers.%d.block_sparse_moe.gate.e_score_correction_bias", l);
+    w->w1 = experts;
+    w->w3 = experts + E;
+    w->w2 = experts + 2 * E;
+    for (int64_t e = 0; e < E && ld->rc == KDS_OK; e++) {
+        bind_matrix(ld, &w->w1[e], I, D, "model.layers.%d.block_sparse_moe.experts.%d.w1.weight", l,
+                    (int)e); /* gate [I, D] */
+        bind_matrix(ld, &w->w3[e], I, D, "model.layers.%d.block_sparse_moe.experts.%d.w3.weight", l,
+                    (int)e); /* up [I, D] */
+        bind_matrix(ld, &w->w2[e], D, I, "model.layers.%d.block_sparse_moe.experts.%d.w2.weight", l,
+                    (int)e); /* down [D, I] */
+    }
+    if (Is > 0) {
+        bind_matrix(ld, &w->sh_gate, Is, D,
+                    "model.layers.%d.block_sparse_moe.shared_experts.gate_proj.weight", l);
+        bind_matrix(ld, &w->sh_up, Is, D,
+                    "model.layers.%d.block_sparse_moe.shared_experts.up_proj.weight", l);
+        bind_matrix(ld, &w->sh_down, D, Is,
+                    "model.layers.%d.block_sparse_moe.shared_experts.down_proj.weight", l);
+    }
+}
+
+static kds_status bind_all(loader *ld) {
+    eng_model *m = ld->m;
+    const eng_config *c = &m->cfg;
+    int L = c->num_hidden_layers;
+    int64_t D = c->hidden_size;
+    size_t n_moe = 0;
+    for (int l = 0; l < L; l++)
+        n_moe += c->layer_is_moe[l];
+
+    m->small_f32_cap = small_floats(c);
+    m->small_f32 = malloc((m->small_f32_cap ? m->small_f32_cap : 1) * sizeof(float));
+    m->layers = calloc((size_t)L, sizeof *m->layers);
+    size_t n_exp = n_moe * 3 * (size_t)c->num_experts;
+    m->expert_arena = calloc(n_exp ? n_exp : 1, sizeof *m->expert_arena);
+    if (!m->small_f32 || !m->layers || !m->expert_arena)
+        return kds_err_set(ld->err, KDS_NOMEM, "out of memory loading %s", ld->dir);
+
+    bind_matrix(ld, &m->embed_tokens, c->vocab_size, D, "model.embed_tokens.weight");
+    vshape dn = vec1(D);
+    bind_vector(ld, &m->final_norm, (size_t)D, &dn, 1, false, "model.norm.weight");
+    if (c->tie_word_embeddings)
+        m->lm_head = m->embed_tokens; /* HF ties: any stored lm_head is ignored */
+    else
+        bind_matrix(ld, &m->lm_head, c->vocab_size, D, "lm_head.weight");
+
+    size_t moe_i = 0;
+    for (int l = 0; l < L && ld->rc == KDS_OK; l++) {
+        eng_layer_weights *lw = &m->layers[l];
+        lw->kind = c->layer_kind[l];
+        bind_vector(ld, &lw->input_layernorm, (size_t)D, &dn, 1, false,
+                    "model.layers.%d.input_layernorm.weight", l);
+        bind_vector(ld, &lw->post_attention_layernorm, (size_t)D, &dn, 1, false,
+                    "model.layers.%d.post_attention_layernorm.weight", l);
+        if (lw->kind == ENG_LAYER_KDA)
+            bind_kda(ld, l, &lw->kda);
+        else
+            bind_mla(ld, l, &lw->mla);
+        eng_weight *experts = NULL;
+        if (c->layer_is_moe[l]) experts = m->expert_arena + (moe_i++) * 3 * (size_t)c->num_experts;
+        bind_ffn(ld, l, &lw->ffn, experts);
+    }
+    return ld->rc;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Fingerprint: XXH3-128 over the config bytes, then every tensor in name
+ * order (name, dtype, shape, bytes). Each field is length-prefixed so that
+ * no two different inputs produce the same byte stream.                    */
+
+static void feed_u64(XXH3_state_t *st, uint64_t v) {
+    unsigned char b[8];
+    for (int i = 0; i < 8; i++)
+        b[i] = (unsigned char)(v >> (8 * i));
+    XXH3_128bits_update(st, b, 8);
+}
+
+static void feed_str(XXH3_state_t *st, const char *s) {
+    size_t n = strlen(s);
+    feed_u64(st, n);
+    XXH3_128bits_update(st, s, n);
+}
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static kds_status hash_model(loader *ld, const char *cfg, size_t cfg_len, bool progress,
+                             char out[33]) {
+    XXH3_state_t *st = XXH3_createState();
+    if (!st) return kds_err_set(ld->err, KDS_NOMEM, "out of memory fingerprinting %s", ld->dir);
+    XXH3_128bits_reset(st);
+    feed_u64(st, cfg_len);
+    XXH3_128bits_update(st, cfg, cfg_len);
+    feed_u64(st, ld->n_cat);
+    uint64_t total = 0, done = 0;
+    for (size_t i = 0; i < ld->n_cat; i++)
+        total += ld->cat[i].t->n_bytes;
+    bool show = progress && total > LOAD_PROGRESS_MIN_BYTES;
+    double t0 = now_s(), last = 0;
+    for (size_t i = 0; i < ld->n_cat; i++) {
+        const eng_st_tensor *t = ld->cat[i].t;
+        feed_str(st, ld->cat[i].name);
+        feed_str(st, eng_st_dtype_name(t->dtype));
+        feed_u64(st, (uint64_t)t->n_dims);
+        for (int d = 0; d < t->n_dims; d++)
+            feed_u64(st, (uint64_t)t->shape[d]);
+        feed_u64(st, t->n_bytes);
+        /* in steps, so a huge tensor still moves the progress line */
+        for (size_t off = 0; off < t->n_bytes; off += LOAD_HASH_STEP) {
+            size_t n = t->n_bytes - off < LOAD_HASH_STEP ? t->n_bytes - off : LOAD_HASH_STEP;
+            XXH3_128bits_update(st, (const char *)t->data + off, n);
+            done += n;
+            double now = now_s();
+            if (show && now - last > 0.5) {
+                last = now;
+                fprintf(stderr, "\rfingerprinting %s: %3d%% (%.1f / %.1f GB, %.0fs)", ld->dir,
+                        (int)(100.0 * (double)done / (double)total), done / 1e9, total / 1e9,
+                        now - t0);
+            }
+        }
+    }
+    if (show)
+        fprintf(stderr, "\rfingerprinting %s: 100%% (%.1f GB, %.0fs)\n", ld->dir, total / 1e9,
+                now_s() - t0);
+    XXH128_canonical_t canon;
+    XXH128_canonicalFromHash(&canon, XXH3_128bits_digest(st));
+    XXH3_freeState(st);
+    for (int i = 0; i < 16; i++)
+        snprintf(out + 2 * i, 3, "%02x", canon.digest[i]);
+    return KDS_OK;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Fingerprint cache: <root>/fingerprints/<XXH3-64 of the file identities>,
+ * one line of 32 hex digits. <root> = params->cache_dir, else
+ * $XDG_CACHE_HOME/kdaserve, else ~/.cache/kdaserve. The key covers the
+ * real path of the directory and, for config.json, the index and each shard,
+ * the name, size, mtime (ns) and inode, so any rewrite of a file changes it.
+ * Every failure here only means "no cache".                                */
+
+static int str_cmp(const void *a, const void *b) {
+    return strcmp(*(const char *const *)a, *(const char *const *)b);
+}
+
+static void feed64_u64(XXH3_state_t *st, uint64_t v) {
+    unsigned char b[8];
+    for (int i = 0; i < 8; i++)
+        b[i] = (unsigned char)(v >> (8 * i));
+    XXH3_64bits_update(st, b, 8);
+}
+
+static bool feed_identity(XXH3_state_t *st, const char *path) {
+    struct stat sb;
+    if (stat(path, &sb) != 0) return false;
+    const char *base = strrchr(path, '/');
+    base = base ? base + 1 : path;
+    feed64_u64(st, strlen(base));
+    XXH3_64bits_update(st, base, strlen(base));
+    feed64_u64(st, (uint64_t)sb.st_size);
+    feed64_u64(st, (uint64_t)sb.st_mtim.tv_sec * 1000000000u + (uint64_t)sb.st_mtim.tv_nsec);
+    feed64_u64(st, (uint64_t)sb.st_ino);
+    feed64_u64(st, (uint64_t)sb.st_dev);
+    return true;
+}
+
+static bool cache_key(const loader *ld, const char *cfg_path, uint64_t *key) {
+    bool ok = false;
+    const char *paths[ENG_MAX_SHARDS];
+    char *rp = realpath(ld->dir, NULL);
+    XXH3_state_t *st = XXH3_createState();
+    if (!rp || !st) goto out;
+    XXH3_64bits_reset(st);
+    XXH3_64bits_update(st, LOAD_FP_VERSION, strlen(LOAD_FP_VERSION) + 1);
+    XXH3_64bits_update(st, rp, strlen(rp) + 1);
+    if (!feed_identity(st, cfg_path)) goto out;
+    if (ld->index_path && !feed_identity(st, ld->index_path)) goto out;
+    int n = ld->m->n_shards;
+    for (int s = 0; s < n; s++)
+        paths[s] = eng_st_path(ld->m->shards[s]);
+    qsort(paths, (size_t)n, sizeof *paths, str_cmp);
+    for (int s = 0; s < n; s++)
+        if (!feed_identity(st, paths[s])) goto out;
+    *key = XXH3_64bits_digest(st);
+    ok = true;
+out:
+    XXH3_freeState(st);
+    free(rp);
+    return ok;
+}
+
+/* <root>/fingerprints (malloc'd), or NULL when no root can be named. */
+static char *cache_dir(const eng_model_params *p) {
+    char *root = NULL;
+    const char *xdg = getenv("XDG_CACHE_HOME");
+    const char *home = getenv("HOME");
+    if (p->cache_dir && p->cache_dir[0])
+        root = strdup(p->cache_dir);
+    else if (xdg && xdg[0] == '/')
+        root = path_join(xdg, "kdaserve");
+    else if (home && home[0] == '/')
+        root = path_join(home, ".cache/kdaserve");
+    if (!root) return NULL;
+    char *dir = path_join(root, "fingerprints");
+    free(root);
+    return dir;
+}
+
+/* mkdir -p; false on failure (read-only file systems are normal here). */
+static bool make_dirs(char *path) {
+    for (char *s = path + 1; *s; s++) {
+        if (*s != '/') continue;
+        *s = '\0';
+        bool ok = mkdir(path, 0755) == 0 || errno == EEXIST;
+        *s = '/';
+        if (!ok) return false;
+    }
+    return mkdir(path, 0755) == 0 || errno == EEXIST;
+}
+
+static bool cache_read(const char *file, char out[33]) {
+    char buf[40] = {0};
+    FILE *f = fopen(file, "rb");
+    if (!f) return false;
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    if (n < 32 || (n > 32 && buf[32] != '\n')) return false;
+    for (int i = 0; i < 32; i++)
+        if (!((buf[i] >= '0' && buf[i] <= '9') || (buf[i] >= 'a' && buf[i] <= 'f'))) return false;
+    memcpy(out, buf, 32);
+    out[32] = '\0';
+    return true;
+}
+
+static void cache_write(char *dir, const char *file, const char *fp) {
+    if (!make_dirs(dir)) return;
+    size_t n = strlen(file) + 48;
+    char *tmp = malloc(n);
+    if (!tmp) return;
+    /* pid and a stack address: unique among processes and threads */
+    snprintf(tmp, n, "%s.tmp.%ld.%lx", file, (long)getpid(), (unsigned long)(uintptr_t)&n);
+    FILE *f = fopen(tmp, "wb");
+    bool ok = f && fprintf(f, "%s\n", fp) == 33;
+    if (f && fclose(f) != 0) ok = false;
+    if (!ok || rename(tmp, file) != 0) unlink(tmp);
+    free(tmp);
+}
+
+static kds_status fingerprint(loader *ld, const char *cfg_path, const char *cfg, size_t cfg_len,
+                              const eng_model_params *p) {
+    char *dir = NULL, *file = NULL;
+    uint64_t key = 0;
+    bool cached = false;
+    if (!p->no_fingerprint_cache && cache_key(ld, cfg_path, &key) && (dir = cache_dir(p))) {
+        char name[17];
+        snprintf(name, sizeof name, "%016" PRIx64, key);
+        file = path_join(dir, name);
+        cached = file && cache_read(file, ld->m->fingerprint);
+    }
+    kds_status rc = KDS_OK;
+    if (!cached) {
+        rc = hash_model(ld, cfg, cfg_len, p->progress, ld->m->fingerprint);
+        if (rc == KDS_OK && file) cache_write(dir, file, ld->m->fingerprint);
+    }
+    free(file);
+    free(dir);
+    return rc;
+}
+
+/* ------------------------------------------------------------------------ */
+
+kds_status eng_model_load(const char *dir, const eng_model_params *params, eng_model **out,
+                          kds_err *err) {
+    kds_status rc = KDS_OK;
+    char *cfg_path = NULL, *cfg_text = NULL;
+    size_t cfg_len = 0;
+    eng_model_params p = params ? *params : eng_model_default_params();
+    loader ld = {.err = err, .rc = KDS_OK};
+    eng_model *m = NULL;
+    if (!out) return kds_err_set(err, KDS_INVALID_ARG, "eng_model_load: no output pointer");
+    *out = NULL;
+    if (!dir || !dir[0]) return kds_err_set(err, KDS_INVALID_ARG, "eng_model_load: no directory");
+
+    m = calloc(1, sizeof *m);
+    if (!m) return kds_err_set(err, KDS_NOMEM, "out of memory loading %s", dir);
+    m->dir = strdup(dir);
+    cfg_path = path_join(dir, "config.json");
+    if (!m->dir || !cfg_path) {
+        rc = kds_err_set(err, KDS_NOMEM, "out of memory loading %s", dir);
+        goto fail;
+    }
+    ld.m = m;
+    ld.dir = m->dir;
+
+    rc = read_file(cfg_path, LOAD_MAX_CONFIG_BYTES, &cfg_text, &cfg_len, err);
+    if (rc != KDS_OK) goto fail;
+    rc = eng_config_parse(cfg_text, cfg_len, cfg_path, &m->cfg, err);
+    if (rc != KDS_OK) goto fail;
+    rc = open_weights(&ld);
+    if (rc != KDS_OK) goto fail;
+    rc = bind_all(&ld);
+    if (rc != KDS_OK) goto fail;
+    rc = eng__tok_create_bytes(&m->cfg, &m->tokenizer, err);
+    if (rc != KDS_OK) goto fail;
+    rc = fingerprint(&ld, cfg_path, cfg_text, cfg_len, &p);
+    if (rc != KDS_OK) goto fail;
+
+    *out = m;
+    m = NULL;
+fail:
+    eng_model_free(m);
+    free(ld.cat);
+    free(ld.where);
+    free(ld.index_path);
+    free(cfg_text);
+    free(cfg_path);
+    return rc;
+}
+
+void eng_model_free(eng_model *m) {
+    if (!m) return;
+    for (int s = 0; s < m->n_shards; s++)
+        eng_st_close(m->shards[s]);
+    eng__tok_free(m->tokenizer);
+    free(m->layers);
+    free(m->expert_arena);
+    free(m->small_f32);
+    free(m->dir);
+    free(m);
+}
+
+const eng_config *eng_model_config(const eng_model *m) {
+    return &m->cfg;
+}
+
+const char *eng_model_dir(const eng_model *m) {
+    return m->dir;
+}
+
+const char *eng_model_fingerprint(const eng_model *m) {
+    return m->fingerprint;
+}
+
+const eng_tokenizer *eng_model_tokenizer(const eng_model *m) {
+    return m->tokenizer;
+}
