@@ -15,8 +15,7 @@
  *
  * Memory: all activations live in scratch buffers sized at eng_ctx_create
  * for max_batch tokens; the only allocation on the hot path is the MLA cache
- * growing geometrically (eng__seq_reserve) and the per-thread attention score
- * rows growing with it.
+ * growing geometrically (eng__seq_reserve).
  */
 #include <cblas.h>
 #include <math.h>
@@ -46,9 +45,10 @@ typedef struct thread_scratch {
     float *mm;          /* widened weight rows for BLAS */
     float *kda_ws;      /* chunked KDA workspace */
     float *mla_w;       /* one head's kv_b rows, widened: [(dn+dv), dc] */
-    float *mla_vec;     /* q_abs [dc] + latent [dc] */
-    float *scores;      /* [scores_cap] attention scores */
-    int64_t scores_cap;
+    float *mla_q;       /* [B, dc + dr] absorbed, scaled queries of one head */
+    float *mla_s;       /* [B, MLA_KEY_BLOCK] scores / probabilities of one key block */
+    float *mla_lat;     /* [B, dc] running softmax-weighted latent sum */
+    float *mla_ml;      /* [2, B] running max and denominator per query */
 } thread_scratch;
 
 struct eng_ctx {
@@ -233,59 +233,83 @@ typedef struct mla_run {
     int T;
 } mla_run;
 
+/* Keys per block of the online softmax: scores for one block of keys at a
+ * time, so scratch does not grow with the context. */
+#define MLA_KEY_BLOCK 256
+
+/*
+ * One head of absorbed MLA for T queries (flash-attention style):
+ *   Q = [W_UK_h^T q_nope | q_pe] * scale          [T, dc + dr]
+ *   for each key block K_b = cache rows           [nb, dc + dr]
+ *     S = Q K_b^T (masked causally), online softmax, Lat += P C_b   (C_b = K_b[:, :dc])
+ *   O_h = (Lat / l) W_UV_h^T                       [T, dv]
+ */
 static void mla_head_fn(void *arg, int h, int thread) {
     mla_run *r = arg;
     eng_ctx *c = r->c;
     const eng_dims *d = &c->d;
     thread_scratch *ts = &c->ts[thread];
-    const int dc = d->dc, dn = d->dn, dr = d->dr, dv = d->dv, row = d->mla_row;
+    const int dc = d->dc, dn = d->dn, dr = d->dr, dv = d->dv, row = d->mla_row, T = r->T;
     const eng_weight *kvb = &r->w->kv_b_proj; /* [nh*(dn+dv), dc] */
     size_t esz = kern_dtype_size(kvb->dt);
     /* W_UK_h = rows [h*(dn+dv), +dn), W_UV_h = the next dv rows. */
     kern_to_f32(kvb->dt, (const char *)kvb->data + (size_t)h * (dn + dv) * dc * esz, ts->mla_w,
                 (size_t)(dn + dv) * dc);
     const float *wuk = ts->mla_w, *wuv = ts->mla_w + (size_t)dn * dc;
-    float *qabs = ts->mla_vec, *lat = ts->mla_vec + dc;
     const float scale = 1.0f / sqrtf((float)(dn + dr));
     const int qstride = d->mla_heads * (dn + dr);
-    for (int t = 0; t < r->T; t++) {
-        const float *qh = c->mq + (size_t)t * qstride + (size_t)h * (dn + dr);
-        /* q_abs = W_UK_h^T q_nope: [dc] */
-        memset(qabs, 0, (size_t)dc * sizeof(float));
-        for (int i = 0; i < dn; i++) {
-            const float qi = qh[i], *wr = wuk + (size_t)i * dc;
-            for (int j = 0; j < dc; j++) qabs[j] += qi * wr[j];
-        }
-        int64_t n_ctx = r->s->pos + t + 1;
-        float mx = -INFINITY;
-        for (int64_t tau = 0; tau < n_ctx; tau++) {
-            const float *kv = r->cache + (size_t)tau * row;
-            float sc = 0.0f;
-            for (int j = 0; j < dc; j++) sc += qabs[j] * kv[j];
-            for (int j = 0; j < dr; j++) sc += qh[dn + j] * kv[dc + j];
-            sc *= scale;
-            ts->scores[tau] = sc;
-            if (sc > mx) mx = sc;
-        }
-        double sum = 0.0;
-        for (int64_t tau = 0; tau < n_ctx; tau++) {
-            float e = expf(ts->scores[tau] - mx);
-            ts->scores[tau] = e;
-            sum += e;
-        }
-        memset(lat, 0, (size_t)dc * sizeof(float));
-        for (int64_t tau = 0; tau < n_ctx; tau++) {
-            const float p = (float)(ts->scores[tau] / sum), *kv = r->cache + (size_t)tau * row;
-            for (int j = 0; j < dc; j++) lat[j] += p * kv[j];
-        }
-        float *oh = c->o + (size_t)t * d->mla_heads * dv + (size_t)h * dv;
-        for (int i = 0; i < dv; i++) {
-            const float *wr = wuv + (size_t)i * dc;
-            float acc = 0.0f;
-            for (int j = 0; j < dc; j++) acc += wr[j] * lat[j];
-            oh[i] = acc;
-        }
+    const float *qh = c->mq + (size_t)h * (dn + dr);
+    float *Q = ts->mla_q, *S = ts->mla_s, *lat = ts->mla_lat, *mx = ts->mla_ml, *den = mx + T;
+    /* Q[:, :dc] = q_nope W_UK_h; Q[:, dc:] = q_pe; all times the scale. */
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, T, dc, dn, scale, qh, qstride, wuk, dc,
+                0.0f, Q, row);
+    for (int t = 0; t < T; t++)
+        for (int j = 0; j < dr; j++) Q[(size_t)t * row + dc + j] = scale * qh[(size_t)t * qstride + dn + j];
+    memset(lat, 0, (size_t)T * dc * sizeof(float));
+    for (int t = 0; t < T; t++) {
+        mx[t] = -INFINITY;
+        den[t] = 0.0f;
     }
+    const int64_t pos = r->s->pos, n_ctx = pos + T;
+    for (int64_t k0 = 0; k0 < n_ctx; k0 += MLA_KEY_BLOCK) {
+        int nb = n_ctx - k0 < MLA_KEY_BLOCK ? (int)(n_ctx - k0) : MLA_KEY_BLOCK;
+        const float *Kb = r->cache + (size_t)k0 * row;
+        /* queries that see none of this block (k0 > pos + t) are skipped */
+        int t0 = k0 > pos ? (int)(k0 - pos) : 0;
+        int nq = T - t0;
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nq, nb, row, 1.0f,
+                    Q + (size_t)t0 * row, row, Kb, row, 0.0f, S, MLA_KEY_BLOCK);
+        for (int i = 0; i < nq; i++) {
+            int t = t0 + i;
+            float *srow = S + (size_t)i * MLA_KEY_BLOCK;
+            int visible = (int)(pos + t - k0 + 1); /* keys k0 .. pos+t */
+            if (visible > nb) visible = nb;
+            float bm = mx[t];
+            for (int j = 0; j < visible; j++) bm = srow[j] > bm ? srow[j] : bm;
+            float corr = expf(mx[t] - bm); /* 0 on the first block (mx = -inf) */
+            float sum = 0.0f;
+            for (int j = 0; j < visible; j++) {
+                srow[j] = expf(srow[j] - bm);
+                sum += srow[j];
+            }
+            for (int j = visible; j < nb; j++) srow[j] = 0.0f;
+            den[t] = den[t] * corr + sum;
+            mx[t] = bm;
+            float *lrow = lat + (size_t)t * dc;
+            if (corr != 1.0f)
+                for (int j = 0; j < dc; j++) lrow[j] *= corr;
+        }
+        /* Lat[t0:] += P C_b, C_b = the first dc columns of the key rows */
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nq, dc, nb, 1.0f, S, MLA_KEY_BLOCK,
+                    Kb, row, 1.0f, lat + (size_t)t0 * dc, dc);
+    }
+    for (int t = 0; t < T; t++) {
+        float inv = 1.0f / den[t], *lrow = lat + (size_t)t * dc;
+        for (int j = 0; j < dc; j++) lrow[j] *= inv;
+    }
+    /* O_h = Lat W_UV_h^T, written into this head's columns of o [T, nh*dv] */
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, dv, dc, 1.0f, lat, dc, wuv, dc, 0.0f,
+                c->o + (size_t)h * dv, d->mla_heads * dv);
 }
 
 static void mla_layer(eng_ctx *c, eng_seq *s, const eng_layer_weights *L, int slot, int T) {
@@ -475,22 +499,6 @@ static kds_status check_ids(const eng_ctx *c, const int32_t *ids, int64_t n, kds
     return KDS_OK;
 }
 
-/* Grow per-thread score rows to hold `n_ctx` positions. */
-static kds_status reserve_scores(eng_ctx *c, int64_t n_ctx, kds_err *err) {
-    if (c->d.n_mla == 0) return KDS_OK;
-    for (int i = 0; i < c->n_threads; i++) {
-        thread_scratch *ts = &c->ts[i];
-        if (ts->scores_cap >= n_ctx) continue;
-        int64_t cap = ts->scores_cap ? ts->scores_cap : 256;
-        while (cap < n_ctx) cap *= 2;
-        float *p = realloc(ts->scores, (size_t)cap * sizeof(float));
-        if (!p) return kds_err_set(err, KDS_NOMEM, "out of memory for attention scores");
-        ts->scores = p;
-        ts->scores_cap = cap;
-    }
-    return KDS_OK;
-}
-
 /* Run T <= max_batch tokens. logits: NULL (only the sequence's last logits)
  * or [T, vocab]. Inputs are validated by the callers. */
 static void forward(eng_ctx *c, eng_seq *s, const int32_t *ids, int T, int chunked,
@@ -543,7 +551,6 @@ kds_status eng_prefill(eng_ctx *c, eng_seq *s, const int32_t *ids, int64_t n, fl
     kds_status rc = check_ids(c, ids, n, err);
     if (rc != KDS_OK) return rc;
     if ((rc = eng__seq_reserve(s, s->pos + n, err)) != KDS_OK) return rc;
-    if ((rc = reserve_scores(c, s->pos + n, err)) != KDS_OK) return rc;
     for (int64_t done = 0; done < n;) {
         int T = n - done < c->max_batch ? (int)(n - done) : c->max_batch;
         forward(c, s, ids + done, T, 1, logits_all ? logits_all + (size_t)done * c->d.vocab : NULL);
@@ -559,7 +566,6 @@ kds_status eng_decode(eng_ctx *c, eng_seq *s, int32_t id, kds_err *err) {
     kds_status rc = check_ids(c, &id, 1, err);
     if (rc != KDS_OK) return rc;
     if ((rc = eng__seq_reserve(s, s->pos + 1, err)) != KDS_OK) return rc;
-    if ((rc = reserve_scores(c, s->pos + 1, err)) != KDS_OK) return rc;
     forward(c, s, &id, 1, 0, NULL);
     return KDS_OK;
 }
@@ -659,7 +665,10 @@ kds_status eng_ctx_create(const eng_model *m, const eng_ctx_params *p, eng_ctx *
         if (d->n_kda) ALLOC(c->ts[i].kda_ws, kern_kda_chunked_workspace_floats(&sh, c->kda_chunk));
         if (d->n_mla) {
             ALLOC(c->ts[i].mla_w, (size_t)(d->dn + d->dv) * d->dc);
-            ALLOC(c->ts[i].mla_vec, 2 * (size_t)d->dc);
+            ALLOC(c->ts[i].mla_q, B * d->mla_row);
+            ALLOC(c->ts[i].mla_s, B * MLA_KEY_BLOCK);
+            ALLOC(c->ts[i].mla_lat, B * d->dc);
+            ALLOC(c->ts[i].mla_ml, 2 * B);
         }
     }
 #undef ALLOC
@@ -686,8 +695,10 @@ void eng_ctx_free(eng_ctx *c) {
             free(c->ts[i].mm);
             free(c->ts[i].kda_ws);
             free(c->ts[i].mla_w);
-            free(c->ts[i].mla_vec);
-            free(c->ts[i].scores);
+            free(c->ts[i].mla_q);
+            free(c->ts[i].mla_s);
+            free(c->ts[i].mla_lat);
+            free(c->ts[i].mla_ml);
         }
     float *bufs[] = {c->x,  c->xn, c->mix, c->ext, c->q,  c->k,      c->v,      c->fa,
                      c->ga, c->g,  c->beta, c->gz, c->o,  c->mq,     c->kva,    c->fa_buf,

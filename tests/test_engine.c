@@ -266,3 +266,36 @@ Test(engine, one_thread_matches_many) {
     eng_ctx_free(c1);
     close_model(&f);
 }
+
+/* Long enough for several MLA key blocks (256 keys each) and several prefill
+ * batches: the chunked prefill and the online-softmax attention must agree
+ * with token-by-token decode at every position. */
+Test(engine, long_prefill_matches_decode_hybrid, .timeout = 120) {
+    fixture f = open_model(HYBRID);
+    kds_err err = {0};
+    enum { N = 700 };
+    static int32_t ids[N];
+    prompt(ids, N, f.vocab, 21);
+    float *pre = malloc((size_t)N * f.vocab * sizeof(float));
+    float *dec = malloc((size_t)N * f.vocab * sizeof(float));
+    eng_ctx_params cp = eng_ctx_default_params();
+    cp.max_batch = 96; /* batches straddle key-block boundaries */
+    eng_ctx *c = NULL;
+    cr_assert_eq(eng_ctx_create(f.m, &cp, &c, &err), KDS_OK);
+    eng_seq *s = NULL;
+    cr_assert_eq(eng_seq_create(f.m, 0, &s, &err), KDS_OK);
+    cr_assert_eq(eng_prefill(c, s, ids, N, pre, NULL, NULL, &err), KDS_OK, "%s", err.msg);
+    eng_seq_reset(s, 0);
+    for (int t = 0; t < N; t++) {
+        cr_assert_eq(eng_decode(c, s, ids[t], &err), KDS_OK);
+        memcpy(dec + (size_t)t * f.vocab, eng_seq_logits(s), (size_t)f.vocab * sizeof(float));
+    }
+    double ref, d = th_max_abs_diff(dec, pre, (size_t)N * f.vocab, &ref);
+    fprintf(stderr, "engine long hybrid prefill vs decode (%d tokens): rel err %.3g\n", N, d / ref);
+    cr_expect_leq(d, 1e-4 * ref, "prefill vs decode differ by %g of %g", d, ref);
+    free(pre);
+    free(dec);
+    eng_seq_free(s);
+    eng_ctx_free(c);
+    close_model(&f);
+}
