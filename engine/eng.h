@@ -115,6 +115,31 @@ kds_status eng_seq_state_save(const eng_seq *s, void *buf, size_t len, kds_err *
  * KDS_BAD_FORMAT / KDS_MISMATCH without touching the sequence. */
 kds_status eng_seq_state_load(eng_seq *s, const void *buf, size_t len, kds_err *err);
 
+/*
+ * Split form, for stores that keep a hybrid model's MLA latent cache as
+ * append-only chunks (a save after a turn writes only the new tokens' rows,
+ * and forks share the old ones):
+ *   fixed part  = the same bytes as eng_seq_state_save with the MLA section
+ *                 left out (header, KDA states, conv tails, logits, sampler);
+ *   MLA rows    = for tokens [t0, t1): per token, per MLA layer, its cache row
+ *                 [c | k_pe] as f32 ("token-major", so any range stands alone).
+ * Pure-KDA models have no MLA rows: the fixed part is the whole state.
+ */
+size_t eng_seq_fixed_bytes(const eng_seq *s);
+/* MLA bytes per token (n_mla * (kv_lora_rank + qk_rope_head_dim) * 4). */
+size_t eng_seq_mla_token_bytes(const eng_seq *s);
+kds_status eng_seq_save_fixed(const eng_seq *s, void *buf, size_t len, kds_err *err);
+/* Rows of tokens [t0, t1), t1 <= position. len >= (t1-t0) * token bytes. */
+kds_status eng_seq_save_mla(const eng_seq *s, int64_t t0, int64_t t1, void *buf, size_t len,
+                            kds_err *err);
+/* Load a fixed part: checked like eng_seq_state_load, refused without
+ * touching the sequence. Afterwards the position is the saved one and the
+ * MLA rows [0, position) must be filled with eng_seq_load_mla before the
+ * sequence is used (until then they are zeros). */
+kds_status eng_seq_load_fixed(eng_seq *s, const void *buf, size_t len, kds_err *err);
+kds_status eng_seq_load_mla(eng_seq *s, int64_t t0, int64_t t1, const void *buf, size_t len,
+                            kds_err *err);
+
 /* ------------------------------------------------------------------------ */
 /* Compute                                                                   */
 

@@ -193,8 +193,18 @@ static const char *const DIM_NAMES[] = {"KDA layers", "MLA layers", "KDA heads",
                                         "key dim",    "value dim",  "conv width", "conv channels",
                                         "MLA row",    "vocab"};
 
-kds_status eng_seq_state_save(const eng_seq *s, void *buf, size_t len, kds_err *err) {
-    size_t need = eng_seq_state_bytes(s);
+size_t eng_seq_fixed_bytes(const eng_seq *s) {
+    return eng_config_state_size(&s->model->cfg).fixed;
+}
+
+size_t eng_seq_mla_token_bytes(const eng_seq *s) {
+    return (size_t)s->d.n_mla * s->d.mla_row * sizeof(float);
+}
+
+/* Header and fixed sections; the MLA section follows when with_mla. */
+static kds_status save_state(const eng_seq *s, void *buf, size_t len, int with_mla,
+                             kds_err *err) {
+    size_t need = with_mla ? eng_seq_state_bytes(s) : eng_seq_fixed_bytes(s);
     if (len < need)
         return kds_err_set(err, KDS_TOO_LARGE, "state needs %zu bytes, buffer has %zu", need, len);
     unsigned char *p = buf;
@@ -221,6 +231,7 @@ kds_status eng_seq_state_save(const eng_seq *s, void *buf, size_t len, kds_err *
     p += n;
     for (int i = 0; i < ENG_RECENT_TOKENS; i++) put32(p + 4 * i, (uint32_t)s->recent[i]);
     p += ENG_RECENT_TOKENS * 4;
+    if (!with_mla) return KDS_OK;
     n = (size_t)s->pos * s->d.mla_row * sizeof(float);
     for (int i = 0; i < s->d.n_mla; i++) {
         memcpy(p, s->mla_cache[i], n);
@@ -229,7 +240,54 @@ kds_status eng_seq_state_save(const eng_seq *s, void *buf, size_t len, kds_err *
     return KDS_OK;
 }
 
-kds_status eng_seq_state_load(eng_seq *s, const void *buf, size_t len, kds_err *err) {
+kds_status eng_seq_state_save(const eng_seq *s, void *buf, size_t len, kds_err *err) {
+    return save_state(s, buf, len, 1, err);
+}
+
+kds_status eng_seq_save_fixed(const eng_seq *s, void *buf, size_t len, kds_err *err) {
+    return save_state(s, buf, len, 0, err);
+}
+
+kds_status eng_seq_save_mla(const eng_seq *s, int64_t t0, int64_t t1, void *buf, size_t len,
+                            kds_err *err) {
+    size_t row = (size_t)s->d.mla_row * sizeof(float);
+    if (t0 < 0 || t1 < t0 || t1 > s->pos)
+        return kds_err_set(err, KDS_INVALID_ARG, "MLA rows [%lld, %lld) outside [0, %lld)",
+                           (long long)t0, (long long)t1, (long long)s->pos);
+    if (len < (size_t)(t1 - t0) * eng_seq_mla_token_bytes(s))
+        return kds_err_set(err, KDS_TOO_LARGE, "buffer too small for %lld MLA rows",
+                           (long long)(t1 - t0));
+    unsigned char *p = buf;
+    for (int64_t t = t0; t < t1; t++)
+        for (int i = 0; i < s->d.n_mla; i++) {
+            memcpy(p, s->mla_cache[i] + (size_t)t * s->d.mla_row, row);
+            p += row;
+        }
+    return KDS_OK;
+}
+
+kds_status eng_seq_load_mla(eng_seq *s, int64_t t0, int64_t t1, const void *buf, size_t len,
+                            kds_err *err) {
+    size_t row = (size_t)s->d.mla_row * sizeof(float);
+    if (t0 < 0 || t1 < t0 || t1 > s->pos)
+        return kds_err_set(err, KDS_INVALID_ARG, "MLA rows [%lld, %lld) outside [0, %lld)",
+                           (long long)t0, (long long)t1, (long long)s->pos);
+    if (len != (size_t)(t1 - t0) * eng_seq_mla_token_bytes(s))
+        return kds_err_set(err, KDS_BAD_FORMAT, "%zu bytes for %lld MLA rows, expected %zu", len,
+                           (long long)(t1 - t0), (size_t)(t1 - t0) * eng_seq_mla_token_bytes(s));
+    const unsigned char *p = buf;
+    for (int64_t t = t0; t < t1; t++)
+        for (int i = 0; i < s->d.n_mla; i++) {
+            memcpy(s->mla_cache[i] + (size_t)t * s->d.mla_row, p, row);
+            p += row;
+        }
+    return KDS_OK;
+}
+
+/* Check the header and fixed sections and load them; with_mla also loads
+ * the trailing MLA section. Nothing changes unless every check passes. */
+static kds_status load_state(eng_seq *s, const void *buf, size_t len, int with_mla,
+                             kds_err *err) {
     const unsigned char *p = buf;
     if (len < ENG_STATE_HEADER_BYTES || memcmp(p, ENG_STATE_MAGIC, 8) != 0)
         return kds_err_set(err, KDS_BAD_FORMAT, "not a kdaserve sequence state (bad magic)");
@@ -250,11 +308,11 @@ kds_status eng_seq_state_load(eng_seq *s, const void *buf, size_t len, kds_err *
                                "this model has %u", DIM_NAMES[i], got, want[i]);
     }
     eng_state_size z = eng_config_state_size(&s->model->cfg);
-    if (pos > (uint64_t)INT64_MAX / (z.per_token ? z.per_token : 1) ||
-        len != z.fixed + z.per_token * pos)
+    size_t per_token = with_mla ? z.per_token : 0;
+    if (pos > (uint64_t)INT32_MAX * 64 || len != z.fixed + per_token * pos)
         return kds_err_set(err, KDS_BAD_FORMAT, "state of %zu bytes does not match its position "
                            "%llu (expected %zu bytes)", len, (unsigned long long)pos,
-                           (size_t)(z.fixed + z.per_token * pos));
+                           (size_t)(z.fixed + per_token * pos));
     uint32_t has_logits = get32(p + HDR_DIMS + 40);
     if (has_logits > 1 || (has_logits == 0) != (pos == 0))
         return kds_err_set(err, KDS_BAD_FORMAT, "state logits flag %u does not fit position %llu",
@@ -279,8 +337,19 @@ kds_status eng_seq_state_load(eng_seq *s, const void *buf, size_t len, kds_err *
     p += ENG_RECENT_TOKENS * 4;
     n = (size_t)pos * s->d.mla_row * sizeof(float);
     for (int i = 0; i < s->d.n_mla; i++) {
-        memcpy(s->mla_cache[i], p, n);
-        p += n;
+        if (with_mla)
+            memcpy(s->mla_cache[i], p, n);
+        else
+            memset(s->mla_cache[i], 0, n);
+        p += with_mla ? n : 0;
     }
     return KDS_OK;
+}
+
+kds_status eng_seq_state_load(eng_seq *s, const void *buf, size_t len, kds_err *err) {
+    return load_state(s, buf, len, 1, err);
+}
+
+kds_status eng_seq_load_fixed(eng_seq *s, const void *buf, size_t len, kds_err *err) {
+    return load_state(s, buf, len, 0, err);
 }

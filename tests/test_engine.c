@@ -299,3 +299,47 @@ Test(engine, long_prefill_matches_decode_hybrid, .timeout = 120) {
     eng_ctx_free(c);
     close_model(&f);
 }
+
+/* The split form (fixed part + token-major MLA row chunks) restores exactly
+ * what the whole-state form does. */
+Test(engine, split_state_roundtrip_hybrid) {
+    fixture f = open_model(HYBRID);
+    kds_err err = {0};
+    int32_t ids[50];
+    prompt(ids, 50, f.vocab, 13);
+    eng_seq *s = NULL, *r = NULL;
+    cr_assert_eq(eng_seq_create(f.m, 4, &s, &err), KDS_OK);
+    cr_assert_eq(eng_prefill(f.c, s, ids, 30, NULL, NULL, NULL, &err), KDS_OK);
+    size_t tb = eng_seq_mla_token_bytes(s), fb = eng_seq_fixed_bytes(s);
+    cr_assert_gt(tb, 0);
+    cr_assert_eq(fb + 30 * tb, eng_seq_state_bytes(s));
+    unsigned char *chunk1 = malloc(30 * tb);
+    cr_assert_eq(eng_seq_save_mla(s, 0, 30, chunk1, 30 * tb, &err), KDS_OK, "%s", err.msg);
+    cr_assert_eq(eng_prefill(f.c, s, ids + 30, 20, NULL, NULL, NULL, &err), KDS_OK);
+    unsigned char *chunk2 = malloc(20 * tb), *fixed = malloc(fb);
+    cr_assert_eq(eng_seq_save_mla(s, 30, 50, chunk2, 20 * tb, &err), KDS_OK);
+    cr_assert_eq(eng_seq_save_fixed(s, fixed, fb, &err), KDS_OK);
+    cr_expect_eq(eng_seq_save_mla(s, 40, 60, chunk2, 20 * tb, &err), KDS_INVALID_ARG);
+
+    cr_assert_eq(eng_seq_create(f.m, 0, &r, &err), KDS_OK);
+    cr_assert_eq(eng_seq_load_fixed(r, fixed, fb, &err), KDS_OK, "%s", err.msg);
+    cr_expect_eq(eng_seq_load_mla(r, 0, 30, chunk1, 30 * tb - 1, &err), KDS_BAD_FORMAT);
+    cr_assert_eq(eng_seq_load_mla(r, 0, 30, chunk1, 30 * tb, &err), KDS_OK);
+    cr_assert_eq(eng_seq_load_mla(r, 30, 50, chunk2, 20 * tb, &err), KDS_OK);
+    size_t n = eng_seq_state_bytes(s);
+    unsigned char *a = malloc(n), *b = malloc(n);
+    eng_seq_state_save(s, a, n, &err);
+    eng_seq_state_save(r, b, n, &err);
+    cr_expect_eq(memcmp(a, b, n), 0, "split restore differs from the original");
+    /* the whole form is refused by the fixed loader and vice versa */
+    cr_expect_eq(eng_seq_load_fixed(r, a, n, &err), KDS_BAD_FORMAT);
+    cr_expect_eq(eng_seq_state_load(r, fixed, fb, &err), KDS_BAD_FORMAT);
+    free(a);
+    free(b);
+    free(chunk1);
+    free(chunk2);
+    free(fixed);
+    eng_seq_free(s);
+    eng_seq_free(r);
+    close_model(&f);
+}
