@@ -20,6 +20,10 @@
 #include <stdarg.h>
 #include <stddef.h>
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 #define KDS_STATUS_MAP(X)                                                 \
     X(OK, 0, "ok")                                                        \
     X(NOMEM, 1, "out of memory")                                          \
@@ -64,5 +68,9 @@ kds_status kds_err_prefix(kds_err *err, const char *fmt, ...)
 
 /* Reset to KDS_OK with an empty message. */
 void kds_err_clear(kds_err *err);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif /* KDS_STATUS_H */

@@ -7,7 +7,7 @@
  *   - Pure functions over caller-owned buffers. No allocation, no globals, no
  *     I/O: callable on the per-token hot path. Scratch memory, when needed,
  *     is passed in by the caller (sized by the matching *_workspace() call).
- *   - All activations and states are float32. Weights may be F32, BF16 or F16
+ *   - CPU kernels: all activations and states are float32. Weights may be F32, BF16 or F16
  *     (kern_dtype); they are read in place (usually from an mmap).
  *   - Thread-safety: reentrant. Kernels that take a [begin, end) range work on
  *     that slice only, so a caller's thread pool can split the work: distinct
@@ -21,6 +21,10 @@
 #include <stdint.h>
 
 #include "kds_status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
 
 /* Element type of a stored weight. */
 typedef enum kern_dtype {
@@ -128,5 +132,9 @@ void kern_kda_chunked(const kern_kda_shape *sh, int T, int chunk, const float *q
                       const float *k, const float *v, const float *g, const float *beta,
                       float *state, float *o, int hv0, int hv1, float *workspace);
 size_t kern_kda_chunked_workspace_floats(const kern_kda_shape *sh, int chunk);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif /* KERN_H */

@@ -1,0 +1,170 @@
+/*
+ * kern_cuda.h - the CUDA kernels of kdaserve (kernels/cuda/), behind plain C
+ * contracts that mirror the CPU reference ones in kern.h.
+ *
+ * Built only when nvcc is found (CMake defines KDS_HAVE_CUDA=1 for users of
+ * kds_kernels); without it, this header is still valid C but nothing
+ * implements it, so callers guard their use with #ifdef KDS_HAVE_CUDA.
+ *
+ * Contract for every function here:
+ *   - No CUDA type leaks: device pointers are `void *` / `float *` that point
+ *     into device memory (from kern_cuda_malloc or any cudaMalloc), and a
+ *     stream is an opaque `void *` that is really a cudaStream_t; NULL means
+ *     the legacy default stream.
+ *   - Everything runs on the calling host thread's current CUDA device
+ *     (cudaSetDevice is the caller's business).
+ *   - Kernel launches are asynchronous on `stream`: a KDS_OK return means the
+ *     launch was accepted, not that the kernel finished or succeeded. Errors
+ *     that happen while a kernel runs surface at the next synchronising call
+ *     (kern_cuda_sync, a d2h copy, ...), as the CUDA runtime reports them.
+ *   - Errors are kds_status: KDS_CUDA with cudaGetErrorString's text in the
+ *     optional kds_err, KDS_INVALID_ARG for bad shapes, NULL pointers or
+ *     misaligned buffers (checked on the host before any launch, so nothing
+ *     is touched), KDS_UNSUPPORTED for shapes that have no compiled kernel.
+ *   - Numerics: all arithmetic in fp32 with IEEE expf/log1pf (no fast-math),
+ *     recurrent states are fp32. Results match the CPU kernels of kern.h up to
+ *     summation order (relative error ~1e-6 of the magnitude, not bitwise).
+ *   - Ownership: the caller owns every buffer; the kernels allocate nothing,
+ *     keep no pointer after they return, and may be called from several host
+ *     threads on different streams (they share no mutable globals).
+ */
+#ifndef KERN_CUDA_H
+#define KERN_CUDA_H
+
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+/* kds_status.h and kern.h have no C++ guards of their own: include them
+ * with C linkage so that the .cu files (C++) link against the C objects. */
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#include "kds_status.h"
+#include "kern.h"
+
+/* ------------------------------------------------------------------------ */
+/* Device, memory, streams                                                   */
+
+/*
+ * True iff a CUDA device is present, the driver works, and this build's
+ * kernels have an image for the current device (sm_80 family natively,
+ * sm_90a natively, newer archs through the compute_80 PTX). Otherwise false,
+ * with the reason in `err` (status KDS_CUDA or KDS_UNSUPPORTED). Safe to call
+ * on a machine with no GPU or no driver: it never aborts. Cheap enough to
+ * call once per test or at start-up, not per token.
+ */
+bool kern_cuda_available(kds_err *err);
+
+/* Allocate `bytes` of device memory (256-byte aligned) into *dptr; bytes == 0
+ * gives *dptr = NULL and KDS_OK. Errors: KDS_INVALID_ARG (dptr NULL),
+ * KDS_NOMEM (device out of memory), KDS_CUDA. On error *dptr = NULL.
+ * Free with kern_cuda_free. */
+kds_status kern_cuda_malloc(void **dptr, size_t bytes, kds_err *err);
+/* Free memory from kern_cuda_malloc. NULL is a no-op. Synchronises the
+ * device implicitly (cudaFree semantics): not for the hot path. */
+void kern_cuda_free(void *dptr);
+
+/* Copies of `bytes` between host memory and device memory, ordered on
+ * `stream`. With a pageable host buffer the call returns once the source
+ * is consumed (h2d) or the data has landed (d2h); with pinned memory it may
+ * return earlier, and the caller must kern_cuda_sync before touching the
+ * host buffer. Errors: KDS_INVALID_ARG (NULL with bytes > 0), KDS_CUDA. */
+kds_status kern_cuda_memcpy_h2d(void *dst_dev, const void *src_host, size_t bytes, void *stream,
+                                kds_err *err);
+kds_status kern_cuda_memcpy_d2h(void *dst_host, const void *src_dev, size_t bytes, void *stream,
+                                kds_err *err);
+/* Device-to-device copy and byte fill, ordered on `stream`. */
+kds_status kern_cuda_memcpy_d2d(void *dst_dev, const void *src_dev, size_t bytes, void *stream,
+                                kds_err *err);
+kds_status kern_cuda_memset(void *dst_dev, int byte, size_t bytes, void *stream, kds_err *err);
+
+/* Wait until all work queued on `stream` (NULL: the whole device) finished.
+ * Returns the first pending asynchronous error as KDS_CUDA. */
+kds_status kern_cuda_sync(void *stream, kds_err *err);
+
+/* ------------------------------------------------------------------------ */
+/* Element kernels (same semantics as kern.h; all pointers are device ones)  */
+
+/* x /= sqrt(sum(x^2) + eps), in place, over `n_vecs` fp32 vectors of length
+ * `dim` (kern_l2norm). Errors: KDS_INVALID_ARG (n_vecs < 0, dim < 1 with
+ * n_vecs > 0, x NULL), KDS_CUDA. */
+kds_status kern_cuda_l2norm(float *x, int n_vecs, int dim, float eps, void *stream,
+                            kds_err *err);
+
+/* The KDA decay gate of kern_kda_gate, fp32, g_raw/g: [T, HV, K], A_log:
+ * [HV], dt_bias: [HV*K] or NULL; g may alias g_raw. lower_bound >= 0 selects
+ * the softplus form (Kimi-Linear-48B), < 0 the lower-bound form. Errors:
+ * KDS_INVALID_ARG, KDS_CUDA. */
+kds_status kern_cuda_kda_gate(const float *g_raw, const float *A_log, const float *dt_bias,
+                              int T, int HV, int K, float lower_bound, float *g, void *stream,
+                              kds_err *err);
+
+/* ------------------------------------------------------------------------ */
+/* Fused KDA decode step                                                     */
+
+/*
+ * One decode token for each of N sequences of one KDA layer, everything that
+ * follows the short convolution fused in one kernel:
+ *   per sequence n and value head hv (h = hv / (HV / H), GVA):
+ *     qn = q[n,h] / sqrt(|q[n,h]|^2 + 1e-6),  kn likewise     (kern_l2norm)
+ *     g  = gate(g_raw[n,hv], A_log[hv], dt_bias[hv*K..])      (kern_kda_gate)
+ *     b  = sigmoid(beta_raw[n,hv])                            (kern_sigmoid)
+ *     S  = pool[slots[n], hv]   (fp32 [K, V], row = key dim, fla's layout)
+ *     S  = diag(exp(g)) S ;  S += b * kn (v[n,hv] - S^T kn)^T
+ *     o[n,hv] = S^T (scale * qn) ;  pool[slots[n], hv] = S
+ * i.e. exactly kern_kda_recurrent with T = 1 on normalised, gated inputs.
+ *
+ * All pointers are device pointers:
+ *   q, k      [N, H, K]   in_dtype (KERN_F32 or KERN_BF16), raw (post conv)
+ *   v         [N, HV, V]  in_dtype
+ *   g_raw     [N, HV, K]  in_dtype, before the gate
+ *   beta_raw  [N, HV]     in_dtype, logits (before the sigmoid)
+ *   A_log     [HV]        fp32
+ *   dt_bias   [HV * K]    fp32, or NULL (no bias)
+ *   state_pool[pool_slots, HV, K, V] fp32, read and written in place
+ *   slots     [N]         int32: sequence n uses pool slot slots[n]. A slot
+ *                         outside [0, pool_slots) (e.g. -1 for padding)
+ *                         skips the sequence: its state is not touched and
+ *                         its o rows are set to 0. Two sequences must not
+ *                         name the same slot in one call (they would race).
+ *   o         [N, HV, V]  fp32 output
+ * Pool slots not named in `slots` are never read or written.
+ *
+ * Shapes supported: K in {64, 128}, V a multiple of 32, HV % H == 0,
+ * N >= 0 (N == 0 is a no-op). Alignment: state_pool and o 16 bytes, v 16
+ * bytes (fp32) or 8 bytes (bf16); cudaMalloc'd bases always qualify.
+ * Nothing may alias o or state_pool.
+ *
+ * Errors (checked before launching; nothing is touched): KDS_INVALID_ARG
+ * (NULL pointer, N < 0, H < 1, HV % H != 0, pool_slots < 0, misalignment,
+ * in_dtype not F32/BF16), KDS_UNSUPPORTED (K or V not supported), KDS_CUDA
+ * (launch failure).
+ */
+typedef struct kern_cuda_kda_decode_args {
+    kern_kda_shape shape; /* H, HV, K, V, scale */
+    int N;                /* sequences in this step */
+    kern_dtype in_dtype;  /* dtype of q, k, v, g_raw, beta_raw */
+    const void *q, *k, *v, *g_raw, *beta_raw;
+    const float *A_log, *dt_bias;
+    float lower_bound;    /* >= 0: softplus gate (Kimi); < 0: lower-bound gate */
+    float *state_pool;
+    int pool_slots;
+    const int32_t *slots;
+    float *o;
+} kern_cuda_kda_decode_args;
+
+kds_status kern_cuda_kda_decode(const kern_cuda_kda_decode_args *a, void *stream, kds_err *err);
+
+/* Bytes of HBM traffic one kern_cuda_kda_decode call moves (state read and
+ * written once plus the inputs and o), for bandwidth reporting. Counts
+ * every sequence, padding included. */
+size_t kern_cuda_kda_decode_bytes(const kern_cuda_kda_decode_args *a);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KERN_CUDA_H */
