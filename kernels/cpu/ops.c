@@ -159,79 +159,79 @@ static void dot_row(kern_dtype dt, const void *row, int in, const float *x, int 
 }
 
 #if KERN_AVX512
-/* One token, four weight rows at a time: the activation vector is loaded
- * once per four rows and each row gets its own accumulator, so the loop is
- * bound by streaming W, not by horizontal sums.
+/* Sum each of eight 16-lane accumulators: [sum(a0), ..., sum(a7)]. One
+ * transposing tree (halve to 256 bits, two levels of hadd, one lane swap)
+ * instead of eight separate horizontal reductions: with short rows (hidden
+ * 256) the per-row reductions cost as much as the dot products. */
+static inline __m256 reduce8(const __m512 a[8]) {
+    __m256 b[8];
+    for (int k = 0; k < 8; k++)
+        b[k] = _mm256_add_ps(_mm512_castps512_ps256(a[k]),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[k]), 1)));
+    __m256 t0 = _mm256_hadd_ps(b[0], b[1]), t1 = _mm256_hadd_ps(b[2], b[3]);
+    __m256 t2 = _mm256_hadd_ps(b[4], b[5]), t3 = _mm256_hadd_ps(b[6], b[7]);
+    __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* One token, eight weight rows at a time: the activation vector is loaded
+ * once per eight rows and each row gets its own accumulator, so the loop is
+ * bound by streaming W.
  *
  * BF16 rows are widened without a shuffle: a 512-bit load holds 32 bf16
  * values; shifting each 32-bit lane left by 16 gives the even-indexed ones as
  * f32, masking off the low half gives the odd-indexed ones. The activation
  * vector is pre-split the same way (xd: per 32-block, 16 even then 16 odd
  * values), so each block costs two cheap integer ops and two FMAs per row. */
-static void dot4_bf16_t1(const uint16_t *W, int in, const float *xd, int r0, int r1, float *y) {
+static void dot8_bf16_t1(const uint16_t *W, int in, const float *xd, int r0, int r1, float *y) {
     const __m512i hi_mask = _mm512_set1_epi32((int)0xffff0000u);
     int r = r0;
-    for (; r + 4 <= r1; r += 4) {
-        const uint16_t *w0 = W + (size_t)r * in, *w1 = w0 + in, *w2 = w1 + in, *w3 = w2 + in;
-        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(),
-               a3 = _mm512_setzero_ps();
+    for (; r + 8 <= r1; r += 8) {
+        const uint16_t *w = W + (size_t)r * in;
+        __m512 acc[8];
+        for (int k = 0; k < 8; k++) acc[k] = _mm512_setzero_ps();
         for (int i = 0; i < in; i += 32) {
             __m512 xe = _mm512_loadu_ps(xd + i), xo = _mm512_loadu_ps(xd + i + 16);
-#define KERN_BF16_STEP(wp, acc)                                                              \
-    do {                                                                                     \
-        __m512i w = _mm512_loadu_si512((const void *)((wp) + i));                            \
-        acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(w, 16)), xe, acc);       \
-        acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(w, hi_mask)), xo, acc);   \
-    } while (0)
-            KERN_BF16_STEP(w0, a0);
-            KERN_BF16_STEP(w1, a1);
-            KERN_BF16_STEP(w2, a2);
-            KERN_BF16_STEP(w3, a3);
-#undef KERN_BF16_STEP
+            for (int k = 0; k < 8; k++) {
+                __m512i v = _mm512_loadu_si512((const void *)(w + (size_t)k * in + i));
+                acc[k] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), xe, acc[k]);
+                acc[k] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(v, hi_mask)), xo,
+                                         acc[k]);
+            }
         }
-        y[r] = _mm512_reduce_add_ps(a0);
-        y[r + 1] = _mm512_reduce_add_ps(a1);
-        y[r + 2] = _mm512_reduce_add_ps(a2);
-        y[r + 3] = _mm512_reduce_add_ps(a3);
+        _mm256_storeu_ps(y + r, reduce8(acc));
     }
     for (; r < r1; r++) {
         const uint16_t *w0 = W + (size_t)r * in;
         __m512 a0 = _mm512_setzero_ps();
         for (int i = 0; i < in; i += 32) {
-            __m512i w = _mm512_loadu_si512((const void *)(w0 + i));
-            a0 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(w, 16)),
+            __m512i v = _mm512_loadu_si512((const void *)(w0 + i));
+            a0 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)),
                                  _mm512_loadu_ps(xd + i), a0);
-            a0 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(w, hi_mask)),
+            a0 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(v, hi_mask)),
                                  _mm512_loadu_ps(xd + i + 16), a0);
         }
         y[r] = _mm512_reduce_add_ps(a0);
     }
 }
 
-/* Same for F32 and F16 rows (16 lanes per step), four rows at a time. */
-static void dot4_t1(kern_dtype dt, const void *W, int in, const float *x, int r0, int r1,
+/* Same for F32 and F16 rows (16 lanes per step), eight rows at a time. */
+static void dot8_t1(kern_dtype dt, const void *W, int in, const float *x, int r0, int r1,
                     float *y) {
-    size_t esz = kern_dtype_size(dt);
+    size_t esz = kern_dtype_size(dt), stride = (size_t)in * esz;
     int r = r0;
-    for (; r + 4 <= r1; r += 4) {
-        const char *w0 = (const char *)W + (size_t)r * in * esz;
-        const char *w1 = w0 + (size_t)in * esz, *w2 = w1 + (size_t)in * esz,
-                   *w3 = w2 + (size_t)in * esz;
-        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(),
-               a3 = _mm512_setzero_ps();
+    for (; r + 8 <= r1; r += 8) {
+        const char *w = (const char *)W + (size_t)r * stride;
+        __m512 acc[8];
+        for (int k = 0; k < 8; k++) acc[k] = _mm512_setzero_ps();
         for (int i = 0; i < in; i += 16) {
             __m512 xv = _mm512_loadu_ps(x + i);
-            a0 = _mm512_fmadd_ps(load16(dt, w0, i), xv, a0);
-            a1 = _mm512_fmadd_ps(load16(dt, w1, i), xv, a1);
-            a2 = _mm512_fmadd_ps(load16(dt, w2, i), xv, a2);
-            a3 = _mm512_fmadd_ps(load16(dt, w3, i), xv, a3);
+            for (int k = 0; k < 8; k++)
+                acc[k] = _mm512_fmadd_ps(load16(dt, w + k * stride, i), xv, acc[k]);
         }
-        y[r] = _mm512_reduce_add_ps(a0);
-        y[r + 1] = _mm512_reduce_add_ps(a1);
-        y[r + 2] = _mm512_reduce_add_ps(a2);
-        y[r + 3] = _mm512_reduce_add_ps(a3);
+        _mm256_storeu_ps(y + r, reduce8(acc));
     }
-    for (; r < r1; r++) dot_row(dt, (const char *)W + (size_t)r * in * esz, in, x, in, 1, &y[r]);
+    for (; r < r1; r++) dot_row(dt, (const char *)W + (size_t)r * stride, in, x, in, 1, &y[r]);
 }
 #endif
 
@@ -267,11 +267,11 @@ void kern_matmul(kern_dtype dt, const void *W, int in, const float *x, int T, fl
                     scratch[i + j] = x[i + 2 * j];
                     scratch[i + 16 + j] = x[i + 2 * j + 1];
                 }
-            dot4_bf16_t1(W, in, scratch, r0, r1, y);
+            dot8_bf16_t1(W, in, scratch, r0, r1, y);
             return;
         }
         if (dt != KERN_BF16) {
-            dot4_t1(dt, W, in, x, r0, r1, y);
+            dot8_t1(dt, W, in, x, r0, r1, y);
             return;
         }
     }
