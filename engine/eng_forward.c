@@ -144,19 +144,72 @@ static void job(eng_ctx *c, int i, const eng_weight *w, const float *x, int T, f
 
 typedef struct kda_run {
     eng_ctx *c;
+    const eng_kda_weights *w;
     float *state;       /* [HV, K, V] of this layer */
-    int T, chunked;
+    int T, chunked, n_parts;
 } kda_run;
 
+/*
+ * Per-token work between the projections and the core, for tokens of part
+ * `part` of n_parts: depthwise causal conv + SiLU, L2 norm of q and k, the
+ * decay gate and beta's sigmoid. Tokens are independent here (the conv reads
+ * the ext rows, which already hold the tail), so parts run in parallel.
+ * out_t[ch] = sum_j w[ch, j] * in_{t-taps+j}[ch] over ext rows t..t+taps.
+ */
+static void kda_pre_fn(void *arg, int part, int thread) {
+    kda_run *r = arg;
+    eng_ctx *c = r->c;
+    const eng_dims *d = &c->d;
+    const eng_kda_weights *w = r->w;
+    const eng_config *cfg = &c->m->cfg;
+    const int C = d->conv_ch, taps = d->W - 1;
+    int t0 = (int)((int64_t)r->T * part / r->n_parts), t1 = (int)((int64_t)r->T * (part + 1) / r->n_parts);
+    for (int t = t0; t < t1; t++) {
+        const float *rows = c->ext + (size_t)t * C;
+        for (int which = 0; which < 3; which++) {
+            int base = which == 0 ? 0 : which == 1 ? d->kda_qk : 2 * d->kda_qk;
+            int n = which == 2 ? d->kda_v : d->kda_qk;
+            const float *wc = which == 0 ? w->q_conv : which == 1 ? w->k_conv : w->v_conv;
+            float *out = (which == 0 ? c->q : which == 1 ? c->k : c->v) + (size_t)t * n;
+            for (int ch = 0; ch < n; ch++) {
+                float acc = 0.0f;
+                for (int j = 0; j <= taps; j++)
+                    acc += wc[(size_t)ch * d->W + j] * rows[(size_t)j * C + base + ch];
+                out[ch] = acc;
+            }
+            kern_silu(out, (size_t)n);
+        }
+    }
+    int n = t1 - t0;
+    if (n <= 0) return;
+    kern_l2norm(c->q + (size_t)t0 * d->kda_qk, n * d->H, d->K, 1e-6f);
+    kern_l2norm(c->k + (size_t)t0 * d->kda_qk, n * d->H, d->K, 1e-6f);
+    float *g = c->g + (size_t)t0 * d->HV * d->K;
+    kern_kda_gate(g, w->A_log, w->dt_bias, n, d->HV, d->K,
+                  cfg->has_gate_lower_bound ? cfg->gate_lower_bound : 0.0f, g);
+    kern_sigmoid_inplace(c->beta + (size_t)t0 * d->HV, (size_t)n * d->HV);
+}
+
+/* The core for one value head over all T tokens, then that head's gated
+ * output norm: o * rsqrt(mean(o^2) + eps) * w * sigmoid(z). */
 static void kda_core_fn(void *arg, int hv, int thread) {
     kda_run *r = arg;
     eng_ctx *c = r->c;
-    kern_kda_shape sh = {c->d.H, c->d.HV, c->d.K, c->d.V, 1.0f / sqrtf((float)c->d.K)};
+    const eng_dims *d = &c->d;
+    kern_kda_shape sh = {d->H, d->HV, d->K, d->V, 1.0f / sqrtf((float)d->K)};
     if (r->chunked)
         kern_kda_chunked(&sh, r->T, c->kda_chunk, c->q, c->k, c->v, c->g, c->beta, r->state, c->o,
                          hv, hv + 1, c->ts[thread].kda_ws);
     else
         kern_kda_recurrent(&sh, r->T, c->q, c->k, c->v, c->g, c->beta, r->state, c->o, hv, hv + 1);
+    const float eps = c->m->cfg.rms_norm_eps;
+    for (int t = 0; t < r->T; t++) {
+        size_t at = ((size_t)t * d->HV + hv) * d->V;
+        float *oh = c->o + at, *z = c->gz + at;
+        kern_rmsnorm(oh, r->w->o_norm, KERN_F32, d->V, eps, oh);
+        kern_sigmoid_inplace(z, (size_t)d->V);
+        for (int e = 0; e < d->V; e++) oh[e] *= z[e];
+    }
 }
 
 static void kda_layer(eng_ctx *c, eng_seq *s, const eng_layer_weights *L, int slot, int T,
@@ -179,45 +232,20 @@ static void kda_layer(eng_ctx *c, eng_seq *s, const eng_layer_weights *L, int sl
     job(c, 1, &w->g_b_proj, c->ga, T, c->gz, d->kda_v);
     run_mm(c, 2);
 
-    /* Depthwise causal conv + SiLU: out_t[ch] = sum_j w[ch, j] * in_{t-taps+j}[ch]
-     * over ext rows t..t+taps (row t+taps is token t itself). */
-    for (int t = 0; t < T; t++) {
-        const float *rows = c->ext + (size_t)t * C;
-        for (int part = 0; part < 3; part++) {
-            int base = part == 0 ? 0 : part == 1 ? d->kda_qk : 2 * d->kda_qk;
-            int n = part == 2 ? d->kda_v : d->kda_qk;
-            const float *wc = part == 0 ? w->q_conv : part == 1 ? w->k_conv : w->v_conv;
-            float *out = (part == 0 ? c->q : part == 1 ? c->k : c->v) + (size_t)t * n;
-            for (int ch = 0; ch < n; ch++) {
-                float acc = 0.0f;
-                for (int j = 0; j <= taps; j++)
-                    acc += wc[(size_t)ch * d->W + j] * rows[(size_t)j * C + base + ch];
-                out[ch] = acc / (1.0f + expf(-acc));
-            }
-        }
+    kda_run r = {c, w, s->kda_state + (size_t)slot * d->HV * d->K * d->V, T, chunked, 1};
+    /* A part per thread once there is enough per-token work to pay for it. */
+    if (c->n_threads > 1 && (double)T * C >= 16384.0) {
+        r.n_parts = T < c->n_threads * 4 ? T : c->n_threads * 4;
+        eng_pool_run(c->pool, kda_pre_fn, &r, r.n_parts);
+    } else {
+        kda_pre_fn(&r, 0, 0);
     }
     memcpy(conv_tail, c->ext + (size_t)T * C, (size_t)taps * C * sizeof(float));
 
-    kern_l2norm(c->q, T * d->H, d->K, 1e-6f);
-    kern_l2norm(c->k, T * d->H, d->K, 1e-6f);
-    const eng_config *cfg = &c->m->cfg;
-    kern_kda_gate(c->g, w->A_log, w->dt_bias, T, d->HV, d->K,
-                  cfg->has_gate_lower_bound ? cfg->gate_lower_bound : 0.0f, c->g);
-    for (int i = 0; i < T * d->HV; i++) c->beta[i] = kern_sigmoid(c->beta[i]);
-
-    kda_run r = {c, s->kda_state + (size_t)slot * d->HV * d->K * d->V, T, chunked};
     if ((double)T * d->HV * d->K * d->V < 65536.0 || c->n_threads == 1)
         for (int hv = 0; hv < d->HV; hv++) kda_core_fn(&r, hv, 0);
     else
         eng_pool_run(c->pool, kda_core_fn, &r, d->HV);
-
-    /* Gated output norm per head: o * rsqrt(mean(o^2) + eps) * w * sigmoid(z). */
-    for (int i = 0; i < T * d->HV; i++) {
-        float *oh = c->o + (size_t)i * d->V;
-        const float *z = c->gz + (size_t)i * d->V;
-        kern_rmsnorm(oh, w->o_norm, KERN_F32, d->V, cfg->rms_norm_eps, oh);
-        for (int e = 0; e < d->V; e++) oh[e] *= kern_sigmoid(z[e]);
-    }
     job(c, 0, &w->o_proj, c->o, T, c->mix, d->hidden);
     run_mm(c, 1);
 }
@@ -277,8 +305,12 @@ static void mla_head_fn(void *arg, int h, int thread) {
         /* queries that see none of this block (k0 > pos + t) are skipped */
         int t0 = k0 > pos ? (int)(k0 - pos) : 0;
         int nq = T - t0;
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nq, nb, row, 1.0f,
-                    Q + (size_t)t0 * row, row, Kb, row, 0.0f, S, MLA_KEY_BLOCK);
+        if (nq == 1) /* decode: gemv, which packs nothing */
+            cblas_sgemv(CblasRowMajor, CblasNoTrans, nb, row, 1.0f, Kb, row,
+                        Q + (size_t)t0 * row, 1, 0.0f, S, 1);
+        else
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nq, nb, row, 1.0f,
+                        Q + (size_t)t0 * row, row, Kb, row, 0.0f, S, MLA_KEY_BLOCK);
         for (int i = 0; i < nq; i++) {
             int t = t0 + i;
             float *srow = S + (size_t)i * MLA_KEY_BLOCK;
@@ -300,8 +332,12 @@ static void mla_head_fn(void *arg, int h, int thread) {
                 for (int j = 0; j < dc; j++) lrow[j] *= corr;
         }
         /* Lat[t0:] += P C_b, C_b = the first dc columns of the key rows */
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nq, dc, nb, 1.0f, S, MLA_KEY_BLOCK,
-                    Kb, row, 1.0f, lat + (size_t)t0 * dc, dc);
+        if (nq == 1)
+            cblas_sgemv(CblasRowMajor, CblasTrans, nb, dc, 1.0f, Kb, row, S, 1, 1.0f,
+                        lat + (size_t)t0 * dc, 1);
+        else
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nq, dc, nb, 1.0f, S,
+                        MLA_KEY_BLOCK, Kb, row, 1.0f, lat + (size_t)t0 * dc, dc);
     }
     for (int t = 0; t < T; t++) {
         float inv = 1.0f / den[t], *lrow = lat + (size_t)t * dc;
@@ -443,9 +479,17 @@ static void moe_ffn(eng_ctx *c, const eng_ffn_weights *f, int T) {
             memcpy(c->xg + (size_t)row * hid, c->xn + (size_t)t * hid, (size_t)hid * sizeof(float));
         }
     const int inner = cfg->moe_intermediate_size;
-    /* Up projections of all active experts (and the shared expert) in as few
+    const int sh_inner = f->sh_gate.rows; /* 0 without shared experts */
+    /* The shared expert's rows live after the routed ones in the FFN
+     * buffers, so its products join the routed experts' dispatches. */
+    float *sh_a = c->fa_buf + (size_t)T * k * inner, *sh_b = c->fb_buf + (size_t)T * k * inner;
+    /* Up projections of all active experts and the shared expert, in as few
      * dispatches as the job table allows. */
     int nj = 0;
+    if (sh_inner > 0) {
+        job(c, nj++, &f->sh_gate, c->xn, T, sh_a, sh_inner);
+        job(c, nj++, &f->sh_up, c->xn, T, sh_b, sh_inner);
+    }
     for (int e = 0; e < E; e++) {
         int n_e = c->exp_off[e + 1] - c->exp_off[e];
         if (n_e == 0) continue;
@@ -458,8 +502,9 @@ static void moe_ffn(eng_ctx *c, const eng_ffn_weights *f, int T) {
         job(c, nj++, &f->w3[e], c->xg + off * hid, n_e, c->fb_buf + off * inner, inner);
     }
     if (nj) run_mm(c, nj);
-    kern_swiglu(c->fa_buf, c->fb_buf, (size_t)T * k * inner);
+    kern_swiglu(c->fa_buf, c->fb_buf, (size_t)T * k * inner + (size_t)T * sh_inner);
     nj = 0;
+    if (sh_inner > 0) job(c, nj++, &f->sh_down, sh_a, T, c->shared_out, hid);
     for (int e = 0; e < E; e++) {
         int n_e = c->exp_off[e + 1] - c->exp_off[e];
         if (n_e == 0) continue;
@@ -481,10 +526,8 @@ static void moe_ffn(eng_ctx *c, const eng_ffn_weights *f, int T) {
             for (int i = 0; i < hid; i++) out[i] += wgt * y[i];
         }
     }
-    if (f->sh_gate.rows > 0) {
-        dense_ffn(c, &f->sh_gate, &f->sh_up, &f->sh_down, c->xn, T, c->shared_out);
+    if (sh_inner > 0)
         for (size_t i = 0; i < (size_t)T * hid; i++) c->mix[i] += c->shared_out[i];
-    }
 }
 
 /* ------------------------------------------------------------------------ */
@@ -643,8 +686,9 @@ kds_status eng_ctx_create(const eng_model *m, const eng_ctx_params *p, eng_ctx *
         ALLOC(c->mq, B * d->mla_heads * (d->dn + d->dr));
         ALLOC(c->kva, B * d->mla_row);
     }
-    ALLOC(c->fa_buf, Bk * width);
-    ALLOC(c->fb_buf, Bk * width);
+    /* routed rows [B*top_k, width] followed by the shared expert's [B, width] */
+    ALLOC(c->fa_buf, (Bk + B) * width);
+    ALLOC(c->fb_buf, (Bk + B) * width);
     ALLOC(c->shared_out, B * d->hidden);
     if (cfg->num_experts > 0) {
         ALLOC(c->router, B * cfg->num_experts);

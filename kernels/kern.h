@@ -77,6 +77,8 @@ void kern_silu(float *x, size_t n);
 /* a[i] = silu(a[i]) * b[i] (SwiGLU), in place into a. */
 void kern_swiglu(float *a, const float *b, size_t n);
 float kern_sigmoid(float x);
+/* x[i] = sigmoid(x[i]), in place (vectorised). */
+void kern_sigmoid_inplace(float *x, size_t n);
 /* softplus with PyTorch's threshold 20: x > 20 ? x : log1p(exp(x)). */
 float kern_softplus(float x);
 

@@ -29,6 +29,7 @@
  * a branch-free polynomial that vectorises (libm's expf does not, here).
  */
 #include "kern.h"
+#include "kern_math.h"
 
 #include <cblas.h>
 #include <math.h>
@@ -55,35 +56,6 @@
 
 /* ------------------------------------------------------------------------ */
 /* Vectorisable math                                                         */
-
-/*
- * e^x, branch-free so that loops calling it vectorise. Cephes' expf:
- * x = n ln2 + r with |r| <= ln2/2 (n rounded with the 1.5 * 2^23 trick, ln2
- * split in two so n ln2 is exact), a degree-6 polynomial for e^r, 2^n built
- * in the exponent bits. Within 1 ulp of e^x on [-87, 88]. Below -87 it
- * returns 0 where expf would give a denormal under 1.7e-38: every caller
- * multiplies it into values of order 1, so the difference is invisible.
- * Above 88 it saturates at about e^88 (only the sigmoid's e^-y gets there,
- * where 1 / (1 + e^88) is as good as 0).
- */
-static inline float vexp(float x) {
-    const float lo = -87.0f, hi = 88.0f;
-    float xc = x < lo ? lo : (x > hi ? hi : x);
-    float n = fmaf(xc, 1.44269504088896341f, 12582912.0f) - 12582912.0f;
-    float r = fmaf(-n, 0.693359375f, xc);
-    r = fmaf(n, 2.12194440e-4f, r);
-    float p = 1.9875691500e-4f;
-    p = fmaf(p, r, 1.3981999507e-3f);
-    p = fmaf(p, r, 8.3334519073e-3f);
-    p = fmaf(p, r, 4.1665795894e-2f);
-    p = fmaf(p, r, 1.6666665459e-1f);
-    p = fmaf(p, r, 5.0000001201e-1f);
-    p = fmaf(p * r, r, r) + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float two_n;
-    memcpy(&two_n, &bits, sizeof two_n);
-    return x < lo ? 0.0f : p * two_n;
-}
 
 /*
  * log(1 + y) for y in [0, 1], branch-free. u = 1 + y is in [1, 2]; written
@@ -120,9 +92,6 @@ static inline float softplus(float x) {
     return x > 20.0f ? x : sp;
 }
 
-static inline float sigmoid(float x) {
-    return 1.0f / (1.0f + vexp(-x));
-}
 
 /* ------------------------------------------------------------------------ */
 /* Gate                                                                      */
@@ -143,10 +112,10 @@ static void gate_row(const float *x, const float *b, int K, float a, float lower
         /* fla's lower-bound gate: g = lb sigmoid(e^A (f + b)), in (lb, 0) */
         if (b)
             for (int d = 0; d < K; d++)
-                g[d] = lower_bound * sigmoid(a * (x[d] + b[d]));
+                g[d] = lower_bound * vsigmoid(a * (x[d] + b[d]));
         else
             for (int d = 0; d < K; d++)
-                g[d] = lower_bound * sigmoid(a * x[d]);
+                g[d] = lower_bound * vsigmoid(a * x[d]);
     }
 }
 

@@ -11,6 +11,7 @@
  * scalar loops are the portable fallback and the readable specification.
  */
 #include "kern.h"
+#include "kern_math.h"
 
 #include <cblas.h>
 #include <math.h>
@@ -313,14 +314,18 @@ void kern_l2norm(float *x, int n_vecs, int dim, float eps) {
     }
 }
 
-float kern_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+float kern_sigmoid(float x) { return vsigmoid(x); }
 
 float kern_softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
 void kern_silu(float *x, size_t n) {
-    for (size_t i = 0; i < n; i++) x[i] = x[i] / (1.0f + expf(-x[i]));
+    for (size_t i = 0; i < n; i++) x[i] = x[i] * vsigmoid(x[i]);
 }
 
 void kern_swiglu(float *a, const float *b, size_t n) {
-    for (size_t i = 0; i < n; i++) a[i] = a[i] / (1.0f + expf(-a[i])) * b[i];
+    for (size_t i = 0; i < n; i++) a[i] = a[i] * vsigmoid(a[i]) * b[i];
+}
+
+void kern_sigmoid_inplace(float *x, size_t n) {
+    for (size_t i = 0; i < n; i++) x[i] = vsigmoid(x[i]);
 }

@@ -1,0 +1,45 @@
+/*
+ * kern_math.h - vectorisable scalar math shared by the CPU kernels (internal
+ * to kernels/cpu). Branch-free so that loops calling these functions
+ * vectorise under -O3; accuracy stated per function.
+ */
+#ifndef KERN_MATH_H
+#define KERN_MATH_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/*
+ * e^x, branch-free so that loops calling it vectorise. Cephes' expf:
+ * x = n ln2 + r with |r| <= ln2/2 (n rounded with the 1.5 * 2^23 trick, ln2
+ * split in two so n ln2 is exact), a degree-6 polynomial for e^r, 2^n built
+ * in the exponent bits. Within 1 ulp of e^x on [-87, 88]. Below -87 it
+ * returns 0 where expf would give a denormal under 1.7e-38: every caller
+ * multiplies it into values of order 1, so the difference is invisible.
+ * Above 88 it saturates at about e^88 (only the sigmoid's e^-y gets there,
+ * where 1 / (1 + e^88) is as good as 0).
+ */
+static inline float vexp(float x) {
+    const float lo = -87.0f, hi = 88.0f;
+    float xc = x < lo ? lo : (x > hi ? hi : x);
+    float n = fmaf(xc, 1.44269504088896341f, 12582912.0f) - 12582912.0f;
+    float r = fmaf(-n, 0.693359375f, xc);
+    r = fmaf(n, 2.12194440e-4f, r);
+    float p = 1.9875691500e-4f;
+    p = fmaf(p, r, 1.3981999507e-3f);
+    p = fmaf(p, r, 8.3334519073e-3f);
+    p = fmaf(p, r, 4.1665795894e-2f);
+    p = fmaf(p, r, 1.6666665459e-1f);
+    p = fmaf(p, r, 5.0000001201e-1f);
+    p = fmaf(p * r, r, r) + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return x < lo ? 0.0f : p * two_n;
+}
+
+/* 1 / (1 + e^-x), within 2.5 ulp. */
+static inline float vsigmoid(float x) { return 1.0f / (1.0f + vexp(-x)); }
+
+#endif
