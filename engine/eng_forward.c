@@ -542,10 +542,12 @@ static kds_status check_ids(const eng_ctx *c, const int32_t *ids, int64_t n, kds
     return KDS_OK;
 }
 
-/* Run T <= max_batch tokens. logits: NULL (only the sequence's last logits)
- * or [T, vocab]. Inputs are validated by the callers. */
+/* Run T <= max_batch tokens. logits: NULL (only the sequence's last logits,
+ * computed when want_last) or [T, vocab]. Inputs are validated by the
+ * callers. A prefill skips the lm_head of all but its final batch: on small
+ * models that matrix is most of the bytes a batch reads. */
 static void forward(eng_ctx *c, eng_seq *s, const int32_t *ids, int T, int chunked,
-                    float *logits) {
+                    float *logits, int want_last) {
     const eng_model *m = c->m;
     const eng_config *cfg = &m->cfg;
     const int hid = c->d.hidden;
@@ -572,6 +574,12 @@ static void forward(eng_ctx *c, eng_seq *s, const int32_t *ids, int T, int chunk
             dense_ffn(c, &L->ffn.gate_proj, &L->ffn.up_proj, &L->ffn.down_proj, c->xn, T, c->mix);
         for (size_t i = 0; i < (size_t)T * hid; i++) c->x[i] += c->mix[i];
     }
+    for (int t = 0; t < T; t++) eng__seq_push_recent(s, ids[t]);
+    s->pos += T;
+    if (!logits && !want_last) {
+        s->has_logits = 0; /* stale until the batch that ends the prefill */
+        return;
+    }
     /* Final norm and lm_head: every row when asked, else the last row only. */
     int first = logits ? 0 : T - 1, n = T - first;
     for (int t = first; t < T; t++)
@@ -582,8 +590,6 @@ static void forward(eng_ctx *c, eng_seq *s, const int32_t *ids, int T, int chunk
     run_mm(c, 1);
     if (logits) memcpy(s->logits, logits + (size_t)(T - 1) * c->d.vocab, (size_t)c->d.vocab * sizeof(float));
     s->has_logits = 1;
-    for (int t = 0; t < T; t++) eng__seq_push_recent(s, ids[t]);
-    s->pos += T;
 }
 
 kds_status eng_prefill(eng_ctx *c, eng_seq *s, const int32_t *ids, int64_t n, float *logits_all,
@@ -596,7 +602,8 @@ kds_status eng_prefill(eng_ctx *c, eng_seq *s, const int32_t *ids, int64_t n, fl
     if ((rc = eng__seq_reserve(s, s->pos + n, err)) != KDS_OK) return rc;
     for (int64_t done = 0; done < n;) {
         int T = n - done < c->max_batch ? (int)(n - done) : c->max_batch;
-        forward(c, s, ids + done, T, 1, logits_all ? logits_all + (size_t)done * c->d.vocab : NULL);
+        forward(c, s, ids + done, T, 1, logits_all ? logits_all + (size_t)done * c->d.vocab : NULL,
+                done + T == n);
         done += T;
         if (progress) progress(user, done, n);
     }
@@ -609,7 +616,7 @@ kds_status eng_decode(eng_ctx *c, eng_seq *s, int32_t id, kds_err *err) {
     kds_status rc = check_ids(c, &id, 1, err);
     if (rc != KDS_OK) return rc;
     if ((rc = eng__seq_reserve(s, s->pos + 1, err)) != KDS_OK) return rc;
-    forward(c, s, &id, 1, 0, NULL);
+    forward(c, s, &id, 1, 0, NULL, 1);
     return KDS_OK;
 }
 
