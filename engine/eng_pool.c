@@ -34,7 +34,7 @@ struct eng_pool {
     /* the current run */
     eng_pool_fn fn;
     void *arg;
-    int n_tasks;
+    atomic_int n_tasks;
     /* (generation << 32) | next task index: a worker takes a task only while
      * the generation it woke for is current, so a late worker can never run
      * a task of the next run with the previous run's fn. */
@@ -42,16 +42,20 @@ struct eng_pool {
     atomic_int done_tasks;
 };
 
+/* Take and run tasks of run `gen` until none is left. A task is claimed by
+ * the compare-exchange on the whole ticket, so a worker holding a stale
+ * ticket value (an older run, or a run being set up: the ticket is closed
+ * with index UINT32_MAX before fn/arg/n_tasks change) can never claim one. */
 static void drain(eng_pool *p, unsigned gen, int thread) {
     uint64_t cur = atomic_load_explicit(&p->ticket, memory_order_acquire);
     for (;;) {
         if ((unsigned)(cur >> 32) != gen) return;
-        int t = (int)(uint32_t)cur;
-        if (t >= p->n_tasks) return;
+        uint32_t t = (uint32_t)cur;
+        if (t >= (uint32_t)atomic_load_explicit(&p->n_tasks, memory_order_relaxed)) return;
         if (!atomic_compare_exchange_weak_explicit(&p->ticket, &cur, cur + 1,
                                                    memory_order_acq_rel, memory_order_acquire))
             continue;
-        p->fn(p->arg, t, thread);
+        p->fn(p->arg, (int)t, thread);
         atomic_fetch_add_explicit(&p->done_tasks, 1, memory_order_release);
         cur = atomic_load_explicit(&p->ticket, memory_order_acquire);
     }
@@ -130,11 +134,16 @@ void eng_pool_run(eng_pool *p, eng_pool_fn fn, void *arg, int n_tasks) {
         for (int t = 0; t < n_tasks; t++) fn(arg, t, 0);
         return;
     }
+    /* Close the previous run's ticket before touching the run's fields: a
+     * late worker may still hold that run's ticket value and try to claim
+     * with it (see drain). */
+    unsigned gen = atomic_load_explicit(&p->generation, memory_order_relaxed) + 1;
+    atomic_store_explicit(&p->ticket, ((uint64_t)(gen - 1) << 32) | UINT32_MAX,
+                          memory_order_seq_cst);
     p->fn = fn;
     p->arg = arg;
-    p->n_tasks = n_tasks;
+    atomic_store_explicit(&p->n_tasks, n_tasks, memory_order_relaxed);
     atomic_store_explicit(&p->done_tasks, 0, memory_order_relaxed);
-    unsigned gen = atomic_load_explicit(&p->generation, memory_order_relaxed) + 1;
     atomic_store_explicit(&p->ticket, (uint64_t)gen << 32, memory_order_release);
     atomic_store_explicit(&p->generation, gen, memory_order_release);
     if (atomic_load(&p->sleepers) > 0) {
