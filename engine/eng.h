@@ -58,10 +58,13 @@ eng_model_params eng_model_default_params(void);
  * Load the model in directory `dir`: config.json plus model.safetensors or
  * model.safetensors.index.json with its shards. Every tensor the config
  * implies is checked for presence, dtype (F32, BF16, F16) and shape before
- * anything runs. Errors: KDS_NOT_FOUND (missing file or tensor),
- * KDS_BAD_FORMAT (malformed JSON or safetensors), KDS_MISMATCH (shape or
- * dtype differs from the config), KDS_INVALID_ARG (inconsistent config),
- * KDS_NOMEM, KDS_IO. Caller owns *out: free with eng_model_free.
+ * anything runs. With `tiktoken.model` in the directory, its
+ * `tokenizer_config.json` is read too and the tokenizer checked against the
+ * config's vocab_size. Errors: KDS_NOT_FOUND (missing file or tensor),
+ * KDS_BAD_FORMAT (malformed JSON, safetensors or rank file), KDS_MISMATCH
+ * (shape or dtype differs from the config, tokenizer larger than the
+ * vocabulary), KDS_INVALID_ARG (inconsistent config), KDS_NOMEM, KDS_IO.
+ * Caller owns *out: free with eng_model_free.
  */
 kds_status eng_model_load(const char *dir, const eng_model_params *params, eng_model **out,
                           kds_err *err);
@@ -73,7 +76,8 @@ const char *eng_model_dir(const eng_model *m);
 /* 32 hex digits: XXH3-128 over config.json and every tensor (name, dtype,
  * shape, bytes). Changes when the config or any weight changes. */
 const char *eng_model_fingerprint(const eng_model *m);
-/* The model's tokenizer (byte-level until a real vocabulary is loaded). */
+/* The model's tokenizer: tiktoken when the directory has tiktoken.model and
+ * tokenizer_config.json, else byte-level. Borrowed, valid until eng_model_free. */
 const eng_tokenizer *eng_model_tokenizer(const eng_model *m);
 
 /* ------------------------------------------------------------------------ */
@@ -193,16 +197,197 @@ kds_status eng_sample(eng_ctx *c, eng_seq *s, const eng_sampler_params *p, int32
                       kds_err *err);
 
 /* ------------------------------------------------------------------------ */
-/* Tokenizer (byte-level: ids 0..255 are bytes, specials follow)             */
+/* Tokenizer                                                                 */
+/*
+ * Two kinds behind one type, both immutable once made and safe to share
+ * between threads (every call allocates its own scratch):
+ *   byte-level  ids 0..255 are the bytes, then named specials (a model
+ *               directory without a tokenizer gets this one);
+ *   tiktoken    byte-level BPE by rank from a tiktoken rank file
+ *               ("base64-token rank" lines), the pre-tokenisation regex of a
+ *               preset (cl100k, o200k, kimi; PCRE2 with JIT), and special
+ *               tokens. Ids equal OpenAI tiktoken's for the same ranks,
+ *               pattern and text (tests/test_tok_*.c check this against
+ *               tiktoken itself).
+ * A model directory holding `tiktoken.model` and `tokenizer_config.json`
+ * (Kimi's layout, docs/formats.md) loads the tiktoken kind automatically.
+ *
+ * Text is bytes. Valid UTF-8 is split exactly as tiktoken splits it; bytes
+ * that are not valid UTF-8 (tiktoken cannot receive them) are never lost:
+ * each maximal run of them is encoded on its own, byte-level, and the text
+ * around it is pre-tokenised as separate runs. So decode(encode(x)) == x for
+ * any bytes x. The kimi preset also cuts long texts where Kimi's Python
+ * encode() cuts them (every 400,000 characters, runs over 25,000), so its
+ * ids stay Moonshot's on texts of any length (docs/formats.md).
+ */
 
-/* Encode UTF-8 text; writes at most `cap` ids, returns the count needed. */
+/* Flags of eng_tok_encode_ex. */
+enum {
+    /* Text equal to a special token's name becomes that special's id (the
+     * longest name wins where two start at the same byte). Without it, such
+     * text is ordinary text (tiktoken's encode_ordinary): user text cannot
+     * smuggle in control tokens. */
+    ENG_TOK_ALLOW_SPECIAL = 1u << 0,
+};
+
+/* Flags of eng_tok_decode and eng_tok_stream_create. */
+enum {
+    ENG_TOK_SKIP_SPECIAL = 1u << 0, /* specials decode to nothing (not their names) */
+};
+
+typedef struct eng_tok_params {
+    /* Pre-tokenisation preset: "cl100k", "o200k", "kimi", or "none" (NULL =
+     * "none": the text is one piece; slow on long text). */
+    const char *pattern;
+    /* JSON file of special tokens: tiktoken's {"special_tokens": {NAME: ID}},
+     * Hugging Face's tokenizer_config.json ("added_tokens_decoder"), or a
+     * plain {NAME: ID} object. NULL = the preset's own specials (cl100k,
+     * o200k: OpenAI's; kimi: Kimi-K2's names at (number of ranks + k), the
+     * rest of 256 slots named <|reserved_token_ID|>). */
+    const char *specials_file;
+    bool no_specials;   /* no special tokens at all (overrides the above) */
+    /* Vocabulary size; 0 = one past the largest rank or special id. Larger
+     * values leave unused ids, which decode to nothing. */
+    int vocab;
+} eng_tok_params;
+
+eng_tok_params eng_tok_default_params(void);
+
+/*
+ * Load a tiktoken rank file (one "base64-token rank" line per token, empty
+ * lines ignored). Refused with KDS_BAD_FORMAT and "FILE:LINE: reason" for a
+ * malformed line, bad base64, a rank out of [0, 2^24), a repeated rank or
+ * token, or (naming the byte) a rank file without all 256 single bytes,
+ * which a byte-level BPE needs to encode any text. Other errors:
+ * KDS_NOT_FOUND / KDS_IO (files), KDS_INVALID_ARG (unknown preset, special
+ * colliding with a rank or named twice), KDS_MISMATCH (`vocab` smaller than
+ * the largest id), KDS_NOMEM. Caller owns *out: free with eng_tok_free.
+ */
+kds_status eng_tok_load(const char *rank_file, const eng_tok_params *p, eng_tokenizer **out,
+                        kds_err *err);
+/* NULL is a no-op. Never free a model's tokenizer (eng_model_free does). */
+void eng_tok_free(eng_tokenizer *t);
+
+/*
+ * Encode text. Writes the first min(count, cap) ids to `ids` (may be NULL
+ * when cap is 0) and the count to *n. The count never exceeds `len` (every
+ * token covers at least one byte), so cap = len always suffices. Errors:
+ * KDS_NOMEM, KDS_INTERNAL (the regex engine gave up; the message says why).
+ */
+kds_status eng_tok_encode_ex(const eng_tokenizer *t, const char *text, size_t len,
+                             unsigned flags, int32_t *ids, int64_t cap, int64_t *n,
+                             kds_err *err);
+/* eng_tok_encode_ex without flags (specials are ordinary text): writes at
+ * most `cap` ids, returns the count needed, or -1 on failure. */
 int64_t eng_tok_encode(const eng_tokenizer *t, const char *text, size_t len, int32_t *ids,
                        int64_t cap);
-/* Bytes of one token (specials as their names); *len set. Borrowed. */
+/* Bytes of the ids, concatenated (specials as their names unless
+ * ENG_TOK_SKIP_SPECIAL). Writes at most `cap` bytes (no NUL added), returns
+ * the length needed, or -1 when an id is outside [0, vocab). */
+int64_t eng_tok_decode(const eng_tokenizer *t, const int32_t *ids, int64_t n, unsigned flags,
+                       char *out, size_t cap);
+/* Bytes of one token (specials as their names, unused ids as ""); *len set.
+ * Borrowed: valid until the tokenizer is freed. A token may be part of a
+ * UTF-8 character: print a stream of tokens with eng_tok_stream. */
 const char *eng_tok_piece(const eng_tokenizer *t, int32_t id, size_t *len);
 int eng_tok_vocab(const eng_tokenizer *t);
 /* End-of-sequence id, or -1. */
 int32_t eng_tok_eos(const eng_tokenizer *t);
 int32_t eng_tok_bos(const eng_tokenizer *t);
+/* True for every id that ends generation: the eos id and the specials that
+ * mark an end in the known vocabularies (<|im_end|>, [EOS], <|endoftext|>;
+ * Kimi models emit both <|im_end|> and [EOS], kda-model-spec.md section 7). */
+bool eng_tok_is_stop(const eng_tokenizer *t, int32_t id);
+/* True when `id` is a special token. */
+bool eng_tok_is_special(const eng_tokenizer *t, int32_t id);
+/* The id of the special named `name`, or -1. */
+int32_t eng_tok_special_id(const eng_tokenizer *t, const char *name);
+/* Pre-token boundaries: the end offset of every piece the encoder hands to
+ * the BPE (special names are not looked for). Writes up to `cap` ends to
+ * `ends` (NULL when cap is 0), the count to *n. For inspecting a pattern
+ * (`kdaserve tokenize --split`) and for tests. Errors as eng_tok_encode_ex. */
+kds_status eng_tok_split(const eng_tokenizer *t, const char *text, size_t len, size_t *ends,
+                         int64_t cap, int64_t *n, kds_err *err);
+/* "bytes", or "tiktoken/<preset>" (e.g. "tiktoken/kimi"). Borrowed. */
+const char *eng_tok_kind(const eng_tokenizer *t);
+
+/*
+ * Streaming decode: feed ids one at a time as they are generated, get back
+ * text that never ends inside a UTF-8 character (the bytes of an incomplete
+ * character wait for the next id). The output is always valid UTF-8: bytes
+ * that cannot become a character are replaced by U+FFFD, one per maximal
+ * invalid subpart (the Unicode/WHATWG practice). One stream per generated
+ * sequence; it borrows the tokenizer (which must outlive it).
+ */
+typedef struct eng_tok_stream eng_tok_stream;
+kds_status eng_tok_stream_create(const eng_tokenizer *t, unsigned flags, eng_tok_stream **out,
+                                 kds_err *err);
+void eng_tok_stream_free(eng_tok_stream *s);   /* NULL is a no-op */
+/* Add one id; *text and *len receive the text it completes (often none).
+ * Borrowed: valid until the next call on `s`. Allocates nothing. An id
+ * outside [0, vocab) is refused with KDS_INVALID_ARG, changing nothing. */
+kds_status eng_tok_stream_put(eng_tok_stream *s, int32_t id, const char **text, size_t *len,
+                              kds_err *err);
+/* End of the stream: returns what is still held (an incomplete character
+ * becomes U+FFFD) and empties the stream for reuse. Borrowed as above. */
+const char *eng_tok_stream_flush(eng_tok_stream *s, size_t *len);
+
+/* ------------------------------------------------------------------------ */
+/* Chat format                                                               */
+/*
+ * Kimi's instruct format (Kimi-K2's chat template, which Kimi-Linear shares;
+ * kda-model-spec.md section 7), rendered straight to ids. Every turn is
+ *   OPENER NAME <|im_middle|> BODY <|im_end|>
+ * with OPENER <|im_user|> for "user", <|im_assistant|> for "assistant" and
+ * <|im_system|> for every other role, NAME the message's name or its role,
+ * and no newlines between turns. Before the turns: a tool_declare turn when
+ * tools are given, then a default system turn when the first message is
+ * not a system message. A "tool" result's body starts with "## Return of
+ * TOOL_CALL_ID\n"; an assistant's tool calls follow its content as
+ *   <|tool_calls_section_begin|> (<|tool_call_begin|> ID
+ *   <|tool_call_argument_begin|> ARGUMENTS <|tool_call_end|>)...
+ *   <|tool_calls_section_end|>.
+ * The generation prompt is <|im_assistant|>assistant<|im_middle|>. No BOS.
+ * Text (names, content, tools JSON) is encoded as ordinary text: special
+ * names typed in a message stay text. Generation ends on eng_tok_is_stop
+ * ids (<|im_end|>). A tokenizer without these specials has no chat format:
+ * use the model in plain continuation mode.
+ */
+
+typedef struct eng_chat_tool_call {
+    const char *id;        /* "functions.NAME:IDX" */
+    const char *arguments; /* JSON text, as the model wrote it */
+} eng_chat_tool_call;
+
+typedef struct eng_chat_msg {
+    const char *role;         /* "system", "user", "assistant", "tool", ... */
+    const char *content;      /* NULL = "" */
+    const char *name;         /* NULL = the role */
+    const char *tool_call_id; /* "tool" messages: the call answered (NULL = "") */
+    const eng_chat_tool_call *tool_calls; /* "assistant" messages */
+    int n_tool_calls;
+} eng_chat_msg;
+
+typedef struct eng_chat_params {
+    const char *tools_json;     /* compact JSON array of tool schemas; NULL/"" = none */
+    const char *default_system; /* NULL = "You are Kimi, an AI assistant created by
+                                 * Moonshot AI."; "" = no default system turn */
+    bool add_generation_prompt; /* end with the assistant's opener */
+} eng_chat_params;
+
+eng_chat_params eng_chat_default_params(void);
+
+/* True when the tokenizer has the specials of the chat format. */
+bool eng_chat_supported(const eng_tokenizer *t);
+
+/*
+ * Render a conversation to ids: writes the first min(count, cap) to `ids`
+ * and the count to *n (as eng_tok_encode_ex). Errors: KDS_UNSUPPORTED (the
+ * tokenizer lacks a special the conversation needs, named in the message),
+ * KDS_INVALID_ARG (a message without a role), KDS_NOMEM.
+ */
+kds_status eng_chat_render(const eng_tokenizer *t, const eng_chat_msg *msgs, int n_msgs,
+                           const eng_chat_params *p, int32_t *ids, int64_t cap, int64_t *n,
+                           kds_err *err);
 
 #endif /* ENG_H */

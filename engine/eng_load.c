@@ -861,7 +861,7 @@ kds_status eng_model_load(const char *dir, const eng_model_params *params, eng_m
     if (rc != KDS_OK) goto fail;
     rc = bind_all(&ld);
     if (rc != KDS_OK) goto fail;
-    rc = eng__tok_create_bytes(&m->cfg, &m->tokenizer, err);
+    rc = eng__tok_create_model(m->dir, &m->cfg, &m->tokenizer, err);
     if (rc != KDS_OK) goto fail;
     rc = fingerprint(&ld, cfg_path, cfg_text, cfg_len, &p);
     if (rc != KDS_OK) goto fail;

@@ -14,6 +14,11 @@ missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
+# Node.js runs the tokenizer tests' reference (OpenAI tiktoken from npm,
+# tests/node/). Looked for by command, not by package: a nodesource nodejs
+# already carries npm, and Debian's npm package would conflict with it.
+command -v node >/dev/null 2>&1 || missing+=(nodejs)
+command -v npm >/dev/null 2>&1 || missing+=(npm)
 if [ ${#missing[@]} -gt 0 ]; then
   echo "[bootstrap] installing: ${missing[*]}"
   SUDO=""
@@ -34,3 +39,18 @@ cmake -S . -B build -DCMAKE_BUILD_TYPE=Release ${KDS_CMAKE_ARGS:-} > build.log 2
 cmake --build build -j"$(nproc)" >> build.log 2>&1 \
   || { tail -n 80 build.log; echo "[bootstrap] build failed (full log: build.log)" >&2; exit 1; }
 echo "[bootstrap] built ./build/kdaserve"
+
+# The tokenizer tests compare with tiktoken@1.0.22 (pinned by
+# tests/node/package-lock.json) on OpenAI's cl100k_base/o200k_base ranks,
+# rebuilt from that package and sha256-checked into build/tok-ref. Not fatal
+# here (kdaserve itself does not need them); the tests retry and then fail.
+if [ ! -f tests/node/node_modules/tiktoken/package.json ]; then
+  echo "[bootstrap] npm ci in tests/node (the tiktoken reference for the tests)"
+  (cd tests/node && npm ci --no-audit --no-fund --loglevel=error) >> build.log 2>&1 \
+    || echo "[bootstrap] warning: npm ci failed (see build.log); the tokenizer tests need it" >&2
+fi
+if [ -f tests/node/node_modules/tiktoken/package.json ] \
+   && { [ ! -f build/tok-ref/cl100k_base.tiktoken ] || [ ! -f build/tok-ref/o200k_base.tiktoken ]; }; then
+  node tests/node/build_ranks.js build/tok-ref >> build.log 2>&1 \
+    || echo "[bootstrap] warning: rebuilding the cl100k/o200k rank files failed (see build.log)" >&2
+fi
