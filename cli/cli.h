@@ -17,6 +17,8 @@ int cmd_info(int argc, char **argv);
 int cmd_generate(int argc, char **argv);
 int cmd_logits(int argc, char **argv);
 int cmd_bench(int argc, char **argv);
+int cmd_snap(int argc, char **argv);
+int cmd_tokenize(int argc, char **argv);
 
 /* Shared helpers (cli_common.c). */
 

@@ -8,6 +8,7 @@
 #include "cli.h"
 #include "eng_config.h"
 #include "eng_safetensors.h"
+#include "sess.h"
 
 /* Options shared by the sampling commands. */
 enum {
@@ -26,6 +27,10 @@ enum {
     OPT_GEN_TOKENS,
     OPT_REPEATS,
     OPT_BATCH,
+    OPT_DB,
+    OPT_SESSION,
+    OPT_IGNORE_EOS,
+    OPT_LOGITS_OUT,
 };
 
 /* Print a token's bytes; control bytes other than newline and tab are shown
@@ -44,20 +49,35 @@ static void generate_usage(FILE *f) {
     fprintf(f,
             "usage: kdaserve generate [--model DIR] --prompt TEXT [--max-tokens N] [--seed S]\n"
             "                         [--temperature T] [--top-k K] [--top-p P] [--min-p M]\n"
-            "                         [--repeat-penalty R] [--threads N]\n\n"
+            "                         [--repeat-penalty R] [--threads N] [--ignore-eos]\n"
+            "                         [--logits-out FILE] [--session NAME [--db DIR]]\n\n"
             "Feeds the prompt through the prefill path, then samples up to N tokens\n"
             "(default 128) through the decode path, printing them as they come.\n"
             "Stops early at the model's end-of-sequence token. Statistics go to stderr.\n\n"
-            "  --model DIR          model directory (default: $KDASERVE_MODEL, ./models/default)\n"
+            "With --session the conversation is kept in the snapshot store: a new session\n"
+            "starts from the prompt; an existing one is resumed from its last snapshot\n"
+            "(no replay) and the prompt, if any, is fed after it; an empty prompt just\n"
+            "continues. After the turn the state is saved as a new snapshot and becomes the\n"
+            "session's head. Generating N tokens in one turn prints the same text as\n"
+            "k tokens and then N-k in a later process.\n\n"
+            "  --model DIR          model directory (default: the session's model, else\n"
+            "                       $KDASERVE_MODEL, else ./models/default)\n"
             "  --prompt TEXT        the text to continue (may be empty)\n"
             "  --max-tokens N       tokens to generate (default 128)\n"
-            "  --seed S             sampler seed (default 0): same seed, same text\n"
+            "  --seed S             sampler seed of a new sequence (default 0): same seed, same\n"
+            "                       text. A resumed session continues its saved random stream.\n"
             "  --temperature T      0 = greedy (default 0.8)\n"
             "  --top-k K            keep the K most likely tokens, 0 = off (default 40)\n"
             "  --top-p P            nucleus sampling, 1 = off (default 0.95)\n"
             "  --min-p M            drop tokens below M x the best one's probability (default 0.05)\n"
             "  --repeat-penalty R   penalise the last 64 tokens, 1 = off (default 1)\n"
-            "  --threads N          worker threads (default: all CPUs)\n");
+            "  --threads N          worker threads (default: all CPUs)\n"
+            "  --ignore-eos         do not stop at the end-of-sequence token\n"
+            "  --logits-out FILE    write the logits each generated token was sampled from\n"
+            "                       (safetensors: 'ids' I32 [n], 'logits' F32 [n, vocab])\n"
+            "  --session NAME       continue (or create) this session and save it afterwards\n"
+            "  --db DIR             snapshot store (default $XDG_DATA_HOME/kdaserve, else\n"
+            "                       ~/.local/share/kdaserve)\n");
 }
 
 static bool parse_sampling(int opt, const char *arg, eng_sampler_params *sp) {
@@ -75,6 +95,27 @@ static bool parse_sampling(int opt, const char *arg, eng_sampler_params *sp) {
     return false;
 }
 
+/* Growable byte buffer for the turn's text (the transcript keeps it). */
+typedef struct textbuf {
+    char *p;
+    size_t n, cap;
+} textbuf;
+
+static bool text_append(textbuf *t, const char *p, size_t n) {
+    if (t->n + n + 1 > t->cap) {
+        size_t cap = t->cap ? t->cap : 256;
+        while (cap < t->n + n + 1) cap *= 2;
+        char *q = realloc(t->p, cap);
+        if (!q) return false;
+        t->p = q;
+        t->cap = cap;
+    }
+    memcpy(t->p + t->n, p, n);
+    t->n += n;
+    t->p[t->n] = '\0';
+    return true;
+}
+
 int cmd_generate(int argc, char **argv) {
     static const struct option opts[] = {
         {"model", required_argument, 0, 'm'},   {"prompt", required_argument, 0, 'p'},
@@ -85,8 +126,12 @@ int cmd_generate(int argc, char **argv) {
         {"min-p", required_argument, 0, OPT_MINP},
         {"repeat-penalty", required_argument, 0, OPT_REPEAT},
         {"threads", required_argument, 0, OPT_THREADS}, {"help", no_argument, 0, 'h'},
+        {"db", required_argument, 0, OPT_DB}, {"session", required_argument, 0, OPT_SESSION},
+        {"ignore-eos", no_argument, 0, OPT_IGNORE_EOS},
+        {"logits-out", required_argument, 0, OPT_LOGITS_OUT},
         {0, 0, 0, 0}};
-    const char *model = NULL, *prompt = NULL;
+    const char *model = NULL, *prompt = NULL, *db = NULL, *session = NULL, *logits_out = NULL;
+    bool ignore_eos = false;
     int64_t max_tokens = 128, seed = 0, threads = 0;
     eng_sampler_params sp = eng_sampler_default_params();
     optind = 1;
@@ -95,6 +140,10 @@ int cmd_generate(int argc, char **argv) {
         case 'm': model = optarg; break;
         case 'p': prompt = optarg; break;
         case 'h': generate_usage(stdout); return 0;
+        case OPT_DB: db = optarg; break;
+        case OPT_SESSION: session = optarg; break;
+        case OPT_IGNORE_EOS: ignore_eos = true; break;
+        case OPT_LOGITS_OUT: logits_out = optarg; break;
         case OPT_MAXTOK:
             if (!cli_parse_i64(optarg, 0, INT32_MAX, &max_tokens))
                 return cli_failf("generate", "--max-tokens wants a count >= 0, got '%s'", optarg);
@@ -117,17 +166,44 @@ int cmd_generate(int argc, char **argv) {
         }
     }
     if (optind < argc) return cli_failf("generate", "unexpected argument '%s'", argv[optind]);
+    if (db && !session) return cli_failf("generate", "--db is used with --session NAME");
+    if (session && !sess_name_valid(session))
+        return cli_failf("generate", "invalid session name '%s' (1-%d of A-Z a-z 0-9 . _ -, "
+                         "starting with a letter or digit)", session, SESS_NAME_MAX);
     if (!prompt) prompt = "";
-    const char *dir = cli_model_dir("generate", model);
-    if (!dir) return 1;
     eng_model *m = NULL;
     eng_ctx *c = NULL;
     eng_seq *s = NULL;
-    int32_t *ids = NULL;
-    int rc = cli_open("generate", dir, (int)threads, 0, &m, &c);
-    if (rc) return rc;
+    int32_t *ids = NULL, *out_ids = NULL;
+    float *out_logits = NULL;
+    sess_store *store = NULL;
+    textbuf text = {0};
     kds_err err = {0};
+    int rc = 0;
+    /* The session decides where the model comes from (unless --model says)
+     * and whether this turn starts fresh or from a snapshot. */
+    sess_session_info si;
+    bool resume = false;
+    if (session) {
+        sess_params pp = sess_default_params();
+        if (sess_open(db, &pp, &store, &err) != KDS_OK) return cli_fail("generate", &err);
+        kds_status st = sess_session_get(store, session, &si, &err);
+        if (st == KDS_OK)
+            resume = true;
+        else if (st != KDS_NOT_FOUND) {
+            rc = cli_fail("generate", &err);
+            goto out;
+        }
+    }
+    const char *dir = model ? model : resume && si.model_dir[0] ? si.model_dir
+                                                                : cli_model_dir("generate", NULL);
+    if (!dir) {
+        rc = 1;
+        goto out;
+    }
+    if ((rc = cli_open("generate", dir, (int)threads, 0, &m, &c))) goto out;
     const eng_tokenizer *tok = eng_model_tokenizer(m);
+    const int vocab = eng_model_config(m)->vocab_size;
     size_t plen = strlen(prompt);
     int64_t n = eng_tok_encode(tok, prompt, plen, NULL, 0);
     ids = malloc(((size_t)n + 1) * sizeof *ids);
@@ -136,51 +212,138 @@ int cmd_generate(int argc, char **argv) {
         goto out;
     }
     eng_tok_encode(tok, prompt, plen, ids, n);
-    if (n == 0 && eng_tok_bos(tok) >= 0) ids[n++] = eng_tok_bos(tok); /* nothing to continue from */
-    if (n == 0) {
+    /* nothing to continue from: a fresh sequence starts at BOS; a resumed
+     * one already has the logits of its last token */
+    if (n == 0 && !resume && eng_tok_bos(tok) >= 0) ids[n++] = eng_tok_bos(tok);
+    if (n == 0 && !resume) {
         rc = cli_failf("generate", "empty prompt and the model has no BOS token to start from");
         goto out;
+    }
+    if (logits_out && max_tokens > 0) {
+        out_ids = malloc((size_t)max_tokens * sizeof *out_ids);
+        out_logits = malloc((size_t)max_tokens * (size_t)vocab * sizeof *out_logits);
+        if (!out_ids || !out_logits) {
+            rc = cli_failf("generate", "out of memory for %lld x %d logits (--logits-out)",
+                           (long long)max_tokens, vocab);
+            goto out;
+        }
     }
     if (eng_seq_create(m, (uint64_t)seed, &s, &err) != KDS_OK) {
         rc = cli_fail("generate", &err);
         goto out;
     }
+    double tr0 = cli_now();
+    sess_snapshot_info head = {0};
+    if (resume && sess_load(store, si.head, m, s, &head, &err) != KDS_OK) {
+        rc = cli_failf("generate", "cannot resume session '%s': %s", session, err.msg);
+        goto out;
+    }
     double t0 = cli_now();
-    if (eng_prefill(c, s, ids, n, NULL, NULL, NULL, &err) != KDS_OK) {
+    if (n > 0 && eng_prefill(c, s, ids, n, NULL, NULL, NULL, &err) != KDS_OK) {
         rc = cli_fail("generate", &err);
         goto out;
     }
     double t1 = cli_now();
-    int64_t produced = 0;
+    int64_t produced = 0, sampled = 0;
     const int32_t eos = eng_tok_eos(tok);
     for (; produced < max_tokens; produced++) {
         int32_t next;
+        if (out_logits)
+            memcpy(out_logits + (size_t)sampled * vocab, eng_seq_logits(s),
+                   (size_t)vocab * sizeof(float));
         if (eng_sample(c, s, &sp, &next, &err) != KDS_OK) {
             rc = cli_fail("generate", &err);
             goto out;
         }
-        if (next == eos) break;
+        if (out_ids) out_ids[sampled] = next;
+        sampled++;
+        /* A session keeps every sampled token in its state (the end of turn
+         * too), so its next turn starts right after it; plain generation
+         * skips the decodes nobody would read. */
+        if (next == eos && !ignore_eos) {
+            if (session && eng_decode(c, s, next, &err) != KDS_OK) {
+                rc = cli_fail("generate", &err);
+                goto out;
+            }
+            break;
+        }
         size_t len;
         const char *piece = eng_tok_piece(tok, next, &len);
         print_piece(stdout, piece, len);
         fflush(stdout);
-        if (produced + 1 < max_tokens && eng_decode(c, s, next, &err) != KDS_OK) {
+        if (session && !text_append(&text, piece, len)) {
+            rc = cli_failf("generate", "out of memory keeping the turn's text");
+            goto out;
+        }
+        if ((session || produced + 1 < max_tokens) && eng_decode(c, s, next, &err) != KDS_OK) {
             rc = cli_fail("generate", &err);
             goto out;
         }
     }
     double t2 = cli_now();
     fputc('\n', stdout);
+    fflush(stdout);
     fprintf(stderr,
             "[kdaserve] prompt %lld tokens in %.3f s (%.1f tok/s); generated %lld tokens in "
             "%.3f s (%.1f tok/s); %d threads\n",
             (long long)n, t1 - t0, n / (t1 - t0 > 0 ? t1 - t0 : 1e-9), (long long)produced,
             t2 - t1, produced / (t2 - t1 > 0 ? t2 - t1 : 1e-9), eng_ctx_threads(c));
+    if (logits_out) {
+        int64_t rows = sampled;
+        if (rows == 0) {
+            fprintf(stderr, "[kdaserve] no token generated: %s not written\n", logits_out);
+        } else {
+            eng_st_out_tensor t[2] = {
+                {.name = "ids", .dtype = ENG_ST_I32, .n_dims = 1, .shape = {rows},
+                 .data = out_ids},
+                {.name = "logits", .dtype = ENG_ST_F32, .n_dims = 2, .shape = {rows, vocab},
+                 .data = out_logits},
+            };
+            const char *meta[] = {"path", "generate", "model_fingerprint",
+                                  eng_model_fingerprint(m), NULL};
+            if (eng_st_write(logits_out, t, 2, meta, &err) != KDS_OK) {
+                rc = cli_fail("generate", &err);
+                goto out;
+            }
+        }
+    }
+    if (session && resume && eng_seq_pos(s) == head.tokens) {
+        /* nothing consumed (empty prompt, no token): the head already is
+         * this state; a second identical snapshot would only take space */
+        fprintf(stderr, "[kdaserve] session '%s': nothing new, head stays @%llu\n", session,
+                (unsigned long long)si.head);
+    } else if (session) {
+        sess_turn turn = {.prompt = prompt, .prompt_len = plen, .output = text.p ? text.p : "",
+                          .output_len = text.n, .prompt_tokens = n, .output_tokens = produced};
+        uint64_t snap = 0;
+        double ts0 = cli_now();
+        if (sess_save(store, session, resume ? si.head : 0, m, s, &turn, &snap, &err) != KDS_OK) {
+            rc = cli_failf("generate", "session '%s' not saved: %s", session, err.msg);
+            goto out;
+        }
+        double ts1 = cli_now();
+        size_t saved = eng_seq_fixed_bytes(s) +
+                       eng_seq_mla_token_bytes(s) * (size_t)(eng_seq_pos(s) - head.tokens);
+        if (resume)
+            fprintf(stderr, "[kdaserve] session '%s': resumed @%llu (%lld tokens, %.2f MB) in "
+                    "%.2f ms; ", session, (unsigned long long)si.head, (long long)head.tokens,
+                    (head.fixed_bytes + head.token_bytes * (size_t)head.tokens) / 1e6,
+                    (t0 - tr0) * 1e3);
+        else
+            fprintf(stderr, "[kdaserve] session '%s': new; ", session);
+        fprintf(stderr, "saved @%llu (%lld tokens, %.2f MB written) in %.2f ms to %s\n",
+                (unsigned long long)snap, (long long)eng_seq_pos(s), saved / 1e6,
+                (ts1 - ts0) * 1e3, sess_store_dir(store));
+    }
 out:
     free(ids);
+    free(out_ids);
+    free(out_logits);
+    free(text.p);
     eng_seq_free(s);
     eng_ctx_free(c);
     eng_model_free(m);
+    sess_close(store);
     return rc;
 }
 

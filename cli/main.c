@@ -14,6 +14,8 @@ static const command COMMANDS[] = {
     {"generate", cmd_generate, "continue a prompt and print the text (stats on stderr)"},
     {"logits", cmd_logits, "write the logits of every position of a token list (safetensors)"},
     {"bench", cmd_bench, "measure prefill and decode tokens/s on a model"},
+    {"snap", cmd_snap, "sessions and snapshots: ls, show, fork, rm, verify, export, import, gc"},
+    {"tokenize", cmd_tokenize, "text on stdin to token ids (or --decode ids to text)"},
     {"gen-model", cmd_gen_model, "write a Kimi-Linear model with seeded random weights"},
     {"info", cmd_info, "show a model's config, size, state size and fingerprint"},
 };
@@ -27,7 +29,10 @@ static void usage(FILE *f) {
     fprintf(f, "\nenvironment:\n"
                "  KDASERVE_MODEL   model directory used when --model is not given\n"
                "                   (otherwise ./models/default)\n"
-               "\ndocs: README.md, docs/architecture.md, docs/formats.md, docs/benchmarks.md\n");
+               "  XDG_DATA_HOME    the snapshot store is $XDG_DATA_HOME/kdaserve\n"
+               "                   (otherwise ~/.local/share/kdaserve; --db DIR chooses)\n"
+               "\ndocs: README.md, docs/architecture.md, docs/formats.md, docs/snapshot-format.md,\n"
+               "      docs/benchmarks.md\n");
 }
 
 int main(int argc, char **argv) {

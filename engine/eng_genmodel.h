@@ -47,6 +47,9 @@
  *                     expert sizes, vocab 163840), 4 layers KDA+dense,
  *                     KDA+MoE, KDA+MoE, MLA+MoE, 32 experts.
  *   "full27"          the real 27-layer layout and widths, 16 experts.
+ *   "state48b"        the 48B's per-sequence state (20 KDA layers of 32 x 128
+ *                     heads, ~43 MiB fixed) with small weights (hidden 128,
+ *                     4 experts top-2, vocab 512), for snapshot benchmarks.
  * torch_dtype is "bfloat16"; eng_genmodel_write replaces it with the dtype
  * it writes. Errors: KDS_NOT_FOUND (unknown name, message lists the known).
  */

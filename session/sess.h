@@ -1,0 +1,311 @@
+/*
+ * sess.h - snapshots and sessions of kdaserve sequences, kept in an LMDB
+ * store (one environment per data directory).
+ *
+ * Objects
+ *   snapshot  an immutable record of one sequence's state: a small msgpack
+ *             header (model fingerprint, layout, token count, parent, time,
+ *             checksums) and the engine's fixed state bytes; for hybrid
+ *             models it also references the append-only chunks that hold the
+ *             MLA latent rows of tokens [0, tokens). Saving after a turn
+ *             writes only the new tokens' rows; forks and later snapshots of
+ *             a session share the old chunks. Ids are sequential numbers,
+ *             written "@12". Byte formats: docs/snapshot-format.md.
+ *   session   a named, mutable pointer to a head snapshot plus metadata
+ *             (parent session, created/updated, token count, owner, model)
+ *             and a transcript (prompt and generated text of every turn).
+ *             Forking copies the pointer and the transcript, never state
+ *             bytes. Deleting a session leaves its snapshots; sess_gc
+ *             reclaims snapshots that are no session's head and chunks that
+ *             no snapshot references.
+ *   store     sess_store, the open LMDB environment of a data directory.
+ *
+ * Ownership: a sess_store is owned by the caller of sess_open (free with
+ * sess_close). Lists and transcripts returned by the store are owned by the
+ * caller and freed as each function says. Models and sequences passed in
+ * are borrowed for the call.
+ *
+ * Thread-safety: one sess_store may be used by any number of threads at
+ * once (reads run in parallel, writes are serialised by LMDB; a map resize
+ * waits until no call of this process is inside a transaction). Open a
+ * directory at most once per process (LMDB's locks are per process), and
+ * never use a store in a child after fork(): open it again there. Several
+ * processes may open the same directory at once.
+ *
+ * Durability: every write is one LMDB transaction, committed with a sync
+ * unless sess_params.no_sync; a process killed at any moment loses nothing
+ * committed before. When the map fills, the transaction is redone in a
+ * larger map (nothing is lost).
+ *
+ * Errors: commands return kds_status and fill the optional kds_err with one
+ * line naming the snapshot, session, file or field. A snapshot whose
+ * checksum fails is refused with KDS_CORRUPT, an unknown format version with
+ * KDS_UNSUPPORTED, another model's snapshot with KDS_MISMATCH; the refusal
+ * touches nothing, and the rest of the store stays usable. A command that
+ * fails changes nothing (its transaction is aborted).
+ */
+#ifndef SESS_H
+#define SESS_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "eng.h"
+#include "kds_status.h"
+
+typedef struct sess_store sess_store;
+
+/* Session names: 1..64 of [A-Za-z0-9._-], starting with a letter or digit
+ * (so they never look like an option or a snapshot id "@N"). */
+#define SESS_NAME_MAX 64
+#define SESS_FP_LEN 32 /* hex digits of a model fingerprint */
+
+/* ------------------------------------------------------------------------ */
+/* Store                                                                     */
+
+typedef struct sess_params {
+    /* Initial LMDB map size (the most the file may grow to before the map
+     * is enlarged); 0 = 1 GiB. A store that is already larger keeps its
+     * size. The map doubles whenever a write does not fit. */
+    size_t map_size;
+    /* The map never grows past this; 0 = 1 TiB. */
+    size_t map_max;
+    /* MDB_NOSYNC: commits survive a process crash but the most recent ones
+     * may be lost on power loss. Default false (durable). */
+    bool no_sync;
+    /* Open without writing (MDB_RDONLY); write calls fail with
+     * KDS_UNSUPPORTED. The store must exist. */
+    bool read_only;
+} sess_params;
+
+sess_params sess_default_params(void);
+
+/* The default data directory: $XDG_DATA_HOME/kdaserve, else
+ * ~/.local/share/kdaserve. Errors: KDS_NOT_FOUND (no HOME), KDS_TOO_LARGE. */
+kds_status sess_default_dir(char *buf, size_t cap, kds_err *err);
+
+/*
+ * Open (creating it and its parents if missing, unless read_only) the store
+ * in directory `dir` (NULL = sess_default_dir). Clears reader slots left by
+ * dead processes. Opening an existing store takes no write lock. Refuses a
+ * store of an unknown format version (KDS_UNSUPPORTED). Caller owns *out:
+ * free with sess_close. Errors: KDS_NOT_FOUND (read_only and no store),
+ * KDS_IO (directory, LMDB), KDS_UNSUPPORTED, KDS_CORRUPT, KDS_NOMEM.
+ */
+kds_status sess_open(const char *dir, const sess_params *p, sess_store **out, kds_err *err);
+void sess_close(sess_store *st); /* NULL is a no-op */
+
+/* Borrowed, valid until sess_close. */
+const char *sess_store_dir(const sess_store *st);
+
+typedef struct sess_store_stats {
+    size_t map_size;       /* current LMDB map size */
+    size_t used_bytes;     /* pages in use (last page + 1) x page size */
+    uint64_t sessions, snapshots, chunks;
+    size_t snapshot_bytes; /* sum of snapshot record sizes */
+    size_t chunk_bytes;    /* sum of chunk record sizes */
+} sess_store_stats;
+
+kds_status sess_store_stats_get(sess_store *st, sess_store_stats *out, kds_err *err);
+
+/* ------------------------------------------------------------------------ */
+/* Names and references                                                      */
+
+bool sess_name_valid(const char *name);
+
+/* "@12" (or "12") -> 12. False for anything else or 0. */
+bool sess_parse_snapshot_id(const char *text, uint64_t *id);
+
+/* What a user-given id names: a session (by name) or a snapshot. */
+typedef struct sess_ref {
+    bool is_session;
+    char name[SESS_NAME_MAX + 1]; /* the session, when is_session */
+    uint64_t snapshot;            /* the snapshot, or the session's head */
+} sess_ref;
+
+/* Resolve `text`: "@N" is snapshot N; otherwise an existing session of that
+ * name; otherwise digits naming an existing snapshot. KDS_NOT_FOUND names
+ * `text` when nothing matches. */
+kds_status sess_resolve(sess_store *st, const char *text, sess_ref *out, kds_err *err);
+
+/* ------------------------------------------------------------------------ */
+/* Snapshots                                                                 */
+
+typedef struct sess_snapshot_info {
+    uint64_t id;
+    uint64_t parent;           /* snapshot this one continued; 0 = none (may be gone after gc) */
+    int64_t tokens;            /* tokens the state has consumed */
+    int64_t created_us;        /* unix time in microseconds */
+    uint32_t format_version;
+    char fingerprint[SESS_FP_LEN + 1]; /* the model that made it */
+    char origin[SESS_NAME_MAX + 1];    /* session that wrote it ("" for imports) */
+    size_t record_bytes;       /* stored bytes of the snapshot record (header + fixed state) */
+    size_t fixed_bytes;        /* the engine's fixed state bytes in it */
+    size_t token_bytes;        /* MLA bytes per token (0 for pure-KDA models) */
+    uint32_t n_chunks;         /* MLA chunks covering [0, tokens) */
+    uint32_t n_new_chunks;     /* of which first stored with this snapshot */
+    size_t new_chunk_bytes;    /* MLA payload bytes first stored with this snapshot */
+} sess_snapshot_info;
+
+/* Header of one snapshot (checks the frame and the header checksum, not the
+ * payload; use sess_verify for that). */
+kds_status sess_snapshot_get(sess_store *st, uint64_t id, sess_snapshot_info *out, kds_err *err);
+
+/* Every snapshot in id order. Snapshots whose header cannot be read are
+ * listed with tokens = -1 and the reason skipped (see sess_verify). Caller
+ * owns *out: free(). */
+kds_status sess_snapshot_list(sess_store *st, sess_snapshot_info **out, size_t *n, kds_err *err);
+
+/*
+ * Load snapshot `id` into `s`, a sequence of model `m` (a fresh one or any
+ * other: its whole state is replaced, nothing is replayed). Checks, before
+ * touching `s`: the record's magic, format version and checksums, every
+ * chunk's checksum and range, the model fingerprint (KDS_MISMATCH names
+ * both) and layout. `info` (may be NULL) receives the header. On failure
+ * `s` is unchanged.
+ */
+kds_status sess_load(sess_store *st, uint64_t id, const eng_model *m, eng_seq *s,
+                     sess_snapshot_info *info, kds_err *err);
+
+/* Check one snapshot completely: frame, header and payload checksums, chunk
+ * checksums and coverage, and with `m` (may be NULL) the fingerprint and
+ * layout against that model. Reads only; KDS_OK when sound. */
+kds_status sess_verify(sess_store *st, uint64_t id, const eng_model *m, kds_err *err);
+
+/* Delete one snapshot. Refused with KDS_BUSY while it is a session's head.
+ * Chunks it shared stay until sess_gc. */
+kds_status sess_snapshot_delete(sess_store *st, uint64_t id, kds_err *err);
+
+/* ------------------------------------------------------------------------ */
+/* Sessions                                                                  */
+
+typedef struct sess_session_info {
+    char name[SESS_NAME_MAX + 1];
+    uint64_t id;                  /* internal number (keys its transcript) */
+    uint64_t head;                /* current snapshot */
+    char parent[SESS_NAME_MAX + 1]; /* session it was forked from ("" = none) */
+    uint64_t fork_point;          /* snapshot it was forked at (0 = not a fork) */
+    int64_t created_us, updated_us;
+    int64_t tokens;               /* tokens of the head snapshot */
+    uint32_t turns;               /* transcript entries */
+    char owner[64];               /* user that created it */
+    char model_dir[1024];         /* model directory of the last save ("" unknown) */
+    char fingerprint[SESS_FP_LEN + 1];
+} sess_session_info;
+
+kds_status sess_session_get(sess_store *st, const char *name, sess_session_info *out,
+                            kds_err *err);
+/* Every session in name order. A session whose record cannot be read is
+ * listed with head 0 and tokens -1 (sess_session_get says why). Caller owns
+ * *out: free(). */
+kds_status sess_session_list(sess_store *st, sess_session_info **out, size_t *n, kds_err *err);
+
+/* What one turn did, for the transcript (text is stored as bytes). */
+typedef struct sess_turn {
+    const char *prompt;
+    size_t prompt_len;
+    const char *output;
+    size_t output_len;
+    int64_t prompt_tokens, output_tokens;
+} sess_turn;
+
+/*
+ * Save sequence `s` (of model `m`) as a new snapshot and make it the head of
+ * session `session`, creating the session if it does not exist; append
+ * `turn` (may be NULL) to its transcript. One transaction: all or nothing.
+ *
+ * `base` is the snapshot `s` was loaded from (0 for a fresh sequence). When
+ * the session exists its head must still be `base` (else KDS_BUSY: another
+ * writer moved it; nothing is written). For hybrid models the MLA rows of
+ * [0, tokens of base) are shared with `base` and only the rows after are
+ * written, so `s` must continue `base` (checked on its last shared row:
+ * KDS_MISMATCH). *snapshot (may be NULL) receives the new id.
+ * Errors: KDS_INVALID_ARG (name), KDS_BUSY, KDS_MISMATCH (another model's
+ * session or base), KDS_NOT_FOUND (base), KDS_TOO_LARGE (map_max), KDS_IO.
+ */
+kds_status sess_save(sess_store *st, const char *session, uint64_t base, const eng_model *m,
+                     const eng_seq *s, const sess_turn *turn, uint64_t *snapshot, kds_err *err);
+
+/*
+ * Fork: a new session `name` (NULL = "<source>-K" for a session, "snapN-K"
+ * for snapshot "@N", with the first free K >= 2) whose head is the head of
+ * session `source`, or snapshot "@N". Copies the source session's transcript
+ * and model directory; no state bytes are copied.
+ * out_name (may be NULL) receives the name. Errors: KDS_NOT_FOUND,
+ * KDS_EXISTS, KDS_INVALID_ARG.
+ */
+kds_status sess_fork(sess_store *st, const char *source, const char *name,
+                     char out_name[SESS_NAME_MAX + 1], kds_err *err);
+
+/* Delete a session and its transcript; its snapshots stay until sess_gc. */
+kds_status sess_session_delete(sess_store *st, const char *name, kds_err *err);
+
+/* One transcript entry (caller-owned copies). */
+typedef struct sess_turn_record {
+    char *prompt;          /* NUL-terminated copy (text may contain NULs: use the lengths) */
+    size_t prompt_len;
+    char *output;
+    size_t output_len;
+    int64_t prompt_tokens, output_tokens;
+    int64_t tokens;        /* session tokens after the turn */
+    uint64_t snapshot;     /* snapshot saved after the turn */
+    int64_t time_us;
+} sess_turn_record;
+
+/* The transcript of a session, oldest first. Free with sess_transcript_free. */
+kds_status sess_transcript(sess_store *st, const char *name, sess_turn_record **out, size_t *n,
+                           kds_err *err);
+void sess_transcript_free(sess_turn_record *t, size_t n);
+
+/* ------------------------------------------------------------------------ */
+/* Garbage collection, export, import                                        */
+
+typedef struct sess_gc_stats {
+    uint64_t snapshots_freed, chunks_freed;
+    size_t bytes_freed;          /* record bytes deleted (LMDB reuses the pages; the file
+                                    keeps its size) */
+    uint64_t snapshots_kept, chunks_kept;
+    uint64_t unreadable;         /* kept snapshots whose header could not be read (every chunk is
+                                    then kept; an unreadable session record keeps every snapshot) */
+} sess_gc_stats;
+
+/* Delete every snapshot that is no session's head, then every chunk that
+ * no remaining snapshot references. One transaction. */
+kds_status sess_gc(sess_store *st, sess_gc_stats *out, kds_err *err);
+
+/*
+ * Write session `source` (or snapshot "@N") to one portable file `path`
+ * (format: docs/snapshot-format.md, "Export file"): the session record and
+ * transcript (for a session), the snapshot and the chunks it references,
+ * each byte-for-byte as stored with its own checksums. Written to a
+ * temporary name, synced and renamed.
+ */
+kds_status sess_export(sess_store *st, const char *source, const char *path, kds_err *err);
+
+/*
+ * Import a file written by sess_export as a new session: `name`, or the
+ * exported session's name, or "import-N" for a bare snapshot. Every record
+ * is checked (magic, version, checksums, chunk coverage) before anything is
+ * written; the snapshot and chunks get new ids. KDS_EXISTS when the name is
+ * taken. out_name (may be NULL) receives the session name, *snapshot (may
+ * be NULL) the new snapshot id.
+ */
+kds_status sess_import(sess_store *st, const char *path, const char *name,
+                       char out_name[SESS_NAME_MAX + 1], uint64_t *snapshot, kds_err *err);
+
+/* ------------------------------------------------------------------------ */
+/* Sizes                                                                     */
+
+typedef struct sess_size {
+    size_t record;       /* snapshot record: frame + header + fixed state */
+    size_t chunks;       /* chunk records holding the MLA rows of `tokens` tokens */
+    size_t total;        /* record + chunks */
+    size_t fixed_bytes, token_bytes;
+} sess_size;
+
+/* Bytes a snapshot of a model with config `c` takes at `tokens` tokens when
+ * saved in one go (later turns add a record plus only their own rows). */
+sess_size sess_snapshot_size(const eng_config *c, int64_t tokens);
+
+#endif /* SESS_H */
