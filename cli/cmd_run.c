@@ -177,6 +177,7 @@ int cmd_generate(int argc, char **argv) {
     int32_t *ids = NULL, *out_ids = NULL;
     float *out_logits = NULL;
     sess_store *store = NULL;
+    eng_tok_stream *stream = NULL;
     textbuf text = {0};
     kds_err err = {0};
     int rc = 0;
@@ -206,6 +207,10 @@ int cmd_generate(int argc, char **argv) {
     const int vocab = eng_model_config(m)->vocab_size;
     size_t plen = strlen(prompt);
     int64_t n = eng_tok_encode(tok, prompt, plen, NULL, 0);
+    if (n < 0) {
+        rc = cli_failf("generate", "cannot tokenize the prompt");
+        goto out;
+    }
     ids = malloc(((size_t)n + 1) * sizeof *ids);
     if (!ids) {
         rc = cli_failf("generate", "out of memory for %lld prompt tokens", (long long)n);
@@ -245,7 +250,12 @@ int cmd_generate(int argc, char **argv) {
     }
     double t1 = cli_now();
     int64_t produced = 0, sampled = 0;
-    const int32_t eos = eng_tok_eos(tok);
+    /* Tokens may end inside a UTF-8 character: print through a stream that
+     * holds such bytes until the character is complete. */
+    if (eng_tok_stream_create(tok, 0, &stream, &err) != KDS_OK) {
+        rc = cli_fail("generate", &err);
+        goto out;
+    }
     for (; produced < max_tokens; produced++) {
         int32_t next;
         if (out_logits)
@@ -260,7 +270,7 @@ int cmd_generate(int argc, char **argv) {
         /* A session keeps every sampled token in its state (the end of turn
          * too), so its next turn starts right after it; plain generation
          * skips the decodes nobody would read. */
-        if (next == eos && !ignore_eos) {
+        if (eng_tok_is_stop(tok, next) && !ignore_eos) {
             if (session && eng_decode(c, s, next, &err) != KDS_OK) {
                 rc = cli_fail("generate", &err);
                 goto out;
@@ -268,7 +278,11 @@ int cmd_generate(int argc, char **argv) {
             break;
         }
         size_t len;
-        const char *piece = eng_tok_piece(tok, next, &len);
+        const char *piece;
+        if (eng_tok_stream_put(stream, next, &piece, &len, &err) != KDS_OK) {
+            rc = cli_fail("generate", &err);
+            goto out;
+        }
         print_piece(stdout, piece, len);
         fflush(stdout);
         if (session && !text_append(&text, piece, len)) {
@@ -281,6 +295,15 @@ int cmd_generate(int argc, char **argv) {
         }
     }
     double t2 = cli_now();
+    {
+        size_t len;
+        const char *rest = eng_tok_stream_flush(stream, &len);
+        print_piece(stdout, rest, len);
+        if (session && !text_append(&text, rest, len)) {
+            rc = cli_failf("generate", "out of memory keeping the turn's text");
+            goto out;
+        }
+    }
     fputc('\n', stdout);
     fflush(stdout);
     fprintf(stderr,
@@ -340,6 +363,7 @@ out:
     free(out_ids);
     free(out_logits);
     free(text.p);
+    eng_tok_stream_free(stream);
     eng_seq_free(s);
     eng_ctx_free(c);
     eng_model_free(m);

@@ -172,13 +172,21 @@ Test(sess_resume, turns_with_prompts_match_one_sequence, .timeout = 60) {
         if (n) cr_assert_eq(eng_prefill(f.c, s, ids, n, NULL, NULL, NULL, &err), KDS_OK);
         char text[4096];
         size_t tn = 0;
-        for (int t = 0; t < gen[i]; t++) {
-            int32_t next;
-            cr_assert_eq(eng_sample(f.c, s, &sp, &next, &err), KDS_OK);
-            cr_assert_eq(eng_decode(f.c, s, next, &err), KDS_OK);
+        /* generate prints through a UTF-8-safe stream and escapes control bytes */
+        eng_tok_stream *ts = NULL;
+        cr_assert_eq(eng_tok_stream_create(tok, 0, &ts, &err), KDS_OK);
+        for (int t = 0; t <= gen[i]; t++) {
             size_t len;
-            const char *p = eng_tok_piece(tok, next, &len);
-            for (size_t j = 0; j < len; j++) { /* generate's escaping of control bytes */
+            const char *p;
+            if (t < gen[i]) {
+                int32_t next;
+                cr_assert_eq(eng_sample(f.c, s, &sp, &next, &err), KDS_OK);
+                cr_assert_eq(eng_decode(f.c, s, next, &err), KDS_OK);
+                cr_assert_eq(eng_tok_stream_put(ts, next, &p, &len, &err), KDS_OK);
+            } else {
+                p = eng_tok_stream_flush(ts, &len);
+            }
+            for (size_t j = 0; j < len; j++) {
                 unsigned char ch = (unsigned char)p[j];
                 if ((ch < 0x20 && ch != '\n' && ch != '\t') || ch == 0x7f)
                     tn += (size_t)snprintf(text + tn, sizeof text - tn, "\\x%02x", ch);
@@ -186,6 +194,7 @@ Test(sess_resume, turns_with_prompts_match_one_sequence, .timeout = 60) {
                     text[tn++] = (char)ch;
             }
         }
+        eng_tok_stream_free(ts);
         cr_assert_eq(tn, n_out[i], "turn %d", i);
         cr_assert_eq(memcmp(text, out[i], tn), 0, "turn %d differs", i);
     }
