@@ -3,6 +3,7 @@
  * checkpoints (see eng_genmodel.h for the format and the initialisation).
  */
 #include "eng_genmodel.h"
+#include "eng_model.h"
 
 #include <cJSON.h>
 #include <errno.h>
@@ -449,16 +450,6 @@ static kds_status fill(void *user, size_t index, void *buf, size_t n_bytes, kds_
 /* ------------------------------------------------------------------------ */
 /* Files                                                                     */
 
-static char *path_join(const char *a, const char *b) {
-    size_t la = strlen(a), lb = strlen(b);
-    char *p = malloc(la + lb + 2);
-    if (!p) return NULL;
-    memcpy(p, a, la);
-    size_t n = la;
-    if (n > 0 && p[n - 1] != '/') p[n++] = '/';
-    memcpy(p + n, b, lb + 1);
-    return p;
-}
 
 static kds_status make_dirs(const char *path, kds_err *err) {
     char *p = strdup(path);
@@ -480,7 +471,7 @@ static kds_status make_dirs(const char *path, kds_err *err) {
 /* Write `text` to dir/name through a temporary file and a rename. */
 static kds_status write_text(const char *dir, const char *name, const char *text, kds_err *err) {
     kds_status rc = KDS_OK;
-    char *path = path_join(dir, name);
+    char *path = eng__path_join(dir, name);
     size_t cap = path ? strlen(path) + 48 : 0;
     char *tmp = path ? malloc(cap) : NULL;
     if (!tmp) {
@@ -513,7 +504,7 @@ out:
 }
 
 static void remove_file(const char *dir, const char *name) {
-    char *p = path_join(dir, name);
+    char *p = eng__path_join(dir, name);
     if (p) unlink(p);
     free(p);
 }
@@ -532,7 +523,7 @@ static kds_status write_shard(writer *w, const gen_tensor *t, size_t begin, size
     static const char *const metadata[] = {"format", "pt", NULL};
     size_t n = end - begin;
     eng_st_out_tensor *out = calloc(n ? n : 1, sizeof *out);
-    char *path = path_join(dir, name);
+    char *path = eng__path_join(dir, name);
     kds_status rc = KDS_OK;
     if (!out || !path) {
         rc = kds_err_set(err, KDS_NOMEM, "out of memory writing %s", name);

@@ -50,8 +50,7 @@ eng_model_params eng_model_default_params(void) {
 /* ------------------------------------------------------------------------ */
 /* Small helpers                                                             */
 
-/* "a/b" (malloc'd), or NULL when out of memory. */
-static char *path_join(const char *a, const char *b) {
+char *eng__path_join(const char *a, const char *b) {
     size_t la = strlen(a), lb = strlen(b);
     char *p = malloc(la + lb + 2);
     if (!p) return NULL;
@@ -264,7 +263,7 @@ static kds_status open_sharded(loader *ld) {
                 goto out;
             }
             shard_names[s] = strdup(it->valuestring);
-            char *path = path_join(ld->dir, it->valuestring);
+            char *path = eng__path_join(ld->dir, it->valuestring);
             if (!shard_names[s] || !path) {
                 free(path);
                 rc = kds_err_set(ld->err, KDS_NOMEM, "out of memory reading %s", ld->index_path);
@@ -325,8 +324,8 @@ out:
 
 static kds_status open_weights(loader *ld) {
     kds_status rc = KDS_OK;
-    char *single = path_join(ld->dir, "model.safetensors");
-    char *index = path_join(ld->dir, "model.safetensors.index.json");
+    char *single = eng__path_join(ld->dir, "model.safetensors");
+    char *index = eng__path_join(ld->dir, "model.safetensors.index.json");
     if (!single || !index) {
         rc = kds_err_set(ld->err, KDS_NOMEM, "out of memory loading %s", ld->dir);
         goto out;
@@ -758,11 +757,11 @@ static char *cache_dir(const eng_model_params *p) {
     if (p->cache_dir && p->cache_dir[0])
         root = strdup(p->cache_dir);
     else if (xdg && xdg[0] == '/')
-        root = path_join(xdg, "kdaserve");
+        root = eng__path_join(xdg, "kdaserve");
     else if (home && home[0] == '/')
-        root = path_join(home, ".cache/kdaserve");
+        root = eng__path_join(home, ".cache/kdaserve");
     if (!root) return NULL;
-    char *dir = path_join(root, "fingerprints");
+    char *dir = eng__path_join(root, "fingerprints");
     free(root);
     return dir;
 }
@@ -815,7 +814,7 @@ static kds_status fingerprint(loader *ld, const char *cfg_path, const char *cfg,
     if (!p->no_fingerprint_cache && cache_key(ld, cfg_path, &key) && (dir = cache_dir(p))) {
         char name[17];
         snprintf(name, sizeof name, "%016" PRIx64, key);
-        file = path_join(dir, name);
+        file = eng__path_join(dir, name);
         cached = file && cache_read(file, ld->m->fingerprint);
     }
     kds_status rc = KDS_OK;
@@ -845,7 +844,7 @@ kds_status eng_model_load(const char *dir, const eng_model_params *params, eng_m
     m = calloc(1, sizeof *m);
     if (!m) return kds_err_set(err, KDS_NOMEM, "out of memory loading %s", dir);
     m->dir = strdup(dir);
-    cfg_path = path_join(dir, "config.json");
+    cfg_path = eng__path_join(dir, "config.json");
     if (!m->dir || !cfg_path) {
         rc = kds_err_set(err, KDS_NOMEM, "out of memory loading %s", dir);
         goto fail;

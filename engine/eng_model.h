@@ -86,4 +86,7 @@ struct eng_model {
     eng_tokenizer *tokenizer;        /* owned */
 };
 
+/* "a/b" (caller owns: free()), or NULL when out of memory. */
+char *eng__path_join(const char *a, const char *b);
+
 #endif /* ENG_MODEL_H */
