@@ -5,7 +5,9 @@
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 #include <time.h>
 
 #include "cli.h"
@@ -31,11 +33,31 @@ static bool is_dir(const char *p) {
     return p && stat(p, &st) == 0 && S_ISDIR(st.st_mode);
 }
 
+/* <dir of the kdaserve binary>/../models/default: the bundled model of a
+ * source tree built into ./build, wherever the command is run from. */
+static const char *bundled_model_dir(void) {
+    static char path[4200]; /* one process, one answer */
+    char exe[4096];
+    ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
+    if (n <= 0) return NULL;
+    exe[n] = '\0';
+    char *slash = strrchr(exe, '/');
+    if (!slash) return NULL;
+    *slash = '\0';
+    snprintf(path, sizeof path, "%s/../models/default", exe);
+    char cfg[4300];
+    snprintf(cfg, sizeof cfg, "%s/config.json", path);
+    return access(cfg, R_OK) == 0 ? path : NULL;
+}
+
 const char *cli_model_dir(const char *cmd, const char *given) {
     if (given) return given;
     const char *env = getenv("KDASERVE_MODEL");
     if (env && *env) return env;
-    if (is_dir("models/default")) return "models/default";
+    if (is_dir("models/default") && access("models/default/config.json", R_OK) == 0)
+        return "models/default";
+    const char *bundled = bundled_model_dir();
+    if (bundled) return bundled;
     cli_failf(cmd, "no model: pass --model DIR, set KDASERVE_MODEL, or run from a directory "
                    "with models/default (make one with `kdaserve gen-model --preset tiny --out DIR`)");
     return NULL;

@@ -28,7 +28,8 @@ static void usage(FILE *f) {
         fprintf(f, "  %-10s %s\n", COMMANDS[i].name, COMMANDS[i].summary);
     fprintf(f, "\nenvironment:\n"
                "  KDASERVE_MODEL   model directory used when --model is not given\n"
-               "                   (otherwise ./models/default)\n"
+               "                   (otherwise ./models/default, then the models/default\n"
+               "                   of the source tree this binary was built in)\n"
                "  XDG_DATA_HOME    the snapshot store is $XDG_DATA_HOME/kdaserve\n"
                "                   (otherwise ~/.local/share/kdaserve; --db DIR chooses)\n"
                "\ndocs: README.md, docs/architecture.md, docs/formats.md, docs/snapshot-format.md,\n"
