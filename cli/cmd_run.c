@@ -80,6 +80,13 @@ static void generate_usage(FILE *f) {
             "                       ~/.local/share/kdaserve)\n");
 }
 
+/* The long name of option value `val` in `opts`, for error messages. */
+static const char *option_name(const struct option *opts, int val) {
+    for (; opts->name; opts++)
+        if (opts->val == val) return opts->name;
+    return "?";
+}
+
 static bool parse_sampling(int opt, const char *arg, eng_sampler_params *sp) {
     int64_t v;
     switch (opt) {
@@ -159,8 +166,7 @@ int cmd_generate(int argc, char **argv) {
         case OPT_TEMP: case OPT_TOPK: case OPT_TOPP: case OPT_MINP: case OPT_REPEAT:
             if (!parse_sampling(o, optarg, &sp))
                 return cli_failf("generate", "bad value '%s' for --%s", optarg,
-                                 opts[o == OPT_TEMP ? 4 : o == OPT_TOPK ? 5 : o == OPT_TOPP ? 6
-                                      : o == OPT_MINP ? 7 : 8].name);
+                                 option_name(opts, o));
             break;
         default: generate_usage(stderr); return 2;
         }
