@@ -66,8 +66,7 @@ static bool file_exists(const char *path) {
     return stat(path, &st) == 0;
 }
 
-/* Read a whole (small) file; caller frees *buf (NUL-terminated). */
-static kds_status read_file(const char *path, size_t cap, char **buf, size_t *len, kds_err *err) {
+kds_status eng__read_file(const char *path, size_t cap, char **buf, size_t *len, kds_err *err) {
     kds_status rc = KDS_OK;
     *buf = NULL;
     *len = 0;
@@ -85,8 +84,8 @@ static kds_status read_file(const char *path, size_t cap, char **buf, size_t *le
         goto out_close;
     }
     if ((uint64_t)st.st_size > cap) {
-        rc = kds_err_set(err, KDS_TOO_LARGE, "%s: %lld bytes is too large", path,
-                         (long long)st.st_size);
+        rc = kds_err_set(err, KDS_TOO_LARGE, "%s: %lld bytes is too large (limit %zu)", path,
+                         (long long)st.st_size, cap);
         goto out_close;
     }
     size_t n = (size_t)st.st_size;
@@ -224,7 +223,7 @@ static kds_status open_sharded(loader *ld) {
     cat_entry *all = NULL;
     size_t n_all = 0;
 
-    if ((rc = read_file(ld->index_path, LOAD_MAX_INDEX_BYTES, &text, &len, ld->err)) != KDS_OK)
+    if ((rc = eng__read_file(ld->index_path, LOAD_MAX_INDEX_BYTES, &text, &len, ld->err)) != KDS_OK)
         goto out;
     root = cJSON_ParseWithLength(text, len);
     if (!root || !cJSON_IsObject(root)) {
@@ -852,7 +851,7 @@ kds_status eng_model_load(const char *dir, const eng_model_params *params, eng_m
     ld.m = m;
     ld.dir = m->dir;
 
-    rc = read_file(cfg_path, LOAD_MAX_CONFIG_BYTES, &cfg_text, &cfg_len, err);
+    rc = eng__read_file(cfg_path, LOAD_MAX_CONFIG_BYTES, &cfg_text, &cfg_len, err);
     if (rc != KDS_OK) goto fail;
     rc = eng_config_parse(cfg_text, cfg_len, cfg_path, &m->cfg, err);
     if (rc != KDS_OK) goto fail;

@@ -17,6 +17,7 @@
 #include "eng.h"
 #include "eng_config.h"
 #include "eng_safetensors.h"
+#include "eng_util.h"
 #include "kern.h"
 
 /* A 2-D weight [rows, cols] (PyTorch Linear: out, in) read in place. */
@@ -85,8 +86,5 @@ struct eng_model {
     size_t small_f32_used, small_f32_cap;
     eng_tokenizer *tokenizer;        /* owned */
 };
-
-/* "a/b" (caller owns: free()), or NULL when out of memory. */
-char *eng__path_join(const char *a, const char *b);
 
 #endif /* ENG_MODEL_H */

@@ -40,6 +40,7 @@
 #include <xxhash.h>
 
 #include "eng_tokenizer.h"
+#include "eng_util.h"
 
 /* Rank files larger than this are not tokenizers (o200k: 3.6 MB, Kimi's
  * 163K ranks: ~2.5 MB). */
@@ -150,51 +151,6 @@ static const tok_preset *find_preset(const char *name) {
 /* ------------------------------------------------------------------------ */
 /* Files                                                                     */
 
-kds_status eng__tok_read_file(const char *path, size_t cap, char **buf, size_t *len, kds_err *err) {
-    kds_status rc = KDS_OK;
-    *buf = NULL;
-    *len = 0;
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0)
-        return kds_err_set(err, errno == ENOENT ? KDS_NOT_FOUND : KDS_IO, "%s: %s", path,
-                           strerror(errno));
-    struct stat st;
-    if (fstat(fd, &st) != 0) {
-        rc = kds_err_set(err, KDS_IO, "%s: %s", path, strerror(errno));
-        goto out;
-    }
-    if (!S_ISREG(st.st_mode)) {
-        rc = kds_err_set(err, KDS_IO, "%s: not a regular file", path);
-        goto out;
-    }
-    if ((uint64_t)st.st_size > cap) {
-        rc = kds_err_set(err, KDS_TOO_LARGE, "%s: %lld bytes is too large for a tokenizer file",
-                         path, (long long)st.st_size);
-        goto out;
-    }
-    size_t n = (size_t)st.st_size, got = 0;
-    char *b = malloc(n + 1);
-    if (!b) {
-        rc = kds_err_set(err, KDS_NOMEM, "out of memory reading %s", path);
-        goto out;
-    }
-    while (got < n) {
-        ssize_t r = read(fd, b + got, n - got);
-        if (r < 0 && errno == EINTR) continue;
-        if (r <= 0) {
-            free(b);
-            rc = kds_err_set(err, KDS_IO, "%s: short read", path);
-            goto out;
-        }
-        got += (size_t)r;
-    }
-    b[n] = '\0';
-    *buf = b;
-    *len = n;
-out:
-    close(fd);
-    return rc;
-}
 
 static int b64_val(unsigned char c) {
     if (c >= 'A' && c <= 'Z') return c - 'A';
@@ -802,14 +758,14 @@ kds_status eng_tok_load(const char *rank_file, const eng_tok_params *p, eng_toke
         return kds_err_set(err, KDS_INVALID_ARG,
                            "unknown pre-tokeniser '%s' (known: cl100k, o200k, kimi, none)",
                            p->pattern);
-    rc = eng__tok_read_file(rank_file, TOK_MAX_RANK_FILE, &text, &len, err);
+    rc = eng__read_file(rank_file, TOK_MAX_RANK_FILE, &text, &len, err);
     if (rc != KDS_OK) goto out;
     rc = eng__tok_parse_ranks(text, len, rank_file, &rs, err);
     if (rc != KDS_OK) goto out;
     if (p->no_specials) {
         /* none */
     } else if (p->specials_file) {
-        rc = eng__tok_read_file(p->specials_file, TOK_MAX_JSON_FILE, &js, &jl, err);
+        rc = eng__read_file(p->specials_file, TOK_MAX_JSON_FILE, &js, &jl, err);
         if (rc != KDS_OK) goto out;
         rc = eng__tok_parse_specials_json(js, jl, p->specials_file, false, &sp, &n_sp, &bos_name,
                                           &eos_name, err);

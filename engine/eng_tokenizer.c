@@ -10,6 +10,7 @@
 #include <sys/stat.h>
 
 #include "eng_tokenizer.h"
+#include "eng_util.h"
 
 #define TOK_MAX_CONFIG_BYTES ((size_t)64 << 20)
 #define TOK_MAX_RANK_BYTES ((size_t)512 << 20)
@@ -116,7 +117,7 @@ kds_status eng__tok_create_model(const char *dir, const eng_config *c, eng_token
     }
     /* A rank file without its config is a half-copied tokenizer: refuse it
      * rather than fall back to bytes and produce garbage ids. */
-    rc = eng__tok_read_file(cfg_path, TOK_MAX_CONFIG_BYTES, &js, &jl, err);
+    rc = eng__read_file(cfg_path, TOK_MAX_CONFIG_BYTES, &js, &jl, err);
     if (rc == KDS_NOT_FOUND) {
         rc = kds_err_set(err, KDS_NOT_FOUND,
                          "%s: missing (the model has tiktoken.model, whose "
@@ -140,7 +141,7 @@ kds_status eng__tok_create_model(const char *dir, const eng_config *c, eng_token
         goto out;
     }
 
-    rc = eng__tok_read_file(rank_path, TOK_MAX_RANK_BYTES, &text, &len, err);
+    rc = eng__read_file(rank_path, TOK_MAX_RANK_BYTES, &text, &len, err);
     if (rc != KDS_OK) goto out;
     rc = eng__tok_parse_ranks(text, len, rank_path, &rs, err);
     if (rc != KDS_OK) goto out;

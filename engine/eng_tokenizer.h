@@ -123,9 +123,6 @@ kds_status eng__tok_build(const eng__tok_rankset *rs, const char *path, const en
                           kds_err *err);
 void eng__tok_specials_free(eng__tok_special *sp, int n);
 
-/* Read a whole file (at most `cap` bytes); caller frees *buf (NUL-terminated). */
-kds_status eng__tok_read_file(const char *path, size_t cap, char **buf, size_t *len, kds_err *err);
-
 /* Specials from a JSON text (the formats of eng_tok_params.specials_file;
  * `hf`: read it as a tokenizer_config.json, whose added_tokens_decoder may
  * be absent). *bos_name / *eos_name (may be NULL) receive malloc'd
