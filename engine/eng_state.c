@@ -12,6 +12,7 @@
  *   recent  64 i32                    ring of recent tokens
  *   mla     n_mla * position * (dc+dr) f32  latent cache rows [c | k_pe]
  */
+#include "kds_le.h"
 #include "eng_seq.h"
 
 #include <limits.h>
@@ -159,23 +160,6 @@ size_t eng_seq_state_bytes(const eng_seq *s) {
     return z.fixed + z.per_token * (size_t)s->pos;
 }
 
-/* Little-endian field writers/readers: the byte form is LE on every host. */
-static void put32(unsigned char *p, uint32_t v) {
-    for (int i = 0; i < 4; i++) p[i] = (unsigned char)(v >> (8 * i));
-}
-static void put64(unsigned char *p, uint64_t v) {
-    for (int i = 0; i < 8; i++) p[i] = (unsigned char)(v >> (8 * i));
-}
-static uint32_t get32(const unsigned char *p) {
-    uint32_t v = 0;
-    for (int i = 3; i >= 0; i--) v = (v << 8) | p[i];
-    return v;
-}
-static uint64_t get64(const unsigned char *p) {
-    uint64_t v = 0;
-    for (int i = 7; i >= 0; i--) v = (v << 8) | p[i];
-    return v;
-}
 
 /* Header fields after magic, version and header size, in order. */
 enum { HDR_POS = 16, HDR_DIMS = 24, HDR_RNG = 80 };
@@ -210,13 +194,13 @@ static kds_status save_state(const eng_seq *s, void *buf, size_t len, int with_m
     unsigned char *p = buf;
     memset(p, 0, ENG_STATE_HEADER_BYTES);
     memcpy(p, ENG_STATE_MAGIC, 8);
-    put32(p + 8, ENG_STATE_VERSION);
-    put32(p + 12, ENG_STATE_HEADER_BYTES);
-    put64(p + HDR_POS, (uint64_t)s->pos);
+    kds_put32(p + 8, ENG_STATE_VERSION);
+    kds_put32(p + 12, ENG_STATE_HEADER_BYTES);
+    kds_put64(p + HDR_POS, (uint64_t)s->pos);
     uint32_t w[13];
     dims_words(s, w);
-    for (int i = 0; i < 13; i++) put32(p + HDR_DIMS + 4 * i, w[i]);
-    for (int i = 0; i < 4; i++) put64(p + HDR_RNG + 8 * i, s->rng[i]);
+    for (int i = 0; i < 13; i++) kds_put32(p + HDR_DIMS + 4 * i, w[i]);
+    for (int i = 0; i < 4; i++) kds_put64(p + HDR_RNG + 8 * i, s->rng[i]);
     p += ENG_STATE_HEADER_BYTES;
     /* Float sections are copied as host bytes: every supported host is
      * little-endian (checked at configure time). */
@@ -229,7 +213,7 @@ static kds_status save_state(const eng_seq *s, void *buf, size_t len, int with_m
     n = (size_t)s->d.vocab * sizeof(float);
     memcpy(p, s->logits, n);
     p += n;
-    for (int i = 0; i < ENG_RECENT_TOKENS; i++) put32(p + 4 * i, (uint32_t)s->recent[i]);
+    for (int i = 0; i < ENG_RECENT_TOKENS; i++) kds_put32(p + 4 * i, (uint32_t)s->recent[i]);
     p += ENG_RECENT_TOKENS * 4;
     if (!with_mla) return KDS_OK;
     n = (size_t)s->pos * s->d.mla_row * sizeof(float);
@@ -291,18 +275,18 @@ static kds_status load_state(eng_seq *s, const void *buf, size_t len, int with_m
     const unsigned char *p = buf;
     if (len < ENG_STATE_HEADER_BYTES || memcmp(p, ENG_STATE_MAGIC, 8) != 0)
         return kds_err_set(err, KDS_BAD_FORMAT, "not a kdaserve sequence state (bad magic)");
-    uint32_t version = get32(p + 8);
+    uint32_t version = kds_get32(p + 8);
     if (version != ENG_STATE_VERSION)
         return kds_err_set(err, KDS_UNSUPPORTED, "sequence state version %u is not supported "
                            "(this build reads version %u)", version, ENG_STATE_VERSION);
-    if (get32(p + 12) != ENG_STATE_HEADER_BYTES)
+    if (kds_get32(p + 12) != ENG_STATE_HEADER_BYTES)
         return kds_err_set(err, KDS_BAD_FORMAT, "sequence state header size %u, expected %u",
-                           get32(p + 12), ENG_STATE_HEADER_BYTES);
-    uint64_t pos = get64(p + HDR_POS);
+                           kds_get32(p + 12), ENG_STATE_HEADER_BYTES);
+    uint64_t pos = kds_get64(p + HDR_POS);
     uint32_t want[13];
     dims_words(s, want);
     for (int i = 0; i < 10; i++) {
-        uint32_t got = get32(p + HDR_DIMS + 4 * i);
+        uint32_t got = kds_get32(p + HDR_DIMS + 4 * i);
         if (got != want[i])
             return kds_err_set(err, KDS_MISMATCH, "state was made by another model: %s %u, "
                                "this model has %u", DIM_NAMES[i], got, want[i]);
@@ -313,7 +297,7 @@ static kds_status load_state(eng_seq *s, const void *buf, size_t len, int with_m
         return kds_err_set(err, KDS_BAD_FORMAT, "state of %zu bytes does not match its position "
                            "%llu (expected %zu bytes)", len, (unsigned long long)pos,
                            (size_t)(z.fixed + per_token * pos));
-    uint32_t has_logits = get32(p + HDR_DIMS + 40);
+    uint32_t has_logits = kds_get32(p + HDR_DIMS + 40);
     if (has_logits > 1 || (has_logits == 0) != (pos == 0))
         return kds_err_set(err, KDS_BAD_FORMAT, "state logits flag %u does not fit position %llu",
                            has_logits, (unsigned long long)pos);
@@ -321,8 +305,8 @@ static kds_status load_state(eng_seq *s, const void *buf, size_t len, int with_m
     if (rc != KDS_OK) return rc;
     s->pos = (int64_t)pos;
     s->has_logits = (int)has_logits;
-    s->n_recent = (int32_t)get32(p + HDR_DIMS + 44);
-    for (int i = 0; i < 4; i++) s->rng[i] = get64(p + HDR_RNG + 8 * i);
+    s->n_recent = (int32_t)kds_get32(p + HDR_DIMS + 44);
+    for (int i = 0; i < 4; i++) s->rng[i] = kds_get64(p + HDR_RNG + 8 * i);
     p += ENG_STATE_HEADER_BYTES;
     size_t n = kda_floats(&s->d) * sizeof(float);
     memcpy(s->kda_state, p, n);
@@ -333,7 +317,7 @@ static kds_status load_state(eng_seq *s, const void *buf, size_t len, int with_m
     n = (size_t)s->d.vocab * sizeof(float);
     memcpy(s->logits, p, n);
     p += n;
-    for (int i = 0; i < ENG_RECENT_TOKENS; i++) s->recent[i] = (int32_t)get32(p + 4 * i);
+    for (int i = 0; i < ENG_RECENT_TOKENS; i++) s->recent[i] = (int32_t)kds_get32(p + 4 * i);
     p += ENG_RECENT_TOKENS * 4;
     n = (size_t)pos * s->d.mla_row * sizeof(float);
     for (int i = 0; i < s->d.n_mla; i++) {

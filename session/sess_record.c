@@ -4,6 +4,7 @@
  * the msgpack headers of snapshots, chunks, sessions and transcript turns
  * (docs/snapshot-format.md).
  */
+#include "kds_le.h"
 #include <msgpack.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -21,22 +22,6 @@ uint64_t sess__now_us(void) {
     return (uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u;
 }
 
-static void put32(unsigned char *p, uint32_t v) {
-    for (int i = 0; i < 4; i++) p[i] = (unsigned char)(v >> (8 * i));
-}
-static void put64(unsigned char *p, uint64_t v) {
-    for (int i = 0; i < 8; i++) p[i] = (unsigned char)(v >> (8 * i));
-}
-static uint32_t get32(const unsigned char *p) {
-    uint32_t v = 0;
-    for (int i = 3; i >= 0; i--) v = (v << 8) | p[i];
-    return v;
-}
-static uint64_t get64(const unsigned char *p) {
-    uint64_t v = 0;
-    for (int i = 7; i >= 0; i--) v = (v << 8) | p[i];
-    return v;
-}
 
 /* ------------------------------------------------------------------------ */
 /* Bounded msgpack walk                                                      */
@@ -132,9 +117,9 @@ bool sess__msgpack_sane(const unsigned char *p, size_t len) {
 void sess__frame_write(unsigned char *rec, const char *magic, uint32_t version,
                        size_t header_len) {
     memcpy(rec, magic, 8);
-    put32(rec + 8, version);
-    put32(rec + 12, (uint32_t)header_len);
-    put64(rec + 16, sess__xxh3(rec + SESS_FRAME_BYTES, header_len));
+    kds_put32(rec + 8, version);
+    kds_put32(rec + 12, (uint32_t)header_len);
+    kds_put64(rec + 16, sess__xxh3(rec + SESS_FRAME_BYTES, header_len));
 }
 
 kds_status sess__frame_parse(const void *rec, size_t len, const char *magic, uint32_t version,
@@ -143,17 +128,17 @@ kds_status sess__frame_parse(const void *rec, size_t len, const char *magic, uin
     if (len < SESS_FRAME_BYTES || memcmp(p, magic, 8) != 0)
         return kds_err_set(err, KDS_BAD_FORMAT, "%s: bad magic (not a kdaserve %.7s record)",
                            what, magic);
-    uint32_t v = get32(p + 8);
+    uint32_t v = kds_get32(p + 8);
     if (v != version)
         return kds_err_set(err, KDS_UNSUPPORTED,
                            "%s: unknown format version %u (this build reads version %u)", what, v,
                            version);
-    uint32_t h = get32(p + 12);
+    uint32_t h = kds_get32(p + 12);
     if (h > SESS_HEADER_MAX || h > len - SESS_FRAME_BYTES)
         return kds_err_set(err, KDS_CORRUPT, "%s: header length %u exceeds the record (%zu bytes)",
                            what, h, len);
     const unsigned char *hdr = p + SESS_FRAME_BYTES;
-    if (sess__xxh3(hdr, h) != get64(p + 16))
+    if (sess__xxh3(hdr, h) != kds_get64(p + 16))
         return kds_err_set(err, KDS_CORRUPT, "%s: header checksum mismatch (record is damaged)",
                            what);
     if (!sess__msgpack_sane(hdr, h) || h == 0 || !((hdr[0] & 0xf0) == 0x80 || hdr[0] == 0xde ||
