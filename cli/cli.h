@@ -19,6 +19,7 @@ int cmd_logits(int argc, char **argv);
 int cmd_bench(int argc, char **argv);
 int cmd_snap(int argc, char **argv);
 int cmd_tokenize(int argc, char **argv);
+int cmd_chat(int argc, char **argv);
 
 /* Shared helpers (cli_common.c). */
 

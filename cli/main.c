@@ -11,6 +11,7 @@ typedef struct command {
 } command;
 
 static const command COMMANDS[] = {
+    {"chat", cmd_chat, "talk to a model in a saved session (readline; scripted on a pipe)"},
     {"generate", cmd_generate, "continue a prompt and print the text (stats on stderr)"},
     {"logits", cmd_logits, "write the logits of every position of a token list (safetensors)"},
     {"bench", cmd_bench, "measure prefill and decode tokens/s on a model"},

@@ -1,0 +1,541 @@
+/*
+ * repl.c - the chat core: model, sequence and session; one user turn
+ * (render, prefill the new tokens, stream the reply, save); the slash
+ * commands; scripted mode (one message per line). Interactive readline
+ * mode is in repl_line.c.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <math.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <cJSON.h>
+
+#include "repl_internal.h"
+
+static volatile sig_atomic_t g_interrupt;
+
+void repl_interrupt(void) { g_interrupt = 1; }
+bool repl__interrupted(void) { return g_interrupt != 0; }
+void repl__clear_interrupt(void) { g_interrupt = 0; }
+
+repl_params repl_default_params(void) {
+    repl_params p = {0};
+    p.max_tokens = 256;
+    p.sampler = eng_sampler_default_params();
+    return p;
+}
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Output: text or JSON events                                               */
+
+void repl__emit_json(repl *r, cJSON *o) {
+    char *s = cJSON_PrintUnformatted(o);
+    if (s) {
+        fputs(s, r->out);
+        fputc('\n', r->out);
+        fflush(r->out);
+    }
+    free(s);
+    cJSON_Delete(o);
+}
+
+static void emit_event(repl *r, const char *event, const char *key, const char *text) {
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddStringToObject(o, "event", event);
+    cJSON_AddStringToObject(o, key, text);
+    repl__emit_json(r, o);
+}
+
+void repl__error(repl *r, const char *fmt, ...) {
+    char msg[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    r->failures++;
+    if (r->json) {
+        emit_event(r, "error", "message", msg);
+    } else {
+        fflush(r->out);
+        fprintf(r->err, "kdaserve chat: %s\n", msg);
+        fflush(r->err);
+    }
+}
+
+void repl__info(repl *r, const char *fmt, ...) {
+    char msg[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    if (r->json) {
+        emit_event(r, "info", "message", msg);
+    } else {
+        FILE *f = r->interactive ? r->out : r->err;
+        fprintf(f, "%s%s\n", r->interactive ? "" : "[kdaserve] ", msg);
+        fflush(f);
+    }
+}
+
+/* What a command printed (built in a memstream): as is, or one event. */
+void repl__output(repl *r, const char *cmd, const char *text) {
+    if (r->json) {
+        cJSON *o = cJSON_CreateObject();
+        cJSON_AddStringToObject(o, "event", "output");
+        cJSON_AddStringToObject(o, "command", cmd);
+        cJSON_AddStringToObject(o, "text", text);
+        repl__emit_json(r, o);
+    } else {
+        fputs(text, r->out);
+        fflush(r->out);
+    }
+}
+
+/* A reply's bytes on a terminal or pipe: control bytes other than newline
+ * and tab are shown as \xHH so a random model cannot scramble the screen. */
+static void print_piece(FILE *f, const char *p, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        unsigned char ch = (unsigned char)p[i];
+        if ((ch < 0x20 && ch != '\n' && ch != '\t') || ch == 0x7f)
+            fprintf(f, "\\x%02x", ch);
+        else
+            fputc(ch, f);
+    }
+}
+
+static void emit_piece(repl *r, const char *p, size_t n) {
+    if (!n) return;
+    if (r->json) {
+        char *t = strndup(p, n);
+        if (!t) return;
+        emit_event(r, "token", "text", t);
+        free(t);
+    } else {
+        print_piece(r->out, p, n);
+        fflush(r->out);
+    }
+}
+
+/* ------------------------------------------------------------------------ */
+/* Sessions                                                                  */
+
+/* The first free "chat-N" (not the current session's name either). */
+void repl__auto_name(repl *r, char name[SESS_NAME_MAX + 1]) {
+    char cand[SESS_NAME_MAX + 1];
+    for (unsigned k = 1;; k++) {
+        sess_session_info si;
+        kds_err e = {0};
+        snprintf(cand, sizeof cand, "chat-%u", k);
+        if (strcmp(cand, r->session) && sess_session_get(r->st, cand, &si, &e) == KDS_NOT_FOUND)
+            break;
+    }
+    memcpy(name, cand, sizeof cand);
+}
+
+/* Print the last `n` turns of a transcript. */
+void repl__print_transcript(FILE *f, const sess_turn_record *t, size_t count,
+                             size_t last) {
+    size_t first = last && count > last ? count - last : 0;
+    if (first) fprintf(f, "... %zu earlier turn%s\n", first, first == 1 ? "" : "s");
+    for (size_t i = first; i < count; i++) {
+        fprintf(f, "> ");
+        print_piece(f, t[i].prompt, t[i].prompt_len);
+        fputc('\n', f);
+        print_piece(f, t[i].output, t[i].output_len);
+        fputc('\n', f);
+    }
+}
+
+/* Load session `name` into the sequence (unchanged on failure). */
+kds_status repl__open(repl *r, const char *name, kds_err *e) {
+    sess_session_info si;
+    if (sess_session_get(r->st, name, &si, e) != KDS_OK) return e->status;
+    sess_snapshot_info head;
+    double t0 = now_s();
+    if (sess_load(r->st, si.head, r->m, r->s, &head, e) != KDS_OK) return e->status;
+    r->last_resume_ms = (now_s() - t0) * 1e3;
+    /* The store keeps no mode: a session opened without --chat/--plain
+     * continues in the format its first turn was fed in (a plain turn's
+     * prompt_tokens equal the text's plain encoding; a chat turn adds its
+     * markup). */
+    if (r->mode == REPL_MODE_AUTO && eng_chat_supported(r->tok)) {
+        sess_turn_record *t = NULL;
+        size_t n = 0;
+        if (sess_transcript(r->st, name, &t, &n, NULL) == KDS_OK && n) {
+            int64_t plain = eng_tok_encode(r->tok, t[0].prompt, t[0].prompt_len, NULL, 0);
+            if (plain >= 0 && t[0].prompt_tokens > 0)
+                r->chat = t[0].prompt_tokens != plain &&
+                          !(plain == 0 && t[0].prompt_tokens == 1); /* BOS alone */
+        }
+        sess_transcript_free(t, n);
+    }
+    r->base = si.head;
+    r->base_tokens = head.tokens;
+    snprintf(r->session, sizeof r->session, "%s", name);
+    free(r->system);
+    r->system = NULL;
+    return KDS_OK;
+}
+
+/* Notice after opening: size, resume time, the last few turns. */
+void repl__opened_notice(repl *r) {
+    repl__info(r, "session '%s': %lld tokens, %zu bytes of state, resumed from @%llu in %.2f ms",
+               r->session, (long long)eng_seq_pos(r->s), eng_seq_state_bytes(r->s),
+               (unsigned long long)r->base, r->last_resume_ms);
+    if (!r->interactive) return;
+    sess_turn_record *t = NULL;
+    size_t n = 0;
+    if (sess_transcript(r->st, r->session, &t, &n, NULL) == KDS_OK && n) {
+        repl__print_transcript(r->out, t, n, 3);
+        fflush(r->out);
+    }
+    sess_transcript_free(t, n);
+}
+
+/* Save the sequence as the session's new head. */
+bool repl__save(repl *r, const sess_turn *turn, uint64_t *snap) {
+    kds_err e = {0};
+    if (sess_save(r->st, r->session, r->base, r->m, r->s, turn, snap, &e) != KDS_OK) {
+        repl__error(r, "session '%s' not saved: %s", r->session, e.msg);
+        return false;
+    }
+    r->base = *snap;
+    r->base_tokens = eng_seq_pos(r->s);
+    return true;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Create / free                                                             */
+
+/* Does the model directory say it is a chat model? Hugging Face keeps the
+ * template in tokenizer_config.json ("chat_template") or chat_template.jinja;
+ * base models (and the bundled default model) have neither, and a base
+ * model fed chat markup only writes noise, so they get plain continuation.
+ * A directory without tokenizer_config.json gives no hint: the tokenizer's
+ * specials decide alone. */
+static bool dir_has_chat_template(const char *dir) {
+    char path[4200];
+    snprintf(path, sizeof path, "%s/chat_template.jinja", dir);
+    FILE *f = fopen(path, "rb");
+    if (f) {
+        fclose(f);
+        return true;
+    }
+    snprintf(path, sizeof path, "%s/tokenizer_config.json", dir);
+    if (!(f = fopen(path, "rb"))) return true;
+    bool found = false;
+    char buf[8192];
+    size_t n, keep = 0;
+    /* a streaming search for the key, so large configs need no parse */
+    while ((n = fread(buf + keep, 1, sizeof buf - 1 - keep, f)) > 0) {
+        buf[keep + n] = '\0';
+        if (strstr(buf, "\"chat_template\"")) {
+            found = true;
+            break;
+        }
+        size_t total = keep + n;
+        keep = total < 16 ? total : 16;
+        memmove(buf, buf + total - keep, keep);
+    }
+    fclose(f);
+    return found;
+}
+
+kds_status repl_create(const repl_params *p, FILE *out, FILE *errf, repl **out_repl,
+                       kds_err *e) {
+    *out_repl = NULL;
+    repl *r = calloc(1, sizeof *r);
+    if (!r) return kds_err_set(e, KDS_NOMEM, "out of memory");
+    r->out = out;
+    r->err = errf;
+    r->json = p->json;
+    r->interactive = p->interactive;
+    r->sp = p->sampler;
+    r->max_tokens = p->max_tokens > 0 ? p->max_tokens : 256;
+    r->seed = p->seed;
+    r->mode = p->mode;
+    if (p->history_file) r->history_file = strdup(p->history_file);
+    sess_params sp = sess_default_params();
+    if (sess_open(p->db_dir, &sp, &r->st, e) != KDS_OK) goto fail;
+    sess_session_info si;
+    bool exists = false;
+    if (p->session) {
+        if (!sess_name_valid(p->session)) {
+            kds_err_set(e, KDS_INVALID_ARG,
+                        "invalid session name '%s' (1-%d of A-Z a-z 0-9 . _ -, starting with a "
+                        "letter or digit)", p->session, SESS_NAME_MAX);
+            goto fail;
+        }
+        kds_status st = sess_session_get(r->st, p->session, &si, e);
+        if (st == KDS_OK)
+            exists = true;
+        else if (st != KDS_NOT_FOUND)
+            goto fail;
+    }
+    const char *dir = p->model_dir ? p->model_dir
+                      : exists && si.model_dir[0] ? si.model_dir
+                                                  : p->default_model_dir;
+    if (!dir) {
+        kds_err_set(e, KDS_NOT_FOUND, "no model: pass --model DIR or set KDASERVE_MODEL");
+        goto fail;
+    }
+    eng_model_params mp = eng_model_default_params();
+    if (eng_model_load(dir, &mp, &r->m, e) != KDS_OK) goto fail;
+    eng_ctx_params cp = eng_ctx_default_params();
+    cp.n_threads = p->threads;
+    if (eng_ctx_create(r->m, &cp, &r->c, e) != KDS_OK) goto fail;
+    if (eng_seq_create(r->m, r->seed, &r->s, e) != KDS_OK) goto fail;
+    r->tok = eng_model_tokenizer(r->m);
+    r->chat = eng_chat_supported(r->tok) &&
+              (p->mode == REPL_MODE_CHAT ||
+               (p->mode == REPL_MODE_AUTO && dir_has_chat_template(dir)));
+    if (p->mode == REPL_MODE_CHAT && !r->chat) {
+        kds_err_set(e, KDS_UNSUPPORTED, "model %s has no chat format (its tokenizer lacks "
+                    "<|im_user|>, <|im_middle|>, <|im_end|>): use plain mode", dir);
+        goto fail;
+    }
+    if (exists) {
+        if (repl__open(r, p->session, e) != KDS_OK) {
+            kds_err_set(e, e->status, "cannot resume session '%s': %s", p->session, e->msg);
+            goto fail;
+        }
+        repl__opened_notice(r);
+    } else {
+        if (p->session)
+            snprintf(r->session, sizeof r->session, "%s", p->session);
+        else
+            repl__auto_name(r, r->session);
+        repl__info(r, "new session '%s' (%s mode, model %s)", r->session,
+                   r->chat ? "chat" : "plain continuation", eng_model_dir(r->m));
+    }
+    *out_repl = r;
+    return KDS_OK;
+fail:
+    repl_free(r);
+    return e ? e->status : KDS_INTERNAL;
+}
+
+void repl_free(repl *r) {
+    if (!r) return;
+    eng_seq_free(r->s);
+    eng_ctx_free(r->c);
+    eng_model_free(r->m);
+    sess_close(r->st);
+    free(r->system);
+    free(r->history_file);
+    free(r);
+}
+
+/* ------------------------------------------------------------------------ */
+/* One turn                                                                  */
+
+typedef struct textbuf {
+    char *p;
+    size_t n, cap;
+} textbuf;
+
+static bool text_append(textbuf *t, const char *p, size_t n) {
+    if (t->n + n + 1 > t->cap) {
+        size_t cap = t->cap ? t->cap : 256;
+        while (cap < t->n + n + 1) cap *= 2;
+        char *q = realloc(t->p, cap);
+        if (!q) return false;
+        t->p = q;
+        t->cap = cap;
+    }
+    memcpy(t->p + t->n, p, n);
+    t->n += n;
+    t->p[t->n] = '\0';
+    return true;
+}
+
+/* The ids this message adds to the context: a chat turn (with a pending or
+ * default system turn first when the conversation starts) ending in the
+ * assistant's opener, or the plain text. Caller owns *ids. */
+bool repl__render(repl *r, const char *text, bool gen_prompt, int32_t **ids, int64_t *n) {
+    kds_err e = {0};
+    *ids = NULL;
+    *n = 0;
+    if (r->chat) {
+        eng_chat_msg msgs[2];
+        int k = 0;
+        if (r->system) msgs[k++] = (eng_chat_msg){.role = "system", .content = r->system};
+        msgs[k++] = (eng_chat_msg){.role = "user", .content = text};
+        eng_chat_params cp = eng_chat_default_params();
+        cp.add_generation_prompt = gen_prompt;
+        if (eng_seq_pos(r->s) > 0) cp.default_system = ""; /* only a new conversation gets one */
+        if (eng_chat_render(r->tok, msgs, k, &cp, NULL, 0, n, &e) != KDS_OK) goto fail;
+        if (!(*ids = malloc((size_t)(*n + 1) * sizeof **ids))) goto nomem;
+        if (eng_chat_render(r->tok, msgs, k, &cp, *ids, *n, n, &e) != KDS_OK) goto fail;
+        return true;
+    }
+    size_t len = strlen(text);
+    if (!(*ids = malloc((len + 1) * sizeof **ids))) goto nomem;
+    if (eng_tok_encode_ex(r->tok, text, len, 0, *ids, (int64_t)len, n, &e) != KDS_OK) goto fail;
+    /* a fresh sequence with nothing to continue starts at BOS */
+    if (gen_prompt && *n == 0 && eng_seq_pos(r->s) == 0 && eng_tok_bos(r->tok) >= 0)
+        (*ids)[(*n)++] = eng_tok_bos(r->tok);
+    return true;
+nomem:
+    repl__error(r, "out of memory rendering the message");
+    return false;
+fail:
+    free(*ids);
+    *ids = NULL;
+    repl__error(r, "cannot render the message: %s", e.msg);
+    return false;
+}
+
+static bool user_turn(repl *r, const char *text) {
+    kds_err e = {0};
+    int32_t *ids = NULL;
+    int64_t n = 0, produced = 0;
+    textbuf reply = {0};
+    eng_tok_stream *stream = NULL;
+    bool ok = false;
+    const char *stopped = "length";
+    if (!repl__render(r, text, true, &ids, &n)) return false;
+    if (n == 0 && eng_seq_pos(r->s) == 0) {
+        repl__error(r, "empty message and the model has no BOS token to start from");
+        goto out;
+    }
+    repl__clear_interrupt();
+    double t0 = now_s();
+    if (n > 0 && eng_prefill(r->c, r->s, ids, n, NULL, NULL, NULL, &e) != KDS_OK) {
+        repl__error(r, "%s", e.msg);
+        goto out;
+    }
+    double t1 = now_s();
+    r->dirty = true;
+    if (eng_tok_stream_create(r->tok, ENG_TOK_SKIP_SPECIAL, &stream, &e) != KDS_OK) {
+        repl__error(r, "%s", e.msg);
+        goto out;
+    }
+    for (; produced < r->max_tokens; produced++) {
+        if (repl__interrupted()) {
+            stopped = "interrupt";
+            break;
+        }
+        int32_t next;
+        if (eng_sample(r->c, r->s, &r->sp, &next, &e) != KDS_OK ||
+            eng_decode(r->c, r->s, next, &e) != KDS_OK) {
+            repl__error(r, "%s", e.msg);
+            goto out;
+        }
+        /* the stop token stays in the context: the next turn follows it */
+        if (eng_tok_is_stop(r->tok, next)) {
+            stopped = "stop";
+            break;
+        }
+        const char *piece;
+        size_t len;
+        if (eng_tok_stream_put(stream, next, &piece, &len, &e) != KDS_OK) {
+            repl__error(r, "%s", e.msg);
+            goto out;
+        }
+        emit_piece(r, piece, len);
+        if (!text_append(&reply, piece, len)) {
+            repl__error(r, "out of memory keeping the reply");
+            goto out;
+        }
+    }
+    double t2 = now_s();
+    {
+        size_t len;
+        const char *rest = eng_tok_stream_flush(stream, &len);
+        emit_piece(r, rest, len);
+        if (!text_append(&reply, rest, len) && len) {
+            repl__error(r, "out of memory keeping the reply");
+            goto out;
+        }
+    }
+    /* A chat reply cut short (length, Ctrl-C) is closed here, so the
+     * context always ends on a finished turn and the next one renders on. */
+    if (r->chat && strcmp(stopped, "stop")) {
+        int32_t end = eng_tok_special_id(r->tok, "<|im_end|>");
+        if (end >= 0 && eng_decode(r->c, r->s, end, &e) != KDS_OK) {
+            repl__error(r, "%s", e.msg);
+            goto out;
+        }
+    }
+    if (!r->json) {
+        fputc('\n', r->out);
+        fflush(r->out);
+    }
+    r->last_prefill_n = n;
+    r->last_prefill_s = t1 - t0;
+    r->last_decode_n = produced;
+    r->last_decode_s = t2 - t1;
+    free(r->system);
+    r->system = NULL;
+    sess_turn turn = {.prompt = text, .prompt_len = strlen(text),
+                      .output = reply.p ? reply.p : "", .output_len = reply.n,
+                      .prompt_tokens = n, .output_tokens = produced};
+    uint64_t snap = 0;
+    if (!repl__save(r, &turn, &snap)) goto out;
+    r->dirty = false;
+    if (r->json) {
+        cJSON *o = cJSON_CreateObject();
+        cJSON_AddStringToObject(o, "event", "done");
+        cJSON_AddNumberToObject(o, "tokens", (double)produced);
+        cJSON_AddNumberToObject(o, "prompt_tokens", (double)n);
+        cJSON_AddNumberToObject(o, "context", (double)eng_seq_pos(r->s));
+        cJSON_AddStringToObject(o, "session", r->session);
+        cJSON_AddNumberToObject(o, "snapshot", (double)snap);
+        cJSON_AddStringToObject(o, "stopped", stopped);
+        cJSON_AddStringToObject(o, "reply", reply.p ? reply.p : "");
+        cJSON_AddNumberToObject(o, "prefill_tok_s", t1 > t0 ? n / (t1 - t0) : 0.0);
+        cJSON_AddNumberToObject(o, "decode_tok_s", t2 > t1 ? produced / (t2 - t1) : 0.0);
+        repl__emit_json(r, o);
+    } else if (!strcmp(stopped, "interrupt")) {
+        repl__info(r, "(stopped after %lld tokens; kept)", (long long)produced);
+    }
+    ok = true;
+out:
+    repl__clear_interrupt();
+    free(ids);
+    free(reply.p);
+    eng_tok_stream_free(stream);
+    return ok;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Lines                                                                     */
+
+bool repl_line(repl *r, const char *line) {
+    size_t len = strlen(line);
+    while (len && (line[len - 1] == '\n' || line[len - 1] == '\r')) len--;
+    char *text = strndup(line, len);
+    if (!text) {
+        repl__error(r, "out of memory");
+        return true;
+    }
+    bool go_on = true;
+    if (text[0] == '/')
+        go_on = repl__command(r, text);
+    else if (text[0] || !r->chat) /* an empty plain line continues the text */
+        user_turn(r, text);
+    free(text);
+    return go_on;
+}
+
+int repl_run_stream(repl *r, FILE *in) {
+    char *line = NULL;
+    size_t cap = 0;
+    bool quit = false;
+    while (!quit && getline(&line, &cap, in) != -1) quit = !repl_line(r, line);
+    free(line);
+    if (!quit) repl__command(r, (char[]){"/quit"}); /* end of input: save what is unsaved */
+    return r->failures;
+}

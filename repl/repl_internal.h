@@ -1,0 +1,50 @@
+/* repl_internal.h - the repl object and the functions the files of repl/ share. */
+#ifndef REPL_INTERNAL_H
+#define REPL_INTERNAL_H
+
+#include "repl.h"
+#include "sess.h"
+
+struct repl {
+    FILE *out, *err;
+    bool json, interactive;
+    bool chat;                 /* the chat format is used (else plain continuation) */
+    int mode;                  /* repl_params.mode */
+    eng_model *m;
+    eng_ctx *c;
+    eng_seq *s;
+    const eng_tokenizer *tok;
+    sess_store *st;
+    char session[SESS_NAME_MAX + 1]; /* current session (may not be saved yet) */
+    uint64_t base;             /* snapshot the sequence continues (0 = fresh) */
+    int64_t base_tokens;
+    bool dirty;                /* the sequence holds tokens not yet saved */
+    char *system;              /* system message for the next turn (NULL = none) */
+    eng_sampler_params sp;
+    int64_t max_tokens;
+    uint64_t seed;
+    char *history_file;
+    int64_t last_prefill_n, last_decode_n;
+    double last_prefill_s, last_decode_s, last_resume_ms;
+    int failures;
+};
+
+void repl__error(repl *r, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void repl__info(repl *r, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* A "/..." line; false for /quit. */
+bool repl__command(repl *r, char *line);
+bool repl__interrupted(void);
+void repl__clear_interrupt(void);
+kds_status repl__open(repl *r, const char *name, kds_err *e);
+void repl__opened_notice(repl *r);
+void repl__auto_name(repl *r, char name[SESS_NAME_MAX + 1]);
+bool repl__save(repl *r, const sess_turn *turn, uint64_t *snap);
+void repl__print_transcript(FILE *f, const sess_turn_record *t, size_t count, size_t last);
+void repl__output(repl *r, const char *cmd, const char *text);
+/* The ids a message adds: a chat user turn (ending in the assistant's opener
+ * when gen_prompt) or the plain text. Caller owns *ids. */
+bool repl__render(repl *r, const char *text, bool gen_prompt, int32_t **ids, int64_t *n);
+struct cJSON;
+void repl__emit_json(repl *r, struct cJSON *o); /* prints and frees o */
+
+#endif

@@ -1,0 +1,161 @@
+/*
+ * repl_line.c - interactive mode on a terminal with GNU readline (callback
+ * interface, so a Ctrl-C at the prompt is seen at once): history file, tab
+ * completion of commands, session names and settings, Ctrl-C to stop a
+ * reply, a second Ctrl-C at the prompt or Ctrl-D to leave.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/select.h>
+#include <unistd.h>
+
+#include <readline/history.h>
+#include <readline/readline.h>
+
+#include "repl_internal.h"
+
+static repl *g_repl; /* for the completion callbacks (readline has no user pointer) */
+static char *g_line;
+static bool g_have_line, g_eof;
+
+static void on_sigint(int sig) {
+    (void)sig;
+    repl_interrupt();
+}
+
+static void on_line(char *line) {
+    if (!line) g_eof = true;
+    g_line = line;
+    g_have_line = true;
+    rl_callback_handler_remove();
+}
+
+/* ---- completion ---- */
+
+static char **g_cands; /* NULL-terminated candidates of the current completion */
+
+static void free_cands(void) {
+    if (!g_cands) return;
+    for (char **p = g_cands; *p; p++) free(*p);
+    free(g_cands);
+    g_cands = NULL;
+}
+
+static char *cand_gen(const char *text, int state) {
+    static size_t i, len;
+    if (!state) {
+        i = 0;
+        len = strlen(text);
+    }
+    while (g_cands && g_cands[i]) {
+        const char *c = g_cands[i++];
+        if (!strncmp(c, text, len)) return strdup(c);
+    }
+    return NULL;
+}
+
+static char **complete(const char *text, int start, int end) {
+    (void)end;
+    rl_attempted_completion_over = 1; /* never fall back to file names */
+    free_cands();
+    const char *line = rl_line_buffer;
+    if (start == 0) {
+        const char *const *names = repl_commands();
+        size_t n = 0;
+        while (names[n]) n++;
+        g_cands = calloc(n + 1, sizeof *g_cands);
+        for (size_t i = 0; g_cands && i < n; i++) g_cands[i] = strdup(names[i]);
+    } else if (!strncmp(line, "/open ", 6) || !strncmp(line, "/fork ", 6) ||
+               !strncmp(line, "/save ", 6)) {
+        g_cands = repl_session_names(g_repl);
+    } else if (!strncmp(line, "/set ", 5)) {
+        static const char *keys[] = {"temperature", "top_p", "top_k", "min_p", "max_tokens",
+                                     "seed", NULL};
+        g_cands = calloc(7, sizeof *g_cands);
+        for (size_t i = 0; g_cands && keys[i]; i++) g_cands[i] = strdup(keys[i]);
+    }
+    return g_cands ? rl_completion_matches(text, cand_gen) : NULL;
+}
+
+/* ---- the loop ---- */
+
+int repl_run_interactive(repl *r) {
+    g_repl = r;
+    rl_catch_signals = 0; /* SIGINT is ours: it stops a reply, or leaves at the prompt */
+    rl_catch_sigwinch = 1;
+    rl_readline_name = "kdaserve";
+    rl_attempted_completion_function = complete;
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_sigint;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, NULL); /* no SA_RESTART: select() returns at once */
+    using_history();
+    if (r->history_file) read_history(r->history_file);
+    fprintf(r->out, "kdaserve chat: /help for commands, Ctrl-C stops a reply, Ctrl-D leaves\n");
+    bool armed = false; /* one Ctrl-C at the prompt was pressed */
+    for (;;) {
+        char prompt[SESS_NAME_MAX + 8];
+        snprintf(prompt, sizeof prompt, "%s> ", r->session);
+        g_have_line = g_eof = false;
+        g_line = NULL;
+        repl__clear_interrupt();
+        rl_callback_handler_install(prompt, on_line);
+        bool leave = false;
+        while (!g_have_line) {
+            fd_set fds;
+            FD_ZERO(&fds);
+            FD_SET(fileno(rl_instream ? rl_instream : stdin), &fds);
+            int rc = select(fileno(rl_instream ? rl_instream : stdin) + 1, &fds, NULL, NULL, NULL);
+            if (rc < 0 && errno == EINTR) {
+                if (!repl__interrupted()) continue;
+                repl__clear_interrupt();
+                if (armed) {
+                    leave = true;
+                    break;
+                }
+                armed = true;
+                rl_replace_line("", 0);
+                rl_crlf();
+                fprintf(r->out, "(Ctrl-C again or Ctrl-D to leave)\n");
+                rl_on_new_line();
+                rl_redisplay();
+                continue;
+            }
+            if (rc < 0) {
+                leave = true;
+                break;
+            }
+            rl_callback_read_char();
+        }
+        if (leave) {
+            rl_callback_handler_remove();
+            fputc('\n', r->out);
+            break;
+        }
+        if (g_eof) {
+            fputc('\n', r->out);
+            break;
+        }
+        armed = false;
+        bool go_on = true;
+        if (g_line[0]) {
+            add_history(g_line);
+            if (r->history_file && append_history(1, r->history_file) != 0)
+                write_history(r->history_file);
+            go_on = repl_line(r, g_line);
+        }
+        free(g_line);
+        g_line = NULL;
+        if (!go_on) break;
+    }
+    if (r->history_file) history_truncate_file(r->history_file, 2000);
+    /* leaving saves what a failed save or an interrupted turn left */
+    repl__command(r, (char[]){"/quit"});
+    free_cands();
+    signal(SIGINT, SIG_DFL);
+    return r->failures;
+}
