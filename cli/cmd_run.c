@@ -8,6 +8,7 @@
 #include "cli.h"
 #include "eng_config.h"
 #include "eng_safetensors.h"
+#include "repl.h"
 #include "sess.h"
 
 /* Options shared by the sampling commands. */
@@ -102,26 +103,6 @@ static bool parse_sampling(int opt, const char *arg, eng_sampler_params *sp) {
     return false;
 }
 
-/* Growable byte buffer for the turn's text (the transcript keeps it). */
-typedef struct textbuf {
-    char *p;
-    size_t n, cap;
-} textbuf;
-
-static bool text_append(textbuf *t, const char *p, size_t n) {
-    if (t->n + n + 1 > t->cap) {
-        size_t cap = t->cap ? t->cap : 256;
-        while (cap < t->n + n + 1) cap *= 2;
-        char *q = realloc(t->p, cap);
-        if (!q) return false;
-        t->p = q;
-        t->cap = cap;
-    }
-    memcpy(t->p + t->n, p, n);
-    t->n += n;
-    t->p[t->n] = '\0';
-    return true;
-}
 
 int cmd_generate(int argc, char **argv) {
     static const struct option opts[] = {
@@ -184,7 +165,7 @@ int cmd_generate(int argc, char **argv) {
     float *out_logits = NULL;
     sess_store *store = NULL;
     eng_tok_stream *stream = NULL;
-    textbuf text = {0};
+    repl_text text = {0};
     kds_err err = {0};
     int rc = 0;
     /* The session decides where the model comes from (unless --model says)
@@ -291,7 +272,7 @@ int cmd_generate(int argc, char **argv) {
         }
         print_piece(stdout, piece, len);
         fflush(stdout);
-        if (session && !text_append(&text, piece, len)) {
+        if (session && !repl_text_append(&text, piece, len)) {
             rc = cli_failf("generate", "out of memory keeping the turn's text");
             goto out;
         }
@@ -305,7 +286,7 @@ int cmd_generate(int argc, char **argv) {
         size_t len;
         const char *rest = eng_tok_stream_flush(stream, &len);
         print_piece(stdout, rest, len);
-        if (session && !text_append(&text, rest, len)) {
+        if (session && !repl_text_append(&text, rest, len)) {
             rc = cli_failf("generate", "out of memory keeping the turn's text");
             goto out;
         }

@@ -340,12 +340,8 @@ void repl_free(repl *r) {
 /* ------------------------------------------------------------------------ */
 /* One turn                                                                  */
 
-typedef struct textbuf {
-    char *p;
-    size_t n, cap;
-} textbuf;
-
-static bool text_append(textbuf *t, const char *p, size_t n) {
+/* Growable NUL-terminated byte buffer (a turn's text for the transcript). */
+bool repl_text_append(repl_text *t, const char *p, size_t n) {
     if (t->n + n + 1 > t->cap) {
         size_t cap = t->cap ? t->cap : 256;
         while (cap < t->n + n + 1) cap *= 2;
@@ -401,7 +397,7 @@ static bool user_turn(repl *r, const char *text) {
     kds_err e = {0};
     int32_t *ids = NULL;
     int64_t n = 0, produced = 0;
-    textbuf reply = {0};
+    repl_text reply = {0};
     eng_tok_stream *stream = NULL;
     bool ok = false;
     const char *stopped = "length";
@@ -445,7 +441,7 @@ static bool user_turn(repl *r, const char *text) {
             goto out;
         }
         emit_piece(r, piece, len);
-        if (!text_append(&reply, piece, len)) {
+        if (!repl_text_append(&reply, piece, len)) {
             repl__error(r, "out of memory keeping the reply");
             goto out;
         }
@@ -455,7 +451,7 @@ static bool user_turn(repl *r, const char *text) {
         size_t len;
         const char *rest = eng_tok_stream_flush(stream, &len);
         emit_piece(r, rest, len);
-        if (!text_append(&reply, rest, len) && len) {
+        if (!repl_text_append(&reply, rest, len) && len) {
             repl__error(r, "out of memory keeping the reply");
             goto out;
         }

@@ -37,6 +37,7 @@
 #define REPL_H
 
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 
@@ -97,5 +98,15 @@ const char *const *repl_commands(void);
 /* Session names of the repl's store, for completion: a malloc'd,
  * NULL-terminated array of malloc'd strings (free each and the array). */
 char **repl_session_names(repl *r);
+
+/* A growable, NUL-terminated byte buffer for a turn's streamed text (the
+ * transcript keeps it); shared with `kdaserve generate --session`. Start
+ * from {0}; the caller owns p: free(). Returns false when out of memory
+ * (the buffer is unchanged). */
+typedef struct repl_text {
+    char *p;
+    size_t n, cap;
+} repl_text;
+bool repl_text_append(repl_text *t, const char *p, size_t n);
 
 #endif /* REPL_H */
