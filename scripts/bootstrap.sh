@@ -44,8 +44,11 @@ echo "[bootstrap] built ./build/kdaserve"
 # tests/node/package-lock.json) on OpenAI's cl100k_base/o200k_base ranks,
 # rebuilt from that package and sha256-checked into build/tok-ref. Not fatal
 # here (kdaserve itself does not need them); the tests retry and then fail.
-if [ ! -f tests/node/node_modules/tiktoken/package.json ]; then
-  echo "[bootstrap] npm ci in tests/node (the tiktoken reference for the tests)"
+# ws and @msgpack/msgpack are the WebSocket protocol tests' client (tests/test_serve.c).
+if [ ! -f tests/node/node_modules/tiktoken/package.json ] \
+   || [ ! -f tests/node/node_modules/ws/package.json ] \
+   || [ ! -f tests/node/node_modules/@msgpack/msgpack/package.json ]; then
+  echo "[bootstrap] npm ci in tests/node (the tiktoken reference and the WebSocket client for the tests)"
   (cd tests/node && npm ci --no-audit --no-fund --loglevel=error) >> build.log 2>&1 \
     || echo "[bootstrap] warning: npm ci failed (see build.log); the tokenizer tests need it" >&2
 fi
