@@ -60,6 +60,7 @@ typedef struct sess_store sess_store;
  * (so they never look like an option or a snapshot id "@N"). */
 #define SESS_NAME_MAX 64
 #define SESS_FP_LEN 32 /* hex digits of a model fingerprint */
+#define SESS_MODE_MAX 15 /* bytes of a session's mode ("chat", "plain") */
 
 /* ------------------------------------------------------------------------ */
 /* Store                                                                     */
@@ -192,6 +193,11 @@ typedef struct sess_session_info {
     char owner[64];               /* user that created it */
     char model_dir[1024];         /* model directory of the last save ("" unknown) */
     char fingerprint[SESS_FP_LEN + 1];
+    /* How its turns feed text to the model, as the writer declared it
+     * (sess_turn.mode): "chat" (a chat format) or "plain" (continuation);
+     * "" = never declared (sessions written before the field existed, or by
+     * `generate --session` before it declared one). */
+    char mode[SESS_MODE_MAX + 1];
 } sess_session_info;
 
 kds_status sess_session_get(sess_store *st, const char *name, sess_session_info *out,
@@ -208,6 +214,9 @@ typedef struct sess_turn {
     const char *output;
     size_t output_len;
     int64_t prompt_tokens, output_tokens;
+    /* NULL, or the session's mode to record (sess_session_info.mode, 1 to
+     * SESS_MODE_MAX bytes of [a-z]): a save keeps the mode last declared. */
+    const char *mode;
 } sess_turn;
 
 /*
@@ -221,7 +230,7 @@ typedef struct sess_turn {
  * [0, tokens of base) are shared with `base` and only the rows after are
  * written, so `s` must continue `base` (checked on its last shared row:
  * KDS_MISMATCH). *snapshot (may be NULL) receives the new id.
- * Errors: KDS_INVALID_ARG (name), KDS_BUSY, KDS_MISMATCH (another model's
+ * Errors: KDS_INVALID_ARG (name, turn->mode), KDS_BUSY, KDS_MISMATCH (another model's
  * session or base), KDS_NOT_FOUND (base), KDS_TOO_LARGE (map_max), KDS_IO.
  */
 kds_status sess_save(sess_store *st, const char *session, uint64_t base, const eng_model *m,
@@ -230,8 +239,8 @@ kds_status sess_save(sess_store *st, const char *session, uint64_t base, const e
 /*
  * Fork: a new session `name` (NULL = "<source>-K" for a session, "snapN-K"
  * for snapshot "@N", with the first free K >= 2) whose head is the head of
- * session `source`, or snapshot "@N". Copies the source session's transcript
- * and model directory; no state bytes are copied.
+ * session `source`, or snapshot "@N". Copies the source session's transcript,
+ * model directory and mode; no state bytes are copied.
  * out_name (may be NULL) receives the name. Errors: KDS_NOT_FOUND,
  * KDS_EXISTS, KDS_INVALID_ARG.
  */

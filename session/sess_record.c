@@ -588,7 +588,10 @@ kds_status sess__session_encode(const sess_session_info *s, unsigned char **out,
     msgpack_packer pk;
     msgpack_sbuffer_init(&sb);
     msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
-    msgpack_pack_map(&pk, 12);
+    /* "mode" is optional (added without a version bump: readers ignore
+     * fields they do not know), so a session that never declared one keeps
+     * the record it always had. */
+    msgpack_pack_map(&pk, s->mode[0] ? 13 : 12);
     pk_str(&pk, "name", s->name);
     pk_u64(&pk, "id", s->id);
     pk_u64(&pk, "head", s->head);
@@ -601,6 +604,7 @@ kds_status sess__session_encode(const sess_session_info *s, unsigned char **out,
     pk_str(&pk, "owner", s->owner);
     pk_str(&pk, "model_dir", s->model_dir);
     pk_str(&pk, "model", s->fingerprint);
+    if (s->mode[0]) pk_str(&pk, "mode", s->mode);
     return finish(&sb, SESS_MAGIC_SESSION, SESS_VERSION_SESSION, out, len, err);
 }
 
@@ -628,6 +632,7 @@ kds_status sess__session_parse(const void *rec, size_t len, const char *what,
     get_str(&d, "owner", s->owner, sizeof s->owner, true);
     get_str(&d, "model_dir", s->model_dir, sizeof s->model_dir, true);
     get_str(&d, "model", s->fingerprint, sizeof s->fingerprint, true);
+    get_str(&d, "mode", s->mode, sizeof s->mode, false);
     rc = d.rc;
     dec_close(&d);
     if (rc == KDS_OK && (!sess_name_valid(s->name) || s->head == 0))

@@ -592,6 +592,7 @@ static kds_status save_fn(sess__wtxn *w, void *ctx, kds_err *err) {
     se.tokens = c->pos;
     snprintf(se.model_dir, sizeof se.model_dir, "%s", c->model_dir);
     snprintf(se.fingerprint, sizeof se.fingerprint, "%s", c->fp);
+    if (c->turn && c->turn->mode) snprintf(se.mode, sizeof se.mode, "%s", c->turn->mode);
     uint32_t turn_no = se.turns;
     if (c->turn) se.turns++;
     size_t sl;
@@ -631,6 +632,14 @@ kds_status sess_save(sess_store *st, const char *session, uint64_t base, const e
                            SESS_NAME_MAX);
     if (eng_seq_pos(s) == 0)
         return kds_err_set(err, KDS_INVALID_ARG, "nothing to save: the sequence is empty");
+    if (turn && turn->mode) {
+        size_t ml = strlen(turn->mode);
+        bool ok = ml >= 1 && ml <= SESS_MODE_MAX;
+        for (size_t i = 0; ok && i < ml; i++) ok = turn->mode[i] >= 'a' && turn->mode[i] <= 'z';
+        if (!ok)
+            return kds_err_set(err, KDS_INVALID_ARG, "invalid session mode '%.32s' (1-%d of a-z)",
+                               turn->mode, SESS_MODE_MAX);
+    }
     save_ctx c = {.name = session, .base = base, .m = m, .s = s, .turn = turn,
                   .fp = eng_model_fingerprint(m), .pos = eng_seq_pos(s),
                   .now = (int64_t)sess__now_us()};
@@ -728,6 +737,7 @@ static kds_status fork_fn(sess__wtxn *w, void *ctx, kds_err *err) {
         if ((rc = collect_turns(st, w->txn, src.id, &turns, &n_turns, err)) != KDS_OK) goto out;
         snprintf(ne.parent, sizeof ne.parent, "%s", src.name);
         snprintf(ne.model_dir, sizeof ne.model_dir, "%s", src.model_dir);
+        snprintf(ne.mode, sizeof ne.mode, "%s", src.mode);
     }
     if ((rc = get_snap(st, w->txn, ref.snapshot, &v, &n, err)) != KDS_OK) goto out;
     if ((rc = sess__snap_parse(v, n, ref.snapshot, &h, NULL, err)) != KDS_OK) goto out;
