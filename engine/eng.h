@@ -20,7 +20,7 @@
  * eng_prefill / eng_decode the sequence is left unchanged unless the call
  * says otherwise (inputs are checked before any state is touched).
  *
- * Hot path: eng_prefill and eng_decode allocate nothing, except that a
+ * Hot path: eng_prefill, eng_decode and eng_decode_batch allocate nothing, except that a
  * hybrid model's MLA latent cache grows geometrically when a sequence passes
  * its capacity.
  */
@@ -151,6 +151,8 @@ typedef struct eng_ctx_params {
     int n_threads;        /* 0 = number of online CPUs */
     int max_batch;        /* tokens per prefill step (scratch is sized for it); 0 = 256 */
     int kda_chunk;        /* WY chunk length of the prefill path; 0 = 64 */
+    int max_seqs;         /* sequences per eng_decode_batch (sizes a [max_seqs, vocab]
+                           * logits scratch and the row buffers); 0 = 64 */
 } eng_ctx_params;
 
 eng_ctx_params eng_ctx_default_params(void);
@@ -174,6 +176,17 @@ kds_status eng_prefill(eng_ctx *c, eng_seq *s, const int32_t *ids, int64_t n,
 
 /* Feed one token through the recurrent (decode) path. */
 kds_status eng_decode(eng_ctx *c, eng_seq *s, int32_t id, kds_err *err);
+
+/* Feed one token to each of n distinct sequences in one forward pass (continuous batching):
+ * ids[i] goes to seqs[i]. Every weight matrix is streamed once for all n. Each sequence
+ * ends exactly as after eng_decode(c, seqs[i], ids[i]) (same state, logits equal up to
+ * float summation order). n <= eng_ctx_max_seqs(c). Checks first (model, distinctness,
+ * ids, n): on error nothing changes. */
+kds_status eng_decode_batch(eng_ctx *c, eng_seq *const *seqs, const int32_t *ids, int n, kds_err *err);
+/* (n == 0 does nothing. Errors: KDS_INVALID_ARG naming the bad sequence, id or count;
+ * KDS_NOMEM when a hybrid model's MLA cache cannot grow.) eng_ctx_max_seqs is
+ * eng_ctx_params.max_seqs of the context. */
+int eng_ctx_max_seqs(const eng_ctx *c);
 
 /* ------------------------------------------------------------------------ */
 /* Sampling                                                                  */

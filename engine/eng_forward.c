@@ -1,12 +1,16 @@
 /*
  * eng_forward.c - compute contexts and the forward pass (spec §3-§7).
  *
- * One function, forward(), runs T tokens of one sequence through every layer,
- * layer by layer over the whole batch, so each weight matrix is streamed once
- * per batch. KDA layers take the chunked WY path when prefill is asked for
- * and the token-by-token recurrence otherwise; everything else is the same
- * code for both, so prefill and decode differ only in the KDA core and in
- * the summation order inside BLAS.
+ * One function, forward(), runs T rows through every layer, layer by layer
+ * over the whole batch, so each weight matrix is streamed once per batch.
+ * The rows are either T tokens of one sequence (prefill, decode) or one new
+ * token of each of T different sequences (eng_decode_batch: continuous
+ * batching). Embedding, norms, projections and FFNs do not care which; only
+ * the short conv, the KDA core and MLA attention read per-sequence state.
+ * KDA layers take the chunked WY path when prefill is asked for and the
+ * token-by-token recurrence otherwise; everything else is the same code for
+ * both, so prefill and decode differ only in the KDA core and in the
+ * summation order inside BLAS.
  *
  * Parallelism: every matrix product is cut into row blocks and run on the
  * context's pool (several products that read the same input go out in one
@@ -14,8 +18,8 @@
  * pinned to one thread so that it never competes with the pool.
  *
  * Memory: all activations live in scratch buffers sized at eng_ctx_create
- * for max_batch tokens; the only allocation on the hot path is the MLA cache
- * growing geometrically (eng__seq_reserve).
+ * for max(max_batch, max_seqs) rows; the only allocation on the hot path is
+ * the MLA cache growing geometrically (eng__seq_reserve).
  */
 #include <cblas.h>
 #include <math.h>
@@ -28,6 +32,8 @@
 
 #define MAX_MM_JOBS 8
 #define MAX_MM_TASKS 1024
+/* Largest short-conv width eng_config accepts (short_conv_kernel_size). */
+#define MAX_CONV_W 64
 
 typedef struct mm_job {
     const eng_weight *w;
@@ -56,6 +62,7 @@ struct eng_ctx {
     eng_dims d;
     eng_pool *pool;
     int n_threads, max_batch, kda_chunk;
+    int max_seqs;         /* sequences one eng_decode_batch may carry */
     int ffn_width;        /* widest FFN hidden width (dense, shared or routed) */
     int top_k, n_experts;
     /* activations, [max_batch, ...] */
@@ -72,6 +79,7 @@ struct eng_ctx {
     int32_t *exp_fill;                   /* [E] next free row while gathering */
     int32_t *row_of;                     /* [B, top_k] -> row in gathered buffers */
     float *xg, *yg;                      /* [B*top_k, hidden] gathered in / expert out */
+    float *logits;                       /* [max_seqs, vocab] lm_head out of a batched decode */
     /* sampler */
     float *cand_p;                       /* [vocab] */
     int32_t *cand_id;                    /* [vocab] */
@@ -82,7 +90,7 @@ struct eng_ctx {
 };
 
 eng_ctx_params eng_ctx_default_params(void) {
-    return (eng_ctx_params){.n_threads = 0, .max_batch = 256, .kda_chunk = 64};
+    return (eng_ctx_params){.n_threads = 0, .max_batch = 256, .kda_chunk = 64, .max_seqs = 64};
 }
 
 eng_sampler_params eng_sampler_default_params(void) {
@@ -145,18 +153,24 @@ static void job(eng_ctx *c, int i, const eng_weight *w, const float *x, int T, f
 typedef struct kda_run {
     eng_ctx *c;
     const eng_kda_weights *w;
-    float *state;       /* [HV, K, V] of this layer */
+    float *state;       /* [HV, K, V] of this layer (one sequence; NULL across sequences) */
+    eng_seq *const *seqs; /* row t belongs to seqs[t] when n_seqs > 1 */
+    int n_seqs, slot;   /* slot: this layer's index among the KDA layers */
     int T, chunked, n_parts;
 } kda_run;
 
 /*
  * Per-token work between the projections and the core, for tokens of part
  * `part` of n_parts: depthwise causal conv + SiLU, L2 norm of q and k, the
- * decay gate and beta's sigmoid. Tokens are independent here (the conv reads
- * the ext rows, which already hold the tail), so parts run in parallel.
- * out_t[ch] = sum_j w[ch, j] * in_{t-taps+j}[ch] over ext rows t..t+taps.
+ * decay gate and beta's sigmoid. Tokens are independent here, so parts run
+ * in parallel. out_t[ch] = sum_j w[ch, j] * tap_j[ch], j = 0..taps, where
+ *   one sequence:   tap_j = ext row t+j (ext holds the tail, then the batch);
+ *   across n_seqs:  tap_j = row j of seqs[t]'s tail (j < taps), tap_taps =
+ *                   the new row ext[taps+t]; that tail then moves on by one
+ *                   row (safe in parallel: each sequence owns one row).
  */
 static void kda_pre_fn(void *arg, int part, int thread) {
+    (void)thread;
     kda_run *r = arg;
     eng_ctx *c = r->c;
     const eng_dims *d = &c->d;
@@ -165,7 +179,15 @@ static void kda_pre_fn(void *arg, int part, int thread) {
     const int C = d->conv_ch, taps = d->W - 1;
     int t0 = (int)((int64_t)r->T * part / r->n_parts), t1 = (int)((int64_t)r->T * (part + 1) / r->n_parts);
     for (int t = t0; t < t1; t++) {
-        const float *rows = c->ext + (size_t)t * C;
+        const float *tap[MAX_CONV_W];
+        float *tail = NULL; /* [taps, C] of seqs[t], oldest first */
+        if (r->n_seqs > 1) {
+            tail = r->seqs[t]->conv_tail + (size_t)r->slot * taps * C;
+            for (int j = 0; j < taps; j++) tap[j] = tail + (size_t)j * C;
+            tap[taps] = c->ext + (size_t)(taps + t) * C;
+        } else {
+            for (int j = 0; j <= taps; j++) tap[j] = c->ext + (size_t)(t + j) * C;
+        }
         for (int which = 0; which < 3; which++) {
             int base = which == 0 ? 0 : which == 1 ? d->kda_qk : 2 * d->kda_qk;
             int n = which == 2 ? d->kda_v : d->kda_qk;
@@ -173,11 +195,14 @@ static void kda_pre_fn(void *arg, int part, int thread) {
             float *out = (which == 0 ? c->q : which == 1 ? c->k : c->v) + (size_t)t * n;
             for (int ch = 0; ch < n; ch++) {
                 float acc = 0.0f;
-                for (int j = 0; j <= taps; j++)
-                    acc += wc[(size_t)ch * d->W + j] * rows[(size_t)j * C + base + ch];
+                for (int j = 0; j <= taps; j++) acc += wc[(size_t)ch * d->W + j] * tap[j][base + ch];
                 out[ch] = acc;
             }
             kern_silu(out, (size_t)n);
+        }
+        if (tail && taps > 0) {
+            memmove(tail, tail + C, (size_t)(taps - 1) * C * sizeof(float));
+            memcpy(tail + (size_t)(taps - 1) * C, tap[taps], (size_t)C * sizeof(float));
         }
     }
     int n = t1 - t0;
@@ -190,20 +215,13 @@ static void kda_pre_fn(void *arg, int part, int thread) {
     kern_sigmoid_inplace(c->beta + (size_t)t0 * d->HV, (size_t)n * d->HV);
 }
 
-/* The core for one value head over all T tokens, then that head's gated
- * output norm: o * rsqrt(mean(o^2) + eps) * w * sigmoid(z). */
-static void kda_core_fn(void *arg, int hv, int thread) {
-    kda_run *r = arg;
+/* Gated output norm of rows [t0, t1), value head hv:
+ * o * rsqrt(mean(o^2) + eps) * w * sigmoid(z). */
+static void kda_out_norm(const kda_run *r, int hv, int t0, int t1) {
     eng_ctx *c = r->c;
     const eng_dims *d = &c->d;
-    kern_kda_shape sh = {d->H, d->HV, d->K, d->V, 1.0f / sqrtf((float)d->K)};
-    if (r->chunked)
-        kern_kda_chunked(&sh, r->T, c->kda_chunk, c->q, c->k, c->v, c->g, c->beta, r->state, c->o,
-                         hv, hv + 1, c->ts[thread].kda_ws);
-    else
-        kern_kda_recurrent(&sh, r->T, c->q, c->k, c->v, c->g, c->beta, r->state, c->o, hv, hv + 1);
     const float eps = c->m->cfg.rms_norm_eps;
-    for (int t = 0; t < r->T; t++) {
+    for (int t = t0; t < t1; t++) {
         size_t at = ((size_t)t * d->HV + hv) * d->V;
         float *oh = c->o + at, *z = c->gz + at;
         kern_rmsnorm(oh, r->w->o_norm, KERN_F32, d->V, eps, oh);
@@ -212,14 +230,44 @@ static void kda_core_fn(void *arg, int hv, int thread) {
     }
 }
 
-static void kda_layer(eng_ctx *c, eng_seq *s, const eng_layer_weights *L, int slot, int T,
-                      int chunked) {
+/* One sequence: the core for value head `task` over all T tokens, then that
+ * head's output norm. Across sequences: task = t * HV + hv, one decode step
+ * of row t's sequence for head hv (the same call eng_decode makes). */
+static void kda_core_fn(void *arg, int task, int thread) {
+    kda_run *r = arg;
+    eng_ctx *c = r->c;
+    const eng_dims *d = &c->d;
+    kern_kda_shape sh = {d->H, d->HV, d->K, d->V, 1.0f / sqrtf((float)d->K)};
+    if (r->n_seqs > 1) {
+        const int t = task / d->HV, hv = task % d->HV;
+        float *state = r->seqs[t]->kda_state + (size_t)r->slot * d->HV * d->K * d->V;
+        kern_kda_recurrent(&sh, 1, c->q + (size_t)t * d->kda_qk, c->k + (size_t)t * d->kda_qk,
+                           c->v + (size_t)t * d->kda_v, c->g + (size_t)t * d->HV * d->K,
+                           c->beta + (size_t)t * d->HV, state, c->o + (size_t)t * d->kda_v, hv,
+                           hv + 1);
+        kda_out_norm(r, hv, t, t + 1);
+        return;
+    }
+    const int hv = task;
+    if (r->chunked)
+        kern_kda_chunked(&sh, r->T, c->kda_chunk, c->q, c->k, c->v, c->g, c->beta, r->state, c->o,
+                         hv, hv + 1, c->ts[thread].kda_ws);
+    else
+        kern_kda_recurrent(&sh, r->T, c->q, c->k, c->v, c->g, c->beta, r->state, c->o, hv, hv + 1);
+    kda_out_norm(r, hv, 0, r->T);
+}
+
+/* seqs[0..n_seqs): one sequence with T tokens, or T sequences with one each
+ * (then chunked is 0). */
+static void kda_layer(eng_ctx *c, eng_seq *const *seqs, int n_seqs, const eng_layer_weights *L,
+                      int slot, int T, int chunked) {
     const eng_dims *d = &c->d;
     const eng_kda_weights *w = &L->kda;
     const int C = d->conv_ch, taps = d->W - 1;
-    float *conv_tail = s->conv_tail + (size_t)slot * taps * C;
+    const int multi = n_seqs > 1;
+    float *conv_tail = multi ? NULL : seqs[0]->conv_tail + (size_t)slot * taps * C;
     float *in = c->ext + (size_t)taps * C; /* projections land after the tail rows */
-    memcpy(c->ext, conv_tail, (size_t)taps * C * sizeof(float));
+    if (!multi) memcpy(c->ext, conv_tail, (size_t)taps * C * sizeof(float));
 
     job(c, 0, &w->q_proj, c->xn, T, in, C);
     job(c, 1, &w->k_proj, c->xn, T, in + d->kda_qk, C);
@@ -232,7 +280,8 @@ static void kda_layer(eng_ctx *c, eng_seq *s, const eng_layer_weights *L, int sl
     job(c, 1, &w->g_b_proj, c->ga, T, c->gz, d->kda_v);
     run_mm(c, 2);
 
-    kda_run r = {c, w, s->kda_state + (size_t)slot * d->HV * d->K * d->V, T, chunked, 1};
+    float *state = multi ? NULL : seqs[0]->kda_state + (size_t)slot * d->HV * d->K * d->V;
+    kda_run r = {c, w, state, seqs, n_seqs, slot, T, chunked, 1};
     /* A part per thread once there is enough per-token work to pay for it. */
     if (c->n_threads > 1 && (double)T * C >= 16384.0) {
         r.n_parts = T < c->n_threads * 4 ? T : c->n_threads * 4;
@@ -240,12 +289,13 @@ static void kda_layer(eng_ctx *c, eng_seq *s, const eng_layer_weights *L, int sl
     } else {
         kda_pre_fn(&r, 0, 0);
     }
-    memcpy(conv_tail, c->ext + (size_t)T * C, (size_t)taps * C * sizeof(float));
+    if (!multi) memcpy(conv_tail, c->ext + (size_t)T * C, (size_t)taps * C * sizeof(float));
 
+    int n_tasks = multi ? T * d->HV : d->HV;
     if ((double)T * d->HV * d->K * d->V < 65536.0 || c->n_threads == 1)
-        for (int hv = 0; hv < d->HV; hv++) kda_core_fn(&r, hv, 0);
+        for (int i = 0; i < n_tasks; i++) kda_core_fn(&r, i, 0);
     else
-        eng_pool_run(c->pool, kda_core_fn, &r, d->HV);
+        eng_pool_run(c->pool, kda_core_fn, &r, n_tasks);
     job(c, 0, &w->o_proj, c->o, T, c->mix, d->hidden);
     run_mm(c, 1);
 }
@@ -255,10 +305,10 @@ static void kda_layer(eng_ctx *c, eng_seq *s, const eng_layer_weights *L, int sl
 
 typedef struct mla_run {
     eng_ctx *c;
-    eng_seq *s;
+    eng_seq *const *seqs;   /* row t belongs to seqs[t] when n_seqs > 1, else to seqs[0] */
+    int n_seqs, slot;       /* slot: this layer's index among the MLA layers */
     const eng_mla_weights *w;
-    const float *cache;     /* [pos + T, dc + dr] */
-    int T;
+    int T, n_groups;        /* task = group * heads + head; groups split the rows */
 } mla_run;
 
 /* Keys per block of the online softmax: scores for one block of keys at a
@@ -266,27 +316,21 @@ typedef struct mla_run {
 #define MLA_KEY_BLOCK 256
 
 /*
- * One head of absorbed MLA for T queries (flash-attention style):
+ * One head of absorbed MLA for T queries of one sequence at positions
+ * pos .. pos+T-1 (flash-attention style), W_UK_h / W_UV_h already widened:
  *   Q = [W_UK_h^T q_nope | q_pe] * scale          [T, dc + dr]
  *   for each key block K_b = cache rows           [nb, dc + dr]
  *     S = Q K_b^T (masked causally), online softmax, Lat += P C_b   (C_b = K_b[:, :dc])
  *   O_h = (Lat / l) W_UV_h^T                       [T, dv]
+ * qh: this head's query columns of T rows of mq; cache: [pos + T, dc + dr];
+ * out: this head's columns of T rows of o [., nh*dv].
  */
-static void mla_head_fn(void *arg, int h, int thread) {
-    mla_run *r = arg;
-    eng_ctx *c = r->c;
+static void mla_attend(eng_ctx *c, thread_scratch *ts, const float *wuk, const float *wuv,
+                       const float *qh, int T, int64_t pos, const float *cache, float *out) {
     const eng_dims *d = &c->d;
-    thread_scratch *ts = &c->ts[thread];
-    const int dc = d->dc, dn = d->dn, dr = d->dr, dv = d->dv, row = d->mla_row, T = r->T;
-    const eng_weight *kvb = &r->w->kv_b_proj; /* [nh*(dn+dv), dc] */
-    size_t esz = kern_dtype_size(kvb->dt);
-    /* W_UK_h = rows [h*(dn+dv), +dn), W_UV_h = the next dv rows. */
-    kern_to_f32(kvb->dt, (const char *)kvb->data + (size_t)h * (dn + dv) * dc * esz, ts->mla_w,
-                (size_t)(dn + dv) * dc);
-    const float *wuk = ts->mla_w, *wuv = ts->mla_w + (size_t)dn * dc;
+    const int dc = d->dc, dn = d->dn, dr = d->dr, dv = d->dv, row = d->mla_row;
     const float scale = 1.0f / sqrtf((float)(dn + dr));
     const int qstride = d->mla_heads * (dn + dr);
-    const float *qh = c->mq + (size_t)h * (dn + dr);
     float *Q = ts->mla_q, *S = ts->mla_s, *lat = ts->mla_lat, *mx = ts->mla_ml, *den = mx + T;
     /* Q[:, :dc] = q_nope W_UK_h; Q[:, dc:] = q_pe; all times the scale. */
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, T, dc, dn, scale, qh, qstride, wuk, dc,
@@ -298,10 +342,10 @@ static void mla_head_fn(void *arg, int h, int thread) {
         mx[t] = -INFINITY;
         den[t] = 0.0f;
     }
-    const int64_t pos = r->s->pos, n_ctx = pos + T;
+    const int64_t n_ctx = pos + T;
     for (int64_t k0 = 0; k0 < n_ctx; k0 += MLA_KEY_BLOCK) {
         int nb = n_ctx - k0 < MLA_KEY_BLOCK ? (int)(n_ctx - k0) : MLA_KEY_BLOCK;
-        const float *Kb = r->cache + (size_t)k0 * row;
+        const float *Kb = cache + (size_t)k0 * row;
         /* queries that see none of this block (k0 > pos + t) are skipped */
         int t0 = k0 > pos ? (int)(k0 - pos) : 0;
         int nq = T - t0;
@@ -345,10 +389,45 @@ static void mla_head_fn(void *arg, int h, int thread) {
     }
     /* O_h = Lat W_UV_h^T, written into this head's columns of o [T, nh*dv] */
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, dv, dc, 1.0f, lat, dc, wuv, dc, 0.0f,
-                c->o + (size_t)h * dv, d->mla_heads * dv);
+                out, d->mla_heads * dv);
 }
 
-static void mla_layer(eng_ctx *c, eng_seq *s, const eng_layer_weights *L, int slot, int T) {
+/* One head for one group of rows: widen the head's kv_b rows once, then
+ * attend the whole batch of one sequence, or each row of the group against
+ * its own sequence's cache and position. */
+static void mla_head_fn(void *arg, int task, int thread) {
+    mla_run *r = arg;
+    eng_ctx *c = r->c;
+    const eng_dims *d = &c->d;
+    thread_scratch *ts = &c->ts[thread];
+    const int dc = d->dc, dn = d->dn, dr = d->dr, dv = d->dv;
+    const int h = task % d->mla_heads, group = task / d->mla_heads;
+    const eng_weight *kvb = &r->w->kv_b_proj; /* [nh*(dn+dv), dc] */
+    size_t esz = kern_dtype_size(kvb->dt);
+    /* W_UK_h = rows [h*(dn+dv), +dn), W_UV_h = the next dv rows. */
+    kern_to_f32(kvb->dt, (const char *)kvb->data + (size_t)h * (dn + dv) * dc * esz, ts->mla_w,
+                (size_t)(dn + dv) * dc);
+    const float *wuk = ts->mla_w, *wuv = ts->mla_w + (size_t)dn * dc;
+    const size_t qstride = (size_t)d->mla_heads * (dn + dr), ostride = (size_t)d->mla_heads * dv;
+    const float *qh = c->mq + (size_t)h * (dn + dr);
+    float *oh = c->o + (size_t)h * dv;
+    if (r->n_seqs == 1) {
+        const eng_seq *s = r->seqs[0];
+        mla_attend(c, ts, wuk, wuv, qh, r->T, s->pos, s->mla_cache[r->slot], oh);
+        return;
+    }
+    int t0 = (int)((int64_t)r->T * group / r->n_groups);
+    int t1 = (int)((int64_t)r->T * (group + 1) / r->n_groups);
+    for (int t = t0; t < t1; t++) {
+        const eng_seq *s = r->seqs[t];
+        mla_attend(c, ts, wuk, wuv, qh + (size_t)t * qstride, 1, s->pos, s->mla_cache[r->slot],
+                   oh + (size_t)t * ostride);
+    }
+}
+
+/* seqs[0..n_seqs): one sequence with T tokens, or T sequences with one each. */
+static void mla_layer(eng_ctx *c, eng_seq *const *seqs, int n_seqs, const eng_layer_weights *L,
+                      int slot, int T) {
     const eng_dims *d = &c->d;
     const eng_mla_weights *w = &L->mla;
     const eng_config *cfg = &c->m->cfg;
@@ -367,18 +446,27 @@ static void mla_layer(eng_ctx *c, eng_seq *s, const eng_layer_weights *L, int sl
         job(c, 1, &w->kv_a_proj_with_mqa, c->xn, T, c->kva, d->mla_row);
         run_mm(c, 2);
     }
-    float *cache = s->mla_cache[slot];
+    /* Each row's latent [norm(c) | k_pe] goes to its sequence's cache at
+     * that sequence's position (row t of one sequence: position pos + t). */
     for (int t = 0; t < T; t++) {
+        const eng_seq *s = seqs[n_seqs > 1 ? t : 0];
         const float *a = c->kva + (size_t)t * d->mla_row;
-        float *dst = cache + (size_t)(s->pos + t) * d->mla_row;
+        float *dst = s->mla_cache[slot] + (size_t)(s->pos + (n_seqs > 1 ? 0 : t)) * d->mla_row;
         kern_rmsnorm(a, w->kv_a_layernorm, KERN_F32, d->dc, cfg->rms_norm_eps, dst);
         memcpy(dst + d->dc, a + d->dc, (size_t)d->dr * sizeof(float));
     }
-    mla_run r = {c, s, w, cache, T};
+    mla_run r = {c, seqs, n_seqs, slot, w, T, 1};
+    /* Across sequences, cut the rows into groups until there are a few
+     * tasks per thread; each task widens its head's weights once. */
+    if (n_seqs > 1) {
+        int want = (c->n_threads * 4 + d->mla_heads - 1) / d->mla_heads;
+        r.n_groups = c->n_threads == 1 ? 1 : want < T ? want : T;
+    }
+    int n_tasks = d->mla_heads * r.n_groups;
     if (c->n_threads == 1)
-        for (int h = 0; h < d->mla_heads; h++) mla_head_fn(&r, h, 0);
+        for (int i = 0; i < n_tasks; i++) mla_head_fn(&r, i, 0);
     else
-        eng_pool_run(c->pool, mla_head_fn, &r, d->mla_heads);
+        eng_pool_run(c->pool, mla_head_fn, &r, n_tasks);
     job(c, 0, &w->o_proj, c->o, T, c->mix, d->hidden);
     run_mm(c, 1);
 }
@@ -542,16 +630,19 @@ static kds_status check_ids(const eng_ctx *c, const int32_t *ids, int64_t n, kds
     return KDS_OK;
 }
 
-/* Run T <= max_batch tokens. logits: NULL (only the sequence's last logits,
- * computed when want_last) or [T, vocab]. Inputs are validated by the
- * callers. A prefill skips the lm_head of all but its final batch: on small
- * models that matrix is most of the bytes a batch reads. */
-static void forward(eng_ctx *c, eng_seq *s, const int32_t *ids, int T, int chunked,
-                    float *logits, int want_last) {
+/* Run T rows: T <= max_batch tokens of seqs[0] (n_seqs == 1), or one token
+ * of each of seqs[0..T) (n_seqs == T, chunked == 0, logits NULL). logits:
+ * NULL (only each sequence's last logits, computed when want_last) or
+ * [T, vocab] (one sequence). Inputs are validated and the MLA caches
+ * reserved by the callers. A prefill skips the lm_head of all but its final
+ * batch: on small models that matrix is most of the bytes a batch reads. */
+static void forward(eng_ctx *c, eng_seq *const *seqs, int n_seqs, const int32_t *ids, int T,
+                    int chunked, float *logits, int want_last) {
     const eng_model *m = c->m;
     const eng_config *cfg = &m->cfg;
     const int hid = c->d.hidden;
     const size_t esz = kern_dtype_size(m->embed_tokens.dt);
+    const int multi = n_seqs > 1;
     for (int t = 0; t < T; t++)
         kern_to_f32(m->embed_tokens.dt, (const char *)m->embed_tokens.data + (size_t)ids[t] * hid * esz,
                     c->x + (size_t)t * hid, (size_t)hid);
@@ -561,9 +652,9 @@ static void forward(eng_ctx *c, eng_seq *s, const int32_t *ids, int T, int chunk
             kern_rmsnorm(c->x + (size_t)t * hid, L->input_layernorm, KERN_F32, hid,
                          cfg->rms_norm_eps, c->xn + (size_t)t * hid);
         if (L->kind == ENG_LAYER_KDA)
-            kda_layer(c, s, L, c->d.layer_slot[l], T, chunked);
+            kda_layer(c, seqs, n_seqs, L, c->d.layer_slot[l], T, chunked);
         else
-            mla_layer(c, s, L, c->d.layer_slot[l], T);
+            mla_layer(c, seqs, n_seqs, L, c->d.layer_slot[l], T);
         for (size_t i = 0; i < (size_t)T * hid; i++) c->x[i] += c->mix[i];
         for (int t = 0; t < T; t++)
             kern_rmsnorm(c->x + (size_t)t * hid, L->post_attention_layernorm, KERN_F32, hid,
@@ -574,20 +665,33 @@ static void forward(eng_ctx *c, eng_seq *s, const int32_t *ids, int T, int chunk
             dense_ffn(c, &L->ffn.gate_proj, &L->ffn.up_proj, &L->ffn.down_proj, c->xn, T, c->mix);
         for (size_t i = 0; i < (size_t)T * hid; i++) c->x[i] += c->mix[i];
     }
-    for (int t = 0; t < T; t++) eng__seq_push_recent(s, ids[t]);
-    s->pos += T;
+    for (int t = 0; t < T; t++) eng__seq_push_recent(seqs[multi ? t : 0], ids[t]);
+    if (multi)
+        for (int t = 0; t < T; t++) seqs[t]->pos++;
+    else
+        seqs[0]->pos += T;
+    eng_seq *s = seqs[0];
     if (!logits && !want_last) {
         s->has_logits = 0; /* stale until the batch that ends the prefill */
         return;
     }
-    /* Final norm and lm_head: every row when asked, else the last row only. */
-    int first = logits ? 0 : T - 1, n = T - first;
+    /* Final norm and lm_head: every row when asked or across sequences,
+     * else the last row only. */
+    int first = logits || multi ? 0 : T - 1, n = T - first;
     for (int t = first; t < T; t++)
         kern_rmsnorm(c->x + (size_t)t * hid, m->final_norm, KERN_F32, hid, cfg->rms_norm_eps,
                      c->xn + (size_t)(t - first) * hid);
-    float *dst = logits ? logits : s->logits;
+    float *dst = logits ? logits : multi ? c->logits : s->logits;
     job(c, 0, &m->lm_head, c->xn, n, dst, c->d.vocab);
     run_mm(c, 1);
+    if (multi) {
+        for (int t = 0; t < T; t++) {
+            memcpy(seqs[t]->logits, c->logits + (size_t)t * c->d.vocab,
+                   (size_t)c->d.vocab * sizeof(float));
+            seqs[t]->has_logits = 1;
+        }
+        return;
+    }
     if (logits) memcpy(s->logits, logits + (size_t)(T - 1) * c->d.vocab, (size_t)c->d.vocab * sizeof(float));
     s->has_logits = 1;
 }
@@ -602,8 +706,8 @@ kds_status eng_prefill(eng_ctx *c, eng_seq *s, const int32_t *ids, int64_t n, fl
     if ((rc = eng__seq_reserve(s, s->pos + n, err)) != KDS_OK) return rc;
     for (int64_t done = 0; done < n;) {
         int T = n - done < c->max_batch ? (int)(n - done) : c->max_batch;
-        forward(c, s, ids + done, T, 1, logits_all ? logits_all + (size_t)done * c->d.vocab : NULL,
-                done + T == n);
+        forward(c, &s, 1, ids + done, T, 1,
+                logits_all ? logits_all + (size_t)done * c->d.vocab : NULL, done + T == n);
         done += T;
         if (progress) progress(user, done, n);
     }
@@ -616,7 +720,42 @@ kds_status eng_decode(eng_ctx *c, eng_seq *s, int32_t id, kds_err *err) {
     kds_status rc = check_ids(c, &id, 1, err);
     if (rc != KDS_OK) return rc;
     if ((rc = eng__seq_reserve(s, s->pos + 1, err)) != KDS_OK) return rc;
-    forward(c, s, &id, 1, 0, NULL, 1);
+    forward(c, &s, 1, &id, 1, 0, NULL, 1);
+    return KDS_OK;
+}
+
+kds_status eng_decode_batch(eng_ctx *c, eng_seq *const *seqs, const int32_t *ids, int n,
+                            kds_err *err) {
+    if (n < 0 || n > c->max_seqs)
+        return kds_err_set(err, KDS_INVALID_ARG,
+                           "batch of %d sequences: this context takes 0 to %d (max_seqs)", n,
+                           c->max_seqs);
+    if (n == 0) return KDS_OK;
+    if (!seqs || !ids) return kds_err_set(err, KDS_INVALID_ARG, "batch of %d sequences without %s", n,
+                                          !seqs ? "sequences" : "token ids");
+    for (int i = 0; i < n; i++) {
+        if (!seqs[i]) return kds_err_set(err, KDS_INVALID_ARG, "sequence %d of the batch is NULL", i);
+        if (seqs[i]->model != c->m)
+            return kds_err_set(err, KDS_INVALID_ARG,
+                               "sequence %d of the batch and the context belong to different models", i);
+        /* n <= max_seqs, so the quadratic scan is a few thousand compares at most */
+        for (int j = 0; j < i; j++)
+            if (seqs[j] == seqs[i])
+                return kds_err_set(err, KDS_INVALID_ARG,
+                                   "sequence %d of the batch is the same as sequence %d "
+                                   "(each sequence may appear once)", i, j);
+        if (ids[i] < 0 || ids[i] >= c->d.vocab)
+            return kds_err_set(err, KDS_INVALID_ARG,
+                               "token id %d for sequence %d of the batch is outside the "
+                               "vocabulary [0, %d)", ids[i], i, c->d.vocab);
+    }
+    /* Growing a cache changes only its capacity, so a failure part way
+     * still leaves every sequence as it was. */
+    for (int i = 0; i < n; i++) {
+        kds_status rc = eng__seq_reserve(seqs[i], seqs[i]->pos + 1, err);
+        if (rc != KDS_OK) return rc;
+    }
+    forward(c, seqs, n, ids, n, 0, NULL, 1);
     return KDS_OK;
 }
 
@@ -652,6 +791,7 @@ kds_status eng_ctx_create(const eng_model *m, const eng_ctx_params *p, eng_ctx *
     c->n_threads = p->n_threads > 0 ? p->n_threads : (online > 0 ? (int)online : 1);
     c->max_batch = p->max_batch > 0 ? p->max_batch : def.max_batch;
     c->kda_chunk = p->kda_chunk > 0 ? p->kda_chunk : def.kda_chunk;
+    c->max_seqs = p->max_seqs > 0 ? p->max_seqs : def.max_seqs;
     c->top_k = cfg->num_experts > 0 ? cfg->num_experts_per_token : 1;
     c->n_experts = cfg->num_experts;
     int width = cfg->intermediate_size;
@@ -661,7 +801,9 @@ kds_status eng_ctx_create(const eng_model *m, const eng_ctx_params *p, eng_ctx *
             width = cfg->moe_intermediate_size * cfg->num_shared_experts;
     }
     c->ffn_width = width;
-    const size_t B = (size_t)c->max_batch, Bk = B * (size_t)c->top_k;
+    /* a batched decode runs max_seqs rows through the same buffers */
+    const size_t B = (size_t)(c->max_batch > c->max_seqs ? c->max_batch : c->max_seqs);
+    const size_t Bk = B * (size_t)c->top_k;
     int rank = d->K > d->V ? d->K : d->V;
     for (int l = 0; l < cfg->num_hidden_layers; l++) {
         if (m->layers[l].kda.f_a_proj.rows > rank) rank = m->layers[l].kda.f_a_proj.rows;
@@ -707,6 +849,7 @@ kds_status eng_ctx_create(const eng_model *m, const eng_ctx_params *p, eng_ctx *
         ALLOC(c->xg, Bk * d->hidden);
         ALLOC(c->yg, Bk * d->hidden);
     }
+    ALLOC(c->logits, (size_t)c->max_seqs * d->vocab);
     ALLOC(c->cand_p, d->vocab);
     ALLOC(c->cand_id, d->vocab);
     ALLOC(c->ts, c->n_threads);
@@ -734,8 +877,10 @@ kds_status eng_ctx_create(const eng_model *m, const eng_ctx_params *p, eng_ctx *
     return KDS_OK;
 nomem:
     eng_ctx_free(c);
-    return kds_err_set(err, KDS_NOMEM, "out of memory creating a context for %d tokens",
-                       p->max_batch > 0 ? p->max_batch : def.max_batch);
+    return kds_err_set(err, KDS_NOMEM,
+                       "out of memory creating a context for %d tokens and %d sequences",
+                       p->max_batch > 0 ? p->max_batch : def.max_batch,
+                       p->max_seqs > 0 ? p->max_seqs : def.max_seqs);
 }
 
 void eng_ctx_free(eng_ctx *c) {
@@ -753,7 +898,8 @@ void eng_ctx_free(eng_ctx *c) {
         }
     float *bufs[] = {c->x,  c->xn, c->mix, c->ext, c->q,  c->k,      c->v,      c->fa,
                      c->ga, c->g,  c->beta, c->gz, c->o,  c->mq,     c->kva,    c->fa_buf,
-                     c->fb_buf, c->shared_out, c->router, c->selw, c->xg, c->yg, c->cand_p};
+                     c->fb_buf, c->shared_out, c->router, c->selw, c->xg, c->yg, c->cand_p,
+                     c->logits};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
     free(c->sel);
     free(c->exp_off);
@@ -765,6 +911,8 @@ void eng_ctx_free(eng_ctx *c) {
 }
 
 int eng_ctx_threads(const eng_ctx *c) { return c->n_threads; }
+
+int eng_ctx_max_seqs(const eng_ctx *c) { return c->max_seqs; }
 
 /* ------------------------------------------------------------------------ */
 /* Sampling                                                                  */
