@@ -1,0 +1,302 @@
+/*
+ * eng_decode_batch (continuous batching): sequences decoded together in one
+ * forward pass end as the same sequences decoded one at a time with
+ * eng_decode (logits, greedy tokens, saved state), whatever subset and order
+ * of sequences makes up each step; a batch of one is eng_decode exactly; bad
+ * batches are refused with a clear message and leave every sequence as it
+ * was. Models are the generated "tiny" (pure KDA) and "tiny-hybrid" (one MLA
+ * layer) presets.
+ */
+#include <criterion/criterion.h>
+
+#include "eng.h"
+#include "eng_genmodel.h"
+#include "test_helpers.h"
+#include "test_model_util.h"
+
+/* Logits may differ by float summation order only (matrix products of 1 vs
+ * n rows, BLAS from 8 rows): a relative bound on the largest magnitude. */
+#define LOGIT_TOL 1e-5
+/* Saved KDA states, conv tails and MLA rows after several steps: the same
+ * rounding carried through the recurrence. */
+#define STATE_TOL 2e-5
+
+typedef struct fixture {
+    char *dir;
+    eng_model *m;
+    eng_ctx *c;
+    int vocab;
+} fixture;
+
+static fixture open_preset(const char *preset, int n_threads, int max_batch, int max_seqs) {
+    fixture f = {0};
+    kds_err err = {0};
+    eng_config cfg;
+    cr_assert_eq(eng_genmodel_preset(preset, &cfg, &err), KDS_OK, "%s", err.msg);
+    f.dir = tmu_mkdtemp();
+    cr_assert(f.dir);
+    cr_assert_eq(eng_genmodel_write(&cfg, 11, KERN_BF16, f.dir, false, &err), KDS_OK, "%s",
+                 err.msg);
+    eng_model_params mp = eng_model_default_params();
+    mp.no_fingerprint_cache = true;
+    cr_assert_eq(eng_model_load(f.dir, &mp, &f.m, &err), KDS_OK, "%s", err.msg);
+    eng_ctx_params cp = eng_ctx_default_params();
+    cp.n_threads = n_threads;
+    cp.max_batch = max_batch;
+    cp.max_seqs = max_seqs;
+    cr_assert_eq(eng_ctx_create(f.m, &cp, &f.c, &err), KDS_OK, "%s", err.msg);
+    f.vocab = eng_model_config(f.m)->vocab_size;
+    return f;
+}
+
+static void close_fixture(fixture *f) {
+    eng_ctx_free(f->c);
+    eng_model_free(f->m);
+    tmu_rmtree(f->dir);
+    free(f->dir);
+}
+
+static void prompt(int32_t *ids, int n, int vocab, uint32_t seed) {
+    for (int i = 0; i < n; i++) {
+        seed = seed * 1664525u + 1013904223u;
+        ids[i] = (int32_t)((seed >> 8) % (uint32_t)vocab);
+    }
+}
+
+/* n_seqs sequences with prompts of different lengths (1 .. 50 tokens). */
+static void make_seqs(fixture *f, eng_seq **seqs, int n_seqs) {
+    kds_err err = {0};
+    int32_t ids[64];
+    for (int i = 0; i < n_seqs; i++) {
+        int len = 1 + (i * 17 + 5) % 50;
+        prompt(ids, len, f->vocab, 100u + (uint32_t)i);
+        cr_assert_eq(eng_seq_create(f->m, (uint64_t)i, &seqs[i], &err), KDS_OK, "%s", err.msg);
+        cr_assert_eq(eng_prefill(f->c, seqs[i], ids, len, NULL, NULL, NULL, &err), KDS_OK, "%s",
+                     err.msg);
+    }
+}
+
+static int argmax(const float *x, int n, float *margin) {
+    int best = 0, second = -1;
+    for (int i = 1; i < n; i++)
+        if (x[i] > x[best]) {
+            second = best;
+            best = i;
+        } else if (second < 0 || x[i] > x[second]) {
+            second = i;
+        }
+    *margin = x[best] - x[second];
+    return best;
+}
+
+static void *save(const eng_seq *s, size_t *n) {
+    kds_err err = {0};
+    *n = eng_seq_state_bytes(s);
+    void *buf = malloc(*n);
+    cr_assert(buf);
+    cr_assert_eq(eng_seq_state_save(s, buf, *n, &err), KDS_OK, "%s", err.msg);
+    return buf;
+}
+
+/* Saved states of a (batched) and b (one at a time): header and recent
+ * tokens equal byte for byte; the f32 sections (KDA states, conv tails,
+ * logits; MLA rows) within STATE_TOL of their largest magnitude. */
+static void expect_states_close(const fixture *f, const eng_seq *a, const eng_seq *b, int which) {
+    size_t na, nb;
+    unsigned char *sa = save(a, &na), *sb = save(b, &nb);
+    cr_assert_eq(na, nb, "sequence %d: state sizes %zu and %zu", which, na, nb);
+    eng_state_size z = eng_config_state_size(eng_model_config(f->m));
+    const size_t head = 128, recent = 64 * sizeof(int32_t);
+    cr_assert_eq(memcmp(sa, sb, head), 0, "sequence %d: state headers differ (position, RNG, ...)",
+                 which);
+    cr_assert_eq(memcmp(sa + z.fixed - recent, sb + z.fixed - recent, recent), 0,
+                 "sequence %d: recent tokens differ", which);
+    struct {
+        size_t off, n;
+        const char *what;
+    } sec[2] = {{head, (z.fixed - head - recent) / 4, "KDA states, conv tails and logits"},
+                {z.fixed, (na - z.fixed) / 4, "MLA rows"}};
+    for (int i = 0; i < 2; i++) {
+        if (sec[i].n == 0) continue;
+        float *fa = malloc(sec[i].n * sizeof(float)), *fb = malloc(sec[i].n * sizeof(float));
+        memcpy(fa, sa + sec[i].off, sec[i].n * sizeof(float));
+        memcpy(fb, sb + sec[i].off, sec[i].n * sizeof(float));
+        double ref, diff = th_max_abs_diff(fa, fb, sec[i].n, &ref);
+        cr_expect_leq(diff, STATE_TOL * (ref > 1.0 ? ref : 1.0),
+                      "sequence %d: %s differ by %g (largest %g)", which, sec[i].what, diff, ref);
+        free(fa);
+        free(fb);
+    }
+    free(sa);
+    free(sb);
+}
+
+/*
+ * n_seqs prefilled sequences, each cloned; `steps` steps in which a rotating
+ * subset of the clones (in a shuffled order) goes through one
+ * eng_decode_batch while the originals take eng_decode one at a time, fed
+ * the same greedy tokens. Every step: logits close, greedy tokens equal.
+ * At the end: saved states close.
+ */
+static void batch_matches_one_at_a_time(const char *preset, int n_seqs, int n_threads, int steps) {
+    fixture f = open_preset(preset, n_threads, 16, n_seqs);
+    kds_err err = {0};
+    eng_seq *ref[64], *bat[64], *in[64];
+    int32_t ids[64];
+    cr_assert_leq(n_seqs, 64);
+    make_seqs(&f, ref, n_seqs);
+    for (int i = 0; i < n_seqs; i++)
+        cr_assert_eq(eng_seq_clone(ref[i], &bat[i], &err), KDS_OK, "%s", err.msg);
+    int64_t pos0[64];
+    for (int i = 0; i < n_seqs; i++)
+        pos0[i] = eng_seq_pos(ref[i]);
+    int64_t fed[64] = {0};
+    for (int step = 0; step < steps; step++) {
+        /* Every fourth sequence sits this step out (a different one each
+         * step), and the batch order is a rotation of the creation order. */
+        int n = 0;
+        for (int j = 0; j < n_seqs; j++) {
+            int i = (j + step * 3) % n_seqs;
+            if ((i + step) % 4 == 3 && n_seqs > 1) continue;
+            float margin_r, margin_b;
+            int tr = argmax(eng_seq_logits(ref[i]), f.vocab, &margin_r);
+            int tb = argmax(eng_seq_logits(bat[i]), f.vocab, &margin_b);
+            /* Greedy picks must agree unless the best two are closer than
+             * the rounding allowed for the logits themselves. */
+            if (margin_r > 1e-3f)
+                cr_assert_eq(tb, tr, "step %d, sequence %d: batched picks %d, one at a time %d",
+                             step, i, tb, tr);
+            cr_assert_eq(eng_decode(f.c, ref[i], tr, &err), KDS_OK, "%s", err.msg);
+            in[n] = bat[i];
+            ids[n++] = tr;
+            fed[i]++;
+        }
+        cr_assert_eq(eng_decode_batch(f.c, in, ids, n, &err), KDS_OK, "%s", err.msg);
+        for (int i = 0; i < n_seqs; i++) {
+            cr_assert_eq(eng_seq_pos(bat[i]), pos0[i] + fed[i]);
+            cr_assert_eq(eng_seq_pos(ref[i]), pos0[i] + fed[i]);
+            double mx, d = th_max_abs_diff(eng_seq_logits(bat[i]), eng_seq_logits(ref[i]),
+                                           (size_t)f.vocab, &mx);
+            cr_assert_leq(d, LOGIT_TOL * mx,
+                          "step %d, sequence %d: logits differ by %g (largest %g)", step, i, d, mx);
+        }
+    }
+    for (int i = 0; i < n_seqs; i++) {
+        cr_assert_gt(fed[i], 0);
+        expect_states_close(&f, bat[i], ref[i], i);
+        eng_seq_free(ref[i]);
+        eng_seq_free(bat[i]);
+    }
+    close_fixture(&f);
+}
+
+Test(decode_batch, matches_one_at_a_time_tiny, .timeout = 120) {
+    batch_matches_one_at_a_time("tiny", 5, 0, 12);
+}
+Test(decode_batch, matches_one_at_a_time_tiny_hybrid, .timeout = 120) {
+    batch_matches_one_at_a_time("tiny-hybrid", 5, 0, 12);
+}
+/* 24 rows: the BLAS path of the matrix products, the per-row conv split into
+ * parts, and MLA heads cut into groups of sequences. */
+Test(decode_batch, matches_one_at_a_time_many_seqs_tiny, .timeout = 120) {
+    batch_matches_one_at_a_time("tiny", 24, 3, 5);
+}
+Test(decode_batch, matches_one_at_a_time_many_seqs_tiny_hybrid, .timeout = 120) {
+    batch_matches_one_at_a_time("tiny-hybrid", 24, 3, 5);
+}
+Test(decode_batch, matches_one_at_a_time_single_thread, .timeout = 120) {
+    batch_matches_one_at_a_time("tiny-hybrid", 9, 1, 4);
+}
+
+/* A batch of one takes eng_decode's path: bit-identical. */
+Test(decode_batch, batch_of_one_is_decode, .timeout = 120) {
+    const char *presets[] = {"tiny", "tiny-hybrid"};
+    for (int p = 0; p < 2; p++) {
+        fixture f = open_preset(presets[p], 0, 16, 4);
+        kds_err err = {0};
+        eng_seq *a, *b;
+        make_seqs(&f, &a, 1);
+        cr_assert_eq(eng_seq_clone(a, &b, &err), KDS_OK);
+        for (int step = 0; step < 5; step++) {
+            int32_t id = (int32_t)((step * 37 + 3) % f.vocab);
+            cr_assert_eq(eng_decode(f.c, a, id, &err), KDS_OK, "%s", err.msg);
+            cr_assert_eq(eng_decode_batch(f.c, &b, &id, 1, &err), KDS_OK, "%s", err.msg);
+        }
+        size_t na, nb;
+        void *sa = save(a, &na), *sb = save(b, &nb);
+        cr_assert_eq(na, nb);
+        cr_assert_eq(memcmp(sa, sb, na), 0, "%s: batch of one differs from eng_decode", presets[p]);
+        free(sa);
+        free(sb);
+        eng_seq_free(a);
+        eng_seq_free(b);
+        close_fixture(&f);
+    }
+}
+
+Test(decode_batch, default_max_seqs) {
+    fixture f = open_preset("tiny", 1, 0, 0);
+    cr_expect_eq(eng_ctx_max_seqs(f.c), 64);
+    close_fixture(&f);
+    f = open_preset("tiny", 1, 4, 9);
+    cr_expect_eq(eng_ctx_max_seqs(f.c), 9);
+    close_fixture(&f);
+}
+
+/* Every refusal names the problem and leaves all sequences byte-identical. */
+Test(decode_batch, refusals_change_nothing, .timeout = 120) {
+    fixture f = open_preset("tiny-hybrid", 0, 16, 4);
+    fixture g = open_preset("tiny", 1, 16, 4);
+    kds_err err = {0};
+    eng_seq *s[5], *other;
+    make_seqs(&f, s, 5);
+    make_seqs(&g, &other, 1);
+    void *before[5];
+    size_t len[5];
+    for (int i = 0; i < 5; i++)
+        before[i] = save(s[i], &len[i]);
+    int32_t ids[5] = {1, 2, 3, 4, 5};
+
+    struct {
+        eng_seq *seqs[5];
+        int32_t ids[5];
+        int n;
+        const char *says;
+    } bad[] = {
+        {{s[0], s[1], s[2], s[3], s[4]}, {1, 2, 3, 4, 5}, 5, "max_seqs"}, /* 5 > 4 */
+        {{s[0], s[1]}, {1, 2}, -1, "max_seqs"},
+        {{s[0], s[1], s[0]}, {1, 2, 3}, 3, "same as sequence 0"},
+        {{s[0], s[1], s[2]}, {1, -1, 3}, 3, "token id -1"},
+        {{s[0], s[1], s[2]}, {1, 2, f.vocab}, 3, "outside the vocabulary"},
+        {{s[0], other, s[2]}, {1, 2, 3}, 3, "different models"},
+        {{s[0], NULL, s[2]}, {1, 2, 3}, 3, "NULL"},
+    };
+    for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
+        err.msg[0] = '\0';
+        cr_expect_eq(eng_decode_batch(f.c, bad[k].seqs, bad[k].ids, bad[k].n, &err),
+                     KDS_INVALID_ARG, "case %zu accepted", k);
+        cr_expect(strstr(err.msg, bad[k].says), "case %zu: message '%s' lacks '%s'", k, err.msg,
+                  bad[k].says);
+        cr_expect(!strchr(err.msg, '\n'), "case %zu: message is not one line", k);
+    }
+    cr_expect_eq(eng_decode_batch(f.c, s, ids, 0, &err), KDS_OK, "an empty batch is refused");
+    for (int i = 0; i < 5; i++) {
+        size_t n;
+        void *after = save(s[i], &n);
+        cr_expect_eq(n, len[i]);
+        cr_expect(n == len[i] && memcmp(before[i], after, n) == 0,
+                  "sequence %d changed by a refused batch", i);
+        free(after);
+        free(before[i]);
+        eng_seq_free(s[i]);
+    }
+    /* and the context still works afterwards */
+    eng_seq *ok[2];
+    make_seqs(&f, ok, 2);
+    cr_expect_eq(eng_decode_batch(f.c, ok, ids, 2, &err), KDS_OK, "%s", err.msg);
+    eng_seq_free(ok[0]);
+    eng_seq_free(ok[1]);
+    eng_seq_free(other);
+    close_fixture(&g);
+    close_fixture(&f);
+}
