@@ -143,43 +143,93 @@ void repl__auto_name(repl *r, char name[SESS_NAME_MAX + 1]) {
     memcpy(name, cand, sizeof cand);
 }
 
-/* Print the last `n` turns of a transcript. */
-void repl__print_transcript(FILE *f, const sess_turn_record *t, size_t count,
-                             size_t last) {
+const char *repl__mode_name(const repl *r) { return r->chat ? "chat" : "plain"; }
+
+/* At most `clip` bytes of p[0, n): its head or its tail, cut on UTF-8
+ * character boundaries, with "..." where text was left out. */
+static void print_clipped(FILE *f, const char *p, size_t n, size_t clip, bool tail) {
+    if (!clip || n <= clip) {
+        print_piece(f, p, n);
+        return;
+    }
+    if (tail) {
+        size_t from = n - clip;
+        while (from < n && ((unsigned char)p[from] & 0xC0) == 0x80) from++;
+        fprintf(f, "[... %zu bytes] ", from);
+        print_piece(f, p + from, n - from);
+    } else {
+        size_t to = clip;
+        while (to > 0 && ((unsigned char)p[to] & 0xC0) == 0x80) to--;
+        print_piece(f, p, to);
+        fprintf(f, " [... %zu bytes]", n - to);
+    }
+}
+
+void repl__print_transcript(FILE *f, const sess_turn_record *t, size_t count, size_t last,
+                            size_t clip) {
     size_t first = last && count > last ? count - last : 0;
     if (first) fprintf(f, "... %zu earlier turn%s\n", first, first == 1 ? "" : "s");
     for (size_t i = first; i < count; i++) {
         fprintf(f, "> ");
-        print_piece(f, t[i].prompt, t[i].prompt_len);
+        print_clipped(f, t[i].prompt, t[i].prompt_len, clip, false);
         fputc('\n', f);
-        print_piece(f, t[i].output, t[i].output_len);
+        print_clipped(f, t[i].output, t[i].output_len, clip, true);
         fputc('\n', f);
     }
 }
 
-/* Load session `name` into the sequence (unchanged on failure). */
+/* The format session `si` continues in: --chat / --plain when given, else
+ * the mode it recorded, else (sessions from before the mode was recorded)
+ * the format its first turn was fed in, else the current one. */
+static kds_status session_mode(repl *r, const sess_session_info *si, bool *chat, kds_err *e) {
+    if (r->mode != REPL_MODE_AUTO) {
+        *chat = r->mode == REPL_MODE_CHAT;
+        return KDS_OK;
+    }
+    if (!strcmp(si->mode, "chat") || !strcmp(si->mode, "plain")) {
+        *chat = !strcmp(si->mode, "chat");
+        if (*chat && !eng_chat_supported(r->tok))
+            return kds_err_set(e, KDS_UNSUPPORTED, "session '%s' is in chat mode but model %s has "
+                               "no chat format", si->name, eng_model_dir(r->m));
+        return KDS_OK;
+    }
+    if (si->mode[0])
+        return kds_err_set(e, KDS_UNSUPPORTED, "session '%s' has mode '%s', which this version "
+                           "does not know (it knows chat and plain); pass --chat or --plain",
+                           si->name, si->mode);
+    *chat = r->chat;
+    if (!eng_chat_supported(r->tok)) {
+        *chat = false;
+        return KDS_OK;
+    }
+    /* a plain turn's prompt_tokens equal the text's plain encoding; a chat
+     * turn adds its markup */
+    sess_turn_record *t = NULL;
+    size_t n = 0;
+    if (sess_transcript(r->st, si->name, &t, &n, NULL) == KDS_OK && n) {
+        int64_t plain = eng_tok_encode(r->tok, t[0].prompt, t[0].prompt_len, NULL, 0);
+        if (plain >= 0 && t[0].prompt_tokens > 0)
+            *chat = t[0].prompt_tokens != plain &&
+                    !(plain == 0 && t[0].prompt_tokens == 1); /* BOS alone */
+    }
+    sess_transcript_free(t, n);
+    return KDS_OK;
+}
+
+/* Load session `name` into the sequence (the repl is unchanged on failure). */
 kds_status repl__open(repl *r, const char *name, kds_err *e) {
     sess_session_info si;
+    bool chat;
     if (sess_session_get(r->st, name, &si, e) != KDS_OK) return e->status;
+    if (session_mode(r, &si, &chat, e) != KDS_OK) return e->status;
     sess_snapshot_info head;
     double t0 = now_s();
     if (sess_load(r->st, si.head, r->m, r->s, &head, e) != KDS_OK) return e->status;
     r->last_resume_ms = (now_s() - t0) * 1e3;
-    /* The store keeps no mode: a session opened without --chat/--plain
-     * continues in the format its first turn was fed in (a plain turn's
-     * prompt_tokens equal the text's plain encoding; a chat turn adds its
-     * markup). */
-    if (r->mode == REPL_MODE_AUTO && eng_chat_supported(r->tok)) {
-        sess_turn_record *t = NULL;
-        size_t n = 0;
-        if (sess_transcript(r->st, name, &t, &n, NULL) == KDS_OK && n) {
-            int64_t plain = eng_tok_encode(r->tok, t[0].prompt, t[0].prompt_len, NULL, 0);
-            if (plain >= 0 && t[0].prompt_tokens > 0)
-                r->chat = t[0].prompt_tokens != plain &&
-                          !(plain == 0 && t[0].prompt_tokens == 1); /* BOS alone */
-        }
-        sess_transcript_free(t, n);
-    }
+    if (si.mode[0] && strcmp(si.mode, chat ? "chat" : "plain"))
+        repl__info(r, "session '%s' was written in %s mode; continuing in %s mode as asked", name,
+                   si.mode, chat ? "chat" : "plain");
+    r->chat = chat;
     r->base = si.head;
     r->base_tokens = head.tokens;
     snprintf(r->session, sizeof r->session, "%s", name);
@@ -190,14 +240,16 @@ kds_status repl__open(repl *r, const char *name, kds_err *e) {
 
 /* Notice after opening: size, resume time, the last few turns. */
 void repl__opened_notice(repl *r) {
-    repl__info(r, "session '%s': %lld tokens, %zu bytes of state, resumed from @%llu in %.2f ms",
-               r->session, (long long)eng_seq_pos(r->s), eng_seq_state_bytes(r->s),
-               (unsigned long long)r->base, r->last_resume_ms);
+    repl__info(r, "session '%s' (%s mode): %lld tokens, %zu bytes of state, resumed from @%llu "
+               "in %.2f ms", r->session, repl__mode_name(r), (long long)eng_seq_pos(r->s),
+               eng_seq_state_bytes(r->s), (unsigned long long)r->base, r->last_resume_ms);
     if (!r->interactive) return;
     sess_turn_record *t = NULL;
     size_t n = 0;
     if (sess_transcript(r->st, r->session, &t, &n, NULL) == KDS_OK && n) {
-        repl__print_transcript(r->out, t, n, 3);
+        /* the last few turns, clipped: a long reply or ingested document
+         * must not scroll the screen away (/history shows them whole) */
+        repl__print_transcript(r->out, t, n, 3, 320);
         fflush(r->out);
     }
     sess_transcript_free(t, n);
@@ -263,6 +315,7 @@ kds_status repl_create(const repl_params *p, FILE *out, FILE *errf, repl **out_r
     r->interactive = p->interactive;
     r->sp = p->sampler;
     r->max_tokens = p->max_tokens > 0 ? p->max_tokens : 256;
+    r->ignore_eos = p->ignore_eos;
     r->seed = p->seed;
     r->mode = p->mode;
     if (p->history_file) r->history_file = strdup(p->history_file);
@@ -297,28 +350,38 @@ kds_status repl_create(const repl_params *p, FILE *out, FILE *errf, repl **out_r
     if (eng_ctx_create(r->m, &cp, &r->c, e) != KDS_OK) goto fail;
     if (eng_seq_create(r->m, r->seed, &r->s, e) != KDS_OK) goto fail;
     r->tok = eng_model_tokenizer(r->m);
-    r->chat = eng_chat_supported(r->tok) &&
-              (p->mode == REPL_MODE_CHAT ||
-               (p->mode == REPL_MODE_AUTO && dir_has_chat_template(dir)));
+    r->new_chat = eng_chat_supported(r->tok) &&
+                  (p->mode == REPL_MODE_CHAT ||
+                   (p->mode == REPL_MODE_AUTO && dir_has_chat_template(dir)));
+    r->chat = r->new_chat;
     if (p->mode == REPL_MODE_CHAT && !r->chat) {
         kds_err_set(e, KDS_UNSUPPORTED, "model %s has no chat format (its tokenizer lacks "
                     "<|im_user|>, <|im_middle|>, <|im_end|>): use plain mode", dir);
         goto fail;
     }
     if (exists) {
-        if (repl__open(r, p->session, e) != KDS_OK) {
-            kds_err_set(e, e->status, "cannot resume session '%s': %s", p->session, e->msg);
-            goto fail;
+        if (repl__open(r, p->session, e) == KDS_OK) {
+            repl__opened_notice(r);
+            goto done;
         }
-        repl__opened_notice(r);
+        kds_err_prefix(e, "cannot resume session '%s'", p->session);
+        /* A script stops here (its next lines were meant for that session);
+         * at a terminal the error is one line and the repl starts a new
+         * session, so /sessions, /open and the rest stay at hand. */
+        if (!p->interactive) goto fail;
+        repl__error(r, "%s", e->msg);
+        kds_err_clear(e);
+        repl__auto_name(r, r->session);
+    } else if (p->session) {
+        snprintf(r->session, sizeof r->session, "%s", p->session);
     } else {
-        if (p->session)
-            snprintf(r->session, sizeof r->session, "%s", p->session);
-        else
-            repl__auto_name(r, r->session);
-        repl__info(r, "new session '%s' (%s mode, model %s)", r->session,
-                   r->chat ? "chat" : "plain continuation", eng_model_dir(r->m));
+        repl__auto_name(r, r->session);
     }
+    {
+        repl__info(r, "new session '%s' (%s mode, model %s)", r->session, repl__mode_name(r),
+                   eng_model_dir(r->m));
+    }
+done:
     *out_repl = r;
     return KDS_OK;
 fail:
@@ -430,7 +493,7 @@ static bool user_turn(repl *r, const char *text) {
             goto out;
         }
         /* the stop token stays in the context: the next turn follows it */
-        if (eng_tok_is_stop(r->tok, next)) {
+        if (eng_tok_is_stop(r->tok, next) && !r->ignore_eos) {
             stopped = "stop";
             break;
         }
@@ -477,7 +540,8 @@ static bool user_turn(repl *r, const char *text) {
     r->system = NULL;
     sess_turn turn = {.prompt = text, .prompt_len = strlen(text),
                       .output = reply.p ? reply.p : "", .output_len = reply.n,
-                      .prompt_tokens = n, .output_tokens = produced};
+                      .prompt_tokens = n, .output_tokens = produced,
+                      .mode = repl__mode_name(r)};
     uint64_t snap = 0;
     if (!repl__save(r, &turn, &snap)) goto out;
     r->dirty = false;

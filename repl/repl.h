@@ -59,6 +59,7 @@ typedef struct repl_params {
     enum { REPL_MODE_AUTO, REPL_MODE_CHAT, REPL_MODE_PLAIN } mode;
     int threads;            /* 0 = all CPUs */
     int64_t max_tokens;     /* reply limit per turn; default 256 */
+    bool ignore_eos;        /* go on past stop tokens (a reply ends at max_tokens or Ctrl-C) */
     uint64_t seed;          /* sampler seed of a new sequence; default 0 */
     eng_sampler_params sampler;
     const char *history_file; /* interactive: readline history (NULL = none) */

@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <cJSON.h>
 
@@ -155,13 +156,14 @@ static bool c_new(repl *r, char *arg) {
         repl__save(r, NULL, &snap);
     }
     eng_seq_reset(r->s, r->seed);
+    r->chat = r->new_chat;
     snprintf(r->session, sizeof r->session, "%s", fresh);
     r->base = 0;
     r->base_tokens = 0;
     r->dirty = false;
     free(r->system);
     r->system = NULL;
-    repl__info(r, "new session '%s'", r->session);
+    repl__info(r, "new session '%s' (%s mode)", r->session, repl__mode_name(r));
     return true;
 }
 
@@ -253,7 +255,7 @@ static bool c_history(repl *r, char *arg) {
     FILE *f = out_begin(&o);
     if (f) {
         if (!n) fprintf(f, "(no turns yet in '%s')\n", r->session);
-        repl__print_transcript(f, t, n, 0);
+        repl__print_transcript(f, t, n, 0, 0);
     }
     out_end(r, &o, "history");
     sess_transcript_free(t, n);
@@ -287,9 +289,10 @@ static bool c_set(repl *r, char *arg) {
         outbuf o;
         FILE *f = out_begin(&o);
         if (f)
-            fprintf(f, "temperature %g\ntop_p %g\ntop_k %d\nmin_p %g\nmax_tokens %lld\nseed %llu\n",
-                    r->sp.temperature, r->sp.top_p, r->sp.top_k, r->sp.min_p,
-                    (long long)r->max_tokens, (unsigned long long)r->seed);
+            fprintf(f, "temperature %g\ntop_p %g\ntop_k %d\nmin_p %g\nmax_tokens %lld\n"
+                    "ignore_eos %s\nseed %llu\n", r->sp.temperature, r->sp.top_p, r->sp.top_k,
+                    r->sp.min_p, (long long)r->max_tokens, r->ignore_eos ? "on" : "off",
+                    (unsigned long long)r->seed);
         out_end(r, &o, "set");
         return true;
     }
@@ -311,6 +314,11 @@ static bool c_set(repl *r, char *arg) {
     } else if (!strcmp(key, "max_tokens")) {
         ok = parse_i64(val, 1, INT32_MAX, &v);
         if (ok) r->max_tokens = v;
+    } else if (!strcmp(key, "ignore_eos")) {
+        bool on = !strcmp(val, "on") || !strcmp(val, "1"), off = !strcmp(val, "off") ||
+                                                                 !strcmp(val, "0");
+        ok = on || off;
+        if (ok) r->ignore_eos = on;
     } else if (!strcmp(key, "seed")) {
         ok = parse_i64(val, 0, INT64_MAX, &v);
         if (ok) {
@@ -320,8 +328,8 @@ static bool c_set(repl *r, char *arg) {
             if (eng_seq_pos(r->s) == 0) eng_seq_reset(r->s, r->seed);
         }
     } else {
-        repl__error(r, "unknown setting '%s' (temperature, top_p, top_k, min_p, max_tokens, seed)",
-                    key);
+        repl__error(r, "unknown setting '%s' (temperature, top_p, top_k, min_p, max_tokens, "
+                    "ignore_eos, seed)", key);
         return true;
     }
     if (!ok) {
@@ -417,9 +425,16 @@ static bool c_export(repl *r, char *arg) {
     return true;
 }
 
+/* Progress of one /ingest: the prefill runs in slices (so Ctrl-C can stop
+ * it between two), and the engine reports every batch of each slice. */
 typedef struct ingest_progress {
     repl *r;
+    FILE *f;          /* text progress goes here */
+    bool tty;         /* f is a terminal: one line redrawn in place */
+    int64_t offset;   /* tokens of the slices before the current one */
+    int64_t total;
     double t0, last;
+    int shown_pct;    /* not a terminal: the last 10% step printed */
 } ingest_progress;
 
 static double mono_s(void) {
@@ -428,12 +443,23 @@ static double mono_s(void) {
     return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
-static void on_progress(void *user, int64_t done, int64_t total) {
+/* A terminal gets one bar redrawn at most five times a second; a file or
+ * pipe a line per 10% (at most eleven lines, however long the document);
+ * JSON an event at most five times a second. The final 100% always shows. */
+static void on_progress(void *user, int64_t slice_done, int64_t slice_total) {
+    (void)slice_total;
     ingest_progress *g = user;
+    int64_t done = g->offset + slice_done, total = g->total;
     double t = mono_s();
-    if (done < total && t - g->last < 0.2) return;
-    g->last = t;
     double tps = t > g->t0 ? done / (t - g->t0) : 0.0;
+    int pct = total ? (int)(100 * done / total) : 100;
+    if (g->r->json || g->tty) {
+        if (done < total && t - g->last < 0.2) return;
+    } else if (done < total && pct / 10 <= g->shown_pct / 10) {
+        return;
+    }
+    g->last = t;
+    g->shown_pct = pct;
     if (g->r->json) {
         cJSON *o = cJSON_CreateObject();
         cJSON_AddStringToObject(o, "event", "progress");
@@ -443,14 +469,24 @@ static void on_progress(void *user, int64_t done, int64_t total) {
         repl__emit_json(g->r, o);
         return;
     }
-    FILE *f = g->r->interactive ? g->r->out : g->r->err;
-    int width = 30, fill = total ? (int)(width * done / total) : width;
-    fprintf(f, "\r[%.*s%*s] %lld/%lld tokens, %.0f tok/s", fill,
-            "==============================", width - fill, "", (long long)done,
-            (long long)total, tps);
-    if (done >= total) fputc('\n', f);
-    fflush(f);
+    if (g->tty) {
+        int width = 30, fill = total ? (int)(width * done / total) : width;
+        fprintf(g->f, "\r[%.*s%*s] %3d%% %lld/%lld tokens, %.0f tok/s", fill,
+                "==============================", width - fill, "", pct, (long long)done,
+                (long long)total, tps);
+        if (done >= total) fputc('\n', g->f);
+    } else {
+        fprintf(g->f, "%singest: %3d%% %lld/%lld tokens, %.0f tok/s\n",
+                g->r->interactive ? "" : "[kdaserve] ", pct, (long long)done, (long long)total,
+                tps);
+    }
+    fflush(g->f);
 }
+
+/* Tokens per prefill call of /ingest: a multiple of the engine's batch
+ * (256), so slicing changes no batch boundary, and small enough that
+ * Ctrl-C is answered within a second or two. */
+#define INGEST_SLICE 4096
 
 static bool c_ingest(repl *r, char *arg) {
     while (*arg == ' ' || *arg == '\t') arg++;
@@ -468,18 +504,19 @@ static bool c_ingest(repl *r, char *arg) {
     FILE *m = open_memstream(&text, &len);
     char buf[65536];
     size_t k;
+    errno = 0;
     while (m && (k = fread(buf, 1, sizeof buf, f)) > 0) fwrite(buf, 1, k, m);
-    bool rerr = ferror(f);
+    int rerr = ferror(f) ? (errno ? errno : EIO) : 0;
     fclose(f);
     if (!m || fclose(m) != 0 || rerr) {
-        repl__error(r, "cannot read %s", arg);
+        repl__error(r, "cannot read %s: %s", arg, rerr ? strerror(rerr) : "out of memory");
         free(text);
         return true;
     }
     /* a chat context gets the document as a user turn (no reply asked);
      * plain mode feeds the text as is. Text stops at a NUL byte. */
     int32_t *ids = NULL;
-    int64_t n = 0;
+    int64_t n = 0, done = 0;
     kds_err e = {0};
     if (!repl__render(r, text, false, &ids, &n)) {
         free(text);
@@ -489,24 +526,60 @@ static bool c_ingest(repl *r, char *arg) {
         repl__error(r, "%s is empty: nothing to ingest", arg);
         goto out;
     }
-    ingest_progress g = {.r = r, .t0 = mono_s()};
-    if (n > 0 && eng_prefill(r->c, r->s, ids, n, NULL, on_progress, &g, &e) != KDS_OK) {
-        repl__error(r, "cannot ingest %s: %s", arg, e.msg);
-        goto out;
+    FILE *pf = r->interactive ? r->out : r->err;
+    ingest_progress g = {.r = r, .f = pf, .tty = isatty(fileno(pf)), .total = n,
+                         .t0 = mono_s(), .shown_pct = 0};
+    repl__clear_interrupt();
+    bool stopped = false;
+    while (done < n) {
+        if (repl__interrupted()) {
+            stopped = true;
+            break;
+        }
+        int64_t step = n - done < INGEST_SLICE ? n - done : INGEST_SLICE;
+        g.offset = done;
+        if (eng_prefill(r->c, r->s, ids + done, step, NULL, on_progress, &g, &e) != KDS_OK) {
+            if (done) break; /* what went in before stays and is saved below */
+            repl__error(r, "cannot ingest %s: %s", arg, e.msg);
+            goto out;
+        }
+        done += step;
+        r->dirty = true;
+    }
+    repl__clear_interrupt();
+    if (done < n && !r->json && g.tty) fputc('\n', pf); /* end the bar's line */
+    /* a chat turn cut short is closed, as a cut reply is */
+    if (done < n && r->chat) {
+        int32_t end = eng_tok_special_id(r->tok, "<|im_end|>");
+        if (end >= 0 && eng_decode(r->c, r->s, end, &e) != KDS_OK) {
+            repl__error(r, "cannot ingest %s: %s", arg, e.msg);
+            goto out;
+        }
     }
     double dt = mono_s() - g.t0;
-    r->dirty = true;
-    r->last_prefill_n = n;
+    r->last_prefill_n = done;
     r->last_prefill_s = dt;
     char prompt[4200];
-    snprintf(prompt, sizeof prompt, "/ingest %s", arg);
+    if (done < n)
+        snprintf(prompt, sizeof prompt, "/ingest %s (stopped after %lld of %lld tokens)", arg,
+                 (long long)done, (long long)n);
+    else
+        snprintf(prompt, sizeof prompt, "/ingest %s", arg);
     sess_turn turn = {.prompt = prompt, .prompt_len = strlen(prompt), .output = "",
-                      .prompt_tokens = n};
+                      .prompt_tokens = done, .mode = repl__mode_name(r)};
     uint64_t snap;
     if (!repl__save(r, &turn, &snap)) goto out;
     r->dirty = false;
-    repl__info(r, "ingested %s: %lld tokens in %.2f s (%.0f tok/s); context %lld tokens", arg,
-               (long long)n, dt, dt > 0 ? n / dt : 0.0, (long long)eng_seq_pos(r->s));
+    if (done < n && !stopped) {
+        repl__error(r, "ingest of %s failed after %lld of %lld tokens (kept and saved): %s", arg,
+                    (long long)done, (long long)n, e.msg);
+    } else if (done < n) {
+        repl__info(r, "(ingest of %s stopped after %lld of %lld tokens; kept)", arg,
+                   (long long)done, (long long)n);
+    } else {
+        repl__info(r, "ingested %s: %lld tokens in %.2f s (%.0f tok/s); context %lld tokens", arg,
+                   (long long)n, dt, dt > 0 ? n / dt : 0.0, (long long)eng_seq_pos(r->s));
+    }
 out:
     free(ids);
     free(text);
@@ -525,7 +598,8 @@ static const command COMMANDS[] = {
     {"/export", c_export, "FILE", "write this session to one portable file"},
     {"/history", c_history, "", "the transcript of this session"},
     {"/system", c_system, "TEXT", "a system message before your next message"},
-    {"/set", c_set, "[KEY VALUE]", "temperature|top_p|top_k|min_p|max_tokens|seed (no args: show)"},
+    {"/set", c_set, "[KEY VALUE]",
+     "temperature|top_p|top_k|min_p|max_tokens|ignore_eos|seed (no args: show)"},
     {"/stats", c_stats, "", "context tokens, state bytes, speeds, last resume time"},
     {"/quit", c_quit, "", "leave (the session is saved)"},
     {"/exit", c_quit, "", "the same as /quit"},

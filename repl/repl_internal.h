@@ -8,7 +8,8 @@
 struct repl {
     FILE *out, *err;
     bool json, interactive;
-    bool chat;                 /* the chat format is used (else plain continuation) */
+    bool chat;                 /* the current session uses the chat format (else plain) */
+    bool new_chat;             /* the format a new session gets */
     int mode;                  /* repl_params.mode */
     eng_model *m;
     eng_ctx *c;
@@ -22,6 +23,7 @@ struct repl {
     char *system;              /* system message for the next turn (NULL = none) */
     eng_sampler_params sp;
     int64_t max_tokens;
+    bool ignore_eos;
     uint64_t seed;
     char *history_file;
     int64_t last_prefill_n, last_decode_n;
@@ -39,7 +41,12 @@ kds_status repl__open(repl *r, const char *name, kds_err *e);
 void repl__opened_notice(repl *r);
 void repl__auto_name(repl *r, char name[SESS_NAME_MAX + 1]);
 bool repl__save(repl *r, const sess_turn *turn, uint64_t *snap);
-void repl__print_transcript(FILE *f, const sess_turn_record *t, size_t count, size_t last);
+/* Print the last `last` turns of a transcript (0 = all); clip > 0 shows at
+ * most that many bytes of each prompt (its start) and reply (its end). */
+void repl__print_transcript(FILE *f, const sess_turn_record *t, size_t count, size_t last,
+                            size_t clip);
+/* "chat" or "plain": the mode the current session records. */
+const char *repl__mode_name(const repl *r);
 void repl__output(repl *r, const char *cmd, const char *text);
 /* The ids a message adds: a chat user turn (ending in the assistant's opener
  * when gen_prompt) or the plain text. Caller owns *ids. */
