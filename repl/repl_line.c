@@ -2,7 +2,8 @@
  * repl_line.c - interactive mode on a terminal with GNU readline (callback
  * interface, so a Ctrl-C at the prompt is seen at once): history file, tab
  * completion of commands, session names and settings, Ctrl-C to stop a
- * reply, a second Ctrl-C at the prompt or Ctrl-D to leave.
+ * reply, a second Ctrl-C at the prompt or Ctrl-D to leave; SIGHUP or
+ * SIGTERM (the terminal closed) stop a reply, save and leave.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -10,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/select.h>
+#include <termios.h>
 #include <unistd.h>
 
 #include <readline/history.h>
@@ -20,10 +22,28 @@
 static repl *g_repl; /* for the completion callbacks (readline has no user pointer) */
 static char *g_line;
 static bool g_have_line, g_eof;
+static volatile sig_atomic_t g_hangup; /* SIGHUP / SIGTERM: stop, save, leave */
 
 static void on_sigint(int sig) {
     (void)sig;
     repl_interrupt();
+}
+
+static void on_hangup(int sig) {
+    (void)sig;
+    g_hangup = 1;
+    repl_interrupt();
+}
+
+/* While a reply streams, the terminal is in its normal (cooked) mode, since
+ * readline's handler is removed; keys typed meanwhile would be echoed into
+ * the reply, and Ctrl-C would print "^C" in it. Echo is off for the turn:
+ * typed keys wait in the terminal and show up at the next prompt. */
+static bool echo_off(int fd, struct termios *saved) {
+    if (!isatty(fd) || tcgetattr(fd, saved) != 0) return false;
+    struct termios t = *saved;
+    t.c_lflag &= ~(tcflag_t)(ECHO | ECHOCTL);
+    return tcsetattr(fd, TCSANOW, &t) == 0;
 }
 
 static void on_line(char *line) {
@@ -73,8 +93,8 @@ static char **complete(const char *text, int start, int end) {
         g_cands = repl_session_names(g_repl);
     } else if (!strncmp(line, "/set ", 5)) {
         static const char *keys[] = {"temperature", "top_p", "top_k", "min_p", "max_tokens",
-                                     "seed", NULL};
-        g_cands = calloc(7, sizeof *g_cands);
+                                     "ignore_eos", "seed", NULL};
+        g_cands = calloc(sizeof keys / sizeof keys[0], sizeof *g_cands);
         for (size_t i = 0; g_cands && keys[i]; i++) g_cands[i] = strdup(keys[i]);
     }
     return g_cands ? rl_completion_matches(text, cand_gen) : NULL;
@@ -93,6 +113,10 @@ int repl_run_interactive(repl *r) {
     sa.sa_handler = on_sigint;
     sigemptyset(&sa.sa_mask);
     sigaction(SIGINT, &sa, NULL); /* no SA_RESTART: select() returns at once */
+    sa.sa_handler = on_hangup;
+    sigaction(SIGHUP, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    g_hangup = 0;
     using_history();
     if (r->history_file) read_history(r->history_file);
     fprintf(r->out, "kdaserve chat: /help for commands, Ctrl-C stops a reply, Ctrl-D leaves\n");
@@ -111,6 +135,10 @@ int repl_run_interactive(repl *r) {
             FD_SET(fileno(rl_instream ? rl_instream : stdin), &fds);
             int rc = select(fileno(rl_instream ? rl_instream : stdin) + 1, &fds, NULL, NULL, NULL);
             if (rc < 0 && errno == EINTR) {
+                if (g_hangup) {
+                    leave = true;
+                    break;
+                }
                 if (!repl__interrupted()) continue;
                 repl__clear_interrupt();
                 if (armed) {
@@ -143,19 +171,29 @@ int repl_run_interactive(repl *r) {
         armed = false;
         bool go_on = true;
         if (g_line[0]) {
-            add_history(g_line);
-            if (r->history_file && append_history(1, r->history_file) != 0)
-                write_history(r->history_file);
+            HIST_ENTRY *prev = history_length ? history_get(history_base + history_length - 1)
+                                              : NULL;
+            if (!prev || strcmp(prev->line, g_line)) { /* no repeated entries */
+                add_history(g_line);
+                if (r->history_file && append_history(1, r->history_file) != 0)
+                    write_history(r->history_file);
+            }
+            int fd = fileno(rl_instream ? rl_instream : stdin);
+            struct termios saved;
+            bool restore = echo_off(fd, &saved);
             go_on = repl_line(r, g_line);
+            if (restore) tcsetattr(fd, TCSANOW, &saved);
         }
         free(g_line);
         g_line = NULL;
-        if (!go_on) break;
+        if (!go_on || g_hangup) break;
     }
     if (r->history_file) history_truncate_file(r->history_file, 2000);
     /* leaving saves what a failed save or an interrupted turn left */
     repl__command(r, (char[]){"/quit"});
     free_cands();
     signal(SIGINT, SIG_DFL);
+    signal(SIGHUP, SIG_DFL);
+    signal(SIGTERM, SIG_DFL);
     return r->failures;
 }
