@@ -8,7 +8,8 @@ cd "$(dirname "$0")/.."
 # Debian packages the build and the tests need.
 PKGS=(build-essential cmake pkg-config git
       libopenblas-dev libcjson-dev libxxhash-dev libcriterion-dev
-      liblmdb-dev libmsgpack-dev libwebsockets-dev libpcre2-dev libreadline-dev)
+      liblmdb-dev libmsgpack-dev libwebsockets-dev libpcre2-dev libreadline-dev
+      chromium)  # chromium: the web page test's headless browser (tests/test_web_page.c)
 
 missing=()
 for p in "${PKGS[@]}"; do
@@ -44,10 +45,12 @@ echo "[bootstrap] built ./build/kdaserve"
 # tests/node/package-lock.json) on OpenAI's cl100k_base/o200k_base ranks,
 # rebuilt from that package and sha256-checked into build/tok-ref. Not fatal
 # here (kdaserve itself does not need them); the tests retry and then fail.
-# ws and @msgpack/msgpack are the WebSocket protocol tests' client (tests/test_serve.c).
+# ws and @msgpack/msgpack are the WebSocket protocol tests' client (tests/test_serve.c);
+# playwright-core drives chromium for the web page test (tests/node/web_page.test.js).
 if [ ! -f tests/node/node_modules/tiktoken/package.json ] \
    || [ ! -f tests/node/node_modules/ws/package.json ] \
-   || [ ! -f tests/node/node_modules/@msgpack/msgpack/package.json ]; then
+   || [ ! -f tests/node/node_modules/@msgpack/msgpack/package.json ] \
+   || [ ! -f tests/node/node_modules/playwright-core/package.json ]; then
   echo "[bootstrap] npm ci in tests/node (the tiktoken reference and the WebSocket client for the tests)"
   (cd tests/node && npm ci --no-audit --no-fund --loglevel=error) >> build.log 2>&1 \
     || echo "[bootstrap] warning: npm ci failed (see build.log); the tokenizer tests need it" >&2
