@@ -4,14 +4,22 @@
  * temporary store: a conversation resumed by a new process continues
  * exactly as if never interrupted (the sampler's random stream included);
  * /fork then diverging turns leave the original untouched; an unknown
- * command is one error line and the REPL goes on; --json events parse.
+ * command is one error line and the REPL goes on; --json events parse;
+ * /ingest of a large file shows bounded progress and grows the context; a
+ * corrupt snapshot, a missing session or file are one line each and the
+ * REPL goes on; a session reopens in the mode (chat or plain) it was
+ * written in. The interactive mode is tested in test_repl_pty.c.
  */
+#define _GNU_SOURCE
 #include <criterion/criterion.h>
 #include <cJSON.h>
+#include <fcntl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "sess_internal.h"
 #include "test_helpers.h"
+#include "test_model_util.h"
 
 #define CHAT KDS_BINARY_DIR "/kdaserve chat --model " KDS_SOURCE_DIR "/models/default --threads 1"
 
@@ -240,5 +248,259 @@ Test(repl, ingest_export_restore) {
     long long n = 0;
     sscanf(ctx, "context tokens %lld", &n);
     cr_expect_gt(n, 100, "%s", out);
+    rm_tmp();
+}
+
+/* ------------------------------------------------------------------------ */
+
+/* Lines of `text` that start with `prefix`. */
+static int count_lines(const char *text, const char *prefix) {
+    int n = 0;
+    size_t pl = strlen(prefix);
+    for (const char *p = text; *p;) {
+        if (!strncmp(p, prefix, pl)) n++;
+        const char *nl = strchr(p, '\n');
+        if (!nl) break;
+        p = nl + 1;
+    }
+    return n;
+}
+
+/* The numbers after "context tokens" in /stats outputs, in order. */
+static int context_tokens(const char *out, long long *v, int cap) {
+    int n = 0;
+    for (const char *p = out; n < cap && (p = strstr(p, "context tokens")); p++)
+        cr_assert_eq(sscanf(p, "context tokens %lld", &v[n++]), 1);
+    return n;
+}
+
+/* ~`bytes` of English-like text (seeded): a document for /ingest. */
+static void write_document(const char *path, size_t bytes) {
+    static const char *words[] = {
+        "the", "of", "and", "a", "to", "in", "she", "was", "her", "it", "that", "house",
+        "letter", "Emma", "Elinor", "whale", "sea", "said", "could", "would", "never", "sister",
+        "morning", "walked", "ship", "captain", "little", "great", "deal", "heart", "opinion"};
+    FILE *f = fopen(path, "w");
+    cr_assert(f, "cannot write %s", path);
+    uint32_t x = 12345;
+    size_t n = 0, in_sentence = 0;
+    while (n < bytes) {
+        x = x * 1664525u + 1013904223u;
+        const char *w = words[(x >> 8) % (sizeof words / sizeof words[0])];
+        n += (size_t)fprintf(f, "%s%s", in_sentence ? " " : "", w);
+        if (++in_sentence > 6 + (x >> 28)) {
+            n += (size_t)fprintf(f, (x >> 4) % 5 ? ". " : ".\n\n");
+            in_sentence = 0;
+        }
+    }
+    fclose(f);
+}
+
+Test(repl, ingest_large_file_shows_progress, .timeout = 600) {
+    make_tmp();
+    static char out[65536], err[65536];
+    char doc[300], input[1024];
+    snprintf(doc, sizeof doc, "%s/doc.txt", tmpdir);
+    write_document(doc, 256 * 1024);
+    snprintf(input, sizeof input, "Chapter one\n/stats\n/ingest %s\n/stats\nAnd so\n/stats\n", doc);
+    cr_assert_eq(chat("--session big --max-tokens 4", input, out, sizeof out, err, sizeof err), 0,
+                 "%s", err);
+    /* progress: a line per 10% when stderr is a file, never one per batch */
+    int lines = count_lines(err, "[kdaserve] ingest: ");
+    cr_expect(lines >= 2 && lines <= 11, "%d progress lines:\n%s", lines, err);
+    cr_expect(strstr(err, "[kdaserve] ingest: 100% "), "%s", err);
+    cr_expect_eq(count_lines(err, "[kdaserve] ingest: "),
+                 (int)(strstr(err, "tok/s") ? lines : -1), "a progress line without tok/s");
+    const char *done = strstr(err, "[kdaserve] ingested ");
+    cr_assert(done, "%s", err);
+    long long n = 0;
+    cr_assert(strstr(done, ": ") && sscanf(strstr(done, ": ") + 2, "%lld tokens", &n) == 1,
+              "%s", done);
+    cr_expect_gt(n, 40000, "a 256 KB document is tens of thousands of tokens");
+    cr_expect(strstr(done, " tok/s); context "), "%s", done);
+    /* /stats: the context grew by exactly the document, and a turn follows */
+    long long ctx[3];
+    cr_assert_eq(context_tokens(out, ctx, 3), 3, "%s", out);
+    cr_expect_eq(ctx[1] - ctx[0], n, "context %lld -> %lld for %lld ingested", ctx[0], ctx[1], n);
+    cr_expect_gt(ctx[2], ctx[1]);
+    /* a new process resumes the grown context */
+    cr_assert_eq(chat("--session big", "/stats\n", out, sizeof out, err, sizeof err), 0, "%s",
+                 err);
+    long long again;
+    cr_assert_eq(context_tokens(out, &again, 1), 1, "%s", out);
+    cr_expect_eq(again, ctx[2]);
+    /* --json: progress events that count up to the total */
+    snprintf(input, sizeof input, "/ingest %s\n", doc);
+    cr_assert_eq(chat("--session bigj --json", input, out, sizeof out, err, sizeof err), 0, "%s",
+                 err);
+    int events = 0;
+    double last = -1, total = 0;
+    for (const char *p = out; *p;) {
+        const char *nl = strchr(p, '\n');
+        cr_assert(nl);
+        cJSON *o = cJSON_ParseWithLength(p, (size_t)(nl - p));
+        cr_assert(o, "not JSON: %.*s", (int)(nl - p), p);
+        if (!strcmp(cJSON_GetObjectItem(o, "event")->valuestring, "progress")) {
+            double d = cJSON_GetObjectItem(o, "done")->valuedouble;
+            total = cJSON_GetObjectItem(o, "total")->valuedouble;
+            cr_expect_gt(d, last, "progress went back");
+            cr_expect(cJSON_IsNumber(cJSON_GetObjectItem(o, "tok_s")));
+            last = d;
+            events++;
+        }
+        cJSON_Delete(o);
+        p = nl + 1;
+    }
+    cr_expect_geq(events, 1);
+    cr_expect_eq((long long)total, n, "total %g, %lld ingested", total, n);
+    cr_expect_eq((long long)last, n, "the last progress event is not the whole document");
+    rm_tmp();
+}
+
+/* Flip one byte of the LMDB data file inside the record of session
+ * `name`'s head snapshot, as test_sess_refuse.c does: damage below LMDB. */
+static void corrupt_head(const char *db, const char *name) {
+    sess_store *st = NULL;
+    kds_err e = {0};
+    sess_params sp = sess_default_params();
+    cr_assert_eq(sess_open(db, &sp, &st, &e), KDS_OK, "%s", e.msg);
+    sess_session_info si;
+    cr_assert_eq(sess_session_get(st, name, &si, &e), KDS_OK, "%s", e.msg);
+    unsigned char k[8];
+    sess__key64(k, si.head);
+    void *rec = NULL;
+    size_t len = 0;
+    cr_assert_eq(sess__raw_get(st, "snapshots", k, 8, &rec, &len, &e), KDS_OK, "%s", e.msg);
+    sess_close(st);
+    char *path = tmu_path(db, "data.mdb");
+    size_t n;
+    char *file = tmu_read(path, &n);
+    cr_assert(file && len > 256);
+    unsigned char *at = memmem(file, n, rec, 256); /* records are contiguous; 256 bytes unique */
+    cr_assert(at, "snapshot record not found in %s", path);
+    size_t pos = (size_t)(at - (unsigned char *)file) + len - len / 3; /* in the payload */
+    int fd = open(path, O_WRONLY);
+    cr_assert_geq(fd, 0);
+    unsigned char b = (unsigned char)file[pos] ^ 0x10;
+    cr_assert_eq(pwrite(fd, &b, 1, (off_t)pos), 1);
+    close(fd);
+    free(file);
+    free(path);
+    free(rec);
+}
+
+Test(repl, corrupt_snapshot_is_one_line_and_repl_goes_on, .timeout = 120) {
+    make_tmp();
+    static char out[65536], err[8192];
+    char db[300];
+    snprintf(db, sizeof db, "%s/db", tmpdir);
+    cr_assert_eq(chat("--session good --max-tokens 4", "Hello\n", out, sizeof out, err,
+                      sizeof err), 0, "%s", err);
+    cr_assert_eq(chat("--session bad --max-tokens 4", "Hello\n", out, sizeof out, err,
+                      sizeof err), 0, "%s", err);
+    corrupt_head(db, "bad");
+    /* /open of it: one line naming the session and the reason; still in
+     * 'good', which takes the next turn */
+    int rc = chat("--session good --max-tokens 4", "/open bad\n/stats\nAgain\n/stats\n", out,
+                  sizeof out, err, sizeof err);
+    cr_expect_eq(rc, 1);
+    cr_expect_eq(count_lines(err, "kdaserve chat: "), 1, "%s", err);
+    cr_expect_eq(count_lines(err, ""), count_lines(err, "kdaserve chat: ") +
+                 count_lines(err, "[kdaserve] "), "stray lines: %s", err);
+    const char *line = strstr(err, "kdaserve chat: cannot open session 'bad': ");
+    cr_expect(line && strstr(line, "payload checksum mismatch"), "%s", err);
+    cr_expect_eq(count_lines(out, "session          good"), 2, "%s", out);
+    long long ctx[2];
+    cr_assert_eq(context_tokens(out, ctx, 2), 2, "%s", out);
+    cr_expect_gt(ctx[1], ctx[0], "the turn after the error did not run");
+    /* starting on it (scripted): one line, exit status 1, nothing written */
+    rc = chat("--session bad", "Hello\n", out, sizeof out, err, sizeof err);
+    cr_expect_eq(rc, 1);
+    cr_expect_eq(count_lines(err, ""), 1, "%s", err);
+    cr_expect(strstr(err, "kdaserve chat: cannot resume session 'bad': ") &&
+                  strstr(err, "payload checksum mismatch"), "%s", err);
+    cr_expect_str_eq(out, "");
+    rm_tmp();
+}
+
+Test(repl, errors_are_one_line_each, .timeout = 120) {
+    make_tmp();
+    static char out[65536], err[8192];
+    char input[2048], empty[300];
+    snprintf(empty, sizeof empty, "%s/empty.txt", tmpdir);
+    FILE *f = fopen(empty, "w");
+    cr_assert(f);
+    fclose(f);
+    snprintf(input, sizeof input,
+             "/frobnicate now\n/open nosuch\n/ingest %s/missing.txt\n/ingest %s\n/ingest %s\n"
+             "/new bad!name\n/set max_tokens zero\nHello\n/stats\n",
+             tmpdir, tmpdir, empty);
+    int rc = chat("--session e --max-tokens 4", input, out, sizeof out, err, sizeof err);
+    cr_expect_eq(rc, 1);
+    cr_expect_eq(count_lines(err, "kdaserve chat: "), 7, "%s", err);
+    cr_expect_eq(count_lines(err, ""), 7 + count_lines(err, "[kdaserve] "), "stray lines: %s",
+                 err);
+    cr_expect(strstr(err, "kdaserve chat: unknown command '/frobnicate' (try /help)\n"), "%s", err);
+    cr_expect(strstr(err, "kdaserve chat: no session 'nosuch' (see /sessions)\n"), "%s", err);
+    cr_expect(strstr(err, "/missing.txt: No such file or directory\n"), "%s", err);
+    cr_expect(strstr(err, ": Is a directory\n"), "%s", err);
+    cr_expect(strstr(err, "empty.txt is empty: nothing to ingest\n"), "%s", err);
+    cr_expect(strstr(err, "kdaserve chat: invalid session name 'bad!name'"), "%s", err);
+    cr_expect(strstr(err, "kdaserve chat: bad value 'zero' for max_tokens\n"), "%s", err);
+    /* the REPL went on: the message was answered and saved */
+    cr_expect(strstr(out, "session          e\n"), "%s", out);
+    cr_expect(strstr(out, "head snapshot    @"), "%s", out);
+    cr_expect(!strstr(out, "(not saved yet)"), "%s", out);
+    rm_tmp();
+}
+
+static void expect_mode(const char *db, const char *name, const char *mode) {
+    sess_store *st = NULL;
+    kds_err e = {0};
+    sess_params sp = sess_default_params();
+    cr_assert_eq(sess_open(db, &sp, &st, &e), KDS_OK, "%s", e.msg);
+    sess_session_info si;
+    cr_assert_eq(sess_session_get(st, name, &si, &e), KDS_OK, "%s", e.msg);
+    cr_expect_str_eq(si.mode, mode, "session '%s'", name);
+    sess_close(st);
+}
+
+Test(repl, session_reopens_in_its_mode, .timeout = 120) {
+    make_tmp();
+    static char out[65536], err[8192];
+    char db[300], input[1024];
+    snprintf(db, sizeof db, "%s/db", tmpdir);
+    /* p: plain (the default model's default), started with a document, so
+     * its first turn's token count is not its text's (the old guess took
+     * such a session for a chat one); c: chat, asked for */
+    snprintf(input, sizeof input, "/ingest " KDS_SOURCE_DIR "/repl/README.md\nSo\n");
+    cr_assert_eq(chat("--session p --max-tokens 4", input, out, sizeof out, err, sizeof err), 0,
+                 "%s", err);
+    cr_assert_eq(chat("--session c --chat --max-tokens 4", "Hi\n", out, sizeof out, err,
+                      sizeof err), 0, "%s", err);
+    expect_mode(db, "p", "plain");
+    expect_mode(db, "c", "chat");
+    /* reopened without --chat/--plain, and switched between with /open */
+    cr_assert_eq(chat("--session p --max-tokens 4", "/stats\n/open c\n/stats\n/open p\n/stats\n"
+                      "/open c\nAgain\n/new fresh\n/stats\n", out, sizeof out, err, sizeof err),
+                 0, "%s", err);
+    const char *m1 = strstr(out, "mode             plain");
+    const char *m2 = m1 ? strstr(m1, "mode             chat") : NULL;
+    const char *m3 = m2 ? strstr(m2, "mode             plain") : NULL;
+    const char *m4 = m3 ? strstr(m3 + 1, "mode             plain") : NULL;
+    cr_expect(m1 && m2 && m3 && m4, "modes not plain, chat, plain, plain (new):\n%s", out);
+    cr_expect(strstr(err, "session 'p' (plain mode)") && strstr(err, "session 'c' (chat mode)"),
+              "%s", err);
+    expect_mode(db, "c", "chat"); /* the turn in c kept its mode */
+    /* --plain overrides, and says so */
+    cr_assert_eq(chat("--session c --plain", "/stats\n", out, sizeof out, err, sizeof err), 0,
+                 "%s", err);
+    cr_expect(strstr(err, "session 'c' was written in chat mode; continuing in plain mode as "
+                          "asked"), "%s", err);
+    cr_expect(strstr(out, "mode             plain"), "%s", out);
+    /* a fork keeps it */
+    cr_assert_eq(chat("--session c", "/fork c2\n", out, sizeof out, err, sizeof err), 0, "%s",
+                 err);
+    expect_mode(db, "c2", "chat");
     rm_tmp();
 }
