@@ -20,6 +20,7 @@ int cmd_bench(int argc, char **argv);
 int cmd_snap(int argc, char **argv);
 int cmd_tokenize(int argc, char **argv);
 int cmd_chat(int argc, char **argv);
+int cmd_serve(int argc, char **argv);
 
 /* Shared helpers (cli_common.c). */
 
@@ -30,6 +31,10 @@ int cli_failf(const char *cmd, const char *fmt, ...) __attribute__((format(print
 /* Resolve the model directory: the --model value, else $KDASERVE_MODEL, else
  * ./models/default. Returns NULL (with a message) when none exists. */
 const char *cli_model_dir(const char *cmd, const char *given);
+
+/* "<directory of the kdaserve binary>/../REL" into out when it exists (the
+ * source tree of a binary built in ./build). */
+bool cli_beside_binary(const char *rel, char *out, size_t cap);
 
 /* Strict number parsing: the whole string must be a number in range. */
 bool cli_parse_i64(const char *s, int64_t lo, int64_t hi, int64_t *out);

@@ -33,21 +33,26 @@ static bool is_dir(const char *p) {
     return p && stat(p, &st) == 0 && S_ISDIR(st.st_mode);
 }
 
+bool cli_beside_binary(const char *rel, char *out, size_t cap) {
+    char exe[4096];
+    ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
+    if (n <= 0) return false;
+    exe[n] = '\0';
+    char *slash = strrchr(exe, '/');
+    if (!slash) return false;
+    *slash = '\0';
+    int k = snprintf(out, cap, "%s/../%s", exe, rel);
+    return k > 0 && (size_t)k < cap && access(out, R_OK) == 0;
+}
+
 /* <dir of the kdaserve binary>/../models/default: the bundled model of a
  * source tree built into ./build, wherever the command is run from. */
 static const char *bundled_model_dir(void) {
     static char path[4200]; /* one process, one answer */
-    char exe[4096];
-    ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
-    if (n <= 0) return NULL;
-    exe[n] = '\0';
-    char *slash = strrchr(exe, '/');
-    if (!slash) return NULL;
-    *slash = '\0';
-    snprintf(path, sizeof path, "%s/../models/default", exe);
-    char cfg[4300];
-    snprintf(cfg, sizeof cfg, "%s/config.json", path);
-    return access(cfg, R_OK) == 0 ? path : NULL;
+    char cfg[4200];
+    if (!cli_beside_binary("models/default/config.json", cfg, sizeof cfg)) return NULL;
+    snprintf(path, sizeof path, "%.*s", (int)(strlen(cfg) - strlen("/config.json")), cfg);
+    return path;
 }
 
 const char *cli_model_dir(const char *cmd, const char *given) {

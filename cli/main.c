@@ -12,6 +12,7 @@ typedef struct command {
 
 static const command COMMANDS[] = {
     {"chat", cmd_chat, "talk to a model in a saved session (readline; scripted on a pipe)"},
+    {"serve", cmd_serve, "WebSocket session service and web chat page (docs/protocol.md)"},
     {"generate", cmd_generate, "continue a prompt and print the text (stats on stderr)"},
     {"logits", cmd_logits, "write the logits of every position of a token list (safetensors)"},
     {"bench", cmd_bench, "measure prefill and decode tokens/s on a model"},
@@ -33,8 +34,8 @@ static void usage(FILE *f) {
                "                   of the source tree this binary was built in)\n"
                "  XDG_DATA_HOME    the snapshot store is $XDG_DATA_HOME/kdaserve\n"
                "                   (otherwise ~/.local/share/kdaserve; --db DIR chooses)\n"
-               "\ndocs: README.md, docs/architecture.md, docs/formats.md, docs/snapshot-format.md,\n"
-               "      docs/benchmarks.md\n");
+               "\ndocs: README.md, docs/architecture.md, docs/protocol.md, docs/formats.md,\n"
+               "      docs/snapshot-format.md, docs/benchmarks.md\n");
 }
 
 int main(int argc, char **argv) {

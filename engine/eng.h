@@ -100,6 +100,8 @@ kds_status eng_seq_create(const eng_model *m, uint64_t seed, eng_seq **out, kds_
 void eng_seq_free(eng_seq *s);
 /* Back to position 0 with zero state; the RNG is re-seeded with `seed`. */
 void eng_seq_reset(eng_seq *s, uint64_t seed);
+/* Re-seed only the sampler's RNG (the model state is untouched). */
+void eng_seq_reseed(eng_seq *s, uint64_t seed);
 /* Deep copy (fork). */
 kds_status eng_seq_clone(const eng_seq *s, eng_seq **out, kds_err *err);
 
@@ -392,6 +394,27 @@ eng_chat_params eng_chat_default_params(void);
 
 /* True when the tokenizer has the specials of the chat format. */
 bool eng_chat_supported(const eng_tokenizer *t);
+
+/* True when the model should be talked to in the chat format: its tokenizer
+ * has the specials and its directory has a chat template (chat_template.jinja,
+ * or "chat_template" in tokenizer_config.json; a directory without
+ * tokenizer_config.json gives no hint, so the specials decide). A base model
+ * without a template is used in plain continuation. */
+bool eng_model_chat_format(const eng_model *m);
+
+/*
+ * The ids one message adds to a conversation that has `pos` tokens, as the
+ * REPL and the server feed them: in chat format (`chat`) an optional system
+ * turn and the user turn, ending in the assistant's opener when
+ * `gen_prompt` (a conversation at pos 0 also gets the default system turn
+ * when no system text is given); in plain mode the text itself (and the BOS
+ * token when the context is empty and so is the text, so a generation has
+ * something to start from). Caller owns *ids (free()); *n may be 0.
+ * Errors: those of eng_chat_render / eng_tok_encode_ex.
+ */
+kds_status eng_chat_turn(const eng_tokenizer *t, bool chat, int64_t pos, const char *system,
+                         const char *text, size_t len, bool gen_prompt, int32_t **ids,
+                         int64_t *n, kds_err *err);
 
 /*
  * Render a conversation to ids: writes the first min(count, cap) to `ids`

@@ -12,6 +12,7 @@
  * whole rendered string there and from the start of each run of text here:
  * the two differ only for conversations of more than 25,000 characters.
  */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -167,4 +168,82 @@ kds_status eng_chat_render(const eng_tokenizer *t, const eng_chat_msg *msgs, int
     free(r.text);
     if (r.rc == KDS_OK && n) *n = r.n;
     return r.rc;
+}
+
+/* ------------------------------------------------------------------------ */
+/* One message of a conversation                                             */
+
+kds_status eng_chat_turn(const eng_tokenizer *t, bool chat, int64_t pos, const char *system,
+                         const char *text, size_t len, bool gen_prompt, int32_t **ids,
+                         int64_t *n, kds_err *err) {
+    *ids = NULL;
+    *n = 0;
+    kds_status rc;
+    if (chat) {
+        char *copy = malloc(len + 1); /* the renderer takes NUL-terminated text */
+        if (!copy) return kds_err_set(err, KDS_NOMEM, "out of memory rendering a message");
+        memcpy(copy, text, len);
+        copy[len] = '\0';
+        eng_chat_msg msgs[2];
+        int k = 0;
+        if (system) msgs[k++] = (eng_chat_msg){.role = "system", .content = system};
+        msgs[k++] = (eng_chat_msg){.role = "user", .content = copy};
+        eng_chat_params cp = eng_chat_default_params();
+        cp.add_generation_prompt = gen_prompt;
+        if (pos > 0) cp.default_system = ""; /* only a new conversation gets one */
+        int64_t count = 0;
+        rc = eng_chat_render(t, msgs, k, &cp, NULL, 0, &count, err);
+        if (rc == KDS_OK && !(*ids = malloc((size_t)(count + 1) * sizeof **ids)))
+            rc = kds_err_set(err, KDS_NOMEM, "out of memory rendering a message");
+        if (rc == KDS_OK) rc = eng_chat_render(t, msgs, k, &cp, *ids, count, n, err);
+        free(copy);
+    } else {
+        /* byte-level BPE never makes more ids than bytes */
+        if (!(*ids = malloc((len + 1) * sizeof **ids)))
+            return kds_err_set(err, KDS_NOMEM, "out of memory encoding a message");
+        rc = eng_tok_encode_ex(t, text, len, 0, *ids, (int64_t)len, n, err);
+        if (rc == KDS_OK && gen_prompt && *n == 0 && pos == 0 && eng_tok_bos(t) >= 0)
+            (*ids)[(*n)++] = eng_tok_bos(t);
+    }
+    if (rc != KDS_OK) {
+        free(*ids);
+        *ids = NULL;
+        *n = 0;
+    }
+    return rc;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Does the model directory ask for the chat format?                         */
+
+static bool dir_has_chat_template(const char *dir) {
+    char path[4200];
+    snprintf(path, sizeof path, "%s/chat_template.jinja", dir);
+    FILE *f = fopen(path, "rb");
+    if (f) {
+        fclose(f);
+        return true;
+    }
+    snprintf(path, sizeof path, "%s/tokenizer_config.json", dir);
+    if (!(f = fopen(path, "rb"))) return true;
+    bool found = false;
+    char buf[8192];
+    size_t n, keep = 0;
+    /* a streaming search for the key, so large configs need no parse */
+    while ((n = fread(buf + keep, 1, sizeof buf - 1 - keep, f)) > 0) {
+        buf[keep + n] = '\0';
+        if (strstr(buf, "\"chat_template\"")) {
+            found = true;
+            break;
+        }
+        size_t total = keep + n;
+        keep = total < 16 ? total : 16;
+        memmove(buf, buf + total - keep, keep);
+    }
+    fclose(f);
+    return found;
+}
+
+bool eng_model_chat_format(const eng_model *m) {
+    return eng_chat_supported(eng_model_tokenizer(m)) && dir_has_chat_template(eng_model_dir(m));
 }

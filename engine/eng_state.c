@@ -78,6 +78,11 @@ void eng_seq_reset(eng_seq *s, uint64_t seed) {
     s->n_recent = 0;
 }
 
+void eng_seq_reseed(eng_seq *s, uint64_t seed) {
+    uint64_t x = seed;
+    for (int i = 0; i < 4; i++) s->rng[i] = splitmix64(&x);
+}
+
 kds_status eng__seq_reserve(eng_seq *s, int64_t tokens, kds_err *err) {
     if (s->d.n_mla == 0 || tokens <= s->mla_cap) return KDS_OK;
     int64_t cap = s->mla_cap ? s->mla_cap : 256;

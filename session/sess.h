@@ -250,6 +250,11 @@ kds_status sess_fork(sess_store *st, const char *source, const char *name,
 /* Delete a session and its transcript; its snapshots stay until sess_gc. */
 kds_status sess_session_delete(sess_store *st, const char *name, kds_err *err);
 
+/* Rename session `from` to `to` (keeps its id, head, transcript and
+ * metadata; its snapshots keep naming `from` as their origin).
+ * Errors: KDS_NOT_FOUND, KDS_EXISTS (to is taken), KDS_INVALID_ARG. */
+kds_status sess_session_rename(sess_store *st, const char *from, const char *to, kds_err *err);
+
 /* One transcript entry (caller-owned copies). */
 typedef struct sess_turn_record {
     char *prompt;          /* NUL-terminated copy (text may contain NULs: use the lengths) */
@@ -302,6 +307,15 @@ kds_status sess_export(sess_store *st, const char *source, const char *path, kds
  */
 kds_status sess_import(sess_store *st, const char *path, const char *name,
                        char out_name[SESS_NAME_MAX + 1], uint64_t *snapshot, kds_err *err);
+
+/* ------------------------------------------------------------------------ */
+/* Untrusted msgpack                                                         */
+
+/* True when `p` holds exactly one msgpack object, nested at most 8 deep, whose
+ * every length and count fits in the bytes that follow. Run it before
+ * msgpack-c sees bytes from outside: msgpack-c reserves memory for a
+ * container's declared count before reading it (reference/libs.md 3.3). */
+bool sess_msgpack_sane(const void *p, size_t len);
 
 /* ------------------------------------------------------------------------ */
 /* Sizes                                                                     */

@@ -111,6 +111,8 @@ bool sess__msgpack_sane(const unsigned char *p, size_t len) {
     return i == len;
 }
 
+bool sess_msgpack_sane(const void *p, size_t len) { return sess__msgpack_sane(p, len); }
+
 /* ------------------------------------------------------------------------ */
 /* Frame                                                                     */
 

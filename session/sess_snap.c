@@ -630,8 +630,6 @@ kds_status sess_save(sess_store *st, const char *session, uint64_t base, const e
         return kds_err_set(err, KDS_INVALID_ARG, "invalid session name '%s' (1-%d of A-Z a-z "
                            "0-9 . _ -, starting with a letter or digit)", session ? session : "",
                            SESS_NAME_MAX);
-    if (eng_seq_pos(s) == 0)
-        return kds_err_set(err, KDS_INVALID_ARG, "nothing to save: the sequence is empty");
     if (turn && turn->mode) {
         size_t ml = strlen(turn->mode);
         bool ok = ml >= 1 && ml <= SESS_MODE_MAX;
@@ -840,6 +838,47 @@ kds_status sess_session_delete(sess_store *st, const char *name, kds_err *err) {
     if (!sess_name_valid(name))
         return kds_err_set(err, KDS_INVALID_ARG, "invalid session name '%s'", name ? name : "");
     return sess__write(st, sess_del_fn, (void *)name, err);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Rename                                                                    */
+
+typedef struct rename_ctx {
+    const char *from, *to;
+} rename_ctx;
+
+/* The record moves to the new key; the transcript is keyed by the session's
+ * internal id, so it stays where it is. Snapshots keep their origin name. */
+static kds_status rename_fn(sess__wtxn *w, void *ctx, kds_err *err) {
+    const rename_ctx *r = ctx;
+    sess_session_info s;
+    unsigned char *rec = NULL;
+    size_t len;
+    kds_status rc = get_session(w->st, w->txn, r->from, &s, err);
+    if (rc != KDS_OK) return rc;
+    const void *v;
+    size_t n;
+    rc = sess__get(w->txn, w->st->db_sess, r->to, strlen(r->to), &v, &n, err);
+    if (rc == KDS_OK) return kds_err_set(err, KDS_EXISTS, "session '%s' already exists", r->to);
+    if (rc != KDS_NOT_FOUND) return rc;
+    kds_err_clear(err);
+    snprintf(s.name, sizeof s.name, "%s", r->to);
+    s.updated_us = (int64_t)sess__now_us();
+    if ((rc = sess__session_encode(&s, &rec, &len, err)) != KDS_OK) return rc;
+    rc = sess__put(w, w->st->db_sess, r->to, strlen(r->to), rec, len, MDB_NOOVERWRITE, err);
+    free(rec);
+    if (rc != KDS_OK) return rc;
+    return sess__del(w, w->st->db_sess, r->from, strlen(r->from), err);
+}
+
+kds_status sess_session_rename(sess_store *st, const char *from, const char *to, kds_err *err) {
+    if (!sess_name_valid(from))
+        return kds_err_set(err, KDS_INVALID_ARG, "invalid session name '%s'", from ? from : "");
+    if (!sess_name_valid(to))
+        return kds_err_set(err, KDS_INVALID_ARG, "invalid session name '%s'", to ? to : "");
+    if (!strcmp(from, to)) return kds_err_set(err, KDS_EXISTS, "session '%s' already exists", to);
+    rename_ctx r = {from, to};
+    return sess__write(st, rename_fn, &r, err);
 }
 
 /* Sorted ids of every session's head; *unknown when a session record could

@@ -1,0 +1,202 @@
+/* cmd_serve.c - `kdaserve serve`: the WebSocket session service (web/). */
+#define _GNU_SOURCE
+#include <getopt.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "cli.h"
+#include "sess.h"
+#include "web.h"
+
+static void serve_usage(FILE *f) {
+    fprintf(f,
+            "usage: kdaserve serve [--model DIR] [--db DIR] [--listen HOST:PORT]\n"
+            "                      [--auth-file FILE] [--www DIR] [limits...] [--threads N]\n\n"
+            "Serve sessions over WebSocket (protocol kdaserve.v1, docs/protocol.md) and the\n"
+            "web chat page at http://HOST:PORT/ (Prometheus metrics at /metrics). Sessions\n"
+            "live in the same snapshot store as `kdaserve chat`; every turn is saved as it\n"
+            "ends. Decode steps of all generating sessions run as one batch.\n"
+            "Ctrl-C or SIGTERM stops: running generations end (reason \"cancelled\") and\n"
+            "their sessions are saved first.\n\n"
+            "  --model DIR            model directory (default $KDASERVE_MODEL, else the\n"
+            "                         bundled models/default)\n"
+            "  --db DIR               snapshot store (default $XDG_DATA_HOME/kdaserve, else\n"
+            "                         ~/.local/share/kdaserve)\n"
+            "  --listen HOST:PORT     address (default 127.0.0.1:8080; PORT 0 = any free\n"
+            "                         port, printed at start). Plain ws/http: put a TLS\n"
+            "                         proxy in front to expose it beyond this machine\n"
+            "  --auth-file FILE       require a token: lines 'TOKEN TENANT' (token 16-256\n"
+            "                         characters, tenant 1-16 of [A-Za-z0-9_-]); each tenant\n"
+            "                         sees only its own sessions\n"
+            "  --www DIR              static files at / (default: web/www of the source tree)\n"
+            "  --max-message BYTES    largest request (default 1048576; bigger: close 1009)\n"
+            "  --max-connections N    open connections (default 256; more: close 1013)\n"
+            "  --max-sessions N       sessions kept in memory (default 64; idle ones are\n"
+            "                         evicted, least recently used first)\n"
+            "  --max-generations N    concurrent generations (default 32; more: error limit)\n"
+            "  --max-tokens N         cap of a generate's max_tokens (default 4096)\n"
+            "  --max-pending BYTES    unsent output per connection before its streams pause\n"
+            "                         (default 262144)\n"
+            "  --idle-timeout S       ping a silent connection after S s, drop it when it\n"
+            "                         does not answer (default 300)\n"
+            "  --threads N            compute threads (default: all CPUs)\n"
+            "  --quiet                no log lines\n");
+}
+
+enum { OPT_DB = 1000, OPT_LISTEN, OPT_AUTH, OPT_WWW, OPT_MAXMSG, OPT_MAXCONN, OPT_MAXSESS,
+       OPT_MAXGEN, OPT_MAXTOK, OPT_MAXPEND, OPT_IDLE, OPT_THREADS, OPT_QUIET };
+
+typedef struct signal_waiter {
+    web_server *srv;
+    sigset_t set;
+} signal_waiter;
+
+/* A dedicated thread takes SIGINT/SIGTERM (blocked everywhere else), so the
+ * service loop is woken from a normal thread, never from a handler. */
+static void *signal_thread(void *arg) {
+    signal_waiter *w = arg;
+    int sig = 0;
+    if (sigwait(&w->set, &sig) == 0) {
+        if (sig != SIGUSR1) fprintf(stderr, "kdaserve serve: %s received\n", strsignal(sig));
+        web_server_stop(w->srv);
+    }
+    return NULL;
+}
+
+static const char *opt_name(const struct option *opts, int val) {
+    for (; opts->name; opts++)
+        if (opts->val == val) return opts->name;
+    return "?";
+}
+
+int cmd_serve(int argc, char **argv) {
+    static const struct option opts[] = {
+        {"model", required_argument, 0, 'm'},
+        {"db", required_argument, 0, OPT_DB},
+        {"listen", required_argument, 0, OPT_LISTEN},
+        {"auth-file", required_argument, 0, OPT_AUTH},
+        {"www", required_argument, 0, OPT_WWW},
+        {"max-message", required_argument, 0, OPT_MAXMSG},
+        {"max-connections", required_argument, 0, OPT_MAXCONN},
+        {"max-sessions", required_argument, 0, OPT_MAXSESS},
+        {"max-generations", required_argument, 0, OPT_MAXGEN},
+        {"max-tokens", required_argument, 0, OPT_MAXTOK},
+        {"max-pending", required_argument, 0, OPT_MAXPEND},
+        {"idle-timeout", required_argument, 0, OPT_IDLE},
+        {"threads", required_argument, 0, OPT_THREADS},
+        {"quiet", no_argument, 0, OPT_QUIET},
+        {"help", no_argument, 0, 'h'},
+        {0, 0, 0, 0}};
+    web_params p = web_default_params();
+    const char *model = NULL, *db = NULL, *www = NULL;
+    int64_t v;
+    int c;
+    optind = 1;
+    while ((c = getopt_long(argc, argv, "m:h", opts, NULL)) != -1) {
+        switch (c) {
+        case 'm': model = optarg; break;
+        case OPT_DB: db = optarg; break;
+        case OPT_LISTEN: p.listen = optarg; break;
+        case OPT_AUTH: p.auth_file = optarg; break;
+        case OPT_WWW: www = optarg; break;
+        case OPT_QUIET: p.quiet = true; break;
+        case 'h': serve_usage(stdout); return 0;
+        case OPT_MAXMSG:
+            if (!cli_parse_i64(optarg, 64, (int64_t)1 << 30, &v))
+                return cli_failf("serve", "--max-message wants 64..1073741824 bytes");
+            p.max_message = (size_t)v;
+            break;
+        case OPT_MAXPEND:
+            if (!cli_parse_i64(optarg, 1024, (int64_t)1 << 30, &v))
+                return cli_failf("serve", "--max-pending wants 1024..1073741824 bytes");
+            p.max_pending = (size_t)v;
+            break;
+        case OPT_MAXCONN:
+        case OPT_MAXSESS:
+        case OPT_MAXGEN:
+        case OPT_MAXTOK:
+        case OPT_IDLE:
+        case OPT_THREADS:
+            if (!cli_parse_i64(optarg, 1, c == OPT_MAXTOK ? (int64_t)1 << 40 : 1 << 20, &v))
+                return cli_failf("serve", "--%s wants a positive number", opt_name(opts, c));
+            if (c == OPT_MAXCONN) p.max_connections = (int)v;
+            if (c == OPT_MAXSESS) p.max_sessions = (int)v;
+            if (c == OPT_MAXGEN) p.max_generations = (int)v;
+            if (c == OPT_MAXTOK) p.max_tokens = v;
+            if (c == OPT_IDLE) p.idle_timeout_s = (int)v;
+            if (c == OPT_THREADS) p.ctx.n_threads = (int)v;
+            break;
+        default: serve_usage(stderr); return 2;
+        }
+    }
+    if (optind < argc) {
+        serve_usage(stderr);
+        return 2;
+    }
+    if (p.max_generations > 256) return cli_failf("serve", "--max-generations is at most 256");
+    char www_buf[4200];
+    if (!www) {
+        if (access("web/www/index.html", R_OK) == 0)
+            www = "web/www";
+        else if (cli_beside_binary("web/www/index.html", www_buf, sizeof www_buf)) {
+            www_buf[strlen(www_buf) - strlen("/index.html")] = '\0';
+            www = www_buf;
+        }
+    } else if (access(www, R_OK) != 0) {
+        return cli_failf("serve", "--www %s: no such directory", www);
+    }
+    p.www_dir = www;
+    const char *dir = cli_model_dir("serve", model);
+    if (!dir) return 1;
+
+    kds_err err = {0};
+    eng_model *m = NULL;
+    sess_store *st = NULL;
+    web_server *srv = NULL;
+    int rc = 1;
+    eng_model_params mp = eng_model_default_params();
+    mp.progress = !p.quiet;
+    if (eng_model_load(dir, &mp, &m, &err) != KDS_OK) return cli_fail("serve", &err);
+    if (sess_open(db, NULL, &st, &err) != KDS_OK) {
+        rc = cli_fail("serve", &err);
+        goto out;
+    }
+    /* SIGINT/SIGTERM go to the signal thread only: block them before any
+     * thread (engine, pool) is created so every thread inherits the mask. */
+    signal_waiter w = {0};
+    sigemptyset(&w.set);
+    sigaddset(&w.set, SIGINT);
+    sigaddset(&w.set, SIGTERM);
+    sigaddset(&w.set, SIGUSR1);
+    pthread_sigmask(SIG_BLOCK, &w.set, NULL);
+    signal(SIGPIPE, SIG_IGN);
+    if (web_server_create(&p, m, st, &srv, &err) != KDS_OK) {
+        rc = cli_fail("serve", &err);
+        goto out;
+    }
+    w.srv = srv;
+    pthread_t sig_thread;
+    if (pthread_create(&sig_thread, NULL, signal_thread, &w) != 0) {
+        rc = cli_failf("serve", "cannot start the signal thread");
+        goto out;
+    }
+    if (!p.quiet) {
+        fprintf(stderr, "kdaserve serve: model %s, store %s, web page %s\n", dir,
+                sess_store_dir(st), www ? www : "none (no web/www found; --www DIR)");
+    }
+    /* the line tests and scripts wait for (the port is known now) */
+    printf("listening on http://%s/ port %d\n", p.listen, web_server_port(srv));
+    fflush(stdout);
+    rc = web_server_run(srv, &err) == KDS_OK ? 0 : cli_fail("serve", &err);
+    pthread_kill(sig_thread, SIGUSR1); /* wakes the signal thread if the loop ended otherwise */
+    pthread_join(sig_thread, NULL);
+out:
+    web_server_free(srv);
+    sess_close(st);
+    eng_model_free(m);
+    return rc;
+}

@@ -1,0 +1,1252 @@
+/*
+ * web_engine.c - the engine thread: sessions in memory, requests, and the
+ * continuous-batching generation loop.
+ *
+ * Every turn of the loop:
+ *   1. take every queued request and answer it (store operations run here,
+ *      so the store and the sessions in memory have one owner);
+ *   2. advance prefills: each generation still feeding its prompt gets one
+ *      slice of at most max_batch tokens (so a long prompt never stalls the
+ *      other streams for more than one slice);
+ *   3. one decode step for every generation that is decoding and whose
+ *      connection is not behind on reading (backpressure is per
+ *      connection): sample each next token from the sequence's logits, then
+ *      feed all of them in ONE forward pass (eng_decode_batch);
+ *   4. finish generations that ended: save the session (a new snapshot as
+ *      its head, with the turn in its transcript), then send `done`.
+ *
+ * A generation ends on a stop token (kept in the context, as in the REPL),
+ * at max_tokens, or on cancel / disconnect; in the chat format a reply cut
+ * short is closed with <|im_end|> so the context always ends on a finished
+ * turn. Sessions in memory are clean between turns (saved after every turn),
+ * so evicting the least recently used idle one costs nothing.
+ */
+#include <inttypes.h>
+#include <math.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "eng_config.h"
+#include "web_internal.h"
+
+#define LAST_TURNS 4
+#define LINEAGE_MAX 100000
+
+typedef struct gen gen;
+
+typedef struct hot {
+    bool used;
+    char name[SESS_NAME_MAX + 1]; /* store name */
+    eng_seq *seq;
+    uint64_t base;                /* head snapshot the sequence equals */
+    bool chat;
+    double last_used;
+    gen *gen;                     /* the generation running on it */
+    double last_resume_ms, last_prefill_tok_s, last_decode_tok_s;
+} hot;
+
+typedef enum gen_phase { G_PREFILL, G_DECODE, G_CLOSE, G_FINISH } gen_phase;
+
+struct gen {
+    gen *next;
+    uint64_t serial, conn;
+    cJSON *id;
+    bool msgpack;
+    hot *h;
+    int32_t *ids;
+    int64_t n_ids, fed;
+    char *prompt;                 /* the request's text, for the transcript */
+    size_t prompt_len;
+    int64_t max_tokens, produced, context0;
+    eng_sampler_params sp;
+    eng_tok_stream *stream;
+    char *reply;
+    size_t reply_len, reply_cap;
+    gen_phase phase;
+    const char *reason;           /* why it ends (set with G_CLOSE / G_FINISH) */
+    bool cancel, gone;
+    int32_t feed;                 /* token fed in this step, -1 = none */
+    gen_phase after;              /* phase after this step's feed */
+    char error[512];              /* reason "error" */
+    double t_arrive, t_start, t_first, t_prefill_end, t_decode0;
+};
+
+struct web_engine {
+    web_server *s;
+    eng_ctx *c;
+    hot *hots;
+    int n_hot_max;
+    gen *gens;
+    int n_gens;
+    uint64_t next_serial;
+    bool model_chat;
+    int32_t im_end;
+    bool stopping;
+    eng_seq **b_seqs;
+    int32_t *b_ids;
+    gen **b_gens;
+    double rate_t0;
+    uint64_t rate_tokens;
+};
+
+/* ------------------------------------------------------------------------ */
+/* Helpers                                                                   */
+
+static void send_ev(web_engine *E, const web_req *r, cJSON *ev) {
+    web__send(E->s, r->conn, ev, r->msgpack);
+}
+
+static void fail(web_engine *E, const web_req *r, const cJSON *id, int code, const char *fmt, ...)
+    __attribute__((format(printf, 5, 6)));
+static void fail(web_engine *E, const web_req *r, const cJSON *id, int code, const char *fmt, ...) {
+    char msg[600];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    send_ev(E, r, web__error(E->s, id, code, "%s", msg));
+}
+
+static void fail_err(web_engine *E, const web_req *r, const cJSON *id, const kds_err *e) {
+    fail(E, r, id, web__code_of(e->status), "%s", e->msg);
+}
+
+/* The store's name of a client's session name (tenants get "TENANT."). */
+static bool store_name(const web_req *r, const char *client, char out[SESS_NAME_MAX + 1]) {
+    if (!client || !sess_name_valid(client)) return false;
+    if (!r->auth) {
+        snprintf(out, SESS_NAME_MAX + 1, "%s", client);
+        return true;
+    }
+    size_t nt = strlen(r->tenant), nc = strlen(client);
+    if (nt + 1 + nc > SESS_NAME_MAX) return false;
+    memcpy(out, r->tenant, nt);
+    out[nt] = '.';
+    memcpy(out + nt + 1, client, nc + 1);
+    return sess_name_valid(out);
+}
+
+/* True when a store name belongs to the request's tenant. */
+static bool owned(const web_req *r, const char *store) {
+    if (!r->auth) return true;
+    size_t n = strlen(r->tenant);
+    return !strncmp(store, r->tenant, n) && store[n] == '.';
+}
+
+static const char *client_name(const web_req *r, const char *store) {
+    return r->auth ? store + strlen(r->tenant) + 1 : store;
+}
+
+static const char *get_str(const cJSON *msg, const char *key) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(msg, key);
+    return cJSON_IsString(v) ? v->valuestring : NULL;
+}
+
+/* A session name argument: present, a string, valid. */
+static bool arg_session(web_engine *E, const web_req *r, const cJSON *id, const char *key,
+                        char out[SESS_NAME_MAX + 1]) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(r->msg, key);
+    if (!v) {
+        fail(E, r, id, WEB_ERR_BAD_REQUEST, "'%s' (a session name) is missing", key);
+        return false;
+    }
+    if (!cJSON_IsString(v) || !store_name(r, v->valuestring, out)) {
+        fail(E, r, id, WEB_ERR_BAD_REQUEST,
+             "'%s' must be a session name: 1-%d of [A-Za-z0-9._-], starting with a letter or digit",
+             key, r->auth ? SESS_NAME_MAX - (int)strlen(r->tenant) - 1 : SESS_NAME_MAX);
+        return false;
+    }
+    return true;
+}
+
+/* An optional number in [lo, hi]; false (error sent) when present and wrong. */
+static bool arg_num(web_engine *E, const web_req *r, const cJSON *id, const char *key, double lo,
+                    double hi, double *out) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(r->msg, key);
+    if (!v || cJSON_IsNull(v)) return true;
+    if (!cJSON_IsNumber(v) || !(v->valuedouble >= lo && v->valuedouble <= hi)) {
+        fail(E, r, id, WEB_ERR_BAD_REQUEST, "'%s' must be a number in [%g, %g]", key, lo, hi);
+        return false;
+    }
+    *out = v->valuedouble;
+    return true;
+}
+
+/* Session info, refusing other tenants' sessions as not found. */
+static bool get_session(web_engine *E, const web_req *r, const cJSON *id, const char *store,
+                        sess_session_info *info) {
+    kds_err e = {0};
+    if (!owned(r, store)) {
+        fail(E, r, id, WEB_ERR_NOT_FOUND, "no session '%s'", client_name(r, store));
+        return false;
+    }
+    kds_status rc = sess_session_get(E->s->st, store, info, &e);
+    if (rc == KDS_NOT_FOUND) {
+        fail(E, r, id, WEB_ERR_NOT_FOUND, "no session '%s'", client_name(r, store));
+        return false;
+    }
+    if (rc != KDS_OK) {
+        fail_err(E, r, id, &e);
+        return false;
+    }
+    return true;
+}
+
+static hot *find_hot(web_engine *E, const char *store) {
+    for (int i = 0; i < E->n_hot_max; i++)
+        if (E->hots[i].used && !strcmp(E->hots[i].name, store)) return &E->hots[i];
+    return NULL;
+}
+
+static void drop_hot(web_engine *E, hot *h) {
+    eng_seq_free(h->seq);
+    memset(h, 0, sizeof *h);
+    atomic_fetch_sub(&E->s->metrics.sessions_hot, 1);
+}
+
+/* A free slot, evicting the least recently used idle session (it is saved
+ * already). NULL when every slot is generating. */
+static hot *free_slot(web_engine *E) {
+    hot *lru = NULL;
+    for (int i = 0; i < E->n_hot_max; i++) {
+        hot *h = &E->hots[i];
+        if (!h->used) return h;
+        if (!h->gen && (!lru || h->last_used < lru->last_used)) lru = h;
+    }
+    if (lru) drop_hot(E, lru);
+    return lru;
+}
+
+static const char *state_of(web_engine *E, const char *store) {
+    hot *h = find_hot(E, store);
+    return !h ? "cold" : h->gen ? "generating" : "hot";
+}
+
+/* The session in memory, loaded from the store when cold. */
+static hot *ensure_hot(web_engine *E, const web_req *r, const cJSON *id, const char *store) {
+    hot *h = find_hot(E, store);
+    if (h) {
+        h->last_used = web__now_s();
+        return h;
+    }
+    sess_session_info info;
+    if (!get_session(E, r, id, store, &info)) return NULL;
+    if (!(h = free_slot(E))) {
+        fail(E, r, id, WEB_ERR_LIMIT,
+             "all %d sessions in memory are generating (--max-sessions); try again later",
+             E->n_hot_max);
+        return NULL;
+    }
+    kds_err e = {0};
+    eng_seq *seq = NULL;
+    if (eng_seq_create(E->s->m, 0, &seq, &e) != KDS_OK) {
+        fail_err(E, r, id, &e);
+        return NULL;
+    }
+    double t0 = web__now_s();
+    if (sess_load(E->s->st, info.head, E->s->m, seq, NULL, &e) != KDS_OK) {
+        eng_seq_free(seq);
+        fail(E, r, id, web__code_of(e.status), "cannot open session '%s': %s",
+             client_name(r, store), e.msg);
+        return NULL;
+    }
+    double ms = (web__now_s() - t0) * 1e3;
+    web__hist_add(&E->s->metrics.restore_ms, ms);
+    memset(h, 0, sizeof *h);
+    h->used = true;
+    snprintf(h->name, sizeof h->name, "%s", store);
+    h->seq = seq;
+    h->base = info.head;
+    h->chat = E->model_chat;
+    h->last_used = web__now_s();
+    h->last_resume_ms = ms;
+    atomic_fetch_add(&E->s->metrics.sessions_hot, 1);
+    return h;
+}
+
+static cJSON *turn_json(const sess_turn_record *t) {
+    cJSON *o = cJSON_CreateObject();
+    if (!o) return NULL;
+    cJSON_AddStringToObject(o, "prompt", t->prompt ? t->prompt : "");
+    cJSON_AddStringToObject(o, "reply", t->output ? t->output : "");
+    cJSON_AddNumberToObject(o, "prompt_tokens", (double)t->prompt_tokens);
+    cJSON_AddNumberToObject(o, "reply_tokens", (double)t->output_tokens);
+    cJSON_AddNumberToObject(o, "tokens", (double)t->tokens);
+    cJSON_AddNumberToObject(o, "snapshot", (double)t->snapshot);
+    cJSON_AddNumberToObject(o, "time", (double)t->time_us);
+    return o;
+}
+
+/* The last `last` turns (0 = all) of a session as a JSON array. */
+static cJSON *turns_json(web_engine *E, const char *store, size_t last, kds_err *e) {
+    sess_turn_record *t = NULL;
+    size_t n = 0;
+    if (sess_transcript(E->s->st, store, &t, &n, e) != KDS_OK) return NULL;
+    cJSON *a = cJSON_CreateArray();
+    size_t from = last && n > last ? n - last : 0;
+    for (size_t i = from; a && i < n; i++) cJSON_AddItemToArray(a, turn_json(&t[i]));
+    sess_transcript_free(t, n);
+    return a;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Operations                                                                */
+
+static void op_info(web_engine *E, const web_req *r, const cJSON *id) {
+    const eng_config *cfg = eng_model_config(E->s->m);
+    eng_state_size sz = eng_config_state_size(cfg);
+    cJSON *o = web__event(id, "result");
+    cJSON_AddStringToObject(o, "server", "kdaserve 0.1.0");
+    cJSON_AddStringToObject(o, "protocol", WEB_PROTOCOL);
+    cJSON *m = cJSON_AddObjectToObject(o, "model");
+    const char *dir = eng_model_dir(E->s->m), *base = strrchr(dir, '/');
+    cJSON_AddStringToObject(m, "name", base && base[1] ? base + 1 : dir);
+    cJSON_AddStringToObject(m, "fingerprint", eng_model_fingerprint(E->s->m));
+    cJSON_AddNumberToObject(m, "params", (double)eng_config_param_count(cfg));
+    cJSON_AddNumberToObject(m, "vocab", cfg->vocab_size);
+    cJSON_AddNumberToObject(m, "layers", cfg->num_hidden_layers);
+    cJSON_AddNumberToObject(m, "kda_layers", cfg->n_kda_layers);
+    cJSON_AddNumberToObject(m, "mla_layers", cfg->n_mla_layers);
+    cJSON_AddNumberToObject(m, "state_bytes", (double)sz.fixed);
+    cJSON_AddNumberToObject(m, "state_bytes_per_token", (double)sz.per_token);
+    cJSON_AddBoolToObject(m, "chat", E->model_chat);
+    cJSON *l = cJSON_AddObjectToObject(o, "limits");
+    const web_params *p = &E->s->p;
+    cJSON_AddNumberToObject(l, "max_message_bytes", (double)p->max_message);
+    cJSON_AddNumberToObject(l, "max_sessions", p->max_sessions);
+    cJSON_AddNumberToObject(l, "max_generations", p->max_generations);
+    cJSON_AddNumberToObject(l, "max_tokens", (double)p->max_tokens);
+    cJSON_AddNumberToObject(l, "idle_timeout_s", p->idle_timeout_s);
+    send_ev(E, r, o);
+}
+
+static cJSON *session_json(web_engine *E, const web_req *r, const sess_session_info *s) {
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddStringToObject(o, "name", client_name(r, s->name));
+    cJSON_AddNumberToObject(o, "tokens", (double)s->tokens);
+    cJSON_AddNumberToObject(o, "turns", s->turns);
+    cJSON_AddNumberToObject(o, "created", (double)s->created_us);
+    cJSON_AddNumberToObject(o, "updated", (double)s->updated_us);
+    cJSON_AddStringToObject(o, "parent",
+                            s->parent[0] && owned(r, s->parent) ? client_name(r, s->parent) : "");
+    cJSON_AddNumberToObject(o, "head", (double)s->head);
+    hot *h = find_hot(E, s->name);
+    cJSON_AddStringToObject(o, "mode", (h ? h->chat : E->model_chat) ? "chat" : "plain");
+    cJSON_AddStringToObject(o, "state", state_of(E, s->name));
+    return o;
+}
+
+static void op_list(web_engine *E, const web_req *r, const cJSON *id) {
+    sess_session_info *all = NULL;
+    size_t n = 0;
+    kds_err e = {0};
+    if (sess_session_list(E->s->st, &all, &n, &e) != KDS_OK) {
+        fail_err(E, r, id, &e);
+        return;
+    }
+    cJSON *o = web__event(id, "result");
+    cJSON *a = cJSON_AddArrayToObject(o, "sessions");
+    for (size_t i = 0; i < n; i++)
+        if (owned(r, all[i].name) && all[i].tokens >= 0)
+            cJSON_AddItemToArray(a, session_json(E, r, &all[i]));
+    free(all);
+    send_ev(E, r, o);
+}
+
+static void op_create(web_engine *E, const web_req *r, const cJSON *id) {
+    char store[SESS_NAME_MAX + 1], client[SESS_NAME_MAX + 1];
+    kds_err e = {0};
+    if (cJSON_GetObjectItemCaseSensitive(r->msg, "session")) {
+        if (!arg_session(E, r, id, "session", store)) return;
+    } else {
+        /* s-<utc time>, then -2, -3 ... until free */
+        time_t now = time(NULL);
+        struct tm tmv;
+        gmtime_r(&now, &tmv);
+        char stamp[32];
+        strftime(stamp, sizeof stamp, "s-%Y%m%d-%H%M%S", &tmv);
+        bool found = false;
+        for (int k = 1; k < 1000 && !found; k++) {
+            if (k == 1)
+                snprintf(client, sizeof client, "%s", stamp);
+            else
+                snprintf(client, sizeof client, "%s-%d", stamp, k);
+            sess_session_info tmp;
+            found = store_name(r, client, store) &&
+                    sess_session_get(E->s->st, store, &tmp, &e) == KDS_NOT_FOUND;
+        }
+        if (!found) {
+            fail(E, r, id, WEB_ERR_EXISTS, "no free automatic session name; give one");
+            return;
+        }
+    }
+    const char *mode = get_str(r->msg, "mode");
+    const cJSON *mv = cJSON_GetObjectItemCaseSensitive(r->msg, "mode");
+    if (mv && (!mode || (strcmp(mode, "chat") && strcmp(mode, "plain")))) {
+        fail(E, r, id, WEB_ERR_BAD_REQUEST, "'mode' must be \"chat\" or \"plain\"");
+        return;
+    }
+    bool chat = mode ? !strcmp(mode, "chat") : E->model_chat;
+    if (chat && !eng_chat_supported(eng_model_tokenizer(E->s->m))) {
+        fail(E, r, id, WEB_ERR_BAD_REQUEST,
+             "this model's tokenizer has no chat format; use \"mode\":\"plain\"");
+        return;
+    }
+    const cJSON *sv = cJSON_GetObjectItemCaseSensitive(r->msg, "system");
+    if (sv && !cJSON_IsString(sv) && !cJSON_IsNull(sv)) {
+        fail(E, r, id, WEB_ERR_BAD_REQUEST, "'system' must be a string");
+        return;
+    }
+    const char *system = cJSON_IsString(sv) ? sv->valuestring : NULL;
+    sess_session_info tmp;
+    kds_status rc = sess_session_get(E->s->st, store, &tmp, &e);
+    if (rc == KDS_OK || find_hot(E, store)) {
+        fail(E, r, id, WEB_ERR_EXISTS, "session '%s' already exists", client_name(r, store));
+        return;
+    }
+    if (rc != KDS_NOT_FOUND) {
+        fail_err(E, r, id, &e);
+        return;
+    }
+    kds_err_clear(&e);
+    hot *h = free_slot(E);
+    if (!h) {
+        fail(E, r, id, WEB_ERR_LIMIT, "all %d sessions in memory are generating (--max-sessions)",
+             E->n_hot_max);
+        return;
+    }
+    eng_seq *seq = NULL;
+    int32_t *ids = NULL;
+    int64_t n = 0;
+    uint64_t snap = 0;
+    if (eng_seq_create(E->s->m, (uint64_t)web__now_us(), &seq, &e) != KDS_OK) goto fail;
+    if (system && *system) {
+        const eng_tokenizer *tok = eng_model_tokenizer(E->s->m);
+        /* chat: a system turn alone; plain: the text itself */
+        if (chat) {
+            eng_chat_msg msg = {.role = "system", .content = system};
+            eng_chat_params cp = eng_chat_default_params();
+            cp.add_generation_prompt = false;
+            int64_t count = 0;
+            if (eng_chat_render(tok, &msg, 1, &cp, NULL, 0, &count, &e) != KDS_OK) goto fail;
+            if (!(ids = malloc((size_t)(count + 1) * sizeof *ids))) goto nomem;
+            if (eng_chat_render(tok, &msg, 1, &cp, ids, count, &n, &e) != KDS_OK) goto fail;
+        } else if (eng_chat_turn(tok, false, 0, NULL, system, strlen(system), false, &ids, &n,
+                                 &e) != KDS_OK) {
+            goto fail;
+        }
+        if (n > 0 && eng_prefill(E->c, seq, ids, n, NULL, NULL, NULL, &e) != KDS_OK) goto fail;
+        atomic_fetch_add(&E->s->metrics.tokens_prefilled, (uint64_t)n);
+    }
+    sess_turn turn = {.prompt = system ? system : "", .prompt_len = system ? strlen(system) : 0,
+                      .output = "", .output_len = 0, .prompt_tokens = n, .output_tokens = 0};
+    double t0 = web__now_s();
+    if (sess_save(E->s->st, store, 0, E->s->m, seq, system && *system ? &turn : NULL, &snap, &e) !=
+        KDS_OK) {
+        if (e.status == KDS_BUSY) e.status = KDS_EXISTS; /* another process made it meanwhile */
+        goto fail;
+    }
+    web__hist_add(&E->s->metrics.save_ms, (web__now_s() - t0) * 1e3);
+    free(ids);
+    memset(h, 0, sizeof *h);
+    h->used = true;
+    snprintf(h->name, sizeof h->name, "%s", store);
+    h->seq = seq;
+    h->base = snap;
+    h->chat = chat;
+    h->last_used = web__now_s();
+    atomic_fetch_add(&E->s->metrics.sessions_hot, 1);
+    cJSON *o = web__event(id, "result");
+    cJSON_AddStringToObject(o, "session", client_name(r, store));
+    cJSON_AddNumberToObject(o, "tokens", (double)eng_seq_pos(seq));
+    cJSON_AddStringToObject(o, "mode", chat ? "chat" : "plain");
+    cJSON_AddNumberToObject(o, "snapshot", (double)snap);
+    send_ev(E, r, o);
+    return;
+nomem:
+    kds_err_set(&e, KDS_NOMEM, "out of memory");
+fail:
+    free(ids);
+    eng_seq_free(seq);
+    fail(E, r, id, web__code_of(e.status), "cannot create session '%s': %s", client_name(r, store),
+         e.msg);
+}
+
+static void op_open(web_engine *E, const web_req *r, const cJSON *id) {
+    char store[SESS_NAME_MAX + 1];
+    if (!arg_session(E, r, id, "session", store)) return;
+    bool was_hot = find_hot(E, store) != NULL;
+    hot *h = ensure_hot(E, r, id, store);
+    if (!h) return;
+    kds_err e = {0};
+    sess_session_info info;
+    if (sess_session_get(E->s->st, store, &info, &e) != KDS_OK) {
+        fail_err(E, r, id, &e);
+        return;
+    }
+    cJSON *turns = turns_json(E, store, LAST_TURNS, &e);
+    if (!turns) {
+        fail_err(E, r, id, &e);
+        return;
+    }
+    cJSON *o = web__event(id, "result");
+    cJSON_AddStringToObject(o, "session", client_name(r, store));
+    cJSON_AddNumberToObject(o, "tokens", (double)eng_seq_pos(h->seq));
+    cJSON_AddNumberToObject(o, "turns", info.turns);
+    cJSON_AddStringToObject(o, "mode", h->chat ? "chat" : "plain");
+    cJSON_AddNumberToObject(o, "state_bytes", (double)eng_seq_state_bytes(h->seq));
+    cJSON_AddNumberToObject(o, "resume_ms", was_hot ? 0.0 : h->last_resume_ms);
+    cJSON_AddItemToObject(o, "last_turns", turns);
+    send_ev(E, r, o);
+}
+
+static void op_fork(web_engine *E, const web_req *r, const cJSON *id) {
+    char src[SESS_NAME_MAX + 1], dst[SESS_NAME_MAX + 1], made[SESS_NAME_MAX + 1];
+    if (!arg_session(E, r, id, "session", src)) return;
+    bool named = cJSON_GetObjectItemCaseSensitive(r->msg, "name") != NULL;
+    if (named && !arg_session(E, r, id, "name", dst)) return;
+    sess_session_info info;
+    if (!get_session(E, r, id, src, &info)) return;
+    kds_err e = {0};
+    if (sess_fork(E->s->st, src, named ? dst : NULL, made, &e) != KDS_OK) {
+        fail_err(E, r, id, &e);
+        return;
+    }
+    hot *h = find_hot(E, src);
+    cJSON *o = web__event(id, "result");
+    cJSON_AddStringToObject(o, "session", client_name(r, made));
+    cJSON_AddNumberToObject(o, "tokens", (double)info.tokens);
+    send_ev(E, r, o);
+    (void)h;
+}
+
+static void op_rename(web_engine *E, const web_req *r, const cJSON *id) {
+    char from[SESS_NAME_MAX + 1], to[SESS_NAME_MAX + 1];
+    if (!arg_session(E, r, id, "session", from) || !arg_session(E, r, id, "name", to)) return;
+    sess_session_info info;
+    if (!get_session(E, r, id, from, &info)) return;
+    hot *h = find_hot(E, from);
+    if (h && h->gen) {
+        fail(E, r, id, WEB_ERR_BUSY, "session '%s' is generating; cancel it first",
+             client_name(r, from));
+        return;
+    }
+    kds_err e = {0};
+    if (sess_session_rename(E->s->st, from, to, &e) != KDS_OK) {
+        fail_err(E, r, id, &e);
+        return;
+    }
+    if (h) snprintf(h->name, sizeof h->name, "%s", to);
+    cJSON *o = web__event(id, "result");
+    cJSON_AddStringToObject(o, "session", client_name(r, to));
+    send_ev(E, r, o);
+}
+
+static void op_delete(web_engine *E, const web_req *r, const cJSON *id) {
+    char store[SESS_NAME_MAX + 1];
+    if (!arg_session(E, r, id, "session", store)) return;
+    sess_session_info info;
+    if (!get_session(E, r, id, store, &info)) return;
+    hot *h = find_hot(E, store);
+    if (h && h->gen) {
+        fail(E, r, id, WEB_ERR_BUSY, "session '%s' is generating; cancel it first",
+             client_name(r, store));
+        return;
+    }
+    kds_err e = {0};
+    if (sess_session_delete(E->s->st, store, &e) != KDS_OK) {
+        fail_err(E, r, id, &e);
+        return;
+    }
+    if (h) drop_hot(E, h);
+    send_ev(E, r, web__event(id, "result"));
+}
+
+static void op_history(web_engine *E, const web_req *r, const cJSON *id) {
+    char store[SESS_NAME_MAX + 1];
+    if (!arg_session(E, r, id, "session", store)) return;
+    double last = 0;
+    if (!arg_num(E, r, id, "last", 0, 1e9, &last)) return;
+    sess_session_info info;
+    if (!get_session(E, r, id, store, &info)) return;
+    kds_err e = {0};
+    cJSON *turns = turns_json(E, store, (size_t)last, &e);
+    if (!turns) {
+        fail_err(E, r, id, &e);
+        return;
+    }
+    cJSON *o = web__event(id, "result");
+    cJSON_AddItemToObject(o, "turns", turns);
+    send_ev(E, r, o);
+}
+
+static void op_snapshots(web_engine *E, const web_req *r, const cJSON *id) {
+    char store[SESS_NAME_MAX + 1];
+    if (!arg_session(E, r, id, "session", store)) return;
+    sess_session_info info;
+    if (!get_session(E, r, id, store, &info)) return;
+    cJSON *o = web__event(id, "result");
+    cJSON *a = cJSON_AddArrayToObject(o, "snapshots");
+    /* the head and its ancestors, newest first; gc may have removed old ones */
+    uint64_t sid = info.head;
+    for (int k = 0; sid && k < LINEAGE_MAX; k++) {
+        sess_snapshot_info si;
+        kds_err e = {0};
+        if (sess_snapshot_get(E->s->st, sid, &si, &e) != KDS_OK) break;
+        if (!owned(r, si.origin)) break;
+        cJSON *p = cJSON_CreateObject();
+        cJSON_AddNumberToObject(p, "id", (double)si.id);
+        cJSON_AddNumberToObject(p, "tokens", (double)si.tokens);
+        cJSON_AddNumberToObject(p, "created", (double)si.created_us);
+        cJSON_AddNumberToObject(p, "parent", (double)si.parent);
+        cJSON_AddItemToArray(a, p);
+        sid = si.parent;
+    }
+    send_ev(E, r, o);
+}
+
+static void op_restore(web_engine *E, const web_req *r, const cJSON *id) {
+    const cJSON *sv = cJSON_GetObjectItemCaseSensitive(r->msg, "snapshot");
+    uint64_t sid = 0;
+    if (cJSON_IsNumber(sv) && sv->valuedouble >= 1 && sv->valuedouble < 9007199254740992.0 &&
+        sv->valuedouble == floor(sv->valuedouble))
+        sid = (uint64_t)sv->valuedouble;
+    else if (!cJSON_IsString(sv) || !sess_parse_snapshot_id(sv->valuestring, &sid)) {
+        fail(E, r, id, WEB_ERR_BAD_REQUEST, "'snapshot' must be a snapshot id (12 or \"@12\")");
+        return;
+    }
+    char dst[SESS_NAME_MAX + 1], client[SESS_NAME_MAX + 1], made[SESS_NAME_MAX + 1], src[32];
+    bool named = cJSON_GetObjectItemCaseSensitive(r->msg, "name") != NULL;
+    if (named && !arg_session(E, r, id, "name", dst)) return;
+    kds_err e = {0};
+    sess_snapshot_info si;
+    if (sess_snapshot_get(E->s->st, sid, &si, &e) != KDS_OK) {
+        if (e.status == KDS_NOT_FOUND)
+            fail(E, r, id, WEB_ERR_NOT_FOUND, "no snapshot @%" PRIu64, sid);
+        else
+            fail_err(E, r, id, &e);
+        return;
+    }
+    if (r->auth && !owned(r, si.origin)) {
+        fail(E, r, id, WEB_ERR_NOT_FOUND, "no snapshot @%" PRIu64, sid);
+        return;
+    }
+    if (sess_verify(E->s->st, sid, E->s->m, &e) != KDS_OK) {
+        fail(E, r, id, web__code_of(e.status), "cannot restore @%" PRIu64 ": %s", sid, e.msg);
+        return;
+    }
+    if (!named) {
+        bool found = false;
+        for (int k = 1; k < 1000 && !found; k++) {
+            if (k == 1)
+                snprintf(client, sizeof client, "snap%" PRIu64, sid);
+            else
+                snprintf(client, sizeof client, "snap%" PRIu64 "-%d", sid, k);
+            sess_session_info tmp;
+            found = store_name(r, client, dst) &&
+                    sess_session_get(E->s->st, dst, &tmp, &e) == KDS_NOT_FOUND;
+        }
+        if (!found) {
+            fail(E, r, id, WEB_ERR_EXISTS, "no free automatic session name; give one");
+            return;
+        }
+        kds_err_clear(&e);
+    }
+    snprintf(src, sizeof src, "@%" PRIu64, sid);
+    if (sess_fork(E->s->st, src, dst, made, &e) != KDS_OK) {
+        fail_err(E, r, id, &e);
+        return;
+    }
+    cJSON *o = web__event(id, "result");
+    cJSON_AddStringToObject(o, "session", client_name(r, made));
+    cJSON_AddNumberToObject(o, "tokens", (double)si.tokens);
+    cJSON_AddNumberToObject(o, "snapshot", (double)sid);
+    send_ev(E, r, o);
+}
+
+static double rate_now(web_engine *E) {
+    uint64_t bits = atomic_load(&E->s->metrics.rate_bits);
+    double v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
+static void op_stats(web_engine *E, const web_req *r, const cJSON *id) {
+    web_metrics *m = &E->s->metrics;
+    cJSON *o = web__event(id, "result");
+    cJSON *sv = cJSON_AddObjectToObject(o, "server");
+    cJSON_AddNumberToObject(sv, "uptime_s", (double)(web__now_us() - E->s->started_us) / 1e6);
+    cJSON_AddNumberToObject(sv, "connections", (double)atomic_load(&m->connections));
+    cJSON_AddNumberToObject(sv, "sessions_hot", (double)atomic_load(&m->sessions_hot));
+    cJSON_AddNumberToObject(sv, "generations_active", E->n_gens);
+    cJSON_AddNumberToObject(sv, "tokens_generated", (double)atomic_load(&m->tokens_generated));
+    cJSON_AddNumberToObject(sv, "tokens_prefilled", (double)atomic_load(&m->tokens_prefilled));
+    cJSON_AddNumberToObject(sv, "decode_tok_s", rate_now(E));
+    uint64_t steps = atomic_load(&m->decode_steps), rows = atomic_load(&m->decode_rows);
+    cJSON_AddNumberToObject(sv, "batch_mean", steps ? (double)rows / (double)steps : 0.0);
+    if (cJSON_GetObjectItemCaseSensitive(r->msg, "session")) {
+        char store[SESS_NAME_MAX + 1];
+        if (!arg_session(E, r, id, "session", store)) {
+            cJSON_Delete(o);
+            return;
+        }
+        sess_session_info info;
+        if (!get_session(E, r, id, store, &info)) {
+            cJSON_Delete(o);
+            return;
+        }
+        hot *h = find_hot(E, store);
+        cJSON *ss = cJSON_AddObjectToObject(o, "session");
+        cJSON_AddNumberToObject(ss, "tokens", (double)(h ? eng_seq_pos(h->seq) : info.tokens));
+        cJSON_AddNumberToObject(ss, "state_bytes",
+                                (double)(h ? eng_seq_state_bytes(h->seq)
+                                           : sess_snapshot_size(eng_model_config(E->s->m),
+                                                                info.tokens).total));
+        cJSON_AddStringToObject(ss, "mode", (h ? h->chat : E->model_chat) ? "chat" : "plain");
+        cJSON_AddStringToObject(ss, "state", state_of(E, store));
+        cJSON_AddNumberToObject(ss, "last_resume_ms", h ? h->last_resume_ms : 0.0);
+        cJSON_AddNumberToObject(ss, "last_prefill_tok_s", h ? h->last_prefill_tok_s : 0.0);
+        cJSON_AddNumberToObject(ss, "last_decode_tok_s", h ? h->last_decode_tok_s : 0.0);
+    }
+    send_ev(E, r, o);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Generations                                                               */
+
+static void gen_free(gen *g) {
+    if (!g) return;
+    cJSON_Delete(g->id);
+    free(g->ids);
+    free(g->prompt);
+    free(g->reply);
+    eng_tok_stream_free(g->stream);
+    free(g);
+}
+
+static bool reply_append(gen *g, const char *p, size_t n) {
+    if (g->reply_len + n + 1 > g->reply_cap) {
+        size_t cap = g->reply_cap ? g->reply_cap * 2 : 256;
+        while (cap < g->reply_len + n + 1) cap *= 2;
+        char *t = realloc(g->reply, cap);
+        if (!t) return false;
+        g->reply = t;
+        g->reply_cap = cap;
+    }
+    memcpy(g->reply + g->reply_len, p, n);
+    g->reply_len += n;
+    g->reply[g->reply_len] = '\0';
+    return true;
+}
+
+static void op_generate(web_engine *E, const web_req *r, const cJSON *id) {
+    char store[SESS_NAME_MAX + 1];
+    if (!arg_session(E, r, id, "session", store)) return;
+    const cJSON *mv = cJSON_GetObjectItemCaseSensitive(r->msg, "message");
+    const cJSON *tv = cJSON_GetObjectItemCaseSensitive(r->msg, "text");
+    if ((mv != NULL) == (tv != NULL) || (mv && !cJSON_IsString(mv)) || (tv && !cJSON_IsString(tv))) {
+        fail(E, r, id, WEB_ERR_BAD_REQUEST,
+             "give exactly one of 'message' (a user message) or 'text' (raw text), as a string");
+        return;
+    }
+    eng_sampler_params sp = eng_sampler_default_params();
+    double temp = sp.temperature, top_p = sp.top_p, top_k = sp.top_k, min_p = sp.min_p,
+           rep = sp.repeat_penalty, max_tokens = 512, seed = -1;
+    if (!arg_num(E, r, id, "temperature", 0, 100, &temp) || !arg_num(E, r, id, "top_p", 0, 1, &top_p) ||
+        !arg_num(E, r, id, "top_k", 0, 1e9, &top_k) || !arg_num(E, r, id, "min_p", 0, 1, &min_p) ||
+        !arg_num(E, r, id, "repeat_penalty", 0.01, 100, &rep) ||
+        !arg_num(E, r, id, "max_tokens", 0, 1e12, &max_tokens) ||
+        !arg_num(E, r, id, "seed", 0, 18446744073709551615.0, &seed))
+        return;
+    if (max_tokens > (double)E->s->p.max_tokens) max_tokens = (double)E->s->p.max_tokens;
+    sp.temperature = (float)temp;
+    sp.top_p = (float)top_p;
+    sp.top_k = (int)top_k;
+    sp.min_p = (float)min_p;
+    sp.repeat_penalty = (float)rep;
+    if (E->n_gens >= E->s->p.max_generations) {
+        fail(E, r, id, WEB_ERR_LIMIT, "%d generations are running (--max-generations); try again later",
+             E->n_gens);
+        return;
+    }
+    hot *h = find_hot(E, store);
+    if (h && h->gen) {
+        fail(E, r, id, WEB_ERR_BUSY, "session '%s' is already generating", client_name(r, store));
+        return;
+    }
+    if (!(h = ensure_hot(E, r, id, store))) return;
+    const char *text = mv ? mv->valuestring : tv->valuestring;
+    size_t len = strlen(text);
+    gen *g = calloc(1, sizeof *g);
+    kds_err e = {0};
+    if (!g || !(g->prompt = malloc(len + 1))) {
+        free(g);
+        fail(E, r, id, WEB_ERR_INTERNAL, "out of memory");
+        return;
+    }
+    memcpy(g->prompt, text, len + 1);
+    g->prompt_len = len;
+    g->id = id ? cJSON_Duplicate(id, 1) : NULL;
+    g->conn = r->conn;
+    g->msgpack = r->msgpack;
+    g->serial = ++E->next_serial;
+    g->h = h;
+    g->sp = sp;
+    g->max_tokens = (int64_t)max_tokens;
+    g->context0 = eng_seq_pos(h->seq);
+    g->feed = -1;
+    g->t_arrive = r->t_arrive;
+    g->t_start = web__now_s();
+    const eng_tokenizer *tok = eng_model_tokenizer(E->s->m);
+    if (eng_chat_turn(tok, mv && h->chat, g->context0, NULL, text, len, true, &g->ids, &g->n_ids,
+                      &e) != KDS_OK ||
+        eng_tok_stream_create(tok, ENG_TOK_SKIP_SPECIAL, &g->stream, &e) != KDS_OK) {
+        fail(E, r, id, web__code_of(e.status), "%s", e.msg);
+        gen_free(g);
+        return;
+    }
+    if (g->n_ids == 0 && g->context0 == 0) {
+        fail(E, r, id, WEB_ERR_BAD_REQUEST,
+             "the session is empty and so is the text; this model has no BOS token to start from");
+        gen_free(g);
+        return;
+    }
+    if (seed >= 0) eng_seq_reseed(h->seq, (uint64_t)seed);
+    g->phase = g->n_ids > 0 ? G_PREFILL : G_DECODE;
+    h->gen = g;
+    h->last_used = web__now_s();
+    g->next = E->gens;
+    E->gens = g;
+    E->n_gens++;
+    atomic_fetch_add(&E->s->metrics.generations_active, 1);
+    atomic_fetch_add(&E->s->metrics.generations_total, 1);
+    cJSON *o = web__event(id, "started");
+    cJSON_AddStringToObject(o, "session", client_name(r, store));
+    cJSON_AddNumberToObject(o, "prompt_tokens", (double)g->n_ids);
+    cJSON_AddNumberToObject(o, "context", (double)g->context0);
+    send_ev(E, r, o);
+}
+
+static bool same_id(const cJSON *a, const cJSON *b) {
+    if (!a || !b) return false;
+    if (cJSON_IsNumber(a) && cJSON_IsNumber(b)) return a->valuedouble == b->valuedouble;
+    if (cJSON_IsString(a) && cJSON_IsString(b)) return !strcmp(a->valuestring, b->valuestring);
+    return false;
+}
+
+static void op_cancel(web_engine *E, const web_req *r, const cJSON *id) {
+    const cJSON *target = cJSON_GetObjectItemCaseSensitive(r->msg, "target");
+    bool by_session = cJSON_GetObjectItemCaseSensitive(r->msg, "session") != NULL;
+    char store[SESS_NAME_MAX + 1];
+    if (!target && !by_session) {
+        fail(E, r, id, WEB_ERR_BAD_REQUEST, "give 'target' (the generate request's id) or 'session'");
+        return;
+    }
+    if (target && !cJSON_IsNumber(target) && !cJSON_IsString(target)) {
+        fail(E, r, id, WEB_ERR_BAD_REQUEST, "'target' must be a request id (number or string)");
+        return;
+    }
+    if (by_session && !arg_session(E, r, id, "session", store)) return;
+    bool any = false;
+    for (gen *g = E->gens; g; g = g->next) {
+        if (g->phase == G_FINISH || g->cancel) continue;
+        bool hit = target ? g->conn == r->conn && same_id(g->id, target)
+                          : owned(r, g->h->name) && !strcmp(g->h->name, store);
+        if (hit) {
+            g->cancel = true;
+            any = true;
+        }
+    }
+    cJSON *o = web__event(id, "result");
+    cJSON_AddBoolToObject(o, "cancelled", any);
+    send_ev(E, r, o);
+}
+
+typedef void (*op_fn)(web_engine *E, const web_req *r, const cJSON *id);
+typedef struct op_entry {
+    const char *name;
+    op_fn fn;
+} op_entry;
+
+static const op_entry OPS[] = {
+    {"info", op_info},         {"list", op_list},       {"create", op_create},
+    {"open", op_open},         {"fork", op_fork},       {"rename", op_rename},
+    {"delete", op_delete},     {"history", op_history}, {"snapshots", op_snapshots},
+    {"restore", op_restore},   {"generate", op_generate}, {"cancel", op_cancel},
+    {"stats", op_stats},
+};
+
+static void handle(web_engine *E, web_req *r) {
+    if (r->kind == WEB_REQ_CLOSED) {
+        for (gen *g = E->gens; g; g = g->next)
+            if (g->conn == r->conn) g->gone = true;
+        return;
+    }
+    if (r->kind == WEB_REQ_STOP) {
+        E->stopping = true;
+        return;
+    }
+    const cJSON *id = cJSON_GetObjectItemCaseSensitive(r->msg, "id");
+    const char *op = get_str(r->msg, "op");
+    if (E->stopping) {
+        fail(E, r, id, WEB_ERR_INTERNAL, "the server is shutting down");
+        return;
+    }
+    for (size_t i = 0; i < sizeof OPS / sizeof OPS[0]; i++)
+        if (!strcmp(op, OPS[i].name)) {
+            OPS[i].fn(E, r, id);
+            return;
+        }
+    fail(E, r, id, WEB_ERR_UNKNOWN_OP,
+         "unknown op '%.64s' (info, list, create, open, fork, rename, delete, history, snapshots, "
+         "restore, generate, cancel, stats, auth, ping)", op);
+}
+
+/* ------------------------------------------------------------------------ */
+/* The loop                                                                  */
+
+static void emit_text(web_engine *E, gen *g, const char *p, size_t n) {
+    if (!n) return;
+    if (!g->t_first) {
+        g->t_first = web__now_s();
+        web__hist_add(&E->s->metrics.ttft_ms, (g->t_first - g->t_arrive) * 1e3);
+    }
+    if (!reply_append(g, p, n)) {
+        snprintf(g->error, sizeof g->error, "out of memory keeping the reply");
+        g->reason = "error";
+        g->phase = G_FINISH;
+        return;
+    }
+    if (!g->gone) web__send_token(E->s, g->conn, g->id, g->msgpack, g->serial, p, n);
+}
+
+/* Save the session and send `done`. */
+static void finish(web_engine *E, gen *g) {
+    hot *h = g->h;
+    kds_err e = {0};
+    size_t len;
+    const char *rest = eng_tok_stream_flush(g->stream, &len);
+    if (strcmp(g->reason, "error")) emit_text(E, g, rest, len);
+    double t_end = web__now_s();
+    double decode_s = g->t_decode0 ? t_end - g->t_decode0 : 0.0;
+    double prefill_s = g->t_prefill_end ? g->t_prefill_end - g->t_start : 0.0;
+    uint64_t snap = 0;
+    kds_status rc = KDS_OK;
+    if (strcmp(g->reason, "error") || g->produced > 0 || g->fed > 0) {
+        sess_turn turn = {.prompt = g->prompt, .prompt_len = g->prompt_len,
+                          .output = g->reply ? g->reply : "", .output_len = g->reply_len,
+                          .prompt_tokens = g->n_ids, .output_tokens = g->produced};
+        double t0 = web__now_s();
+        rc = sess_save(E->s->st, h->name, h->base, E->s->m, h->seq, &turn, &snap, &e);
+        if (rc == KDS_OK) {
+            web__hist_add(&E->s->metrics.save_ms, (web__now_s() - t0) * 1e3);
+            h->base = snap;
+        }
+    }
+    h->last_prefill_tok_s = prefill_s > 0 ? (double)g->fed / prefill_s : 0.0;
+    h->last_decode_tok_s = decode_s > 0 ? (double)g->produced / decode_s : 0.0;
+    h->gen = NULL;
+    h->last_used = t_end;
+    if (!g->gone) {
+        cJSON *o = web__event(g->id, "done");
+        const char *reason = rc == KDS_OK ? g->reason : "error";
+        cJSON_AddStringToObject(o, "reason", reason);
+        cJSON_AddNumberToObject(o, "tokens", (double)g->produced);
+        cJSON_AddNumberToObject(o, "prompt_tokens", (double)g->n_ids);
+        cJSON_AddNumberToObject(o, "context", (double)eng_seq_pos(h->seq));
+        cJSON_AddNumberToObject(o, "snapshot", (double)snap);
+        cJSON_AddStringToObject(o, "reply", g->reply ? g->reply : "");
+        cJSON_AddNumberToObject(o, "prefill_ms", prefill_s * 1e3);
+        cJSON_AddNumberToObject(o, "decode_ms", decode_s * 1e3);
+        cJSON_AddNumberToObject(o, "decode_tok_s", h->last_decode_tok_s);
+        cJSON_AddNumberToObject(o, "queue_ms", (g->t_start - g->t_arrive) * 1e3);
+        if (rc != KDS_OK || !strcmp(g->reason, "error")) {
+            cJSON *err = cJSON_AddObjectToObject(o, "error");
+            int code = rc != KDS_OK ? web__code_of(rc) : WEB_ERR_INTERNAL;
+            cJSON_AddStringToObject(err, "code", web__code_name(code));
+            cJSON_AddStringToObject(err, "message", rc != KDS_OK ? e.msg : g->error);
+            atomic_fetch_add(&E->s->metrics.errors[code], 1);
+        }
+        web__send(E->s, g->conn, o, g->msgpack);
+    }
+    /* A failed save leaves memory ahead of the store: forget it, the next
+     * use reloads what is stored. */
+    if (rc != KDS_OK || !strcmp(g->reason, "error")) drop_hot(E, h);
+}
+
+static void remove_finished(web_engine *E) {
+    for (gen **pp = &E->gens; *pp;) {
+        gen *g = *pp;
+        if (g->phase == G_FINISH) {
+            *pp = g->next;
+            finish(E, g);
+            gen_free(g);
+            E->n_gens--;
+            atomic_fetch_sub(&E->s->metrics.generations_active, 1);
+        } else {
+            pp = &g->next;
+        }
+    }
+}
+
+static void gen_error(gen *g, const kds_err *e) {
+    snprintf(g->error, sizeof g->error, "%s", e->msg);
+    g->reason = "error";
+    g->phase = G_FINISH;
+}
+
+/* One prefill slice for every generation still feeding its prompt. */
+static void prefill_step(web_engine *E) {
+    for (gen *g = E->gens; g; g = g->next) {
+        if (g->phase != G_PREFILL) continue;
+        if (g->cancel || g->gone) {
+            /* stop before feeding the rest of the prompt */
+            g->reason = g->gone ? "disconnected" : "cancelled";
+            g->phase = g->fed > 0 ? G_CLOSE : G_FINISH;
+            if (g->fed == 0) g->reason = g->gone ? "disconnected" : "cancelled";
+            continue;
+        }
+        int64_t n = g->n_ids - g->fed, slice = E->s->p.ctx.max_batch > 0 ? E->s->p.ctx.max_batch : 256;
+        if (n > slice) n = slice;
+        kds_err e = {0};
+        if (eng_prefill(E->c, g->h->seq, g->ids + g->fed, n, NULL, NULL, NULL, &e) != KDS_OK) {
+            gen_error(g, &e);
+            continue;
+        }
+        g->fed += n;
+        atomic_fetch_add(&E->s->metrics.tokens_prefilled, (uint64_t)n);
+        if (g->fed == g->n_ids) {
+            g->t_prefill_end = web__now_s();
+            g->phase = g->max_tokens > 0 ? G_DECODE : G_CLOSE;
+            if (g->max_tokens == 0) g->reason = "length";
+        }
+    }
+}
+
+/* One batched decode step over every decoding generation whose reader keeps up. */
+static void decode_step(web_engine *E) {
+    int n = 0;
+    const eng_tokenizer *tok = eng_model_tokenizer(E->s->m);
+    for (gen *g = E->gens; g; g = g->next) {
+        g->feed = -1;
+        if (g->phase == G_DECODE && (g->cancel || g->gone)) {
+            g->reason = g->gone ? "disconnected" : "cancelled";
+            g->phase = G_CLOSE;
+        }
+        if (g->phase == G_CLOSE) {
+            /* a chat reply cut short is closed with <|im_end|> */
+            if (g->h->chat && E->im_end >= 0) {
+                g->feed = E->im_end;
+                g->after = G_FINISH;
+            } else {
+                g->phase = G_FINISH;
+            }
+        } else if (g->phase == G_DECODE) {
+            bool gone = false;
+            if (!g->gone && web__pending(E->s, g->conn, &gone) > E->s->p.max_pending) continue;
+            if (gone) g->gone = true;
+            kds_err e = {0};
+            int32_t next;
+            if (eng_sample(E->c, g->h->seq, &g->sp, &next, &e) != KDS_OK) {
+                gen_error(g, &e);
+                continue;
+            }
+            if (!g->t_decode0) g->t_decode0 = web__now_s();
+            g->produced++;
+            g->feed = next;
+            if (eng_tok_is_stop(tok, next)) {
+                g->reason = "stop";
+                g->after = G_FINISH; /* the stop token stays in the context */
+            } else {
+                const char *piece;
+                size_t len;
+                if (eng_tok_stream_put(g->stream, next, &piece, &len, &e) != KDS_OK) {
+                    gen_error(g, &e);
+                    g->feed = -1;
+                    continue;
+                }
+                emit_text(E, g, piece, len);
+                if (g->produced >= g->max_tokens) {
+                    g->reason = "length";
+                    g->after = G_CLOSE;
+                } else {
+                    g->after = G_DECODE;
+                }
+            }
+        }
+        if (g->feed >= 0 && n < E->s->p.max_generations) {
+            E->b_seqs[n] = g->h->seq;
+            E->b_ids[n] = g->feed;
+            E->b_gens[n] = g;
+            n++;
+        }
+    }
+    if (n == 0) return;
+    kds_err e = {0};
+    kds_status rc = eng_decode_batch(E->c, E->b_seqs, E->b_ids, n, &e);
+    for (int i = 0; i < n; i++) {
+        gen *g = E->b_gens[i];
+        if (rc != KDS_OK)
+            gen_error(g, &e);
+        else
+            g->phase = g->after;
+    }
+    atomic_fetch_add(&E->s->metrics.decode_steps, 1);
+    atomic_fetch_add(&E->s->metrics.decode_rows, (uint64_t)n);
+    atomic_fetch_add(&E->s->metrics.tokens_generated, (uint64_t)n);
+    E->rate_tokens += (uint64_t)n;
+}
+
+static void update_rate(web_engine *E) {
+    double now = web__now_s();
+    if (!E->rate_t0) E->rate_t0 = now;
+    double dt = now - E->rate_t0;
+    if (dt < 2.0) return;
+    double rate = (double)E->rate_tokens / dt;
+    uint64_t bits;
+    memcpy(&bits, &rate, sizeof bits);
+    atomic_store(&E->s->metrics.rate_bits, bits);
+    E->rate_t0 = now;
+    E->rate_tokens = 0;
+}
+
+static bool runnable(web_engine *E) {
+    for (gen *g = E->gens; g; g = g->next)
+        if (g->phase != G_DECODE || g->cancel || g->gone) return true;
+    /* only decoding generations: runnable unless every reader is behind */
+    for (gen *g = E->gens; g; g = g->next)
+        if (web__pending(E->s, g->conn, NULL) <= E->s->p.max_pending) return true;
+    return false;
+}
+
+static void *engine_main(void *arg) {
+    web_server *s = arg;
+    web_engine *E = s->eng;
+    for (;;) {
+        pthread_mutex_lock(&s->lock);
+        web_req *list = s->req_head;
+        s->req_head = s->req_tail = NULL;
+        pthread_mutex_unlock(&s->lock);
+        while (list) {
+            web_req *r = list;
+            list = r->next;
+            handle(E, r);
+            cJSON_Delete(r->msg);
+            free(r);
+        }
+        if (E->stopping)
+            for (gen *g = E->gens; g; g = g->next) g->cancel = true;
+        prefill_step(E);
+        decode_step(E);
+        remove_finished(E);
+        update_rate(E);
+        if (E->stopping && !E->gens) break;
+        pthread_mutex_lock(&s->lock);
+        bool idle = !s->req_head && !E->gens;
+        if (idle) {
+            pthread_cond_wait(&s->wake, &s->lock);
+        } else if (!s->req_head) {
+            pthread_mutex_unlock(&s->lock);
+            bool run = runnable(E);
+            pthread_mutex_lock(&s->lock);
+            if (!run && !s->req_head) {
+                /* every reader is behind: look again shortly */
+                struct timespec ts;
+                clock_gettime(CLOCK_REALTIME, &ts);
+                ts.tv_nsec += 5 * 1000 * 1000;
+                if (ts.tv_nsec >= 1000000000) ts.tv_sec++, ts.tv_nsec -= 1000000000;
+                pthread_cond_timedwait(&s->wake, &s->lock, &ts);
+            }
+        }
+        pthread_mutex_unlock(&s->lock);
+    }
+    return NULL;
+}
+
+void web__submit(web_server *s, web_req *r) {
+    pthread_mutex_lock(&s->lock);
+    r->next = NULL;
+    if (s->req_tail)
+        s->req_tail->next = r;
+    else
+        s->req_head = r;
+    s->req_tail = r;
+    pthread_cond_signal(&s->wake);
+    pthread_mutex_unlock(&s->lock);
+}
+
+kds_status web__engine_start(web_server *s, kds_err *err) {
+    web_engine *E = calloc(1, sizeof *E);
+    if (!E) return kds_err_set(err, KDS_NOMEM, "out of memory");
+    E->s = s;
+    E->n_hot_max = s->p.max_sessions;
+    E->model_chat = eng_model_chat_format(s->m);
+    E->im_end = eng_tok_special_id(eng_model_tokenizer(s->m), "<|im_end|>");
+    eng_ctx_params cp = s->p.ctx;
+    if (cp.max_seqs < s->p.max_generations) cp.max_seqs = s->p.max_generations;
+    kds_status rc = eng_ctx_create(s->m, &cp, &E->c, err);
+    if (rc != KDS_OK) {
+        free(E);
+        return rc;
+    }
+    E->hots = calloc((size_t)E->n_hot_max, sizeof *E->hots);
+    E->b_seqs = calloc((size_t)s->p.max_generations, sizeof *E->b_seqs);
+    E->b_ids = calloc((size_t)s->p.max_generations, sizeof *E->b_ids);
+    E->b_gens = calloc((size_t)s->p.max_generations, sizeof *E->b_gens);
+    if (!E->hots || !E->b_seqs || !E->b_ids || !E->b_gens) {
+        rc = kds_err_set(err, KDS_NOMEM, "out of memory");
+        goto fail;
+    }
+    s->eng = E;
+    /* the engine thread must not take SIGINT/SIGTERM (the caller handles them) */
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, &old);
+    int prc = pthread_create(&s->engine_thread, NULL, engine_main, s);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (prc != 0) {
+        s->eng = NULL;
+        rc = kds_err_set(err, KDS_INTERNAL, "cannot start the engine thread");
+        goto fail;
+    }
+    s->engine_started = true;
+    return KDS_OK;
+fail:
+    eng_ctx_free(E->c);
+    free(E->hots);
+    free(E->b_seqs);
+    free(E->b_ids);
+    free(E->b_gens);
+    free(E);
+    return rc;
+}
+
+void web__engine_stop(web_server *s) {
+    if (!s->engine_started) return;
+    web_req *r = calloc(1, sizeof *r);
+    if (r) {
+        r->kind = WEB_REQ_STOP;
+        web__submit(s, r);
+    } else {
+        pthread_mutex_lock(&s->lock);
+        s->eng->stopping = true; /* read by the engine thread after its next wake */
+        pthread_cond_signal(&s->wake);
+        pthread_mutex_unlock(&s->lock);
+    }
+    pthread_join(s->engine_thread, NULL);
+    s->engine_started = false;
+    web_engine *E = s->eng;
+    for (int i = 0; i < E->n_hot_max; i++)
+        if (E->hots[i].used) eng_seq_free(E->hots[i].seq);
+    eng_ctx_free(E->c);
+    free(E->hots);
+    free(E->b_seqs);
+    free(E->b_ids);
+    free(E->b_gens);
+    free(E);
+    s->eng = NULL;
+}

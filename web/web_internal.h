@@ -1,0 +1,183 @@
+/*
+ * web_internal.h - what the files of web/ share: the server object, the
+ * request queue (service thread -> engine thread), the per-connection event
+ * queues (engine thread -> service thread), the codec and the metrics.
+ *
+ * Locking: `lock` guards the request queue, the connection registry and
+ * every connection's event queue; it is never held across model or store
+ * work. Connections are named by a 64-bit id across threads: the engine
+ * thread never holds a connection pointer, so a connection may close at any
+ * moment (its events are then dropped).
+ */
+#ifndef WEB_INTERNAL_H
+#define WEB_INTERNAL_H
+
+#include <cjson/cJSON.h>
+#include <libwebsockets.h>
+#include <pthread.h>
+#include <stdatomic.h>
+
+#include "web.h"
+
+#define WEB_PROTOCOL "kdaserve.v1"
+#define WEB_TENANT_MAX 16
+#define WEB_ID_MAX 64
+
+/* One event waiting to be written. Token events keep their text apart so
+ * that tokens produced before the next write join one frame. */
+typedef struct web_event {
+    struct web_event *next;
+    cJSON *ev;          /* owned; for a token event: {"id","event":"token"} without text */
+    bool msgpack;       /* encode as a msgpack binary frame */
+    uint64_t token_of;  /* generation serial for a token event, else 0 */
+    char *text;         /* token text so far (token events) */
+    size_t len, cap;
+    size_t bytes;       /* counted in the connection's pending bytes */
+} web_event;
+
+/* A connection. The service thread owns it; the fields after `shared` are
+ * guarded by the server lock and read by the engine thread through the id. */
+typedef struct web_conn {
+    uint64_t id;
+    struct lws *wsi;
+    struct web_conn *next;       /* registry */
+    unsigned char *rx;           /* message being reassembled */
+    size_t rx_len, rx_cap;
+    bool authed;
+    char tenant[WEB_TENANT_MAX + 1];
+    int64_t last_seen_us;
+    /* shared */
+    web_event *head, *tail;
+    size_t pending;              /* bytes queued and not yet written */
+    int close_code;              /* close after the queue drains (0 = no) */
+} web_conn;
+
+/* A request handed to the engine thread. */
+typedef enum web_req_kind { WEB_REQ_OP, WEB_REQ_CLOSED, WEB_REQ_STOP } web_req_kind;
+
+typedef struct web_req {
+    struct web_req *next;
+    web_req_kind kind;
+    uint64_t conn;
+    cJSON *msg;                  /* owned; the parsed request */
+    bool msgpack;
+    bool auth;                   /* the server uses tenants */
+    char tenant[WEB_TENANT_MAX + 1];
+    double t_arrive;             /* web__now_s() */
+} web_req;
+
+/* Counters for /metrics and `stats`. Written by either thread with atomics. */
+#define WEB_LAT_BUCKETS 12
+typedef struct web_hist {
+    _Atomic uint64_t bucket[WEB_LAT_BUCKETS + 1]; /* cumulative <= bound, +Inf last */
+    _Atomic uint64_t count;
+    _Atomic uint64_t sum_us;
+} web_hist;
+
+enum { WEB_ERR_BAD_REQUEST, WEB_ERR_UNKNOWN_OP, WEB_ERR_UNAUTHENTICATED, WEB_ERR_NOT_FOUND,
+       WEB_ERR_EXISTS, WEB_ERR_BUSY, WEB_ERR_LIMIT, WEB_ERR_CORRUPT, WEB_ERR_MISMATCH, WEB_ERR_IO,
+       WEB_ERR_INTERNAL, WEB_ERR_COUNT };
+
+typedef struct web_metrics {
+    _Atomic int64_t connections, sessions_hot, generations_active;
+    _Atomic uint64_t connections_total, requests_total, generations_total;
+    _Atomic uint64_t tokens_generated, tokens_prefilled, decode_steps, decode_rows;
+    _Atomic uint64_t errors[WEB_ERR_COUNT];
+    _Atomic uint64_t closes_too_large, closes_auth, closes_limit;
+    web_hist save_ms, restore_ms, ttft_ms;
+    /* recent decode rate (engine thread writes, others read) */
+    _Atomic uint64_t rate_bits;  /* double tokens/s over the last window, as bits */
+} web_metrics;
+
+typedef struct web_tenant {
+    char *token;
+    size_t token_len;
+    char name[WEB_TENANT_MAX + 1];
+} web_tenant;
+
+typedef struct web_engine web_engine;
+
+struct web_server {
+    web_params p;
+    char listen_host[256];
+    int port;
+    eng_model *m;
+    sess_store *st;
+    struct lws_context *lws;
+    struct lws_vhost *vhost;
+    /* libwebsockets keeps pointers to these for the context's lifetime */
+    struct lws_protocols protocols[3];
+    struct lws_http_mount mount_www, mount_metrics;
+    struct lws_protocol_vhost_options pvo, pvo_default;
+    lws_retry_bo_t retry;
+    atomic_bool stop;
+    int64_t started_us;
+    /* auth */
+    web_tenant *tenants;
+    size_t n_tenants;
+    /* shared state */
+    pthread_mutex_t lock;
+    pthread_cond_t wake;         /* engine thread waits here for requests */
+    web_req *req_head, *req_tail;
+    web_conn *conns;
+    uint64_t next_conn_id;
+    int n_conns;
+    /* engine thread */
+    pthread_t engine_thread;
+    bool engine_started;
+    web_engine *eng;
+    web_metrics metrics;
+    char *www_dir;
+};
+
+/* -- time ---------------------------------------------------------------- */
+double web__now_s(void);
+int64_t web__now_us(void);
+
+/* -- codec (web_codec.c) -------------------------------------------------- */
+/* Parse one message: JSON text or msgpack map, into a cJSON object. NULL
+ * with a message in err on anything else. */
+cJSON *web__parse(const void *p, size_t len, bool binary, kds_err *err);
+/* Encode an event into a new buffer with LWS_PRE bytes of headroom.
+ * *len is the payload length (after the headroom). NULL on out-of-memory. */
+unsigned char *web__encode(const cJSON *ev, bool msgpack, size_t *len);
+
+/* -- events (web_server.c) ------------------------------------------------ */
+/* Queue `ev` (ownership taken) for connection `conn`; dropped if it is gone.
+ * Wakes the service thread. */
+void web__send(web_server *s, uint64_t conn, cJSON *ev, bool msgpack);
+/* Append token text for generation `serial` (joins the queued token event
+ * of the same generation when it has not been written yet). */
+void web__send_token(web_server *s, uint64_t conn, const cJSON *id, bool msgpack,
+                     uint64_t serial, const char *text, size_t len);
+/* Bytes queued for `conn` (0 when it is gone); *gone tells which. */
+size_t web__pending(web_server *s, uint64_t conn, bool *gone);
+/* An event {"id": id, "event": name}; id is copied (NULL = null). */
+cJSON *web__event(const cJSON *id, const char *name);
+/* An error event with a stable code (WEB_ERR_*) and a message. Counts it. */
+cJSON *web__error(web_server *s, const cJSON *id, int code, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+/* The protocol's code for a kds_status. */
+int web__code_of(kds_status st);
+
+/* -- engine thread (web_engine.c) ----------------------------------------- */
+kds_status web__engine_start(web_server *s, kds_err *err);
+/* Queue a request for the engine thread (ownership of r taken). */
+void web__submit(web_server *s, web_req *r);
+/* Stop: cancel generations, save their sessions, join. */
+void web__engine_stop(web_server *s);
+
+/* -- auth (web_auth.c) ---------------------------------------------------- */
+kds_status web__auth_load(web_server *s, const char *path, kds_err *err);
+/* The tenant of `token` or NULL; compares every token in constant time. */
+const char *web__auth_check(const web_server *s, const char *token, size_t len);
+void web__auth_free(web_server *s);
+
+/* -- metrics (web_metrics.c) ---------------------------------------------- */
+void web__hist_add(web_hist *h, double ms);
+/* The protocol's name of a WEB_ERR_* code ("not_found"). */
+const char *web__code_name(int code);
+/* Prometheus text; caller frees. */
+char *web__metrics_text(web_server *s, size_t *len);
+
+#endif /* WEB_INTERNAL_H */

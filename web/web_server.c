@@ -1,0 +1,679 @@
+/*
+ * web_server.c - the service thread: libwebsockets setup, connections,
+ * message reassembly, auth, the event queues and their writing, static files
+ * at / and Prometheus text at /metrics.
+ *
+ * libwebsockets rules followed here (reference/libs.md §1): the protocol is
+ * the vhost default (clients that offer no subprotocol still reach it); one
+ * lws_write per WRITEABLE callback; other threads only call
+ * lws_cancel_service, and WAIT_CANCELLED asks for WRITEABLE on every
+ * connection with queued events; message size is capped here, since lws has
+ * no limit; permessage-deflate is not offered.
+ */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "web_internal.h"
+
+double web__now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+int64_t web__now_us(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
+}
+
+web_params web_default_params(void) {
+    web_params p = {0};
+    p.listen = "127.0.0.1:8080";
+    p.max_message = 1u << 20;
+    p.max_pending = 256u << 10;
+    p.max_connections = 256;
+    p.max_sessions = 64;
+    p.max_generations = 32;
+    p.max_tokens = 4096;
+    p.idle_timeout_s = 300;
+    p.ctx = eng_ctx_default_params();
+    return p;
+}
+
+static void log_line(web_server *s, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void log_line(web_server *s, const char *fmt, ...) {
+    if (s->p.quiet) return;
+    va_list ap;
+    va_start(ap, fmt);
+    fputs("kdaserve serve: ", stderr);
+    vfprintf(stderr, fmt, ap);
+    fputc('\n', stderr);
+    va_end(ap);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Events                                                                    */
+
+cJSON *web__event(const cJSON *id, const char *name) {
+    cJSON *o = cJSON_CreateObject();
+    if (!o) return NULL;
+    cJSON_AddItemToObject(o, "id", id ? cJSON_Duplicate(id, 1) : cJSON_CreateNull());
+    cJSON_AddStringToObject(o, "event", name);
+    return o;
+}
+
+cJSON *web__error(web_server *s, const cJSON *id, int code, const char *fmt, ...) {
+    char msg[600];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    if (code < 0 || code >= WEB_ERR_COUNT) code = WEB_ERR_INTERNAL;
+    atomic_fetch_add(&s->metrics.errors[code], 1);
+    cJSON *o = web__event(id, "error");
+    if (!o) return NULL;
+    cJSON_AddStringToObject(o, "code", web__code_name(code));
+    cJSON_AddStringToObject(o, "message", msg);
+    return o;
+}
+
+int web__code_of(kds_status st) {
+    switch (st) {
+    case KDS_INVALID_ARG: return WEB_ERR_BAD_REQUEST;
+    case KDS_NOT_FOUND: return WEB_ERR_NOT_FOUND;
+    case KDS_EXISTS: return WEB_ERR_EXISTS;
+    case KDS_BUSY: return WEB_ERR_BUSY;
+    case KDS_CORRUPT: return WEB_ERR_CORRUPT;
+    case KDS_MISMATCH: return WEB_ERR_MISMATCH;
+    case KDS_IO: return WEB_ERR_IO;
+    case KDS_TOO_LARGE: return WEB_ERR_LIMIT;
+    default: return WEB_ERR_INTERNAL;
+    }
+}
+
+static web_conn *find_conn(web_server *s, uint64_t id) {
+    for (web_conn *c = s->conns; c; c = c->next)
+        if (c->id == id) return c;
+    return NULL;
+}
+
+static void free_event(web_event *e) {
+    cJSON_Delete(e->ev);
+    free(e->text);
+    free(e);
+}
+
+static void enqueue(web_conn *c, web_event *e) {
+    if (c->tail)
+        c->tail->next = e;
+    else
+        c->head = e;
+    c->tail = e;
+    c->pending += e->bytes;
+}
+
+void web__send(web_server *s, uint64_t conn, cJSON *ev, bool msgpack) {
+    if (!ev) return;
+    web_event *e = calloc(1, sizeof *e);
+    if (!e) {
+        cJSON_Delete(ev);
+        return;
+    }
+    e->ev = ev;
+    e->msgpack = msgpack;
+    e->bytes = 64; /* an estimate: the frame is encoded when written */
+    pthread_mutex_lock(&s->lock);
+    web_conn *c = find_conn(s, conn);
+    if (c) enqueue(c, e);
+    pthread_mutex_unlock(&s->lock);
+    if (!c)
+        free_event(e);
+    else
+        lws_cancel_service(s->lws);
+}
+
+void web__send_token(web_server *s, uint64_t conn, const cJSON *id, bool msgpack,
+                     uint64_t serial, const char *text, size_t len) {
+    if (!len) return;
+    pthread_mutex_lock(&s->lock);
+    web_conn *c = find_conn(s, conn);
+    if (!c) {
+        pthread_mutex_unlock(&s->lock);
+        return;
+    }
+    web_event *e = c->tail;
+    bool fresh = !(e && e->token_of == serial);
+    if (fresh) {
+        /* allocation under the lock is rare (once per written frame) and short */
+        e = calloc(1, sizeof *e);
+        if (!e || !(e->ev = web__event(id, "token"))) {
+            free(e);
+            pthread_mutex_unlock(&s->lock);
+            return;
+        }
+        e->msgpack = msgpack;
+        e->token_of = serial;
+        e->bytes = 48;
+    }
+    if (e->len + len + 1 > e->cap) {
+        size_t cap = e->cap ? e->cap : 64;
+        while (cap < e->len + len + 1) cap *= 2;
+        char *t = realloc(e->text, cap);
+        if (!t) {
+            if (fresh) free_event(e);
+            pthread_mutex_unlock(&s->lock);
+            return;
+        }
+        e->text = t;
+        e->cap = cap;
+    }
+    memcpy(e->text + e->len, text, len);
+    e->len += len;
+    e->text[e->len] = '\0';
+    e->bytes += len;
+    c->pending += len;
+    if (fresh) enqueue(c, e);
+    pthread_mutex_unlock(&s->lock);
+    lws_cancel_service(s->lws);
+}
+
+size_t web__pending(web_server *s, uint64_t conn, bool *gone) {
+    pthread_mutex_lock(&s->lock);
+    web_conn *c = find_conn(s, conn);
+    size_t n = c ? c->pending : 0;
+    if (gone) *gone = c == NULL;
+    pthread_mutex_unlock(&s->lock);
+    return n;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Requests                                                                  */
+
+static void reply_now(web_server *s, web_conn *c, cJSON *ev, bool msgpack) {
+    web__send(s, c->id, ev, msgpack);
+}
+
+/* A request's id: absent, null, a number or a short string. */
+static bool valid_id(const cJSON *id) {
+    if (!id || cJSON_IsNull(id) || cJSON_IsNumber(id)) return true;
+    return cJSON_IsString(id) && strlen(id->valuestring) <= WEB_ID_MAX;
+}
+
+static void handle_message(web_server *s, web_conn *c, const unsigned char *p, size_t len,
+                           bool binary) {
+    kds_err e = {0};
+    atomic_fetch_add(&s->metrics.requests_total, 1);
+    cJSON *msg = web__parse(p, len, binary, &e);
+    if (!msg) {
+        reply_now(s, c, web__error(s, NULL, WEB_ERR_BAD_REQUEST, "%s", e.msg), binary);
+        return;
+    }
+    const cJSON *id = cJSON_GetObjectItemCaseSensitive(msg, "id");
+    if (!valid_id(id)) {
+        reply_now(s, c,
+                  web__error(s, NULL, WEB_ERR_BAD_REQUEST,
+                             "'id' must be a number or a string of at most %d bytes", WEB_ID_MAX),
+                  binary);
+        cJSON_Delete(msg);
+        return;
+    }
+    const cJSON *op = cJSON_GetObjectItemCaseSensitive(msg, "op");
+    if (!cJSON_IsString(op)) {
+        reply_now(s, c, web__error(s, id, WEB_ERR_BAD_REQUEST, "'op' (a string) is missing"),
+                  binary);
+        cJSON_Delete(msg);
+        return;
+    }
+    bool auth = s->n_tenants > 0;
+    if (!strcmp(op->valuestring, "auth")) {
+        const cJSON *tok = cJSON_GetObjectItemCaseSensitive(msg, "token");
+        if (!cJSON_IsString(tok)) {
+            reply_now(s, c, web__error(s, id, WEB_ERR_BAD_REQUEST, "'token' (a string) is missing"),
+                      binary);
+        } else if (!auth) {
+            cJSON *r = web__event(id, "result");
+            cJSON_AddStringToObject(r, "tenant", "");
+            reply_now(s, c, r, binary);
+        } else {
+            const char *tenant = web__auth_check(s, tok->valuestring, strlen(tok->valuestring));
+            if (!tenant) {
+                reply_now(s, c, web__error(s, id, WEB_ERR_UNAUTHENTICATED, "wrong token"), binary);
+                pthread_mutex_lock(&s->lock);
+                c->close_code = LWS_CLOSE_STATUS_POLICY_VIOLATION;
+                pthread_mutex_unlock(&s->lock);
+                atomic_fetch_add(&s->metrics.closes_auth, 1);
+            } else {
+                c->authed = true;
+                snprintf(c->tenant, sizeof c->tenant, "%s", tenant);
+                cJSON *r = web__event(id, "result");
+                cJSON_AddStringToObject(r, "tenant", tenant);
+                reply_now(s, c, r, binary);
+            }
+        }
+        cJSON_Delete(msg);
+        return;
+    }
+    if (auth && !c->authed) {
+        reply_now(s, c,
+                  web__error(s, id, WEB_ERR_UNAUTHENTICATED,
+                             "authenticate first: {\"op\":\"auth\",\"token\":...} or an "
+                             "Authorization: Bearer header"),
+                  binary);
+        cJSON_Delete(msg);
+        return;
+    }
+    if (!strcmp(op->valuestring, "ping")) {
+        reply_now(s, c, web__event(id, "result"), binary);
+        cJSON_Delete(msg);
+        return;
+    }
+    web_req *r = calloc(1, sizeof *r);
+    if (!r) {
+        reply_now(s, c, web__error(s, id, WEB_ERR_INTERNAL, "out of memory"), binary);
+        cJSON_Delete(msg);
+        return;
+    }
+    r->kind = WEB_REQ_OP;
+    r->conn = c->id;
+    r->msg = msg;
+    r->msgpack = binary;
+    r->auth = auth;
+    snprintf(r->tenant, sizeof r->tenant, "%s", c->tenant);
+    r->t_arrive = web__now_s();
+    web__submit(s, r);
+}
+
+/* ------------------------------------------------------------------------ */
+/* WebSocket callback                                                        */
+
+typedef struct ws_pss {
+    web_conn *c;
+} ws_pss;
+
+static void hello(web_server *s, web_conn *c) {
+    cJSON *h = web__event(NULL, "hello");
+    if (!h) return;
+    cJSON_AddStringToObject(h, "protocol", WEB_PROTOCOL);
+    cJSON_AddStringToObject(h, "server", "kdaserve 0.1.0");
+    const char *dir = eng_model_dir(s->m), *base = strrchr(dir, '/');
+    cJSON_AddStringToObject(h, "model", base && base[1] ? base + 1 : dir);
+    cJSON_AddBoolToObject(h, "auth_required", s->n_tenants > 0 && !c->authed);
+    reply_now(s, c, h, false);
+}
+
+/* Auth by header at the upgrade: "Authorization: Bearer TOKEN". */
+static int header_auth(web_server *s, struct lws *wsi, web_conn *c) {
+    char buf[512];
+    int n = lws_hdr_copy(wsi, buf, sizeof buf, WSI_TOKEN_HTTP_AUTHORIZATION);
+    if (n <= 0) return 0;
+    int rc = 0;
+    if (strncmp(buf, "Bearer ", 7) != 0) {
+        rc = -1;
+    } else {
+        const char *tenant = web__auth_check(s, buf + 7, strlen(buf + 7));
+        if (!tenant) {
+            rc = -1;
+        } else {
+            c->authed = true;
+            snprintf(c->tenant, sizeof c->tenant, "%s", tenant);
+        }
+    }
+    volatile char *v = buf;
+    for (size_t i = 0; i < sizeof buf; i++) v[i] = 0;
+    return rc;
+}
+
+static int write_one(web_server *s, struct lws *wsi, web_conn *c) {
+    pthread_mutex_lock(&s->lock);
+    web_event *e = c->head;
+    if (e) {
+        c->head = e->next;
+        if (!c->head) c->tail = NULL;
+        c->pending -= e->bytes;
+    }
+    bool more = c->head != NULL;
+    int close_code = c->close_code;
+    pthread_mutex_unlock(&s->lock);
+    if (!e) {
+        if (close_code) {
+            lws_close_reason(wsi, (enum lws_close_status)close_code, (unsigned char *)"bye", 3);
+            return -1;
+        }
+        return 0;
+    }
+    if (e->token_of) cJSON_AddStringToObject(e->ev, "text", e->text ? e->text : "");
+    size_t len;
+    unsigned char *buf = web__encode(e->ev, e->msgpack, &len);
+    bool binary = e->msgpack;
+    free_event(e);
+    if (!buf) return -1;
+    int n = lws_write(wsi, buf + LWS_PRE, len, binary ? LWS_WRITE_BINARY : LWS_WRITE_TEXT);
+    free(buf);
+    if (n < (int)len) return -1;
+    if (more || close_code) lws_callback_on_writable(wsi);
+    return 0;
+}
+
+static int ws_cb(struct lws *wsi, enum lws_callback_reasons reason, void *user, void *in,
+                 size_t len) {
+    web_server *s = lws_context_user(lws_get_context(wsi));
+    ws_pss *pss = user;
+    switch (reason) {
+    case LWS_CALLBACK_ESTABLISHED: {
+        if (s->n_conns >= s->p.max_connections) {
+            atomic_fetch_add(&s->metrics.closes_limit, 1);
+            lws_close_reason(wsi, (enum lws_close_status)1013, (unsigned char *)"too many connections",
+                             20);
+            return -1;
+        }
+        web_conn *c = calloc(1, sizeof *c);
+        if (!c) return -1;
+        c->wsi = wsi;
+        c->last_seen_us = web__now_us();
+        if (s->n_tenants && header_auth(s, wsi, c) != 0) {
+            free(c);
+            atomic_fetch_add(&s->metrics.closes_auth, 1);
+            lws_close_reason(wsi, LWS_CLOSE_STATUS_POLICY_VIOLATION, (unsigned char *)"wrong token",
+                             11);
+            return -1;
+        }
+        pthread_mutex_lock(&s->lock);
+        c->id = ++s->next_conn_id;
+        c->next = s->conns;
+        s->conns = c;
+        s->n_conns++;
+        pthread_mutex_unlock(&s->lock);
+        pss->c = c;
+        atomic_fetch_add(&s->metrics.connections, 1);
+        atomic_fetch_add(&s->metrics.connections_total, 1);
+        hello(s, c);
+        return 0;
+    }
+    case LWS_CALLBACK_RECEIVE: {
+        web_conn *c = pss ? pss->c : NULL;
+        if (!c) return -1;
+        if (c->close_code) return 0; /* closing: ignore the rest */
+        if (c->rx_len + len > s->p.max_message) {
+            atomic_fetch_add(&s->metrics.closes_too_large, 1);
+            lws_close_reason(wsi, LWS_CLOSE_STATUS_MESSAGE_TOO_LARGE,
+                             (unsigned char *)"message too large", 17);
+            return -1;
+        }
+        if (c->rx_len + len > c->rx_cap) {
+            size_t cap = c->rx_cap ? c->rx_cap : 4096;
+            while (cap < c->rx_len + len) cap *= 2;
+            if (cap > s->p.max_message) cap = s->p.max_message;
+            unsigned char *n = realloc(c->rx, cap);
+            if (!n) return -1;
+            c->rx = n;
+            c->rx_cap = cap;
+        }
+        if (len) memcpy(c->rx + c->rx_len, in, len);
+        c->rx_len += len;
+        if (lws_is_final_fragment(wsi)) {
+            bool binary = lws_frame_is_binary(wsi) != 0;
+            size_t n = c->rx_len;
+            c->rx_len = 0;
+            handle_message(s, c, c->rx, n, binary);
+        }
+        return 0;
+    }
+    case LWS_CALLBACK_SERVER_WRITEABLE:
+        return pss && pss->c ? write_one(s, wsi, pss->c) : 0;
+    case LWS_CALLBACK_CLOSED: {
+        web_conn *c = pss ? pss->c : NULL;
+        if (!c) return 0;
+        pss->c = NULL;
+        pthread_mutex_lock(&s->lock);
+        for (web_conn **pp = &s->conns; *pp; pp = &(*pp)->next)
+            if (*pp == c) {
+                *pp = c->next;
+                break;
+            }
+        s->n_conns--;
+        web_event *e = c->head;
+        c->head = c->tail = NULL;
+        pthread_mutex_unlock(&s->lock);
+        while (e) {
+            web_event *next = e->next;
+            free_event(e);
+            e = next;
+        }
+        atomic_fetch_sub(&s->metrics.connections, 1);
+        web_req *r = calloc(1, sizeof *r);
+        if (r) {
+            r->kind = WEB_REQ_CLOSED;
+            r->conn = c->id;
+            web__submit(s, r);
+        }
+        free(c->rx);
+        free(c);
+        return 0;
+    }
+    case LWS_CALLBACK_EVENT_WAIT_CANCELLED:
+        /* several cancels may collapse into one: serve every queue */
+        pthread_mutex_lock(&s->lock);
+        for (web_conn *c = s->conns; c; c = c->next)
+            if (c->head || c->close_code) lws_callback_on_writable(c->wsi);
+        pthread_mutex_unlock(&s->lock);
+        return 0;
+    default:
+        return 0;
+    }
+}
+
+/* ------------------------------------------------------------------------ */
+/* HTTP: /metrics                                                            */
+
+typedef struct http_pss {
+    char *body;
+    size_t len, sent;
+} http_pss;
+
+static int http_cb(struct lws *wsi, enum lws_callback_reasons reason, void *user, void *in,
+                   size_t len) {
+    web_server *s = lws_context_user(lws_get_context(wsi));
+    http_pss *pss = user;
+    switch (reason) {
+    case LWS_CALLBACK_HTTP: {
+        unsigned char hdr[LWS_PRE + 512], *start = hdr + LWS_PRE, *p = start, *end = hdr + sizeof hdr;
+        free(pss->body);
+        pss->body = web__metrics_text(s, &pss->len);
+        pss->sent = 0;
+        if (!pss->body) return -1;
+        if (lws_add_http_common_headers(wsi, HTTP_STATUS_OK, "text/plain; version=0.0.4",
+                                        (lws_filepos_t)pss->len, &p, end) ||
+            lws_finalize_write_http_header(wsi, start, &p, end))
+            return 1;
+        lws_callback_on_writable(wsi);
+        return 0;
+    }
+    case LWS_CALLBACK_HTTP_WRITEABLE: {
+        if (!pss->body) break;
+        size_t chunk = pss->len - pss->sent;
+        if (chunk > 16384) chunk = 16384;
+        unsigned char *buf = malloc(LWS_PRE + chunk + 1);
+        if (!buf) return -1;
+        memcpy(buf + LWS_PRE, pss->body + pss->sent, chunk);
+        bool last = pss->sent + chunk == pss->len;
+        int n = lws_write(wsi, buf + LWS_PRE, chunk, last ? LWS_WRITE_HTTP_FINAL : LWS_WRITE_HTTP);
+        free(buf);
+        if (n < (int)chunk) return -1;
+        pss->sent += chunk;
+        if (!last) {
+            lws_callback_on_writable(wsi);
+            return 0;
+        }
+        free(pss->body);
+        pss->body = NULL;
+        if (lws_http_transaction_completed(wsi)) return -1;
+        return 0;
+    }
+    case LWS_CALLBACK_CLOSED_HTTP:
+        free(pss->body);
+        pss->body = NULL;
+        break;
+    default:
+        break;
+    }
+    return lws_callback_http_dummy(wsi, reason, user, in, len);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Lifecycle                                                                 */
+
+static kds_status parse_listen(web_server *s, const char *listen, kds_err *err) {
+    const char *colon = strrchr(listen, ':');
+    if (!colon || colon == listen)
+        return kds_err_set(err, KDS_INVALID_ARG, "--listen '%s': expected HOST:PORT", listen);
+    size_t hl = (size_t)(colon - listen);
+    const char *h = listen;
+    if (h[0] == '[' && hl >= 2 && h[hl - 1] == ']') h++, hl -= 2; /* [::1]:8080 */
+    if (hl == 0 || hl >= sizeof s->listen_host)
+        return kds_err_set(err, KDS_INVALID_ARG, "--listen '%s': bad host", listen);
+    memcpy(s->listen_host, h, hl);
+    s->listen_host[hl] = '\0';
+    char *end;
+    long port = strtol(colon + 1, &end, 10);
+    if (!colon[1] || *end || port < 0 || port > 65535)
+        return kds_err_set(err, KDS_INVALID_ARG, "--listen '%s': port must be 0-65535", listen);
+    s->port = (int)port;
+    return KDS_OK;
+}
+
+kds_status web_server_create(const web_params *p, eng_model *m, sess_store *st,
+                             web_server **out, kds_err *err) {
+    *out = NULL;
+    web_server *s = calloc(1, sizeof *s);
+    if (!s) return kds_err_set(err, KDS_NOMEM, "out of memory");
+    s->p = p ? *p : web_default_params();
+    web_params d = web_default_params();
+    if (!s->p.listen) s->p.listen = d.listen;
+    if (!s->p.max_message) s->p.max_message = d.max_message;
+    if (!s->p.max_pending) s->p.max_pending = d.max_pending;
+    if (s->p.max_connections <= 0) s->p.max_connections = d.max_connections;
+    if (s->p.max_sessions <= 0) s->p.max_sessions = d.max_sessions;
+    if (s->p.max_generations <= 0) s->p.max_generations = d.max_generations;
+    if (s->p.max_tokens <= 0) s->p.max_tokens = d.max_tokens;
+    if (s->p.idle_timeout_s <= 0) s->p.idle_timeout_s = d.idle_timeout_s;
+    s->m = m;
+    s->st = st;
+    s->started_us = web__now_us();
+    pthread_mutex_init(&s->lock, NULL);
+    pthread_cond_init(&s->wake, NULL);
+    kds_status rc = parse_listen(s, s->p.listen, err);
+    if (rc != KDS_OK) goto fail;
+    if (s->p.auth_file && (rc = web__auth_load(s, s->p.auth_file, err)) != KDS_OK) goto fail;
+    if (s->p.www_dir && !(s->www_dir = strdup(s->p.www_dir))) {
+        rc = kds_err_set(err, KDS_NOMEM, "out of memory");
+        goto fail;
+    }
+
+    lws_set_log_level(LLL_ERR, NULL);
+    s->protocols[0] = (struct lws_protocols){"http", http_cb, sizeof(http_pss), 0, 0, NULL, 0};
+    s->protocols[1] = (struct lws_protocols){WEB_PROTOCOL, ws_cb, sizeof(ws_pss), 4096, 0, NULL, 0};
+    /* protocols[2] stays zero: the terminator */
+    s->pvo_default = (struct lws_protocol_vhost_options){NULL, NULL, "default", "1"};
+    s->pvo = (struct lws_protocol_vhost_options){NULL, &s->pvo_default, WEB_PROTOCOL, ""};
+    s->retry.secs_since_valid_ping = (uint16_t)(s->p.idle_timeout_s > 65000 ? 65000 : s->p.idle_timeout_s);
+    s->retry.secs_since_valid_hangup = (uint16_t)(s->retry.secs_since_valid_ping + 10);
+    memset(&s->mount_metrics, 0, sizeof s->mount_metrics);
+    s->mount_metrics.mountpoint = "/metrics";
+    s->mount_metrics.mountpoint_len = 8;
+    s->mount_metrics.origin = "http";
+    s->mount_metrics.origin_protocol = LWSMPRO_CALLBACK;
+    if (s->www_dir) {
+        memset(&s->mount_www, 0, sizeof s->mount_www);
+        s->mount_www.mountpoint = "/";
+        s->mount_www.mountpoint_len = 1;
+        s->mount_www.origin = s->www_dir;
+        s->mount_www.def = "index.html";
+        s->mount_www.origin_protocol = LWSMPRO_FILE;
+        s->mount_metrics.mount_next = &s->mount_www;
+    }
+
+    struct lws_context_creation_info ci;
+    memset(&ci, 0, sizeof ci);
+    ci.options = LWS_SERVER_OPTION_EXPLICIT_VHOSTS | LWS_SERVER_OPTION_VALIDATE_UTF8;
+    ci.user = s;
+    ci.port = CONTEXT_PORT_NO_LISTEN;
+    s->lws = lws_create_context(&ci);
+    if (!s->lws) {
+        rc = kds_err_set(err, KDS_IO, "cannot create the libwebsockets context");
+        goto fail;
+    }
+    struct lws_context_creation_info vi;
+    memset(&vi, 0, sizeof vi);
+    vi.port = s->port;
+    vi.iface = s->listen_host;
+    vi.protocols = s->protocols;
+    vi.pvo = &s->pvo;
+    vi.mounts = &s->mount_metrics;
+    vi.retry_and_idle_policy = &s->retry;
+    vi.vhost_name = "kdaserve";
+    vi.timeout_secs = 30;
+    vi.options = LWS_SERVER_OPTION_VALIDATE_UTF8;
+    s->vhost = lws_create_vhost(s->lws, &vi);
+    if (!s->vhost) {
+        rc = kds_err_set(err, KDS_IO, "cannot listen on %s (address in use, or not an address "
+                                      "of this machine?)", s->p.listen);
+        goto fail;
+    }
+    s->port = lws_get_vhost_listen_port(s->vhost);
+    if ((rc = web__engine_start(s, err)) != KDS_OK) goto fail;
+    *out = s;
+    return KDS_OK;
+fail:
+    web_server_free(s);
+    return rc;
+}
+
+int web_server_port(const web_server *s) { return s->port; }
+
+void web_server_stop(web_server *s) {
+    atomic_store(&s->stop, true);
+    if (s->lws) lws_cancel_service(s->lws);
+}
+
+kds_status web_server_run(web_server *s, kds_err *err) {
+    log_line(s, "listening on http://%s:%d/ (WebSocket subprotocol %s%s)", s->listen_host,
+             s->port, WEB_PROTOCOL, s->n_tenants ? ", auth required" : "");
+    while (!atomic_load(&s->stop))
+        if (lws_service(s->lws, 0) < 0) break;
+    log_line(s, "stopping: finishing generations and saving their sessions");
+    web__engine_stop(s);
+    /* flush the last events (done of cancelled generations) for a moment */
+    double until = web__now_s() + 0.5;
+    for (;;) {
+        pthread_mutex_lock(&s->lock);
+        bool queued = false;
+        for (web_conn *c = s->conns; c; c = c->next) queued |= c->head != NULL;
+        pthread_mutex_unlock(&s->lock);
+        if (!queued || web__now_s() > until) break;
+        lws_service(s->lws, 0);
+    }
+    (void)err;
+    return KDS_OK;
+}
+
+void web_server_free(web_server *s) {
+    if (!s) return;
+    web__engine_stop(s);
+    if (s->lws) lws_context_destroy(s->lws); /* runs CLOSED for every connection */
+    s->lws = NULL;
+    while (s->req_head) {
+        web_req *r = s->req_head;
+        s->req_head = r->next;
+        cJSON_Delete(r->msg);
+        free(r);
+    }
+    web__auth_free(s);
+    free(s->www_dir);
+    pthread_mutex_destroy(&s->lock);
+    pthread_cond_destroy(&s->wake);
+    free(s);
+}
