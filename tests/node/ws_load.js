@@ -1,0 +1,153 @@
+#!/usr/bin/env node
+// ws_load.js - load test of `kdaserve serve` (docs/protocol.md): for each N
+// in --conns, N WebSocket connections each create a fresh session and all
+// start one generate of --tokens tokens at the same moment (sampling with a
+// fixed seed per stream, so reruns ask for the same work). Reports, per N:
+// aggregate tokens/s (all tokens / wall time from the first request to the
+// last done), per-stream tokens/s (a stream's tokens after its first one /
+// time from its first to its last token event), time to first token (send
+// -> first token event) and inter-token latency as p50/p90/p99, and errors.
+// A token event may carry several tokens (the protocol lets a server
+// coalesce for a slow reader) and does not say how many, so "inter-token"
+// is the gap between consecutive token events; tokens per event is
+// reported beside it (1.0 means every gap is one token).
+//
+//   node ws_load.js --url ws://127.0.0.1:8080/ [--conns 1,8,32,64] [--tokens 128]
+//        [--per-conn K] [--seed 1] [--prompt TEXT] [--token T] [--json FILE] [--markdown]
+//
+// --per-conn K: K sessions per connection (N connections x K streams).
+// Exit status 0 when no stream had an error, 1 otherwise, 2 for bad usage.
+"use strict";
+const fs = require("fs");
+const { KdsClient, nowMs, describe } = require("./ws_client.js");
+
+function usage(msg) {
+  if (msg) console.error(`ws_load.js: ${msg}`);
+  console.error("usage: node ws_load.js --url ws://HOST:PORT/ [--conns 1,8,32,64] [--tokens 128] " +
+                "[--per-conn K] [--seed S] [--prompt TEXT] [--token T] [--json FILE] [--markdown]");
+  process.exit(2);
+}
+
+const opt = { conns: [1, 8, 32, 64], tokens: 128, perConn: 1, seed: 1,
+              prompt: "It is a truth universally acknowledged", markdown: false };
+{
+  const a = process.argv.slice(2);
+  for (let i = 0; i < a.length; i++) {
+    const k = a[i];
+    const v = () => (i + 1 < a.length ? a[++i] : usage(`${k} needs a value`));
+    if (k === "--url") opt.url = v();
+    else if (k === "--conns") opt.conns = v().split(",").map(Number);
+    else if (k === "--tokens") opt.tokens = Number(v());
+    else if (k === "--per-conn") opt.perConn = Number(v());
+    else if (k === "--seed") opt.seed = Number(v());
+    else if (k === "--prompt") opt.prompt = v();
+    else if (k === "--token") opt.token = v();
+    else if (k === "--json") opt.json = v();
+    else if (k === "--markdown") opt.markdown = true;
+    else usage(`unknown argument '${k}'`);
+  }
+  if (!opt.url) usage("--url is required");
+  if (!opt.conns.every((n) => Number.isInteger(n) && n > 0)) usage("--conns: positive integers");
+  if (!(Number.isInteger(opt.tokens) && opt.tokens > 0)) usage("--tokens: a positive integer");
+  if (!(Number.isInteger(opt.perConn) && opt.perConn > 0)) usage("--per-conn: a positive integer");
+}
+
+function pct(xs, p) {
+  if (xs.length === 0) return NaN;
+  const s = xs.slice().sort((a, b) => a - b);
+  return s[Math.min(s.length - 1, Math.max(0, Math.ceil((p / 100) * s.length) - 1))];
+}
+const r1 = (x) => (Number.isFinite(x) ? Math.round(x * 10) / 10 : null);
+const r2 = (x) => (Number.isFinite(x) ? Math.round(x * 100) / 100 : null);
+
+const RUN = "load" + Date.now().toString(36);
+
+async function runLevel(n) {
+  const errors = [];
+  const clients = [];
+  for (let i = 0; i < n; i++) {
+    try {
+      clients.push(await KdsClient.connect(opt.url, { token: opt.token }));
+    } catch (e) {
+      errors.push(`connect ${i}: ${e.message}`);
+    }
+  }
+  // Sessions first (not timed).
+  const streams = [];
+  for (let i = 0; i < clients.length; i++) {
+    for (let k = 0; k < opt.perConn; k++) {
+      const session = `${RUN}-n${n}-${i}-${k}`;
+      const r = await clients[i].request({ op: "create", session });
+      if (r.event !== "result") errors.push(`create ${session}: ${describe(r)}`);
+      else streams.push({ c: clients[i], session, seed: opt.seed + streams.length });
+    }
+  }
+  const t0 = nowMs();
+  const runs = streams.map((s) =>
+    s.c.startGenerate({ session: s.session, text: opt.prompt, max_tokens: opt.tokens,
+                        temperature: 0.8, seed: s.seed }, { timeoutMs: 600000 }));
+  const results = await Promise.all(runs.map((r) => r.finished.catch((e) => ({ failed: e }))));
+  const t1 = nowMs();
+
+  let tokens = 0, events = 0;
+  const ttft = [], itl = [], perStream = [], serverTokS = [], queueMs = [];
+  results.forEach((r, i) => {
+    if (r.failed) return errors.push(`stream ${i}: ${r.failed.message}`);
+    if (r.error) return errors.push(`stream ${i}: ${describe(r.error)}`);
+    if (!r.done || r.done.reason === "error") return errors.push(`stream ${i}: ${describe(r.done)}`);
+    tokens += r.done.tokens;
+    events += r.tokenTimes.length;
+    if (r.tokenTimes.length === 0) return;
+    ttft.push(r.tokenTimes[0] - r.tSend);
+    for (let j = 1; j < r.tokenTimes.length; j++) itl.push(r.tokenTimes[j] - r.tokenTimes[j - 1]);
+    const span = r.tokenTimes[r.tokenTimes.length - 1] - r.tokenTimes[0];
+    if (span > 0 && r.done.tokens > 1) perStream.push((r.done.tokens - 1) / (span / 1000));
+    serverTokS.push(r.done.decode_tok_s);
+    queueMs.push(r.done.queue_ms);
+  });
+  let stats = null;
+  try {
+    if (clients[0]) stats = (await clients[0].request({ op: "stats" })).server || null;
+  } catch (_) { /* reported as missing */ }
+  await Promise.all(clients.map((c) => c.close()));
+  const wall = (t1 - t0) / 1000;
+  return {
+    streams: streams.length, connections: clients.length, tokens, wall_s: r2(wall),
+    aggregate_tok_s: r1(tokens / wall),
+    per_stream_tok_s: { p50: r1(pct(perStream, 50)), p10: r1(pct(perStream, 10)), min: r1(Math.min(...perStream)) },
+    server_decode_tok_s_p50: r1(pct(serverTokS, 50)),
+    ttft_ms: { p50: r1(pct(ttft, 50)), p90: r1(pct(ttft, 90)), p99: r1(pct(ttft, 99)) },
+    itl_ms: { p50: r2(pct(itl, 50)), p90: r2(pct(itl, 90)), p99: r2(pct(itl, 99)) },
+    tokens_per_event: r2(tokens / Math.max(1, events)),
+    queue_ms_p50: r2(pct(queueMs, 50)),
+    batch_mean: stats ? r2(stats.batch_mean) : null,
+    errors: errors.length, error_samples: errors.slice(0, 5),
+  };
+}
+
+(async () => {
+  const all = [];
+  let bad = 0;
+  for (const n of opt.conns) {
+    const r = await runLevel(n);
+    r.n = n;
+    all.push(r);
+    bad += r.errors;
+    console.log(JSON.stringify(r));
+  }
+  const meta = { url: opt.url, tokens: opt.tokens, per_conn: opt.perConn, seed: opt.seed,
+                 prompt: opt.prompt, node: process.version, date: new Date().toISOString() };
+  if (opt.json) fs.writeFileSync(opt.json, JSON.stringify({ meta, results: all }, null, 1) + "\n");
+  if (opt.markdown) {
+    console.log("\n| streams | aggregate tok/s | per-stream tok/s p50 (p10) | TTFT ms p50 / p90 / p99 | " +
+                "inter-token ms p50 / p90 / p99 | tokens/event | batch_mean | errors |");
+    console.log("|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for (const r of all)
+      console.log(`| ${r.streams} | ${r.aggregate_tok_s} | ${r.per_stream_tok_s.p50} (${r.per_stream_tok_s.p10}) | ` +
+                  `${r.ttft_ms.p50} / ${r.ttft_ms.p90} / ${r.ttft_ms.p99} | ` +
+                  `${r.itl_ms.p50} / ${r.itl_ms.p90} / ${r.itl_ms.p99} | ${r.tokens_per_event} | ` +
+                  `${r.batch_mean} | ${r.errors} |`);
+  }
+  for (const r of all) for (const e of r.error_samples) console.error(`error (${r.n} streams): ${e}`);
+  process.exit(bad === 0 ? 0 : 1);
+})();
