@@ -1,5 +1,6 @@
 /* cmd_serve.c - `kdaserve serve`: the WebSocket session service (web/). */
 #define _GNU_SOURCE
+#include <errno.h>
 #include <getopt.h>
 #include <pthread.h>
 #include <signal.h>
@@ -50,20 +51,33 @@ static void serve_usage(FILE *f) {
 enum { OPT_DB = 1000, OPT_LISTEN, OPT_AUTH, OPT_WWW, OPT_MAXMSG, OPT_MAXCONN, OPT_MAXSESS,
        OPT_MAXGEN, OPT_MAXTOK, OPT_MAXPEND, OPT_IDLE, OPT_THREADS, OPT_QUIET };
 
+/* Signals reach the process in any thread (OpenBLAS starts threads before
+ * main, so blocking them everywhere is not possible): the handler only
+ * writes the signal number to a pipe, and a plain thread reads it and asks
+ * the server to stop. The pipe's write end is the one process-wide variable
+ * a handler needs. */
+static int g_signal_pipe = -1;
+
+static void on_signal(int sig) {
+    int saved = errno;
+    unsigned char b = (unsigned char)sig;
+    if (g_signal_pipe >= 0) (void)!write(g_signal_pipe, &b, 1);
+    errno = saved;
+}
+
 typedef struct signal_waiter {
     web_server *srv;
-    sigset_t set;
+    int fd; /* read end */
 } signal_waiter;
 
-/* A dedicated thread takes SIGINT/SIGTERM (blocked everywhere else), so the
- * service loop is woken from a normal thread, never from a handler. */
 static void *signal_thread(void *arg) {
     signal_waiter *w = arg;
-    int sig = 0;
-    if (sigwait(&w->set, &sig) == 0) {
-        if (sig != SIGUSR1) fprintf(stderr, "kdaserve serve: %s received\n", strsignal(sig));
-        web_server_stop(w->srv);
+    unsigned char b = 0;
+    ssize_t n;
+    while ((n = read(w->fd, &b, 1)) < 0 && errno == EINTR) {
     }
+    if (n == 1 && b != 0) fprintf(stderr, "kdaserve serve: %s received\n", strsignal(b));
+    web_server_stop(w->srv);
     return NULL;
 }
 
@@ -165,25 +179,31 @@ int cmd_serve(int argc, char **argv) {
         rc = cli_fail("serve", &err);
         goto out;
     }
-    /* SIGINT/SIGTERM go to the signal thread only: block them before any
-     * thread (engine, pool) is created so every thread inherits the mask. */
-    signal_waiter w = {0};
-    sigemptyset(&w.set);
-    sigaddset(&w.set, SIGINT);
-    sigaddset(&w.set, SIGTERM);
-    sigaddset(&w.set, SIGUSR1);
-    pthread_sigmask(SIG_BLOCK, &w.set, NULL);
-    signal(SIGPIPE, SIG_IGN);
     if (web_server_create(&p, m, st, &srv, &err) != KDS_OK) {
         rc = cli_fail("serve", &err);
         goto out;
     }
-    w.srv = srv;
+    int fds[2];
+    if (pipe(fds) != 0) {
+        rc = cli_failf("serve", "cannot create a pipe: %s", strerror(errno));
+        goto out;
+    }
+    signal_waiter w = {srv, fds[0]};
     pthread_t sig_thread;
     if (pthread_create(&sig_thread, NULL, signal_thread, &w) != 0) {
         rc = cli_failf("serve", "cannot start the signal thread");
+        close(fds[0]);
+        close(fds[1]);
         goto out;
     }
+    g_signal_pipe = fds[1];
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_signal;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    signal(SIGPIPE, SIG_IGN);
     if (!p.quiet) {
         fprintf(stderr, "kdaserve serve: model %s, store %s, web page %s\n", dir,
                 sess_store_dir(st), www ? www : "none (no web/www found; --www DIR)");
@@ -192,8 +212,16 @@ int cmd_serve(int argc, char **argv) {
     printf("listening on http://%s/ port %d\n", p.listen, web_server_port(srv));
     fflush(stdout);
     rc = web_server_run(srv, &err) == KDS_OK ? 0 : cli_fail("serve", &err);
-    pthread_kill(sig_thread, SIGUSR1); /* wakes the signal thread if the loop ended otherwise */
+    signal(SIGINT, SIG_DFL);
+    signal(SIGTERM, SIG_DFL);
+    g_signal_pipe = -1;
+    {
+        unsigned char zero = 0; /* wakes the signal thread if the loop ended otherwise */
+        (void)!write(fds[1], &zero, 1);
+    }
     pthread_join(sig_thread, NULL);
+    close(fds[0]);
+    close(fds[1]);
 out:
     web_server_free(srv);
     sess_close(st);

@@ -218,6 +218,8 @@ typedef struct sess_turn {
      * SESS_MODE_MAX bytes of [a-z]): a save keeps the mode last declared. */
     const char *mode;
 } sess_turn;
+/* A sess_turn whose prompt and output are both NULL appends no transcript
+ * entry: it only declares the mode (a session created before its first turn). */
 
 /*
  * Save sequence `s` (of model `m`) as a new snapshot and make it the head of

@@ -594,12 +594,14 @@ static kds_status save_fn(sess__wtxn *w, void *ctx, kds_err *err) {
     snprintf(se.fingerprint, sizeof se.fingerprint, "%s", c->fp);
     if (c->turn && c->turn->mode) snprintf(se.mode, sizeof se.mode, "%s", c->turn->mode);
     uint32_t turn_no = se.turns;
-    if (c->turn) se.turns++;
+    /* a turn without prompt and output only declares the mode */
+    bool entry = c->turn && (c->turn->prompt || c->turn->output);
+    if (entry) se.turns++;
     size_t sl;
     if ((rc = sess__session_encode(&se, &srec, &sl, err)) != KDS_OK) goto out;
     if ((rc = sess__put(w, st->db_sess, c->name, strlen(c->name), srec, sl, 0, err)) != KDS_OK)
         goto out;
-    if (c->turn) {
+    if (entry) {
         sess__turn_hdr t = {.prompt = c->turn->prompt ? c->turn->prompt : "",
                             .prompt_len = c->turn->prompt ? c->turn->prompt_len : 0,
                             .output = c->turn->output ? c->turn->output : "",

@@ -221,6 +221,14 @@ static hot *free_slot(web_engine *E) {
     return lru;
 }
 
+/* The session's recorded mode; sessions that never declared one (older
+ * stores) get the model's default, as in the REPL. */
+static bool mode_is_chat(web_engine *E, const sess_session_info *info) {
+    if (!strcmp(info->mode, "chat")) return eng_chat_supported(eng_model_tokenizer(E->s->m));
+    if (!strcmp(info->mode, "plain")) return false;
+    return E->model_chat;
+}
+
 static const char *state_of(web_engine *E, const char *store) {
     hot *h = find_hot(E, store);
     return !h ? "cold" : h->gen ? "generating" : "hot";
@@ -261,7 +269,7 @@ static hot *ensure_hot(web_engine *E, const web_req *r, const cJSON *id, const c
     snprintf(h->name, sizeof h->name, "%s", store);
     h->seq = seq;
     h->base = info.head;
-    h->chat = E->model_chat;
+    h->chat = mode_is_chat(E, &info);
     h->last_used = web__now_s();
     h->last_resume_ms = ms;
     atomic_fetch_add(&E->s->metrics.sessions_hot, 1);
@@ -335,7 +343,7 @@ static cJSON *session_json(web_engine *E, const web_req *r, const sess_session_i
                             s->parent[0] && owned(r, s->parent) ? client_name(r, s->parent) : "");
     cJSON_AddNumberToObject(o, "head", (double)s->head);
     hot *h = find_hot(E, s->name);
-    cJSON_AddStringToObject(o, "mode", (h ? h->chat : E->model_chat) ? "chat" : "plain");
+    cJSON_AddStringToObject(o, "mode", (h ? h->chat : mode_is_chat(E, s)) ? "chat" : "plain");
     cJSON_AddStringToObject(o, "state", state_of(E, s->name));
     return o;
 }
@@ -442,11 +450,15 @@ static void op_create(web_engine *E, const web_req *r, const cJSON *id) {
         if (n > 0 && eng_prefill(E->c, seq, ids, n, NULL, NULL, NULL, &e) != KDS_OK) goto fail;
         atomic_fetch_add(&E->s->metrics.tokens_prefilled, (uint64_t)n);
     }
-    sess_turn turn = {.prompt = system ? system : "", .prompt_len = system ? strlen(system) : 0,
-                      .output = "", .output_len = 0, .prompt_tokens = n, .output_tokens = 0};
+    /* a system text is the first transcript entry; without one the save
+     * only declares the mode */
+    bool has_system = system && *system;
+    sess_turn turn = {.prompt = has_system ? system : NULL,
+                      .prompt_len = has_system ? strlen(system) : 0,
+                      .output = has_system ? "" : NULL, .prompt_tokens = n,
+                      .mode = chat ? "chat" : "plain"};
     double t0 = web__now_s();
-    if (sess_save(E->s->st, store, 0, E->s->m, seq, system && *system ? &turn : NULL, &snap, &e) !=
-        KDS_OK) {
+    if (sess_save(E->s->st, store, 0, E->s->m, seq, &turn, &snap, &e) != KDS_OK) {
         if (e.status == KDS_BUSY) e.status = KDS_EXISTS; /* another process made it meanwhile */
         goto fail;
     }
@@ -706,7 +718,7 @@ static void op_stats(web_engine *E, const web_req *r, const cJSON *id) {
                                 (double)(h ? eng_seq_state_bytes(h->seq)
                                            : sess_snapshot_size(eng_model_config(E->s->m),
                                                                 info.tokens).total));
-        cJSON_AddStringToObject(ss, "mode", (h ? h->chat : E->model_chat) ? "chat" : "plain");
+        cJSON_AddStringToObject(ss, "mode", (h ? h->chat : mode_is_chat(E, &info)) ? "chat" : "plain");
         cJSON_AddStringToObject(ss, "state", state_of(E, store));
         cJSON_AddNumberToObject(ss, "last_resume_ms", h ? h->last_resume_ms : 0.0);
         cJSON_AddNumberToObject(ss, "last_prefill_tok_s", h ? h->last_prefill_tok_s : 0.0);
@@ -939,7 +951,8 @@ static void finish(web_engine *E, gen *g) {
     if (strcmp(g->reason, "error") || g->produced > 0 || g->fed > 0) {
         sess_turn turn = {.prompt = g->prompt, .prompt_len = g->prompt_len,
                           .output = g->reply ? g->reply : "", .output_len = g->reply_len,
-                          .prompt_tokens = g->n_ids, .output_tokens = g->produced};
+                          .prompt_tokens = g->n_ids, .output_tokens = g->produced,
+                          .mode = h->chat ? "chat" : "plain"};
         double t0 = web__now_s();
         rc = sess_save(E->s->st, h->name, h->base, E->s->m, h->seq, &turn, &snap, &e);
         if (rc == KDS_OK) {

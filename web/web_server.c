@@ -340,7 +340,11 @@ static int write_one(web_server *s, struct lws *wsi, web_conn *c) {
     pthread_mutex_unlock(&s->lock);
     if (!e) {
         if (close_code) {
-            lws_close_reason(wsi, (enum lws_close_status)close_code, (unsigned char *)"bye", 3);
+            const char *why = close_code == LWS_CLOSE_STATUS_POLICY_VIOLATION ? "wrong token"
+                              : close_code == LWS_CLOSE_STATUS_GOINGAWAY    ? "server shutting down"
+                                                                            : "closing";
+            lws_close_reason(wsi, (enum lws_close_status)close_code, (unsigned char *)why,
+                             strlen(why));
             return -1;
         }
         return 0;
@@ -646,14 +650,18 @@ kds_status web_server_run(web_server *s, kds_err *err) {
         if (lws_service(s->lws, 0) < 0) break;
     log_line(s, "stopping: finishing generations and saving their sessions");
     web__engine_stop(s);
-    /* flush the last events (done of cancelled generations) for a moment */
-    double until = web__now_s() + 0.5;
+    /* Send what is queued (the `done` of cancelled generations), then close
+     * every connection with 1001 "going away"; give up after a second. */
+    pthread_mutex_lock(&s->lock);
+    for (web_conn *c = s->conns; c; c = c->next) c->close_code = LWS_CLOSE_STATUS_GOINGAWAY;
+    pthread_mutex_unlock(&s->lock);
+    double until = web__now_s() + 1.0;
     for (;;) {
         pthread_mutex_lock(&s->lock);
-        bool queued = false;
-        for (web_conn *c = s->conns; c; c = c->next) queued |= c->head != NULL;
+        bool open = s->conns != NULL;
         pthread_mutex_unlock(&s->lock);
-        if (!queued || web__now_s() > until) break;
+        if (!open || web__now_s() > until) break;
+        lws_cancel_service(s->lws); /* never sleep in the loop below */
         lws_service(s->lws, 0);
     }
     (void)err;

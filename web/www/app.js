@@ -397,7 +397,8 @@
     const turns = h && Array.isArray(h.turns) ? h.turns : r.last_turns || [];
     for (const t of turns) {
       if (t.prompt) addMessage('user', t.prompt);
-      const m = addMessage('assistant', t.reply || '');
+      if (!t.reply) continue; // e.g. the system text a session was created with
+      const m = addMessage('assistant', t.reply);
       m.dataset.streaming = 'false';
     }
     // A reply still streaming into this session from this page goes last.
