@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # run.sh - set up (install + build) and start kdaserve on the default model.
-# Until the trained default model lands, the default model is the generated
-# `tiny` preset, made on first use in models/generated/tiny.
+# With no arguments it starts the session service (`kdaserve serve`): the web
+# chat page at http://127.0.0.1:8080/ and the kdaserve.v1 WebSocket protocol
+# on the same port (docs/protocol.md); Ctrl-C stops it and saves every
+# session. With arguments it runs that subcommand instead, e.g.
+# `scripts/run.sh chat` or `scripts/run.sh generate --prompt "Hi"`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/bootstrap.sh
@@ -17,6 +20,7 @@ if [ -z "$MODEL" ]; then
   fi
 fi
 if [ $# -eq 0 ]; then
-  set -- generate --prompt "Once upon a time" --max-tokens 64
+  echo "[run] starting the session service: open http://127.0.0.1:8080/ (Ctrl-C stops it)"
+  set -- serve
 fi
 exec ./build/kdaserve "$1" --model "$MODEL" "${@:2}"
