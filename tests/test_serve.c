@@ -75,10 +75,12 @@ static int node_run(const ts_server *s, const char *fmt, ...) {
     return th_system(cmd);
 }
 
-static void expect_groups(const ts_server *s, const char *groups, const char *extra) {
+static void expect_groups(ts_server *s, const char *groups, const char *extra) {
     int rc = node_run(s, "--group %s %s", groups, extra ? extra : "");
+    if (rc != 0) ts_fill_tail(s);
     cr_expect_eq(rc, 0, "ws_protocol.test.js --group %s %s: some checks failed (the 'not ok' "
-                 "lines above say which); server log: %s", groups, extra ? extra : "", s->log);
+                 "lines above say which); the server's log ends:\n%s", groups,
+                 extra ? extra : "", s->log_tail);
 }
 
 /* One group on a default server of its own. */

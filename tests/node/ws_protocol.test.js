@@ -88,6 +88,18 @@ const opt = { groups: [] };
 // known failure", but do not fail the run. Never delete a check instead.
 const KNOWN_FAILURES = {
   // "group: check name": "what the server does instead",
+  "malformed: restore snapshot as a string -> bad_request, with the request's id":
+    "the server reads {\"snapshot\":\"12\"} as snapshot @12 (answers not_found \"no snapshot @12\", " +
+    "or restores it when it exists) instead of bad_request for a string where the protocol has an integer id",
+  "malformed: id a float -> bad_request":
+    "the server accepts {\"id\":1.5,\"op\":\"ping\"} and answers {\"id\":1.5,\"event\":\"result\"}; " +
+    "the protocol allows only an integer or a string of at most 64 bytes",
+  "auth: with an auth file, names are 1-47 characters":
+    "with --auth-file the server accepts a 48-character session name (it seems to allow 64 " +
+    "minus the tenant prefix) where the protocol says 1-47",
+  "idle: --idle-timeout 2: a client that answers no ping is closed with 1001":
+    "the server drops an idle connection without a close frame (the client sees 1006), " +
+    "where the protocol says close 1001",
 };
 
 let nCheck = 0, nFail = 0, nKnown = 0;
@@ -632,35 +644,41 @@ async function groupGenerate() {
 // resume: N in one request == N/2 + N/2
 // ======================================================================
 const N = 32;
+// The whole reply in one request on session `one`; on session `two` its
+// first half (h tokens: N/2, or half of a reply that stopped early, so that
+// the first half never stops) for resumeFinish to continue.
 async function resumePair(c, tag, sampling) {
   const one = nm(`${tag}-one`), two = nm(`${tag}-two`);
   isResult(await c.request({ op: "create", session: one }), "create");
   isResult(await c.request({ op: "create", session: two }), "create");
   const full = checkStream(await c.generate({ session: one, text: PROMPTS[0], max_tokens: N, ...sampling }), "one request");
-  const half = checkStream(await c.generate({ session: two, text: PROMPTS[0], max_tokens: N / 2, ...sampling }), "first half");
-  return { one, two, full: full.done, half: half.done };
+  const h = full.done.reason === "length" ? N / 2 : Math.floor(full.done.tokens / 2);
+  ok(h >= 1, `the one-request reply stopped after ${full.done.tokens} token(s): nothing to split`);
+  const half = checkStream(await c.generate({ session: two, text: PROMPTS[0], max_tokens: h, ...sampling }), "first half");
+  return { one, two, h, full: full.done, half: half.done };
 }
 function samplingRest(s) { // the same sampling without the seed (continue the stream)
   const { seed, ...rest } = s;
   return rest;
 }
 async function resumeFinish(c, p, sampling) {
-  ok(p.full.reason === "length", `the one-request reply stopped early (${p.full.reason}); pick another prompt`);
-  ok(p.half.reason === "length", `the first half stopped early (${p.half.reason})`);
-  const rest = checkStream(await c.generate({ session: p.two, text: "", max_tokens: N / 2, ...samplingRest(sampling) }), "second half");
+  ok(p.half.reason === "length",
+     `the first ${p.h} tokens stopped early (${p.half.reason}, ${p.half.tokens} tokens) although ` +
+     `the one-request reply went on: ${JSON.stringify(p.half.reply)} vs ${JSON.stringify(p.full.reply)}`);
+  const rest = checkStream(await c.generate({ session: p.two, text: "", max_tokens: N - p.h, ...samplingRest(sampling) }), "second half");
   eq(rest.started.prompt_tokens, 0, "prompt_tokens of the continuation");
-  eq(p.half.reply + rest.done.reply, p.full.reply, `${N} tokens at once vs ${N / 2} + ${N / 2}`);
-  eq(rest.done.context, p.full.context, "context after both halves");
+  eq(p.half.reply + rest.done.reply, p.full.reply, `${N} tokens at once vs ${p.h} + ${N - p.h}`);
+  eq([rest.done.reason, rest.done.context], [p.full.reason, p.full.context], "reason and context after both parts");
 }
 const GREEDY = { temperature: 0 };
 const SAMPLED = { temperature: 0.9, top_p: 0.95, top_k: 40, min_p: 0.02, seed: 11 };
 
 async function groupResume() {
   const c = await connect();
-  await check(`greedy: ${N} tokens in one request == ${N / 2} + ${N / 2} in two`, async () => {
+  await check(`greedy: ${N} tokens in one request == about ${N / 2} + ${N / 2} in two`, async () => {
     await resumeFinish(c, await resumePair(c, "rg", GREEDY), GREEDY);
   });
-  await check(`sampled (seed once): ${N} in one request == ${N / 2} + ${N / 2}; the random stream is part of the state`, async () => {
+  await check(`sampled (seed once): ${N} in one request == about ${N / 2} + ${N / 2}; the random stream is part of the state`, async () => {
     await resumeFinish(c, await resumePair(c, "rs", SAMPLED), SAMPLED);
   });
   await check("a cold session (another connection, reopened) continues the same way", async () => {
@@ -715,7 +733,7 @@ async function groupRestart() {
     ok(isNum(o.resume_ms) && o.resume_ms >= 0, `resume_ms ${o.resume_ms}`);
     eq(o.last_turns.map((t) => t.reply), [st.greedy.half.reply], "last_turns");
   });
-  await check(`greedy after the restart: ${N / 2} + ${N / 2} across it == ${N} at once`, async () => {
+  await check(`greedy after the restart: two halves across it == ${N} at once`, async () => {
     await resumeFinish(c, st.greedy, GREEDY);
   });
   await check(`sampled after the restart: the random stream continues across it`, async () => {
