@@ -10,25 +10,32 @@
 // A token event may carry several tokens (the protocol lets a server
 // coalesce for a slow reader) and does not say how many, so "inter-token"
 // is the gap between consecutive token events; tokens per event is
-// reported beside it (1.0 means every gap is one token).
+// reported beside it (1.0 means every gap is one token). The server's mean
+// batch (sessions per decode step) during each run comes from its /metrics
+// counters kdaserve_decode_rows_total / kdaserve_decode_steps_total (null
+// when the server has no such counters). With --repeats R each level runs R
+// times and the run with the median aggregate tokens/s is reported, with the
+// range of the R aggregates beside it.
 //
 //   node ws_load.js --url ws://127.0.0.1:8080/ [--conns 1,8,32,64] [--tokens 128]
-//        [--per-conn K] [--seed 1] [--prompt TEXT] [--token T] [--json FILE] [--markdown]
+//        [--per-conn K] [--repeats R] [--seed 1] [--prompt TEXT] [--token T]
+//        [--json FILE] [--markdown]
 //
 // --per-conn K: K sessions per connection (N connections x K streams).
 // Exit status 0 when no stream had an error, 1 otherwise, 2 for bad usage.
 "use strict";
 const fs = require("fs");
+const http = require("http");
 const { KdsClient, nowMs, describe } = require("./ws_client.js");
 
 function usage(msg) {
   if (msg) console.error(`ws_load.js: ${msg}`);
   console.error("usage: node ws_load.js --url ws://HOST:PORT/ [--conns 1,8,32,64] [--tokens 128] " +
-                "[--per-conn K] [--seed S] [--prompt TEXT] [--token T] [--json FILE] [--markdown]");
+                "[--per-conn K] [--repeats R] [--seed S] [--prompt TEXT] [--token T] [--json FILE] [--markdown]");
   process.exit(2);
 }
 
-const opt = { conns: [1, 8, 32, 64], tokens: 128, perConn: 1, seed: 1,
+const opt = { conns: [1, 8, 32, 64], tokens: 128, perConn: 1, repeats: 1, seed: 1,
               prompt: "It is a truth universally acknowledged", markdown: false };
 {
   const a = process.argv.slice(2);
@@ -39,6 +46,7 @@ const opt = { conns: [1, 8, 32, 64], tokens: 128, perConn: 1, seed: 1,
     else if (k === "--conns") opt.conns = v().split(",").map(Number);
     else if (k === "--tokens") opt.tokens = Number(v());
     else if (k === "--per-conn") opt.perConn = Number(v());
+    else if (k === "--repeats") opt.repeats = Number(v());
     else if (k === "--seed") opt.seed = Number(v());
     else if (k === "--prompt") opt.prompt = v();
     else if (k === "--token") opt.token = v();
@@ -50,6 +58,7 @@ const opt = { conns: [1, 8, 32, 64], tokens: 128, perConn: 1, seed: 1,
   if (!opt.conns.every((n) => Number.isInteger(n) && n > 0)) usage("--conns: positive integers");
   if (!(Number.isInteger(opt.tokens) && opt.tokens > 0)) usage("--tokens: a positive integer");
   if (!(Number.isInteger(opt.perConn) && opt.perConn > 0)) usage("--per-conn: a positive integer");
+  if (!(Number.isInteger(opt.repeats) && opt.repeats > 0)) usage("--repeats: a positive integer");
 }
 
 function pct(xs, p) {
@@ -61,8 +70,30 @@ const r1 = (x) => (Number.isFinite(x) ? Math.round(x * 10) / 10 : null);
 const r2 = (x) => (Number.isFinite(x) ? Math.round(x * 100) / 100 : null);
 
 const RUN = "load" + Date.now().toString(36);
+let runNo = 0;
+
+// The server's decode counters from GET /metrics (null when missing).
+function decodeCounters() {
+  const u = new URL(opt.url);
+  return new Promise((resolve) => {
+    http.get({ host: u.hostname, port: u.port, path: "/metrics" }, (res) => {
+      let body = "";
+      res.setEncoding("utf8");
+      res.on("data", (d) => (body += d));
+      res.on("end", () => {
+        const get = (name) => {
+          const m = body.match(new RegExp(`^${name} ([0-9.eE+]+)$`, "m"));
+          return m ? Number(m[1]) : null;
+        };
+        const steps = get("kdaserve_decode_steps_total"), rows = get("kdaserve_decode_rows_total");
+        resolve(steps === null || rows === null ? null : { steps, rows });
+      });
+    }).on("error", () => resolve(null));
+  });
+}
 
 async function runLevel(n) {
+  runNo++;
   const errors = [];
   const clients = [];
   for (let i = 0; i < n; i++) {
@@ -76,18 +107,20 @@ async function runLevel(n) {
   const streams = [];
   for (let i = 0; i < clients.length; i++) {
     for (let k = 0; k < opt.perConn; k++) {
-      const session = `${RUN}-n${n}-${i}-${k}`;
+      const session = `${RUN}-r${runNo}-${i}-${k}`;
       const r = await clients[i].request({ op: "create", session });
       if (r.event !== "result") errors.push(`create ${session}: ${describe(r)}`);
       else streams.push({ c: clients[i], session, seed: opt.seed + streams.length });
     }
   }
+  const m0 = await decodeCounters();
   const t0 = nowMs();
   const runs = streams.map((s) =>
     s.c.startGenerate({ session: s.session, text: opt.prompt, max_tokens: opt.tokens,
                         temperature: 0.8, seed: s.seed }, { timeoutMs: 600000 }));
   const results = await Promise.all(runs.map((r) => r.finished.catch((e) => ({ failed: e }))));
   const t1 = nowMs();
+  const m1 = await decodeCounters();
 
   let tokens = 0, events = 0;
   const ttft = [], itl = [], perStream = [], serverTokS = [], queueMs = [];
@@ -105,10 +138,6 @@ async function runLevel(n) {
     serverTokS.push(r.done.decode_tok_s);
     queueMs.push(r.done.queue_ms);
   });
-  let stats = null;
-  try {
-    if (clients[0]) stats = (await clients[0].request({ op: "stats" })).server || null;
-  } catch (_) { /* reported as missing */ }
   await Promise.all(clients.map((c) => c.close()));
   const wall = (t1 - t0) / 1000;
   return {
@@ -120,7 +149,7 @@ async function runLevel(n) {
     itl_ms: { p50: r2(pct(itl, 50)), p90: r2(pct(itl, 90)), p99: r2(pct(itl, 99)) },
     tokens_per_event: r2(tokens / Math.max(1, events)),
     queue_ms_p50: r2(pct(queueMs, 50)),
-    batch_mean: stats ? r2(stats.batch_mean) : null,
+    batch_mean: m0 && m1 && m1.steps > m0.steps ? r2((m1.rows - m0.rows) / (m1.steps - m0.steps)) : null,
     errors: errors.length, error_samples: errors.slice(0, 5),
   };
 }
@@ -129,21 +158,31 @@ async function runLevel(n) {
   const all = [];
   let bad = 0;
   for (const n of opt.conns) {
-    const r = await runLevel(n);
+    const runs = [];
+    for (let i = 0; i < opt.repeats; i++) {
+      const r = await runLevel(n);
+      bad += r.errors;
+      runs.push(r);
+    }
+    runs.sort((a, b) => a.aggregate_tok_s - b.aggregate_tok_s);
+    const r = runs[Math.floor((runs.length - 1) / 2)];
     r.n = n;
+    r.aggregate_tok_s_range = [runs[0].aggregate_tok_s, runs[runs.length - 1].aggregate_tok_s];
+    r.errors = runs.reduce((a, x) => a + x.errors, 0);
     all.push(r);
-    bad += r.errors;
     console.log(JSON.stringify(r));
   }
-  const meta = { url: opt.url, tokens: opt.tokens, per_conn: opt.perConn, seed: opt.seed,
+  const meta = { url: opt.url, tokens: opt.tokens, per_conn: opt.perConn, repeats: opt.repeats, seed: opt.seed,
                  prompt: opt.prompt, node: process.version, date: new Date().toISOString() };
   if (opt.json) fs.writeFileSync(opt.json, JSON.stringify({ meta, results: all }, null, 1) + "\n");
   if (opt.markdown) {
-    console.log("\n| streams | aggregate tok/s | per-stream tok/s p50 (p10) | TTFT ms p50 / p90 / p99 | " +
+    console.log("\n| streams | aggregate tok/s (range) | per-stream tok/s p50 (p10) | TTFT ms p50 / p90 / p99 | " +
                 "inter-token ms p50 / p90 / p99 | tokens/event | batch_mean | errors |");
     console.log("|---:|---:|---:|---:|---:|---:|---:|---:|");
     for (const r of all)
-      console.log(`| ${r.streams} | ${r.aggregate_tok_s} | ${r.per_stream_tok_s.p50} (${r.per_stream_tok_s.p10}) | ` +
+      console.log(`| ${r.streams} | ${r.aggregate_tok_s}` +
+                  (opt.repeats > 1 ? ` (${r.aggregate_tok_s_range[0]}-${r.aggregate_tok_s_range[1]})` : "") +
+                  ` | ${r.per_stream_tok_s.p50} (${r.per_stream_tok_s.p10}) | ` +
                   `${r.ttft_ms.p50} / ${r.ttft_ms.p90} / ${r.ttft_ms.p99} | ` +
                   `${r.itl_ms.p50} / ${r.itl_ms.p90} / ${r.itl_ms.p99} | ${r.tokens_per_event} | ` +
                   `${r.batch_mean} | ${r.errors} |`);
