@@ -175,16 +175,21 @@ static inline __m256 reduce8(const __m512 a[8]) {
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-/* One token, eight weight rows at a time: the activation vector is loaded
- * once per eight rows and each row gets its own accumulator, so the loop is
- * bound by streaming W.
+/* Eight weight rows at a time, for each of nt tokens in turn: the
+ * activation vector is loaded once per eight rows and each row gets its own
+ * accumulator, so the loop is bound by streaming W. With several tokens (a
+ * batched decode: one token of each of nt sequences) the eight rows are
+ * read from memory for the first token and from L1 for the rest, and each
+ * token's sums are computed exactly as for a lone token.
  *
  * BF16 rows are widened without a shuffle: a 512-bit load holds 32 bf16
  * values; shifting each 32-bit lane left by 16 gives the even-indexed ones as
  * f32, masking off the low half gives the odd-indexed ones. The activation
- * vector is pre-split the same way (xd: per 32-block, 16 even then 16 odd
- * values), so each block costs two cheap integer ops and two FMAs per row. */
-static void dot8_bf16_t1(const uint16_t *W, int in, const float *xd, int r0, int r1, float *y) {
+ * vectors are pre-split the same way (xd: [nt, in], per 32-block 16 even then
+ * 16 odd values), so each block costs two cheap integer ops and two FMAs per
+ * row. y: [nt, ldy]. */
+static void dot8_bf16(const uint16_t *W, int in, const float *xd, int nt, int r0, int r1,
+                      float *y, int ldy) {
     const __m512i hi_mask = _mm512_set1_epi32((int)0xffff0000u);
     /* Software prefetch ~16 KiB ahead: the hardware prefetcher alone left
      * decode at about half the machine's streaming bandwidth on lm_head-sized
@@ -194,59 +199,76 @@ static void dot8_bf16_t1(const uint16_t *W, int in, const float *xd, int r0, int
     int r = r0;
     for (; r + 8 <= r1; r += 8) {
         const uint16_t *w = W + (size_t)r * in;
-        __m512 acc[8];
-        for (int k = 0; k < 8; k++) acc[k] = _mm512_setzero_ps();
-        for (int i = 0; i < in; i += 32) {
-            __m512 xe = _mm512_loadu_ps(xd + i), xo = _mm512_loadu_ps(xd + i + 16);
-            for (int k = 0; k < 8; k++)
-                _mm_prefetch((const char *)(w + (size_t)(k + pf_rows) * in + i), _MM_HINT_T0);
-            for (int k = 0; k < 8; k++) {
-                __m512i v = _mm512_loadu_si512((const void *)(w + (size_t)k * in + i));
-                acc[k] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), xe, acc[k]);
-                acc[k] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(v, hi_mask)), xo,
-                                         acc[k]);
+        for (int t = 0; t < nt; t++) {
+            const float *x = xd + (size_t)t * in;
+            __m512 acc[8];
+            for (int k = 0; k < 8; k++) acc[k] = _mm512_setzero_ps();
+            for (int i = 0; i < in; i += 32) {
+                __m512 xe = _mm512_loadu_ps(x + i), xo = _mm512_loadu_ps(x + i + 16);
+                if (t == 0)
+                    for (int k = 0; k < 8; k++)
+                        _mm_prefetch((const char *)(w + (size_t)(k + pf_rows) * in + i), _MM_HINT_T0);
+                for (int k = 0; k < 8; k++) {
+                    __m512i v = _mm512_loadu_si512((const void *)(w + (size_t)k * in + i));
+                    acc[k] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), xe, acc[k]);
+                    acc[k] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(v, hi_mask)), xo,
+                                             acc[k]);
+                }
             }
+            _mm256_storeu_ps(y + (size_t)t * ldy + r, reduce8(acc));
         }
-        _mm256_storeu_ps(y + r, reduce8(acc));
     }
     for (; r < r1; r++) {
         const uint16_t *w0 = W + (size_t)r * in;
-        __m512 a0 = _mm512_setzero_ps();
-        for (int i = 0; i < in; i += 32) {
-            __m512i v = _mm512_loadu_si512((const void *)(w0 + i));
-            a0 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)),
-                                 _mm512_loadu_ps(xd + i), a0);
-            a0 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(v, hi_mask)),
-                                 _mm512_loadu_ps(xd + i + 16), a0);
+        for (int t = 0; t < nt; t++) {
+            const float *x = xd + (size_t)t * in;
+            __m512 a0 = _mm512_setzero_ps();
+            for (int i = 0; i < in; i += 32) {
+                __m512i v = _mm512_loadu_si512((const void *)(w0 + i));
+                a0 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)),
+                                     _mm512_loadu_ps(x + i), a0);
+                a0 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(v, hi_mask)),
+                                     _mm512_loadu_ps(x + i + 16), a0);
+            }
+            y[(size_t)t * ldy + r] = _mm512_reduce_add_ps(a0);
         }
-        y[r] = _mm512_reduce_add_ps(a0);
     }
 }
 
-/* Same for F32 and F16 rows (16 lanes per step), eight rows at a time. */
-static void dot8_t1(kern_dtype dt, const void *W, int in, const float *x, int r0, int r1,
-                    float *y) {
+/* Same for F32 and F16 rows (16 lanes per step), eight rows at a time.
+ * x: [nt, in]; y: [nt, ldy]. */
+static void dot8(kern_dtype dt, const void *W, int in, const float *x, int nt, int r0, int r1,
+                 float *y, int ldy) {
     size_t esz = kern_dtype_size(dt), stride = (size_t)in * esz;
     int r = r0;
     for (; r + 8 <= r1; r += 8) {
         const char *w = (const char *)W + (size_t)r * stride;
-        __m512 acc[8];
-        for (int k = 0; k < 8; k++) acc[k] = _mm512_setzero_ps();
-        for (int i = 0; i < in; i += 16) {
-            __m512 xv = _mm512_loadu_ps(x + i);
-            for (int k = 0; k < 8; k++)
-                acc[k] = _mm512_fmadd_ps(load16(dt, w + k * stride, i), xv, acc[k]);
+        for (int t = 0; t < nt; t++) {
+            const float *xt = x + (size_t)t * in;
+            __m512 acc[8];
+            for (int k = 0; k < 8; k++) acc[k] = _mm512_setzero_ps();
+            for (int i = 0; i < in; i += 16) {
+                __m512 xv = _mm512_loadu_ps(xt + i);
+                for (int k = 0; k < 8; k++)
+                    acc[k] = _mm512_fmadd_ps(load16(dt, w + k * stride, i), xv, acc[k]);
+            }
+            _mm256_storeu_ps(y + (size_t)t * ldy + r, reduce8(acc));
         }
-        _mm256_storeu_ps(y + r, reduce8(acc));
     }
-    for (; r < r1; r++) dot_row(dt, (const char *)W + (size_t)r * stride, in, x, in, 1, &y[r]);
+    for (; r < r1; r++)
+        for (int t = 0; t < nt; t++)
+            dot_row(dt, (const char *)W + (size_t)r * stride, in, x + (size_t)t * in, in, 1,
+                    &y[(size_t)t * ldy + r]);
 }
 #endif
 
 size_t kern_matmul_scratch_floats(int in) { return (size_t)128 * (size_t)in; }
 
-/* Below this many tokens the direct (streaming) path wins over widen+sgemm. */
-#define MATMUL_BLAS_MIN_T 8
+/* Below this many tokens the direct (streaming) path wins over widen+sgemm:
+ * on the dev machine (Zen 4, one thread, bf16, 256..8448 x 256..768) the
+ * direct path costs the same per token at any T, widen+sgemm drops below it
+ * between 12 and 16 tokens (at 8 it is still 15-30% slower). */
+#define MATMUL_BLAS_MIN_T 12
 
 void kern_matmul(kern_dtype dt, const void *W, int in, const float *x, int T, float *y, int ldy,
                  int r0, int r1, float *scratch) {
@@ -267,19 +289,24 @@ void kern_matmul(kern_dtype dt, const void *W, int in, const float *x, int T, fl
         return;
     }
 #if KERN_AVX512
-    if (T == 1 && in % 32 == 0) {
+    /* With scratch, T < MATMUL_BLAS_MIN_T here, so the split rows fit it. */
+    if (in % 32 == 0) {
         if (dt == KERN_BF16 && scratch) {
-            /* split x into the even/odd halves that dot4_bf16_t1 expects */
-            for (int i = 0; i < in; i += 32)
-                for (int j = 0; j < 16; j++) {
-                    scratch[i + j] = x[i + 2 * j];
-                    scratch[i + 16 + j] = x[i + 2 * j + 1];
-                }
-            dot8_bf16_t1(W, in, scratch, r0, r1, y);
+            /* split x into the even/odd halves that dot8_bf16 expects */
+            for (int t = 0; t < T; t++) {
+                const float *xt = x + (size_t)t * in;
+                float *st = scratch + (size_t)t * in;
+                for (int i = 0; i < in; i += 32)
+                    for (int j = 0; j < 16; j++) {
+                        st[i + j] = xt[i + 2 * j];
+                        st[i + 16 + j] = xt[i + 2 * j + 1];
+                    }
+            }
+            dot8_bf16(W, in, scratch, T, r0, r1, y, ldy);
             return;
         }
         if (dt != KERN_BF16) {
-            dot8_t1(dt, W, in, x, r0, r1, y);
+            dot8(dt, W, in, x, T, r0, r1, y, ldy);
             return;
         }
     }

@@ -1,0 +1,129 @@
+/*
+ * kern_matmul on every path (direct dot products for few tokens, widened
+ * rows + BLAS for many; F32, BF16, F16; widths that are and are not a
+ * multiple of 32; row ranges with ragged ends) against a double-precision
+ * reference, and the property batched decoding relies on: on the direct
+ * path, row t of a T-token product is bit-identical to the one-token
+ * product of that row.
+ */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kern.h"
+
+static uint64_t next(uint64_t *x) {
+    *x ^= *x << 13, *x ^= *x >> 7, *x ^= *x << 17;
+    return *x;
+}
+
+static float unit(uint64_t *x) {
+    return (float)((next(x) >> 11) * 0x1.0p-53) * 2.0f - 1.0f;
+}
+
+/* W: [rows, in] in dt, plus its exact f32 values in wf. */
+static void *make_w(kern_dtype dt, int rows, int in, float *wf, uint64_t seed) {
+    size_t n = (size_t)rows * in;
+    void *w = malloc(n * kern_dtype_size(dt));
+    cr_assert(w);
+    for (size_t i = 0; i < n; i++) {
+        float v = unit(&seed);
+        if (dt == KERN_BF16) {
+            ((uint16_t *)w)[i] = kern_f32_to_bf16(v);
+            wf[i] = kern_bf16_to_f32(((uint16_t *)w)[i]);
+        } else if (dt == KERN_F16) {
+            ((uint16_t *)w)[i] = kern_f32_to_f16(v);
+            wf[i] = kern_f16_to_f32(((uint16_t *)w)[i]);
+        } else {
+            ((float *)w)[i] = v;
+            wf[i] = v;
+        }
+    }
+    return w;
+}
+
+static void check_shape(kern_dtype dt, int rows, int in) {
+    const int Ts[] = {1, 2, 3, 5, 7, 8, 11, 12, 13, 20, 40};
+    const int maxT = 40, r0 = 3, r1 = rows - 5, ldy = rows + 3;
+    float *wf = malloc((size_t)rows * in * sizeof(float));
+    float *x = malloc((size_t)maxT * in * sizeof(float));
+    float *y = malloc((size_t)maxT * ldy * sizeof(float));
+    float *y1 = malloc((size_t)ldy * sizeof(float));
+    float *scratch = malloc(kern_matmul_scratch_floats(in) * sizeof(float));
+    cr_assert(wf && x && y && y1 && scratch);
+    void *w = make_w(dt, rows, in, wf, 0x9e3779b97f4a7c15ull + (uint64_t)rows * in + dt);
+    uint64_t seed = 12345;
+    for (int i = 0; i < maxT * in; i++)
+        x[i] = unit(&seed);
+    for (size_t k = 0; k < sizeof Ts / sizeof Ts[0]; k++) {
+        const int T = Ts[k];
+        for (int i = 0; i < T * ldy; i++)
+            y[i] = NAN; /* columns outside [r0, r1) stay NaN */
+        kern_matmul(dt, w, in, x, T, y, ldy, r0, r1, scratch);
+        for (int t = 0; t < T; t++) {
+            for (int r = 0; r < rows; r++) {
+                float got = y[(size_t)t * ldy + r];
+                if (r < r0 || r >= r1) {
+                    cr_assert(isnan(got), "dt %d T %d: column %d outside [%d, %d) written", dt, T,
+                              r, r0, r1);
+                    continue;
+                }
+                double ref = 0.0, mag = 0.0;
+                for (int i = 0; i < in; i++) {
+                    ref += (double)wf[(size_t)r * in + i] * x[(size_t)t * in + i];
+                    mag += fabs((double)wf[(size_t)r * in + i] * x[(size_t)t * in + i]);
+                }
+                cr_assert_leq(fabs(got - ref), 1e-5 * mag + 1e-6,
+                              "dt %d rows %d in %d T %d: y[%d, %d] = %g, reference %g", dt, rows,
+                              in, T, t, r, got, ref);
+            }
+            /* few tokens: each row's sums are a lone token's, bit for bit */
+            if (T <= 7) {
+                kern_matmul(dt, w, in, x + (size_t)t * in, 1, y1, ldy, r0, r1, scratch);
+                cr_assert_eq(
+                    memcmp(y1 + r0, y + (size_t)t * ldy + r0, (size_t)(r1 - r0) * 4), 0,
+                    "dt %d rows %d in %d: token %d of %d differs from the same token alone", dt,
+                    rows, in, t, T);
+            }
+        }
+    }
+    free(w);
+    free(wf);
+    free(x);
+    free(y);
+    free(y1);
+    free(scratch);
+}
+
+Test(matmul, all_paths_match_reference) {
+    const kern_dtype dts[] = {KERN_F32, KERN_BF16, KERN_F16};
+    for (int d = 0; d < 3; d++) {
+        check_shape(dts[d], 77, 256); /* 8-row blocks plus ragged ends */
+        check_shape(dts[d], 300, 96);
+        check_shape(dts[d], 41, 80); /* width not a multiple of 32 */
+    }
+}
+
+Test(matmul, no_scratch_forces_direct_path) {
+    const int rows = 50, in = 64, T = 20;
+    float *wf = malloc((size_t)rows * in * sizeof(float)), *x = malloc((size_t)T * in * 4);
+    float *a = malloc((size_t)T * rows * 4), *b = malloc((size_t)T * rows * 4);
+    float *scratch = malloc(kern_matmul_scratch_floats(in) * sizeof(float));
+    void *w = make_w(KERN_BF16, rows, in, wf, 7);
+    uint64_t seed = 99;
+    for (int i = 0; i < T * in; i++)
+        x[i] = unit(&seed);
+    kern_matmul(KERN_BF16, w, in, x, T, a, rows, 0, rows, NULL);
+    kern_matmul(KERN_BF16, w, in, x, T, b, rows, 0, rows, scratch);
+    for (int i = 0; i < T * rows; i++)
+        cr_assert_leq(fabsf(a[i] - b[i]), 1e-4f, "entry %d: %g without scratch, %g with", i, a[i],
+                      b[i]);
+    free(w);
+    free(wf);
+    free(x);
+    free(a);
+    free(b);
+    free(scratch);
+}
