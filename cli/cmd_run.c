@@ -32,6 +32,7 @@ enum {
     OPT_SESSION,
     OPT_IGNORE_EOS,
     OPT_LOGITS_OUT,
+    OPT_SEQS,
 };
 
 /* Print a token's bytes; control bytes other than newline and tab are shown
@@ -488,16 +489,118 @@ out:
 
 static void bench_usage(FILE *f) {
     fprintf(f, "usage: kdaserve bench [--model DIR] [--prompt-tokens N] [--gen-tokens N]\n"
-               "                      [--repeats R] [--threads N] [--batch B]\n\n"
+               "                      [--repeats R] [--threads N] [--batch B] [--seqs N,N,...]\n\n"
                "Measures prefill tokens/s (N random tokens through the prefill path, default\n"
                "512) and decode tokens/s (N tokens one at a time after that prompt, default\n"
                "128), best of R runs (default 3), and prints them with the model, thread\n"
-               "count and sizes.\n");
+               "count and sizes.\n\n"
+               "--seqs N,N,... adds continuous batching: for each N, N sequences with\n"
+               "different prompts (--prompt-tokens each) decode --gen-tokens greedy tokens\n"
+               "each, once together (one eng_decode_batch per step) and once one after\n"
+               "another (eng_decode for each sequence in turn, every step), and prints the\n"
+               "aggregate tokens/s of both. --batch B is the prefill batch, not this.\n");
 }
 
 static int cmp_double(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
     return x < y ? -1 : x > y;
+}
+
+#define MAX_SEQ_COUNTS 16
+#define MAX_BENCH_SEQS 1024
+
+/* "1,4,16" -> counts in [1, MAX_BENCH_SEQS]; false on anything else. */
+static bool parse_seq_counts(const char *arg, int *counts, int *n) {
+    *n = 0;
+    for (const char *p = arg;;) {
+        const char *comma = strchr(p, ',');
+        char num[32];
+        size_t len = comma ? (size_t)(comma - p) : strlen(p);
+        int64_t v;
+        if (len == 0 || len >= sizeof num || *n == MAX_SEQ_COUNTS) return false;
+        memcpy(num, p, len);
+        num[len] = '\0';
+        if (!cli_parse_i64(num, 1, MAX_BENCH_SEQS, &v)) return false;
+        counts[(*n)++] = (int)v;
+        if (!comma) return true;
+        p = comma + 1;
+    }
+}
+
+/*
+ * Continuous batching for n sequences: each gets its own random prompt of
+ * pt tokens (prefilled once, state saved), then every repeat restores the
+ * states and times gt greedy steps twice: together (sample each, one
+ * eng_decode_batch) and one after another (sample and eng_decode each in
+ * turn, as a server without batching would). out: best and median aggregate
+ * tokens/s, together then apart.
+ */
+static kds_status bench_seqs(eng_ctx *c, const eng_model *m, int n, int64_t pt, int64_t gt,
+                             int64_t reps, double out[4], kds_err *err) {
+    const int vocab = eng_model_config(m)->vocab_size;
+    const int64_t plen = pt > 0 ? pt : 1;
+    kds_status rc = KDS_OK;
+    eng_seq **s = calloc((size_t)n, sizeof *s);
+    void **saved = calloc((size_t)n, sizeof *saved);
+    size_t *len = calloc((size_t)n, sizeof *len);
+    int32_t *ids = malloc((size_t)plen * sizeof *ids), *next = malloc((size_t)n * sizeof *next);
+    double *tog = calloc((size_t)reps, sizeof *tog), *apart = calloc((size_t)reps, sizeof *apart);
+    eng_sampler_params greedy = eng_sampler_default_params();
+    greedy.temperature = 0.0f;
+    if (!s || !saved || !len || !ids || !next || !tog || !apart) {
+        rc = kds_err_set(err, KDS_NOMEM, "out of memory for %d sequences", n);
+        goto out;
+    }
+    uint64_t x = 0x2545f4914f6cdd1dull;
+    for (int i = 0; i < n; i++) {
+        for (int64_t j = 0; j < plen; j++) {
+            x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+            ids[j] = (int32_t)(x % (uint64_t)vocab);
+        }
+        if ((rc = eng_seq_create(m, (uint64_t)i, &s[i], err)) != KDS_OK) goto out;
+        if ((rc = eng_prefill(c, s[i], ids, plen, NULL, NULL, NULL, err)) != KDS_OK) goto out;
+        len[i] = eng_seq_state_bytes(s[i]);
+        if (!(saved[i] = malloc(len[i]))) {
+            rc = kds_err_set(err, KDS_NOMEM, "out of memory saving %d sequences", n);
+            goto out;
+        }
+        if ((rc = eng_seq_state_save(s[i], saved[i], len[i], err)) != KDS_OK) goto out;
+    }
+    for (int64_t r = 0; r < reps; r++)
+        for (int k = 0; k < 2; k++) {
+            const int together = (k + r) % 2 == 0; /* alternate which goes first */
+            for (int i = 0; i < n; i++)
+                if ((rc = eng_seq_state_load(s[i], saved[i], len[i], err)) != KDS_OK) goto out;
+            double t0 = cli_now();
+            for (int64_t step = 0; step < gt; step++) {
+                for (int i = 0; i < n; i++) {
+                    if ((rc = eng_sample(c, s[i], &greedy, &next[i], err)) != KDS_OK) goto out;
+                    if (!together && (rc = eng_decode(c, s[i], next[i], err)) != KDS_OK) goto out;
+                }
+                if (together && (rc = eng_decode_batch(c, s, next, n, err)) != KDS_OK) goto out;
+            }
+            double tps = (double)n * gt / (cli_now() - t0);
+            (together ? tog : apart)[r] = tps;
+        }
+    qsort(tog, (size_t)reps, sizeof *tog, cmp_double);
+    qsort(apart, (size_t)reps, sizeof *apart, cmp_double);
+    out[0] = tog[reps - 1];
+    out[1] = tog[reps / 2];
+    out[2] = apart[reps - 1];
+    out[3] = apart[reps / 2];
+out:
+    if (s)
+        for (int i = 0; i < n; i++) eng_seq_free(s[i]);
+    if (saved)
+        for (int i = 0; i < n; i++) free(saved[i]);
+    free(s);
+    free(saved);
+    free(len);
+    free(ids);
+    free(next);
+    free(tog);
+    free(apart);
+    return rc;
 }
 
 int cmd_bench(int argc, char **argv) {
@@ -508,9 +611,11 @@ int cmd_bench(int argc, char **argv) {
         {"repeats", required_argument, 0, OPT_REPEATS},
         {"threads", required_argument, 0, OPT_THREADS},
         {"batch", required_argument, 0, OPT_BATCH},
+        {"seqs", required_argument, 0, OPT_SEQS},
         {"help", no_argument, 0, 'h'}, {0, 0, 0, 0}};
     const char *model = NULL;
     int64_t pt = 512, gt = 128, reps = 3, threads = 0, batch = 0;
+    int seq_counts[MAX_SEQ_COUNTS], n_counts = 0;
     optind = 1;
     for (int o; (o = getopt_long(argc, argv, "m:h", opts, NULL)) != -1;) {
         int64_t *dst = o == OPT_PROMPT_TOKENS ? &pt : o == OPT_GEN_TOKENS ? &gt
@@ -518,6 +623,12 @@ int cmd_bench(int argc, char **argv) {
                        : o == OPT_BATCH ? &batch : NULL;
         if (o == 'm') {
             model = optarg;
+        } else if (o == OPT_SEQS) {
+            if (!parse_seq_counts(optarg, seq_counts, &n_counts))
+                return cli_failf("bench",
+                                 "--seqs wants up to %d counts in 1..%d separated by commas, "
+                                 "got '%s'",
+                                 MAX_SEQ_COUNTS, MAX_BENCH_SEQS, optarg);
         } else if (o == 'h') {
             bench_usage(stdout);
             return 0;
@@ -530,6 +641,7 @@ int cmd_bench(int argc, char **argv) {
             return 2;
         }
     }
+    if (n_counts > 0 && gt == 0) return cli_failf("bench", "--seqs needs --gen-tokens of at least 1");
     const char *dir = cli_model_dir("bench", model);
     if (!dir) return 1;
     eng_model *m = NULL;
@@ -589,6 +701,30 @@ int cmd_bench(int argc, char **argv) {
            "median %.1f; %.3f ms/token)\n",
            dec[reps - 1], (long long)gt, (long long)reps, dec[reps / 2],
            dec[reps - 1] > 0 ? 1000.0 / dec[reps - 1] : 0.0);
+    if (n_counts > 0) {
+        int most = 0;
+        for (int i = 0; i < n_counts; i++) most = seq_counts[i] > most ? seq_counts[i] : most;
+        if (most > eng_ctx_max_seqs(c)) { /* the batched decode's scratch is sized at creation */
+            eng_ctx_params cp = eng_ctx_default_params();
+            cp.n_threads = (int)threads;
+            if (batch > 0) cp.max_batch = (int)batch;
+            cp.max_seqs = most;
+            eng_ctx_free(c);
+            c = NULL;
+            if (eng_ctx_create(m, &cp, &c, &err) != KDS_OK) goto fail;
+        }
+        printf("batching     aggregate decode tokens/s of N sequences (%lld-token prompts, "
+               "%lld tokens each), best of %lld (median)\n",
+               (long long)pt, (long long)gt, (long long)reps);
+        for (int i = 0; i < n_counts; i++) {
+            double r[4] = {0};
+            if (bench_seqs(c, m, seq_counts[i], pt, gt, reps, r, &err) != KDS_OK) goto fail;
+            printf("  N=%-4d     together %9.1f (%9.1f)   one after another %9.1f (%9.1f)   "
+                   "x%.2f\n",
+                   seq_counts[i], r[0], r[1], r[2], r[3], r[2] > 0 ? r[0] / r[2] : 0.0);
+            fflush(stdout);
+        }
+    }
     goto out;
 fail:
     rc = cli_fail("bench", &err);

@@ -300,3 +300,42 @@ Test(decode_batch, refusals_change_nothing, .timeout = 120) {
     close_fixture(&g);
     close_fixture(&f);
 }
+
+/* `kdaserve bench --seqs` runs both ways for each count and refuses bad
+ * counts with one line. */
+Test(decode_batch, bench_seqs_cli, .timeout = 120) {
+    fixture f = open_preset("tiny-hybrid", 1, 16, 4);
+    char cmd[1024], out[8192];
+    snprintf(cmd, sizeof cmd,
+             KDS_BINARY_DIR "/kdaserve bench --model %s --threads 1 --repeats 1 --prompt-tokens 5 "
+                            "--gen-tokens 3 --seqs 1,3,70 2>&1",
+             f.dir);
+    FILE *p = popen(cmd, "r");
+    cr_assert(p);
+    size_t n = fread(out, 1, sizeof out - 1, p);
+    out[n] = '\0';
+    cr_assert_eq(pclose(p), 0, "%s", out);
+    const char *want[] = {"N=1 ", "N=3 ", "N=70 "}; /* 70 > the default 64: a bigger context */
+    for (int i = 0; i < 3; i++) {
+        const char *line = strstr(out, want[i]);
+        cr_assert(line, "no '%s' line in:\n%s", want[i], out);
+        double a = 0, b = 0;
+        cr_assert_eq(sscanf(strstr(line, "together") + 8, "%lf", &a), 1);
+        cr_assert_eq(sscanf(strstr(line, "another") + 7, "%lf", &b), 1);
+        cr_expect(a > 0 && b > 0, "line: %.80s", line);
+    }
+    const char *bad[] = {"--seqs 0", "--seqs 2,,3", "--seqs 5000", "--seqs 2 --gen-tokens 0"};
+    for (int i = 0; i < 4; i++) {
+        snprintf(cmd, sizeof cmd, KDS_BINARY_DIR "/kdaserve bench --model %s %s 2>&1", f.dir,
+                 bad[i]);
+        p = popen(cmd, "r");
+        cr_assert(p);
+        n = fread(out, 1, sizeof out - 1, p);
+        out[n] = '\0';
+        int rc = pclose(p);
+        cr_expect(rc != 0, "'%s' accepted", bad[i]);
+        cr_expect(strstr(out, "--seqs") && strchr(out, '\n') == out + n - 1,
+                  "'%s': not one line naming --seqs: %s", bad[i], out);
+    }
+    close_fixture(&f);
+}
