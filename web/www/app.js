@@ -63,6 +63,7 @@
   const NAME_RE = /^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$/;
   const BACKOFF_MIN_MS = 500;
   const BACKOFF_MAX_MS = 15000;
+  const FLUSH_MS = 40; // streamed text is drawn at most this often
 
   const st = {
     ws: null,
@@ -634,6 +635,7 @@
     const g = {
       id, session: st.current, el: m, userEl, text: '', textNode: m.querySelector('.msg-body').firstChild,
       tokenEvents: 0, started: false, input: text,
+      pending: '', lastFlush: -Infinity, flushTimer: null, // see scheduleFlush
     };
     st.gens.set(id, g);
     st.gen = g;
@@ -658,12 +660,11 @@
         break;
       case 'token':
         if (typeof msg.text === 'string' && msg.text) {
-          const stick = nearBottom();
           g.text += msg.text;
-          g.textNode.appendData(msg.text);
+          g.pending += msg.text;
           g.tokenEvents++;
           g.el.dataset.tokenEvents = String(g.tokenEvents);
-          if (stick) scrollToEnd(true);
+          scheduleFlush(g);
         }
         break;
       case 'done':
@@ -685,8 +686,30 @@
     }
   }
 
+  /* Streamed text reaches the DOM at most every FLUSH_MS: a fast model sends
+   * thousands of token events a second, and a layout (and scroll) for each
+   * would keep the page too busy to take a click on Stop. The first piece
+   * shows at once. */
+  function scheduleFlush(g) {
+    const wait = g.lastFlush + FLUSH_MS - performance.now();
+    if (wait <= 0) flush(g);
+    else if (!g.flushTimer) g.flushTimer = setTimeout(() => flush(g), wait);
+  }
+
+  function flush(g) {
+    clearTimeout(g.flushTimer);
+    g.flushTimer = null;
+    if (!g.pending) return;
+    const stick = nearBottom();
+    g.textNode.appendData(g.pending);
+    g.pending = '';
+    g.lastFlush = performance.now();
+    if (stick) scrollToEnd(true);
+  }
+
   function finishGen(g, msg) {
     const reason = msg.reason || 'error';
+    flush(g);
     // `reply` is the whole text: authoritative if a piece was missed.
     if (typeof msg.reply === 'string' && msg.reply !== g.text) {
       g.text = msg.reply;
