@@ -116,9 +116,16 @@ async function main() {
     page.on('requestfailed', (r) => problems.push('request failed: ' + r.url() + ' ' + (r.failure() || {}).errorText));
     // Serve everything with the strict CSP added (the server may send its own too).
     await page.route('**/*', async (route) => {
-      const resp = await route.fetch();
+      let resp;
+      try {
+        resp = await route.fetch();
+      } catch (e) {
+        problems.push('GET ' + route.request().url() + ' failed: ' + String(e.message).split('\n')[0]);
+        await route.abort().catch(() => {});
+        return;
+      }
       const headers = Object.assign({}, resp.headers(), { 'content-security-policy': CSP });
-      await route.fulfill({ response: resp, headers });
+      await route.fulfill({ response: resp, headers }).catch(() => {});
     });
 
     const name = 'web-' + process.pid + '-' + Date.now().toString(36);
@@ -204,10 +211,15 @@ async function main() {
       expect(r.streaming === 'false', 'reply still marked streaming after done');
       expect(r.reason === 'length' || r.reason === 'stop', 'done reason ' + r.reason);
       expect(r.text.length > 0, 'empty reply');
+      // Pieces arrived one by one, and the page showed the reply growing:
+      // part of it was on screen while it streamed (the page draws at most
+      // every 40 ms, so a short fast reply may be seen only once before done).
       expect(r.tokenEvents >= 2, 'only ' + r.tokenEvents + ' token event(s) arrived');
       const grew = r.lengths.filter((x) => x > 0);
-      expect(grew.length >= 2 && grew.every((x, i) => i === 0 || x > grew[i - 1]),
-        'reply did not grow over two observations: lengths ' + JSON.stringify(r.lengths));
+      expect(grew.every((x, i) => i === 0 || x > grew[i - 1]), 'shown reply shrank: ' + JSON.stringify(r.lengths));
+      expect(grew.length >= 1 && grew[0] < r.text.length,
+        'no part of the reply was shown before it ended: lengths ' + JSON.stringify(r.lengths)
+        + ', final ' + r.text.length);
       return r.tokenEvents + ' token events, shown lengths ' + grew.slice(0, 4).join('→')
         + (grew.length > 4 ? '→…→' + grew[grew.length - 1] : '') + ', reason ' + r.reason;
     });
@@ -220,11 +232,29 @@ async function main() {
         + ', prefill ' + (await page.textContent(tid('stats-prefill'))).trim();
     });
 
+    /* The default model ends a sampled reply within a few dozen tokens (it
+     * learnt fortune cookies), so the long generation is greedy, from a
+     * fresh session whose opening text (the plain-mode "system") leads it
+     * into a long run: deterministic for a given model. A few openings in
+     * turn, in case a retrained model ends one of them by itself. */
+    const STOP_CASES = [
+      ['CHAPTER 1. Loomings.', 'Call me Ishmael. Some years ago, never mind how long precisely, having little or no money in my purse'],
+      ['PRIDE AND PREJUDICE', 'Chapter 1. It is a truth universally acknowledged, that a single man in possession of a good fortune'],
+      ['CHAPTER I.', 'The whale'],
+    ];
     created && await check('Stop ends a long generation (cancelled)', async () => {
       let r;
-      for (let attempt = 1; attempt <= 3; attempt++) {
+      let k = 0;
+      for (const [opening, prompt] of STOP_CASES) {
+        const stopName = name + '-stop' + k++;
+        await page.click(tid('btn-new'));
+        await page.fill(tid('dialog-name'), stopName);
+        await page.fill(tid('dialog-system'), opening);
+        await page.click(tid('dialog-ok'));
+        await page.waitForSelector(tid('session-item') + '[data-session="' + stopName + '"][aria-selected="true"]');
+        await page.fill(tid('set-temperature'), '0');
         await watchNextReply();
-        await send('Call me Ishmael. Some years ago', 4000);
+        await send(prompt, 4000);
         await page.waitForFunction(() => {
           const all = document.querySelectorAll('[data-testid="msg-assistant"]');
           const m = all[all.length - 1];
@@ -236,6 +266,7 @@ async function main() {
         r = await lastReply();
         if (r.reason !== 'stop') break; // "stop": the model ended before the click; try again
       }
+      await page.fill(tid('set-temperature'), '0.8');
       expect(r.reason === 'cancelled', 'done reason is ' + r.reason + ', not cancelled');
       expect(await page.locator(tid('btn-stop')).isHidden(), 'Stop button still shown');
       const len = r.text.length;
@@ -260,6 +291,9 @@ async function main() {
 
     const forkName = name + '-f';
     created && await check('Fork makes a new session with the same history', async () => {
+      await page.click(tid('session-item') + '[data-session="' + name + '"]');
+      await page.waitForSelector(tid('session-item') + '[data-session="' + name + '"][aria-selected="true"]');
+      await page.waitForSelector(tid('msg-assistant'));
       const turns = await page.locator(tid('msg-assistant')).count();
       await page.click(tid('btn-fork'));
       await page.fill(tid('dialog-name'), forkName);
