@@ -319,7 +319,15 @@
     }, () => { /* info is decoration only */ });
     await refreshList();
     const want = st.current || store.get('kds.session');
-    if (want && st.sessions.some((s) => s.name === want)) openSession(want);
+    if (want && st.sessions.some((s) => s.name === want)) {
+      openSession(want);
+    } else if (st.current) { // gone while we were away (deleted elsewhere, other store)
+      st.current = null;
+      store.set('kds.session', null);
+      clearSessionView();
+      renderList();
+      updateControls();
+    }
   }
 
   /* ---------- sessions ---------- */
