@@ -268,9 +268,12 @@ async function main() {
           return m && (+(m.dataset.tokenEvents || 0) >= 2 || m.dataset.streaming === 'false');
         });
         const stopBtn = page.locator(tid('btn-stop'));
+        const t0 = Date.now();
         if (await stopBtn.isVisible()) await stopBtn.click().catch(() => {});
+        const t1 = Date.now();
         await waitDone();
         r = await lastReply();
+        r.timing = 'click took ' + (t1 - t0) + ' ms, done ' + (Date.now() - t1) + ' ms later';
         if (r.reason !== 'stop') break; // "stop": the model ended before the click; try again
       }
       await page.fill(tid('set-temperature'), '0.8');
@@ -281,7 +284,7 @@ async function main() {
       const after = await lastReply();
       expect(after.text.length === len, 'reply kept growing after done (' + len + ' → ' + after.text.length + ')');
       expect(await page.isEnabled(tid('btn-send')), 'Send not enabled again');
-      return 'stopped after ' + r.tokenEvents + ' token events, ' + len + ' chars';
+      return 'stopped after ' + r.tokenEvents + ' token events, ' + len + ' chars; ' + r.timing;
     });
 
     created && await check('an error shows its code in the banner (create an existing name)', async () => {
