@@ -466,7 +466,10 @@ static int ws_cb(struct lws *wsi, enum lws_callback_reasons reason, void *user, 
         pthread_mutex_unlock(&s->lock);
         return 0;
     default:
-        return 0;
+        /* As the vhost's default protocol this one also receives the HTTP
+         * callbacks of kept-alive connections after their first request
+         * (static files): lws's own handler serves those. */
+        return lws_callback_http_dummy(wsi, reason, user, in, len);
     }
 }
 
@@ -484,6 +487,13 @@ static int http_cb(struct lws *wsi, enum lws_callback_reasons reason, void *user
     http_pss *pss = user;
     switch (reason) {
     case LWS_CALLBACK_HTTP: {
+        /* Only GET /metrics is ours; lws also lands here for a static file
+         * it did not find on a connection last bound to this protocol. */
+        char uri[64];
+        if (lws_hdr_copy(wsi, uri, sizeof uri, WSI_TOKEN_GET_URI) <= 0 || strcmp(uri, "/metrics")) {
+            if (lws_return_http_status(wsi, HTTP_STATUS_NOT_FOUND, NULL)) return -1;
+            return lws_http_transaction_completed(wsi) ? -1 : 0;
+        }
         unsigned char hdr[LWS_PRE + 512], *start = hdr + LWS_PRE, *p = start, *end = hdr + sizeof hdr;
         free(pss->body);
         pss->body = web__metrics_text(s, &pss->len);
