@@ -122,8 +122,9 @@ static bool store_name(const web_req *r, const char *client, char out[SESS_NAME_
         snprintf(out, SESS_NAME_MAX + 1, "%s", client);
         return true;
     }
+    /* the same limit for every tenant, whatever the length of its name */
     size_t nt = strlen(r->tenant), nc = strlen(client);
-    if (nt + 1 + nc > SESS_NAME_MAX) return false;
+    if (nc > SESS_NAME_MAX - WEB_TENANT_MAX - 1 || nt + 1 + nc > SESS_NAME_MAX) return false;
     memcpy(out, r->tenant, nt);
     out[nt] = '.';
     memcpy(out + nt + 1, client, nc + 1);
@@ -157,7 +158,7 @@ static bool arg_session(web_engine *E, const web_req *r, const cJSON *id, const 
     if (!cJSON_IsString(v) || !store_name(r, v->valuestring, out)) {
         fail(E, r, id, WEB_ERR_BAD_REQUEST,
              "'%s' must be a session name: 1-%d of [A-Za-z0-9._-], starting with a letter or digit",
-             key, r->auth ? SESS_NAME_MAX - (int)strlen(r->tenant) - 1 : SESS_NAME_MAX);
+             key, r->auth ? SESS_NAME_MAX - WEB_TENANT_MAX - 1 : SESS_NAME_MAX);
         return false;
     }
     return true;

@@ -10,6 +10,7 @@
  * connection with queued events; message size is capped here, since lws has
  * no limit; permessage-deflate is not offered.
  */
+#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -197,9 +198,11 @@ static void reply_now(web_server *s, web_conn *c, cJSON *ev, bool msgpack) {
     web__send(s, c->id, ev, msgpack);
 }
 
-/* A request's id: absent, null, a number or a short string. */
+/* A request's id: absent, null, an integer or a short string. */
 static bool valid_id(const cJSON *id) {
-    if (!id || cJSON_IsNull(id) || cJSON_IsNumber(id)) return true;
+    if (!id || cJSON_IsNull(id)) return true;
+    if (cJSON_IsNumber(id))
+        return id->valuedouble == floor(id->valuedouble) && fabs(id->valuedouble) < 9007199254740992.0;
     return cJSON_IsString(id) && strlen(id->valuestring) <= WEB_ID_MAX;
 }
 
@@ -216,7 +219,7 @@ static void handle_message(web_server *s, web_conn *c, const unsigned char *p, s
     if (!valid_id(id)) {
         reply_now(s, c,
                   web__error(s, NULL, WEB_ERR_BAD_REQUEST,
-                             "'id' must be a number or a string of at most %d bytes", WEB_ID_MAX),
+                             "'id' must be an integer or a string of at most %d bytes", WEB_ID_MAX),
                   binary);
         cJSON_Delete(msg);
         return;
