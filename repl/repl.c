@@ -6,6 +6,7 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <limits.h>
 #include <math.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -190,7 +191,7 @@ static kds_status session_mode(repl *r, const sess_session_info *si, bool *chat,
         *chat = !strcmp(si->mode, "chat");
         if (*chat && !eng_chat_supported(r->tok))
             return kds_err_set(e, KDS_UNSUPPORTED, "session '%s' is in chat mode but model %s has "
-                               "no chat format", si->name, eng_model_dir(r->m));
+                               "no chat format", si->name, r->model_path);
         return KDS_OK;
     }
     if (si->mode[0])
@@ -350,6 +351,10 @@ kds_status repl_create(const repl_params *p, FILE *out, FILE *errf, repl **out_r
     if (eng_ctx_create(r->m, &cp, &r->c, e) != KDS_OK) goto fail;
     if (eng_seq_create(r->m, r->seed, &r->s, e) != KDS_OK) goto fail;
     r->tok = eng_model_tokenizer(r->m);
+    /* "build/../models/default" reads better resolved */
+    char real[PATH_MAX];
+    snprintf(r->model_path, sizeof r->model_path, "%s",
+             realpath(eng_model_dir(r->m), real) ? real : eng_model_dir(r->m));
     r->new_chat = eng_chat_supported(r->tok) &&
                   (p->mode == REPL_MODE_CHAT ||
                    (p->mode == REPL_MODE_AUTO && dir_has_chat_template(dir)));
@@ -379,7 +384,7 @@ kds_status repl_create(const repl_params *p, FILE *out, FILE *errf, repl **out_r
     }
     {
         repl__info(r, "new session '%s' (%s mode, model %s)", r->session, repl__mode_name(r),
-                   eng_model_dir(r->m));
+                   r->model_path);
     }
 done:
     *out_repl = r;

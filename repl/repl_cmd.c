@@ -347,7 +347,7 @@ static bool c_stats(repl *r, char *arg) {
         fprintf(f, "session          %s%s\n", r->session, r->base ? "" : " (not saved yet)");
         fprintf(f, "head snapshot    @%llu\n", (unsigned long long)r->base);
         fprintf(f, "mode             %s\n", r->chat ? "chat" : "plain continuation");
-        fprintf(f, "model            %s\n", eng_model_dir(r->m));
+        fprintf(f, "model            %s\n", r->model_path);
         fprintf(f, "context tokens   %lld\n", (long long)eng_seq_pos(r->s));
         fprintf(f, "state bytes      %zu\n", eng_seq_state_bytes(r->s));
         fprintf(f, "last prefill     %lld tokens, %.1f tok/s\n", (long long)r->last_prefill_n,

@@ -26,6 +26,7 @@ struct repl {
     bool ignore_eos;
     uint64_t seed;
     char *history_file;
+    char model_path[4096];     /* the model directory, resolved (for notices) */
     int64_t last_prefill_n, last_decode_n;
     double last_prefill_s, last_decode_s, last_resume_ms;
     int failures;
