@@ -51,7 +51,8 @@ static void start(ts_server *s, const char *dir, ...) {
     int n = 2;
     va_list ap;
     va_start(ap, dir);
-    for (const char *a; n < 31 && (a = va_arg(ap, const char *));) args[n++] = a;
+    for (const char *a; n < 31 && (a = va_arg(ap, const char *));)
+        args[n++] = a;
     va_end(ap);
     args[n] = NULL;
     cr_assert(ts_start_log(s, args, log), "kdaserve serve did not start (exit %d); log:\n%s",
@@ -78,9 +79,10 @@ static int node_run(const ts_server *s, const char *fmt, ...) {
 static void expect_groups(ts_server *s, const char *groups, const char *extra) {
     int rc = node_run(s, "--group %s %s", groups, extra ? extra : "");
     if (rc != 0) ts_fill_tail(s);
-    cr_expect_eq(rc, 0, "ws_protocol.test.js --group %s %s: some checks failed (the 'not ok' "
-                 "lines above say which); the server's log ends:\n%s", groups,
-                 extra ? extra : "", s->log_tail);
+    cr_expect_eq(rc, 0,
+                 "ws_protocol.test.js --group %s %s: some checks failed (the 'not ok' "
+                 "lines above say which); the server's log ends:\n%s",
+                 groups, extra ? extra : "", s->log_tail);
 }
 
 /* One group on a default server of its own. */
@@ -97,14 +99,30 @@ static void one_group(const char *group) {
 
 TestSuite(serve, .timeout = 900);
 
-Test(serve, basic_operations) { one_group("basic"); }
-Test(serve, generate_streams_and_forks) { one_group("generate"); }
-Test(serve, resume_in_halves_equals_one_request) { one_group("resume"); }
-Test(serve, msgpack_frames) { one_group("msgpack"); }
-Test(serve, cancel_and_busy) { one_group("cancel"); }
-Test(serve, concurrent_streams_match_alone) { one_group("concurrent"); }
-Test(serve, client_disconnect_saves_session) { one_group("disconnect"); }
-Test(serve, malformed_input) { one_group("malformed"); }
+Test(serve, basic_operations) {
+    one_group("basic");
+}
+Test(serve, generate_streams_and_forks) {
+    one_group("generate");
+}
+Test(serve, resume_in_halves_equals_one_request) {
+    one_group("resume");
+}
+Test(serve, msgpack_frames) {
+    one_group("msgpack");
+}
+Test(serve, cancel_and_busy) {
+    one_group("cancel");
+}
+Test(serve, concurrent_streams_match_alone) {
+    one_group("concurrent");
+}
+Test(serve, client_disconnect_saves_session) {
+    one_group("disconnect");
+}
+Test(serve, malformed_input) {
+    one_group("malformed");
+}
 
 /* Half a reply, restart the server, the other half: the same text as the
  * whole reply generated in one request (greedy and sampled). */
@@ -152,7 +170,8 @@ static void random_token(char out[33]) {
     FILE *f = fopen("/dev/urandom", "rb");
     cr_assert(f && fread(b, 1, sizeof b, f) == sizeof b, "/dev/urandom");
     fclose(f);
-    for (int i = 0; i < 16; i++) snprintf(out + 2 * i, 3, "%02x", b[i]);
+    for (int i = 0; i < 16; i++)
+        snprintf(out + 2 * i, 3, "%02x", b[i]);
 }
 
 /* --auth-file with tenants alice and bob: isolation, the auth op and the

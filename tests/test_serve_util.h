@@ -39,12 +39,12 @@
 #define TS_STOP_TIMEOUT_S 60
 
 typedef struct ts_server {
-    pid_t pid;          /* 0 when not running */
+    pid_t pid; /* 0 when not running */
     int port;
-    char url[64];       /* ws://127.0.0.1:PORT/ */
-    char log[512];      /* the server's stdout + stderr */
+    char url[64];        /* ws://127.0.0.1:PORT/ */
+    char log[512];       /* the server's stdout + stderr */
     char log_tail[2048]; /* the log's last bytes, filled when start or stop fails */
-    int status;         /* exit status once stopped: 0-255, 128+signal, or -1 */
+    int status;          /* exit status once stopped: 0-255, 128+signal, or -1 */
 } ts_server;
 
 static inline double ts_now(void) {
@@ -119,19 +119,23 @@ static inline bool ts_start_log(ts_server *s, const char *const *args, const cha
         return false;
     }
     snprintf(s->url, sizeof s->url, "ws://127.0.0.1:%d/", s->port);
-    if (log_path) snprintf(s->log, sizeof s->log, "%s", log_path);
-    else snprintf(s->log, sizeof s->log, "/tmp/kds_serve_%d.log", s->port);
+    if (log_path)
+        snprintf(s->log, sizeof s->log, "%s", log_path);
+    else
+        snprintf(s->log, sizeof s->log, "/tmp/kds_serve_%d.log", s->port);
     char listen[64];
     snprintf(listen, sizeof listen, "127.0.0.1:%d", s->port);
     const char *argv[64] = {TS_KDASERVE, "serve", "--listen", listen};
     int n = 4;
-    for (int i = 0; args && args[i] && n < 63; i++) argv[n++] = args[i];
+    for (int i = 0; args && args[i] && n < 63; i++)
+        argv[n++] = args[i];
     argv[n] = NULL;
 
     FILE *lf = fopen(s->log, "ab");
     if (lf) {
         fprintf(lf, "$");
-        for (int i = 0; i < n; i++) fprintf(lf, " %s", argv[i]);
+        for (int i = 0; i < n; i++)
+            fprintf(lf, " %s", argv[i]);
         fprintf(lf, "\n");
         fclose(lf);
     }
@@ -155,7 +159,8 @@ static inline bool ts_start_log(ts_server *s, const char *const *args, const cha
             close(nul);
         }
         /* The test runner's pipes are not the server's business. */
-        for (int fd = 3; fd < 1024; fd++) close(fd);
+        for (int fd = 3; fd < 1024; fd++)
+            close(fd);
         execv(argv[0], (char *const *)argv);
         fprintf(stderr, "exec %s: %s\n", argv[0], strerror(errno));
         _exit(127);
