@@ -23,10 +23,19 @@ static repl *g_repl; /* for the completion callbacks (readline has no user point
 static char *g_line;
 static bool g_have_line, g_eof;
 static volatile sig_atomic_t g_hangup; /* SIGHUP / SIGTERM: stop, save, leave */
+static volatile sig_atomic_t g_winch;  /* the terminal was resized */
 
 static void on_sigint(int sig) {
     (void)sig;
     repl_interrupt();
+}
+
+/* readline's own SIGWINCH handler is installed only inside
+ * rl_callback_read_char, and the loop waits in select(): a resize there
+ * would be lost and long lines would wrap at the old width. */
+static void on_winch(int sig) {
+    (void)sig;
+    g_winch = 1;
 }
 
 static void on_hangup(int sig) {
@@ -105,7 +114,7 @@ static char **complete(const char *text, int start, int end) {
 int repl_run_interactive(repl *r) {
     g_repl = r;
     rl_catch_signals = 0; /* SIGINT is ours: it stops a reply, or leaves at the prompt */
-    rl_catch_sigwinch = 1;
+    rl_catch_sigwinch = 0; /* ours: on_winch */
     rl_readline_name = "kdaserve";
     rl_attempted_completion_function = complete;
     struct sigaction sa;
@@ -116,7 +125,10 @@ int repl_run_interactive(repl *r) {
     sa.sa_handler = on_hangup;
     sigaction(SIGHUP, &sa, NULL);
     sigaction(SIGTERM, &sa, NULL);
-    g_hangup = 0;
+    sa.sa_handler = on_winch;
+    sa.sa_flags = SA_RESTART; /* a resize during a reply must not cut a write short */
+    sigaction(SIGWINCH, &sa, NULL);
+    g_hangup = g_winch = 0;
     using_history();
     if (r->history_file) read_history(r->history_file);
     fprintf(r->out, "kdaserve chat: /help for commands, Ctrl-C stops a reply, Ctrl-D leaves\n");
@@ -134,6 +146,10 @@ int repl_run_interactive(repl *r) {
             FD_ZERO(&fds);
             FD_SET(fileno(rl_instream ? rl_instream : stdin), &fds);
             int rc = select(fileno(rl_instream ? rl_instream : stdin) + 1, &fds, NULL, NULL, NULL);
+            if (g_winch) {
+                g_winch = 0;
+                rl_resize_terminal();
+            }
             if (rc < 0 && errno == EINTR) {
                 if (g_hangup) {
                     leave = true;
@@ -195,5 +211,6 @@ int repl_run_interactive(repl *r) {
     signal(SIGINT, SIG_DFL);
     signal(SIGHUP, SIG_DFL);
     signal(SIGTERM, SIG_DFL);
+    signal(SIGWINCH, SIG_DFL);
     return r->failures;
 }
