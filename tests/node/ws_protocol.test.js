@@ -24,7 +24,7 @@
 //   limits      small --max-generations/--max-message/--max-sessions (default
 //               --max-tokens), and --max-connections N given to this script too
 //   maxtokens   a small --max-tokens caps max_tokens
-//   idle        --idle-timeout of a few seconds: a silent client is closed 1001
+//   idle        --idle-timeout of a few seconds: a client answering no ping is dropped
 //   restart     --phase save before a restart, --phase check after it (--state FILE)
 //   shutdown    --phase save: a generation is running when the script sends
 //               SIGTERM to --server-pid (close 1001 expected); --phase check after
@@ -88,18 +88,6 @@ const opt = { groups: [] };
 // known failure", but do not fail the run. Never delete a check instead.
 const KNOWN_FAILURES = {
   // "group: check name": "what the server does instead",
-  "malformed: restore snapshot as a string -> bad_request, with the request's id":
-    "the server reads {\"snapshot\":\"12\"} as snapshot @12 (answers not_found \"no snapshot @12\", " +
-    "or restores it when it exists) instead of bad_request for a string where the protocol has an integer id",
-  "malformed: id a float -> bad_request":
-    "the server accepts {\"id\":1.5,\"op\":\"ping\"} and answers {\"id\":1.5,\"event\":\"result\"}; " +
-    "the protocol allows only an integer or a string of at most 64 bytes",
-  "auth: with an auth file, names are 1-47 characters":
-    "with --auth-file the server accepts a 48-character session name (it seems to allow 64 " +
-    "minus the tenant prefix) where the protocol says 1-47",
-  "idle: --idle-timeout 2: a client that answers no ping is closed with 1001":
-    "the server drops an idle connection without a close frame (the client sees 1006), " +
-    "where the protocol says close 1001",
 };
 
 let nCheck = 0, nFail = 0, nKnown = 0;
@@ -430,9 +418,12 @@ async function groupBasic() {
       fields(p, { id: isInt, tokens: isInt, created: isUsNow, parent: (x) => x === null || isInt(x) }, "snapshot");
     eq(r.snapshots[0].id, g.done.snapshot, "newest snapshot is the head");
     eq(r.snapshots[0].tokens, g.done.context, "its tokens");
-    for (let i = 1; i < r.snapshots.length; i++)
+    for (let i = 1; i < r.snapshots.length; i++) {
       ok(r.snapshots[i - 1].created >= r.snapshots[i].created, "snapshots are not newest first");
-    ok(r.snapshots.some((p) => p.id === created.snapshot), "the snapshot create wrote is missing");
+      eq(r.snapshots[i - 1].parent, r.snapshots[i].id, `parent of snapshot ${r.snapshots[i - 1].id} (the chain back to the start)`);
+    }
+    eq(r.snapshots.length, 3, "snapshots: create + 2 turns");
+    eq(r.snapshots[r.snapshots.length - 1].id, created.snapshot, "the oldest is the one create wrote");
   });
 
   await check("snapshots of a session that does not exist -> not_found", async () => {
@@ -447,6 +438,9 @@ async function groupBasic() {
     eq([f.parent, f.tokens, f.turns], [s1, g.done.context, 2], "fork parent, tokens, turns");
     const h = isResult(await c.request({ op: "history", session: s2 }), "history");
     eq(h.turns.length, 2, "the fork has the transcript");
+    const ps = isResult(await c.request({ op: "snapshots", session: s2 }), "snapshots").snapshots;
+    eq(ps[0].id, g.done.snapshot, "the fork's head is the original's (nothing copied)");
+    eq(ps.length, 3, "the fork's snapshots go back through the original");
     const o = await listed(c, s1);
     eq([o.tokens, o.turns, o.head], [g.done.context, 2, g.done.snapshot], "original after the fork");
   });
@@ -489,6 +483,14 @@ async function groupBasic() {
     const a = await greedy(c, r2.session, " She", 8);
     const b = await greedy(c, s3, " She", 8);
     eq(a.done.reply, b.done.reply, "greedy continuation of the restored snapshot vs the fork");
+  });
+
+  await check("restore accepts the string forms \"@N\" and \"N\"", async () => {
+    for (const form of [`@${created.snapshot}`, `${created.snapshot}`]) {
+      const r = isResult(await c.request({ op: "restore", snapshot: form }), `restore ${form}`);
+      eq(r.tokens, 0, `tokens restored from ${form}`);
+    }
+    isError(await c.request({ op: "restore", snapshot: "@2147480000" }), "not_found", "restore a missing @N");
   });
 
   await check("restore a snapshot that does not exist -> not_found", async () => {
@@ -1073,7 +1075,7 @@ async function groupMalformed() {
     ["generate with neither message nor text", { id: 21, op: "generate", session: ms }, "bad_request"],
     ["text of the wrong type", { id: 22, op: "generate", session: ms, text: 5 }, "bad_request"],
     ["history last as a string", { id: 23, op: "history", session: ms, last: "all" }, "bad_request"],
-    ["restore snapshot as a string", { id: 24, op: "restore", snapshot: "12" }, "bad_request"],
+    ["restore snapshot as a bool", { id: 24, op: "restore", snapshot: true }, "bad_request"],
     ["create mode not chat/plain", { id: 25, op: "create", session: nm("badmode"), mode: "poetry" }, "bad_request"],
     ["fork name of the wrong type", { id: 26, op: "fork", session: ms, name: 3 }, "bad_request"],
     ["cancel target of the wrong type", { id: 27, op: "cancel", target: { a: 1 } }, "bad_request"],
@@ -1212,6 +1214,7 @@ async function groupAuth() {
 
   await check("Authorization: Bearer on the upgrade authenticates", async () => {
     const c = await connect({ bearer: B });
+    eq(c.hello.auth_required, false, "hello auth_required after a header token was accepted");
     isResult(await c.request({ op: "ping" }), "ping");
     isResult(await c.request({ op: "list" }), "list");
     await c.close();
@@ -1412,15 +1415,28 @@ async function groupMaxTokens() {
 async function groupIdle() {
   const c = await connect();
   const L = (await info(c)).limits;
-  await check(`--idle-timeout ${L.idle_timeout_s}: a client that answers no ping is closed with 1001`, async () => {
+  const GRACE_S = 10; // "one that does not answer within 10 s more is dropped"
+  await check(`--idle-timeout ${L.idle_timeout_s}: a silent client that answers no ping is dropped, ` +
+              "one that answers pings stays", async () => {
     ok(L.idle_timeout_s <= 10, `start the server with --idle-timeout 2 for this group (it has ${L.idle_timeout_s})`);
-    const d = await connect({ wsOptions: { autoPong: false } });
+    const mute = await connect({ wsOptions: { autoPong: false } });
+    const polite = await connect(); // ws answers pings by itself
+    let pinged = 0;
+    polite.ws.on("ping", () => pinged++);
     const t0 = nowMs();
-    const cl = await d.waitClose(L.idle_timeout_s * 1000 * 4 + 20000);
-    eq(cl.code, 1001, "close code");
-    console.log(`# closed after ${Math.round(nowMs() - t0)} ms`);
+    const limit = (L.idle_timeout_s + GRACE_S) * 1000;
+    const cl = await mute.waitClose(limit * 2 + 10000);
+    const after = nowMs() - t0;
+    console.log(`# the mute client was dropped after ${Math.round(after)} ms (close ${cl.code})`);
+    ok(after >= L.idle_timeout_s * 1000 * 0.9, `dropped after ${Math.round(after)} ms, before the idle timeout`);
+    // The polite one has been silent as long; it must still be there.
+    await sleep(Math.max(0, limit + 3000 - (nowMs() - t0)));
+    ok(!polite.closeInfo, `the client that answers pings was closed too (${JSON.stringify(polite.closeInfo)})`);
+    ok(pinged >= 1, "the silent client that answers pings was never pinged");
+    isResult(await polite.request({ op: "ping" }), "ping on the polite connection");
   });
   await check("a client that keeps talking stays connected past the timeout", async () => {
+    ok(!c.closeInfo, "closed");
     const t0 = nowMs();
     while (nowMs() - t0 < L.idle_timeout_s * 2500) {
       isResult(await c.request({ op: "ping" }), "ping");
@@ -1443,11 +1459,15 @@ async function groupShutdown() {
       isResult(await c.request({ op: "create", session: s }), "create");
       const first = await greedy(c, s, PROMPTS[7], 6);
       const r = await longGen(c, s);
-      fs.writeFileSync(opt.state, JSON.stringify({ session: s, first: first.done, got: r.tokens.join("") }));
       process.kill(opt.serverPid, "SIGTERM");
       const cl = await c.waitClose(30000);
+      const st = { session: s, first: first.done, got: r.tokens.join(""), done: r.done };
+      fs.writeFileSync(opt.state, JSON.stringify(st));
       eq(cl.code, 1001, "close code");
-      if (r.done) ok(["cancelled", "error", "length", "stop"].includes(r.done.reason), `done reason ${r.done.reason}`);
+      ok(r.done, "no done for the running generation before the close (protocol: close 1001 " +
+                 `after the done of every running generation): ${r.events.slice(-2).map(describe).join(" | ")}`);
+      checkStream(r, "the interrupted stream");
+      console.log(`# done reason at shutdown: ${r.done.reason}`);
     });
     openClients = [];
     return;
@@ -1466,6 +1486,7 @@ async function groupShutdown() {
     eq(h[0].reply, st.first.reply, "the first turn");
     ok(h.length === 2, `turns after the restart: ${h.length} (the interrupted one was not saved)`);
     ok(h[1].reply.startsWith(st.got), "the saved partial reply does not start with what was streamed");
+    if (st.done) eq([h[1].reply, h[1].snapshot], [st.done.reply, st.done.snapshot], "the saved turn vs the done sent at shutdown");
     const g = await greedy(c, st.session, " The", 4);
     eq(g.started.context, h[1].tokens, "the session continues after the saved turn");
   });
