@@ -3,7 +3,9 @@
  * interface, so a Ctrl-C at the prompt is seen at once): history file, tab
  * completion of commands, session names and settings, Ctrl-C to stop a
  * reply, a second Ctrl-C at the prompt or Ctrl-D to leave; SIGHUP or
- * SIGTERM (the terminal closed) stop a reply, save and leave.
+ * SIGTERM (the terminal closed) stop a reply, save and leave; Ctrl-Z and
+ * window resizes are handled here too, since readline's own handlers are
+ * only active inside rl_callback_read_char.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -24,6 +26,7 @@ static char *g_line;
 static bool g_have_line, g_eof;
 static volatile sig_atomic_t g_hangup; /* SIGHUP / SIGTERM: stop, save, leave */
 static volatile sig_atomic_t g_winch;  /* the terminal was resized */
+static volatile sig_atomic_t g_tstp;   /* Ctrl-Z at the prompt */
 
 static void on_sigint(int sig) {
     (void)sig;
@@ -36,6 +39,28 @@ static void on_sigint(int sig) {
 static void on_winch(int sig) {
     (void)sig;
     g_winch = 1;
+}
+
+/* Ctrl-Z at the prompt: the terminal is in readline's mode, which the shell
+ * does not undo, so the loop restores it before stopping and sets it up
+ * again (and redraws the line) after `fg`. During a reply SIGTSTP keeps its
+ * default action. */
+static void on_tstp(int sig) {
+    (void)sig;
+    g_tstp = 1;
+}
+
+static void stop_and_resume(void) {
+    if (rl_deprep_term_function) rl_deprep_term_function();
+    signal(SIGTSTP, SIG_DFL);
+    raise(SIGTSTP); /* stopped here until SIGCONT */
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_tstp;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGTSTP, &sa, NULL);
+    if (rl_prep_term_function) rl_prep_term_function(1);
+    rl_forced_update_display();
 }
 
 static void on_hangup(int sig) {
@@ -125,10 +150,12 @@ int repl_run_interactive(repl *r) {
     sa.sa_handler = on_hangup;
     sigaction(SIGHUP, &sa, NULL);
     sigaction(SIGTERM, &sa, NULL);
+    sa.sa_handler = on_tstp;
+    sigaction(SIGTSTP, &sa, NULL);
     sa.sa_handler = on_winch;
     sa.sa_flags = SA_RESTART; /* a resize during a reply must not cut a write short */
     sigaction(SIGWINCH, &sa, NULL);
-    g_hangup = g_winch = 0;
+    g_hangup = g_winch = g_tstp = 0;
     using_history();
     if (r->history_file) read_history(r->history_file);
     fprintf(r->out, "kdaserve chat: /help for commands, Ctrl-C stops a reply, Ctrl-D leaves\n");
@@ -154,6 +181,11 @@ int repl_run_interactive(repl *r) {
                 if (g_hangup) {
                     leave = true;
                     break;
+                }
+                if (g_tstp) {
+                    g_tstp = 0;
+                    stop_and_resume();
+                    continue;
                 }
                 if (!repl__interrupted()) continue;
                 repl__clear_interrupt();
@@ -197,7 +229,11 @@ int repl_run_interactive(repl *r) {
             int fd = fileno(rl_instream ? rl_instream : stdin);
             struct termios saved;
             bool restore = echo_off(fd, &saved);
+            struct sigaction tstp;
+            sigaction(SIGTSTP, NULL, &tstp);
+            signal(SIGTSTP, SIG_DFL); /* a reply just stops and goes on after fg */
             go_on = repl_line(r, g_line);
+            sigaction(SIGTSTP, &tstp, NULL);
             if (restore) tcsetattr(fd, TCSANOW, &saved);
         }
         free(g_line);
@@ -212,5 +248,6 @@ int repl_run_interactive(repl *r) {
     signal(SIGHUP, SIG_DFL);
     signal(SIGTERM, SIG_DFL);
     signal(SIGWINCH, SIG_DFL);
+    signal(SIGTSTP, SIG_DFL);
     return r->failures;
 }
