@@ -179,7 +179,9 @@ void web__send_token(web_server *s, uint64_t conn, const cJSON *id, bool msgpack
     c->pending += len;
     if (fresh) enqueue(c, e);
     pthread_mutex_unlock(&s->lock);
-    lws_cancel_service(s->lws);
+    /* Text joined to an event still queued needs no wake-up: the service
+     * thread was woken when that event was queued and has not written it. */
+    if (fresh) lws_cancel_service(s->lws);
 }
 
 size_t web__pending(web_server *s, uint64_t conn, bool *gone) {
