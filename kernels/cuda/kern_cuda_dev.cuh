@@ -1,0 +1,16 @@
+/*
+ * kern_cuda_dev.cuh - small device-side helpers shared by the .cu files of
+ * kernels/cuda/ that the CPU emulation (emu/) must be able to replace.
+ */
+#ifndef KERN_CUDA_DEV_CUH
+#define KERN_CUDA_DEV_CUH
+
+/* Dynamic shared memory of a kernel as `unsigned char name[]`, 16-byte
+ * aligned. The emulation has no `extern __shared__`, hence the macro. */
+#ifdef KDS_EMU
+#define KDS_DYN_SMEM(name) unsigned char *name = emu::dyn_smem()
+#else
+#define KDS_DYN_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
+#endif
+
+#endif /* KERN_CUDA_DEV_CUH */
