@@ -163,6 +163,70 @@ kds_status kern_cuda_kda_decode(const kern_cuda_kda_decode_args *a, void *stream
  * every sequence, padding included. */
 size_t kern_cuda_kda_decode_bytes(const kern_cuda_kda_decode_args *a);
 
+/* ------------------------------------------------------------------------ */
+/* Chunked KDA prefill                                                       */
+
+/*
+ * The chunked (WY / UT) form of the delta rule for the T tokens of ONE
+ * sequence, all value heads, chunks of 64 tokens (kda-model-spec.md §4.1):
+ * the same result as kern_kda_chunked(sh, T, 64, ...) over [0, HV), up to
+ * summation order, with the state carried in and out.
+ *
+ * Two input conventions:
+ *   raw == false (kern_kda_chunked's contract): q, k already L2-normalised,
+ *     g the log-decay (fp32), beta after the sigmoid (fp32);
+ *   raw == true (the decode kernel's contract): q, k raw (post conv),
+ *     normalised in the kernel (eps 1e-6); g = g_raw (in_dtype) gated in the
+ *     kernel with A_log, dt_bias, lower_bound exactly as kern_kda_gate;
+ *     beta = beta_raw (in_dtype), sigmoided in the kernel.
+ * All pointers are device pointers:
+ *   q, k     [T, H, K]   in_dtype (KERN_F32 or KERN_BF16)
+ *   v        [T, HV, V]  in_dtype
+ *   g        [T, HV, K]  fp32 (raw == false) or in_dtype (raw == true)
+ *   beta     [T, HV]     fp32 (raw == false) or in_dtype (raw == true)
+ *   A_log    [HV] fp32, dt_bias [HV * K] fp32 or NULL: raw only
+ *   state    [HV, K, V]  fp32, read and written in place (16-byte aligned)
+ *   o        [T, HV, V]  fp32 output
+ *   workspace  caller-owned device scratch of workspace_bytes (16-byte
+ *              aligned): kern_cuda_kda_prefill_workspace_bytes(sh, n) holds
+ *              n chunks; the sequence is processed in passes of as many
+ *              chunks as fit (at least one), so a small workspace costs
+ *              launches, not correctness. ~4.6 MiB per chunk at Kimi's shape
+ *              (HV = 32, K = V = 128); 64 chunks (~300 MiB) keep the GPU busy.
+ * Nothing may alias o, state or workspace.
+ *
+ * Shapes supported: K in {8, 16, 32, 64, 128}, V a multiple of 4 up to 128,
+ * HV % H == 0, T >= 0 (0 is a no-op). Needs ~186 KiB of shared memory per
+ * block at K = V = 128 (fits H100/H200; A100 gets KDS_UNSUPPORTED there).
+ *
+ * Numerics: fp32 arithmetic (CUDA cores), cumulative log-decays in double,
+ * every exponent <= 0 (see kda_prefill.cuh); agrees with kern_kda_chunked
+ * to ~1e-6 of the largest magnitude.
+ *
+ * Errors (checked before launching; nothing is touched): KDS_INVALID_ARG
+ * (NULL pointer, bad shape, dtype, misalignment, workspace below one
+ * chunk), KDS_UNSUPPORTED (K, V or shared memory), KDS_CUDA (launch).
+ */
+typedef struct kern_cuda_kda_prefill_args {
+    kern_kda_shape shape; /* H, HV, K, V, scale */
+    int T;                /* tokens */
+    kern_dtype in_dtype;  /* dtype of q, k, v (and of g, beta when raw) */
+    bool raw;             /* see above */
+    const void *q, *k, *v, *g, *beta;
+    const float *A_log, *dt_bias; /* raw only */
+    float lower_bound;            /* raw only: >= 0 softplus gate, < 0 lower-bound gate */
+    float *state;
+    float *o;
+    void *workspace;
+    size_t workspace_bytes;
+} kern_cuda_kda_prefill_args;
+
+kds_status kern_cuda_kda_prefill(const kern_cuda_kda_prefill_args *a, void *stream, kds_err *err);
+
+/* Workspace bytes that hold `chunks` chunks of 64 tokens for shape `sh`
+ * (0 for a bad shape or chunks < 1). */
+size_t kern_cuda_kda_prefill_workspace_bytes(const kern_kda_shape *sh, int chunks);
+
 #ifdef __cplusplus
 }
 #endif

@@ -310,8 +310,9 @@ decode_kernel(const decode_params p) {
 
 /* ---- element kernels ---------------------------------------------------- */
 
-/* One warp per vector: x /= sqrt(sum(x^2) + eps). blockDim.x % 32 == 0. */
-__global__ void l2norm_kernel(float *x, int n_vecs, int dim, float eps) {
+/* One warp per vector: x /= sqrt(sum(x^2) + eps). blockDim.x % 32 == 0.
+ * (static, like gate_kernel: this header is included by several .cu files) */
+static __global__ void l2norm_kernel(float *x, int n_vecs, int dim, float eps) {
     const int vec = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5);
     const int lane = threadIdx.x & 31;
     if (vec >= n_vecs) return; /* whole warps only: no barrier below */
@@ -324,7 +325,7 @@ __global__ void l2norm_kernel(float *x, int n_vecs, int dim, float eps) {
 }
 
 /* kern_kda_gate over n = T*HV*K elements, grid-stride. */
-__global__ void gate_kernel(const float *g_raw, const float *A_log, const float *dt_bias,
+static __global__ void gate_kernel(const float *g_raw, const float *A_log, const float *dt_bias,
                             size_t n, int HV, int K, float lower_bound, float *g) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x) {

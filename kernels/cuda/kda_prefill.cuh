@@ -1,0 +1,445 @@
+/*
+ * kda_prefill.cuh - device code of the chunked (WY / UT) KDA prefill
+ * (kern_cuda_kda_prefill in kern_cuda.h; math of kda-model-spec.md §4.1 and
+ * of kern_kda_chunked in kernels/cpu/kda.c). Included by kern_cuda_prefill.cu
+ * only; README.md beside it has the design.
+ *
+ * Two kernels per pass over a run of chunks (C = 64 tokens each):
+ *   intra (parallel, one CTA per (chunk, value head)): everything that does
+ *     not depend on the state entering the chunk, written to a workspace:
+ *       A_qk [C, C]  scale sum_d q_r k_j e^{Gamma_r - Gamma_j}, j <= r
+ *       Qt   [C, K]  scale q_r e^{Gamma_r}                (reads S0)
+ *       Kb   [C, K]  k_r e^{Gamma_last - Gamma_r}         (writes the state)
+ *       W    [C, K]  (I + A_kk)^-1 diag(beta) K~,  K~ = k e^{Gamma}
+ *       U    [C, V]  (I + A_kk)^-1 diag(beta) V
+ *       eG   [K]     e^{Gamma_last}
+ *   state (sequential over the chunks, one CTA per (value head, 32-column
+ *     V tile)), the state tile in shared memory:
+ *       nu = U - W S ;  O = Qt S + A_qk nu ;  S = diag(eG) S + Kb^T nu
+ * (nu = (I + A_kk)^-1 diag(beta) (V - K~ S) is the CPU's nu, factored so
+ * that only two products per chunk touch the state.)
+ *
+ * Numerics, as the CPU kernel: every exponent is <= 0 (a difference
+ * Gamma_r - Gamma_j with j <= r, or Gamma_r itself); the cumulative sums
+ * Gamma are kept in double and each difference is rounded to float only
+ * after it is formed; a log-decay below -1e6 is raised to -1e6 (so -inf
+ * gives -inf differences, never NaN). A_qk / A_kk off the 16 x 16 diagonal
+ * blocks are computed through the first row n of the row block:
+ *   e^{Gamma_r - Gamma_j} = e^{Gamma_r - Gamma_n} e^{Gamma_n - Gamma_j},
+ * both factors <= 1 for j < n <= r, so a block is a plain product of two
+ * decayed matrices (a tensor-core shape); inside the diagonal blocks every
+ * factor is formed directly. fp32 arithmetic throughout (FFMA), IEEE expf.
+ *
+ * Padding: rows past the end of the sequence (last chunk) are loaded as
+ * q = k = v = 0, g = 0, beta = 0, so every product runs over full chunks and
+ * their rows of W, U, Qt, Kb, A come out exactly 0.
+ */
+#ifndef KDA_PREFILL_CUH
+#define KDA_PREFILL_CUH
+
+#include "kda_kernels.cuh"
+#include "kern_cuda_dev.cuh"
+
+namespace kda {
+
+constexpr int kChunk = 64;        /* tokens per chunk (fla's default) */
+constexpr int kSub = 16;          /* row blocks of the intra-chunk matrices */
+constexpr int kPrefillMaxK = 128; /* head dims the shared-memory layout holds */
+constexpr int kPrefillMaxV = 128;
+constexpr int kIntraThreads = 256;
+constexpr int kStateThreads = 256;
+constexpr int kStateBV = 32; /* value columns per state CTA */
+constexpr float kGFloor = -1e6f;
+
+struct prefill_params {
+    const void *q, *k, *v, *g, *beta; /* In::T, except g, beta fp32 when !raw */
+    const float *A_log, *dt_bias;
+    float lower_bound, scale;
+    int raw; /* q, k raw (L2-normalised here), g = g_raw, beta = logits */
+    int T, H, HV, K, V;
+    int c0, n_chunks; /* this pass: chunks [c0, c0 + n_chunks) of the sequence */
+    float *ws;        /* [n_chunks, HV, ws_stride] */
+    size_t ws_stride; /* floats per (chunk, head) block */
+    float *state;     /* [HV, K, V] */
+    float *o;         /* [T, HV, V] */
+};
+
+/* Offsets (floats) of the pieces of one (chunk, head) workspace block. Every
+ * piece is a multiple of 4 floats (K, V multiples of 4), so float4 loads of
+ * any piece are aligned when the workspace is. */
+struct ws_layout {
+    size_t aqk, qt, kb, w, u, eg, stride;
+};
+__host__ __device__ inline ws_layout prefill_ws_layout(int K, int V) {
+    const size_t C = kChunk;
+    ws_layout l;
+    l.aqk = 0;
+    l.qt = l.aqk + C * C;
+    l.kb = l.qt + C * (size_t)K;
+    l.w = l.kb + C * (size_t)K;
+    l.u = l.w + C * (size_t)K;
+    l.eg = l.u + C * (size_t)V;
+    l.stride = (l.eg + (size_t)K + 3) & ~(size_t)3;
+    return l;
+}
+
+/* Dynamic shared memory of the intra kernel (byte offsets). Rows are padded
+ * by one element so that threads walking different rows at the same column
+ * hit different banks. The anchored factors (qa, kq, ka) are dead before v
+ * is loaded, so the two share one region. */
+struct intra_smem {
+    size_t g, q, k, a, b, qa, kq, ka, v, total;
+};
+__host__ __device__ inline intra_smem intra_smem_layout(int K, int V) {
+    const size_t C = kChunk, KP = (size_t)K + 1, VP = (size_t)V + 1, CP = C + 1;
+    intra_smem s;
+    s.g = 0;                         /* double [C][KP]: Gamma */
+    s.q = s.g + C * KP * 8;          /* float [C][KP]: q (normalised) */
+    s.k = s.q + C * KP * 4;          /* float [C][KP]: k, later beta K~, then W */
+    s.a = s.k + C * KP * 4;          /* float [C][CP]: A_kk (beta-scaled) */
+    s.b = s.a + C * CP * 4;          /* float [C]: beta */
+    s.qa = s.b + C * 4;              /* float [kSub][KP] */
+    s.kq = s.qa + (size_t)kSub * KP * 4;
+    s.ka = s.kq + (size_t)kSub * KP * 4; /* float [C - kSub][KP] */
+    s.v = s.qa;                      /* float [C][VP]: beta v, then U */
+    const size_t anchors = (size_t)(kSub + kSub + (C - kSub)) * KP * 4;
+    const size_t vbytes = C * VP * 4;
+    s.total = s.qa + (anchors > vbytes ? anchors : vbytes);
+    return s;
+}
+
+/* Dynamic shared memory of the state kernel (floats). */
+struct state_smem {
+    size_t w, qt, kb, aqk, u, nu, s, eg, total_bytes;
+};
+__host__ __device__ inline state_smem state_smem_layout(int K) {
+    const size_t C = kChunk, BV = kStateBV;
+    state_smem s;
+    s.w = 0;                   /* [C][K] */
+    s.qt = s.w + C * K;        /* [C][K] */
+    s.kb = s.qt + C * K;       /* [C][K] */
+    s.aqk = s.kb + C * K;      /* [C][C] */
+    s.u = s.aqk + C * C;       /* [C][BV] */
+    s.nu = s.u + C * BV;       /* [C][BV] */
+    s.s = s.nu + C * BV;       /* [K][BV]: the state tile */
+    s.eg = s.s + (size_t)K * BV; /* [K] */
+    s.total_bytes = (s.eg + (size_t)K) * 4;
+    return s;
+}
+
+/* ---- intra-chunk kernel ---------------------------------------------------- */
+
+/*
+ * grid (n_chunks, HV), kIntraThreads threads, intra_smem_layout(K, V).total
+ * bytes of dynamic shared memory. Any K, V in [4, 128] that are multiples
+ * of 4 (the loops run over the actual sizes).
+ */
+template <typename In>
+__global__ void __launch_bounds__(kIntraThreads) prefill_intra_kernel(const prefill_params p) {
+    KDS_DYN_SMEM(smem);
+    typedef typename In::T T;
+    constexpr int C = kChunk, NT = kIntraThreads, NW = NT / 32;
+    const int K = p.K, V = p.V, H = p.H, HV = p.HV;
+    const int KP = K + 1, VP = V + 1, CP = C + 1;
+    const intra_smem lay = intra_smem_layout(K, V);
+    double *sG = reinterpret_cast<double *>(smem + lay.g);
+    float *sQ = reinterpret_cast<float *>(smem + lay.q);
+    float *sK = reinterpret_cast<float *>(smem + lay.k);
+    float *sA = reinterpret_cast<float *>(smem + lay.a);
+    float *sB = reinterpret_cast<float *>(smem + lay.b);
+    float *sQa = reinterpret_cast<float *>(smem + lay.qa);
+    float *sKq = reinterpret_cast<float *>(smem + lay.kq);
+    float *sKa = reinterpret_cast<float *>(smem + lay.ka);
+    float *sV = reinterpret_cast<float *>(smem + lay.v);
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int ci = blockIdx.x, hv = blockIdx.y;
+    const int h = hv / (HV / H);
+    const int t0 = (p.c0 + ci) * C;
+    const int L = p.T - t0 < C ? p.T - t0 : C;
+    const ws_layout wl = prefill_ws_layout(K, V);
+    float *ws = p.ws + ((size_t)ci * HV + hv) * p.ws_stride;
+    const T *q = static_cast<const T *>(p.q), *k = static_cast<const T *>(p.k);
+    const T *v = static_cast<const T *>(p.v);
+
+    /* 1. q, k, log-decay g (gated here in raw mode) and beta of the chunk;
+     *    rows past the sequence are zeros */
+    const float A_log = p.raw ? p.A_log[hv] : 0.0f;
+    for (int i = tid; i < C * K; i += NT) {
+        const int r = i / K, d = i - r * K;
+        float qv = 0.0f, kv = 0.0f, gv = 0.0f;
+        if (r < L) {
+            const size_t qk = ((size_t)(t0 + r) * H + h) * K + d;
+            qv = In::ld(q, qk);
+            kv = In::ld(k, qk);
+            const size_t gi = ((size_t)(t0 + r) * HV + hv) * K + d;
+            if (p.raw) {
+                float x = In::ld(static_cast<const T *>(p.g), gi);
+                if (p.dt_bias) x += p.dt_bias[(size_t)hv * K + d];
+                gv = gate(x, A_log, p.lower_bound);
+            } else {
+                gv = static_cast<const float *>(p.g)[gi];
+            }
+            gv = gv < kGFloor ? kGFloor : gv;
+        }
+        sQ[r * KP + d] = qv;
+        sK[r * KP + d] = kv;
+        sG[r * KP + d] = (double)gv;
+    }
+    for (int r = tid; r < C; r += NT) {
+        float b = 0.0f;
+        if (r < L) {
+            const size_t bi = (size_t)(t0 + r) * HV + hv;
+            b = p.raw ? sigmoid(In::ld(static_cast<const T *>(p.beta), bi))
+                      : static_cast<const float *>(p.beta)[bi];
+        }
+        sB[r] = b;
+    }
+    __syncthreads();
+
+    /* 2. raw mode: q, k /= sqrt(|x|^2 + 1e-6) (kern_l2norm), a warp per row;
+     * 3. Gamma_r = sum_{i <= r} g_i per key channel, in double */
+    if (p.raw) {
+        for (int row = warp; row < 2 * C; row += NW) {
+            float *x = (row < C ? sQ : sK) + (row % C) * KP;
+            float ss = 0.0f;
+            for (int d = lane; d < K; d += 32) ss = fmaf(x[d], x[d], ss);
+            ss = warp_sum(ss);
+            const float rn = (float)(1.0 / sqrt((double)ss + 1e-6));
+            for (int d = lane; d < K; d += 32) x[d] *= rn;
+        }
+    }
+    for (int d = tid; d < K; d += NT) {
+        double acc = 0.0;
+        for (int r = 0; r < C; r++) {
+            acc += sG[r * KP + d];
+            sG[r * KP + d] = acc;
+        }
+    }
+    __syncthreads();
+
+    /* 4. Qt = scale q e^{Gamma}, Kb = k e^{Gamma_last - Gamma}, eG (padding
+     *    rows have g = 0, so row C-1 holds Gamma_last) */
+    const double *Gl = sG + (C - 1) * KP;
+    for (int i = tid; i < C * K; i += NT) {
+        const int r = i / K, d = i - r * K;
+        const double G = sG[r * KP + d];
+        ws[wl.qt + i] = p.scale * sQ[r * KP + d] * expf((float)G);
+        ws[wl.kb + i] = sK[r * KP + d] * expf((float)(Gl[d] - G));
+    }
+    for (int d = tid; d < K; d += NT) ws[wl.eg + d] = expf((float)Gl[d]);
+    for (int i = tid; i < C * C; i += NT)
+        if (i % C > i / C) ws[wl.aqk + i] = 0.0f; /* above the diagonal */
+
+    /* 5. A_qk (to the workspace) and A_kk (shared, rows scaled by beta), by
+     *    row blocks of kSub rows starting at n0 */
+    for (int n0 = 0; n0 < C; n0 += kSub) {
+        /* the block's rows decayed from n0, earlier keys decayed up to n0 */
+        for (int i = tid; i < kSub * K; i += NT) {
+            const int r = i / K, d = i - r * K;
+            const float e = expf((float)(sG[(n0 + r) * KP + d] - sG[n0 * KP + d]));
+            sQa[r * KP + d] = sQ[(n0 + r) * KP + d] * e;
+            sKq[r * KP + d] = sK[(n0 + r) * KP + d] * e;
+        }
+        for (int i = tid; i < n0 * K; i += NT) {
+            const int j = i / K, d = i - j * K;
+            sKa[j * KP + d] = sK[j * KP + d] * expf((float)(sG[n0 * KP + d] - sG[j * KP + d]));
+        }
+        __syncthreads();
+        /* off the diagonal block: rows n0 + i, columns j < n0 */
+        for (int pi = tid; pi < kSub * n0; pi += NT) {
+            const int i = pi / n0, j = pi - i * n0;
+            const float *qa = sQa + i * KP, *kq = sKq + i * KP, *ka = sKa + j * KP;
+            float aq = 0.0f, ak = 0.0f;
+            for (int d = 0; d < K; d++) {
+                aq = fmaf(qa[d], ka[d], aq);
+                ak = fmaf(kq[d], ka[d], ak);
+            }
+            const int r = n0 + i;
+            ws[wl.aqk + r * C + j] = p.scale * aq;
+            sA[r * CP + j] = sB[r] * ak;
+        }
+        /* the diagonal block, one warp per pair (r, c), c <= r */
+        for (int pi = warp; pi < kSub * (kSub + 1) / 2; pi += NW) {
+            int i = 0;
+            while ((i + 1) * (i + 2) / 2 <= pi) i++;
+            const int j = pi - i * (i + 1) / 2;
+            const int r = n0 + i, c = n0 + j;
+            float aq = 0.0f, ak = 0.0f;
+            for (int d = lane; d < K; d += 32) {
+                const float e = r == c ? 1.0f : expf((float)(sG[r * KP + d] - sG[c * KP + d]));
+                const float kc = sK[c * KP + d] * e;
+                aq = fmaf(sQ[r * KP + d], kc, aq);
+                ak = fmaf(sK[r * KP + d], kc, ak);
+            }
+            aq = warp_sum(aq);
+            ak = warp_sum(ak);
+            if (lane == 0) {
+                ws[wl.aqk + r * C + c] = p.scale * aq;
+                if (c < r) sA[r * CP + c] = sB[r] * ak;
+            }
+        }
+        __syncthreads();
+    }
+
+    /* 6. right-hand sides: beta K~ over k, beta v over the anchored factors */
+    for (int i = tid; i < C * K; i += NT) {
+        const int r = i / K, d = i - r * K;
+        sK[r * KP + d] = sB[r] * (sK[r * KP + d] * expf((float)sG[r * KP + d]));
+    }
+    for (int i = tid; i < C * V; i += NT) {
+        const int r = i / V, c = i - r * V;
+        const float x = r < L ? In::ld(v, ((size_t)(t0 + r) * HV + hv) * V + c) : 0.0f;
+        sV[r * VP + c] = sB[r] * x;
+    }
+    __syncthreads();
+
+    /* 7. (I + A_kk) X = [beta K~ | beta V] by forward substitution, one
+     *    thread per column (A_kk is strictly lower; rows >= L are 0) */
+    for (int col = tid; col < K + V; col += NT) {
+        float *x = col < K ? sK + col : sV + (col - K);
+        const int ld = col < K ? KP : VP;
+        for (int r = 1; r < L; r++) {
+            const float *a = sA + r * CP;
+            float s0 = 0.0f, s1 = 0.0f;
+            int j = 0;
+            for (; j + 1 < r; j += 2) {
+                s0 = fmaf(a[j], x[j * ld], s0);
+                s1 = fmaf(a[j + 1], x[(j + 1) * ld], s1);
+            }
+            if (j < r) s0 = fmaf(a[j], x[j * ld], s0);
+            x[r * ld] -= s0 + s1;
+        }
+    }
+    __syncthreads();
+
+    /* 8. W and U to the workspace */
+    for (int i = tid; i < C * K; i += NT) {
+        const int r = i / K, d = i - r * K;
+        ws[wl.w + i] = sK[r * KP + d];
+    }
+    for (int i = tid; i < C * V; i += NT) {
+        const int r = i / V, c = i - r * V;
+        ws[wl.u + i] = sV[r * VP + c];
+    }
+}
+
+/* ---- state pass ------------------------------------------------------------ */
+
+/* n floats from global to shared memory, float4 at a time (both 16-byte
+ * aligned, n % 4 == 0), by all NT threads. */
+template <int NT>
+__device__ __forceinline__ void copy_f4(float *dst, const float *src, int n, int tid) {
+    const float4 *s4 = reinterpret_cast<const float4 *>(src);
+    float4 *d4 = reinterpret_cast<float4 *>(dst);
+#pragma unroll 4
+    for (int i = tid; i < n / 4; i += NT) d4[i] = s4[i];
+}
+
+/*
+ * grid (ceil(V / 32), HV), kStateThreads threads, state_smem_layout(K)
+ * .total_bytes of dynamic shared memory. Sequential over the pass's chunks.
+ * Thread (warp w, lane l) works on value column vt*32 + l:
+ *   nu, O: rows w*8 .. w*8+7 of the chunk (8 warps x 8 rows = C);
+ *   S:     key rows w*KR .. w*KR+KR-1, KR = K / 8.
+ * The state tile lives in shared memory for the whole pass and is read from
+ * and written to `state` once.
+ */
+template <int K>
+__global__ void __launch_bounds__(kStateThreads) prefill_state_kernel(const prefill_params p) {
+    KDS_DYN_SMEM(smem);
+    constexpr int C = kChunk, BV = kStateBV, NT = kStateThreads, NW = NT / 32;
+    constexpr int RPW = C / NW; /* nu / O rows per warp */
+    constexpr int KR = K / NW;  /* state rows per warp */
+    static_assert(C % NW == 0 && K % NW == 0 && K % 4 == 0, "state kernel shape");
+    const int V = p.V, HV = p.HV;
+    const int vt = blockIdx.x, hv = blockIdx.y;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int col = vt * BV + lane;
+    const bool col_ok = col < V;
+    const state_smem lay = state_smem_layout(K);
+    float *fs = reinterpret_cast<float *>(smem);
+    float *sW = fs + lay.w, *sQt = fs + lay.qt, *sKb = fs + lay.kb, *sAqk = fs + lay.aqk;
+    float *sU = fs + lay.u, *sNu = fs + lay.nu, *sS = fs + lay.s, *sEg = fs + lay.eg;
+    const ws_layout wl = prefill_ws_layout(K, V);
+    float *state = p.state + (size_t)hv * K * V;
+
+    for (int d = warp; d < K; d += NW) sS[d * BV + lane] = col_ok ? state[(size_t)d * V + col] : 0.0f;
+
+    for (int ci = 0; ci < p.n_chunks; ci++) {
+        const float *ws = p.ws + ((size_t)ci * HV + hv) * p.ws_stride;
+        const int t0 = (p.c0 + ci) * C;
+        const int L = p.T - t0 < C ? p.T - t0 : C;
+        copy_f4<NT>(sAqk, ws + wl.aqk, C * C, tid);
+        copy_f4<NT>(sQt, ws + wl.qt, C * K, tid);
+        copy_f4<NT>(sKb, ws + wl.kb, C * K, tid);
+        copy_f4<NT>(sW, ws + wl.w, C * K, tid);
+        for (int i = tid; i < C * BV; i += NT) {
+            const int r = i / BV, c = vt * BV + (i - r * BV);
+            sU[i] = c < V ? ws[wl.u + (size_t)r * V + c] : 0.0f;
+        }
+        for (int d = tid; d < K; d += NT) sEg[d] = ws[wl.eg + d];
+        __syncthreads(); /* also: the state tile of the previous chunk is written */
+
+        /* nu = U - W S and O' = Qt S over the warp's RPW rows */
+        float nu[RPW], oo[RPW];
+#pragma unroll
+        for (int i = 0; i < RPW; i++) nu[i] = oo[i] = 0.0f;
+        const int r0 = warp * RPW;
+#pragma unroll 2
+        for (int d = 0; d < K; d += 4) {
+            const float s0 = sS[(d + 0) * BV + lane], s1 = sS[(d + 1) * BV + lane];
+            const float s2 = sS[(d + 2) * BV + lane], s3 = sS[(d + 3) * BV + lane];
+#pragma unroll
+            for (int i = 0; i < RPW; i++) {
+                const float4 w = *reinterpret_cast<const float4 *>(sW + (r0 + i) * K + d);
+                const float4 qt = *reinterpret_cast<const float4 *>(sQt + (r0 + i) * K + d);
+                nu[i] = fmaf(w.x, s0, nu[i]);
+                nu[i] = fmaf(w.y, s1, nu[i]);
+                nu[i] = fmaf(w.z, s2, nu[i]);
+                nu[i] = fmaf(w.w, s3, nu[i]);
+                oo[i] = fmaf(qt.x, s0, oo[i]);
+                oo[i] = fmaf(qt.y, s1, oo[i]);
+                oo[i] = fmaf(qt.z, s2, oo[i]);
+                oo[i] = fmaf(qt.w, s3, oo[i]);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < RPW; i++) sNu[(r0 + i) * BV + lane] = sU[(r0 + i) * BV + lane] - nu[i];
+        __syncthreads();
+
+        /* O = O' + A_qk nu (A_qk is 0 above the diagonal: j <= r0 + RPW - 1) */
+        for (int j = 0; j < r0 + RPW; j++) {
+            const float n = sNu[j * BV + lane];
+#pragma unroll
+            for (int i = 0; i < RPW; i++) oo[i] = fmaf(sAqk[(r0 + i) * C + j], n, oo[i]);
+        }
+        if (col_ok) {
+#pragma unroll
+            for (int i = 0; i < RPW; i++)
+                if (r0 + i < L) p.o[((size_t)(t0 + r0 + i) * HV + hv) * V + col] = oo[i];
+        }
+
+        /* S = diag(eG) S + Kb^T nu over the warp's KR key rows */
+        float acc[KR];
+        const int d0 = warp * KR;
+#pragma unroll
+        for (int i = 0; i < KR; i++) acc[i] = sEg[d0 + i] * sS[(d0 + i) * BV + lane];
+#pragma unroll 4
+        for (int r = 0; r < C; r++) {
+            const float n = sNu[r * BV + lane];
+#pragma unroll
+            for (int i = 0; i < KR; i++) acc[i] = fmaf(sKb[r * K + d0 + i], n, acc[i]);
+        }
+#pragma unroll
+        for (int i = 0; i < KR; i++) sS[(d0 + i) * BV + lane] = acc[i];
+        __syncthreads(); /* before the next chunk overwrites the chunk buffers */
+    }
+
+    if (col_ok)
+        for (int d = warp; d < K; d += NW) state[(size_t)d * V + col] = sS[d * BV + lane];
+}
+
+} /* namespace kda */
+
+#endif /* KDA_PREFILL_CUH */
