@@ -135,6 +135,83 @@ void kern_kda_chunked(const kern_kda_shape *sh, int T, int chunk, const float *q
                       float *state, float *o, int hv0, int hv1, float *workspace);
 size_t kern_kda_chunked_workspace_floats(const kern_kda_shape *sh, int chunk);
 
+/*
+ * Gated RMSNorm of the KDA output (spec §3.6), per row of n values:
+ *   y = x * rsqrt(mean(x^2) + eps) * w * sigmoid(z)
+ * exactly the engine's per-head output norm (kern_rmsnorm, then the
+ * sigmoid gate). x, z, y: [rows, n] float32, y may alias x (not z);
+ * w: [n] of dtype `dt`, or NULL (no weight).
+ */
+void kern_rmsnorm_gated(const float *x, const float *z, const void *w, kern_dtype dt, int rows,
+                        int n, float eps, float *y);
+
+/* ------------------------------------------------------------------------ */
+/* MoE routing (CPU reference of the CUDA routing kernels)                   */
+
+/* Router settings, from the model config. n_group = 1 means no group limit
+ * (the engine passes num_expert_group when use_grouped_topk is set and
+ * num_expert_group > 1, else 1). */
+typedef struct kern_moe_route_params {
+    int n_experts;               /* E */
+    int top_k;                   /* k <= E */
+    int n_group;                 /* G: E % G == 0, G <= 256 */
+    int topk_group;              /* groups kept when G > 1 */
+    int renormalize;             /* weights / their sum */
+    float routed_scaling_factor; /* multiplies every weight */
+} kern_moe_route_params;
+
+/*
+ * Expert choice for T tokens, the engine's route_token (eng_forward.c):
+ * selection by score + bias within the best topk_group groups (a group's
+ * score is the sum of its two best biased scores), k rounds of "best
+ * remaining" with ties to the lower expert index; weights from the
+ * unbiased scores, renormalised (sum in double) when asked, times
+ * routed_scaling_factor.
+ *   scores [T, E] sigmoid scores; bias [E] or NULL;
+ *   sel [T, k] chosen experts in selection order; w [T, k] their weights.
+ */
+void kern_moe_route(const kern_moe_route_params *p, int T, const float *scores, const float *bias,
+                    int32_t *sel, float *w);
+
+/*
+ * Token permutation for the grouped expert products: a counting sort of the
+ * T*k (token, slot) pairs by expert, stable in (token, slot) order (the
+ * engine's moe_ffn gather).
+ *   sel [T, k] experts in [0, E);
+ *   exp_off [E + 1]: expert e's rows are [exp_off[e], exp_off[e+1]);
+ *   row_of [T, k]: the gathered row of pair (t, slot);
+ *   tok_of [T * k]: the token of each gathered row.
+ */
+void kern_moe_permute(int E, int T, int k, const int32_t *sel, int32_t *exp_off, int32_t *row_of,
+                      int32_t *tok_of);
+
+/* ------------------------------------------------------------------------ */
+/* Sampling (CPU reference of kern_cuda_sample)                              */
+
+typedef struct kern_sample_params {
+    float temperature;    /* <= 0: greedy (argmax, lowest id on ties) */
+    int top_k;            /* <= 0 or >= V: off */
+    float top_p;          /* >= 1: off */
+    float min_p;          /* <= 0: off */
+    float repeat_penalty; /* 1 (or <= 0): off; divides positive logits, multiplies negative */
+} kern_sample_params;
+
+/*
+ * One draw from `logits` [V], eng_sample's algorithm (engine/eng_forward.c):
+ * repetition penalty on each distinct id of penalty_ids[0..n_penalty)
+ * (ids outside [0, V) ignored), then greedy, or temperature -> top-k (ties
+ * to the lower id) -> softmax in sorted order -> min-p -> top-p -> one
+ * uniform draw from the xoshiro256** state `rng` (advanced exactly once,
+ * and not at all when greedy). Scratch: p and id of V entries each.
+ * Returns the token id.
+ */
+int32_t kern_sample(const float *logits, int V, const kern_sample_params *sp,
+                    const int32_t *penalty_ids, int n_penalty, uint64_t rng[4], float *scratch_p,
+                    int32_t *scratch_id);
+
+/* xoshiro256** step (the engine's sequence RNG): returns the next output. */
+uint64_t kern_rng_next(uint64_t s[4]);
+
 #ifdef __cplusplus
 }
 #endif
