@@ -30,6 +30,7 @@
 #define KDASERVE KDS_BINARY_DIR "/kdaserve"
 #define MODEL KDS_SOURCE_DIR "/models/default"
 #define WAIT_S 60 /* per expected piece of output; only ever a failure deadline */
+#define LONG_WAIT_S 600 /* for a whole /ingest (minutes in a sanitizer build) */
 
 static char tmpdir[256], db[300];
 
@@ -152,10 +153,11 @@ static void term_start(term *t, const char *args) {
     }
 }
 
-/* Wait for `needle` after the mark; the mark moves past it. Returns a
- * malloc'd copy of the text between the old mark and the needle. */
-static char *term_until(term *t, const char *needle) {
-    double end = now_s() + WAIT_S;
+/* Wait (at most `secs`) for `needle` after the mark; the mark moves past
+ * it. Returns a malloc'd copy of the text between the old mark and the
+ * needle. */
+static char *term_until_s(term *t, const char *needle, int secs) {
+    double end = now_s() + secs;
     for (;;) {
         char *at = strstr(t->text + t->mark, needle);
         if (at) {
@@ -170,9 +172,11 @@ static char *term_until(term *t, const char *needle) {
                   "the program left before printing '%s'; its screen after the mark:\n%s", needle,
                   t->text + t->mark);
         cr_assert(now_s() < end, "no '%s' within %d s; the screen after the mark:\n%s", needle,
-                  WAIT_S, t->text + t->mark);
+                  secs, t->text + t->mark);
     }
 }
+
+static char *term_until(term *t, const char *needle) { return term_until_s(t, needle, WAIT_S); }
 
 static void term_wait(term *t, const char *needle) { free(term_until(t, needle)); }
 
@@ -476,14 +480,14 @@ Test(repl_pty, tab_completion_and_history_across_runs, .timeout = 600) {
     rm_tmp();
 }
 
-Test(repl_pty, ingest_progress_redrawn_in_place_and_ctrl_c_stops_it, .timeout = 600) {
+Test(repl_pty, ingest_progress_redrawn_in_place_and_ctrl_c_stops_it, .timeout = 1500) {
     make_tmp();
-    /* ~200 KB of text: tens of thousands of tokens */
+    /* ~150 KB of text: tens of thousands of tokens */
     char doc[400];
     snprintf(doc, sizeof doc, "%s/doc.txt", tmpdir);
     FILE *f = fopen(doc, "w");
     cr_assert(f);
-    for (int i = 0; i < 2400; i++)
+    for (int i = 0; i < 1200; i++)
         fprintf(f, "Paragraph %d. The captain walked to the house, and Emma said that the sea "
                    "was a great deal colder than her sister had thought.\n", i);
     fclose(f);
@@ -495,7 +499,7 @@ Test(repl_pty, ingest_progress_redrawn_in_place_and_ctrl_c_stops_it, .timeout = 
     term_send(&t, cmd);
     term_wait(&t, "doc.txt\n");
     size_t from = t.raw_n;
-    char *bar = term_until(&t, "ingested ");
+    char *bar = term_until_s(&t, "ingested ", LONG_WAIT_S);
     char *line = term_until(&t, " tok/s); context ");
     long long n = 0;
     cr_assert(strstr(line, ": ") && sscanf(strstr(line, ": ") + 2, "%lld tokens", &n) == 1,
@@ -522,7 +526,7 @@ Test(repl_pty, ingest_progress_redrawn_in_place_and_ctrl_c_stops_it, .timeout = 
     term_wait(&t, "doc.txt\n");
     term_wait(&t, "tokens, ");
     term_send(&t, "\x03");
-    char *rest = term_until(&t, "doc> ");
+    char *rest = term_until_s(&t, "doc> ", LONG_WAIT_S);
     long long kept = -1, of = 0;
     const char *stop = strstr(rest, "stopped after ");
     if (stop) {
