@@ -45,7 +45,7 @@ static void *make_w(kern_dtype dt, int rows, int in, float *wf, uint64_t seed) {
 }
 
 static void check_shape(kern_dtype dt, int rows, int in) {
-    const int Ts[] = {1, 2, 3, 5, 7, 8, 11, 12, 13, 20, 40};
+    const int Ts[] = {1, 2, 3, 5, 7, 8, 11, 12, 13, 20, 31, 32, 40};
     const int maxT = 40, r0 = 3, r1 = rows - 5, ldy = rows + 3;
     float *wf = malloc((size_t)rows * in * sizeof(float));
     float *x = malloc((size_t)maxT * in * sizeof(float));
