@@ -9,6 +9,7 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
@@ -28,17 +29,40 @@ static volatile sig_atomic_t g_hangup; /* SIGHUP / SIGTERM: stop, save, leave */
 static volatile sig_atomic_t g_winch;  /* the terminal was resized */
 static volatile sig_atomic_t g_tstp;   /* Ctrl-Z at the prompt */
 
+/* The handlers set a flag and write a byte here; the loop waits on this
+ * pipe and the terminal together. A signal may be handled by any thread
+ * (the engine's pool and OpenBLAS have their own), and may come between
+ * printing the prompt and starting to wait: an EINTR of the waiting
+ * thread would miss both, the byte in the pipe misses neither. */
+static int g_wake[2] = {-1, -1};
+
+static void wake(void) {
+    int saved = errno;
+    if (g_wake[1] >= 0) {
+        ssize_t k = write(g_wake[1], "", 1); /* full pipe: a wake-up is pending anyway */
+        (void)k;
+    }
+    errno = saved;
+}
+
+static void drain_wake(void) {
+    char buf[64];
+    while (g_wake[0] >= 0 && read(g_wake[0], buf, sizeof buf) > 0) {}
+}
+
 static void on_sigint(int sig) {
     (void)sig;
     repl_interrupt();
+    wake();
 }
 
 /* readline's own SIGWINCH handler is installed only inside
- * rl_callback_read_char, and the loop waits in select(): a resize there
- * would be lost and long lines would wrap at the old width. */
+ * rl_callback_read_char: a resize while the loop waits would be lost and
+ * long lines would wrap at the old width. */
 static void on_winch(int sig) {
     (void)sig;
     g_winch = 1;
+    wake();
 }
 
 /* Ctrl-Z at the prompt: the terminal is in readline's mode, which the shell
@@ -48,6 +72,7 @@ static void on_winch(int sig) {
 static void on_tstp(int sig) {
     (void)sig;
     g_tstp = 1;
+    wake();
 }
 
 static void stop_and_resume(void) {
@@ -67,6 +92,7 @@ static void on_hangup(int sig) {
     (void)sig;
     g_hangup = 1;
     repl_interrupt();
+    wake();
 }
 
 /* While a reply streams, the terminal is in its normal (cooked) mode, since
@@ -138,62 +164,81 @@ static char **complete(const char *text, int start, int end) {
 
 int repl_run_interactive(repl *r) {
     g_repl = r;
+    if (pipe2(g_wake, O_NONBLOCK | O_CLOEXEC) != 0) {
+        repl__error(r, "cannot create a pipe: %s", strerror(errno));
+        return r->failures;
+    }
     rl_catch_signals = 0; /* SIGINT is ours: it stops a reply, or leaves at the prompt */
     rl_catch_sigwinch = 0; /* ours: on_winch */
     rl_readline_name = "kdaserve";
     rl_attempted_completion_function = complete;
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
-    sa.sa_handler = on_sigint;
     sigemptyset(&sa.sa_mask);
-    sigaction(SIGINT, &sa, NULL); /* no SA_RESTART: select() returns at once */
+    sa.sa_flags = SA_RESTART; /* a signal during a reply must not cut a write short */
+    sa.sa_handler = on_sigint;
+    sigaction(SIGINT, &sa, NULL);
     sa.sa_handler = on_hangup;
     sigaction(SIGHUP, &sa, NULL);
     sigaction(SIGTERM, &sa, NULL);
     sa.sa_handler = on_tstp;
     sigaction(SIGTSTP, &sa, NULL);
     sa.sa_handler = on_winch;
-    sa.sa_flags = SA_RESTART; /* a resize during a reply must not cut a write short */
     sigaction(SIGWINCH, &sa, NULL);
     g_hangup = g_winch = g_tstp = 0;
     using_history();
     if (r->history_file) read_history(r->history_file);
     fprintf(r->out, "kdaserve chat: /help for commands, Ctrl-C stops a reply, Ctrl-D leaves\n");
+    int in = fileno(rl_instream ? rl_instream : stdin);
     bool armed = false; /* one Ctrl-C at the prompt was pressed */
     for (;;) {
         char prompt[SESS_NAME_MAX + 8];
         snprintf(prompt, sizeof prompt, "%s> ", r->session);
         g_have_line = g_eof = false;
         g_line = NULL;
+        /* a Ctrl-C that stopped the last reply is spent */
+        drain_wake();
         repl__clear_interrupt();
+        g_tstp = 0;
+        if (g_winch) {
+            g_winch = 0;
+            rl_resize_terminal();
+        }
         rl_callback_handler_install(prompt, on_line);
         bool leave = false;
         while (!g_have_line) {
             fd_set fds;
             FD_ZERO(&fds);
-            FD_SET(fileno(rl_instream ? rl_instream : stdin), &fds);
-            int rc = select(fileno(rl_instream ? rl_instream : stdin) + 1, &fds, NULL, NULL, NULL);
+            FD_SET(in, &fds);
+            FD_SET(g_wake[0], &fds);
+            int rc = select((in > g_wake[0] ? in : g_wake[0]) + 1, &fds, NULL, NULL, NULL);
+            if (rc < 0 && errno != EINTR) {
+                leave = true;
+                break;
+            }
+            if (rc > 0 && FD_ISSET(g_wake[0], &fds)) drain_wake();
+            if (g_hangup) {
+                leave = true;
+                break;
+            }
             if (g_winch) {
                 g_winch = 0;
                 rl_resize_terminal();
             }
-            if (rc < 0 && errno == EINTR) {
-                if (g_hangup) {
-                    leave = true;
-                    break;
-                }
-                if (g_tstp) {
-                    g_tstp = 0;
-                    stop_and_resume();
-                    continue;
-                }
-                if (!repl__interrupted()) continue;
+            if (g_tstp) {
+                g_tstp = 0;
+                stop_and_resume();
+                continue;
+            }
+            if (repl__interrupted()) {
                 repl__clear_interrupt();
                 if (armed) {
                     leave = true;
                     break;
                 }
                 armed = true;
+                rl_free_line_state(); /* also ends a search or a half-typed key sequence */
+                rl_callback_sigcleanup();
                 rl_replace_line("", 0);
                 rl_crlf();
                 fprintf(r->out, "(Ctrl-C again or Ctrl-D to leave)\n");
@@ -201,11 +246,7 @@ int repl_run_interactive(repl *r) {
                 rl_redisplay();
                 continue;
             }
-            if (rc < 0) {
-                leave = true;
-                break;
-            }
-            rl_callback_read_char();
+            if (rc > 0 && FD_ISSET(in, &fds)) rl_callback_read_char();
         }
         if (leave) {
             rl_callback_handler_remove();
@@ -226,15 +267,14 @@ int repl_run_interactive(repl *r) {
                 if (r->history_file && append_history(1, r->history_file) != 0)
                     write_history(r->history_file);
             }
-            int fd = fileno(rl_instream ? rl_instream : stdin);
             struct termios saved;
-            bool restore = echo_off(fd, &saved);
+            bool restore = echo_off(in, &saved);
             struct sigaction tstp;
             sigaction(SIGTSTP, NULL, &tstp);
             signal(SIGTSTP, SIG_DFL); /* a reply just stops and goes on after fg */
             go_on = repl_line(r, g_line);
             sigaction(SIGTSTP, &tstp, NULL);
-            if (restore) tcsetattr(fd, TCSANOW, &saved);
+            if (restore) tcsetattr(in, TCSANOW, &saved);
         }
         free(g_line);
         g_line = NULL;
@@ -249,5 +289,8 @@ int repl_run_interactive(repl *r) {
     signal(SIGTERM, SIG_DFL);
     signal(SIGWINCH, SIG_DFL);
     signal(SIGTSTP, SIG_DFL);
+    close(g_wake[0]);
+    close(g_wake[1]);
+    g_wake[0] = g_wake[1] = -1;
     return r->failures;
 }
