@@ -11,50 +11,63 @@
 #include "sess.h"
 
 static void chat_usage(FILE *f) {
-    fprintf(f,
-            "usage: kdaserve chat [--model DIR] [--db DIR] [--session NAME | --new] [--json]\n"
-            "                     [--chat | --plain] [--max-tokens N] [--ignore-eos]\n"
-            "                     [--temperature T] [--top-k K] [--top-p P] [--min-p M]\n"
-            "                     [--seed S] [--threads N]\n\n"
-            "Talk with a model. The conversation is a session of the snapshot store: saved\n"
-            "after every turn and on leaving, and resumed by `kdaserve chat --session NAME`\n"
-            "exactly where it was (its state is loaded, nothing is replayed). Opening a saved\n"
-            "session prints its size, how long the resume took and its last turns.\n\n"
-            "Type a message and press Enter; the reply streams. Lines starting with / are\n"
-            "commands (/help lists them all): /sessions /new /open /fork /save /restore\n"
-            "/ingest /export /history /system /set /stats /quit.\n\n"
-            "Keys (on a terminal): Ctrl-C stops a reply (what was generated is kept and\n"
-            "saved); Ctrl-C twice at the prompt, or Ctrl-D, leaves. TAB completes commands,\n"
-            "session names and /set keys; Up/Down walk the input history, kept in\n"
-            "DB/chat_history.\n\n"
-            "Scripted mode (stdin not a terminal): one message or command per line, only the\n"
-            "replies on stdout (one line each), notices and errors on stderr; exit status 1\n"
-            "when any line failed. --json: one JSON event per line on stdout instead.\n\n"
-            "  --model DIR       model directory (default: the session's model, else\n"
-            "                    $KDASERVE_MODEL, else the bundled models/default)\n"
-            "  --db DIR          snapshot store (default $XDG_DATA_HOME/kdaserve, else\n"
-            "                    ~/.local/share/kdaserve)\n"
-            "  --session NAME    open this session, or create it under this name\n"
-            "  --new             start a new session named chat-N (the default)\n"
-            "  --json            one JSON object per event on stdout: token, done, error,\n"
-            "                    info, output, progress (see docs/repl.md)\n"
-            "  --chat            chat format (Kimi's turns) even without a chat template\n"
-            "  --plain           plain continuation: each message is fed as text (the\n"
-            "                    default for models without a chat template, such as\n"
-            "                    models/default). A saved session keeps its own mode; these\n"
-            "                    two override it\n"
-            "  --max-tokens N    reply limit per turn (default 256; /set max_tokens N)\n"
-            "  --ignore-eos      do not stop at stop tokens (a reply ends at max-tokens or\n"
-            "                    Ctrl-C)\n"
-            "  --temperature T   0 = greedy; --top-k K, --top-p P, --min-p M as generate\n"
-            "  --seed S          sampler seed of a new session (default 0); a saved session\n"
-            "                    continues its own random stream\n"
-            "  --threads N       worker threads (default: all CPUs)\n\n"
-            "More: docs/repl.md.\n");
+    fprintf(f, "usage: kdaserve chat [--model DIR] [--db DIR] [--session NAME | --new] [--json]\n"
+               "                     [--chat | --plain] [--max-tokens N] [--ignore-eos]\n"
+               "                     [--temperature T] [--top-k K] [--top-p P] [--min-p M]\n"
+               "                     [--seed S] [--threads N]\n\n"
+               "Talk with a model. The conversation is a session of the snapshot store: saved\n"
+               "after every turn and on leaving, and resumed by `kdaserve chat --session NAME`\n"
+               "exactly where it was (its state is loaded, nothing is replayed). Opening a saved\n"
+               "session prints its size, how long the resume took and its last turns.\n\n"
+               "Type a message and press Enter; the reply streams. Lines starting with / are\n"
+               "commands (/help lists them all): /sessions /new /open /fork /save /restore\n"
+               "/ingest /export /history /system /set /stats /quit.\n\n"
+               "Keys (on a terminal): Ctrl-C stops a reply (what was generated is kept and\n"
+               "saved); Ctrl-C twice at the prompt, or Ctrl-D, leaves. TAB completes commands,\n"
+               "session names and /set keys; Up/Down walk the input history, kept in\n"
+               "DB/chat_history.\n\n"
+               "Scripted mode (stdin not a terminal): one message or command per line, only the\n"
+               "replies on stdout (one line each), notices and errors on stderr; exit status 1\n"
+               "when any line failed. --json: one JSON event per line on stdout instead.\n\n"
+               "  --model DIR       model directory (default: the session's model, else\n"
+               "                    $KDASERVE_MODEL, else the bundled models/default)\n"
+               "  --db DIR          snapshot store (default $XDG_DATA_HOME/kdaserve, else\n"
+               "                    ~/.local/share/kdaserve)\n"
+               "  --session NAME    open this session, or create it under this name\n"
+               "  --new             start a new session named chat-N (the default)\n"
+               "  --json            one JSON object per event on stdout: token, done, error,\n"
+               "                    info, output, progress (see docs/repl.md)\n"
+               "  --chat            chat format (Kimi's turns) even without a chat template\n"
+               "  --plain           plain continuation: each message is fed as text (the\n"
+               "                    default for models without a chat template, such as\n"
+               "                    models/default). A saved session keeps its own mode; these\n"
+               "                    two override it\n"
+               "  --max-tokens N    reply limit per turn (default 256; /set max_tokens N)\n"
+               "  --ignore-eos      do not stop at stop tokens (a reply ends at max-tokens or\n"
+               "                    Ctrl-C)\n"
+               "  --temperature T   0 = greedy; --top-k K, --top-p P, --min-p M as generate\n"
+               "  --seed S          sampler seed of a new session (default 0); a saved session\n"
+               "                    continues its own random stream\n"
+               "  --threads N       worker threads (default: all CPUs)\n\n"
+               "More: docs/repl.md.\n");
 }
 
-enum { OPT_DB = 1000, OPT_SESSION, OPT_NEW, OPT_JSON, OPT_PLAIN, OPT_MAXTOK, OPT_TEMP, OPT_TOPK,
-       OPT_TOPP, OPT_MINP, OPT_SEED, OPT_THREADS, OPT_CHAT, OPT_IGNORE_EOS };
+enum {
+    OPT_DB = 1000,
+    OPT_SESSION,
+    OPT_NEW,
+    OPT_JSON,
+    OPT_PLAIN,
+    OPT_MAXTOK,
+    OPT_TEMP,
+    OPT_TOPK,
+    OPT_TOPP,
+    OPT_MINP,
+    OPT_SEED,
+    OPT_THREADS,
+    OPT_CHAT,
+    OPT_IGNORE_EOS
+};
 
 /* <db or default store dir>/chat_history (the directory exists once the
  * store is open). */
@@ -71,18 +84,23 @@ static char *history_path(const char *db) {
 }
 
 int cmd_chat(int argc, char **argv) {
-    static const struct option opts[] = {
-        {"model", required_argument, 0, 'm'}, {"db", required_argument, 0, OPT_DB},
-        {"session", required_argument, 0, OPT_SESSION}, {"new", no_argument, 0, OPT_NEW},
-        {"json", no_argument, 0, OPT_JSON}, {"plain", no_argument, 0, OPT_PLAIN},
-        {"chat", no_argument, 0, OPT_CHAT},
-        {"max-tokens", required_argument, 0, OPT_MAXTOK},
-        {"ignore-eos", no_argument, 0, OPT_IGNORE_EOS},
-        {"temperature", required_argument, 0, OPT_TEMP},
-        {"top-k", required_argument, 0, OPT_TOPK}, {"top-p", required_argument, 0, OPT_TOPP},
-        {"min-p", required_argument, 0, OPT_MINP}, {"seed", required_argument, 0, OPT_SEED},
-        {"threads", required_argument, 0, OPT_THREADS}, {"help", no_argument, 0, 'h'},
-        {0, 0, 0, 0}};
+    static const struct option opts[] = {{"model", required_argument, 0, 'm'},
+                                         {"db", required_argument, 0, OPT_DB},
+                                         {"session", required_argument, 0, OPT_SESSION},
+                                         {"new", no_argument, 0, OPT_NEW},
+                                         {"json", no_argument, 0, OPT_JSON},
+                                         {"plain", no_argument, 0, OPT_PLAIN},
+                                         {"chat", no_argument, 0, OPT_CHAT},
+                                         {"max-tokens", required_argument, 0, OPT_MAXTOK},
+                                         {"ignore-eos", no_argument, 0, OPT_IGNORE_EOS},
+                                         {"temperature", required_argument, 0, OPT_TEMP},
+                                         {"top-k", required_argument, 0, OPT_TOPK},
+                                         {"top-p", required_argument, 0, OPT_TOPP},
+                                         {"min-p", required_argument, 0, OPT_MINP},
+                                         {"seed", required_argument, 0, OPT_SEED},
+                                         {"threads", required_argument, 0, OPT_THREADS},
+                                         {"help", no_argument, 0, 'h'},
+                                         {0, 0, 0, 0}};
     repl_params p = repl_default_params();
     bool fresh = false;
     int64_t v;

@@ -20,9 +20,15 @@
 
 static volatile sig_atomic_t g_interrupt;
 
-void repl_interrupt(void) { g_interrupt = 1; }
-bool repl__interrupted(void) { return g_interrupt != 0; }
-void repl__clear_interrupt(void) { g_interrupt = 0; }
+void repl_interrupt(void) {
+    g_interrupt = 1;
+}
+bool repl__interrupted(void) {
+    return g_interrupt != 0;
+}
+void repl__clear_interrupt(void) {
+    g_interrupt = 0;
+}
 
 repl_params repl_default_params(void) {
     repl_params p = {0};
@@ -144,10 +150,12 @@ void repl__auto_name(repl *r, char name[SESS_NAME_MAX + 1]) {
     memcpy(name, cand, sizeof cand);
 }
 
-const char *repl__mode_name(const repl *r) { return r->chat ? "chat" : "plain"; }
+const char *repl__mode_name(const repl *r) {
+    return r->chat ? "chat" : "plain";
+}
 
 /* At most `clip` bytes of p[0, n): its head or its tail, cut on UTF-8
- * character boundaries, with "..." where text was left out. */
+ * character boundaries, with "[... N bytes]" where text was left out. */
 static void print_clipped(FILE *f, const char *p, size_t n, size_t clip, bool tail) {
     if (!clip || n <= clip) {
         print_piece(f, p, n);
@@ -155,12 +163,14 @@ static void print_clipped(FILE *f, const char *p, size_t n, size_t clip, bool ta
     }
     if (tail) {
         size_t from = n - clip;
-        while (from < n && ((unsigned char)p[from] & 0xC0) == 0x80) from++;
+        while (from < n && ((unsigned char)p[from] & 0xC0) == 0x80)
+            from++;
         fprintf(f, "[... %zu bytes] ", from);
         print_piece(f, p + from, n - from);
     } else {
         size_t to = clip;
-        while (to > 0 && ((unsigned char)p[to] & 0xC0) == 0x80) to--;
+        while (to > 0 && ((unsigned char)p[to] & 0xC0) == 0x80)
+            to--;
         print_piece(f, p, to);
         fprintf(f, " [... %zu bytes]", n - to);
     }
@@ -190,12 +200,15 @@ static kds_status session_mode(repl *r, const sess_session_info *si, bool *chat,
     if (!strcmp(si->mode, "chat") || !strcmp(si->mode, "plain")) {
         *chat = !strcmp(si->mode, "chat");
         if (*chat && !eng_chat_supported(r->tok))
-            return kds_err_set(e, KDS_UNSUPPORTED, "session '%s' is in chat mode but model %s has "
-                               "no chat format", si->name, r->model_path);
+            return kds_err_set(e, KDS_UNSUPPORTED,
+                               "session '%s' is in chat mode but model %s has "
+                               "no chat format",
+                               si->name, r->model_path);
         return KDS_OK;
     }
     if (si->mode[0])
-        return kds_err_set(e, KDS_UNSUPPORTED, "session '%s' has mode '%s', which this version "
+        return kds_err_set(e, KDS_UNSUPPORTED,
+                           "session '%s' has mode '%s', which this version "
                            "does not know (it knows chat and plain); pass --chat or --plain",
                            si->name, si->mode);
     *chat = r->chat;
@@ -241,8 +254,10 @@ kds_status repl__open(repl *r, const char *name, kds_err *e) {
 
 /* Notice after opening: size, resume time, the last few turns. */
 void repl__opened_notice(repl *r) {
-    repl__info(r, "session '%s' (%s mode): %lld tokens, %zu bytes of state, resumed from @%llu "
-               "in %.2f ms", r->session, repl__mode_name(r), (long long)eng_seq_pos(r->s),
+    repl__info(r,
+               "session '%s' (%s mode): %lld tokens, %zu bytes of state, resumed from @%llu "
+               "in %.2f ms",
+               r->session, repl__mode_name(r), (long long)eng_seq_pos(r->s),
                eng_seq_state_bytes(r->s), (unsigned long long)r->base, r->last_resume_ms);
     if (!r->interactive) return;
     sess_turn_record *t = NULL;
@@ -305,8 +320,7 @@ static bool dir_has_chat_template(const char *dir) {
     return found;
 }
 
-kds_status repl_create(const repl_params *p, FILE *out, FILE *errf, repl **out_repl,
-                       kds_err *e) {
+kds_status repl_create(const repl_params *p, FILE *out, FILE *errf, repl **out_repl, kds_err *e) {
     *out_repl = NULL;
     repl *r = calloc(1, sizeof *r);
     if (!r) return kds_err_set(e, KDS_NOMEM, "out of memory");
@@ -328,7 +342,8 @@ kds_status repl_create(const repl_params *p, FILE *out, FILE *errf, repl **out_r
         if (!sess_name_valid(p->session)) {
             kds_err_set(e, KDS_INVALID_ARG,
                         "invalid session name '%s' (1-%d of A-Z a-z 0-9 . _ -, starting with a "
-                        "letter or digit)", p->session, SESS_NAME_MAX);
+                        "letter or digit)",
+                        p->session, SESS_NAME_MAX);
             goto fail;
         }
         kds_status st = sess_session_get(r->st, p->session, &si, e);
@@ -337,7 +352,7 @@ kds_status repl_create(const repl_params *p, FILE *out, FILE *errf, repl **out_r
         else if (st != KDS_NOT_FOUND)
             goto fail;
     }
-    const char *dir = p->model_dir ? p->model_dir
+    const char *dir = p->model_dir                ? p->model_dir
                       : exists && si.model_dir[0] ? si.model_dir
                                                   : p->default_model_dir;
     if (!dir) {
@@ -355,13 +370,15 @@ kds_status repl_create(const repl_params *p, FILE *out, FILE *errf, repl **out_r
     char real[PATH_MAX];
     snprintf(r->model_path, sizeof r->model_path, "%s",
              realpath(eng_model_dir(r->m), real) ? real : eng_model_dir(r->m));
-    r->new_chat = eng_chat_supported(r->tok) &&
-                  (p->mode == REPL_MODE_CHAT ||
-                   (p->mode == REPL_MODE_AUTO && dir_has_chat_template(dir)));
+    r->new_chat =
+        eng_chat_supported(r->tok) &&
+        (p->mode == REPL_MODE_CHAT || (p->mode == REPL_MODE_AUTO && dir_has_chat_template(dir)));
     r->chat = r->new_chat;
     if (p->mode == REPL_MODE_CHAT && !r->chat) {
-        kds_err_set(e, KDS_UNSUPPORTED, "model %s has no chat format (its tokenizer lacks "
-                    "<|im_user|>, <|im_middle|>, <|im_end|>): use plain mode", dir);
+        kds_err_set(e, KDS_UNSUPPORTED,
+                    "model %s has no chat format (its tokenizer lacks "
+                    "<|im_user|>, <|im_middle|>, <|im_end|>): use plain mode",
+                    dir);
         goto fail;
     }
     if (exists) {
@@ -382,10 +399,8 @@ kds_status repl_create(const repl_params *p, FILE *out, FILE *errf, repl **out_r
     } else {
         repl__auto_name(r, r->session);
     }
-    {
-        repl__info(r, "new session '%s' (%s mode, model %s)", r->session, repl__mode_name(r),
-                   r->model_path);
-    }
+    repl__info(r, "new session '%s' (%s mode, model %s)", r->session, repl__mode_name(r),
+               r->model_path);
 done:
     *out_repl = r;
     return KDS_OK;
@@ -412,7 +427,8 @@ void repl_free(repl *r) {
 bool repl_text_append(repl_text *t, const char *p, size_t n) {
     if (t->n + n + 1 > t->cap) {
         size_t cap = t->cap ? t->cap : 256;
-        while (cap < t->n + n + 1) cap *= 2;
+        while (cap < t->n + n + 1)
+            cap *= 2;
         char *q = realloc(t->p, cap);
         if (!q) return false;
         t->p = q;
@@ -543,9 +559,12 @@ static bool user_turn(repl *r, const char *text) {
     r->last_decode_s = t2 - t1;
     free(r->system);
     r->system = NULL;
-    sess_turn turn = {.prompt = text, .prompt_len = strlen(text),
-                      .output = reply.p ? reply.p : "", .output_len = reply.n,
-                      .prompt_tokens = n, .output_tokens = produced,
+    sess_turn turn = {.prompt = text,
+                      .prompt_len = strlen(text),
+                      .output = reply.p ? reply.p : "",
+                      .output_len = reply.n,
+                      .prompt_tokens = n,
+                      .output_tokens = produced,
                       .mode = repl__mode_name(r)};
     uint64_t snap = 0;
     if (!repl__save(r, &turn, &snap)) goto out;
@@ -580,7 +599,8 @@ out:
 
 bool repl_line(repl *r, const char *line) {
     size_t len = strlen(line);
-    while (len && (line[len - 1] == '\n' || line[len - 1] == '\r')) len--;
+    while (len && (line[len - 1] == '\n' || line[len - 1] == '\r'))
+        len--;
     char *text = strndup(line, len);
     if (!text) {
         repl__error(r, "out of memory");
@@ -599,7 +619,8 @@ int repl_run_stream(repl *r, FILE *in) {
     char *line = NULL;
     size_t cap = 0;
     bool quit = false;
-    while (!quit && getline(&line, &cap, in) != -1) quit = !repl_line(r, line);
+    while (!quit && getline(&line, &cap, in) != -1)
+        quit = !repl_line(r, line);
     free(line);
     if (!quit) repl__command(r, (char[]){"/quit"}); /* end of input: save what is unsaved */
     return r->failures;

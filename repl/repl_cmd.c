@@ -42,23 +42,28 @@ static bool parse_f32(const char *s, float lo, float hi, float *out) {
 /* Split off the first word of *arg (NULL when none); *arg moves past it. */
 static char *next_word(char **arg) {
     char *p = *arg;
-    while (*p == ' ' || *p == '\t') p++;
+    while (*p == ' ' || *p == '\t')
+        p++;
     if (!*p) {
         *arg = p;
         return NULL;
     }
     char *w = p;
-    while (*p && *p != ' ' && *p != '\t') p++;
+    while (*p && *p != ' ' && *p != '\t')
+        p++;
     if (*p) *p++ = '\0';
-    while (*p == ' ' || *p == '\t') p++;
+    while (*p == ' ' || *p == '\t')
+        p++;
     *arg = p;
     return w;
 }
 
 static bool check_name(repl *r, const char *name) {
     if (sess_name_valid(name)) return true;
-    repl__error(r, "invalid session name '%s' (1-%d of A-Z a-z 0-9 . _ -, starting with a letter "
-                "or digit)", name, SESS_NAME_MAX);
+    repl__error(r,
+                "invalid session name '%s' (1-%d of A-Z a-z 0-9 . _ -, starting with a letter "
+                "or digit)",
+                name, SESS_NAME_MAX);
     return false;
 }
 
@@ -129,8 +134,7 @@ static bool c_sessions(repl *r, char *arg) {
                         list[i].name, (long long)list[i].tokens, list[i].turns, when,
                         list[i].parent[0] ? "  forked from " : "", list[i].parent);
         }
-        if (!current_listed)
-            fprintf(f, "* %-24s (new, not saved yet)\n", r->session);
+        if (!current_listed) fprintf(f, "* %-24s (new, not saved yet)\n", r->session);
     }
     out_end(r, &o, "sessions");
     free(list);
@@ -263,7 +267,8 @@ static bool c_history(repl *r, char *arg) {
 }
 
 static bool c_system(repl *r, char *arg) {
-    while (*arg == ' ' || *arg == '\t') arg++;
+    while (*arg == ' ' || *arg == '\t')
+        arg++;
     if (!*arg) {
         repl__error(r, "/system needs the text of the system message");
         return true;
@@ -289,9 +294,11 @@ static bool c_set(repl *r, char *arg) {
         outbuf o;
         FILE *f = out_begin(&o);
         if (f)
-            fprintf(f, "temperature %g\ntop_p %g\ntop_k %d\nmin_p %g\nmax_tokens %lld\n"
-                    "ignore_eos %s\nseed %llu\n", r->sp.temperature, r->sp.top_p, r->sp.top_k,
-                    r->sp.min_p, (long long)r->max_tokens, r->ignore_eos ? "on" : "off",
+            fprintf(f,
+                    "temperature %g\ntop_p %g\ntop_k %d\nmin_p %g\nmax_tokens %lld\n"
+                    "ignore_eos %s\nseed %llu\n",
+                    r->sp.temperature, r->sp.top_p, r->sp.top_k, r->sp.min_p,
+                    (long long)r->max_tokens, r->ignore_eos ? "on" : "off",
                     (unsigned long long)r->seed);
         out_end(r, &o, "set");
         return true;
@@ -315,9 +322,8 @@ static bool c_set(repl *r, char *arg) {
         ok = parse_i64(val, 1, INT32_MAX, &v);
         if (ok) r->max_tokens = v;
     } else if (!strcmp(key, "ignore_eos")) {
-        bool on = !strcmp(val, "on") || !strcmp(val, "1"), off = !strcmp(val, "off") ||
-                                                                 !strcmp(val, "0");
-        ok = on || off;
+        bool on = !strcmp(val, "on") || !strcmp(val, "1");
+        ok = on || !strcmp(val, "off") || !strcmp(val, "0");
         if (ok) r->ignore_eos = on;
     } else if (!strcmp(key, "seed")) {
         ok = parse_i64(val, 0, INT64_MAX, &v);
@@ -328,8 +334,10 @@ static bool c_set(repl *r, char *arg) {
             if (eng_seq_pos(r->s) == 0) eng_seq_reset(r->s, r->seed);
         }
     } else {
-        repl__error(r, "unknown setting '%s' (temperature, top_p, top_k, min_p, max_tokens, "
-                    "ignore_eos, seed)", key);
+        repl__error(r,
+                    "unknown setting '%s' (temperature, top_p, top_k, min_p, max_tokens, "
+                    "ignore_eos, seed)",
+                    key);
         return true;
     }
     if (!ok) {
@@ -363,7 +371,6 @@ static bool c_stats(repl *r, char *arg) {
     out_end(r, &o, "stats");
     return true;
 }
-
 
 static bool c_restore(repl *r, char *arg) {
     char *id = next_word(&arg);
@@ -401,7 +408,8 @@ static bool c_restore(repl *r, char *arg) {
 }
 
 static bool c_export(repl *r, char *arg) {
-    while (*arg == ' ' || *arg == '\t') arg++;
+    while (*arg == ' ' || *arg == '\t')
+        arg++;
     if (!*arg) {
         repl__error(r, "/export needs a file name");
         return true;
@@ -429,12 +437,12 @@ static bool c_export(repl *r, char *arg) {
  * it between two), and the engine reports every batch of each slice. */
 typedef struct ingest_progress {
     repl *r;
-    FILE *f;          /* text progress goes here */
-    bool tty;         /* f is a terminal: one line redrawn in place */
-    int64_t offset;   /* tokens of the slices before the current one */
+    FILE *f;        /* text progress goes here */
+    bool tty;       /* f is a terminal: one line redrawn in place */
+    int64_t offset; /* tokens of the slices before the current one */
     int64_t total;
     double t0, last;
-    int shown_pct;    /* not a terminal: the last 10% step printed */
+    int shown_pct; /* not a terminal: the last 10% step printed */
 } ingest_progress;
 
 static double mono_s(void) {
@@ -489,7 +497,8 @@ static void on_progress(void *user, int64_t slice_done, int64_t slice_total) {
 #define INGEST_SLICE 4096
 
 static bool c_ingest(repl *r, char *arg) {
-    while (*arg == ' ' || *arg == '\t') arg++;
+    while (*arg == ' ' || *arg == '\t')
+        arg++;
     if (!*arg) {
         repl__error(r, "/ingest needs a file name");
         return true;
@@ -505,7 +514,8 @@ static bool c_ingest(repl *r, char *arg) {
     char buf[65536];
     size_t k;
     errno = 0;
-    while (m && (k = fread(buf, 1, sizeof buf, f)) > 0) fwrite(buf, 1, k, m);
+    while (m && (k = fread(buf, 1, sizeof buf, f)) > 0)
+        fwrite(buf, 1, k, m);
     int rerr = ferror(f) ? (errno ? errno : EIO) : 0;
     fclose(f);
     if (!m || fclose(m) != 0 || rerr) {
@@ -527,8 +537,8 @@ static bool c_ingest(repl *r, char *arg) {
         goto out;
     }
     FILE *pf = r->interactive ? r->out : r->err;
-    ingest_progress g = {.r = r, .f = pf, .tty = isatty(fileno(pf)), .total = n,
-                         .t0 = mono_s(), .shown_pct = 0};
+    ingest_progress g = {
+        .r = r, .f = pf, .tty = isatty(fileno(pf)), .total = n, .t0 = mono_s(), .shown_pct = 0};
     repl__clear_interrupt();
     bool stopped = false;
     while (done < n) {
@@ -565,8 +575,11 @@ static bool c_ingest(repl *r, char *arg) {
                  (long long)done, (long long)n);
     else
         snprintf(prompt, sizeof prompt, "/ingest %s", arg);
-    sess_turn turn = {.prompt = prompt, .prompt_len = strlen(prompt), .output = "",
-                      .prompt_tokens = done, .mode = repl__mode_name(r)};
+    sess_turn turn = {.prompt = prompt,
+                      .prompt_len = strlen(prompt),
+                      .output = "",
+                      .prompt_tokens = done,
+                      .mode = repl__mode_name(r)};
     uint64_t snap;
     if (!repl__save(r, &turn, &snap)) goto out;
     r->dirty = false;
@@ -625,7 +638,8 @@ static bool c_help(repl *r, char *arg) {
 
 const char *const *repl_commands(void) {
     static const char *names[N_COMMANDS + 1];
-    for (size_t i = 0; i < N_COMMANDS; i++) names[i] = COMMANDS[i].name;
+    for (size_t i = 0; i < N_COMMANDS; i++)
+        names[i] = COMMANDS[i].name;
     names[N_COMMANDS] = NULL;
     return names;
 }
@@ -646,7 +660,8 @@ char **repl_session_names(repl *r) {
     if (sess_session_list(r->st, &list, &n, NULL) != KDS_OK) n = 0;
     char **names = calloc(n + 1, sizeof *names);
     if (names)
-        for (size_t i = 0; i < n; i++) names[i] = strdup(list[i].name);
+        for (size_t i = 0; i < n; i++)
+            names[i] = strdup(list[i].name);
     free(list);
     return names;
 }

@@ -47,7 +47,8 @@ static void wake(void) {
 
 static void drain_wake(void) {
     char buf[64];
-    while (g_wake[0] >= 0 && read(g_wake[0], buf, sizeof buf) > 0) {}
+    while (g_wake[0] >= 0 && read(g_wake[0], buf, sizeof buf) > 0) {
+    }
 }
 
 static void on_sigint(int sig) {
@@ -119,7 +120,8 @@ static char **g_cands; /* NULL-terminated candidates of the current completion *
 
 static void free_cands(void) {
     if (!g_cands) return;
-    for (char **p = g_cands; *p; p++) free(*p);
+    for (char **p = g_cands; *p; p++)
+        free(*p);
     free(g_cands);
     g_cands = NULL;
 }
@@ -145,17 +147,20 @@ static char **complete(const char *text, int start, int end) {
     if (start == 0) {
         const char *const *names = repl_commands();
         size_t n = 0;
-        while (names[n]) n++;
+        while (names[n])
+            n++;
         g_cands = calloc(n + 1, sizeof *g_cands);
-        for (size_t i = 0; g_cands && i < n; i++) g_cands[i] = strdup(names[i]);
+        for (size_t i = 0; g_cands && i < n; i++)
+            g_cands[i] = strdup(names[i]);
     } else if (!strncmp(line, "/open ", 6) || !strncmp(line, "/fork ", 6) ||
                !strncmp(line, "/save ", 6)) {
         g_cands = repl_session_names(g_repl);
     } else if (!strncmp(line, "/set ", 5)) {
-        static const char *keys[] = {"temperature", "top_p", "top_k", "min_p", "max_tokens",
-                                     "ignore_eos", "seed", NULL};
+        static const char *keys[] = {"temperature", "top_p",      "top_k", "min_p",
+                                     "max_tokens",  "ignore_eos", "seed",  NULL};
         g_cands = calloc(sizeof keys / sizeof keys[0], sizeof *g_cands);
-        for (size_t i = 0; g_cands && keys[i]; i++) g_cands[i] = strdup(keys[i]);
+        for (size_t i = 0; g_cands && keys[i]; i++)
+            g_cands[i] = strdup(keys[i]);
     }
     return g_cands ? rl_completion_matches(text, cand_gen) : NULL;
 }
@@ -168,7 +173,7 @@ int repl_run_interactive(repl *r) {
         repl__error(r, "cannot create a pipe: %s", strerror(errno));
         return r->failures;
     }
-    rl_catch_signals = 0; /* SIGINT is ours: it stops a reply, or leaves at the prompt */
+    rl_catch_signals = 0;  /* SIGINT is ours: it stops a reply, or leaves at the prompt */
     rl_catch_sigwinch = 0; /* ours: on_winch */
     rl_readline_name = "kdaserve";
     rl_attempted_completion_function = complete;
@@ -260,8 +265,8 @@ int repl_run_interactive(repl *r) {
         armed = false;
         bool go_on = true;
         if (g_line[0]) {
-            HIST_ENTRY *prev = history_length ? history_get(history_base + history_length - 1)
-                                              : NULL;
+            HIST_ENTRY *prev =
+                history_length ? history_get(history_base + history_length - 1) : NULL;
             if (!prev || strcmp(prev->line, g_line)) { /* no repeated entries */
                 add_history(g_line);
                 if (r->history_file && append_history(1, r->history_file) != 0)

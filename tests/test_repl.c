@@ -63,7 +63,8 @@ static int chat(const char *args, const char *input, char *out, size_t cap, char
 }
 
 static void free_all(char **s, int n) {
-    for (int i = 0; i < n; i++) free(s[i]);
+    for (int i = 0; i < n; i++)
+        free(s[i]);
 }
 
 /* The "reply" of every "done" event of JSON output, in order (malloc'd). */
@@ -85,14 +86,13 @@ static int replies(const char *json, char **out, int cap) {
     return n;
 }
 
-
 /* Turn 2 of one process == turn 2 of a second process resuming turn 1. */
 static void check_resume(const char *mode) {
     static char out[65536], err[8192];
     char args[256], *one[4], *a[4], *b[4];
     snprintf(args, sizeof args, "--session c1 --json --max-tokens 16 %s", mode);
-    cr_assert_eq(chat(args, "Hello there\nWhat next?\n", out, sizeof out, err, sizeof err), 0,
-                 "%s", err);
+    cr_assert_eq(chat(args, "Hello there\nWhat next?\n", out, sizeof out, err, sizeof err), 0, "%s",
+                 err);
     cr_assert_eq(replies(out, one, 4), 2, "%s", out);
     snprintf(args, sizeof args, "--session c2 --json --max-tokens 16 %s", mode);
     cr_assert_eq(chat(args, "Hello there\n", out, sizeof out, err, sizeof err), 0, "%s", err);
@@ -121,15 +121,18 @@ Test(repl, resume_continues_exactly) {
     char *one[4], *a[4], *b[4];
     const char *msgs = "It is a truth universally\n and she said\n";
     /* the whole conversation in one process */
-    cr_assert_eq(chat("--session one --json --max-tokens 16", msgs, out, sizeof out, err,
-                      sizeof err), 0, "%s", err);
+    cr_assert_eq(
+        chat("--session one --json --max-tokens 16", msgs, out, sizeof out, err, sizeof err), 0,
+        "%s", err);
     cr_assert_eq(replies(out, one, 4), 2, "%s", out);
     /* the same, cut after the first turn and resumed by a new process */
     cr_assert_eq(chat("--session two --json --max-tokens 16", "It is a truth universally\n", out,
-                      sizeof out, err, sizeof err), 0, "%s", err);
+                      sizeof out, err, sizeof err),
+                 0, "%s", err);
     cr_assert_eq(replies(out, a, 4), 1, "%s", out);
     cr_assert_eq(chat("--session two --json --max-tokens 16", " and she said\n", out, sizeof out,
-                      err, sizeof err), 0, "%s", err);
+                      err, sizeof err),
+                 0, "%s", err);
     cr_assert_eq(replies(out, b, 4), 1, "%s", out);
     cr_assert(strstr(out, "resumed from @"), "no resume notice: %s", out);
     cr_expect_str_eq(a[0], one[0]);
@@ -155,7 +158,8 @@ Test(repl, fork_then_diverging_turns) {
     cr_assert_eq(chat("--session base --json --max-tokens 12",
                       "Once upon a time\n/fork side\n there was\n/open base\n there was\n"
                       "/open side\n and then\n",
-                      out, sizeof out, err, sizeof err), 0, "%s\n%s", out, err);
+                      out, sizeof out, err, sizeof err),
+                 0, "%s\n%s", out, err);
     cr_assert_eq(replies(out, r, 8), 4, "%s", out);
     cr_expect_str_eq(r[1], r[2], "the fork and the original diverged from different states");
     cr_assert(strstr(out, "forked 'base'"), "%s", out);
@@ -163,8 +167,8 @@ Test(repl, fork_then_diverging_turns) {
     /* each session has its own transcript: base 2 turns, side 3 */
     cr_assert_eq(chat("--session base", "/history\n", out, sizeof out, err, sizeof err), 0);
     cr_expect(!strstr(out, "and then"), "the fork's turn leaked into the original: %s", out);
-    cr_assert_eq(chat("--session side", "/sessions\n/history\n", out, sizeof out, err,
-                      sizeof err), 0);
+    cr_assert_eq(chat("--session side", "/sessions\n/history\n", out, sizeof out, err, sizeof err),
+                 0);
     cr_expect(strstr(out, "> Once upon a time") && strstr(out, ">  and then"), "%s", out);
     cr_expect(strstr(out, "forked from base"), "%s", out);
     rm_tmp();
@@ -173,8 +177,10 @@ Test(repl, fork_then_diverging_turns) {
 Test(repl, unknown_command_is_one_line_and_continues) {
     make_tmp();
     static char out[65536], err[8192];
-    int rc = chat("--session u --max-tokens 8", "/frobnicate now\n/open missing\n"
-                  "/set top_p 7\nHello\n/stats\n", out, sizeof out, err, sizeof err);
+    int rc = chat("--session u --max-tokens 8",
+                  "/frobnicate now\n/open missing\n"
+                  "/set top_p 7\nHello\n/stats\n",
+                  out, sizeof out, err, sizeof err);
     cr_expect_eq(rc, 1, "failed commands should give exit status 1");
     cr_expect(strstr(err, "kdaserve chat: unknown command '/frobnicate' (try /help)\n"), "%s", err);
     cr_expect(strstr(err, "kdaserve chat: no session 'missing'"), "%s", err);
@@ -188,8 +194,9 @@ Test(repl, unknown_command_is_one_line_and_continues) {
 Test(repl, json_events_parse) {
     make_tmp();
     static char out[65536], err[8192];
-    cr_assert_eq(chat("--json --max-tokens 10", "It was\n/bogus\n/stats\n", out, sizeof out,
-                      err, sizeof err), 1, "%s", err);
+    cr_assert_eq(chat("--json --max-tokens 10", "It was\n/bogus\n/stats\n", out, sizeof out, err,
+                      sizeof err),
+                 1, "%s", err);
     int tokens = 0, done = 0, errors = 0, outputs = 0;
     char text[4096] = "";
     const char *p = out;
@@ -277,9 +284,10 @@ static int context_tokens(const char *out, long long *v, int cap) {
 /* ~`bytes` of English-like text (seeded): a document for /ingest. */
 static void write_document(const char *path, size_t bytes) {
     static const char *words[] = {
-        "the", "of", "and", "a", "to", "in", "she", "was", "her", "it", "that", "house",
-        "letter", "Emma", "Elinor", "whale", "sea", "said", "could", "would", "never", "sister",
-        "morning", "walked", "ship", "captain", "little", "great", "deal", "heart", "opinion"};
+        "the",  "of",      "and",    "a",     "to",     "in",     "she",     "was",
+        "her",  "it",      "that",   "house", "letter", "Emma",   "Elinor",  "whale",
+        "sea",  "said",    "could",  "would", "never",  "sister", "morning", "walked",
+        "ship", "captain", "little", "great", "deal",   "heart",  "opinion"};
     FILE *f = fopen(path, "w");
     cr_assert(f, "cannot write %s", path);
     uint32_t x = 12345;
@@ -309,13 +317,13 @@ Test(repl, ingest_large_file_shows_progress, .timeout = 600) {
     int lines = count_lines(err, "[kdaserve] ingest: ");
     cr_expect(lines >= 2 && lines <= 11, "%d progress lines:\n%s", lines, err);
     cr_expect(strstr(err, "[kdaserve] ingest: 100% "), "%s", err);
-    cr_expect_eq(count_lines(err, "[kdaserve] ingest: "),
-                 (int)(strstr(err, "tok/s") ? lines : -1), "a progress line without tok/s");
+    cr_expect_eq(count_lines(err, "[kdaserve] ingest: "), (int)(strstr(err, "tok/s") ? lines : -1),
+                 "a progress line without tok/s");
     const char *done = strstr(err, "[kdaserve] ingested ");
     cr_assert(done, "%s", err);
     long long n = 0;
-    cr_assert(strstr(done, ": ") && sscanf(strstr(done, ": ") + 2, "%lld tokens", &n) == 1,
-              "%s", done);
+    cr_assert(strstr(done, ": ") && sscanf(strstr(done, ": ") + 2, "%lld tokens", &n) == 1, "%s",
+              done);
     cr_expect_gt(n, 40000, "a 256 KB document is tens of thousands of tokens");
     cr_expect(strstr(done, " tok/s); context "), "%s", done);
     /* /stats: the context grew by exactly the document, and a turn follows */
@@ -324,8 +332,7 @@ Test(repl, ingest_large_file_shows_progress, .timeout = 600) {
     cr_expect_eq(ctx[1] - ctx[0], n, "context %lld -> %lld for %lld ingested", ctx[0], ctx[1], n);
     cr_expect_gt(ctx[2], ctx[1]);
     /* a new process resumes the grown context */
-    cr_assert_eq(chat("--session big", "/stats\n", out, sizeof out, err, sizeof err), 0, "%s",
-                 err);
+    cr_assert_eq(chat("--session big", "/stats\n", out, sizeof out, err, sizeof err), 0, "%s", err);
     long long again;
     cr_assert_eq(context_tokens(out, &again, 1), 1, "%s", out);
     cr_expect_eq(again, ctx[2]);
@@ -394,10 +401,10 @@ Test(repl, corrupt_snapshot_is_one_line_and_repl_goes_on, .timeout = 120) {
     static char out[65536], err[8192];
     char db[300];
     snprintf(db, sizeof db, "%s/db", tmpdir);
-    cr_assert_eq(chat("--session good --max-tokens 4", "Hello\n", out, sizeof out, err,
-                      sizeof err), 0, "%s", err);
-    cr_assert_eq(chat("--session bad --max-tokens 4", "Hello\n", out, sizeof out, err,
-                      sizeof err), 0, "%s", err);
+    cr_assert_eq(chat("--session good --max-tokens 4", "Hello\n", out, sizeof out, err, sizeof err),
+                 0, "%s", err);
+    cr_assert_eq(chat("--session bad --max-tokens 4", "Hello\n", out, sizeof out, err, sizeof err),
+                 0, "%s", err);
     corrupt_head(db, "bad");
     /* /open of it: one line naming the session and the reason; still in
      * 'good', which takes the next turn */
@@ -405,8 +412,9 @@ Test(repl, corrupt_snapshot_is_one_line_and_repl_goes_on, .timeout = 120) {
                   sizeof out, err, sizeof err);
     cr_expect_eq(rc, 1);
     cr_expect_eq(count_lines(err, "kdaserve chat: "), 1, "%s", err);
-    cr_expect_eq(count_lines(err, ""), count_lines(err, "kdaserve chat: ") +
-                 count_lines(err, "[kdaserve] "), "stray lines: %s", err);
+    cr_expect_eq(count_lines(err, ""),
+                 count_lines(err, "kdaserve chat: ") + count_lines(err, "[kdaserve] "),
+                 "stray lines: %s", err);
     const char *line = strstr(err, "kdaserve chat: cannot open session 'bad': ");
     cr_expect(line && strstr(line, "payload checksum mismatch"), "%s", err);
     cr_expect_eq(count_lines(out, "session          good"), 2, "%s", out);
@@ -418,7 +426,8 @@ Test(repl, corrupt_snapshot_is_one_line_and_repl_goes_on, .timeout = 120) {
     cr_expect_eq(rc, 1);
     cr_expect_eq(count_lines(err, ""), 1, "%s", err);
     cr_expect(strstr(err, "kdaserve chat: cannot resume session 'bad': ") &&
-                  strstr(err, "payload checksum mismatch"), "%s", err);
+                  strstr(err, "payload checksum mismatch"),
+              "%s", err);
     cr_expect_str_eq(out, "");
     rm_tmp();
 }
@@ -438,8 +447,7 @@ Test(repl, errors_are_one_line_each, .timeout = 120) {
     int rc = chat("--session e --max-tokens 4", input, out, sizeof out, err, sizeof err);
     cr_expect_eq(rc, 1);
     cr_expect_eq(count_lines(err, "kdaserve chat: "), 7, "%s", err);
-    cr_expect_eq(count_lines(err, ""), 7 + count_lines(err, "[kdaserve] "), "stray lines: %s",
-                 err);
+    cr_expect_eq(count_lines(err, ""), 7 + count_lines(err, "[kdaserve] "), "stray lines: %s", err);
     cr_expect(strstr(err, "kdaserve chat: unknown command '/frobnicate' (try /help)\n"), "%s", err);
     cr_expect(strstr(err, "kdaserve chat: no session 'nosuch' (see /sessions)\n"), "%s", err);
     cr_expect(strstr(err, "/missing.txt: No such file or directory\n"), "%s", err);
@@ -476,13 +484,16 @@ Test(repl, session_reopens_in_its_mode, .timeout = 120) {
     snprintf(input, sizeof input, "/ingest " KDS_SOURCE_DIR "/repl/README.md\nSo\n");
     cr_assert_eq(chat("--session p --max-tokens 4", input, out, sizeof out, err, sizeof err), 0,
                  "%s", err);
-    cr_assert_eq(chat("--session c --chat --max-tokens 4", "Hi\n", out, sizeof out, err,
-                      sizeof err), 0, "%s", err);
+    cr_assert_eq(
+        chat("--session c --chat --max-tokens 4", "Hi\n", out, sizeof out, err, sizeof err), 0,
+        "%s", err);
     expect_mode(db, "p", "plain");
     expect_mode(db, "c", "chat");
     /* reopened without --chat/--plain, and switched between with /open */
-    cr_assert_eq(chat("--session p --max-tokens 4", "/stats\n/open c\n/stats\n/open p\n/stats\n"
-                      "/open c\nAgain\n/new fresh\n/stats\n", out, sizeof out, err, sizeof err),
+    cr_assert_eq(chat("--session p --max-tokens 4",
+                      "/stats\n/open c\n/stats\n/open p\n/stats\n"
+                      "/open c\nAgain\n/new fresh\n/stats\n",
+                      out, sizeof out, err, sizeof err),
                  0, "%s", err);
     const char *m1 = strstr(out, "mode             plain");
     const char *m2 = m1 ? strstr(m1, "mode             chat") : NULL;
@@ -493,14 +504,14 @@ Test(repl, session_reopens_in_its_mode, .timeout = 120) {
               "%s", err);
     expect_mode(db, "c", "chat"); /* the turn in c kept its mode */
     /* --plain overrides, and says so */
-    cr_assert_eq(chat("--session c --plain", "/stats\n", out, sizeof out, err, sizeof err), 0,
-                 "%s", err);
+    cr_assert_eq(chat("--session c --plain", "/stats\n", out, sizeof out, err, sizeof err), 0, "%s",
+                 err);
     cr_expect(strstr(err, "session 'c' was written in chat mode; continuing in plain mode as "
-                          "asked"), "%s", err);
+                          "asked"),
+              "%s", err);
     cr_expect(strstr(out, "mode             plain"), "%s", out);
     /* a fork keeps it */
-    cr_assert_eq(chat("--session c", "/fork c2\n", out, sizeof out, err, sizeof err), 0, "%s",
-                 err);
+    cr_assert_eq(chat("--session c", "/fork c2\n", out, sizeof out, err, sizeof err), 0, "%s", err);
     expect_mode(db, "c2", "chat");
     rm_tmp();
 }

@@ -29,7 +29,7 @@
 
 #define KDASERVE KDS_BINARY_DIR "/kdaserve"
 #define MODEL KDS_SOURCE_DIR "/models/default"
-#define WAIT_S 60 /* per expected piece of output; only ever a failure deadline */
+#define WAIT_S 60       /* per expected piece of output; only ever a failure deadline */
 #define LONG_WAIT_S 600 /* for a whole /ingest (minutes in a sanitizer build) */
 
 static char tmpdir[256], db[300];
@@ -51,21 +51,22 @@ static void rm_tmp(void) {
 
 typedef struct term {
     pid_t pid;
-    int fd;            /* the master side; -1 once the program has gone */
-    char *raw;         /* every byte it wrote */
+    int fd;    /* the master side; -1 once the program has gone */
+    char *raw; /* every byte it wrote */
     size_t raw_n, raw_cap;
-    char *text;        /* the same without escape sequences, \r and bells */
+    char *text; /* the same without escape sequences, \r and bells */
     size_t n, cap;
-    size_t mark;       /* searches start here */
-    int esc;           /* escape-sequence state carried across reads */
-    int status;        /* wait status once reaped */
+    size_t mark; /* searches start here */
+    int esc;     /* escape-sequence state carried across reads */
+    int status;  /* wait status once reaped */
     bool reaped;
 } term;
 
 static void grow(char **p, size_t *cap, size_t need) {
     if (need <= *cap) return;
     size_t c = *cap ? *cap : 65536;
-    while (c < need) c *= 2;
+    while (c < need)
+        c *= 2;
     *p = realloc(*p, c);
     cr_assert(*p, "out of memory");
     *cap = c;
@@ -90,12 +91,12 @@ static void absorb(term *t, const char *p, size_t n) {
             if (c >= 0x40 && c <= 0x7e) t->esc = 0;
             continue;
         case 3: /* OSC: until BEL (or ESC \) */
-            if (c == 0x07) t->esc = 0;
-            else if (c == 0x1b) t->esc = 1;
+            if (c == 0x07)
+                t->esc = 0;
+            else if (c == 0x1b)
+                t->esc = 1;
             continue;
-        case 4: /* charset designation: one byte */
-            t->esc = 0;
-            continue;
+        case 4: /* charset designation: one byte */ t->esc = 0; continue;
         }
         if (c == 0x1b) {
             t->esc = 1;
@@ -138,8 +139,8 @@ static void term_start(term *t, const char *args) {
     memset(t, 0, sizeof *t);
     absorb(t, "", 0); /* text and raw exist (empty) before the first read */
     char cmd[2048];
-    snprintf(cmd, sizeof cmd, "exec " KDASERVE " chat --model " MODEL " --db %s --threads 1 %s",
-             db, args);
+    snprintf(cmd, sizeof cmd, "exec " KDASERVE " chat --model " MODEL " --db %s --threads 1 %s", db,
+             args);
     struct winsize ws = {.ws_row = 50, .ws_col = 200};
     t->pid = forkpty(&t->fd, NULL, NULL, &ws);
     if (t->pid < 0 && (errno == ENOENT || errno == ENODEV || errno == ENXIO)) {
@@ -181,9 +182,13 @@ static char *term_until_s(term *t, const char *needle, int secs) {
     }
 }
 
-static char *term_until(term *t, const char *needle) { return term_until_s(t, needle, WAIT_S); }
+static char *term_until(term *t, const char *needle) {
+    return term_until_s(t, needle, WAIT_S);
+}
 
-static void term_wait(term *t, const char *needle) { free(term_until(t, needle)); }
+static void term_wait(term *t, const char *needle) {
+    free(term_until(t, needle));
+}
 
 /* Wait until at least `bytes` more bytes of text follow the mark. */
 static void term_wait_bytes(term *t, size_t bytes) {
@@ -246,14 +251,15 @@ static char *scripted(const char *args, const char *input) {
     fputs(input, f);
     fclose(f);
     snprintf(cmd, sizeof cmd,
-             KDASERVE " chat --model " MODEL " --db %s --threads 1 %s < %s 2>/dev/null", db,
-             args, in_path);
+             KDASERVE " chat --model " MODEL " --db %s --threads 1 %s < %s 2>/dev/null", db, args,
+             in_path);
     FILE *p = popen(cmd, "r");
     cr_assert(p, "popen %s", cmd);
     size_t cap = 1 << 20, n = 0, k;
     char *out = malloc(cap);
     cr_assert(out);
-    while ((k = fread(out + n, 1, cap - 1 - n, p)) > 0) n += k;
+    while ((k = fread(out + n, 1, cap - 1 - n, p)) > 0)
+        n += k;
     out[n] = '\0';
     cr_assert_eq(pclose(p), 0, "%s failed:\n%s", cmd, out);
     return out;
@@ -290,8 +296,7 @@ Test(repl_pty, stream_ctrl_c_keeps_partial_reply_then_two_ctrl_c_leave, .timeout
     term_wait(&t, "/history\n");
     char *hist = term_until(&t, "s> ");
     cr_expect(strstr(hist, "> It is a truth universally\n"), "%s", hist);
-    cr_expect(strstr(hist, head), "the partial reply is not in /history:\n%s\n---\n%s", head,
-              hist);
+    cr_expect(strstr(hist, head), "the partial reply is not in /history:\n%s\n---\n%s", head, hist);
     term_send(&t, "/stats\r");
     char *stats = term_until(&t, "s> ");
     long long ctx = 0;
@@ -417,7 +422,8 @@ Test(repl_pty, leave_and_reopen_continues_as_if_never_interrupted, .timeout = 60
     size_t bytes = 0;
     double ms = -1;
     cr_expect_eq(sscanf(notice, "%lld tokens, %zu bytes of state, resumed from @%lld in %lf ms",
-                        &tokens, &bytes, &snap, &ms), 4, "%s", notice);
+                        &tokens, &bytes, &snap, &ms),
+                 4, "%s", notice);
     cr_expect_gt(tokens, 24);
     cr_expect_gt(bytes, 0);
     cr_expect_geq(ms, 0.0);
@@ -493,8 +499,10 @@ Test(repl_pty, ingest_progress_redrawn_in_place_and_ctrl_c_stops_it, .timeout = 
     FILE *f = fopen(doc, "w");
     cr_assert(f);
     for (int i = 0; i < 1200; i++)
-        fprintf(f, "Paragraph %d. The captain walked to the house, and Emma said that the sea "
-                   "was a great deal colder than her sister had thought.\n", i);
+        fprintf(f,
+                "Paragraph %d. The captain walked to the house, and Emma said that the sea "
+                "was a great deal colder than her sister had thought.\n",
+                i);
     fclose(f);
     char cmd[600];
     term t;
@@ -507,8 +515,8 @@ Test(repl_pty, ingest_progress_redrawn_in_place_and_ctrl_c_stops_it, .timeout = 
     char *bar = term_until_s(&t, "ingested ", LONG_WAIT_S);
     char *line = term_until(&t, " tok/s); context ");
     long long n = 0;
-    cr_assert(strstr(line, ": ") && sscanf(strstr(line, ": ") + 2, "%lld tokens", &n) == 1,
-              "%s", line);
+    cr_assert(strstr(line, ": ") && sscanf(strstr(line, ": ") + 2, "%lld tokens", &n) == 1, "%s",
+              line);
     free(line);
     cr_expect_gt(n, 20000);
     /* the bar is redrawn in place: updates, but no new line until it ends */
@@ -535,8 +543,7 @@ Test(repl_pty, ingest_progress_redrawn_in_place_and_ctrl_c_stops_it, .timeout = 
     long long kept = -1, of = 0;
     const char *stop = strstr(rest, "stopped after ");
     if (stop) {
-        cr_assert_eq(sscanf(stop, "stopped after %lld of %lld tokens", &kept, &of), 2, "%s",
-                     rest);
+        cr_assert_eq(sscanf(stop, "stopped after %lld of %lld tokens", &kept, &of), 2, "%s", rest);
         cr_expect_eq(of, n);
         cr_expect_lt(kept, n);
         term_send(&t, "/stats\r");
