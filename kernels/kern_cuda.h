@@ -85,6 +85,13 @@ kds_status kern_cuda_memset(void *dst_dev, int byte, size_t bytes, void *stream,
  * Returns the first pending asynchronous error as KDS_CUDA. */
 kds_status kern_cuda_sync(void *stream, kds_err *err);
 
+/* Fill n elements of dst (dt F32 or BF16) with uniform values in [lo, hi),
+ * reproducible: element i depends only on (seed, i). For tests and
+ * benchmarks too large to fill from the host. Errors: KDS_INVALID_ARG,
+ * KDS_CUDA. */
+kds_status kern_cuda_fill_uniform(void *dst, kern_dtype dt, size_t n, float lo, float hi,
+                                  uint64_t seed, void *stream, kds_err *err);
+
 /* ------------------------------------------------------------------------ */
 /* Element kernels (same semantics as kern.h; all pointers are device ones)  */
 
@@ -226,6 +233,124 @@ kds_status kern_cuda_kda_prefill(const kern_cuda_kda_prefill_args *a, void *stre
 /* Workspace bytes that hold `chunks` chunks of 64 tokens for shape `sh`
  * (0 for a bad shape or chunks < 1). */
 size_t kern_cuda_kda_prefill_workspace_bytes(const kern_kda_shape *sh, int chunks);
+
+/* ------------------------------------------------------------------------ */
+/* RMSNorm and the gated output RMSNorm                                      */
+
+/*
+ * Per row of n values (one warp per row):
+ *   z == NULL: y = x * rsqrt(mean(x^2) + eps) * w                (kern_rmsnorm)
+ *   z != NULL: y = x * rsqrt(mean(x^2) + eps) * w * sigmoid(z)   (kern_rmsnorm_gated,
+ *              the KDA output norm with rows = T * HV, n = V)
+ * Device pointers: x [rows, n] fp32; z [rows, n] z_dtype or NULL; w [n]
+ * w_dtype or NULL (no weight); y [rows, n] y_dtype. Dtypes F32 or BF16 (bf16
+ * output rounds to nearest even). y may alias x when y is fp32; nothing may
+ * alias z. Errors: KDS_INVALID_ARG (shape, dtype, NULL, aliasing), KDS_CUDA.
+ */
+typedef struct kern_cuda_norm_args {
+    int rows, n;
+    float eps;
+    const float *x;
+    const void *z;
+    kern_dtype z_dtype;
+    const void *w;
+    kern_dtype w_dtype;
+    void *y;
+    kern_dtype y_dtype;
+} kern_cuda_norm_args;
+
+kds_status kern_cuda_rmsnorm(const kern_cuda_norm_args *a, void *stream, kds_err *err);
+
+/* ------------------------------------------------------------------------ */
+/* MoE routing and token permutation                                         */
+
+/*
+ * Routing of T tokens and the permutation for grouped expert products, the
+ * contracts of kern_moe_route + kern_moe_permute (kern.h) in one call
+ * (four launches: route, count, scan, place):
+ *   scores    = sigmoid(logits) (1 / (1 + expf(-x))) when apply_sigmoid,
+ *               else the logits are taken as the scores;
+ *   sel, w    [T, k]: experts chosen by score + bias within the group limit,
+ *               ties to the lower expert index; weights from the unbiased
+ *               scores (renormalised in double), times routed_scaling_factor;
+ *   exp_off   [E + 1], row_of [T, k], tok_of [T * k]: the stable counting
+ *               sort of the (token, slot) pairs by expert.
+ * Device pointers: logits [T, E] fp32, bias [E] fp32 or NULL, the outputs
+ * int32 / fp32 as listed. Deterministic: the same inputs give the same
+ * outputs bit for bit, equal to the CPU reference's (sel, exp_off, row_of,
+ * tok_of exactly; w exactly for identical scores). NaN scores: unspecified.
+ * Limits: E <= 1024, k <= min(E, 32), E % n_group == 0, n_group <= 256.
+ * Errors: KDS_INVALID_ARG (shape, NULL), KDS_UNSUPPORTED (limits), KDS_CUDA.
+ */
+typedef struct kern_cuda_moe_route_args {
+    kern_moe_route_params p;
+    int T;
+    const float *logits;
+    bool apply_sigmoid;
+    const float *bias;
+    int32_t *sel;
+    float *w;
+    int32_t *exp_off;
+    int32_t *row_of;
+    int32_t *tok_of;
+} kern_cuda_moe_route_args;
+
+kds_status kern_cuda_moe_route(const kern_cuda_moe_route_args *a, void *stream, kds_err *err);
+
+/* Gather rows for the expert products: dst[r] = src[tok_of[r]] for
+ * r < n_rows, rows of row_bytes bytes (a multiple of 16; any dtype).
+ * Device pointers, 16-byte aligned. Errors: KDS_INVALID_ARG, KDS_CUDA. */
+kds_status kern_cuda_moe_gather(const void *src, size_t row_bytes, const int32_t *tok_of,
+                                int n_rows, void *dst, void *stream, kds_err *err);
+
+/* Weighted sum of the experts' outputs back per token, in selection order:
+ *   out[t] = sum_{n < k} w[t, n] * yg[row_of[t, n]]  (+ shared[t] if not NULL)
+ * yg [T*k, hidden], shared / out [T, hidden] fp32; row_of, w [T, k]. Each
+ * product and sum is rounded as the engine's loop rounds it (no FMA), so
+ * the result equals the CPU's bit for bit. Errors: KDS_INVALID_ARG, KDS_CUDA. */
+kds_status kern_cuda_moe_combine(const float *yg, const int32_t *row_of, const float *w, int T,
+                                 int k, int hidden, const float *shared, float *out, void *stream,
+                                 kds_err *err);
+
+/* ------------------------------------------------------------------------ */
+/* Sampling                                                                  */
+
+/* Largest top-k the GPU sampler keeps (its candidates are sorted in shared
+ * memory). */
+#define KERN_CUDA_SAMPLE_MAX_K 1024
+
+/*
+ * One token for each of N rows of logits, kern_sample's algorithm (and so
+ * eng_sample's) on the GPU, one CTA per row: repetition penalty, then greedy
+ * or temperature -> top-k (radix select, ties to the lower id) -> sorted
+ * softmax -> min-p -> top-p -> one draw from the row's xoshiro256** state.
+ * The draw is exact: the same candidates in the same order, the same double
+ * sums in the same order, the same RNG step; the only possible difference is
+ * expf (the GPU rounds exp() in double to float, glibc's expf is within
+ * 0.502 ulp), which can move a pick only when the uniform lands within an
+ * ulp of a boundary.
+ * Device pointers:
+ *   logits       [N, V] fp32; the penalised entries are rewritten in place
+ *   penalty_ids  [N, n_penalty] int32 or NULL (ids outside [0, V) ignored,
+ *                repeats penalised once)
+ *   rng          [N, 4] uint64: advanced once per row, not when greedy
+ *   tokens       [N] int32 output
+ * One kern_sample_params for all rows. Limits: with temperature > 0 the
+ * effective top-k (V when top_k is off) must be <= KERN_CUDA_SAMPLE_MAX_K,
+ * else KDS_UNSUPPORTED (sample such rows on the CPU). NaN logits:
+ * unspecified. Errors: KDS_INVALID_ARG, KDS_UNSUPPORTED, KDS_CUDA.
+ */
+typedef struct kern_cuda_sample_args {
+    int N, V;
+    float *logits;
+    kern_sample_params params;
+    const int32_t *penalty_ids;
+    int n_penalty;
+    uint64_t *rng;
+    int32_t *tokens;
+} kern_cuda_sample_args;
+
+kds_status kern_cuda_sample(const kern_cuda_sample_args *a, void *stream, kds_err *err);
 
 #ifdef __cplusplus
 }

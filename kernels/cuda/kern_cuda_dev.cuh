@@ -5,6 +5,8 @@
 #ifndef KERN_CUDA_DEV_CUH
 #define KERN_CUDA_DEV_CUH
 
+#include <cuda_runtime.h> /* (or the emulation's, which defines KDS_EMU) */
+
 /* Dynamic shared memory of a kernel as `unsigned char name[]`, 16-byte
  * aligned. The emulation has no `extern __shared__`, hence the macro. */
 #ifdef KDS_EMU

@@ -25,8 +25,8 @@ def sub(m):
     name, args = m.group(1), m.group(3)
     cfg, depth, cur = [], 0, ''
     for ch in m.group(2):  # split the launch configuration at top-level commas
-        depth += ch in '(<[{'
-        depth -= ch in ')>]}'
+        depth += ch in '([{'
+        depth -= ch in ')]}'
         if ch == ',' and depth == 0:
             cfg.append(cur.strip())
             cur = ''
@@ -77,3 +77,13 @@ done
 for p in "${pids[@]}"; do wait "$p"; done
 $CXX -o "$out/emu_tests" "${objs[@]}" $(pkg-config --libs openblas libcjson criterion) -lm
 echo "built $out/emu_tests"
+# the benchmark program too (C compiled as C++ against the emulated runtime):
+# `emu_cuda_bench --tiny` smoke-tests its control flow
+kobjs=()
+for o in "${objs[@]}"; do
+    case $o in */c_test_*|*/c_eng_safetensors.o) ;; *) kobjs+=("$o") ;; esac
+done
+$CXX -std=c++20 -fpermissive -w -O1 -x c++ $inc -DKDS_HAVE_CUDA=1 -c tests/bench/cuda_bench.c \
+    -o "$out/obj/bench.o"
+$CXX -o "$out/emu_cuda_bench" "$out/obj/bench.o" "${kobjs[@]}" $(pkg-config --libs openblas) -lm
+echo "built $out/emu_cuda_bench"

@@ -130,8 +130,26 @@ void run_block(int n) {
         t.ctx.uc_link = &sched_ctx;
         makecontext(&t.ctx, entry, 0);
     }
+    /* Threads run in a fresh random order after every barrier (a fixed
+     * seed, so runs repeat): a read of shared memory that another thread
+     * writes without a barrier in between then shows up as a wrong result,
+     * whichever of the two a real GPU happens to run first. */
+    static std::vector<int> order;
+    order.resize((size_t)n);
+    for (int i = 0; i < n; i++) order[(size_t)i] = i;
+    static uint64_t rs = 0x9E3779B97F4A7C15ull;
     for (;;) {
-        for (int i = 0; i < n; i++) {
+        for (int i = n - 1; i > 0; i--) {
+            rs ^= rs << 13;
+            rs ^= rs >> 7;
+            rs ^= rs << 17;
+            const int j = (int)(rs % (uint64_t)(i + 1));
+            const int t = order[(size_t)i];
+            order[(size_t)i] = order[(size_t)j];
+            order[(size_t)j] = t;
+        }
+        for (int oi = 0; oi < n; oi++) {
+            const int i = order[(size_t)oi];
             if (T[i].st != ST_RUN) continue;
             cur_idx = i;
             cur = &T[i].tc;
@@ -329,6 +347,8 @@ cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t a, cudaEvent_t b) {
 }
 cudaError_t cudaStreamCreate(cudaStream_t *s) { *s = new emu_stream{0}; return cudaSuccess; }
 cudaError_t cudaStreamDestroy(cudaStream_t s) { delete s; return cudaSuccess; }
+cudaError_t cudaRuntimeGetVersion(int *v) { *v = 13000; return cudaSuccess; }
+cudaError_t cudaDriverGetVersion(int *v) { *v = 0; return cudaSuccess; }
 cudaError_t cudaFuncGetAttributes_(cudaFuncAttributes *a) {
     memset(a, 0, sizeof *a);
     a->maxThreadsPerBlock = 1024;
