@@ -1,0 +1,421 @@
+/*
+ * cuda_bench.c - GPU timings of the CUDA kernels (kern_cuda.h) at
+ * Kimi-Linear-48B's KDA shape (H = HV = 32, K = V = 128, bf16 inputs, fp32
+ * state), next to the figures of shared/reference/performance-anchors.md.
+ * Built by CMake as `kds_cuda_bench` when nvcc is found; run by
+ * scripts/gpu_check.sh on the GPU machine:
+ *
+ *   kds_cuda_bench [--quick] [--decode | --prefill]
+ *       --quick: fewer repeats, no T = 1M prefill; --decode / --prefill: only those
+ *   kds_cuda_bench --tiny         # toy sizes: a smoke test of this program
+ *                                 # itself (e.g. under kernels/cuda/emu)
+ *
+ * Prints markdown tables (the same lines go to docs/benchmarks.md):
+ *   - device-to-device copy bandwidth (the ceiling the decode is judged by);
+ *   - the fused KDA decode step, B = 1, 16, 64, 256: median kernel time with
+ *     events around each launch, mean time back to back, and the effective
+ *     bandwidth of the state traffic (state read + written once);
+ *   - the chunked KDA prefill, T = 16K, 128K, 1M, raw inputs (L2 norm, gate
+ *     and sigmoid in the kernel, as fla's chunk_kda was timed), tokens/s;
+ *   - the smaller kernels: gated RMSNorm, MoE routing, sampling.
+ * Method: inputs filled on the GPU with random values (never zeros), a
+ * warm-up, then repeats; before each timed run a 2 GiB fill is queued so the
+ * host enqueues the timed launches while the GPU is still busy (no host gaps
+ * inside the measurement). Decode rotates over pools whose total exceeds the
+ * L2 cache, so the state comes from HBM as it would in serving.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cuda_runtime_api.h>
+
+#include "kern.h"
+#include "kern_cuda.h"
+
+static void die(const char *fmt, const char *a, const char *b) {
+    fprintf(stderr, fmt, a, b);
+    fputc('\n', stderr);
+    exit(1);
+}
+
+#define CK(call)                                                                               \
+    do {                                                                                       \
+        cudaError_t e_ = (call);                                                               \
+        if (e_ != cudaSuccess) die("%s: %s", #call, cudaGetErrorString(e_));                   \
+    } while (0)
+
+#define KS(call)                                                                               \
+    do {                                                                                       \
+        kds_err err_;                                                                          \
+        memset(&err_, 0, sizeof err_);                                                         \
+        kds_status st_ = (call);                                                               \
+        (void)err_;                                                                            \
+        if (st_ != KDS_OK) die("%s: %s", #call, err_.msg);                                     \
+    } while (0)
+#define ERR (&err_)
+
+static void *dalloc(size_t bytes) {
+    void *p = NULL;
+    CK(cudaMalloc(&p, bytes ? bytes : 16));
+    return p;
+}
+
+static void fill(void *p, kern_dtype dt, size_t n, float lo, float hi, uint64_t seed) {
+    KS(kern_cuda_fill_uniform(p, dt, n, lo, hi, seed, NULL, ERR));
+}
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+static double median(double *x, int n) {
+    qsort(x, (size_t)n, sizeof *x, cmp_double);
+    return n % 2 ? x[n / 2] : 0.5 * (x[n / 2 - 1] + x[n / 2]);
+}
+
+/* Keeps the GPU busy ~1-2 ms so that the launches queued after it run back
+ * to back, whatever the host's launch rate. */
+static void *g_busy;
+static size_t g_busy_floats = (size_t)512 << 20; /* 2 GiB */
+static int g_tiny;                               /* --tiny: toy sizes */
+static void queue_busy_work(void) {
+    fill(g_busy, KERN_F32, g_busy_floats, 0.0f, 1.0f, 7);
+}
+
+static double g_copy_tbs;
+
+static void bench_copy(void) {
+    const size_t bytes = g_tiny ? (size_t)1 << 20 : (size_t)4 << 30;
+    void *a = dalloc(bytes), *b = dalloc(bytes);
+    fill(a, KERN_F32, bytes / 4, -1.0f, 1.0f, 1);
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    double t[5];
+    for (int i = 0; i < 6; i++) {
+        CK(cudaEventRecord(e0, 0));
+        CK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, 0));
+        CK(cudaEventRecord(e1, 0));
+        CK(cudaEventSynchronize(e1));
+        float ms = 0;
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        if (i > 0) t[i - 1] = ms;
+    }
+    const double ms = median(t, 5);
+    g_copy_tbs = 2.0 * bytes / (ms * 1e-3) / 1e12;
+    printf("Device-to-device copy of 4 GiB: %.3f ms, **%.2f TB/s** (read + write; the anchor "
+           "measured 4.27)\n\n",
+           ms, g_copy_tbs);
+    CK(cudaEventDestroy(e0));
+    CK(cudaEventDestroy(e1));
+    CK(cudaFree(a));
+    CK(cudaFree(b));
+}
+
+/* ---- decode ------------------------------------------------------------------ */
+
+static void bench_decode(int quick) {
+    const int H = 32, K = 128, V = 128;
+    const int Bs[] = {1, 16, 64, 256};
+    const double fla_us[] = {214, 209, 275, 637};
+    const size_t slot_bytes = (size_t)H * K * V * 4; /* 2 MiB */
+    printf("### KDA decode step, one layer (H = HV = 32, K = V = 128, bf16 inputs, fp32 state)\n\n");
+    printf("| B | kernel µs (median, events per launch) | back to back µs (mean) | state TB/s "
+           "(kernel) | %% of 4.27 TB/s | %% of measured copy | fla µs (anchor) |\n");
+    printf("|---|---|---|---|---|---|---|\n");
+    for (size_t bi = 0; bi < (g_tiny ? 2 : sizeof Bs / sizeof Bs[0]); bi++) {
+        const int B = Bs[bi];
+        int sets = g_tiny ? 2 : (int)ceil((256.0 * (1 << 20)) / ((double)B * slot_bytes));
+        if (sets < 2) sets = 2;
+        const int P = B * sets;
+        float *pool = dalloc((size_t)P * slot_bytes);
+        fill(pool, KERN_F32, (size_t)P * slot_bytes / 4, -1.0f, 1.0f, 11);
+        void *q = dalloc((size_t)B * H * K * 2), *k = dalloc((size_t)B * H * K * 2);
+        void *v = dalloc((size_t)B * H * V * 2), *g = dalloc((size_t)B * H * K * 2);
+        void *beta = dalloc((size_t)B * H * 2);
+        float *A_log = dalloc(H * 4), *dt_bias = dalloc((size_t)H * K * 4);
+        float *o = dalloc((size_t)B * H * V * 4);
+        fill(q, KERN_BF16, (size_t)B * H * K, -1, 1, 12);
+        fill(k, KERN_BF16, (size_t)B * H * K, -1, 1, 13);
+        fill(v, KERN_BF16, (size_t)B * H * V, -1, 1, 14);
+        fill(g, KERN_BF16, (size_t)B * H * K, -4, 4, 15);
+        fill(beta, KERN_BF16, (size_t)B * H, -3, 3, 16);
+        fill(A_log, KERN_F32, H, -1, 1.5f, 17);
+        fill(dt_bias, KERN_F32, (size_t)H * K, -1, 1, 18);
+        int32_t *slots_h = malloc((size_t)P * sizeof(int32_t));
+        for (int i = 0; i < P; i++) slots_h[i] = i;
+        int32_t *slots = dalloc((size_t)P * sizeof(int32_t));
+        CK(cudaMemcpy(slots, slots_h, (size_t)P * sizeof(int32_t), cudaMemcpyHostToDevice));
+        free(slots_h);
+        kern_cuda_kda_decode_args a = {
+            .shape = {H, H, K, V, 1.0f / sqrtf((float)K)}, .N = B, .in_dtype = KERN_BF16,
+            .q = q, .k = k, .v = v, .g_raw = g, .beta_raw = beta, .A_log = A_log,
+            .dt_bias = dt_bias, .lower_bound = 0.0f, .state_pool = pool, .pool_slots = P,
+            .slots = slots, .o = o,
+        };
+        const int R = g_tiny ? 3 : quick ? 50 : 200;
+        cudaEvent_t *ev = malloc((size_t)(2 * R + 2) * sizeof *ev);
+        for (int i = 0; i < 2 * R + 2; i++) CK(cudaEventCreate(&ev[i]));
+        for (int i = 0; i < (g_tiny ? 1 : 20); i++) { /* warm-up */
+            a.slots = slots + (size_t)(i % sets) * B;
+            KS(kern_cuda_kda_decode(&a, NULL, ERR));
+        }
+        CK(cudaDeviceSynchronize());
+        /* events around each launch */
+        queue_busy_work();
+        for (int i = 0; i < R; i++) {
+            a.slots = slots + (size_t)(i % sets) * B;
+            CK(cudaEventRecord(ev[2 * i], 0));
+            KS(kern_cuda_kda_decode(&a, NULL, ERR));
+            CK(cudaEventRecord(ev[2 * i + 1], 0));
+        }
+        CK(cudaDeviceSynchronize());
+        double *t = malloc((size_t)R * sizeof *t);
+        for (int i = 0; i < R; i++) {
+            float ms = 0;
+            CK(cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]));
+            t[i] = ms * 1e3;
+        }
+        const double us = median(t, R);
+        /* back to back */
+        queue_busy_work();
+        CK(cudaEventRecord(ev[2 * R], 0));
+        for (int i = 0; i < R; i++) {
+            a.slots = slots + (size_t)(i % sets) * B;
+            KS(kern_cuda_kda_decode(&a, NULL, ERR));
+        }
+        CK(cudaEventRecord(ev[2 * R + 1], 0));
+        CK(cudaDeviceSynchronize());
+        float ms_all = 0;
+        CK(cudaEventElapsedTime(&ms_all, ev[2 * R], ev[2 * R + 1]));
+        const double b2b = ms_all * 1e3 / R;
+        const double state_bytes = 2.0 * B * (double)slot_bytes;
+        const double tbs = state_bytes / (us * 1e-6) / 1e12;
+        printf("| %d | %.2f | %.2f | %.2f | %.0f%% | %.0f%% | %.0f |\n", B, us, b2b, tbs,
+               100.0 * tbs / 4.27, 100.0 * tbs / g_copy_tbs, fla_us[bi]);
+        fflush(stdout);
+        for (int i = 0; i < 2 * R + 2; i++) CK(cudaEventDestroy(ev[i]));
+        free(ev);
+        free(t);
+        void *f[] = {pool, q, k, v, g, beta, A_log, dt_bias, o, slots};
+        for (size_t i = 0; i < sizeof f / sizeof f[0]; i++) CK(cudaFree(f[i]));
+    }
+    printf("\nTargets (issue 7): B = 1 <= 8 µs; B = 256 >= 85%% of 4.27 TB/s (<= ~295 µs).\n\n");
+}
+
+/* ---- prefill ---------------------------------------------------------------- */
+
+static double time_prefill(kern_cuda_kda_prefill_args *a, float *state, size_t state_n, int reps) {
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    double *t = malloc((size_t)reps * sizeof *t);
+    for (int i = -1; i < reps; i++) { /* i = -1: warm-up */
+        fill(state, KERN_F32, state_n, -1, 1, 21);
+        queue_busy_work();
+        CK(cudaEventRecord(e0, 0));
+        KS(kern_cuda_kda_prefill(a, NULL, ERR));
+        CK(cudaEventRecord(e1, 0));
+        CK(cudaEventSynchronize(e1));
+        float ms = 0;
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        if (i >= 0) t[i] = ms;
+    }
+    const double ms = median(t, reps);
+    free(t);
+    CK(cudaEventDestroy(e0));
+    CK(cudaEventDestroy(e1));
+    return ms;
+}
+
+static void bench_prefill(int quick) {
+    const int H = g_tiny ? 2 : 32, K = 128, V = 128;
+    const int Ts[] = {16384, 131072, 1048576};
+    const int Ttiny[] = {100, 131, 300};
+    const double fla_ms[] = {3.00, 17.3, 135.6};
+    const int nT = quick ? 2 : 3;
+    const size_t Tmax = (size_t)(g_tiny ? Ttiny[nT - 1] : Ts[nT - 1]);
+    const kern_kda_shape sh = {H, H, K, V, 1.0f / sqrtf((float)K)};
+    void *q = dalloc(Tmax * H * K * 2), *k = dalloc(Tmax * H * K * 2);
+    void *v = dalloc(Tmax * H * V * 2), *g = dalloc(Tmax * H * K * 2);
+    void *beta = dalloc(Tmax * H * 2);
+    float *A_log = dalloc(H * 4), *dt_bias = dalloc((size_t)H * K * 4);
+    float *o = dalloc(Tmax * H * V * 4), *state = dalloc((size_t)H * K * V * 4);
+    fill(q, KERN_BF16, Tmax * H * K, -1, 1, 31);
+    fill(k, KERN_BF16, Tmax * H * K, -1, 1, 32);
+    fill(v, KERN_BF16, Tmax * H * V, -1, 1, 33);
+    fill(g, KERN_BF16, Tmax * H * K, -4, 4, 34);
+    fill(beta, KERN_BF16, Tmax * H, -3, 3, 35);
+    fill(A_log, KERN_F32, H, -1, 1.5f, 36);
+    fill(dt_bias, KERN_F32, (size_t)H * K, -1, 1, 37);
+    const int ws_chunks[] = {16, 64, 256};
+    const size_t ws_max = kern_cuda_kda_prefill_workspace_bytes(&sh, 256);
+    void *ws = dalloc(ws_max);
+    printf("### KDA chunked prefill, one layer (H = HV = 32, K = V = 128, bf16 q/k/v/g/beta, "
+           "fp32 state; L2 norm, gate and sigmoid in the kernel)\n\n");
+    printf("| T | workspace (chunks, MiB) | ms (median) | M tokens/s | vs fla chunk_kda (anchor) |\n");
+    printf("|---|---|---|---|---|\n");
+    for (int ti = 0; ti < nT; ti++) {
+        const int T = g_tiny ? Ttiny[ti] : Ts[ti];
+        for (size_t wi = 0; wi < sizeof ws_chunks / sizeof ws_chunks[0]; wi++) {
+            /* the workspace sweep at 128K only; 64 chunks elsewhere */
+            if (ws_chunks[wi] != 64 && ti != 1) continue;
+            kern_cuda_kda_prefill_args a = {
+                .shape = sh, .T = T, .in_dtype = KERN_BF16, .raw = true,
+                .q = q, .k = k, .v = v, .g = g, .beta = beta, .A_log = A_log, .dt_bias = dt_bias,
+                .lower_bound = 0.0f, .state = state, .o = o, .workspace = ws,
+                .workspace_bytes = kern_cuda_kda_prefill_workspace_bytes(&sh, ws_chunks[wi]),
+            };
+            const int reps = g_tiny ? 1 : T >= 1048576 ? (quick ? 1 : 3) : T >= 131072 ? 5 : 10;
+            const double ms = time_prefill(&a, state, (size_t)H * K * V, reps);
+            const double mtok = T / (ms * 1e-3) / 1e6;
+            printf("| %d | %d (%.0f) | %.2f | %.2f | %.2fx (fla %.1f ms) |\n", T, ws_chunks[wi],
+                   a.workspace_bytes / 1048576.0, ms, mtok, fla_ms[ti] / ms, fla_ms[ti]);
+            fflush(stdout);
+        }
+    }
+    printf("\nTarget (issue 7): >= 2x fla's 7.7 M tokens/s, i.e. >= 15.4 M tokens/s per layer.\n\n");
+    void *f[] = {q, k, v, g, beta, A_log, dt_bias, o, state, ws};
+    for (size_t i = 0; i < sizeof f / sizeof f[0]; i++) CK(cudaFree(f[i]));
+}
+
+/* ---- small kernels ------------------------------------------------------------ */
+
+typedef void (*launch_fn)(void *ctx);
+
+static double time_us(launch_fn fn, void *ctx, int reps) {
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    double *t = malloc((size_t)reps * sizeof *t);
+    for (int i = 0; i < (g_tiny ? 1 : 5); i++) fn(ctx);
+    for (int i = 0; i < reps; i++) {
+        queue_busy_work();
+        CK(cudaEventRecord(e0, 0));
+        fn(ctx);
+        CK(cudaEventRecord(e1, 0));
+        CK(cudaEventSynchronize(e1));
+        float ms = 0;
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        t[i] = ms * 1e3;
+    }
+    const double us = median(t, reps);
+    free(t);
+    CK(cudaEventDestroy(e0));
+    CK(cudaEventDestroy(e1));
+    return us;
+}
+
+static void run_norm(void *ctx) {
+    KS(kern_cuda_rmsnorm((const kern_cuda_norm_args *)ctx, NULL, ERR));
+}
+static void run_route(void *ctx) {
+    KS(kern_cuda_moe_route((const kern_cuda_moe_route_args *)ctx, NULL, ERR));
+}
+static void run_sample(void *ctx) {
+    KS(kern_cuda_sample((const kern_cuda_sample_args *)ctx, NULL, ERR));
+}
+
+static void bench_small(int quick) {
+    const int reps = g_tiny ? 1 : quick ? 10 : 30;
+    printf("### Smaller kernels\n\n| kernel | size | µs (median) |\n|---|---|---|\n");
+    const int rows_list[] = {g_tiny ? 64 : 256 * 32, g_tiny ? 96 : 16384 * 32};
+    for (int i = 0; i < 2; i++) {
+        const int rows = rows_list[i], n = 128;
+        float *x = dalloc((size_t)rows * n * 4);
+        void *z = dalloc((size_t)rows * n * 2), *w = dalloc(n * 4), *y = dalloc((size_t)rows * n * 2);
+        fill(x, KERN_F32, (size_t)rows * n, -3, 3, 41);
+        fill(z, KERN_BF16, (size_t)rows * n, -3, 3, 42);
+        fill(w, KERN_F32, n, 0.5f, 1.5f, 43);
+        kern_cuda_norm_args a = {.rows = rows, .n = n, .eps = 1e-5f, .x = x, .z = z,
+                                 .z_dtype = KERN_BF16, .w = w, .w_dtype = KERN_F32, .y = y,
+                                 .y_dtype = KERN_BF16};
+        printf("| gated RMSNorm (fp32 o, bf16 gate -> bf16) | %d tokens x 32 heads x 128 | %.2f |\n",
+               rows / 32, time_us(run_norm, &a, reps));
+        void *f[] = {x, z, w, y};
+        for (size_t j = 0; j < 4; j++) CK(cudaFree(f[j]));
+    }
+    const int Tr[] = {1, 256, 8192};
+    for (int i = 0; i < (g_tiny ? 2 : 3); i++) {
+        const int T = Tr[i], E = 256, kk = 8;
+        float *lg = dalloc((size_t)T * E * 4), *bias = dalloc(E * 4), *w = dalloc((size_t)T * kk * 4);
+        int32_t *sel = dalloc((size_t)T * kk * 4), *row = dalloc((size_t)T * kk * 4);
+        int32_t *tok = dalloc((size_t)T * kk * 4), *off = dalloc((E + 1) * 4);
+        fill(lg, KERN_F32, (size_t)T * E, -4, 4, 51);
+        fill(bias, KERN_F32, E, -0.1f, 0.1f, 52);
+        kern_cuda_moe_route_args a = {
+            .p = {.n_experts = E, .top_k = kk, .n_group = 1, .topk_group = 1, .renormalize = 1,
+                  .routed_scaling_factor = 2.446f},
+            .T = T, .logits = lg, .apply_sigmoid = true, .bias = bias, .sel = sel, .w = w,
+            .exp_off = off, .row_of = row, .tok_of = tok};
+        printf("| MoE routing + permutation (sigmoid, bias, top-8 of 256) | T = %d | %.2f |\n", T,
+               time_us(run_route, &a, reps));
+        void *f[] = {lg, bias, w, sel, row, tok, off};
+        for (size_t j = 0; j < 7; j++) CK(cudaFree(f[j]));
+    }
+    const int Ns[] = {1, 64};
+    for (int i = 0; i < 2; i++) {
+        const int N = g_tiny ? i + 1 : Ns[i], V = g_tiny ? 5000 : 163840;
+        float *lg = dalloc((size_t)N * V * 4);
+        uint64_t *rng = dalloc((size_t)N * 32);
+        int32_t *tok = dalloc((size_t)N * 4);
+        fill(lg, KERN_F32, (size_t)N * V, -10, 10, 61);
+        fill(rng, KERN_F32, (size_t)N * 8, 0, 1, 62); /* any bits */
+        kern_cuda_sample_args a = {.N = N, .V = V, .logits = lg,
+                                   .params = {.temperature = 0.8f, .top_k = 40, .top_p = 0.95f,
+                                              .min_p = 0.05f, .repeat_penalty = 1.0f},
+                                   .rng = rng, .tokens = tok};
+        printf("| sampling (T 0.8, top-k 40, top-p 0.95, min-p 0.05) | %d rows x %d | %.2f |\n", N,
+               V, time_us(run_sample, &a, reps));
+        a.params.temperature = 0.0f;
+        printf("| greedy | %d rows x %d | %.2f |\n", N, V, time_us(run_sample, &a, reps));
+        CK(cudaFree(lg));
+        CK(cudaFree(rng));
+        CK(cudaFree(tok));
+    }
+    printf("\n");
+}
+
+int main(int argc, char **argv) {
+    int quick = 0, only_decode = 0, only_prefill = 0;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--quick"))
+            quick = 1;
+        else if (!strcmp(argv[i], "--decode"))
+            only_decode = 1;
+        else if (!strcmp(argv[i], "--prefill"))
+            only_prefill = 1;
+        else if (!strcmp(argv[i], "--tiny"))
+            g_tiny = 1;
+        else {
+            fprintf(stderr, "usage: %s [--quick] [--decode | --prefill] [--tiny]\n", argv[0]);
+            return 2;
+        }
+    }
+    kds_err err;
+    memset(&err, 0, sizeof err);
+    if (!kern_cuda_available(&err)) {
+        fprintf(stderr, "kds_cuda_bench: no usable CUDA device: %s\n", err.msg);
+        return 3;
+    }
+    struct cudaDeviceProp prop;
+    int dev = 0, rt = 0, drv = 0;
+    CK(cudaGetDevice(&dev));
+    CK(cudaGetDeviceProperties(&prop, dev));
+    CK(cudaRuntimeGetVersion(&rt));
+    CK(cudaDriverGetVersion(&drv));
+    printf("## kds_cuda_bench%s: %s, %d SMs, sm_%d%d, %.0f GiB, CUDA runtime %d, driver %d\n\n",
+           quick ? " --quick" : "", prop.name, prop.multiProcessorCount, prop.major, prop.minor,
+           prop.totalGlobalMem / 1073741824.0, rt, drv);
+    if (g_tiny) g_busy_floats = 1 << 12;
+    g_busy = dalloc(g_busy_floats * 4);
+    bench_copy();
+    if (!only_prefill) bench_decode(quick);
+    if (!only_decode) bench_prefill(quick);
+    if (!only_decode && !only_prefill) bench_small(quick);
+    CK(cudaFree(g_busy));
+    return 0;
+}
