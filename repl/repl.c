@@ -286,40 +286,6 @@ bool repl__save(repl *r, const sess_turn *turn, uint64_t *snap) {
 /* ------------------------------------------------------------------------ */
 /* Create / free                                                             */
 
-/* Does the model directory say it is a chat model? Hugging Face keeps the
- * template in tokenizer_config.json ("chat_template") or chat_template.jinja;
- * base models (and the bundled default model) have neither, and a base
- * model fed chat markup only writes noise, so they get plain continuation.
- * A directory without tokenizer_config.json gives no hint: the tokenizer's
- * specials decide alone. */
-static bool dir_has_chat_template(const char *dir) {
-    char path[4200];
-    snprintf(path, sizeof path, "%s/chat_template.jinja", dir);
-    FILE *f = fopen(path, "rb");
-    if (f) {
-        fclose(f);
-        return true;
-    }
-    snprintf(path, sizeof path, "%s/tokenizer_config.json", dir);
-    if (!(f = fopen(path, "rb"))) return true;
-    bool found = false;
-    char buf[8192];
-    size_t n, keep = 0;
-    /* a streaming search for the key, so large configs need no parse */
-    while ((n = fread(buf + keep, 1, sizeof buf - 1 - keep, f)) > 0) {
-        buf[keep + n] = '\0';
-        if (strstr(buf, "\"chat_template\"")) {
-            found = true;
-            break;
-        }
-        size_t total = keep + n;
-        keep = total < 16 ? total : 16;
-        memmove(buf, buf + total - keep, keep);
-    }
-    fclose(f);
-    return found;
-}
-
 kds_status repl_create(const repl_params *p, FILE *out, FILE *errf, repl **out_repl, kds_err *e) {
     *out_repl = NULL;
     repl *r = calloc(1, sizeof *r);
@@ -372,7 +338,7 @@ kds_status repl_create(const repl_params *p, FILE *out, FILE *errf, repl **out_r
              realpath(eng_model_dir(r->m), real) ? real : eng_model_dir(r->m));
     r->new_chat =
         eng_chat_supported(r->tok) &&
-        (p->mode == REPL_MODE_CHAT || (p->mode == REPL_MODE_AUTO && dir_has_chat_template(dir)));
+        (p->mode == REPL_MODE_CHAT || (p->mode == REPL_MODE_AUTO && eng_model_chat_format(r->m)));
     r->chat = r->new_chat;
     if (p->mode == REPL_MODE_CHAT && !r->chat) {
         kds_err_set(e, KDS_UNSUPPORTED,
@@ -445,36 +411,12 @@ bool repl_text_append(repl_text *t, const char *p, size_t n) {
  * assistant's opener, or the plain text. Caller owns *ids. */
 bool repl__render(repl *r, const char *text, bool gen_prompt, int32_t **ids, int64_t *n) {
     kds_err e = {0};
-    *ids = NULL;
-    *n = 0;
-    if (r->chat) {
-        eng_chat_msg msgs[2];
-        int k = 0;
-        if (r->system) msgs[k++] = (eng_chat_msg){.role = "system", .content = r->system};
-        msgs[k++] = (eng_chat_msg){.role = "user", .content = text};
-        eng_chat_params cp = eng_chat_default_params();
-        cp.add_generation_prompt = gen_prompt;
-        if (eng_seq_pos(r->s) > 0) cp.default_system = ""; /* only a new conversation gets one */
-        if (eng_chat_render(r->tok, msgs, k, &cp, NULL, 0, n, &e) != KDS_OK) goto fail;
-        if (!(*ids = malloc((size_t)(*n + 1) * sizeof **ids))) goto nomem;
-        if (eng_chat_render(r->tok, msgs, k, &cp, *ids, *n, n, &e) != KDS_OK) goto fail;
-        return true;
+    if (eng_chat_turn(r->tok, r->chat, eng_seq_pos(r->s), r->system, text, strlen(text),
+                      gen_prompt, ids, n, &e) != KDS_OK) {
+        repl__error(r, "cannot render the message: %s", e.msg);
+        return false;
     }
-    size_t len = strlen(text);
-    if (!(*ids = malloc((len + 1) * sizeof **ids))) goto nomem;
-    if (eng_tok_encode_ex(r->tok, text, len, 0, *ids, (int64_t)len, n, &e) != KDS_OK) goto fail;
-    /* a fresh sequence with nothing to continue starts at BOS */
-    if (gen_prompt && *n == 0 && eng_seq_pos(r->s) == 0 && eng_tok_bos(r->tok) >= 0)
-        (*ids)[(*n)++] = eng_tok_bos(r->tok);
     return true;
-nomem:
-    repl__error(r, "out of memory rendering the message");
-    return false;
-fail:
-    free(*ids);
-    *ids = NULL;
-    repl__error(r, "cannot render the message: %s", e.msg);
-    return false;
 }
 
 static bool user_turn(repl *r, const char *text) {
