@@ -1,0 +1,265 @@
+#!/usr/bin/env bash
+# gpu_check.sh - the whole GPU check of the CUDA backend in one run (issue 7):
+# the CUDA tests against the CPU references, the golden KDA files on the GPU
+# and the CPU, a memory/race check, and the kernel benchmarks, with every
+# result written to one output directory.
+#
+#   bash scripts/gpu_check.sh "$OUT"     # on the GPU machine; OUT: where results go
+#   bash scripts/gpu_check.sh --bundle   # on a development machine, beforehand
+#
+# On the GPU machine the binaries come from a prebuilt bundle when there is
+# one (.gpu-bundle/, made by --bundle here and carried along: the device
+# tool's `carry: [".gpu-bundle"]`), because the GPU machine's image has nvcc
+# and CMake but not this project's libraries (Criterion, OpenBLAS, cJSON,
+# ...). Without a bundle it builds from source (needs those libraries).
+#
+# --bundle: configures build-gpu-bundle/ with CUDA for sm_90a only and
+# without -march=native (the GPU host's CPU is unknown), builds
+# kdaserve_tests and kds_cuda_bench, and packs them with the shared
+# libraries they need (glibc and the CUDA driver excepted) and the golden
+# KDA files into .gpu-bundle/bundle.tar.xz (~15 MB; the tree plus carried
+# paths must stay under the tool's 64 MiB).
+#
+# Results (at most 8 files, as the device tool returns): gpu_check.log
+# (everything), nvidia-smi.txt, tests.log, golden_cpu.log, sanitizer.log,
+# bench.md, summary.txt. The last lines printed are the summary.
+# Exit status: 0 all passed; 1 a test or check failed; 2 no GPU here;
+# 3 no binaries (bundle unusable and the build failed).
+# Budget: finishes in well under 8 minutes (each step has a timeout).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+root=$(pwd)
+bundle_dir=${KDS_GPU_BUNDLE:-$root/.gpu-bundle}
+
+find_nvcc() {
+    local c
+    for c in "${CUDACXX:-}" "${CUDA_HOME:+$CUDA_HOME/bin/nvcc}" "$(command -v nvcc 2>/dev/null)" \
+        /usr/local/cuda/bin/nvcc /usr/local/cuda-*/bin/nvcc; do
+        [ -n "$c" ] && [ -x "$c" ] && { echo "$c"; return 0; }
+    done
+    return 1
+}
+
+# ---------------------------------------------------------------------------
+# --bundle: build here, pack for the GPU machine
+# ---------------------------------------------------------------------------
+if [ "${1:-}" = "--bundle" ]; then
+    set -e
+    nvcc=$(find_nvcc) || { echo "gpu_check --bundle: nvcc not found (set CUDA_HOME)" >&2; exit 3; }
+    bdir=$root/build-gpu-bundle
+    echo "gpu_check --bundle: configuring $bdir with $nvcc (sm_90a, no -march=native)"
+    CUDACXX=$nvcc cmake -S . -B "$bdir" -DCMAKE_BUILD_TYPE=Release -DKDS_NATIVE=OFF \
+        -DCMAKE_CUDA_ARCHITECTURES=90a >"$bdir.configure.log" 2>&1 || true
+    grep -q "CUDA kernels ON" "$bdir.configure.log" ||
+        { echo "gpu_check --bundle: CMake did not enable CUDA (see $bdir.configure.log)" >&2; exit 3; }
+    cmake --build "$bdir" -j"${JOBS:-2}" --target kdaserve_tests kds_cuda_bench
+    stage=$bdir/stage
+    rm -rf "$stage"
+    mkdir -p "$stage/bin" "$stage/lib" "$stage/golden"
+    cp "$bdir/kdaserve_tests" "$bdir/kds_cuda_bench" "$stage/bin/"
+    # every shared library but glibc's own, the C++ runtime (any newer one
+    # serves, and the GPU machine's tools need theirs) and the CUDA driver
+    # (the GPU machine's must be used)
+    ldd "$stage/bin/kdaserve_tests" "$stage/bin/kds_cuda_bench" | awk '/=> \//{print $3}' | sort -u |
+        while read -r lib; do
+            case $(basename "$lib") in
+            libc.so.* | libm.so.* | libpthread.so.* | libdl.so.* | librt.so.* | libresolv.so.* | \
+                ld-linux*.so.* | libcuda.so.* | libutil.so.* | libstdc++.so.* | libgcc_s.so.*) ;;
+            *) cp -L "$lib" "$stage/lib/" ;;
+            esac
+        done
+    golden=${KDA_GOLDEN_DIR:-$root/../shared/golden/kda}
+    [ -d "$golden" ] || { echo "gpu_check --bundle: no golden dir $golden" >&2; exit 3; }
+    cp -r "$golden" "$stage/golden/kda"
+    glibc_need=$(objdump -T "$stage"/bin/* "$stage"/lib/* 2>/dev/null |
+        grep -o 'GLIBC_2\.[0-9]*' | sort -t. -k2 -n -u | tail -1)
+    {
+        echo "commit $(git rev-parse HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD -- kernels tests CMakeLists.txt 2>/dev/null || echo ' (+ uncommitted changes)')"
+        echo "built $(date -u '+%Y-%m-%d %H:%M UTC') on $(uname -n), $(. /etc/os-release; echo "$PRETTY_NAME")"
+        echo "nvcc $("$nvcc" --version | grep -o 'release [0-9.]*')"
+        echo "needs $glibc_need"
+    } >"$stage/MANIFEST"
+    mkdir -p "$bundle_dir"
+    rm -f "$bundle_dir/bundle.tar.xz"
+    tar -C "$stage" -cJf "$bundle_dir/bundle.tar.xz" .
+    cp "$stage/MANIFEST" "$bundle_dir/MANIFEST"
+    echo "gpu_check --bundle: $(du -h "$bundle_dir/bundle.tar.xz" | cut -f1) in $bundle_dir"
+    cat "$bundle_dir/MANIFEST"
+    echo "On the GPU machine: bash scripts/gpu_check.sh \"\$OUT\"   (carry: [\".gpu-bundle\"])"
+    exit 0
+fi
+
+# ---------------------------------------------------------------------------
+# the check
+# ---------------------------------------------------------------------------
+out=${1:-${OUT:-$root/build-gpu-check/out}}
+mkdir -p "$out" || { echo "gpu_check: cannot create $out" >&2; exit 3; }
+exec > >(tee "$out/gpu_check.log") 2>&1
+t0=$SECONDS
+say() { printf '[gpu_check %3ds] %s\n' $((SECONDS - t0)) "$*"; }
+summary=()
+note() { summary+=("$*"); say "$*"; }
+failed=0
+finish() {
+    {
+        echo "gpu_check summary ($((SECONDS - t0)) s, $(date -u '+%Y-%m-%d %H:%M UTC'))"
+        printf '  %s\n' "${summary[@]}"
+    } >"$out/summary.txt"
+    echo
+    cat "$out/summary.txt"
+    [ -f "$out/bench.md" ] && { echo; grep -E '^\||^Device|^##' "$out/bench.md" | head -60; }
+    sleep 0.2 # let tee flush
+    exit "$1"
+}
+
+say "output in $out"
+if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1 ||
+    [ -z "$(nvidia-smi -L 2>/dev/null)" ]; then
+    if [ -z "${KDS_GPU_CHECK_FORCE:-}" ]; then
+        note "NO GPU: nvidia-smi is missing or lists no device, so there is nothing to check on this machine. Run it on the GPU machine: bash scripts/gpu_check.sh \"\$OUT\" (with .gpu-bundle carried)."
+        finish 2
+    fi
+    note "no GPU, but KDS_GPU_CHECK_FORCE is set: running the steps anyway (GPU tests skip)"
+else
+    nvidia-smi >"$out/nvidia-smi.txt" 2>&1
+    say "$(nvidia-smi -L | head -1)"
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv 2>/dev/null | sed 's/^/  /'
+fi
+
+# Our programs run with BIN_LD as their library path (never exported: the
+# bundle's libraries must not replace those of grep, tar, python3 ...): the
+# bundle's libraries, then the driver's wherever the image keeps it.
+BIN_LD=${LD_LIBRARY_PATH:-}
+for d in /usr/local/nvidia/lib64 /usr/local/nvidia/lib; do
+    [ -d "$d" ] && ls "$d"/libcuda.so* >/dev/null 2>&1 && BIN_LD="${BIN_LD:+$BIN_LD:}$d"
+done
+run_bin() { env LD_LIBRARY_PATH="$BIN_LD" "$@"; }
+
+# ---- binaries: the bundle, else a build here ---------------------------------
+BIN=
+if [ -f "$bundle_dir/bundle.tar.xz" ]; then
+    ub=${TMPDIR:-/tmp}/kds-gpu-bundle
+    rm -rf "$ub" && mkdir -p "$ub"
+    if tar -C "$ub" -xJf "$bundle_dir/bundle.tar.xz" 2>/dev/null ||
+        python3 -c "import tarfile,sys; tarfile.open(sys.argv[1]).extractall(sys.argv[2])" \
+            "$bundle_dir/bundle.tar.xz" "$ub"; then
+        say "bundle: $(tr '\n' ';' <"$ub/MANIFEST")"
+        here=$(git rev-parse HEAD 2>/dev/null || true)
+        if [ -n "$here" ] && ! grep -q "commit $here" "$ub/MANIFEST"; then
+            say "WARNING: the bundle was built from another commit than this tree's ($here)"
+        fi
+        BIN_LD="$ub/lib${BIN_LD:+:$BIN_LD}"
+        if LD_BIND_NOW=1 run_bin "$ub/bin/kds_cuda_bench" --bad-option >/dev/null 2>&1; [ $? -eq 2 ]; then
+            BIN=$ub/bin
+            export KDA_GOLDEN_DIR=${KDA_GOLDEN_DIR:-$ub/golden/kda}
+            note "binaries: prebuilt bundle ($(grep -o 'commit [0-9a-f]\{12\}' "$ub/MANIFEST"))"
+        else
+            say "the bundle's programs do not load here:"
+            LD_BIND_NOW=1 run_bin "$ub/bin/kds_cuda_bench" --bad-option 2>&1 | head -5
+            run_bin ldd "$ub/bin/kdaserve_tests" | grep -i "not found" | head
+            BIN_LD=${BIN_LD#"$ub/lib"}
+            BIN_LD=${BIN_LD#:}
+            say "($(ldd --version 2>&1 | head -1); the bundle $(grep needs "$ub/MANIFEST"))"
+        fi
+    else
+        say "cannot unpack $bundle_dir/bundle.tar.xz"
+    fi
+fi
+if [ -z "$BIN" ]; then
+    nvcc=$(find_nvcc) || { note "FAIL: no usable bundle and no nvcc to build with"; finish 3; }
+    bdir=$root/build-gpu
+    say "building in $bdir with $nvcc (sm_90a)"
+    if CUDACXX=$nvcc timeout 300 cmake -S . -B "$bdir" -DCMAKE_BUILD_TYPE=Release \
+        -DCMAKE_CUDA_ARCHITECTURES=90a >"$out/build.txt" 2>&1 &&
+        timeout 300 cmake --build "$bdir" -j"$(nproc)" --target kdaserve_tests kds_cuda_bench \
+            >>"$out/build.txt" 2>&1; then
+        BIN=$bdir
+        note "binaries: built here ($((SECONDS - t0)) s)"
+    else
+        tail -25 "$out/build.txt"
+        note "FAIL: no bundle and the build failed (missing libraries? see above). On a development machine: bash scripts/gpu_check.sh --bundle, then carry .gpu-bundle"
+        finish 3
+    fi
+fi
+if [ -z "${KDA_GOLDEN_DIR:-}" ]; then
+    for d in "$root/shared/golden/kda" "$root/../shared/golden/kda"; do
+        [ -d "$d" ] && { export KDA_GOLDEN_DIR=$d; break; }
+    done
+fi
+say "golden KDA files: ${KDA_GOLDEN_DIR:-none found (the golden tests will fail)}"
+
+# ---- tests -----------------------------------------------------------------------
+run_suite() { # name, filter, timeout, log
+    local name=$1 filter=$2 limit=$3 log=$4 rc
+    say "tests: $name ($filter)"
+    timeout "$limit" env LD_LIBRARY_PATH="$BIN_LD" "$BIN/kdaserve_tests" --filter "$filter" \
+        --jobs 4 --verbose >>"$log" 2>&1
+    rc=$?
+    local synth worst
+    synth=$(grep 'Synthesis' "$log" | tail -1 | sed 's/.*Synthesis: //')
+    # the largest error ratio the suite measured (all of them are in the log)
+    worst=$(grep -E '^cuda check|^kda golden' "$log" | grep -o 'max|ref| = [0-9.e+-]*' |
+        awk '{print $3}' | sort -g | tail -1)
+    [ -n "$worst" ] && say "  largest max err / max|ref| measured: $worst"
+    if [ $rc -eq 0 ]; then
+        note "PASS $name: $synth"
+    else
+        failed=1
+        grep -E 'FAIL|CRASH|Assertion|Warning!' "$log" | head -20
+        note "FAIL $name (exit $rc${synth:+; $synth})"
+    fi
+}
+: >"$out/tests.log"
+: >"$out/golden_cpu.log"
+run_suite "CUDA kernels vs CPU references and golden files" 'cuda_*/*' 200 "$out/tests.log"
+run_suite "CPU golden KDA" 'kda_golden/*' 60 "$out/golden_cpu.log"
+
+# ---- memory and race checks on small cases ----------------------------------------
+: >"$out/sanitizer.log"
+if command -v compute-sanitizer >/dev/null 2>&1 && [ -z "${KDS_GPU_CHECK_FORCE:-}" ]; then
+    san_fail=0
+    san_end=$((SECONDS + 120)) # all sanitizer runs together
+    for spec in "memcheck cuda_prefill/small_heads" "memcheck cuda_prefill/gva_k64_v32" \
+        "memcheck cuda_ops/moe_route_grouped_with_ties" "memcheck cuda_ops/sample_top_p_min_p_penalty" \
+        "memcheck cuda_kda/decode_gva_k64_lower_bound" "racecheck cuda_ops/sample_temperature_top_k" \
+        "racecheck cuda_prefill/small_heads"; do
+        set -- $spec
+        lim=$((san_end - SECONDS))
+        [ $lim -gt 45 ] && lim=45
+        [ $lim -lt 10 ] && { say "compute-sanitizer: out of time, $1 $2 not run"; continue; }
+        say "compute-sanitizer --tool $1: $2"
+        timeout $lim env LD_LIBRARY_PATH="$BIN_LD" compute-sanitizer --tool "$1" \
+            --target-processes all --error-exitcode 9 "$BIN/kdaserve_tests" --filter "$2" -j1 >>"$out/sanitizer.log" 2>&1
+        rc=$?
+        if [ $rc -eq 124 ]; then say "  timed out after $lim s (not counted as a failure)"; elif [ $rc -ne 0 ]; then
+            san_fail=1
+            say "  exit $rc"
+        fi
+    done
+    grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitizer.log" | sort | uniq -c | sed 's/^/    /'
+    if [ $san_fail -eq 0 ]; then note "PASS compute-sanitizer (memcheck, racecheck)"; else
+        failed=1
+        note "FAIL compute-sanitizer: see sanitizer.log"
+    fi
+else
+    note "compute-sanitizer: not run (not found${KDS_GPU_CHECK_FORCE:+, or no GPU})"
+fi
+
+# ---- benchmarks ----------------------------------------------------------------------
+left=$((450 - (SECONDS - t0)))
+if [ $left -lt 60 ]; then
+    note "bench: skipped, only $left s left of the budget"
+else
+    mode=
+    [ $left -lt 200 ] && mode=--quick
+    say "bench: $BIN/kds_cuda_bench $mode (limit $left s)"
+    timeout "$left" env LD_LIBRARY_PATH="$BIN_LD" "$BIN/kds_cuda_bench" $mode >"$out/bench.md"
+    rc=$?
+    if [ $rc -eq 0 ]; then note "bench: done (bench.md)"; elif [ $rc -eq 3 ]; then
+        note "bench: no usable CUDA device"
+    else
+        failed=1
+        note "FAIL bench: exit $rc (partial results in bench.md)"
+    fi
+fi
+finish $failed
