@@ -270,8 +270,14 @@ size_t kern_matmul_scratch_floats(int in) { return (size_t)128 * (size_t)in; }
  * grows. Measured on the dev machine (Zen 4, one thread, bf16): whole
  * hidden-256 models (batched decode and prefill chunks) ran as fast or
  * faster on the direct path up to 64 tokens; single 48B-width products
- * (2304 x 9216, 16384 x 2304) favour sgemm from about 32-48 tokens. */
+ * (2304 x 9216, 16384 x 2304) favour sgemm from about 32-48 tokens.
+ * Without AVX-512 the direct path is dot_row, which streams W once per four
+ * tokens, so there BLAS takes over at 8 as before. */
+#if KERN_AVX512
 #define MATMUL_BLAS_MIN_T 32
+#else
+#define MATMUL_BLAS_MIN_T 8
+#endif
 
 void kern_matmul(kern_dtype dt, const void *W, int in, const float *x, int T, float *y, int ldy,
                  int r0, int r1, float *scratch) {
