@@ -8,7 +8,8 @@
  *   ... node against s.url ...
  *   cr_expect_eq(ts_stop(&s), 0, "exit status");       // SIGTERM, wait
  *
- * ts_start picks a free loopback port, runs KDS_BINARY_DIR/kdaserve serve
+ * ts_start picks a free loopback port (another one if it was taken before
+ * the server bound it), runs KDS_BINARY_DIR/kdaserve serve
  * --listen 127.0.0.1:PORT followed by `args`, with stdout and stderr
  * appended to a log file (s.log, in /tmp unless log_path is set), and waits
  * until the port accepts connections (60 s) or the server exits. Nothing
@@ -110,7 +111,7 @@ static inline int ts_decode_status(int st) {
  * may be NULL). log_path: where its output goes (NULL: /tmp/kds_serve_<port>.log).
  * True once the port accepts connections; false (log_tail filled, nothing left
  * running) when it exited first or did not listen within 60 s. */
-static inline bool ts_start_log(ts_server *s, const char *const *args, const char *log_path) {
+static inline bool ts_start_once(ts_server *s, const char *const *args, const char *log_path) {
     memset(s, 0, sizeof *s);
     s->status = -1;
     s->port = ts_free_port();
@@ -186,6 +187,15 @@ static inline bool ts_start_log(ts_server *s, const char *const *args, const cha
     snprintf(s->log_tail + l, sizeof s->log_tail - l, "\n[not listening on %d after %d s; killed]",
              s->port, TS_START_TIMEOUT_S);
     return false;
+}
+
+/* ts_start_once, again on another port when the one picked was taken in
+ * between (the server then says "cannot listen" and exits). */
+static inline bool ts_start_log(ts_server *s, const char *const *args, const char *log_path) {
+    for (int attempt = 0;; attempt++) {
+        if (ts_start_once(s, args, log_path)) return true;
+        if (attempt == 4 || s->pid != 0 || !strstr(s->log_tail, "cannot listen")) return false;
+    }
 }
 
 static inline bool ts_start(ts_server *s, const char *const *args) {
