@@ -208,7 +208,10 @@ size_t kern_cuda_kda_decode_bytes(const kern_cuda_kda_decode_args *a);
  *
  * Numerics: fp32 arithmetic (CUDA cores), cumulative log-decays in double,
  * every exponent <= 0 (see kda_prefill.cuh); agrees with kern_kda_chunked
- * to ~1e-6 of the largest magnitude.
+ * to ~1e-6 of the largest magnitude. tensor_cores = true runs the
+ * sequential state pass's products on tensor cores (bf16 operands split in
+ * hi + lo, three products each, fp32 accumulation: ~1e-5 of the largest
+ * magnitude); K must then be a multiple of 16.
  *
  * Errors (checked before launching; nothing is touched): KDS_INVALID_ARG
  * (NULL pointer, bad shape, dtype, misalignment, workspace below one
@@ -226,6 +229,7 @@ typedef struct kern_cuda_kda_prefill_args {
     float *o;
     void *workspace;
     size_t workspace_bytes;
+    bool tensor_cores; /* state pass on tensor cores (bf16 x 3 split); default false */
 } kern_cuda_kda_prefill_args;
 
 kds_status kern_cuda_kda_prefill(const kern_cuda_kda_prefill_args *a, void *stream, kds_err *err);

@@ -10,6 +10,8 @@
  *   prefill      kern_cuda_kda_prefill on the golden q, k, g, beta -> o, hT
  *   prefill raw  the same from q_raw, k_raw, g_raw, beta_raw (L2 norm, gate,
  *                sigmoid in the kernel)
+ *   prefill tc   raw, with the state pass on tensor cores (bf16 hi + lo
+ *                products), held to 1e-4 instead of 1e-5
  *   decode       kern_cuda_kda_decode one token at a time from the raw
  *                inputs (files whose K, V the decode kernel compiles)
  *   split        prefill raw over the first 2T/3 tokens, decode the rest
@@ -26,6 +28,7 @@
 #include "test_cuda_util.h"
 
 #define REL_TOL 1e-5
+#define REL_TOL_TC 1e-4
 #define MAX_FILES 256
 
 static const char *golden_dir(void) {
@@ -162,7 +165,7 @@ static void gdev_reset(const golden *gd, gdev *x) {
 }
 
 /* Prefill tokens [t0, t0 + n), raw or pre-processed inputs. */
-static void gpu_prefill(const golden *gd, gdev *x, bool raw, int t0, int n) {
+static void gpu_prefill(const golden *gd, gdev *x, bool raw, bool tc, int t0, int n) {
     const kern_kda_shape sh = {gd->H, gd->HV, gd->K, gd->V, gd->scale};
     const size_t HK = (size_t)gd->H * gd->K, HVK = (size_t)gd->HV * gd->K;
     const size_t HVV = (size_t)gd->HV * gd->V;
@@ -173,6 +176,7 @@ static void gpu_prefill(const golden *gd, gdev *x, bool raw, int t0, int n) {
         .beta = (raw ? x->beta_raw : x->beta) + (size_t)t0 * gd->HV,
         .A_log = x->A_log, .dt_bias = x->dt_bias, .lower_bound = 0.0f,
         .state = x->state, .o = x->o + t0 * HVV, .workspace = x->ws, .workspace_bytes = x->ws_bytes,
+        .tensor_cores = tc,
     };
     kds_err err;
     kds_err_clear(&err);
@@ -205,18 +209,22 @@ static bool decode_supports(const golden *gd) {
     return (gd->K == 64 || gd->K == 128) && gd->V % 32 == 0;
 }
 
-static void check(const golden *gd, gdev *x, const char *path) {
+static void check_tol(const golden *gd, gdev *x, const char *path, double tol) {
     tcu_sync();
     float *o = tcu_malloc((x->nv ? x->nv : 1) * 4), *s = tcu_malloc(x->ns * 4);
     tcu_d2h(o, x->o, x->nv * 4);
     tcu_d2h(s, x->state, x->ns * 4);
     char what[160];
     snprintf(what, sizeof what, "golden %s %s o", gd->name, path);
-    tcu_assert_close(o, gd->o, x->nv, REL_TOL, what);
+    tcu_assert_close(o, gd->o, x->nv, tol, what);
     snprintf(what, sizeof what, "golden %s %s hT", gd->name, path);
-    tcu_assert_close(s, gd->hT, x->ns, REL_TOL, what);
+    tcu_assert_close(s, gd->hT, x->ns, tol, what);
     free(o);
     free(s);
+}
+
+static void check(const golden *gd, gdev *x, const char *path) {
+    check_tol(gd, x, path, REL_TOL);
 }
 
 static void for_each_golden(void (*fn)(const golden *gd, gdev *x)) {
@@ -237,14 +245,25 @@ static void for_each_golden(void (*fn)(const golden *gd, gdev *x)) {
 
 static void prefill_one(const golden *gd, gdev *x) {
     gdev_reset(gd, x);
-    gpu_prefill(gd, x, false, 0, gd->T);
+    gpu_prefill(gd, x, false, false, 0, gd->T);
     check(gd, x, "prefill");
 }
 
 static void prefill_raw_one(const golden *gd, gdev *x) {
     gdev_reset(gd, x);
-    gpu_prefill(gd, x, true, 0, gd->T);
+    gpu_prefill(gd, x, true, false, 0, gd->T);
     check(gd, x, "prefill raw");
+}
+
+static void prefill_tc_one(const golden *gd, gdev *x) {
+    if (gd->K % 16 != 0) {
+        printf("cuda check golden %s prefill tc: skipped (K=%d is not a multiple of 16)\n",
+               gd->name, gd->K);
+        return;
+    }
+    gdev_reset(gd, x);
+    gpu_prefill(gd, x, true, true, 0, gd->T);
+    check_tol(gd, x, "prefill tc", REL_TOL_TC);
 }
 
 static void decode_one(const golden *gd, gdev *x) {
@@ -269,7 +288,7 @@ static void split_one(const golden *gd, gdev *x) {
     tcu_h2d(d_slot, &zero, sizeof zero);
     const int p = 2 * gd->T / 3;
     gdev_reset(gd, x);
-    gpu_prefill(gd, x, true, 0, p);
+    gpu_prefill(gd, x, true, false, 0, p);
     gpu_decode(gd, x, d_slot, p, gd->T - p);
     check(gd, x, "prefill+decode");
     kern_cuda_free(d_slot);
@@ -283,6 +302,11 @@ Test(cuda_golden, prefill) {
 Test(cuda_golden, prefill_from_raw_inputs) {
     tcu_require_device();
     for_each_golden(prefill_raw_one);
+}
+
+Test(cuda_golden, prefill_tensor_cores) {
+    tcu_require_device();
+    for_each_golden(prefill_tc_one);
 }
 
 Test(cuda_golden, decode_token_by_token) {

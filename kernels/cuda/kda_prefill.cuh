@@ -300,15 +300,19 @@ __global__ void __launch_bounds__(kIntraThreads) prefill_intra_kernel(const pref
         float *x = col < K ? sK + col : sV + (col - K);
         const int ld = col < K ? KP : VP;
         for (int r = 1; r < L; r++) {
+            /* four independent partial sums: the chain of dependent FMAs,
+             * not their number, bounds this loop */
             const float *a = sA + r * CP;
-            float s0 = 0.0f, s1 = 0.0f;
+            float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
             int j = 0;
-            for (; j + 1 < r; j += 2) {
+            for (; j + 3 < r; j += 4) {
                 s0 = fmaf(a[j], x[j * ld], s0);
                 s1 = fmaf(a[j + 1], x[(j + 1) * ld], s1);
+                s2 = fmaf(a[j + 2], x[(j + 2) * ld], s2);
+                s3 = fmaf(a[j + 3], x[(j + 3) * ld], s3);
             }
-            if (j < r) s0 = fmaf(a[j], x[j * ld], s0);
-            x[r * ld] -= s0 + s1;
+            for (; j < r; j++) s0 = fmaf(a[j], x[j * ld], s0);
+            x[r * ld] -= (s0 + s1) + (s2 + s3);
         }
     }
     __syncthreads();
@@ -438,6 +442,217 @@ __global__ void __launch_bounds__(kStateThreads) prefill_state_kernel(const pref
 
     if (col_ok)
         for (int d = warp; d < K; d += NW) state[(size_t)d * V + col] = sS[d * BV + lane];
+}
+
+/* ---- state pass on tensor cores ------------------------------------------------ */
+
+/*
+ * The state pass with its four products on tensor cores (WMMA 16x16x16,
+ * bf16 operands, fp32 accumulation), each operand split as x = hi + lo with
+ * hi = bf16(x), lo = bf16(x - hi), and each product formed as
+ * hi*hi + hi*lo + lo*hi: about 16 bits of mantissa per operand, so the
+ * result stays within ~1e-5 of the fp32 one (the lo*lo term and the
+ * residuals are below 2^-16 relative). Same grid and results as
+ * prefill_state_kernel; K a multiple of 16.
+ *
+ * Warp w (8 warps) owns output tile (rows 16 (w / 2), columns 16 (w % 2)) of
+ * nu [C, 32] and O [C, 32], and the state tiles w, w + 8, ... of the
+ * K/16 x 2 tiles of S [K, 32]. Shared arrays are padded (bf16 rows by 8,
+ * fp32 rows by 4) so that a tile's 16 rows fall in different banks.
+ */
+struct state_tc_smem {
+    size_t wh, wl, qh, ql, kh, kl, ah, al, sh, sl, nh, nl; /* bf16 arrays */
+    size_t u, s, nu, o, eg;                                /* fp32 arrays */
+    size_t total_bytes;
+    int ldk, ldc, ldv, ldf; /* leading dims: [*, K], [*, C], bf16 [*, 32], fp32 [*, 32] */
+};
+__host__ __device__ inline state_tc_smem state_tc_smem_layout(int K) {
+    const size_t C = kChunk;
+    state_tc_smem s;
+    s.ldk = K + 8;
+    s.ldc = kChunk + 8;
+    s.ldv = kStateBV + 8;
+    s.ldf = kStateBV + 4;
+    size_t off = 0;
+    /* every array starts on 128 bytes (WMMA needs 32-byte aligned tiles) */
+#define KDS_TC_ALLOC(field, bytes)                                                             \
+    s.field = off;                                                                             \
+    off = (off + (size_t)(bytes) + 127) & ~(size_t)127
+    KDS_TC_ALLOC(wh, C * s.ldk * 2);
+    KDS_TC_ALLOC(wl, C * s.ldk * 2);
+    KDS_TC_ALLOC(qh, C * s.ldk * 2);
+    KDS_TC_ALLOC(ql, C * s.ldk * 2);
+    KDS_TC_ALLOC(kh, C * s.ldk * 2);
+    KDS_TC_ALLOC(kl, C * s.ldk * 2);
+    KDS_TC_ALLOC(ah, C * s.ldc * 2);
+    KDS_TC_ALLOC(al, C * s.ldc * 2);
+    KDS_TC_ALLOC(sh, (size_t)K * s.ldv * 2);
+    KDS_TC_ALLOC(sl, (size_t)K * s.ldv * 2);
+    KDS_TC_ALLOC(nh, C * s.ldv * 2);
+    KDS_TC_ALLOC(nl, C * s.ldv * 2);
+    KDS_TC_ALLOC(u, C * s.ldf * 4);
+    KDS_TC_ALLOC(s, (size_t)K * s.ldf * 4);
+    KDS_TC_ALLOC(nu, C * s.ldf * 4);
+    KDS_TC_ALLOC(o, C * s.ldf * 4);
+    KDS_TC_ALLOC(eg, (size_t)K * 4);
+#undef KDS_TC_ALLOC
+    s.total_bytes = off;
+    return s;
+}
+
+/* x = hi + lo, both bf16 */
+__device__ __forceinline__ void split_bf16(float x, __nv_bfloat16 *hi, __nv_bfloat16 *lo) {
+    const __nv_bfloat16 h = __float2bfloat16_rn(x);
+    *hi = h;
+    *lo = __float2bfloat16_rn(x - __bfloat162float(h));
+}
+
+template <int K>
+__global__ void __launch_bounds__(kStateThreads) prefill_state_tc_kernel(const prefill_params p) {
+    namespace wm = nvcuda::wmma;
+    typedef __nv_bfloat16 bf;
+    typedef wm::fragment<wm::matrix_a, 16, 16, 16, bf, wm::row_major> frag_a;
+    typedef wm::fragment<wm::matrix_a, 16, 16, 16, bf, wm::col_major> frag_at;
+    typedef wm::fragment<wm::matrix_b, 16, 16, 16, bf, wm::row_major> frag_b;
+    typedef wm::fragment<wm::accumulator, 16, 16, 16, float> frag_c;
+    KDS_DYN_SMEM(smem);
+    constexpr int C = kChunk, BV = kStateBV, NT = kStateThreads, NW = NT / 32;
+    static_assert(K % 16 == 0 && BV == 32 && C == 64 && NW == 8, "tensor-core state pass shape");
+    const int V = p.V, HV = p.HV;
+    const int vt = blockIdx.x, hv = blockIdx.y;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const state_tc_smem lay = state_tc_smem_layout(K);
+    const int ldk = lay.ldk, ldc = lay.ldc, ldv = lay.ldv, ldf = lay.ldf;
+    bf *sWh = reinterpret_cast<bf *>(smem + lay.wh), *sWl = reinterpret_cast<bf *>(smem + lay.wl);
+    bf *sQh = reinterpret_cast<bf *>(smem + lay.qh), *sQl = reinterpret_cast<bf *>(smem + lay.ql);
+    bf *sKh = reinterpret_cast<bf *>(smem + lay.kh), *sKl = reinterpret_cast<bf *>(smem + lay.kl);
+    bf *sAh = reinterpret_cast<bf *>(smem + lay.ah), *sAl = reinterpret_cast<bf *>(smem + lay.al);
+    bf *sSh = reinterpret_cast<bf *>(smem + lay.sh), *sSl = reinterpret_cast<bf *>(smem + lay.sl);
+    bf *sNh = reinterpret_cast<bf *>(smem + lay.nh), *sNl = reinterpret_cast<bf *>(smem + lay.nl);
+    float *sU = reinterpret_cast<float *>(smem + lay.u), *sS = reinterpret_cast<float *>(smem + lay.s);
+    float *sNu = reinterpret_cast<float *>(smem + lay.nu), *sO = reinterpret_cast<float *>(smem + lay.o);
+    float *sEg = reinterpret_cast<float *>(smem + lay.eg);
+    const ws_layout wl = prefill_ws_layout(K, V);
+    float *state = p.state + (size_t)hv * K * V;
+
+    for (int i = tid; i < K * BV; i += NT) {
+        const int d = i / BV, c = i - d * BV, col = vt * BV + c;
+        sS[d * ldf + c] = col < V ? state[(size_t)d * V + col] : 0.0f;
+    }
+    const int rt = warp >> 1, ct = warp & 1; /* this warp's nu / O tile */
+
+    for (int ci = 0; ci < p.n_chunks; ci++) {
+        const float *ws = p.ws + ((size_t)ci * HV + hv) * p.ws_stride;
+        const int t0 = (p.c0 + ci) * C;
+        const int L = p.T - t0 < C ? p.T - t0 : C;
+        /* the chunk's blocks, split into bf16 hi + lo */
+        for (int i = tid; i < C * K; i += NT) {
+            const int r = i / K, d = i - r * K, o = r * ldk + d;
+            split_bf16(ws[wl.w + i], &sWh[o], &sWl[o]);
+            split_bf16(ws[wl.qt + i], &sQh[o], &sQl[o]);
+            split_bf16(ws[wl.kb + i], &sKh[o], &sKl[o]);
+        }
+        for (int i = tid; i < C * C; i += NT) {
+            const int r = i / C, j = i - r * C;
+            split_bf16(ws[wl.aqk + i], &sAh[r * ldc + j], &sAl[r * ldc + j]);
+        }
+        for (int i = tid; i < C * BV; i += NT) {
+            const int r = i / BV, c = i - r * BV, col = vt * BV + c;
+            sU[r * ldf + c] = col < V ? ws[wl.u + (size_t)r * V + col] : 0.0f;
+        }
+        for (int d = tid; d < K; d += NT) sEg[d] = ws[wl.eg + d];
+        __syncthreads(); /* sEg, and the previous chunk's state tiles */
+        /* the state entering the chunk, split; then S <- diag(eG) S in place
+         * (the accumulator start of the update) */
+        for (int i = tid; i < K * BV; i += NT) {
+            const int d = i / BV, c = i - d * BV;
+            const float x = sS[d * ldf + c];
+            split_bf16(x, &sSh[d * ldv + c], &sSl[d * ldv + c]);
+            sS[d * ldf + c] = sEg[d] * x;
+        }
+        __syncthreads();
+
+        /* nu' = W S and O' = Qt S for this warp's tile */
+        frag_c acc_nu, acc_o;
+        wm::fill_fragment(acc_nu, 0.0f);
+        wm::fill_fragment(acc_o, 0.0f);
+#pragma unroll 2
+        for (int kk = 0; kk < K; kk += 16) {
+            frag_a ah, al;
+            frag_b bh, bl;
+            wm::load_matrix_sync(bh, sSh + kk * ldv + 16 * ct, ldv);
+            wm::load_matrix_sync(bl, sSl + kk * ldv + 16 * ct, ldv);
+            wm::load_matrix_sync(ah, sWh + 16 * rt * ldk + kk, ldk);
+            wm::load_matrix_sync(al, sWl + 16 * rt * ldk + kk, ldk);
+            wm::mma_sync(acc_nu, ah, bh, acc_nu);
+            wm::mma_sync(acc_nu, ah, bl, acc_nu);
+            wm::mma_sync(acc_nu, al, bh, acc_nu);
+            wm::load_matrix_sync(ah, sQh + 16 * rt * ldk + kk, ldk);
+            wm::load_matrix_sync(al, sQl + 16 * rt * ldk + kk, ldk);
+            wm::mma_sync(acc_o, ah, bh, acc_o);
+            wm::mma_sync(acc_o, ah, bl, acc_o);
+            wm::mma_sync(acc_o, al, bh, acc_o);
+        }
+        /* nu = U - nu', split for the next products */
+        float *nu_t = sNu + 16 * rt * ldf + 16 * ct;
+        wm::store_matrix_sync(nu_t, acc_nu, ldf, wm::mem_row_major);
+        __syncwarp();
+        for (int e = lane; e < 256; e += 32) {
+            const int r = 16 * rt + e / 16, c = 16 * ct + e % 16;
+            const float n = sU[r * ldf + c] - sNu[r * ldf + c];
+            sNu[r * ldf + c] = n;
+            split_bf16(n, &sNh[r * ldv + c], &sNl[r * ldv + c]);
+        }
+        __syncthreads(); /* all of nu */
+
+        /* O = O' + A_qk nu (A_qk's blocks above the diagonal are 0) */
+        for (int jb = 0; jb <= rt; jb++) {
+            frag_a ah, al;
+            frag_b bh, bl;
+            wm::load_matrix_sync(ah, sAh + 16 * rt * ldc + 16 * jb, ldc);
+            wm::load_matrix_sync(al, sAl + 16 * rt * ldc + 16 * jb, ldc);
+            wm::load_matrix_sync(bh, sNh + 16 * jb * ldv + 16 * ct, ldv);
+            wm::load_matrix_sync(bl, sNl + 16 * jb * ldv + 16 * ct, ldv);
+            wm::mma_sync(acc_o, ah, bh, acc_o);
+            wm::mma_sync(acc_o, ah, bl, acc_o);
+            wm::mma_sync(acc_o, al, bh, acc_o);
+        }
+        float *o_t = sO + 16 * rt * ldf + 16 * ct;
+        wm::store_matrix_sync(o_t, acc_o, ldf, wm::mem_row_major);
+        __syncwarp();
+        for (int e = lane; e < 256; e += 32) {
+            const int r = 16 * rt + e / 16, c = 16 * ct + e % 16, col = vt * BV + c;
+            if (r < L && col < V) p.o[((size_t)(t0 + r) * HV + hv) * V + col] = sO[r * ldf + c];
+        }
+
+        /* S = diag(eG) S + Kb^T nu, tile by tile */
+        for (int tile = warp; tile < (K / 16) * 2; tile += NW) {
+            const int dt = tile >> 1, sc = tile & 1;
+            float *s_t = sS + 16 * dt * ldf + 16 * sc;
+            frag_c acc;
+            wm::load_matrix_sync(acc, s_t, ldf, wm::mem_row_major);
+#pragma unroll
+            for (int jb = 0; jb < C; jb += 16) {
+                frag_at ah, al;
+                frag_b bh, bl;
+                /* Kb^T [K, C]: element (d, r) is Kb[r][d], a column-major view */
+                wm::load_matrix_sync(ah, sKh + jb * ldk + 16 * dt, ldk);
+                wm::load_matrix_sync(al, sKl + jb * ldk + 16 * dt, ldk);
+                wm::load_matrix_sync(bh, sNh + jb * ldv + 16 * sc, ldv);
+                wm::load_matrix_sync(bl, sNl + jb * ldv + 16 * sc, ldv);
+                wm::mma_sync(acc, ah, bh, acc);
+                wm::mma_sync(acc, ah, bl, acc);
+                wm::mma_sync(acc, al, bh, acc);
+            }
+            wm::store_matrix_sync(s_t, acc, ldf, wm::mem_row_major);
+        }
+        __syncthreads(); /* before the next chunk overwrites the blocks */
+    }
+
+    for (int i = tid; i < K * BV; i += NT) {
+        const int d = i / BV, c = i - d * BV, col = vt * BV + c;
+        if (col < V) state[(size_t)d * V + col] = sS[d * ldf + c];
+    }
 }
 
 } /* namespace kda */

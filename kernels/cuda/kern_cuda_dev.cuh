@@ -6,6 +6,10 @@
 #define KERN_CUDA_DEV_CUH
 
 #include <cuda_runtime.h> /* (or the emulation's, which defines KDS_EMU) */
+#ifndef KDS_EMU
+#include <cuda_bf16.h>
+#include <mma.h>
+#endif
 
 /* Dynamic shared memory of a kernel as `unsigned char name[]`, 16-byte
  * aligned. The emulation has no `extern __shared__`, hence the macro. */

@@ -40,7 +40,24 @@ static cudaError_t launch_state(const kda::prefill_params &p, cudaStream_t st) {
     return cudaGetLastError();
 }
 
-static cudaError_t launch_state_k(const kda::prefill_params &p, cudaStream_t st) {
+template <int K>
+static cudaError_t launch_state_tc(const kda::prefill_params &p, cudaStream_t st) {
+    const size_t smem = kda::state_tc_smem_layout(K).total_bytes;
+    cudaError_t e = cudaFuncSetAttribute(kda::prefill_state_tc_kernel<K>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e != cudaSuccess) return e;
+    dim3 grid((unsigned)((p.V + kda::kStateBV - 1) / kda::kStateBV), (unsigned)p.HV);
+    kda::prefill_state_tc_kernel<K><<<grid, kda::kStateThreads, smem, st>>>(p);
+    return cudaGetLastError();
+}
+
+static cudaError_t launch_state_k(const kda::prefill_params &p, bool tc, cudaStream_t st) {
+    if (tc) switch (p.K) { /* K % 16 == 0, checked */
+        case 16: return launch_state_tc<16>(p, st);
+        case 32: return launch_state_tc<32>(p, st);
+        case 64: return launch_state_tc<64>(p, st);
+        default: return launch_state_tc<128>(p, st);
+        }
     switch (p.K) {
     case 8: return launch_state<8>(p, st);
     case 16: return launch_state<16>(p, st);
@@ -48,6 +65,10 @@ static cudaError_t launch_state_k(const kda::prefill_params &p, cudaStream_t st)
     case 64: return launch_state<64>(p, st);
     default: return launch_state<128>(p, st);
     }
+}
+
+static size_t state_smem_bytes(int K, bool tc) {
+    return tc ? kda::state_tc_smem_layout(K).total_bytes : kda::state_smem_layout(K).total_bytes;
 }
 
 static bool aligned16(const void *p) {
@@ -72,6 +93,9 @@ extern "C" kds_status kern_cuda_kda_prefill(const kern_cuda_kda_prefill_args *a,
     if (a->in_dtype != KERN_F32 && a->in_dtype != KERN_BF16)
         return kern_cuda__err(err, KDS_INVALID_ARG, "kda prefill: input dtype %d (need F32 or BF16)",
                               (int)a->in_dtype);
+    if (a->tensor_cores && sh->K % 16 != 0)
+        return kern_cuda__err(err, KDS_UNSUPPORTED,
+                              "kda prefill: tensor cores need K %% 16 == 0 (K=%d)", sh->K);
     if (a->T == 0) return KDS_OK;
     if (!a->q || !a->k || !a->v || !a->g || !a->beta || !a->state || !a->o || !a->workspace ||
         (a->raw && !a->A_log))
@@ -96,7 +120,7 @@ extern "C" kds_status kern_cuda_kda_prefill(const kern_cuda_kda_prefill_args *a,
     if (e == cudaSuccess)
         e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
     if (e != cudaSuccess) return kern_cuda__status(e, err, "kda prefill: device query");
-    if ((size_t)optin < smem_intra || (size_t)optin < kda::state_smem_layout(sh->K).total_bytes)
+    if ((size_t)optin < smem_intra || (size_t)optin < state_smem_bytes(sh->K, a->tensor_cores))
         return kern_cuda__err(err, KDS_UNSUPPORTED,
                               "kda prefill: K=%d V=%d needs %zu bytes of shared memory per block, "
                               "the device allows %d",
@@ -131,7 +155,7 @@ extern "C" kds_status kern_cuda_kda_prefill(const kern_cuda_kda_prefill_args *a,
         e = bf16 ? launch_intra<kda::in_bf16>(p, smem_intra, st)
                  : launch_intra<kda::in_f32>(p, smem_intra, st);
         if (e != cudaSuccess) return kern_cuda__status(e, err, "kda prefill: intra-chunk launch");
-        e = launch_state_k(p, st);
+        e = launch_state_k(p, a->tensor_cores, st);
         if (e != cudaSuccess) return kern_cuda__status(e, err, "kda prefill: state-pass launch");
     }
     return KDS_OK;

@@ -256,24 +256,30 @@ static void bench_prefill(int quick) {
     void *ws = dalloc(ws_max);
     printf("### KDA chunked prefill, one layer (H = HV = 32, K = V = 128, bf16 q/k/v/g/beta, "
            "fp32 state; L2 norm, gate and sigmoid in the kernel)\n\n");
-    printf("| T | workspace (chunks, MiB) | ms (median) | M tokens/s | vs fla chunk_kda (anchor) |\n");
-    printf("|---|---|---|---|---|\n");
+    printf("| T | state pass | workspace (chunks, MiB) | ms (median) | M tokens/s | vs fla chunk_kda "
+           "(anchor) |\n");
+    printf("|---|---|---|---|---|---|\n");
     for (int ti = 0; ti < nT; ti++) {
         const int T = g_tiny ? Ttiny[ti] : Ts[ti];
-        for (size_t wi = 0; wi < sizeof ws_chunks / sizeof ws_chunks[0]; wi++) {
-            /* the workspace sweep at 128K only; 64 chunks elsewhere */
-            if (ws_chunks[wi] != 64 && ti != 1) continue;
+        for (size_t wi = 0; wi < 2 * sizeof ws_chunks / sizeof ws_chunks[0]; wi++) {
+            /* fp32 and tensor-core state passes at 64 chunks of workspace;
+             * the workspace sweep at 128K only, fp32 */
+            const int tc = (int)(wi / (sizeof ws_chunks / sizeof ws_chunks[0]));
+            const int wc = ws_chunks[wi % (sizeof ws_chunks / sizeof ws_chunks[0])];
+            if (wc != 64 && (ti != 1 || tc)) continue;
             kern_cuda_kda_prefill_args a = {
                 .shape = sh, .T = T, .in_dtype = KERN_BF16, .raw = true,
                 .q = q, .k = k, .v = v, .g = g, .beta = beta, .A_log = A_log, .dt_bias = dt_bias,
                 .lower_bound = 0.0f, .state = state, .o = o, .workspace = ws,
-                .workspace_bytes = kern_cuda_kda_prefill_workspace_bytes(&sh, ws_chunks[wi]),
+                .workspace_bytes = kern_cuda_kda_prefill_workspace_bytes(&sh, wc),
+                .tensor_cores = tc,
             };
             const int reps = g_tiny ? 1 : T >= 1048576 ? (quick ? 1 : 3) : T >= 131072 ? 5 : 10;
             const double ms = time_prefill(&a, state, (size_t)H * K * V, reps);
             const double mtok = T / (ms * 1e-3) / 1e6;
-            printf("| %d | %d (%.0f) | %.2f | %.2f | %.2fx (fla %.1f ms) |\n", T, ws_chunks[wi],
-                   a.workspace_bytes / 1048576.0, ms, mtok, fla_ms[ti] / ms, fla_ms[ti]);
+            printf("| %d | %s | %d (%.0f) | %.2f | %.2f | %.2fx (fla %.1f ms) |\n", T,
+                   tc ? "tensor cores" : "fp32", wc, a.workspace_bytes / 1048576.0, ms, mtok,
+                   fla_ms[ti] / ms, fla_ms[ti]);
             fflush(stdout);
         }
     }
