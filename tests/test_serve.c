@@ -237,6 +237,19 @@ Test(serve, idle_timeout_and_max_tokens) {
     rm_tmp(dir);
 }
 
+/* A client that stops reading: only its stream pauses (small
+ * --max-pending so the pause comes soon after the socket buffers fill). */
+Test(serve, slow_reader_backpressure) {
+    need_node();
+    char dir[64];
+    make_tmp(dir, sizeof dir);
+    ts_server s;
+    start(&s, dir, "--max-pending", "4096", "--max-tokens", "1000000", NULL);
+    expect_groups(&s, "backpressure", NULL);
+    stop_clean(&s);
+    rm_tmp(dir);
+}
+
 /* The load test runs (2 connections, a few tokens) and sees no error; its
  * figures are not judged here (docs/benchmarks.md has them). */
 Test(serve, load_test_smoke) {

@@ -69,6 +69,7 @@ struct gen {
     gen_phase phase;
     const char *reason;           /* why it ends (set with G_CLOSE / G_FINISH) */
     bool cancel, gone;
+    bool ignore_eos;              /* stop tokens do not end the reply */
     int32_t feed;                 /* token fed in this step, -1 = none */
     gen_phase after;              /* phase after this step's feed */
     char error[512];              /* reason "error" */
@@ -775,6 +776,11 @@ static void op_generate(web_engine *E, const web_req *r, const cJSON *id) {
         !arg_num(E, r, id, "max_tokens", 0, 1e12, &max_tokens) ||
         !arg_num(E, r, id, "seed", 0, 18446744073709551615.0, &seed))
         return;
+    const cJSON *ie = cJSON_GetObjectItemCaseSensitive(r->msg, "ignore_eos");
+    if (ie && !cJSON_IsBool(ie) && !cJSON_IsNull(ie)) {
+        fail(E, r, id, WEB_ERR_BAD_REQUEST, "'ignore_eos' must be true or false");
+        return;
+    }
     if (max_tokens > (double)E->s->p.max_tokens) max_tokens = (double)E->s->p.max_tokens;
     sp.temperature = (float)temp;
     sp.top_p = (float)top_p;
@@ -810,6 +816,7 @@ static void op_generate(web_engine *E, const web_req *r, const cJSON *id) {
     g->h = h;
     g->sp = sp;
     g->max_tokens = (int64_t)max_tokens;
+    g->ignore_eos = cJSON_IsTrue(ie);
     g->context0 = eng_seq_pos(h->seq);
     g->feed = -1;
     g->t_arrive = r->t_arrive;
@@ -1072,7 +1079,7 @@ static void decode_step(web_engine *E) {
             if (!g->t_decode0) g->t_decode0 = web__now_s();
             g->produced++;
             g->feed = next;
-            if (eng_tok_is_stop(tok, next)) {
+            if (!g->ignore_eos && eng_tok_is_stop(tok, next)) {
                 g->reason = "stop";
                 g->after = G_FINISH; /* the stop token stays in the context */
             } else {

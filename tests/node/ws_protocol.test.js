@@ -40,7 +40,8 @@ const { KdsClient, PROTOCOL, describe, encode, nowMs } = require("./ws_client.js
 // ---- command line ----
 const ALL_DEFAULT = ["basic", "generate", "resume", "msgpack", "cancel", "concurrent",
                      "disconnect", "malformed"];
-const ALL_GROUPS = [...ALL_DEFAULT, "auth", "limits", "maxtokens", "idle", "restart", "shutdown"];
+const ALL_GROUPS = [...ALL_DEFAULT, "auth", "limits", "maxtokens", "idle", "backpressure", "restart",
+                    "shutdown"];
 
 function usage(msg) {
   if (msg) console.error(`ws_protocol.test.js: ${msg}`);
@@ -1410,6 +1411,54 @@ async function groupMaxTokens() {
 }
 
 // ======================================================================
+// backpressure (server started with a small --max-pending and a large --max-tokens)
+// ======================================================================
+async function groupBackpressure() {
+  const slow = await connect(), fast = await connect(), watch = await connect();
+  const L = (await info(watch)).limits;
+  await check("a client that stops reading pauses its own stream only; cancelled, it gets " +
+              "every token it missed", async () => {
+    ok(L.max_tokens >= 100000, `start the server with --max-tokens >= 100000 (it has ${L.max_tokens})`);
+    const s1 = nm("bp-slow"), s2 = nm("bp-fast");
+    isResult(await slow.request({ op: "create", session: s1 }), "create");
+    isResult(await fast.request({ op: "create", session: s2 }), "create");
+    const r = slow.startGenerate({ session: s1, text: PROMPTS[1], max_tokens: L.max_tokens,
+                                  temperature: 0.8, seed: 3, ignore_eos: true }, { timeoutMs: 300000 });
+    r.finished.catch(() => {});
+    await firstToken(r);
+    slow.ws._socket.pause(); // stop reading: TCP fills, then the server's queue
+    // Paused, not merely slow: the server's count of generated tokens stops
+    // growing while the session still says "generating".
+    const generated = async () =>
+      isResult(await watch.request({ op: "stats" }), "stats").server.tokens_generated;
+    let prev = await generated(), still = 0;
+    await until(async () => {
+      await sleep(500);
+      const cur = await generated();
+      const st = await listed(watch, s1);
+      ok(st && st.state === "generating", `the paused reader's session is ${st && st.state}`);
+      still = cur === prev ? still + 1 : 0;
+      prev = cur;
+      return still >= 3;
+    }, 180000, "the server kept generating for a client that reads nothing");
+    const pausedAt = prev;
+    // Another connection's stream runs to its end meanwhile.
+    const f = await greedy(fast, s2, PROMPTS[0], 64);
+    ok(f.done.reason === "length" || f.done.reason === "stop", `fast stream ended with ${f.done.reason}`);
+    const after = await generated();
+    ok(after - pausedAt <= 64, `${after - pausedAt} tokens generated while only the 64-token stream could run`);
+    isResult(await watch.request({ op: "cancel", session: s1 }), "cancel by session");
+    slow.ws._socket.resume();
+    const d = await r.finished;
+    eq(d.done && d.done.reason, "cancelled", "the paused stream's done reason");
+    eq(d.done.reply, d.text, "done.reply vs the token texts received after reading again");
+    ok(d.done.tokens >= 1 && d.done.tokens < L.max_tokens, `${d.done.tokens} tokens in the paused stream`);
+    console.log(`# paused after ${d.done.tokens} tokens (the socket buffers and --max-pending held them)`);
+  });
+  await closeAll();
+}
+
+// ======================================================================
 // idle (server started with a short --idle-timeout)
 // ======================================================================
 async function groupIdle() {
@@ -1497,7 +1546,7 @@ async function groupShutdown() {
 const GROUPS = { basic: groupBasic, generate: groupGenerate, resume: groupResume, msgpack: groupMsgpack,
                  cancel: groupCancel, concurrent: groupConcurrent, disconnect: groupDisconnect,
                  malformed: groupMalformed, auth: groupAuth, limits: groupLimits,
-                 maxtokens: groupMaxTokens, idle: groupIdle,
+                 maxtokens: groupMaxTokens, idle: groupIdle, backpressure: groupBackpressure,
                  restart: groupRestart, shutdown: groupShutdown };
 
 (async () => {
