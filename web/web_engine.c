@@ -530,12 +530,10 @@ static void op_fork(web_engine *E, const web_req *r, const cJSON *id) {
         fail_err(E, r, id, &e);
         return;
     }
-    hot *h = find_hot(E, src);
     cJSON *o = web__event(id, "result");
     cJSON_AddStringToObject(o, "session", client_name(r, made));
     cJSON_AddNumberToObject(o, "tokens", (double)info.tokens);
     send_ev(E, r, o);
-    (void)h;
 }
 
 static void op_rename(web_engine *E, const web_req *r, const cJSON *id) {
