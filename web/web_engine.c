@@ -834,7 +834,8 @@ static void op_generate(web_engine *E, const web_req *r, const cJSON *id) {
         return;
     }
     if (seed >= 0) eng_seq_reseed(h->seq, (uint64_t)seed);
-    g->phase = g->n_ids > 0 ? G_PREFILL : G_DECODE;
+    g->phase = g->n_ids > 0 ? G_PREFILL : g->max_tokens > 0 ? G_DECODE : G_FINISH;
+    if (g->phase == G_FINISH) g->reason = "length";
     h->gen = g;
     h->last_used = web__now_s();
     g->next = E->gens;
@@ -952,12 +953,17 @@ static void finish(web_engine *E, gen *g) {
     double t_end = web__now_s();
     double decode_s = g->t_decode0 ? t_end - g->t_decode0 : 0.0;
     double prefill_s = g->t_prefill_end ? g->t_prefill_end - g->t_start : 0.0;
-    uint64_t snap = 0;
+    /* Save when the context moved. After an engine error the sequence is
+     * not trusted: nothing is saved and it is dropped from memory below
+     * (the next use reloads the last saved turn). */
+    bool failed = !strcmp(g->reason, "error");
+    bool changed = eng_seq_pos(h->seq) != g->context0;
+    uint64_t snap = h->base;
     kds_status rc = KDS_OK;
-    if (strcmp(g->reason, "error") || g->produced > 0 || g->fed > 0) {
+    if (!failed && changed) {
         sess_turn turn = {.prompt = g->prompt, .prompt_len = g->prompt_len,
                           .output = g->reply ? g->reply : "", .output_len = g->reply_len,
-                          .prompt_tokens = g->n_ids, .output_tokens = g->produced,
+                          .prompt_tokens = g->fed, .output_tokens = g->produced,
                           .mode = h->chat ? "chat" : "plain"};
         double t0 = web__now_s();
         rc = sess_save(E->s->st, h->name, h->base, E->s->m, h->seq, &turn, &snap, &e);
@@ -994,7 +1000,7 @@ static void finish(web_engine *E, gen *g) {
     }
     /* A failed save leaves memory ahead of the store: forget it, the next
      * use reloads what is stored. */
-    if (rc != KDS_OK || !strcmp(g->reason, "error")) drop_hot(E, h);
+    if (rc != KDS_OK || failed) drop_hot(E, h);
 }
 
 static void remove_finished(web_engine *E) {
@@ -1025,8 +1031,7 @@ static void prefill_step(web_engine *E) {
         if (g->cancel || g->gone) {
             /* stop before feeding the rest of the prompt */
             g->reason = g->gone ? "disconnected" : "cancelled";
-            g->phase = g->fed > 0 ? G_CLOSE : G_FINISH;
-            if (g->fed == 0) g->reason = g->gone ? "disconnected" : "cancelled";
+            g->phase = g->fed > 0 ? G_CLOSE : G_FINISH; /* nothing fed: nothing to close */
             continue;
         }
         int64_t n = g->n_ids - g->fed, slice = E->s->p.ctx.max_batch > 0 ? E->s->p.ctx.max_batch : 256;
