@@ -230,7 +230,18 @@ typedef struct kern_cuda_kda_prefill_args {
     void *workspace;
     size_t workspace_bytes;
     bool tensor_cores; /* state pass on tensor cores (bf16 x 3 split); default false */
+    /* NULL, or: time the two kernels of every pass with events and add the
+     * times here (synchronises the stream after each pass: for benchmarks,
+     * not for serving). */
+    struct kern_cuda_prefill_profile *profile;
 } kern_cuda_kda_prefill_args;
+
+/* Where kern_cuda_kda_prefill's time goes (added to by each profiled call). */
+typedef struct kern_cuda_prefill_profile {
+    double intra_ms; /* intra-chunk kernels */
+    double state_ms; /* state passes */
+    int passes;
+} kern_cuda_prefill_profile;
 
 kds_status kern_cuda_kda_prefill(const kern_cuda_kda_prefill_args *a, void *stream, kds_err *err);
 

@@ -22,7 +22,9 @@
 #
 # Results (at most 8 files, as the device tool returns): gpu_check.log
 # (everything), nvidia-smi.txt, tests.log, golden_cpu.log, sanitizer.log,
-# bench.md, summary.txt. The last lines printed are the summary.
+# ncu.txt (Nsight Compute: speed-of-light, occupancy and launch statistics
+# of the prefill and decode kernels), bench.md, summary.txt. The last lines
+# printed are the summary and the benchmark tables.
 # Exit status: 0 all passed; 1 a test or check failed; 2 no GPU here;
 # 3 no binaries (bundle unusable and the build failed).
 # Budget: finishes in well under 8 minutes (each step has a timeout).
@@ -36,6 +38,17 @@ find_nvcc() {
     for c in "${CUDACXX:-}" "${CUDA_HOME:+$CUDA_HOME/bin/nvcc}" "$(command -v nvcc 2>/dev/null)" \
         /usr/local/cuda/bin/nvcc /usr/local/cuda-*/bin/nvcc; do
         [ -n "$c" ] && [ -x "$c" ] && { echo "$c"; return 0; }
+    done
+    return 1
+}
+
+cuda_tool() { # the CUDA toolkit's tool $1, on PATH or beside nvcc
+    local c n
+    c=$(command -v "$1" 2>/dev/null) && { echo "$c"; return 0; }
+    n=$(find_nvcc) || return 1
+    for c in "$(dirname "$n")/$1" "$(dirname "$n")/../$1/$1" /usr/local/cuda/bin/"$1" \
+        /opt/nvidia/nsight-compute/*/"$1"; do
+        [ -x "$c" ] && { echo "$c"; return 0; }
     done
     return 1
 }
@@ -170,13 +183,13 @@ if [ -z "$BIN" ]; then
     bdir=$root/build-gpu
     say "building in $bdir with $nvcc (sm_90a)"
     if CUDACXX=$nvcc timeout 300 cmake -S . -B "$bdir" -DCMAKE_BUILD_TYPE=Release \
-        -DCMAKE_CUDA_ARCHITECTURES=90a >"$out/build.txt" 2>&1 &&
+        -DCMAKE_CUDA_ARCHITECTURES=90a >"$bdir.log" 2>&1 &&
         timeout 300 cmake --build "$bdir" -j"$(nproc)" --target kdaserve_tests kds_cuda_bench \
-            >>"$out/build.txt" 2>&1; then
+            >>"$bdir.log" 2>&1; then
         BIN=$bdir
         note "binaries: built here ($((SECONDS - t0)) s)"
     else
-        tail -25 "$out/build.txt"
+        tail -25 "$bdir.log"
         note "FAIL: no bundle and the build failed (missing libraries? see above). On a development machine: bash scripts/gpu_check.sh --bundle, then carry .gpu-bundle"
         finish 3
     fi
@@ -214,11 +227,46 @@ run_suite() { # name, filter, timeout, log
 run_suite "CUDA kernels vs CPU references and golden files" 'cuda_*/*' 200 "$out/tests.log"
 run_suite "CPU golden KDA" 'kda_golden/*' 60 "$out/golden_cpu.log"
 
+# ---- benchmarks ----------------------------------------------------------------------
+left=$((420 - (SECONDS - t0)))
+[ $left -gt 240 ] && left=240
+if [ $left -lt 60 ]; then
+    note "bench: skipped, only $left s left of the budget"
+else
+    mode=
+    [ $left -lt 150 ] && mode=--quick
+    say "bench: $BIN/kds_cuda_bench $mode (limit $left s)"
+    timeout "$left" env LD_LIBRARY_PATH="$BIN_LD" "$BIN/kds_cuda_bench" $mode >"$out/bench.md"
+    rc=$?
+    if [ $rc -eq 0 ]; then note "bench: done (bench.md)"; elif [ $rc -eq 3 ]; then
+        note "bench: no usable CUDA device"
+    else
+        failed=1
+        note "FAIL bench: exit $rc (partial results in bench.md)"
+    fi
+fi
+# ---- Nsight Compute: where the prefill's and the decode's time goes --------------------
+: >"$out/ncu.txt"
+ncu=$(cuda_tool ncu || true)
+if [ -n "$ncu" ] && [ -z "${KDS_GPU_CHECK_FORCE:-}" ] && [ $((SECONDS - t0)) -lt 360 ]; then
+    say "ncu: one prefill (fp32, tensor cores) at T = 4096 and one decode step at B = 256"
+    timeout $((440 - (SECONDS - t0) < 90 ? 440 - (SECONDS - t0) : 90)) "$ncu" --clock-control none --target-processes all \
+        --kernel-name regex:'prefill|decode' --launch-count 5 --section SpeedOfLight \
+        --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
+        env LD_LIBRARY_PATH="$BIN_LD" "$BIN/kds_cuda_bench" --once 4096 >"$out/ncu.txt" 2>&1
+    rc=$?
+    if [ $rc -eq 0 ]; then note "ncu: done (ncu.txt)"; else note "ncu: exit $rc (see ncu.txt; not a failure)"; fi
+else
+    note "ncu: not run (not found, no GPU, or out of time)"
+fi
+
 # ---- memory and race checks on small cases ----------------------------------------
 : >"$out/sanitizer.log"
-if command -v compute-sanitizer >/dev/null 2>&1 && [ -z "${KDS_GPU_CHECK_FORCE:-}" ]; then
+sanitizer=$(cuda_tool compute-sanitizer || true)
+if [ -n "$sanitizer" ] && [ -z "${KDS_GPU_CHECK_FORCE:-}" ]; then
     san_fail=0
-    san_end=$((SECONDS + 120)) # all sanitizer runs together
+    san_end=$((SECONDS + 100)) # all sanitizer runs together, and the whole
+    [ $san_end -gt $((t0 + 450)) ] && san_end=$((t0 + 450)) # check ends by 7.5 min
     for spec in "memcheck cuda_prefill/small_heads" "memcheck cuda_prefill/gva_k64_v32" \
         "memcheck cuda_ops/moe_route_grouped_with_ties" "memcheck cuda_ops/sample_top_p_min_p_penalty" \
         "memcheck cuda_kda/decode_gva_k64_lower_bound" "racecheck cuda_ops/sample_temperature_top_k" \
@@ -228,8 +276,10 @@ if command -v compute-sanitizer >/dev/null 2>&1 && [ -z "${KDS_GPU_CHECK_FORCE:-
         [ $lim -gt 45 ] && lim=45
         [ $lim -lt 10 ] && { say "compute-sanitizer: out of time, $1 $2 not run"; continue; }
         say "compute-sanitizer --tool $1: $2"
-        timeout $lim env LD_LIBRARY_PATH="$BIN_LD" compute-sanitizer --tool "$1" \
-            --target-processes all --error-exitcode 9 "$BIN/kdaserve_tests" --filter "$2" -j1 >>"$out/sanitizer.log" 2>&1
+        # the tool itself runs with the machine's libraries; only our
+        # program gets the bundle's
+        timeout $lim "$sanitizer" --tool "$1" --target-processes all --error-exitcode 9 \
+            env LD_LIBRARY_PATH="$BIN_LD" "$BIN/kdaserve_tests" --filter "$2" -j1 >>"$out/sanitizer.log" 2>&1
         rc=$?
         if [ $rc -eq 124 ]; then say "  timed out after $lim s (not counted as a failure)"; elif [ $rc -ne 0 ]; then
             san_fail=1
@@ -245,21 +295,4 @@ else
     note "compute-sanitizer: not run (not found${KDS_GPU_CHECK_FORCE:+, or no GPU})"
 fi
 
-# ---- benchmarks ----------------------------------------------------------------------
-left=$((450 - (SECONDS - t0)))
-if [ $left -lt 60 ]; then
-    note "bench: skipped, only $left s left of the budget"
-else
-    mode=
-    [ $left -lt 200 ] && mode=--quick
-    say "bench: $BIN/kds_cuda_bench $mode (limit $left s)"
-    timeout "$left" env LD_LIBRARY_PATH="$BIN_LD" "$BIN/kds_cuda_bench" $mode >"$out/bench.md"
-    rc=$?
-    if [ $rc -eq 0 ]; then note "bench: done (bench.md)"; elif [ $rc -eq 3 ]; then
-        note "bench: no usable CUDA device"
-    else
-        failed=1
-        note "FAIL bench: exit $rc (partial results in bench.md)"
-    fi
-fi
 finish $failed

@@ -149,14 +149,30 @@ extern "C" kds_status kern_cuda_kda_prefill(const kern_cuda_kda_prefill_args *a,
 
     const cudaStream_t st = kern_cuda__stream(stream);
     const bool bf16 = a->in_dtype == KERN_BF16;
-    for (long long c0 = 0; c0 < n_chunks; c0 += per_pass) {
+    cudaEvent_t ev[3] = {NULL, NULL, NULL};
+    if (a->profile)
+        for (int i = 0; i < 3 && e == cudaSuccess; i++) e = cudaEventCreate(&ev[i]);
+    for (long long c0 = 0; c0 < n_chunks && e == cudaSuccess; c0 += per_pass) {
         p.c0 = (int)c0;
         p.n_chunks = (int)(n_chunks - c0 < per_pass ? n_chunks - c0 : per_pass);
-        e = bf16 ? launch_intra<kda::in_bf16>(p, smem_intra, st)
-                 : launch_intra<kda::in_f32>(p, smem_intra, st);
-        if (e != cudaSuccess) return kern_cuda__status(e, err, "kda prefill: intra-chunk launch");
-        e = launch_state_k(p, a->tensor_cores, st);
-        if (e != cudaSuccess) return kern_cuda__status(e, err, "kda prefill: state-pass launch");
+        if (a->profile) e = cudaEventRecord(ev[0], st);
+        if (e == cudaSuccess)
+            e = bf16 ? launch_intra<kda::in_bf16>(p, smem_intra, st)
+                     : launch_intra<kda::in_f32>(p, smem_intra, st);
+        if (a->profile && e == cudaSuccess) e = cudaEventRecord(ev[1], st);
+        if (e == cudaSuccess) e = launch_state_k(p, a->tensor_cores, st);
+        if (a->profile && e == cudaSuccess) {
+            float t1 = 0.0f, t2 = 0.0f;
+            e = cudaEventRecord(ev[2], st);
+            if (e == cudaSuccess) e = cudaEventSynchronize(ev[2]);
+            if (e == cudaSuccess) e = cudaEventElapsedTime(&t1, ev[0], ev[1]);
+            if (e == cudaSuccess) e = cudaEventElapsedTime(&t2, ev[1], ev[2]);
+            a->profile->intra_ms += t1;
+            a->profile->state_ms += t2;
+            a->profile->passes++;
+        }
     }
-    return KDS_OK;
+    for (int i = 0; i < 3; i++)
+        if (ev[i]) (void)cudaEventDestroy(ev[i]);
+    return kern_cuda__status(e, err, "kda prefill: launch");
 }

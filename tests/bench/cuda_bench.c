@@ -9,6 +9,9 @@
  *       --quick: fewer repeats, no T = 1M prefill; --decode / --prefill: only those
  *   kds_cuda_bench --tiny         # toy sizes: a smoke test of this program
  *                                 # itself (e.g. under kernels/cuda/emu)
+ *   kds_cuda_bench --once T       # one fp32 and one tensor-core prefill at T
+ *                                 # tokens and one decode step at B = 256, no
+ *                                 # repeats: a short run for a profiler (ncu)
  *
  * Prints markdown tables (the same lines go to docs/benchmarks.md):
  *   - device-to-device copy bandwidth (the ceiling the decode is judged by);
@@ -257,8 +260,8 @@ static void bench_prefill(int quick) {
     printf("### KDA chunked prefill, one layer (H = HV = 32, K = V = 128, bf16 q/k/v/g/beta, "
            "fp32 state; L2 norm, gate and sigmoid in the kernel)\n\n");
     printf("| T | state pass | workspace (chunks, MiB) | ms (median) | M tokens/s | vs fla chunk_kda "
-           "(anchor) |\n");
-    printf("|---|---|---|---|---|---|\n");
+           "(anchor) | profiled run: intra / state ms (passes) |\n");
+    printf("|---|---|---|---|---|---|---|\n");
     for (int ti = 0; ti < nT; ti++) {
         const int T = g_tiny ? Ttiny[ti] : Ts[ti];
         for (size_t wi = 0; wi < 2 * sizeof ws_chunks / sizeof ws_chunks[0]; wi++) {
@@ -277,9 +280,15 @@ static void bench_prefill(int quick) {
             const int reps = g_tiny ? 1 : T >= 1048576 ? (quick ? 1 : 3) : T >= 131072 ? 5 : 10;
             const double ms = time_prefill(&a, state, (size_t)H * K * V, reps);
             const double mtok = T / (ms * 1e-3) / 1e6;
-            printf("| %d | %s | %d (%.0f) | %.2f | %.2f | %.2fx (fla %.1f ms) |\n", T,
-                   tc ? "tensor cores" : "fp32", wc, a.workspace_bytes / 1048576.0, ms, mtok,
-                   fla_ms[ti] / ms, fla_ms[ti]);
+            /* one more run, profiled: where the time goes */
+            kern_cuda_prefill_profile prof = {0};
+            a.profile = &prof;
+            KS(kern_cuda_kda_prefill(&a, NULL, ERR));
+            CK(cudaDeviceSynchronize());
+            a.profile = NULL;
+            printf("| %d | %s | %d (%.0f) | %.2f | %.2f | %.2fx (fla %.1f ms) | %.2f / %.2f (%d) |\n",
+                   T, tc ? "tensor cores" : "fp32", wc, a.workspace_bytes / 1048576.0, ms, mtok,
+                   fla_ms[ti] / ms, fla_ms[ti], prof.intra_ms, prof.state_ms, prof.passes);
             fflush(stdout);
         }
     }
@@ -385,8 +394,50 @@ static void bench_small(int quick) {
     printf("\n");
 }
 
+/* --once T: one run of each kernel of interest, for ncu. */
+static void run_once(int T) {
+    const int H = 32, K = 128, V = 128, B = 256;
+    const kern_kda_shape sh = {H, H, K, V, 1.0f / sqrtf((float)K)};
+    const size_t Tz = (size_t)(T > B ? T : B); /* the decode reads B rows of the inputs */
+    void *q = dalloc(Tz * H * K * 2), *k = dalloc(Tz * H * K * 2), *v = dalloc(Tz * H * V * 2);
+    void *g = dalloc(Tz * H * K * 2), *beta = dalloc(Tz * H * 2);
+    float *A_log = dalloc(H * 4), *dt_bias = dalloc((size_t)H * K * 4);
+    float *o = dalloc(Tz * H * V * 4), *state = dalloc((size_t)B * H * K * V * 4);
+    fill(q, KERN_BF16, Tz * H * K, -1, 1, 31);
+    fill(k, KERN_BF16, Tz * H * K, -1, 1, 32);
+    fill(v, KERN_BF16, Tz * H * V, -1, 1, 33);
+    fill(g, KERN_BF16, Tz * H * K, -4, 4, 34);
+    fill(beta, KERN_BF16, Tz * H, -3, 3, 35);
+    fill(A_log, KERN_F32, H, -1, 1.5f, 36);
+    fill(dt_bias, KERN_F32, (size_t)H * K, -1, 1, 37);
+    fill(state, KERN_F32, (size_t)B * H * K * V, -1, 1, 38);
+    void *ws = dalloc(kern_cuda_kda_prefill_workspace_bytes(&sh, 64));
+    for (int tc = 0; tc < 2; tc++) {
+        kern_cuda_kda_prefill_args a = {
+            .shape = sh, .T = T, .in_dtype = KERN_BF16, .raw = true, .q = q, .k = k, .v = v,
+            .g = g, .beta = beta, .A_log = A_log, .dt_bias = dt_bias, .lower_bound = 0.0f,
+            .state = state, .o = o, .workspace = ws,
+            .workspace_bytes = kern_cuda_kda_prefill_workspace_bytes(&sh, 64), .tensor_cores = tc};
+        KS(kern_cuda_kda_prefill(&a, NULL, ERR));
+    }
+    int32_t *slots_h = malloc(B * sizeof(int32_t));
+    for (int i = 0; i < B; i++) slots_h[i] = i;
+    int32_t *slots = dalloc(B * sizeof(int32_t));
+    CK(cudaMemcpy(slots, slots_h, B * sizeof(int32_t), cudaMemcpyHostToDevice));
+    free(slots_h);
+    kern_cuda_kda_decode_args d = {
+        .shape = sh, .N = B, .in_dtype = KERN_BF16, .q = q, .k = k, .v = v, .g_raw = g,
+        .beta_raw = beta, .A_log = A_log, .dt_bias = dt_bias, .lower_bound = 0.0f,
+        .state_pool = state, .pool_slots = B, .slots = slots, .o = o};
+    KS(kern_cuda_kda_decode(&d, NULL, ERR));
+    CK(cudaDeviceSynchronize());
+    printf("--once %d: one fp32 prefill, one tensor-core prefill, one decode step at B = %d\n", T, B);
+    void *f[] = {q, k, v, g, beta, A_log, dt_bias, o, state, ws, slots};
+    for (size_t i = 0; i < sizeof f / sizeof f[0]; i++) CK(cudaFree(f[i]));
+}
+
 int main(int argc, char **argv) {
-    int quick = 0, only_decode = 0, only_prefill = 0;
+    int quick = 0, only_decode = 0, only_prefill = 0, once = 0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--quick"))
             quick = 1;
@@ -396,8 +447,11 @@ int main(int argc, char **argv) {
             only_prefill = 1;
         else if (!strcmp(argv[i], "--tiny"))
             g_tiny = 1;
+        else if (!strcmp(argv[i], "--once") && i + 1 < argc && atoi(argv[i + 1]) > 0)
+            once = atoi(argv[++i]);
         else {
-            fprintf(stderr, "usage: %s [--quick] [--decode | --prefill] [--tiny]\n", argv[0]);
+            fprintf(stderr, "usage: %s [--quick] [--decode | --prefill] [--tiny] [--once T]\n",
+                    argv[0]);
             return 2;
         }
     }
@@ -416,6 +470,10 @@ int main(int argc, char **argv) {
     printf("## kds_cuda_bench%s: %s, %d SMs, sm_%d%d, %.0f GiB, CUDA runtime %d, driver %d\n\n",
            quick ? " --quick" : "", prop.name, prop.multiProcessorCount, prop.major, prop.minor,
            prop.totalGlobalMem / 1073741824.0, rt, drv);
+    if (once) {
+        run_once(once);
+        return 0;
+    }
     if (g_tiny) g_busy_floats = 1 << 12;
     g_busy = dalloc(g_busy_floats * 4);
     bench_copy();
