@@ -61,10 +61,11 @@ if [ "${1:-}" = "--bundle" ]; then
     nvcc=$(find_nvcc) || { echo "gpu_check --bundle: nvcc not found (set CUDA_HOME)" >&2; exit 3; }
     bdir=$root/build-gpu-bundle
     echo "gpu_check --bundle: configuring $bdir with $nvcc (sm_90a, no -march=native)"
+    mkdir -p "$bdir"
     CUDACXX=$nvcc cmake -S . -B "$bdir" -DCMAKE_BUILD_TYPE=Release -DKDS_NATIVE=OFF \
-        -DCMAKE_CUDA_ARCHITECTURES=90a >"$bdir.configure.log" 2>&1 || true
-    grep -q "CUDA kernels ON" "$bdir.configure.log" ||
-        { echo "gpu_check --bundle: CMake did not enable CUDA (see $bdir.configure.log)" >&2; exit 3; }
+        -DCMAKE_CUDA_ARCHITECTURES=90a >"$bdir/configure.log" 2>&1 || true
+    grep -q "CUDA kernels ON" "$bdir/configure.log" ||
+        { echo "gpu_check --bundle: CMake did not enable CUDA (see $bdir/configure.log)" >&2; exit 3; }
     cmake --build "$bdir" -j"${JOBS:-2}" --target kdaserve_tests kds_cuda_bench
     stage=$bdir/stage
     rm -rf "$stage"
@@ -182,14 +183,15 @@ if [ -z "$BIN" ]; then
     nvcc=$(find_nvcc) || { note "FAIL: no usable bundle and no nvcc to build with"; finish 3; }
     bdir=$root/build-gpu
     say "building in $bdir with $nvcc (sm_90a)"
+    mkdir -p "$bdir"
     if CUDACXX=$nvcc timeout 300 cmake -S . -B "$bdir" -DCMAKE_BUILD_TYPE=Release \
-        -DCMAKE_CUDA_ARCHITECTURES=90a >"$bdir.log" 2>&1 &&
+        -DCMAKE_CUDA_ARCHITECTURES=90a >"$bdir/build.log" 2>&1 &&
         timeout 300 cmake --build "$bdir" -j"$(nproc)" --target kdaserve_tests kds_cuda_bench \
-            >>"$bdir.log" 2>&1; then
+            >>"$bdir/build.log" 2>&1; then
         BIN=$bdir
         note "binaries: built here ($((SECONDS - t0)) s)"
     else
-        tail -25 "$bdir.log"
+        tail -25 "$bdir/build.log"
         note "FAIL: no bundle and the build failed (missing libraries? see above). On a development machine: bash scripts/gpu_check.sh --bundle, then carry .gpu-bundle"
         finish 3
     fi
