@@ -11,12 +11,13 @@
 #include <mma.h>
 #endif
 
-/* Dynamic shared memory of a kernel as `unsigned char name[]`, 16-byte
- * aligned. The emulation has no `extern __shared__`, hence the macro. */
+/* Dynamic shared memory of a kernel as `unsigned char name[]`, 128-byte
+ * aligned (WMMA tiles need 32). The emulation has no `extern __shared__`,
+ * hence the macro. */
 #ifdef KDS_EMU
 #define KDS_DYN_SMEM(name) unsigned char *name = emu::dyn_smem()
 #else
-#define KDS_DYN_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
+#define KDS_DYN_SMEM(name) extern __shared__ __align__(128) unsigned char name[]
 #endif
 
 #endif /* KERN_CUDA_DEV_CUH */
