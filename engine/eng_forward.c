@@ -485,77 +485,25 @@ static void dense_ffn(eng_ctx *c, const eng_weight *gate, const eng_weight *up,
     run_mm(c, 1);
 }
 
-/* Pick experts for one token. s: sigmoid scores [E]; bias may be NULL.
- * Selection uses s + bias (and the group limit); weights use s alone
- * (project decision, spec §10 Q1). Ties go to the lower expert index. */
-static void route_token(const eng_config *cfg, const float *s, const float *bias, int32_t *sel,
-                        float *selw) {
-    const int E = cfg->num_experts, k = cfg->num_experts_per_token;
-    const int G = cfg->use_grouped_topk && cfg->num_expert_group > 1 ? cfg->num_expert_group : 1;
-    const int per_group = E / G;
-    uint64_t group_ok[4] = {0}; /* up to 256 groups */
-    if (G > 1) {
-        /* group score = sum of its two best biased scores; keep topk_group groups */
-        float gscore[256];
-        for (int g = 0; g < G && g < 256; g++) {
-            float b1 = -INFINITY, b2 = -INFINITY;
-            for (int e = g * per_group; e < (g + 1) * per_group; e++) {
-                float v = s[e] + (bias ? bias[e] : 0.0f);
-                if (v > b1) {
-                    b2 = b1;
-                    b1 = v;
-                } else if (v > b2) {
-                    b2 = v;
-                }
-            }
-            gscore[g] = b1 + (per_group > 1 ? b2 : 0.0f);
-        }
-        for (int n = 0; n < cfg->topk_group && n < G; n++) {
-            int best = -1;
-            for (int g = 0; g < G && g < 256; g++)
-                if (!(group_ok[g / 64] >> (g % 64) & 1) && (best < 0 || gscore[g] > gscore[best]))
-                    best = g;
-            if (best >= 0) group_ok[best / 64] |= 1ull << (best % 64);
-        }
-    }
-    for (int n = 0; n < k; n++) {
-        int best = -1;
-        float bv = -INFINITY;
-        for (int e = 0; e < E; e++) {
-            int g = e / per_group;
-            if (G > 1 && !(group_ok[g / 64] >> (g % 64) & 1)) continue;
-            int taken = 0;
-            for (int m = 0; m < n; m++) taken |= sel[m] == e;
-            if (taken) continue;
-            float v = s[e] + (bias ? bias[e] : 0.0f);
-            if (best < 0 || v > bv) {
-                best = e;
-                bv = v;
-            }
-        }
-        sel[n] = best;
-    }
-    double sum = 0.0;
-    for (int n = 0; n < k; n++) sum += s[sel[n]];
-    for (int n = 0; n < k; n++) {
-        float wgt = s[sel[n]];
-        if (cfg->moe_renormalize && sum > 0.0) wgt = (float)(wgt / sum);
-        selw[n] = wgt * cfg->routed_scaling_factor;
-    }
-}
-
 static void moe_ffn(eng_ctx *c, const eng_ffn_weights *f, int T) {
     const eng_config *cfg = &c->m->cfg;
     const int E = cfg->num_experts, k = cfg->num_experts_per_token, hid = c->d.hidden;
     job(c, 0, &f->router, c->xn, T, c->router, E);
     run_mm(c, 1);
     memset(c->exp_off, 0, (size_t)(E + 1) * sizeof(int32_t));
-    for (int t = 0; t < T; t++) {
-        float *sc = c->router + (size_t)t * E;
-        for (int e = 0; e < E; e++) sc[e] = kern_sigmoid(sc[e]);
-        route_token(cfg, sc, f->router_bias, c->sel + (size_t)t * k, c->selw + (size_t)t * k);
-        for (int n = 0; n < k; n++) c->exp_off[c->sel[t * k + n] + 1]++;
-    }
+    /* Selection uses score + bias (and the group limit); weights use the
+     * score alone (project decision, spec §10 Q1). kern_moe_route is also
+     * the reference of the CUDA routing kernel. */
+    for (size_t i = 0; i < (size_t)T * E; i++) c->router[i] = kern_sigmoid(c->router[i]);
+    const kern_moe_route_params rp = {
+        .n_experts = E,
+        .top_k = k,
+        .n_group = cfg->use_grouped_topk && cfg->num_expert_group > 1 ? cfg->num_expert_group : 1,
+        .topk_group = cfg->topk_group,
+        .renormalize = cfg->moe_renormalize,
+        .routed_scaling_factor = cfg->routed_scaling_factor};
+    kern_moe_route(&rp, T, c->router, f->router_bias, c->sel, c->selw);
+    for (int i = 0; i < T * k; i++) c->exp_off[c->sel[i] + 1]++;
     for (int e = 0; e < E; e++) c->exp_off[e + 1] += c->exp_off[e];
     /* Gather each expert's tokens into a contiguous block of xg. */
     int32_t *fill = c->exp_fill;
@@ -917,132 +865,23 @@ int eng_ctx_max_seqs(const eng_ctx *c) { return c->max_seqs; }
 /* ------------------------------------------------------------------------ */
 /* Sampling                                                                  */
 
-static uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
-
-/* xoshiro256** step; the state lives in the sequence. */
-static uint64_t rng_next(uint64_t s[4]) {
-    uint64_t r = rotl(s[1] * 5, 7) * 9, t = s[1] << 17;
-    s[2] ^= s[0];
-    s[3] ^= s[1];
-    s[1] ^= s[2];
-    s[0] ^= s[3];
-    s[2] ^= t;
-    s[3] = rotl(s[3], 45);
-    return r;
-}
-
-/* Order candidates by descending logit, ties by ascending id. */
-static void sift_down(float *p, int32_t *id, int n, int i) {
-    for (;;) {
-        int l = 2 * i + 1, r = l + 1, m = i;
-        /* min-heap on (p, -id): the root is the worst kept candidate */
-        if (l < n && (p[l] < p[m] || (p[l] == p[m] && id[l] > id[m]))) m = l;
-        if (r < n && (p[r] < p[m] || (p[r] == p[m] && id[r] > id[m]))) m = r;
-        if (m == i) return;
-        float tp = p[i];
-        p[i] = p[m];
-        p[m] = tp;
-        int32_t ti = id[i];
-        id[i] = id[m];
-        id[m] = ti;
-        i = m;
-    }
-}
-
 kds_status eng_sample(eng_ctx *c, eng_seq *s, const eng_sampler_params *p, int32_t *token,
                       kds_err *err) {
     if (!s->has_logits)
         return kds_err_set(err, KDS_INVALID_ARG, "nothing to sample from: the sequence is empty");
-    const int V = c->d.vocab;
-    float *lp = c->cand_p;
-    int32_t *ids = c->cand_id;
-    memcpy(lp, s->logits, (size_t)V * sizeof(float));
-    if (p->repeat_penalty > 0.0f && p->repeat_penalty != 1.0f) {
-        int n = s->n_recent < ENG_RECENT_TOKENS ? s->n_recent : ENG_RECENT_TOKENS;
-        if (p->repeat_last_n < n) n = p->repeat_last_n > 0 ? p->repeat_last_n : 0;
-        for (int i = 0; i < n; i++) {
-            int32_t id = s->recent[((uint32_t)s->n_recent - 1 - (uint32_t)i) % ENG_RECENT_TOKENS];
-            if (id < 0 || id >= V) continue;
-            /* penalise each distinct token once */
-            int seen = 0;
-            for (int j = 0; j < i; j++)
-                seen |= s->recent[((uint32_t)s->n_recent - 1 - (uint32_t)j) % ENG_RECENT_TOKENS] == id;
-            if (!seen) lp[id] = lp[id] > 0 ? lp[id] / p->repeat_penalty : lp[id] * p->repeat_penalty;
-        }
-    }
-    if (p->temperature <= 0.0f) {
-        int best = 0;
-        for (int i = 1; i < V; i++)
-            if (lp[i] > lp[best]) best = i;
-        *token = best;
-        return KDS_OK;
-    }
-    /* Keep the best k candidates with a bounded min-heap (k = V when off). */
-    int k = p->top_k > 0 && p->top_k < V ? p->top_k : V;
+    /* the recent tokens, newest first, that the repetition penalty looks at */
+    int32_t recent[ENG_RECENT_TOKENS];
     int n = 0;
-    for (int i = 0; i < V; i++) {
-        float v = lp[i] / p->temperature;
-        if (n < k) {
-            lp[n] = v; /* safe: n <= i, and lp[i] was read first */
-            ids[n] = i;
-            n++;
-            if (n == k)
-                for (int j = k / 2 - 1; j >= 0; j--) sift_down(lp, ids, k, j);
-        } else if (v > lp[0]) {
-            lp[0] = v;
-            ids[0] = i;
-            sift_down(lp, ids, k, 0);
-        }
+    if (p->repeat_penalty > 0.0f && p->repeat_penalty != 1.0f) {
+        n = s->n_recent < ENG_RECENT_TOKENS ? s->n_recent : ENG_RECENT_TOKENS;
+        if (p->repeat_last_n < n) n = p->repeat_last_n > 0 ? p->repeat_last_n : 0;
+        for (int i = 0; i < n; i++)
+            recent[i] = s->recent[((uint32_t)s->n_recent - 1 - (uint32_t)i) % ENG_RECENT_TOKENS];
     }
-    if (n < k) {
-        k = n;
-        for (int j = k / 2 - 1; j >= 0; j--) sift_down(lp, ids, k, j);
-    }
-    /* Heap-sort ascending-worst to the end: afterwards lp[0] is the best. */
-    for (int end = k - 1; end > 0; end--) {
-        float tp = lp[0];
-        lp[0] = lp[end];
-        lp[end] = tp;
-        int32_t ti = ids[0];
-        ids[0] = ids[end];
-        ids[end] = ti;
-        sift_down(lp, ids, end, 0);
-    }
-    /* softmax over the sorted candidates */
-    const float mx = lp[0];
-    double sum = 0.0;
-    for (int i = 0; i < k; i++) {
-        lp[i] = expf(lp[i] - mx);
-        sum += lp[i];
-    }
-    int keep = k;
-    if (p->min_p > 0.0f) {
-        float floor_p = p->min_p * lp[0];
-        while (keep > 1 && lp[keep - 1] < floor_p) keep--;
-    }
-    if (p->top_p < 1.0f) {
-        double kept_sum = 0.0;
-        for (int i = 0; i < keep; i++) kept_sum += lp[i];
-        double acc = 0.0;
-        for (int i = 0; i < keep; i++) {
-            acc += lp[i];
-            if (acc >= p->top_p * kept_sum) {
-                keep = i + 1;
-                break;
-            }
-        }
-    }
-    sum = 0.0;
-    for (int i = 0; i < keep; i++) sum += lp[i];
-    double u = (double)(rng_next(s->rng) >> 11) * 0x1.0p-53 * sum, acc = 0.0;
-    int pick = keep - 1;
-    for (int i = 0; i < keep; i++) {
-        acc += lp[i];
-        if (u < acc) {
-            pick = i;
-            break;
-        }
-    }
-    *token = ids[pick];
+    const kern_sample_params sp = {.temperature = p->temperature, .top_k = p->top_k,
+                                   .top_p = p->top_p, .min_p = p->min_p,
+                                   .repeat_penalty = p->repeat_penalty};
+    /* kern_sample is also the reference of the CUDA sampler */
+    *token = kern_sample(s->logits, c->d.vocab, &sp, recent, n, s->rng, c->cand_p, c->cand_id);
     return KDS_OK;
 }

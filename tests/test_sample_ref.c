@@ -3,9 +3,11 @@
  * of the GPU sampler, draws exactly what the engine's eng_sample draws: the
  * same tokens from the same xoshiro256** stream, over greedy, temperature,
  * top-k, top-p, min-p, repetition penalty and their mixes, on logits with
- * many ties. This ties the GPU sampler's reference to the engine's code.
- * (eng_sample reads the sequence's last logits; the test writes its own
- * logits into the sequence through the engine-internal eng_seq.h.)
+ * many ties. eng_sample now calls kern_sample itself, so what this checks
+ * is the engine's side: the penalty window it passes (most recent first,
+ * repeat_last_n of the ring) and the sequence's RNG advancing exactly once
+ * per draw. (eng_sample reads the sequence's last logits; the test writes
+ * its own logits into the sequence through the engine-internal eng_seq.h.)
  */
 #include <criterion/criterion.h>
 
