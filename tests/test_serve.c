@@ -43,20 +43,24 @@ static void rm_tmp(const char *dir) {
 /* Start a server on store dir/db with extra options (NULL-terminated list
  * after the db), log in dir/server.log; fail the test with the log if it
  * does not come up. */
-static void start(ts_server *s, const char *dir, ...) {
+static void start_v(ts_server *s, const char *dir, va_list ap) {
     char db[512], log[512];
     snprintf(db, sizeof db, "%s/db", dir);
     snprintf(log, sizeof log, "%s/server.log", dir);
     const char *args[32] = {"--db", db};
     int n = 2;
-    va_list ap;
-    va_start(ap, dir);
     for (const char *a; n < 31 && (a = va_arg(ap, const char *));)
         args[n++] = a;
-    va_end(ap);
     args[n] = NULL;
     cr_assert(ts_start_log(s, args, log), "kdaserve serve did not start (exit %d); log:\n%s",
               s->status, s->log_tail);
+}
+
+static void start(ts_server *s, const char *dir, ...) {
+    va_list ap;
+    va_start(ap, dir);
+    start_v(s, dir, ap);
+    va_end(ap);
 }
 
 static void stop_clean(ts_server *s) {
@@ -85,16 +89,24 @@ static void expect_groups(ts_server *s, const char *groups, const char *extra) {
                  groups, extra ? extra : "", s->log_tail);
 }
 
-/* One group on a default server of its own. */
-static void one_group(const char *group) {
+/* Groups on a fresh server of their own, started with the options that
+ * follow (NULL-terminated); `extra`: more arguments for the script. */
+static void groups_on_server(const char *groups, const char *extra, ...) {
     need_node();
     char dir[64];
     make_tmp(dir, sizeof dir);
     ts_server s;
-    start(&s, dir, NULL);
-    expect_groups(&s, group, NULL);
+    va_list ap;
+    va_start(ap, extra);
+    start_v(&s, dir, ap);
+    va_end(ap);
+    expect_groups(&s, groups, extra);
     stop_clean(&s);
     rm_tmp(dir);
+}
+
+static void one_group(const char *group) {
+    groups_on_server(group, NULL, NULL);
 }
 
 TestSuite(serve, .timeout = 900);
@@ -214,40 +226,20 @@ Test(serve, auth_two_tenants) {
 /* Small limits: concurrent generations, message size, sessions in memory
  * (LRU eviction is invisible), connections. */
 Test(serve, limits) {
-    need_node();
-    char dir[64];
-    make_tmp(dir, sizeof dir);
-    ts_server s;
-    start(&s, dir, "--max-generations", "2", "--max-message", "65536", "--max-sessions", "3",
-          "--max-connections", "6", NULL);
-    expect_groups(&s, "limits", "--max-connections 6");
-    stop_clean(&s);
-    rm_tmp(dir);
+    groups_on_server("limits", "--max-connections 6", "--max-generations", "2", "--max-message",
+                     "65536", "--max-sessions", "3", "--max-connections", "6", NULL);
 }
 
 /* A short idle timeout and a small --max-tokens. */
 Test(serve, idle_timeout_and_max_tokens) {
-    need_node();
-    char dir[64];
-    make_tmp(dir, sizeof dir);
-    ts_server s;
-    start(&s, dir, "--idle-timeout", "2", "--max-tokens", "64", NULL);
-    expect_groups(&s, "maxtokens,idle", NULL);
-    stop_clean(&s);
-    rm_tmp(dir);
+    groups_on_server("maxtokens,idle", NULL, "--idle-timeout", "2", "--max-tokens", "64", NULL);
 }
 
 /* A client that stops reading: only its stream pauses (small
  * --max-pending so the pause comes soon after the socket buffers fill). */
 Test(serve, slow_reader_backpressure) {
-    need_node();
-    char dir[64];
-    make_tmp(dir, sizeof dir);
-    ts_server s;
-    start(&s, dir, "--max-pending", "4096", "--max-tokens", "1000000", NULL);
-    expect_groups(&s, "backpressure", NULL);
-    stop_clean(&s);
-    rm_tmp(dir);
+    groups_on_server("backpressure", NULL, "--max-pending", "4096", "--max-tokens", "1000000",
+                     NULL);
 }
 
 /* The load test runs (2 connections, a few tokens) and sees no error; its
