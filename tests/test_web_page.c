@@ -65,12 +65,14 @@ Test(web_page, browser_drives_the_page, .timeout = 600) {
     char db[sizeof dir + 8];
     snprintf(db, sizeof db, "%s/db", dir);
 
-    /* One compute thread: the machine is shared, and a slower stream gives
-     * the page's Stop button a long generation to interrupt. */
-    const char *args[] = {"--db",      db,
-                          "--model",   KDS_SOURCE_DIR "/models/default",
-                          "--www",     KDS_SOURCE_DIR "/web/www",
-                          "--threads", "1",
+    /* One compute thread (the machine is shared) and a high --max-tokens:
+     * the page's Stop button gets a generation of tens of seconds to
+     * interrupt, however fast this machine streams. */
+    const char *args[] = {"--db",         db,
+                          "--model",      KDS_SOURCE_DIR "/models/default",
+                          "--www",        KDS_SOURCE_DIR "/web/www",
+                          "--threads",    "1",
+                          "--max-tokens", "100000",
                           NULL};
     ts_server s;
     bool up = ts_start_log(&s, args, SERVER_LOG);

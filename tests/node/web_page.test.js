@@ -261,7 +261,7 @@ async function main() {
         await page.waitForSelector(tid('session-item') + '[data-session="' + stopName + '"][aria-selected="true"]');
         await page.fill(tid('set-temperature'), '0');
         await watchNextReply();
-        await send(prompt, 4000);
+        await send(prompt, 100000); // the server runs with --max-tokens 100000
         await page.waitForFunction(() => {
           const all = document.querySelectorAll('[data-testid="msg-assistant"]');
           const m = all[all.length - 1];

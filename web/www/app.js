@@ -382,6 +382,8 @@
     store.set('kds.session', name);
     renderList();
     clearSessionView();
+    // the last reply's summary belongs to the session it came from
+    if (!st.gen) setGenStatus('idle', '');
     el['chat-title'].textContent = name;
     el['sidebar'].classList.remove('open');
     el['btn-sidebar'].setAttribute('aria-expanded', 'false');
