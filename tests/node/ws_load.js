@@ -29,10 +29,15 @@ const http = require("http");
 const { KdsClient, nowMs, describe } = require("./ws_client.js");
 
 function usage(msg) {
+  const out = msg ? console.error : console.log;
   if (msg) console.error(`ws_load.js: ${msg}`);
-  console.error("usage: node ws_load.js --url ws://HOST:PORT/ [--conns 1,8,32,64] [--tokens 128] " +
-                "[--per-conn K] [--repeats R] [--seed S] [--prompt TEXT] [--token T] [--json FILE] [--markdown]");
-  process.exit(2);
+  out("usage: node ws_load.js --url ws://HOST:PORT/ [--conns 1,8,32,64] [--tokens 128] " +
+      "[--per-conn K] [--repeats R] [--seed S] [--prompt TEXT] [--token T] [--json FILE] [--markdown]\n" +
+      "  N connections per level (--conns), each with its own fresh session, all generating\n" +
+      "  --tokens tokens at once; prints aggregate and per-stream tokens/s, time to first\n" +
+      "  token and inter-token latency percentiles, the server's mean batch (/metrics) and\n" +
+      "  errors per level (docs/benchmarks.md). --token: auth token for an --auth-file server.");
+  process.exit(msg ? 2 : 0);
 }
 
 const opt = { conns: [1, 8, 32, 64], tokens: 128, perConn: 1, repeats: 1, seed: 1,
@@ -42,7 +47,8 @@ const opt = { conns: [1, 8, 32, 64], tokens: 128, perConn: 1, repeats: 1, seed: 
   for (let i = 0; i < a.length; i++) {
     const k = a[i];
     const v = () => (i + 1 < a.length ? a[++i] : usage(`${k} needs a value`));
-    if (k === "--url") opt.url = v();
+    if (k === "--help" || k === "-h") usage();
+    else if (k === "--url") opt.url = v();
     else if (k === "--conns") opt.conns = v().split(",").map(Number);
     else if (k === "--tokens") opt.tokens = Number(v());
     else if (k === "--per-conn") opt.perConn = Number(v());
