@@ -367,6 +367,67 @@ typedef struct kern_cuda_sample_args {
 
 kds_status kern_cuda_sample(const kern_cuda_sample_args *a, void *stream, kds_err *err);
 
+/* ------------------------------------------------------------------------ */
+/* Whole-model helpers (kern_cuda_model.cu; used by engine/eng_cuda.c)       */
+
+/*
+ * y[t, r] = sum_c x[t, c] * W[r, c]   (accumulate: y[t, r] += that sum)
+ * for t < T, r < rows: kern_matmul's product (PyTorch Linear, W [rows, cols]
+ * row-major in w_dtype F32 or BF16, fp32 activations and accumulation).
+ * Device pointers: W; x [T, ldx] fp32 (ldx >= cols); y [T, ldy] fp32
+ * (ldy >= rows, columns [rows, ldy) untouched). Nothing may alias y.
+ * A plain 16 x 16 shared-memory tiling on CUDA cores: correct first, not
+ * fast (no tensor cores, no cuBLAS). Agrees with kern_matmul up to
+ * summation order. Errors: KDS_INVALID_ARG (shape, dtype, NULL),
+ * KDS_UNSUPPORTED (T > 1048560), KDS_CUDA.
+ */
+typedef struct kern_cuda_matmul_args {
+    const void *W;
+    kern_dtype w_dtype;
+    int rows, cols;
+    const float *x;
+    int ldx, T;
+    float *y;
+    int ldy;
+    bool accumulate;
+} kern_cuda_matmul_args;
+
+kds_status kern_cuda_matmul(const kern_cuda_matmul_args *a, void *stream, kds_err *err);
+
+/*
+ * The KDA depthwise causal short convolution + SiLU over C = 2*n_qk + n_v
+ * channels (q | k | v), taps w [C, W] fp32 (last tap = current token):
+ *   slots == NULL (T tokens of one sequence): ext [W-1+T, C] holds the
+ *     sequence's conv tail (W-1 rows, oldest first) then the T new rows;
+ *     out_t = silu(sum_j w[:, j] * ext[t + j]). The caller moves the tail
+ *     on (ext rows T .. T+W-2).
+ *   slots != NULL (one token of each of T sequences): tails
+ *     [pool, W-1, C]; token t reads tails[slots[t]] and ext row W-1+t,
+ *     and that tail moves on by one row in place (slots must be distinct).
+ * Outputs q, k [T, n_qk] and v [T, n_v] fp32. Errors: KDS_INVALID_ARG,
+ * KDS_CUDA.
+ */
+typedef struct kern_cuda_conv_args {
+    int T, W, n_qk, n_v;
+    const float *ext, *w;
+    float *tails;
+    const int32_t *slots;
+    float *q, *k, *v;
+} kern_cuda_conv_args;
+
+kds_status kern_cuda_short_conv(const kern_cuda_conv_args *a, void *stream, kds_err *err);
+
+/* a[i] = silu(a[i]) * b[i] (kern_swiglu) and y[i] += x[i], n fp32 device
+ * values. Errors: KDS_INVALID_ARG (NULL with n > 0), KDS_CUDA. */
+kds_status kern_cuda_swiglu(float *a, const float *b, size_t n, void *stream, kds_err *err);
+kds_status kern_cuda_add(float *y, const float *x, size_t n, void *stream, kds_err *err);
+
+/* Page-locked host memory (cudaMallocHost) for fast, asynchronous copies;
+ * bytes == 0 gives NULL. Errors: KDS_INVALID_ARG, KDS_NOMEM, KDS_CUDA.
+ * kern_cuda_host_free(NULL) is a no-op. */
+kds_status kern_cuda_host_alloc(void **ptr, size_t bytes, kds_err *err);
+void kern_cuda_host_free(void *ptr);
+
 #ifdef __cplusplus
 }
 #endif

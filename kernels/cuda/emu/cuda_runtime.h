@@ -372,6 +372,8 @@ template <typename T> static inline cudaError_t cudaMalloc(T **p, size_t n) {
     return cudaMalloc((void **)p, n);
 }
 cudaError_t cudaFree(void *p);
+cudaError_t cudaMallocHost(void **p, size_t n);
+cudaError_t cudaFreeHost(void *p);
 cudaError_t cudaMemcpyAsync(void *d, const void *s, size_t n, cudaMemcpyKind k, cudaStream_t st = 0);
 cudaError_t cudaMemcpy(void *d, const void *s, size_t n, cudaMemcpyKind k);
 cudaError_t cudaMemsetAsync(void *d, int v, size_t n, cudaStream_t st = 0);
