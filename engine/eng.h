@@ -155,6 +155,17 @@ typedef struct eng_ctx_params {
     int kda_chunk;        /* WY chunk length of the prefill path; 0 = 64 */
     int max_seqs;         /* sequences per eng_decode_batch (sizes a [max_seqs, vocab]
                            * logits scratch and the row buffers); 0 = 64 */
+    /* NULL or "cpu" (default), or "cuda": eng_prefill / eng_decode /
+     * eng_decode_batch run the forward pass on the current CUDA device (the
+     * weights are uploaded once at eng_ctx_create). Pure-KDA models only
+     * for now. Each call copies the sequences' KDA states and conv tails to
+     * the device and back (pinned staging), so eng_seq always holds the
+     * current state and snapshots work unchanged; that costs two state
+     * copies per call. Sampling stays on the host. eng_ctx_create fails
+     * with KDS_UNSUPPORTED and a message when CUDA is not compiled in, no
+     * usable device is present, or the model has MLA layers; with
+     * KDS_INVALID_ARG for another name. */
+    const char *device;
 } eng_ctx_params;
 
 eng_ctx_params eng_ctx_default_params(void);
@@ -163,6 +174,8 @@ kds_status eng_ctx_create(const eng_model *m, const eng_ctx_params *p, eng_ctx *
                           kds_err *err);
 void eng_ctx_free(eng_ctx *c);
 int eng_ctx_threads(const eng_ctx *c);
+/* "cpu" or "cuda": where this context runs the forward pass. */
+const char *eng_ctx_device(const eng_ctx *c);
 
 /*
  * Feed `n` tokens through the prefill path (chunked KDA, batched matrix

@@ -27,6 +27,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "eng_cuda.h"
 #include "eng_pool.h"
 #include "eng_seq.h"
 
@@ -87,6 +88,7 @@ struct eng_ctx {
     mm_job jobs[MAX_MM_JOBS];
     mm_task tasks[MAX_MM_TASKS];
     int n_tasks;
+    eng_cuda *gpu;                       /* device "cuda": the forward pass runs there */
 };
 
 eng_ctx_params eng_ctx_default_params(void) {
@@ -644,6 +646,14 @@ static void forward(eng_ctx *c, eng_seq *const *seqs, int n_seqs, const int32_t 
     s->has_logits = 1;
 }
 
+/* forward() where the context runs it: the host, or the GPU (eng_cuda.c). */
+static kds_status run_forward(eng_ctx *c, eng_seq *const *seqs, int n_seqs, const int32_t *ids,
+                              int T, int chunked, float *logits, int want_last, kds_err *err) {
+    if (c->gpu) return eng__cuda_forward(c->gpu, seqs, n_seqs, ids, T, chunked, logits, want_last, err);
+    forward(c, seqs, n_seqs, ids, T, chunked, logits, want_last);
+    return KDS_OK;
+}
+
 kds_status eng_prefill(eng_ctx *c, eng_seq *s, const int32_t *ids, int64_t n, float *logits_all,
                        eng_progress_fn progress, void *user, kds_err *err) {
     if (s->model != c->m)
@@ -654,8 +664,10 @@ kds_status eng_prefill(eng_ctx *c, eng_seq *s, const int32_t *ids, int64_t n, fl
     if ((rc = eng__seq_reserve(s, s->pos + n, err)) != KDS_OK) return rc;
     for (int64_t done = 0; done < n;) {
         int T = n - done < c->max_batch ? (int)(n - done) : c->max_batch;
-        forward(c, &s, 1, ids + done, T, 1,
-                logits_all ? logits_all + (size_t)done * c->d.vocab : NULL, done + T == n);
+        rc = run_forward(c, &s, 1, ids + done, T, 1,
+                         logits_all ? logits_all + (size_t)done * c->d.vocab : NULL, done + T == n,
+                         err);
+        if (rc != KDS_OK) return rc;
         done += T;
         if (progress) progress(user, done, n);
     }
@@ -668,8 +680,7 @@ kds_status eng_decode(eng_ctx *c, eng_seq *s, int32_t id, kds_err *err) {
     kds_status rc = check_ids(c, &id, 1, err);
     if (rc != KDS_OK) return rc;
     if ((rc = eng__seq_reserve(s, s->pos + 1, err)) != KDS_OK) return rc;
-    forward(c, &s, 1, &id, 1, 0, NULL, 1);
-    return KDS_OK;
+    return run_forward(c, &s, 1, &id, 1, 0, NULL, 1, err);
 }
 
 kds_status eng_decode_batch(eng_ctx *c, eng_seq *const *seqs, const int32_t *ids, int n,
@@ -703,8 +714,7 @@ kds_status eng_decode_batch(eng_ctx *c, eng_seq *const *seqs, const int32_t *ids
         kds_status rc = eng__seq_reserve(seqs[i], seqs[i]->pos + 1, err);
         if (rc != KDS_OK) return rc;
     }
-    forward(c, seqs, n, ids, n, 0, NULL, 1);
-    return KDS_OK;
+    return run_forward(c, seqs, n, ids, n, 0, NULL, 1, err);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -815,6 +825,12 @@ kds_status eng_ctx_create(const eng_model *m, const eng_ctx_params *p, eng_ctx *
     }
 #undef ALLOC
     kds_status rc = eng_pool_create(c->n_threads, &c->pool, err);
+    if (rc == KDS_OK && p->device && strcmp(p->device, "cpu") != 0) {
+        if (strcmp(p->device, "cuda") == 0)
+            rc = eng__cuda_create(m, c->max_batch, c->max_seqs, &c->gpu, err);
+        else
+            rc = kds_err_set(err, KDS_INVALID_ARG, "unknown device '%s' (cpu or cuda)", p->device);
+    }
     if (rc != KDS_OK) {
         eng_ctx_free(c);
         return rc;
@@ -833,6 +849,7 @@ nomem:
 
 void eng_ctx_free(eng_ctx *c) {
     if (!c) return;
+    eng__cuda_free(c->gpu);
     eng_pool_free(c->pool);
     if (c->ts)
         for (int i = 0; i < c->n_threads; i++) {
@@ -859,6 +876,8 @@ void eng_ctx_free(eng_ctx *c) {
 }
 
 int eng_ctx_threads(const eng_ctx *c) { return c->n_threads; }
+
+const char *eng_ctx_device(const eng_ctx *c) { return c->gpu ? "cuda" : "cpu"; }
 
 int eng_ctx_max_seqs(const eng_ctx *c) { return c->max_seqs; }
 

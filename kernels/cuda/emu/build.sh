@@ -70,18 +70,20 @@ compile "$out/obj/emu.o" $CXX $cxxflags $inc -c kernels/cuda/emu/emu.cpp
 for f in "$out"/src/*.cpp; do
     compile "$out/obj/$(basename "$f" .cpp).o" $CXX $cxxflags $inc -c "$f"
 done
-for f in kernels/*.c kernels/cpu/*.c engine/eng_safetensors.c tests/test_cuda_*.c; do
+# the whole engine too: test_cuda_model.c runs whole models (engine/eng_cuda.c)
+for f in kernels/*.c kernels/cpu/*.c engine/*.c tests/test_cuda_*.c tests/test_model_util.c; do
     compile "$out/obj/c_$(basename "$f" .c).o" $CC $cflags $inc $defs \
-        $(pkg-config --cflags openblas libcjson criterion) -c "$f"
+        $(pkg-config --cflags openblas libcjson libxxhash libpcre2-8 criterion) -c "$f"
 done
 for p in "${pids[@]}"; do wait "$p"; done
-$CXX -o "$out/emu_tests" "${objs[@]}" $(pkg-config --libs openblas libcjson criterion) -lm
+$CXX -o "$out/emu_tests" "${objs[@]}" \
+    $(pkg-config --libs openblas libcjson libxxhash libpcre2-8 criterion) -lpthread -lm
 echo "built $out/emu_tests"
 # the benchmark program too (C compiled as C++ against the emulated runtime):
 # `emu_cuda_bench --tiny` smoke-tests its control flow
 kobjs=()
 for o in "${objs[@]}"; do
-    case $o in */c_test_*|*/c_eng_safetensors.o) ;; *) kobjs+=("$o") ;; esac
+    case $o in */c_test_*|*/c_eng_*.o) ;; *) kobjs+=("$o") ;; esac
 done
 $CXX -std=c++20 -fpermissive -w -O1 -x c++ $inc -DKDS_HAVE_CUDA=1 -c tests/bench/cuda_bench.c \
     -o "$out/obj/bench.o"

@@ -1,0 +1,602 @@
+/*
+ * eng_cuda.c - the whole-model forward pass on a CUDA GPU (eng_cuda.h):
+ * the layer sequence of forward() in eng_forward.c, op for op, on the
+ * kernels of kernels/kern_cuda.h. Pure-KDA models only for now.
+ *
+ * Per layer (x, xn, mix: [rows, hidden] fp32 on the device):
+ *   xn = rmsnorm(x)                                   kern_cuda_rmsnorm
+ *   ext[taps..] = [q | k | v]_proj(xn)                kern_cuda_matmul (ldy = conv_ch)
+ *   q, k, v = silu(conv(tail ++ ext))                 kern_cuda_short_conv
+ *   g_raw = f_b(f_a(xn)), beta_raw = b(xn), gz = g_b(g_a(xn))
+ *   o = KDA core (raw inputs)      prefill: kern_cuda_kda_prefill, decode: kern_cuda_kda_decode
+ *   o = rmsnorm(o) * o_norm * sigmoid(gz)             kern_cuda_rmsnorm (gated)
+ *   x += o_proj(o)                                    kern_cuda_matmul (accumulate)
+ *   xn = rmsnorm(x); x += FFN(xn)                     dense: matmul + kern_cuda_swiglu;
+ *                                                     MoE: kern_cuda_moe_route/gather/combine
+ * then the final norm and lm_head, and the logits copied back.
+ *
+ * The embedding rows are converted on the host and uploaded (T x hidden
+ * floats per call). The MoE's expert products are launched per active
+ * expert, which needs the expert offsets on the host: one small
+ * device-to-host copy per MoE layer (a sync point; a grouped product
+ * reading the offsets on the device removes it).
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "eng_cuda.h"
+
+#ifndef KDS_HAVE_CUDA
+
+kds_status eng__cuda_create(const eng_model *m, int max_batch, int max_seqs, eng_cuda **out,
+                            kds_err *err) {
+    (void)m, (void)max_batch, (void)max_seqs;
+    *out = NULL;
+    return kds_err_set(err, KDS_UNSUPPORTED,
+                       "device 'cuda': this kdaserve was built without CUDA (configure with "
+                       "nvcc on the PATH or CUDACXX set, and -DKDS_CUDA=ON)");
+}
+
+void eng__cuda_free(eng_cuda *g) { (void)g; }
+
+kds_status eng__cuda_forward(eng_cuda *g, eng_seq *const *seqs, int n_seqs, const int32_t *ids,
+                             int T, int chunked, float *logits, int want_last, kds_err *err) {
+    (void)g, (void)seqs, (void)n_seqs, (void)ids, (void)T, (void)chunked, (void)logits,
+        (void)want_last;
+    return kds_err_set(err, KDS_UNSUPPORTED, "this kdaserve was built without CUDA");
+}
+
+kds_status eng__cuda_state_upload(eng_cuda *g, int slot, const eng_seq *s, kds_err *err) {
+    (void)g, (void)slot, (void)s;
+    return kds_err_set(err, KDS_UNSUPPORTED, "this kdaserve was built without CUDA");
+}
+
+kds_status eng__cuda_state_download(eng_cuda *g, int slot, eng_seq *s, kds_err *err) {
+    (void)g, (void)slot, (void)s;
+    return kds_err_set(err, KDS_UNSUPPORTED, "this kdaserve was built without CUDA");
+}
+
+#else /* KDS_HAVE_CUDA */
+
+#include <math.h>
+
+#include "kern_cuda.h"
+
+#define MAX_ALLOCS 4096
+
+/* A matrix on the device, in its stored dtype. */
+typedef struct dweight {
+    const void *p;
+    kern_dtype dt;
+    int rows, cols;
+} dweight;
+
+typedef struct dlayer {
+    const float *in_norm, *post_norm; /* [hidden] */
+    /* KDA */
+    dweight q_proj, k_proj, v_proj, f_a, f_b, b_proj, g_a, g_b, o_proj;
+    const float *conv_w;             /* [conv_ch, W]: q, k, v taps stacked */
+    const float *A_log, *dt_bias, *o_norm;
+    /* FFN */
+    int is_moe;
+    dweight gate, up, down;          /* dense */
+    dweight router, sh_gate, sh_up, sh_down;
+    const float *router_bias;
+    dweight *w1, *w3, *w2;           /* [E] each (host array of device matrices) */
+} dlayer;
+
+struct eng_cuda {
+    const eng_model *m;
+    eng_dims d;
+    int B, max_batch, max_seqs, top_k, E, ffn_width, rank;
+    void *allocs[MAX_ALLOCS];
+    int n_allocs;
+    dweight lm_head;
+    const float *final_norm;
+    dlayer *layers;                  /* [num_hidden_layers] */
+    /* per-sequence state slots, per KDA layer: [max_seqs, HV, K, V], [max_seqs, taps, C] */
+    float **state, **tail;
+    int32_t *slots;                  /* [max_seqs] = 0, 1, 2, ... */
+    /* activations */
+    float *x, *xn, *ext, *q, *k, *v, *fa, *ga, *g, *beta, *gz, *o, *mix;
+    float *fa_buf, *fb_buf, *shared_out, *router, *selw, *xg, *yg, *logits;
+    int32_t *sel, *exp_off, *row_of, *tok_of;
+    void *ws;                        /* prefill workspace */
+    size_t ws_bytes;
+    /* host side */
+    float *h_stage;                  /* pinned: one sequence's state, or B x hidden embeddings */
+    size_t stage_floats;
+    int32_t *h_exp_off;              /* [E + 1] */
+};
+
+static kds_status dalloc(eng_cuda *g, void **p, size_t bytes, kds_err *err) {
+    *p = NULL;
+    if (g->n_allocs == MAX_ALLOCS)
+        return kds_err_set(err, KDS_UNSUPPORTED, "device 'cuda': model has too many tensors");
+    kds_status rc = kern_cuda_malloc(p, bytes ? bytes : 16, err);
+    if (rc == KDS_OK) g->allocs[g->n_allocs++] = *p;
+    return rc;
+}
+
+static kds_status up_bytes(eng_cuda *g, const void **dst, const void *src, size_t bytes,
+                           kds_err *err) {
+    void *p;
+    kds_status rc = dalloc(g, &p, bytes, err);
+    if (rc == KDS_OK && bytes) rc = kern_cuda_memcpy_h2d(p, src, bytes, NULL, err);
+    *dst = p;
+    return rc;
+}
+
+static kds_status up_w(eng_cuda *g, dweight *dw, const eng_weight *w, kds_err *err) {
+    *dw = (dweight){NULL, w->dt, w->rows, w->cols};
+    if (w->rows == 0) return KDS_OK;
+    if (w->dt != KERN_F32 && w->dt != KERN_BF16)
+        return kds_err_set(err, KDS_UNSUPPORTED,
+                           "device 'cuda': f16 weights are not supported yet (bf16 or f32 only)");
+    return up_bytes(g, &dw->p, w->data, (size_t)w->rows * w->cols * kern_dtype_size(w->dt), err);
+}
+
+static kds_status up_f(eng_cuda *g, const float **dst, const float *src, size_t n, kds_err *err) {
+    *dst = NULL;
+    if (!src) return KDS_OK;
+    return up_bytes(g, (const void **)dst, src, n * sizeof(float), err);
+}
+
+#define DALLOC(ptr, count)                                                                   \
+    do {                                                                                     \
+        void *p_;                                                                            \
+        if ((rc = dalloc(g, &p_, (size_t)(count) * sizeof *(ptr), err)) != KDS_OK) goto fail; \
+        (ptr) = p_;                                                                          \
+    } while (0)
+
+kds_status eng__cuda_create(const eng_model *m, int max_batch, int max_seqs, eng_cuda **out,
+                            kds_err *err) {
+    *out = NULL;
+    kds_err why;
+    kds_err_clear(&why);
+    if (!kern_cuda_available(&why))
+        return kds_err_set(err, KDS_UNSUPPORTED, "device 'cuda': no usable CUDA device (%s)",
+                           why.msg);
+    eng_dims dm;
+    eng__dims(&m->cfg, &dm);
+    if (dm.n_mla > 0)
+        return kds_err_set(err, KDS_UNSUPPORTED,
+                           "device 'cuda': the model has %d MLA layers; the GPU forward pass runs "
+                           "pure-KDA models only for now (use --device cpu)", dm.n_mla);
+    eng_cuda *g = calloc(1, sizeof *g);
+    if (!g) return kds_err_set(err, KDS_NOMEM, "out of memory creating a CUDA context");
+    kds_status rc = KDS_OK;
+    const eng_config *cfg = &m->cfg;
+    g->m = m;
+    g->d = dm;
+    const eng_dims *d = &g->d;
+    g->max_batch = max_batch;
+    g->max_seqs = max_seqs;
+    g->B = max_batch > max_seqs ? max_batch : max_seqs;
+    g->E = cfg->num_experts;
+    g->top_k = cfg->num_experts > 0 ? cfg->num_experts_per_token : 1;
+    int width = cfg->intermediate_size;
+    if (cfg->num_experts > 0) {
+        if (cfg->moe_intermediate_size > width) width = cfg->moe_intermediate_size;
+        if (cfg->moe_intermediate_size * cfg->num_shared_experts > width)
+            width = cfg->moe_intermediate_size * cfg->num_shared_experts;
+    }
+    g->ffn_width = width;
+    const int L = cfg->num_hidden_layers, taps = d->W - 1, C = d->conv_ch;
+    int rank = 1;
+    g->layers = calloc((size_t)L, sizeof *g->layers);
+    g->state = calloc((size_t)d->n_kda + 1, sizeof *g->state);
+    g->tail = calloc((size_t)d->n_kda + 1, sizeof *g->tail);
+    if (!g->layers || !g->state || !g->tail) {
+        rc = kds_err_set(err, KDS_NOMEM, "out of memory creating a CUDA context");
+        goto fail;
+    }
+    /* weights, as stored */
+    if ((rc = up_w(g, &g->lm_head, &m->lm_head, err)) != KDS_OK) goto fail;
+    if ((rc = up_f(g, &g->final_norm, m->final_norm, d->hidden, err)) != KDS_OK) goto fail;
+    float *conv_host = malloc((size_t)C * d->W * sizeof(float));
+    if (!conv_host) {
+        rc = kds_err_set(err, KDS_NOMEM, "out of memory creating a CUDA context");
+        goto fail;
+    }
+    for (int l = 0; l < L && rc == KDS_OK; l++) {
+        const eng_layer_weights *hw = &m->layers[l];
+        dlayer *dl = &g->layers[l];
+        const eng_kda_weights *k = &hw->kda;
+        const eng_ffn_weights *f = &hw->ffn;
+        if (k->f_a_proj.rows > rank) rank = k->f_a_proj.rows;
+        if (k->g_a_proj.rows > rank) rank = k->g_a_proj.rows;
+        memcpy(conv_host, k->q_conv, (size_t)d->kda_qk * d->W * sizeof(float));
+        memcpy(conv_host + (size_t)d->kda_qk * d->W, k->k_conv,
+               (size_t)d->kda_qk * d->W * sizeof(float));
+        memcpy(conv_host + (size_t)2 * d->kda_qk * d->W, k->v_conv,
+               (size_t)d->kda_v * d->W * sizeof(float));
+        if ((rc = up_f(g, &dl->in_norm, hw->input_layernorm, d->hidden, err)) ||
+            (rc = up_f(g, &dl->post_norm, hw->post_attention_layernorm, d->hidden, err)) ||
+            (rc = up_w(g, &dl->q_proj, &k->q_proj, err)) ||
+            (rc = up_w(g, &dl->k_proj, &k->k_proj, err)) ||
+            (rc = up_w(g, &dl->v_proj, &k->v_proj, err)) ||
+            (rc = up_w(g, &dl->f_a, &k->f_a_proj, err)) ||
+            (rc = up_w(g, &dl->f_b, &k->f_b_proj, err)) ||
+            (rc = up_w(g, &dl->b_proj, &k->b_proj, err)) ||
+            (rc = up_w(g, &dl->g_a, &k->g_a_proj, err)) ||
+            (rc = up_w(g, &dl->g_b, &k->g_b_proj, err)) ||
+            (rc = up_w(g, &dl->o_proj, &k->o_proj, err)) ||
+            (rc = up_f(g, &dl->conv_w, conv_host, (size_t)C * d->W, err)) ||
+            (rc = up_f(g, &dl->A_log, k->A_log, d->HV, err)) ||
+            (rc = up_f(g, &dl->dt_bias, k->dt_bias, (size_t)d->HV * d->K, err)) ||
+            (rc = up_f(g, &dl->o_norm, k->o_norm, d->V, err)))
+            break;
+        dl->is_moe = f->is_moe;
+        if (!f->is_moe) {
+            if ((rc = up_w(g, &dl->gate, &f->gate_proj, err)) ||
+                (rc = up_w(g, &dl->up, &f->up_proj, err)) ||
+                (rc = up_w(g, &dl->down, &f->down_proj, err)))
+                break;
+            continue;
+        }
+        if ((rc = up_w(g, &dl->router, &f->router, err)) ||
+            (rc = up_f(g, &dl->router_bias, f->router_bias, g->E, err)) ||
+            (rc = up_w(g, &dl->sh_gate, &f->sh_gate, err)) ||
+            (rc = up_w(g, &dl->sh_up, &f->sh_up, err)) ||
+            (rc = up_w(g, &dl->sh_down, &f->sh_down, err)))
+            break;
+        dl->w1 = calloc((size_t)3 * g->E, sizeof *dl->w1);
+        if (!dl->w1) {
+            rc = kds_err_set(err, KDS_NOMEM, "out of memory creating a CUDA context");
+            break;
+        }
+        dl->w3 = dl->w1 + g->E;
+        dl->w2 = dl->w3 + g->E;
+        for (int e = 0; e < g->E && rc == KDS_OK; e++)
+            if ((rc = up_w(g, &dl->w1[e], &f->w1[e], err)) == KDS_OK &&
+                (rc = up_w(g, &dl->w3[e], &f->w3[e], err)) == KDS_OK)
+                rc = up_w(g, &dl->w2[e], &f->w2[e], err);
+    }
+    free(conv_host);
+    if (rc != KDS_OK) goto fail;
+    g->rank = rank;
+    /* state slots */
+    for (int s = 0; s < d->n_kda; s++) {
+        DALLOC(g->state[s], (size_t)max_seqs * d->HV * d->K * d->V);
+        DALLOC(g->tail[s], (size_t)max_seqs * (taps > 0 ? taps : 1) * C);
+    }
+    DALLOC(g->slots, max_seqs);
+    /* activations */
+    const size_t B = (size_t)g->B, Bk = B * (size_t)g->top_k;
+    DALLOC(g->x, B * d->hidden);
+    DALLOC(g->xn, B * d->hidden);
+    DALLOC(g->mix, B * d->hidden);
+    DALLOC(g->ext, (B + taps) * C);
+    DALLOC(g->q, B * d->kda_qk);
+    DALLOC(g->k, B * d->kda_qk);
+    DALLOC(g->v, B * d->kda_v);
+    DALLOC(g->fa, B * rank);
+    DALLOC(g->ga, B * rank);
+    DALLOC(g->g, B * d->HV * d->K);
+    DALLOC(g->beta, B * d->HV);
+    DALLOC(g->gz, B * d->kda_v);
+    DALLOC(g->o, B * d->kda_v);
+    DALLOC(g->fa_buf, (Bk + B) * width);
+    DALLOC(g->fb_buf, (Bk + B) * width);
+    DALLOC(g->shared_out, B * d->hidden);
+    if (g->E > 0) {
+        DALLOC(g->router, B * g->E);
+        DALLOC(g->sel, Bk);
+        DALLOC(g->selw, Bk);
+        DALLOC(g->exp_off, g->E + 1);
+        DALLOC(g->row_of, Bk);
+        DALLOC(g->tok_of, Bk);
+        DALLOC(g->xg, Bk * d->hidden);
+        DALLOC(g->yg, Bk * d->hidden);
+        g->h_exp_off = malloc((size_t)(g->E + 1) * sizeof(int32_t));
+        if (!g->h_exp_off) {
+            rc = kds_err_set(err, KDS_NOMEM, "out of memory creating a CUDA context");
+            goto fail;
+        }
+    }
+    DALLOC(g->logits, B * d->vocab);
+    kern_kda_shape sh = {d->H, d->HV, d->K, d->V, 1.0f};
+    int chunks = (max_batch + 63) / 64;
+    if (chunks > 64) chunks = 64;
+    g->ws_bytes = kern_cuda_kda_prefill_workspace_bytes(&sh, chunks);
+    if ((rc = dalloc(g, &g->ws, g->ws_bytes, err)) != KDS_OK) goto fail;
+    /* host staging */
+    g->stage_floats = (size_t)d->n_kda * ((size_t)d->HV * d->K * d->V + (size_t)taps * C);
+    if (g->stage_floats < B * d->hidden) g->stage_floats = B * d->hidden;
+    if ((rc = kern_cuda_host_alloc((void **)&g->h_stage, g->stage_floats * sizeof(float), err)))
+        goto fail;
+    int32_t *ids = (int32_t *)g->h_stage; /* slot ids 0..max_seqs-1, staged once */
+    for (int i = 0; i < max_seqs; i++) ids[i] = i;
+    if ((rc = kern_cuda_memcpy_h2d(g->slots, ids, (size_t)max_seqs * sizeof(int32_t), NULL, err)) ||
+        (rc = kern_cuda_sync(NULL, err)))
+        goto fail;
+    *out = g;
+    return KDS_OK;
+fail:
+    eng__cuda_free(g);
+    return rc;
+}
+
+void eng__cuda_free(eng_cuda *g) {
+    if (!g) return;
+    for (int i = 0; i < g->n_allocs; i++) kern_cuda_free(g->allocs[i]);
+    if (g->layers)
+        for (int l = 0; l < g->m->cfg.num_hidden_layers; l++) free(g->layers[l].w1);
+    free(g->layers);
+    free(g->state);
+    free(g->tail);
+    free(g->h_exp_off);
+    kern_cuda_host_free(g->h_stage);
+    free(g);
+}
+
+/* ------------------------------------------------------------------------ */
+/* State hand-over                                                           */
+
+static kds_status check_slot(const eng_cuda *g, int slot, const eng_seq *s, kds_err *err) {
+    if (slot < 0 || slot >= g->max_seqs)
+        return kds_err_set(err, KDS_INVALID_ARG, "state slot %d outside [0, %d)", slot, g->max_seqs);
+    if (s->model != g->m)
+        return kds_err_set(err, KDS_INVALID_ARG, "sequence and CUDA context belong to different models");
+    return KDS_OK;
+}
+
+kds_status eng__cuda_state_upload(eng_cuda *g, int slot, const eng_seq *s, kds_err *err) {
+    kds_status rc = check_slot(g, slot, s, err);
+    if (rc != KDS_OK) return rc;
+    const eng_dims *d = &g->d;
+    const size_t sn = (size_t)d->HV * d->K * d->V, tn = (size_t)(d->W - 1) * d->conv_ch;
+    /* stage everything, then one copy per layer buffer */
+    memcpy(g->h_stage, s->kda_state, (size_t)d->n_kda * sn * sizeof(float));
+    memcpy(g->h_stage + (size_t)d->n_kda * sn, s->conv_tail, (size_t)d->n_kda * tn * sizeof(float));
+    for (int l = 0; l < d->n_kda && rc == KDS_OK; l++) {
+        rc = kern_cuda_memcpy_h2d(g->state[l] + (size_t)slot * sn, g->h_stage + (size_t)l * sn,
+                                  sn * sizeof(float), NULL, err);
+        if (rc == KDS_OK && tn)
+            rc = kern_cuda_memcpy_h2d(g->tail[l] + (size_t)slot * tn,
+                                      g->h_stage + (size_t)d->n_kda * sn + (size_t)l * tn,
+                                      tn * sizeof(float), NULL, err);
+    }
+    /* the staging buffer is reused at once: wait for the copies */
+    if (rc == KDS_OK) rc = kern_cuda_sync(NULL, err);
+    return rc;
+}
+
+kds_status eng__cuda_state_download(eng_cuda *g, int slot, eng_seq *s, kds_err *err) {
+    kds_status rc = check_slot(g, slot, s, err);
+    if (rc != KDS_OK) return rc;
+    const eng_dims *d = &g->d;
+    const size_t sn = (size_t)d->HV * d->K * d->V, tn = (size_t)(d->W - 1) * d->conv_ch;
+    for (int l = 0; l < d->n_kda && rc == KDS_OK; l++) {
+        rc = kern_cuda_memcpy_d2h(g->h_stage + (size_t)l * sn, g->state[l] + (size_t)slot * sn,
+                                  sn * sizeof(float), NULL, err);
+        if (rc == KDS_OK && tn)
+            rc = kern_cuda_memcpy_d2h(g->h_stage + (size_t)d->n_kda * sn + (size_t)l * tn,
+                                      g->tail[l] + (size_t)slot * tn, tn * sizeof(float), NULL, err);
+    }
+    if (rc == KDS_OK) rc = kern_cuda_sync(NULL, err);
+    if (rc != KDS_OK) return rc;
+    memcpy(s->kda_state, g->h_stage, (size_t)d->n_kda * sn * sizeof(float));
+    memcpy(s->conv_tail, g->h_stage + (size_t)d->n_kda * sn, (size_t)d->n_kda * tn * sizeof(float));
+    return KDS_OK;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Forward                                                                   */
+
+/* y [T, ldy] (+)= x [T, ldx] W^T */
+static kds_status mm(const dweight *w, const float *x, int ldx, int T, float *y, int ldy,
+                     bool acc, kds_err *err) {
+    kern_cuda_matmul_args a = {.W = w->p, .w_dtype = w->dt, .rows = w->rows, .cols = w->cols,
+                               .x = x, .ldx = ldx, .T = T, .y = y, .ldy = ldy, .accumulate = acc};
+    return kern_cuda_matmul(&a, NULL, err);
+}
+
+static kds_status norm_rows(const float *x, const float *w, int rows, int n, float eps, float *y,
+                            kds_err *err) {
+    kern_cuda_norm_args a = {.rows = rows, .n = n, .eps = eps, .x = x, .z = NULL,
+                             .z_dtype = KERN_F32, .w = w, .w_dtype = KERN_F32, .y = y,
+                             .y_dtype = KERN_F32};
+    return kern_cuda_rmsnorm(&a, NULL, err);
+}
+
+#define TRY(call)                                   \
+    do {                                            \
+        if ((rc = (call)) != KDS_OK) return rc;     \
+    } while (0)
+
+/* One KDA mixer: rows of xn -> x += mixer(xn). multi: one token of each of
+ * T sequences in slots 0..T-1; else T tokens of the sequence in slot 0. */
+static kds_status kda_layer(eng_cuda *g, const dlayer *L, int kl, int T, int multi, int chunked,
+                            kds_err *err) {
+    kds_status rc;
+    const eng_dims *d = &g->d;
+    const eng_config *cfg = &g->m->cfg;
+    const int C = d->conv_ch, taps = d->W - 1, hid = d->hidden;
+    float *in = g->ext + (size_t)taps * C;
+    /* kl: this layer's index among the KDA layers; one sequence uses slot 0 */
+    float *tail0 = g->tail[kl];
+    if (!multi && taps > 0)
+        TRY(kern_cuda_memcpy_d2d(g->ext, tail0, (size_t)taps * C * sizeof(float), NULL, err));
+    TRY(mm(&L->q_proj, g->xn, hid, T, in, C, false, err));
+    TRY(mm(&L->k_proj, g->xn, hid, T, in + d->kda_qk, C, false, err));
+    TRY(mm(&L->v_proj, g->xn, hid, T, in + 2 * d->kda_qk, C, false, err));
+    TRY(mm(&L->f_a, g->xn, hid, T, g->fa, L->f_a.rows, false, err));
+    TRY(mm(&L->b_proj, g->xn, hid, T, g->beta, d->HV, false, err));
+    TRY(mm(&L->g_a, g->xn, hid, T, g->ga, L->g_a.rows, false, err));
+    TRY(mm(&L->f_b, g->fa, L->f_a.rows, T, g->g, d->HV * d->K, false, err));
+    TRY(mm(&L->g_b, g->ga, L->g_a.rows, T, g->gz, d->kda_v, false, err));
+    kern_cuda_conv_args ca = {.T = T, .W = d->W, .n_qk = d->kda_qk, .n_v = d->kda_v,
+                              .ext = g->ext, .w = L->conv_w, .tails = multi ? g->tail[kl] : NULL,
+                              .slots = multi ? g->slots : NULL, .q = g->q, .k = g->k, .v = g->v};
+    TRY(kern_cuda_short_conv(&ca, NULL, err));
+    if (!multi && taps > 0)
+        TRY(kern_cuda_memcpy_d2d(tail0, g->ext + (size_t)T * C, (size_t)taps * C * sizeof(float),
+                                 NULL, err));
+    const kern_kda_shape sh = {d->H, d->HV, d->K, d->V, 1.0f / sqrtf((float)d->K)};
+    const float lb = cfg->has_gate_lower_bound ? cfg->gate_lower_bound : 0.0f;
+    if (chunked && !multi) {
+        kern_cuda_kda_prefill_args pa = {.shape = sh, .T = T, .in_dtype = KERN_F32, .raw = true,
+                                         .q = g->q, .k = g->k, .v = g->v, .g = g->g,
+                                         .beta = g->beta, .A_log = L->A_log,
+                                         .dt_bias = L->dt_bias, .lower_bound = lb,
+                                         .state = g->state[kl], .o = g->o,
+                                         .workspace = g->ws, .workspace_bytes = g->ws_bytes};
+        TRY(kern_cuda_kda_prefill(&pa, NULL, err));
+    } else {
+        kern_cuda_kda_decode_args da = {.shape = sh, .N = T, .in_dtype = KERN_F32, .q = g->q,
+                                        .k = g->k, .v = g->v, .g_raw = g->g, .beta_raw = g->beta,
+                                        .A_log = L->A_log, .dt_bias = L->dt_bias,
+                                        .lower_bound = lb, .state_pool = g->state[kl],
+                                        .pool_slots = g->max_seqs, .slots = g->slots, .o = g->o};
+        TRY(kern_cuda_kda_decode(&da, NULL, err));
+    }
+    kern_cuda_norm_args na = {.rows = T * d->HV, .n = d->V, .eps = cfg->rms_norm_eps, .x = g->o,
+                              .z = g->gz, .z_dtype = KERN_F32, .w = L->o_norm,
+                              .w_dtype = KERN_F32, .y = g->o, .y_dtype = KERN_F32};
+    TRY(kern_cuda_rmsnorm(&na, NULL, err));
+    return mm(&L->o_proj, g->o, d->kda_v, T, g->x, hid, true, err);
+}
+
+static kds_status moe_ffn(eng_cuda *g, const dlayer *L, int T, kds_err *err) {
+    kds_status rc;
+    const eng_config *cfg = &g->m->cfg;
+    const int E = g->E, k = g->top_k, hid = g->d.hidden;
+    const int inner = cfg->moe_intermediate_size, sh_inner = L->sh_gate.rows;
+    TRY(mm(&L->router, g->xn, hid, T, g->router, E, false, err));
+    kern_cuda_moe_route_args ra = {
+        .p = {.n_experts = E,
+              .top_k = k,
+              .n_group = cfg->use_grouped_topk && cfg->num_expert_group > 1 ? cfg->num_expert_group : 1,
+              .topk_group = cfg->topk_group,
+              .renormalize = cfg->moe_renormalize,
+              .routed_scaling_factor = cfg->routed_scaling_factor},
+        .T = T, .logits = g->router, .apply_sigmoid = true, .bias = L->router_bias,
+        .sel = g->sel, .w = g->selw, .exp_off = g->exp_off, .row_of = g->row_of,
+        .tok_of = g->tok_of};
+    TRY(kern_cuda_moe_route(&ra, NULL, err));
+    TRY(kern_cuda_moe_gather(g->xn, (size_t)hid * sizeof(float), g->tok_of, T * k, g->xg, NULL,
+                             err));
+    /* the expert offsets decide the launches: a sync point (see the top) */
+    TRY(kern_cuda_memcpy_d2h(g->h_exp_off, g->exp_off, (size_t)(E + 1) * sizeof(int32_t), NULL,
+                             err));
+    TRY(kern_cuda_sync(NULL, err));
+    float *sh_a = g->fa_buf + (size_t)T * k * inner, *sh_b = g->fb_buf + (size_t)T * k * inner;
+    if (sh_inner > 0) {
+        TRY(mm(&L->sh_gate, g->xn, hid, T, sh_a, sh_inner, false, err));
+        TRY(mm(&L->sh_up, g->xn, hid, T, sh_b, sh_inner, false, err));
+    }
+    for (int e = 0; e < E; e++) {
+        const int off = g->h_exp_off[e], n_e = g->h_exp_off[e + 1] - off;
+        if (n_e <= 0) continue;
+        TRY(mm(&L->w1[e], g->xg + (size_t)off * hid, hid, n_e, g->fa_buf + (size_t)off * inner,
+               inner, false, err));
+        TRY(mm(&L->w3[e], g->xg + (size_t)off * hid, hid, n_e, g->fb_buf + (size_t)off * inner,
+               inner, false, err));
+    }
+    TRY(kern_cuda_swiglu(g->fa_buf, g->fb_buf, (size_t)T * k * inner + (size_t)T * sh_inner, NULL,
+                         err));
+    if (sh_inner > 0) TRY(mm(&L->sh_down, sh_a, sh_inner, T, g->shared_out, hid, false, err));
+    for (int e = 0; e < E; e++) {
+        const int off = g->h_exp_off[e], n_e = g->h_exp_off[e + 1] - off;
+        if (n_e <= 0) continue;
+        TRY(mm(&L->w2[e], g->fa_buf + (size_t)off * inner, inner, n_e, g->yg + (size_t)off * hid,
+               hid, false, err));
+    }
+    TRY(kern_cuda_moe_combine(g->yg, g->row_of, g->selw, T, k, hid,
+                              sh_inner > 0 ? g->shared_out : NULL, g->mix, NULL, err));
+    return kern_cuda_add(g->x, g->mix, (size_t)T * hid, NULL, err);
+}
+
+static kds_status dense_ffn(eng_cuda *g, const dlayer *L, int T, kds_err *err) {
+    kds_status rc;
+    const int hid = g->d.hidden, inner = L->gate.rows;
+    TRY(mm(&L->gate, g->xn, hid, T, g->fa_buf, inner, false, err));
+    TRY(mm(&L->up, g->xn, hid, T, g->fb_buf, inner, false, err));
+    TRY(kern_cuda_swiglu(g->fa_buf, g->fb_buf, (size_t)T * inner, NULL, err));
+    return mm(&L->down, g->fa_buf, inner, T, g->x, hid, true, err);
+}
+
+/* The device part of a pass over T rows whose states sit in slots 0.. */
+static kds_status run_layers(eng_cuda *g, const int32_t *ids, int T, int multi, int chunked,
+                             float *dst, int first, kds_err *err) {
+    kds_status rc;
+    const eng_model *m = g->m;
+    const eng_config *cfg = &m->cfg;
+    const int hid = g->d.hidden;
+    const float eps = cfg->rms_norm_eps;
+    const size_t esz = kern_dtype_size(m->embed_tokens.dt);
+    for (int t = 0; t < T; t++)
+        kern_to_f32(m->embed_tokens.dt, (const char *)m->embed_tokens.data + (size_t)ids[t] * hid * esz,
+                    g->h_stage + (size_t)t * hid, (size_t)hid);
+    TRY(kern_cuda_memcpy_h2d(g->x, g->h_stage, (size_t)T * hid * sizeof(float), NULL, err));
+    for (int l = 0; l < cfg->num_hidden_layers; l++) {
+        const dlayer *L = &g->layers[l];
+        TRY(norm_rows(g->x, L->in_norm, T, hid, eps, g->xn, err));
+        TRY(kda_layer(g, L, g->d.layer_slot[l], T, multi, chunked, err));
+        TRY(norm_rows(g->x, L->post_norm, T, hid, eps, g->xn, err));
+        TRY(L->is_moe ? moe_ffn(g, L, T, err) : dense_ffn(g, L, T, err));
+    }
+    if (!dst) return kern_cuda_sync(NULL, err);
+    const int n = T - first;
+    TRY(norm_rows(g->x + (size_t)first * hid, g->final_norm, n, hid, eps, g->xn, err));
+    TRY(mm(&g->lm_head, g->xn, hid, n, g->logits, g->d.vocab, false, err));
+    TRY(kern_cuda_memcpy_d2h(dst, g->logits, (size_t)n * g->d.vocab * sizeof(float), NULL, err));
+    return kern_cuda_sync(NULL, err);
+}
+
+kds_status eng__cuda_forward(eng_cuda *g, eng_seq *const *seqs, int n_seqs, const int32_t *ids,
+                             int T, int chunked, float *logits, int want_last, kds_err *err) {
+    kds_status rc = KDS_OK;
+    const int multi = n_seqs > 1;
+    const int vocab = g->d.vocab;
+    if (T < 1 || T > (multi ? g->max_seqs : g->max_batch))
+        return kds_err_set(err, KDS_INVALID_ARG, "CUDA forward of %d rows (limit %d)", T,
+                           multi ? g->max_seqs : g->max_batch);
+    for (int i = 0; i < n_seqs && rc == KDS_OK; i++) rc = eng__cuda_state_upload(g, i, seqs[i], err);
+    if (rc != KDS_OK) return rc;
+    /* Logits land in a host buffer first so a failure leaves the
+     * sequences untouched: the caller's logits_all (one sequence), else the
+     * sequence's own logits row (last row only) or, across sequences, a
+     * temporary [T, vocab]. */
+    const int need = logits || want_last || multi;
+    const int first = logits || multi ? 0 : T - 1;
+    float *tmp = NULL, *dst = NULL;
+    if (need) {
+        if (logits) {
+            dst = logits;
+        } else {
+            tmp = malloc((size_t)(T - first) * vocab * sizeof(float));
+            if (!tmp) return kds_err_set(err, KDS_NOMEM, "out of memory for %d rows of logits", T);
+            dst = tmp;
+        }
+    }
+    rc = run_layers(g, ids, T, multi, chunked, dst, first, err);
+    for (int i = 0; i < n_seqs && rc == KDS_OK; i++) rc = eng__cuda_state_download(g, i, seqs[i], err);
+    if (rc != KDS_OK) {
+        free(tmp);
+        return rc;
+    }
+    /* the host bookkeeping of forward() */
+    for (int t = 0; t < T; t++) eng__seq_push_recent(seqs[multi ? t : 0], ids[t]);
+    if (multi)
+        for (int t = 0; t < T; t++) seqs[t]->pos++;
+    else
+        seqs[0]->pos += T;
+    if (!need) {
+        seqs[0]->has_logits = 0;
+    } else if (multi) {
+        for (int t = 0; t < T; t++) {
+            memcpy(seqs[t]->logits, dst + (size_t)t * vocab, (size_t)vocab * sizeof(float));
+            seqs[t]->has_logits = 1;
+        }
+    } else {
+        memcpy(seqs[0]->logits, dst + (size_t)(T - 1 - first) * vocab, (size_t)vocab * sizeof(float));
+        seqs[0]->has_logits = 1;
+    }
+    free(tmp);
+    return KDS_OK;
+}
+
+#endif /* KDS_HAVE_CUDA */

@@ -1,0 +1,249 @@
+/*
+ * The whole-model GPU forward pass (eng_ctx_params.device = "cuda",
+ * engine/eng_cuda.c) against the CPU engine on the generated "tiny" model
+ * (pure KDA + MoE, bf16 weights on both sides): logits of a prefill and of
+ * batched decode steps within 1e-4 of the largest logit, the same greedy
+ * tokens, the same states in host memory afterwards; the state hand-over
+ * to and from the device; and the refusals (no device, hybrid model,
+ * unknown device name). The GPU tests skip without a device; they also
+ * run under the CPU emulation (kernels/cuda/emu/build.sh), slowly.
+ */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "eng.h"
+#include "eng_genmodel.h"
+#include "eng_seq.h"
+#include "test_helpers.h"
+#include "test_model_util.h"
+#ifdef KDS_HAVE_CUDA
+#include "eng_cuda.h"
+#include "kern_cuda.h"
+#endif
+
+/* fp32 accumulation in another order through 4 layers and an lm_head */
+#define LOGIT_TOL 1e-4
+#define STATE_TOL 1e-4
+
+typedef struct fixture {
+    char *dir;
+    eng_model *m;
+    int vocab;
+} fixture;
+
+static fixture open_preset(const char *preset) {
+    fixture f = {0};
+    kds_err err = {0};
+    eng_config cfg;
+    cr_assert_eq(eng_genmodel_preset(preset, &cfg, &err), KDS_OK, "%s", err.msg);
+    f.dir = tmu_mkdtemp();
+    cr_assert(f.dir);
+    cr_assert_eq(eng_genmodel_write(&cfg, 7, KERN_BF16, f.dir, false, &err), KDS_OK, "%s", err.msg);
+    eng_model_params mp = eng_model_default_params();
+    mp.no_fingerprint_cache = true;
+    cr_assert_eq(eng_model_load(f.dir, &mp, &f.m, &err), KDS_OK, "%s", err.msg);
+    f.vocab = eng_model_config(f.m)->vocab_size;
+    return f;
+}
+
+static void close_fixture(fixture *f) {
+    eng_model_free(f->m);
+    tmu_rmtree(f->dir);
+    free(f->dir);
+}
+
+static eng_ctx *make_ctx(const eng_model *m, const char *device, kds_status *rc, kds_err *err) {
+    eng_ctx_params cp = eng_ctx_default_params();
+    cp.n_threads = 1;
+    cp.max_batch = 64;
+    cp.max_seqs = 4;
+    cp.device = device;
+    eng_ctx *c = NULL;
+    *rc = eng_ctx_create(m, &cp, &c, err);
+    return c;
+}
+
+/* Without a usable device (or without CUDA compiled in) a "cuda" context is
+ * refused with KDS_UNSUPPORTED and a message that says why. */
+Test(cuda_model, no_device_is_unsupported) {
+#ifdef KDS_HAVE_CUDA
+    kds_err probe = {0};
+    if (kern_cuda_available(&probe)) cr_skip_test("a CUDA device is present: nothing to refuse");
+#endif
+    fixture f = open_preset("tiny");
+    kds_err err = {0};
+    kds_status rc;
+    eng_ctx *c = make_ctx(f.m, "cuda", &rc, &err);
+    cr_expect_eq(rc, KDS_UNSUPPORTED, "status %d: %s", (int)rc, err.msg);
+    cr_expect_null(c);
+    cr_expect(strstr(err.msg, "cuda") != NULL, "message does not name the device: '%s'", err.msg);
+    eng_ctx_free(c);
+    close_fixture(&f);
+}
+
+/* An unknown device name is a caller error; "cpu" is the CPU engine. */
+Test(cuda_model, device_names) {
+    fixture f = open_preset("tiny");
+    kds_err err = {0};
+    kds_status rc;
+    eng_ctx *c = make_ctx(f.m, "tpu", &rc, &err);
+    cr_expect_eq(rc, KDS_INVALID_ARG);
+    cr_expect(strstr(err.msg, "tpu") != NULL, "message: '%s'", err.msg);
+    cr_expect_null(c);
+    c = make_ctx(f.m, "cpu", &rc, &err);
+    cr_assert_eq(rc, KDS_OK, "%s", err.msg);
+    cr_expect_str_eq(eng_ctx_device(c), "cpu");
+    eng_ctx_free(c);
+    close_fixture(&f);
+}
+
+#ifdef KDS_HAVE_CUDA
+
+static void require_device(void) {
+    kds_err err = {0};
+    if (!kern_cuda_available(&err)) cr_skip_test("no CUDA device: %s", err.msg);
+}
+
+static void prompt(int32_t *ids, int n, int vocab, uint32_t seed) {
+    for (int i = 0; i < n; i++) {
+        seed = seed * 1664525u + 1013904223u;
+        ids[i] = (int32_t)((seed >> 8) % (uint32_t)vocab);
+    }
+}
+
+static int argmax(const float *x, int n) {
+    int best = 0;
+    for (int i = 1; i < n; i++)
+        if (x[i] > x[best]) best = i;
+    return best;
+}
+
+/* the largest error / largest magnitude seen by expect_close, for the log */
+static double worst_ratio;
+
+static void expect_close(const float *gpu, const float *cpu, size_t n, double tol, const char *what,
+                         int step) {
+    double ref, diff = th_max_abs_diff(gpu, cpu, n, &ref);
+    double ratio = diff / (ref > 1.0 ? ref : 1.0);
+    if (ratio > worst_ratio || isnan(ratio)) worst_ratio = ratio;
+    cr_expect_leq(diff, tol * (ref > 1.0 ? ref : 1.0), "%s (step %d): GPU-CPU max error %g, largest %g",
+                  what, step, diff, ref);
+}
+
+/* A prefill (every position's logits), then 8 batched decode steps of 3
+ * sequences and one single decode: the GPU follows the CPU. */
+Test(cuda_model, logits_match_cpu, .timeout = 3600) {
+    require_device();
+    fixture f = open_preset("tiny");
+    kds_err err = {0};
+    kds_status rc;
+    eng_ctx *cc = make_ctx(f.m, NULL, &rc, &err);
+    cr_assert_eq(rc, KDS_OK, "%s", err.msg);
+    eng_ctx *gc = make_ctx(f.m, "cuda", &rc, &err);
+    cr_assert_eq(rc, KDS_OK, "%s", err.msg);
+    cr_expect_str_eq(eng_ctx_device(gc), "cuda");
+    const int V = f.vocab, n_seqs = 3, lens[3] = {40, 9, 1};
+    eng_seq *cs[3], *gs[3];
+    int32_t ids[40];
+    float *la_c = malloc((size_t)40 * V * sizeof(float)), *la_g = malloc((size_t)40 * V * sizeof(float));
+    cr_assert(la_c && la_g);
+    for (int i = 0; i < n_seqs; i++) {
+        cr_assert_eq(eng_seq_create(f.m, (uint64_t)i, &cs[i], &err), KDS_OK, "%s", err.msg);
+        cr_assert_eq(eng_seq_create(f.m, (uint64_t)i, &gs[i], &err), KDS_OK, "%s", err.msg);
+        prompt(ids, lens[i], V, 40u + (uint32_t)i);
+        cr_assert_eq(eng_prefill(cc, cs[i], ids, lens[i], i == 0 ? la_c : NULL, NULL, NULL, &err),
+                     KDS_OK, "%s", err.msg);
+        cr_assert_eq(eng_prefill(gc, gs[i], ids, lens[i], i == 0 ? la_g : NULL, NULL, NULL, &err),
+                     KDS_OK, "%s", err.msg);
+        if (i == 0) expect_close(la_g, la_c, (size_t)40 * V, LOGIT_TOL, "prefill, every position", 0);
+        expect_close(eng_seq_logits(gs[i]), eng_seq_logits(cs[i]), V, LOGIT_TOL, "prefill", i);
+        cr_expect_eq(argmax(eng_seq_logits(gs[i]), V), argmax(eng_seq_logits(cs[i]), V),
+                     "sequence %d: greedy token after the prefill differs", i);
+    }
+    for (int step = 0; step < 8; step++) {
+        int32_t next[3];
+        for (int i = 0; i < n_seqs; i++) {
+            next[i] = argmax(eng_seq_logits(cs[i]), V);
+            cr_expect_eq(argmax(eng_seq_logits(gs[i]), V), next[i],
+                         "step %d, sequence %d: greedy tokens differ", step, i);
+        }
+        cr_assert_eq(eng_decode_batch(cc, cs, next, n_seqs, &err), KDS_OK, "%s", err.msg);
+        cr_assert_eq(eng_decode_batch(gc, gs, next, n_seqs, &err), KDS_OK, "%s", err.msg);
+        for (int i = 0; i < n_seqs; i++)
+            expect_close(eng_seq_logits(gs[i]), eng_seq_logits(cs[i]), V, LOGIT_TOL, "batched decode",
+                         step);
+    }
+    int32_t id = argmax(eng_seq_logits(cs[1]), V);
+    cr_assert_eq(eng_decode(cc, cs[1], id, &err), KDS_OK, "%s", err.msg);
+    cr_assert_eq(eng_decode(gc, gs[1], id, &err), KDS_OK, "%s", err.msg);
+    expect_close(eng_seq_logits(gs[1]), eng_seq_logits(cs[1]), V, LOGIT_TOL, "single decode", 8);
+    cr_log_info("cuda_model: largest GPU-CPU error / largest magnitude %g (limit %g)", worst_ratio,
+                LOGIT_TOL);
+    /* the states came back to host memory after every call */
+    const eng_dims *d = &cs[0]->d;
+    for (int i = 0; i < n_seqs; i++) {
+        cr_expect_eq(gs[i]->pos, cs[i]->pos, "sequence %d: positions differ", i);
+        cr_expect_eq(gs[i]->n_recent, cs[i]->n_recent);
+        expect_close(gs[i]->kda_state, cs[i]->kda_state, (size_t)d->n_kda * d->HV * d->K * d->V,
+                     STATE_TOL, "KDA states", i);
+        expect_close(gs[i]->conv_tail, cs[i]->conv_tail, (size_t)d->n_kda * (d->W - 1) * d->conv_ch,
+                     STATE_TOL, "conv tails", i);
+        eng_seq_free(cs[i]);
+        eng_seq_free(gs[i]);
+    }
+    free(la_c);
+    free(la_g);
+    eng_ctx_free(gc);
+    eng_ctx_free(cc);
+    close_fixture(&f);
+}
+
+/* A sequence's state goes to a device slot and back unchanged, bit for bit;
+ * bad slots are refused. */
+Test(cuda_model, state_hand_over_round_trip) {
+    require_device();
+    fixture f = open_preset("tiny");
+    kds_err err = {0};
+    kds_status rc;
+    eng_ctx *cc = make_ctx(f.m, NULL, &rc, &err);
+    cr_assert_eq(rc, KDS_OK, "%s", err.msg);
+    eng_seq *a, *b;
+    cr_assert_eq(eng_seq_create(f.m, 1, &a, &err), KDS_OK, "%s", err.msg);
+    cr_assert_eq(eng_seq_create(f.m, 2, &b, &err), KDS_OK, "%s", err.msg);
+    int32_t ids[12];
+    prompt(ids, 12, f.vocab, 5);
+    cr_assert_eq(eng_prefill(cc, a, ids, 12, NULL, NULL, NULL, &err), KDS_OK, "%s", err.msg);
+    eng_cuda *g = NULL;
+    cr_assert_eq(eng__cuda_create(f.m, 16, 4, &g, &err), KDS_OK, "%s", err.msg);
+    cr_assert_eq(eng__cuda_state_upload(g, 2, a, &err), KDS_OK, "%s", err.msg);
+    cr_assert_eq(eng__cuda_state_download(g, 2, b, &err), KDS_OK, "%s", err.msg);
+    const eng_dims *d = &a->d;
+    cr_expect_eq(memcmp(a->kda_state, b->kda_state, (size_t)d->n_kda * d->HV * d->K * d->V * 4), 0,
+                 "KDA states changed on the way");
+    cr_expect_eq(memcmp(a->conv_tail, b->conv_tail, (size_t)d->n_kda * (d->W - 1) * d->conv_ch * 4),
+                 0, "conv tails changed on the way");
+    cr_expect_eq(eng__cuda_state_upload(g, 4, a, &err), KDS_INVALID_ARG);
+    cr_expect_eq(eng__cuda_state_download(g, -1, b, &err), KDS_INVALID_ARG);
+    eng__cuda_free(g);
+    eng_seq_free(a);
+    eng_seq_free(b);
+    eng_ctx_free(cc);
+    close_fixture(&f);
+}
+
+/* Models with MLA layers are refused, naming the reason. */
+Test(cuda_model, hybrid_refused) {
+    require_device();
+    fixture f = open_preset("tiny-hybrid");
+    kds_err err = {0};
+    kds_status rc;
+    eng_ctx *c = make_ctx(f.m, "cuda", &rc, &err);
+    cr_expect_eq(rc, KDS_UNSUPPORTED, "status %d: %s", (int)rc, err.msg);
+    cr_expect(strstr(err.msg, "MLA") != NULL, "message: '%s'", err.msg);
+    cr_expect_null(c);
+    close_fixture(&f);
+}
+
+#endif /* KDS_HAVE_CUDA */
