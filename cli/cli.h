@@ -46,5 +46,10 @@ double cli_now(void);
 /* Load model + context with the common options; prints what went wrong. */
 int cli_open(const char *cmd, const char *model_dir, int threads, int max_batch, eng_model **m,
              eng_ctx **c);
+/* cli_open on a device: NULL or "cpu", or "cuda" (eng_ctx_params.device). */
+int cli_open_on(const char *cmd, const char *model_dir, int threads, int max_batch,
+                const char *device, eng_model **m, eng_ctx **c);
+/* true for "cpu" and "cuda", the values --device takes */
+bool cli_device_valid(const char *device);
 
 #endif

@@ -96,6 +96,15 @@ double cli_now(void) {
 
 int cli_open(const char *cmd, const char *model_dir, int threads, int max_batch, eng_model **m,
              eng_ctx **c) {
+    return cli_open_on(cmd, model_dir, threads, max_batch, NULL, m, c);
+}
+
+bool cli_device_valid(const char *device) {
+    return strcmp(device, "cpu") == 0 || strcmp(device, "cuda") == 0;
+}
+
+int cli_open_on(const char *cmd, const char *model_dir, int threads, int max_batch,
+                const char *device, eng_model **m, eng_ctx **c) {
     kds_err err = {0};
     eng_model_params mp = eng_model_default_params();
     mp.progress = true;
@@ -103,6 +112,7 @@ int cli_open(const char *cmd, const char *model_dir, int threads, int max_batch,
     eng_ctx_params cp = eng_ctx_default_params();
     cp.n_threads = threads;
     if (max_batch > 0) cp.max_batch = max_batch;
+    cp.device = device;
     if (eng_ctx_create(*m, &cp, c, &err) != KDS_OK) {
         eng_model_free(*m);
         *m = NULL;

@@ -33,6 +33,7 @@ enum {
     OPT_IGNORE_EOS,
     OPT_LOGITS_OUT,
     OPT_SEQS,
+    OPT_DEVICE,
 };
 
 /* Print a token's bytes; control bytes other than newline and tab are shown
@@ -52,6 +53,7 @@ static void generate_usage(FILE *f) {
             "usage: kdaserve generate [--model DIR] --prompt TEXT [--max-tokens N] [--seed S]\n"
             "                         [--temperature T] [--top-k K] [--top-p P] [--min-p M]\n"
             "                         [--repeat-penalty R] [--threads N] [--ignore-eos]\n"
+            "                         [--device cpu|cuda]\n"
             "                         [--logits-out FILE] [--session NAME [--db DIR]]\n\n"
             "Feeds the prompt through the prefill path, then samples up to N tokens\n"
             "(default 128) through the decode path, printing them as they come.\n"
@@ -74,6 +76,8 @@ static void generate_usage(FILE *f) {
             "  --min-p M            drop tokens below M x the best one's probability (default 0.05)\n"
             "  --repeat-penalty R   penalise the last 64 tokens, 1 = off (default 1)\n"
             "  --threads N          worker threads (default: all CPUs)\n"
+            "  --device cpu|cuda    where the forward pass runs (default cpu; cuda: pure-KDA\n"
+            "                       models on the current GPU, sampling on the host)\n"
             "  --ignore-eos         do not stop at the end-of-sequence token\n"
             "  --logits-out FILE    write the logits each generated token was sampled from\n"
             "                       (safetensors: 'ids' I32 [n], 'logits' F32 [n, vocab])\n"
@@ -118,8 +122,10 @@ int cmd_generate(int argc, char **argv) {
         {"db", required_argument, 0, OPT_DB}, {"session", required_argument, 0, OPT_SESSION},
         {"ignore-eos", no_argument, 0, OPT_IGNORE_EOS},
         {"logits-out", required_argument, 0, OPT_LOGITS_OUT},
+        {"device", required_argument, 0, OPT_DEVICE},
         {0, 0, 0, 0}};
     const char *model = NULL, *prompt = NULL, *db = NULL, *session = NULL, *logits_out = NULL;
+    const char *device = NULL;
     bool ignore_eos = false;
     int64_t max_tokens = 128, seed = 0, threads = 0;
     eng_sampler_params sp = eng_sampler_default_params();
@@ -133,6 +139,11 @@ int cmd_generate(int argc, char **argv) {
         case OPT_SESSION: session = optarg; break;
         case OPT_IGNORE_EOS: ignore_eos = true; break;
         case OPT_LOGITS_OUT: logits_out = optarg; break;
+        case OPT_DEVICE:
+            if (!cli_device_valid(optarg))
+                return cli_failf("generate", "--device wants cpu or cuda, got '%s'", optarg);
+            device = optarg;
+            break;
         case OPT_MAXTOK:
             if (!cli_parse_i64(optarg, 0, INT32_MAX, &max_tokens))
                 return cli_failf("generate", "--max-tokens wants a count >= 0, got '%s'", optarg);
@@ -190,7 +201,7 @@ int cmd_generate(int argc, char **argv) {
         rc = 1;
         goto out;
     }
-    if ((rc = cli_open("generate", dir, (int)threads, 0, &m, &c))) goto out;
+    if ((rc = cli_open_on("generate", dir, (int)threads, 0, device, &m, &c))) goto out;
     const eng_tokenizer *tok = eng_model_tokenizer(m);
     const int vocab = eng_model_config(m)->vocab_size;
     size_t plen = strlen(prompt);
@@ -489,7 +500,8 @@ out:
 
 static void bench_usage(FILE *f) {
     fprintf(f, "usage: kdaserve bench [--model DIR] [--prompt-tokens N] [--gen-tokens N]\n"
-               "                      [--repeats R] [--threads N] [--batch B] [--seqs N,N,...]\n\n"
+               "                      [--repeats R] [--threads N] [--batch B] [--seqs N,N,...]\n"
+               "                      [--device cpu|cuda]\n\n"
                "Measures prefill tokens/s (N random tokens through the prefill path, default\n"
                "512) and decode tokens/s (N tokens one at a time after that prompt, default\n"
                "128), best of R runs (default 3), and prints them with the model, thread\n"
@@ -498,7 +510,9 @@ static void bench_usage(FILE *f) {
                "different prompts (--prompt-tokens each) decode --gen-tokens greedy tokens\n"
                "each, once together (one eng_decode_batch per step) and once one after\n"
                "another (eng_decode for each sequence in turn, every step), and prints the\n"
-               "aggregate tokens/s of both. --batch B is the prefill batch, not this.\n");
+               "aggregate tokens/s of both. --batch B is the prefill batch, not this.\n\n"
+               "--device cuda runs the forward pass on the GPU (pure-KDA models; each call\n"
+               "copies the sequences' states to the device and back, included in the times).\n");
 }
 
 static int cmp_double(const void *a, const void *b) {
@@ -612,8 +626,9 @@ int cmd_bench(int argc, char **argv) {
         {"threads", required_argument, 0, OPT_THREADS},
         {"batch", required_argument, 0, OPT_BATCH},
         {"seqs", required_argument, 0, OPT_SEQS},
+        {"device", required_argument, 0, OPT_DEVICE},
         {"help", no_argument, 0, 'h'}, {0, 0, 0, 0}};
-    const char *model = NULL;
+    const char *model = NULL, *device = NULL;
     int64_t pt = 512, gt = 128, reps = 3, threads = 0, batch = 0;
     int seq_counts[MAX_SEQ_COUNTS], n_counts = 0;
     optind = 1;
@@ -623,6 +638,10 @@ int cmd_bench(int argc, char **argv) {
                        : o == OPT_BATCH ? &batch : NULL;
         if (o == 'm') {
             model = optarg;
+        } else if (o == OPT_DEVICE) {
+            if (!cli_device_valid(optarg))
+                return cli_failf("bench", "--device wants cpu or cuda, got '%s'", optarg);
+            device = optarg;
         } else if (o == OPT_SEQS) {
             if (!parse_seq_counts(optarg, seq_counts, &n_counts))
                 return cli_failf("bench",
@@ -649,7 +668,7 @@ int cmd_bench(int argc, char **argv) {
     eng_seq *s = NULL;
     int32_t *ids = NULL;
     double *pre = NULL, *dec = NULL;
-    int rc = cli_open("bench", dir, (int)threads, (int)batch, &m, &c);
+    int rc = cli_open_on("bench", dir, (int)threads, (int)batch, device, &m, &c);
     if (rc) return rc;
     kds_err err = {0};
     const eng_config *cfg = eng_model_config(m);
@@ -695,6 +714,7 @@ int cmd_bench(int argc, char **argv) {
            cfg->num_experts_per_token, cfg->vocab_size);
     printf("state        %zu bytes fixed + %zu bytes/token\n", z.fixed, z.per_token);
     printf("threads      %d\n", eng_ctx_threads(c));
+    printf("device       %s\n", eng_ctx_device(c));
     printf("prefill      %.1f tokens/s  (%lld tokens, best of %lld; median %.1f)\n",
            pre[reps - 1], (long long)pt, (long long)reps, pre[reps / 2]);
     printf("decode       %.1f tokens/s  (%lld tokens after the prompt, best of %lld; "
@@ -709,6 +729,7 @@ int cmd_bench(int argc, char **argv) {
             cp.n_threads = (int)threads;
             if (batch > 0) cp.max_batch = (int)batch;
             cp.max_seqs = most;
+            cp.device = device;
             eng_ctx_free(c);
             c = NULL;
             if (eng_ctx_create(m, &cp, &c, &err) != KDS_OK) goto fail;
