@@ -15,7 +15,7 @@
 #
 # --bundle: configures build-gpu-bundle/ with CUDA for sm_90a only and
 # without -march=native (the GPU host's CPU is unknown), builds
-# kdaserve_tests and kds_cuda_bench, and packs them with the shared
+# kdaserve_tests, kds_cuda_bench and kdaserve, and packs them with the shared
 # libraries they need (glibc and the CUDA driver excepted) and the golden
 # KDA files into .gpu-bundle/bundle.tar.xz (~15 MB; the tree plus carried
 # paths must stay under the tool's 64 MiB).
@@ -23,7 +23,9 @@
 # Results (at most 8 files, as the device tool returns): gpu_check.log
 # (everything), nvidia-smi.txt, tests.log, golden_cpu.log, sanitizer.log,
 # ncu.txt (Nsight Compute: speed-of-light, occupancy and launch statistics
-# of the prefill and decode kernels), bench.md, summary.txt. The last lines
+# of the prefill and decode kernels), bench.md (the kernel benchmarks, then
+# `kdaserve bench --device cuda` and `--device cpu` on a generated tiny
+# model: the whole-model GPU pass end to end), summary.txt. The last lines
 # printed are the summary and the benchmark tables.
 # Exit status: 0 all passed; 1 a test or check failed; 2 no GPU here;
 # 3 no binaries (bundle unusable and the build failed).
@@ -67,15 +69,15 @@ if [ "${1:-}" = "--bundle" ]; then
         -DCMAKE_CUDA_ARCHITECTURES=90a >"$bdir/configure.log" 2>&1 || true
     grep -q "CUDA kernels ON" "$bdir/configure.log" ||
         { echo "gpu_check --bundle: CMake did not enable CUDA (see $bdir/configure.log)" >&2; exit 3; }
-    cmake --build "$bdir" -j"${JOBS:-2}" --target kdaserve_tests kds_cuda_bench
+    cmake --build "$bdir" -j"${JOBS:-2}" --target kdaserve_tests kds_cuda_bench kdaserve
     stage=$bdir/stage
     rm -rf "$stage"
     mkdir -p "$stage/bin" "$stage/lib" "$stage/golden"
-    cp "$bdir/kdaserve_tests" "$bdir/kds_cuda_bench" "$stage/bin/"
+    cp "$bdir/kdaserve_tests" "$bdir/kds_cuda_bench" "$bdir/kdaserve" "$stage/bin/"
     # every shared library but glibc's own, the C++ runtime (any newer one
     # serves, and the GPU machine's tools need theirs) and the CUDA driver
     # (the GPU machine's must be used)
-    ldd "$stage/bin/kdaserve_tests" "$stage/bin/kds_cuda_bench" | awk '/=> \//{print $3}' | sort -u |
+    ldd "$stage/bin/kdaserve_tests" "$stage/bin/kds_cuda_bench" "$stage/bin/kdaserve" | awk '/=> \//{print $3}' | sort -u |
         while read -r lib; do
             case $(basename "$lib") in
             libc.so.* | libm.so.* | libpthread.so.* | libdl.so.* | librt.so.* | libresolv.so.* | \
@@ -187,7 +189,7 @@ if [ -z "$BIN" ]; then
     mkdir -p "$bdir"
     if CUDACXX=$nvcc timeout 300 cmake -S . -B "$bdir" -DCMAKE_BUILD_TYPE=Release \
         -DCMAKE_CUDA_ARCHITECTURES=90a >"$bdir/build.log" 2>&1 &&
-        timeout 300 cmake --build "$bdir" -j"$(nproc)" --target kdaserve_tests kds_cuda_bench \
+        timeout 300 cmake --build "$bdir" -j"$(nproc)" --target kdaserve_tests kds_cuda_bench kdaserve \
             >>"$bdir/build.log" 2>&1; then
         BIN=$bdir
         note "binaries: built here ($((SECONDS - t0)) s)"
@@ -248,6 +250,42 @@ else
         note "FAIL bench: exit $rc (partial results in bench.md)"
     fi
 fi
+# ---- the whole model on the GPU: kdaserve bench --device cuda on a generated tiny model ----
+# (tiny is a correctness run end to end, not a speed figure for real models;
+# appended to bench.md; older bundles have no kdaserve and skip this)
+if [ -x "$BIN/kdaserve" ] && [ $((SECONDS - t0)) -lt 280 ]; then
+    mdir=${TMPDIR:-/tmp}/kds-gpu-check-tiny
+    rm -rf "$mdir"
+    say "model bench: kdaserve bench --device cuda / cpu on a generated tiny model"
+    if timeout 30 env LD_LIBRARY_PATH="$BIN_LD" "$BIN/kdaserve" gen-model --preset tiny \
+        --out "$mdir" >/dev/null 2>&1; then
+        mb_fail=0
+        for dev in cuda cpu; do
+            {
+                echo
+                echo "## kdaserve bench --device $dev (generated tiny model)"
+                echo
+                echo '```'
+            } >>"$out/bench.md"
+            timeout 40 env LD_LIBRARY_PATH="$BIN_LD" "$BIN/kdaserve" bench --model "$mdir" \
+                --device $dev --prompt-tokens 256 --gen-tokens 32 --repeats 2 --seqs 8 \
+                >"$mdir.txt" 2>&1 || mb_fail=1
+            cat "$mdir.txt" >>"$out/bench.md"
+            echo '```' >>"$out/bench.md"
+            say "  $dev: $(grep -E '^(prefill|decode) |N=' "$mdir.txt" | tr -s ' ' | cut -c1-60 | paste -sd';')"
+        done
+        if [ $mb_fail -eq 0 ]; then note "model bench: done (bench.md)"; else
+            failed=1
+            note "FAIL model bench: kdaserve bench exited non-zero (see bench.md)"
+        fi
+    else
+        note "model bench: gen-model failed, not run"
+    fi
+    rm -rf "$mdir" "$mdir.txt"
+else
+    note "model bench: not run (no kdaserve in the binaries, or out of time)"
+fi
+
 # ---- Nsight Compute: where the prefill's and the decode's time goes --------------------
 : >"$out/ncu.txt"
 ncu=$(cuda_tool ncu || true)
