@@ -137,3 +137,11 @@ Test(cli, dry_run_reports_48b_sizes) {
     cr_expect(strstr(out, "49,122,681,728"), "parameter count: %s", out);
     cr_expect(strstr(out, "KDA state 40.00 MiB"), "state size: %s", out);
 }
+
+Test(cli, device_flag_refuses_unknown_names) {
+    char out[4096];
+    cr_expect_eq(run(out, sizeof out, KDASERVE " bench --device tpu 2>&1"), 1);
+    cr_expect(strstr(out, "--device wants cpu or cuda, got 'tpu'"), "%s", out);
+    cr_expect_eq(run(out, sizeof out, KDASERVE " generate --device gpu --prompt x 2>&1"), 1);
+    cr_expect(strstr(out, "--device wants cpu or cuda, got 'gpu'"), "%s", out);
+}
