@@ -107,6 +107,7 @@ struct eng_cuda {
     float *h_stage;                  /* pinned: one sequence's state, or B x hidden embeddings */
     size_t stage_floats;
     int32_t *h_exp_off;              /* [E + 1] */
+    float *h_logits;                 /* pinned [max_seqs, vocab]: logits before they go to the seqs */
 };
 
 static kds_status dalloc(eng_cuda *g, void **p, size_t bytes, kds_err *err) {
@@ -306,6 +307,9 @@ kds_status eng__cuda_create(const eng_model *m, int max_batch, int max_seqs, eng
     if (g->stage_floats < B * d->hidden) g->stage_floats = B * d->hidden;
     if ((rc = kern_cuda_host_alloc((void **)&g->h_stage, g->stage_floats * sizeof(float), err)))
         goto fail;
+    if ((rc = kern_cuda_host_alloc((void **)&g->h_logits,
+                                   (size_t)max_seqs * d->vocab * sizeof(float), err)))
+        goto fail;
     int32_t *ids = (int32_t *)g->h_stage; /* slot ids 0..max_seqs-1, staged once */
     for (int i = 0; i < max_seqs; i++) ids[i] = i;
     if ((rc = kern_cuda_memcpy_h2d(g->slots, ids, (size_t)max_seqs * sizeof(int32_t), NULL, err)) ||
@@ -328,6 +332,7 @@ void eng__cuda_free(eng_cuda *g) {
     free(g->tail);
     free(g->h_exp_off);
     kern_cuda_host_free(g->h_stage);
+    kern_cuda_host_free(g->h_logits);
     free(g);
 }
 
@@ -557,27 +562,14 @@ kds_status eng__cuda_forward(eng_cuda *g, eng_seq *const *seqs, int n_seqs, cons
     for (int i = 0; i < n_seqs && rc == KDS_OK; i++) rc = eng__cuda_state_upload(g, i, seqs[i], err);
     if (rc != KDS_OK) return rc;
     /* Logits land in a host buffer first so a failure leaves the
-     * sequences untouched: the caller's logits_all (one sequence), else the
-     * sequence's own logits row (last row only) or, across sequences, a
-     * temporary [T, vocab]. */
+     * sequences untouched: the caller's logits_all (one sequence), else
+     * h_logits (the last row of one sequence, or one row per sequence). */
     const int need = logits || want_last || multi;
     const int first = logits || multi ? 0 : T - 1;
-    float *tmp = NULL, *dst = NULL;
-    if (need) {
-        if (logits) {
-            dst = logits;
-        } else {
-            tmp = malloc((size_t)(T - first) * vocab * sizeof(float));
-            if (!tmp) return kds_err_set(err, KDS_NOMEM, "out of memory for %d rows of logits", T);
-            dst = tmp;
-        }
-    }
+    float *dst = !need ? NULL : logits ? logits : g->h_logits;
     rc = run_layers(g, ids, T, multi, chunked, dst, first, err);
     for (int i = 0; i < n_seqs && rc == KDS_OK; i++) rc = eng__cuda_state_download(g, i, seqs[i], err);
-    if (rc != KDS_OK) {
-        free(tmp);
-        return rc;
-    }
+    if (rc != KDS_OK) return rc;
     /* the host bookkeeping of forward() */
     for (int t = 0; t < T; t++) eng__seq_push_recent(seqs[multi ? t : 0], ids[t]);
     if (multi)
@@ -595,7 +587,6 @@ kds_status eng__cuda_forward(eng_cuda *g, eng_seq *const *seqs, int n_seqs, cons
         memcpy(seqs[0]->logits, dst + (size_t)(T - 1 - first) * vocab, (size_t)vocab * sizeof(float));
         seqs[0]->has_logits = 1;
     }
-    free(tmp);
     return KDS_OK;
 }
 
