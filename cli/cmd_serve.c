@@ -16,7 +16,8 @@
 static void serve_usage(FILE *f) {
     fprintf(f,
             "usage: kdaserve serve [--model DIR] [--db DIR] [--listen HOST:PORT]\n"
-            "                      [--auth-file FILE] [--www DIR] [limits...] [--threads N]\n\n"
+            "                      [--auth-file FILE] [--www DIR] [limits...] [--threads N]\n"
+            "                      [--device cpu|cuda]\n\n"
             "Serve sessions over WebSocket (protocol kdaserve.v1, docs/protocol.md) and the\n"
             "web chat page at http://HOST:PORT/ (Prometheus metrics at /metrics). Sessions\n"
             "live in the same snapshot store as `kdaserve chat`; every turn is saved as it\n"
@@ -45,11 +46,13 @@ static void serve_usage(FILE *f) {
             "  --idle-timeout S       ping a silent connection after S s, drop it when it\n"
             "                         does not answer (default 300)\n"
             "  --threads N            compute threads (default: all CPUs)\n"
+            "  --device cpu|cuda      where the model runs (default cpu; cuda: pure-KDA\n"
+            "                         models, see kernels/cuda/README.md)\n"
             "  --quiet                no log lines\n");
 }
 
 enum { OPT_DB = 1000, OPT_LISTEN, OPT_AUTH, OPT_WWW, OPT_MAXMSG, OPT_MAXCONN, OPT_MAXSESS,
-       OPT_MAXGEN, OPT_MAXTOK, OPT_MAXPEND, OPT_IDLE, OPT_THREADS, OPT_QUIET };
+       OPT_MAXGEN, OPT_MAXTOK, OPT_MAXPEND, OPT_IDLE, OPT_THREADS, OPT_QUIET, OPT_DEVICE };
 
 /* Signals reach the process in any thread (OpenBLAS starts threads before
  * main, so blocking them everywhere is not possible): the handler only
@@ -103,6 +106,7 @@ int cmd_serve(int argc, char **argv) {
         {"idle-timeout", required_argument, 0, OPT_IDLE},
         {"threads", required_argument, 0, OPT_THREADS},
         {"quiet", no_argument, 0, OPT_QUIET},
+        {"device", required_argument, 0, OPT_DEVICE},
         {"help", no_argument, 0, 'h'},
         {0, 0, 0, 0}};
     web_params p = web_default_params();
@@ -118,6 +122,11 @@ int cmd_serve(int argc, char **argv) {
         case OPT_AUTH: p.auth_file = optarg; break;
         case OPT_WWW: www = optarg; break;
         case OPT_QUIET: p.quiet = true; break;
+        case OPT_DEVICE:
+            if (strcmp(optarg, "cpu") && strcmp(optarg, "cuda"))
+                return cli_failf("serve", "--device must be cpu or cuda, not '%s'", optarg);
+            p.ctx.device = optarg;
+            break;
         case 'h': serve_usage(stdout); return 0;
         case OPT_MAXMSG:
             if (!cli_parse_i64(optarg, 64, (int64_t)1 << 30, &v))
