@@ -124,7 +124,7 @@ int cmd_serve(int argc, char **argv) {
         case OPT_QUIET: p.quiet = true; break;
         case OPT_DEVICE:
             if (strcmp(optarg, "cpu") && strcmp(optarg, "cuda"))
-                return cli_failf("serve", "--device must be cpu or cuda, not '%s'", optarg);
+                return cli_failf("serve", "--device wants cpu or cuda, got '%s'", optarg);
             p.ctx.device = optarg;
             break;
         case 'h': serve_usage(stdout); return 0;

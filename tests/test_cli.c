@@ -144,4 +144,6 @@ Test(cli, device_flag_refuses_unknown_names) {
     cr_expect(strstr(out, "--device wants cpu or cuda, got 'tpu'"), "%s", out);
     cr_expect_eq(run(out, sizeof out, KDASERVE " generate --device gpu --prompt x 2>&1"), 1);
     cr_expect(strstr(out, "--device wants cpu or cuda, got 'gpu'"), "%s", out);
+    cr_expect_eq(run(out, sizeof out, KDASERVE " serve --device npu 2>&1"), 1);
+    cr_expect(strstr(out, "--device wants cpu or cuda, got 'npu'"), "%s", out);
 }
