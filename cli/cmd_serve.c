@@ -218,7 +218,10 @@ int cmd_serve(int argc, char **argv) {
                 sess_store_dir(st), www ? www : "none (no web/www found; --www DIR)");
     }
     /* the line tests and scripts wait for (the port is known now) */
-    printf("listening on http://%s/ port %d\n", p.listen, web_server_port(srv));
+    const char *colon = strrchr(p.listen, ':'); /* HOST:PORT, checked by web_server_create */
+    int host_len = colon ? (int)(colon - p.listen) : (int)strlen(p.listen);
+    printf("listening on http://%.*s:%d/ port %d\n", host_len, p.listen, web_server_port(srv),
+           web_server_port(srv));
     fflush(stdout);
     rc = web_server_run(srv, &err) == KDS_OK ? 0 : cli_fail("serve", &err);
     signal(SIGINT, SIG_DFL);
