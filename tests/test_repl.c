@@ -20,6 +20,7 @@
 #include "sess_internal.h"
 #include "test_helpers.h"
 #include "test_model_util.h"
+#include "test_sess_util.h"
 
 #define CHAT KDS_BINARY_DIR "/kdaserve chat --model " KDS_SOURCE_DIR "/models/default --threads 1"
 
@@ -364,38 +365,6 @@ Test(repl, ingest_large_file_shows_progress, .timeout = 600) {
     rm_tmp();
 }
 
-/* Flip one byte of the LMDB data file inside the record of session
- * `name`'s head snapshot, as test_sess_refuse.c does: damage below LMDB. */
-static void corrupt_head(const char *db, const char *name) {
-    sess_store *st = NULL;
-    kds_err e = {0};
-    sess_params sp = sess_default_params();
-    cr_assert_eq(sess_open(db, &sp, &st, &e), KDS_OK, "%s", e.msg);
-    sess_session_info si;
-    cr_assert_eq(sess_session_get(st, name, &si, &e), KDS_OK, "%s", e.msg);
-    unsigned char k[8];
-    sess__key64(k, si.head);
-    void *rec = NULL;
-    size_t len = 0;
-    cr_assert_eq(sess__raw_get(st, "snapshots", k, 8, &rec, &len, &e), KDS_OK, "%s", e.msg);
-    sess_close(st);
-    char *path = tmu_path(db, "data.mdb");
-    size_t n;
-    char *file = tmu_read(path, &n);
-    cr_assert(file && len > 256);
-    unsigned char *at = memmem(file, n, rec, 256); /* records are contiguous; 256 bytes unique */
-    cr_assert(at, "snapshot record not found in %s", path);
-    size_t pos = (size_t)(at - (unsigned char *)file) + len - len / 3; /* in the payload */
-    int fd = open(path, O_WRONLY);
-    cr_assert_geq(fd, 0);
-    unsigned char b = (unsigned char)file[pos] ^ 0x10;
-    cr_assert_eq(pwrite(fd, &b, 1, (off_t)pos), 1);
-    close(fd);
-    free(file);
-    free(path);
-    free(rec);
-}
-
 Test(repl, corrupt_snapshot_is_one_line_and_repl_goes_on, .timeout = 120) {
     make_tmp();
     static char out[65536], err[8192];
@@ -405,7 +374,7 @@ Test(repl, corrupt_snapshot_is_one_line_and_repl_goes_on, .timeout = 120) {
                  0, "%s", err);
     cr_assert_eq(chat("--session bad --max-tokens 4", "Hello\n", out, sizeof out, err, sizeof err),
                  0, "%s", err);
-    corrupt_head(db, "bad");
+    tsu_corrupt_head(db, "bad");
     /* /open of it: one line naming the session and the reason; still in
      * 'good', which takes the next turn */
     int rc = chat("--session good --max-tokens 4", "/open bad\n/stats\nAgain\n/stats\n", out,

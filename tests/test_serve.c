@@ -16,6 +16,7 @@
 
 #include "test_helpers.h"
 #include "test_serve_util.h"
+#include "test_sess_util.h"
 
 #define PROTO_JS TS_NODE_DIR "/ws_protocol.test.js"
 #define LOAD_JS TS_NODE_DIR "/ws_load.js"
@@ -240,6 +241,29 @@ Test(serve, idle_timeout_and_max_tokens) {
 Test(serve, slow_reader_backpressure) {
     groups_on_server("backpressure", NULL, "--max-pending", "4096", "--max-tokens", "1000000",
                      NULL);
+}
+
+/* A snapshot damaged on disk (one byte of data.mdb flipped) is refused
+ * with the code corrupt by open, generate and restore, changes nothing,
+ * and the server goes on serving the other sessions. */
+Test(serve, corrupt_snapshot_refused) {
+    need_node();
+    char dir[64], db[128], cmd[1024];
+    make_tmp(dir, sizeof dir);
+    snprintf(db, sizeof db, "%s/db", dir);
+    for (int i = 0; i < 2; i++) {
+        snprintf(cmd, sizeof cmd,
+                 TS_KDASERVE " generate --db %s --session %s --prompt 'It is a truth' "
+                             "--max-tokens 8 >/dev/null 2>&1",
+                 db, i ? "bad" : "good");
+        cr_assert_eq(th_system(cmd), 0, "%s", cmd);
+    }
+    tsu_corrupt_head(db, "bad");
+    ts_server s;
+    start(&s, dir, NULL);
+    expect_groups(&s, "corrupt", NULL);
+    stop_clean(&s);
+    rm_tmp(dir);
 }
 
 /* The load test runs (2 connections, a few tokens) and sees no error; its

@@ -100,32 +100,6 @@ static void put_snapshot(sess_store *st, uint64_t id, const void *v, size_t n) {
     cr_assert_eq(sess__raw_put(st, "snapshots", k, 8, v, n, &err), KDS_OK, "%s", err.msg);
 }
 
-/* Flip one byte of the LMDB data file where snapshot `rec` lies (at
- * `offset` into the record): damage as a disk or a stray write would do it,
- * below LMDB. */
-static void flip_in_file(const char *db, const unsigned char *rec, size_t rec_len,
-                         size_t offset) {
-    char *path = tmu_path(db, "data.mdb");
-    size_t n;
-    char *file = tmu_read(path, &n);
-    cr_assert(file, "read %s", path);
-    cr_assert_gt(rec_len, 256);
-    /* records are stored contiguously (LMDB overflow pages); their first
-     * 256 bytes are unique (fingerprint, time, checksums) */
-    unsigned char *at = memmem(file, n, rec, 256);
-    cr_assert(at, "snapshot record not found in %s", path);
-    cr_assert_eq(memcmp(at, rec, rec_len), 0);
-    size_t pos = (size_t)(at - (unsigned char *)file) + offset;
-    int fd = open(path, O_WRONLY);
-    cr_assert_geq(fd, 0);
-    unsigned char b = (unsigned char)file[pos] ^ 0x10;
-    cr_assert_eq(pwrite(fd, &b, 1, (off_t)pos), 1);
-    fsync(fd);
-    close(fd);
-    free(file);
-    free(path);
-}
-
 static void flipped_byte_in_lmdb_file(size_t (*where)(size_t len), const char *why) {
     char *tmp = tmu_mkdtemp();
     char *db = tmu_path(tmp, "db");
@@ -136,7 +110,7 @@ static void flipped_byte_in_lmdb_file(size_t (*where)(size_t len), const char *w
     size_t n;
     unsigned char *rec = raw_snapshot(st, h[1], &n);
     sess_close(st);
-    flip_in_file(db, rec, n, where(n));
+    tsu_flip_in_file(db, rec, n, where(n));
     st = tsu_open_store(db);
     expect_refused(st, &f, h[1], KDS_CORRUPT, why);
     expect_loads(st, &f, h[0]);

@@ -8,16 +8,19 @@
 #define TEST_SESS_UTIL_H
 
 #include <criterion/criterion.h>
+#include <fcntl.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include "eng.h"
 #include "eng_config.h"
 #include "eng_safetensors.h"
 #include "sess.h"
+#include "sess_internal.h"
 #include "test_model_util.h"
 
 #define TSU_KDASERVE KDS_BINARY_DIR "/kdaserve"
@@ -139,6 +142,58 @@ static inline float *tsu_read_logits(const char *path, int64_t *rows, int64_t *v
 /* Strip one trailing newline (generate ends its text with one). */
 static inline void tsu_chomp(char *s, size_t *n) {
     if (*n && s[*n - 1] == '\n') s[--*n] = '\0';
+}
+
+/* Flip one byte of the LMDB data file where snapshot record `rec` lies (at
+ * `offset` into the record): damage as a disk or a stray write would do it,
+ * below LMDB. Records are stored contiguously (LMDB overflow pages) and
+ * their first 256 bytes are unique (fingerprint, time, checksums). */
+static inline unsigned char *tsu_find(const char *hay, size_t n, const unsigned char *needle,
+                                      size_t m) {
+    for (size_t i = 0; m <= n && i <= n - m; i++)
+        if ((unsigned char)hay[i] == needle[0] && !memcmp(hay + i, needle, m))
+            return (unsigned char *)hay + i;
+    return NULL;
+}
+
+static inline void tsu_flip_in_file(const char *db, const unsigned char *rec, size_t rec_len,
+                                    size_t offset) {
+    char *path = tmu_path(db, "data.mdb");
+    size_t n;
+    char *file = tmu_read(path, &n);
+    cr_assert(file, "read %s", path);
+    cr_assert_gt(rec_len, 256);
+    unsigned char *at = tsu_find(file, n, rec, 256);
+    cr_assert(at, "snapshot record not found in %s", path);
+    cr_assert_eq(memcmp(at, rec, rec_len), 0);
+    size_t pos = (size_t)(at - (unsigned char *)file) + offset;
+    int fd = open(path, O_WRONLY);
+    cr_assert_geq(fd, 0);
+    unsigned char b = (unsigned char)file[pos] ^ 0x10;
+    cr_assert_eq(pwrite(fd, &b, 1, (off_t)pos), 1);
+    fsync(fd);
+    close(fd);
+    free(file);
+    free(path);
+}
+
+/* Damage the payload of session `name`'s head snapshot in store `db` (which
+ * no process may have open). */
+static inline void tsu_corrupt_head(const char *db, const char *name) {
+    sess_store *st = NULL;
+    kds_err e = {0};
+    sess_params sp = sess_default_params();
+    cr_assert_eq(sess_open(db, &sp, &st, &e), KDS_OK, "%s", e.msg);
+    sess_session_info si;
+    cr_assert_eq(sess_session_get(st, name, &si, &e), KDS_OK, "%s", e.msg);
+    unsigned char k[8];
+    sess__key64(k, si.head);
+    void *rec = NULL;
+    size_t len = 0;
+    cr_assert_eq(sess__raw_get(st, "snapshots", k, 8, &rec, &len, &e), KDS_OK, "%s", e.msg);
+    sess_close(st);
+    tsu_flip_in_file(db, rec, len, len - len / 3); /* in the payload */
+    free(rec);
 }
 
 #endif

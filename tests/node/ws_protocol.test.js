@@ -40,8 +40,8 @@ const { KdsClient, PROTOCOL, describe, encode, nowMs } = require("./ws_client.js
 // ---- command line ----
 const ALL_DEFAULT = ["basic", "generate", "resume", "msgpack", "cancel", "concurrent",
                      "disconnect", "malformed"];
-const ALL_GROUPS = [...ALL_DEFAULT, "auth", "limits", "maxtokens", "idle", "backpressure", "restart",
-                    "shutdown"];
+const ALL_GROUPS = [...ALL_DEFAULT, "auth", "limits", "maxtokens", "idle", "backpressure", "corrupt",
+                    "restart", "shutdown"];
 
 function usage(msg) {
   if (msg) console.error(`ws_protocol.test.js: ${msg}`);
@@ -1411,6 +1411,27 @@ async function groupMaxTokens() {
 }
 
 // ======================================================================
+// corrupt (the store holds sessions "good" and "bad", bad's head damaged on disk)
+// ======================================================================
+async function groupCorrupt() {
+  const c = await connect();
+  await check("a damaged snapshot is refused with code corrupt, naming it; the rest of the store works", async () => {
+    const bad = await listed(c, "bad");
+    ok(bad, "the session 'bad' is not listed (the test prepares it)");
+    const o = isError(await c.request({ op: "open", session: "bad" }), "corrupt", "open of the damaged session");
+    ok(/checksum/.test(o.message), `the message does not name the checksum: ${o.message}`);
+    isError(await c.request({ op: "generate", session: "bad", text: " x", max_tokens: 2 }), "corrupt",
+            "generate on the damaged session");
+    isError(await c.request({ op: "restore", snapshot: bad.head }), "corrupt", "restore of the damaged snapshot");
+    const g = await greedy(c, "good", " again", 4);
+    ok(g.done.reason === "length" || g.done.reason === "stop", `good session: ${g.done.reason}`);
+    const again = await listed(c, "bad");
+    eq(again && again.head, bad.head, "the damaged session's head after the refusals");
+  });
+  await closeAll();
+}
+
+// ======================================================================
 // backpressure (server started with a small --max-pending and a large --max-tokens)
 // ======================================================================
 async function groupBackpressure() {
@@ -1547,6 +1568,7 @@ const GROUPS = { basic: groupBasic, generate: groupGenerate, resume: groupResume
                  cancel: groupCancel, concurrent: groupConcurrent, disconnect: groupDisconnect,
                  malformed: groupMalformed, auth: groupAuth, limits: groupLimits,
                  maxtokens: groupMaxTokens, idle: groupIdle, backpressure: groupBackpressure,
+                 corrupt: groupCorrupt,
                  restart: groupRestart, shutdown: groupShutdown };
 
 (async () => {
