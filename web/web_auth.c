@@ -91,10 +91,13 @@ kds_status web__auth_load(web_server *s, const char *path, kds_err *err) {
         rc = kds_err_set(err, KDS_INVALID_ARG, "%s: no 'TOKEN TENANT' lines", path);
 out:
     fclose(f);
-    /* the line buffer held a token */
-    volatile char *v = line;
-    for (size_t i = 0; i < sizeof line; i++) v[i] = 0;
+    web__wipe(line, sizeof line); /* it held a token */
     return rc;
+}
+
+void web__wipe(void *p, size_t n) {
+    volatile unsigned char *v = p;
+    for (size_t i = 0; i < n; i++) v[i] = 0;
 }
 
 /* Equal in time independent of where (or whether) the bytes differ. */
@@ -120,8 +123,7 @@ const char *web__auth_check(const web_server *s, const char *token, size_t len) 
 
 void web__auth_free(web_server *s) {
     for (size_t i = 0; i < s->n_tenants; i++) {
-        volatile char *v = s->tenants[i].token;
-        for (size_t k = 0; k < s->tenants[i].token_len; k++) v[k] = 0;
+        web__wipe(s->tenants[i].token, s->tenants[i].token_len);
         free(s->tenants[i].token);
     }
     free(s->tenants);

@@ -367,32 +367,52 @@ static void op_list(web_engine *E, const web_req *r, const cJSON *id) {
     send_ev(E, r, o);
 }
 
+/* The first free session name of BASE, BASE-2, BASE-3 ... (as the client
+ * sees it), as a store name; false (error sent) when the first 999 are taken. */
+static bool free_name(web_engine *E, const web_req *r, const cJSON *id, const char *base,
+                      char store[SESS_NAME_MAX + 1]) {
+    char client[SESS_NAME_MAX + 1];
+    for (int k = 1; k < 1000; k++) {
+        if (k == 1)
+            snprintf(client, sizeof client, "%.40s", base);
+        else
+            snprintf(client, sizeof client, "%.40s-%d", base, k);
+        sess_session_info tmp;
+        if (store_name(r, client, store) &&
+            sess_session_get(E->s->st, store, &tmp, NULL) == KDS_NOT_FOUND)
+            return true;
+    }
+    fail(E, r, id, WEB_ERR_EXISTS, "no free automatic session name; give one");
+    return false;
+}
+
+/* An existing session of the tenant that is not generating (rename and
+ * delete need one); *h: its entry in memory, or NULL. False: error sent. */
+static bool idle_session(web_engine *E, const web_req *r, const cJSON *id, const char *store,
+                         hot **h) {
+    sess_session_info info;
+    if (!get_session(E, r, id, store, &info)) return false;
+    *h = find_hot(E, store);
+    if (*h && (*h)->gen) {
+        fail(E, r, id, WEB_ERR_BUSY, "session '%s' is generating; cancel it first",
+             client_name(r, store));
+        return false;
+    }
+    return true;
+}
+
 static void op_create(web_engine *E, const web_req *r, const cJSON *id) {
-    char store[SESS_NAME_MAX + 1], client[SESS_NAME_MAX + 1];
+    char store[SESS_NAME_MAX + 1];
     kds_err e = {0};
     if (cJSON_GetObjectItemCaseSensitive(r->msg, "session")) {
         if (!arg_session(E, r, id, "session", store)) return;
     } else {
-        /* s-<utc time>, then -2, -3 ... until free */
         time_t now = time(NULL);
         struct tm tmv;
         gmtime_r(&now, &tmv);
         char stamp[32];
         strftime(stamp, sizeof stamp, "s-%Y%m%d-%H%M%S", &tmv);
-        bool found = false;
-        for (int k = 1; k < 1000 && !found; k++) {
-            if (k == 1)
-                snprintf(client, sizeof client, "%s", stamp);
-            else
-                snprintf(client, sizeof client, "%s-%d", stamp, k);
-            sess_session_info tmp;
-            found = store_name(r, client, store) &&
-                    sess_session_get(E->s->st, store, &tmp, &e) == KDS_NOT_FOUND;
-        }
-        if (!found) {
-            fail(E, r, id, WEB_ERR_EXISTS, "no free automatic session name; give one");
-            return;
-        }
+        if (!free_name(E, r, id, stamp, store)) return;
     }
     const char *mode = get_str(r->msg, "mode");
     const cJSON *mv = cJSON_GetObjectItemCaseSensitive(r->msg, "mode");
@@ -538,15 +558,10 @@ static void op_fork(web_engine *E, const web_req *r, const cJSON *id) {
 
 static void op_rename(web_engine *E, const web_req *r, const cJSON *id) {
     char from[SESS_NAME_MAX + 1], to[SESS_NAME_MAX + 1];
-    if (!arg_session(E, r, id, "session", from) || !arg_session(E, r, id, "name", to)) return;
-    sess_session_info info;
-    if (!get_session(E, r, id, from, &info)) return;
-    hot *h = find_hot(E, from);
-    if (h && h->gen) {
-        fail(E, r, id, WEB_ERR_BUSY, "session '%s' is generating; cancel it first",
-             client_name(r, from));
+    hot *h;
+    if (!arg_session(E, r, id, "session", from) || !arg_session(E, r, id, "name", to) ||
+        !idle_session(E, r, id, from, &h))
         return;
-    }
     kds_err e = {0};
     if (sess_session_rename(E->s->st, from, to, &e) != KDS_OK) {
         fail_err(E, r, id, &e);
@@ -560,15 +575,8 @@ static void op_rename(web_engine *E, const web_req *r, const cJSON *id) {
 
 static void op_delete(web_engine *E, const web_req *r, const cJSON *id) {
     char store[SESS_NAME_MAX + 1];
-    if (!arg_session(E, r, id, "session", store)) return;
-    sess_session_info info;
-    if (!get_session(E, r, id, store, &info)) return;
-    hot *h = find_hot(E, store);
-    if (h && h->gen) {
-        fail(E, r, id, WEB_ERR_BUSY, "session '%s' is generating; cancel it first",
-             client_name(r, store));
-        return;
-    }
+    hot *h;
+    if (!arg_session(E, r, id, "session", store) || !idle_session(E, r, id, store, &h)) return;
     kds_err e = {0};
     if (sess_session_delete(E->s->st, store, &e) != KDS_OK) {
         fail_err(E, r, id, &e);
@@ -631,7 +639,7 @@ static void op_restore(web_engine *E, const web_req *r, const cJSON *id) {
         fail(E, r, id, WEB_ERR_BAD_REQUEST, "'snapshot' must be a snapshot id (12 or \"@12\")");
         return;
     }
-    char dst[SESS_NAME_MAX + 1], client[SESS_NAME_MAX + 1], made[SESS_NAME_MAX + 1], src[32];
+    char dst[SESS_NAME_MAX + 1], made[SESS_NAME_MAX + 1], src[32];
     bool named = cJSON_GetObjectItemCaseSensitive(r->msg, "name") != NULL;
     if (named && !arg_session(E, r, id, "name", dst)) return;
     kds_err e = {0};
@@ -652,21 +660,9 @@ static void op_restore(web_engine *E, const web_req *r, const cJSON *id) {
         return;
     }
     if (!named) {
-        bool found = false;
-        for (int k = 1; k < 1000 && !found; k++) {
-            if (k == 1)
-                snprintf(client, sizeof client, "snap%" PRIu64, sid);
-            else
-                snprintf(client, sizeof client, "snap%" PRIu64 "-%d", sid, k);
-            sess_session_info tmp;
-            found = store_name(r, client, dst) &&
-                    sess_session_get(E->s->st, dst, &tmp, &e) == KDS_NOT_FOUND;
-        }
-        if (!found) {
-            fail(E, r, id, WEB_ERR_EXISTS, "no free automatic session name; give one");
-            return;
-        }
-        kds_err_clear(&e);
+        char base[32];
+        snprintf(base, sizeof base, "snap%" PRIu64, sid);
+        if (!free_name(E, r, id, base, dst)) return;
     }
     snprintf(src, sizeof src, "@%" PRIu64, sid);
     if (sess_fork(E->s->st, src, dst, made, &e) != KDS_OK) {
@@ -680,13 +676,6 @@ static void op_restore(web_engine *E, const web_req *r, const cJSON *id) {
     send_ev(E, r, o);
 }
 
-static double rate_now(web_engine *E) {
-    uint64_t bits = atomic_load(&E->s->metrics.rate_bits);
-    double v;
-    memcpy(&v, &bits, sizeof v);
-    return v;
-}
-
 static void op_stats(web_engine *E, const web_req *r, const cJSON *id) {
     web_metrics *m = &E->s->metrics;
     cJSON *o = web__event(id, "result");
@@ -697,7 +686,7 @@ static void op_stats(web_engine *E, const web_req *r, const cJSON *id) {
     cJSON_AddNumberToObject(sv, "generations_active", E->n_gens);
     cJSON_AddNumberToObject(sv, "tokens_generated", (double)atomic_load(&m->tokens_generated));
     cJSON_AddNumberToObject(sv, "tokens_prefilled", (double)atomic_load(&m->tokens_prefilled));
-    cJSON_AddNumberToObject(sv, "decode_tok_s", rate_now(E));
+    cJSON_AddNumberToObject(sv, "decode_tok_s", web__rate_get(&E->s->metrics));
     uint64_t steps = atomic_load(&m->decode_steps), rows = atomic_load(&m->decode_rows);
     cJSON_AddNumberToObject(sv, "batch_mean", steps ? (double)rows / (double)steps : 0.0);
     if (cJSON_GetObjectItemCaseSensitive(r->msg, "session")) {
@@ -1130,10 +1119,7 @@ static void update_rate(web_engine *E) {
     if (!E->rate_t0) E->rate_t0 = now;
     double dt = now - E->rate_t0;
     if (dt < 2.0) return;
-    double rate = (double)E->rate_tokens / dt;
-    uint64_t bits;
-    memcpy(&bits, &rate, sizeof bits);
-    atomic_store(&E->s->metrics.rate_bits, bits);
+    web__rate_set(&E->s->metrics, (double)E->rate_tokens / dt);
     E->rate_t0 = now;
     E->rate_tokens = 0;
 }

@@ -168,6 +168,8 @@ void web__submit(web_server *s, web_req *r);
 void web__engine_stop(web_server *s);
 
 /* -- auth (web_auth.c) ---------------------------------------------------- */
+/* Zero n bytes that held a secret (volatile stores: not optimised away). */
+void web__wipe(void *p, size_t n);
 kds_status web__auth_load(web_server *s, const char *path, kds_err *err);
 /* The tenant of `token` or NULL; compares every token in constant time. */
 const char *web__auth_check(const web_server *s, const char *token, size_t len);
@@ -175,6 +177,10 @@ void web__auth_free(web_server *s);
 
 /* -- metrics (web_metrics.c) ---------------------------------------------- */
 void web__hist_add(web_hist *h, double ms);
+/* The recent decode rate (tokens/s, all streams): set by the engine thread,
+ * read by any. */
+void web__rate_set(web_metrics *m, double tokens_per_s);
+double web__rate_get(web_metrics *m);
 /* The protocol's name of a WEB_ERR_* code ("not_found"). */
 const char *web__code_name(int code);
 /* Prometheus text; caller frees. */

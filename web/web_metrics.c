@@ -24,6 +24,19 @@ void web__hist_add(web_hist *h, double ms) {
     atomic_fetch_add(&h->sum_us, (uint64_t)(ms * 1000.0 + 0.5));
 }
 
+void web__rate_set(web_metrics *m, double tokens_per_s) {
+    uint64_t bits;
+    memcpy(&bits, &tokens_per_s, sizeof bits);
+    atomic_store(&m->rate_bits, bits);
+}
+
+double web__rate_get(web_metrics *m) {
+    uint64_t bits = atomic_load(&m->rate_bits);
+    double v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
 typedef struct out_buf {
     char *p;
     size_t len, cap;
@@ -82,9 +95,7 @@ char *web__metrics_text(web_server *s, size_t *len) {
     out_buf b = {.p = malloc(4096), .cap = 4096};
     if (!b.p) return NULL;
     b.p[0] = '\0';
-    double rate;
-    uint64_t bits = atomic_load(&m->rate_bits);
-    memcpy(&rate, &bits, sizeof rate);
+    double rate = web__rate_get(m);
     gauge(&b, "kdaserve_uptime_seconds", "Seconds since the server started.",
           (double)(web__now_us() - s->started_us) / 1e6);
     gauge(&b, "kdaserve_connections", "Open WebSocket connections.",

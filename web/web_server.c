@@ -327,8 +327,7 @@ static int header_auth(web_server *s, struct lws *wsi, web_conn *c) {
             snprintf(c->tenant, sizeof c->tenant, "%s", tenant);
         }
     }
-    volatile char *v = buf;
-    for (size_t i = 0; i < sizeof buf; i++) v[i] = 0;
+    web__wipe(buf, sizeof buf);
     return rc;
 }
 
