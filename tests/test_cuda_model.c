@@ -14,7 +14,7 @@
 #include <string.h>
 
 #include "eng.h"
-#include "eng_genmodel.h"
+#include "eng_config.h"
 #include "eng_seq.h"
 #include "test_helpers.h"
 #include "test_model_util.h"
@@ -36,14 +36,8 @@ typedef struct fixture {
 static fixture open_preset(const char *preset) {
     fixture f = {0};
     kds_err err = {0};
-    eng_config cfg;
-    cr_assert_eq(eng_genmodel_preset(preset, &cfg, &err), KDS_OK, "%s", err.msg);
-    f.dir = tmu_mkdtemp();
-    cr_assert(f.dir);
-    cr_assert_eq(eng_genmodel_write(&cfg, 7, KERN_BF16, f.dir, false, &err), KDS_OK, "%s", err.msg);
-    eng_model_params mp = eng_model_default_params();
-    mp.no_fingerprint_cache = true;
-    cr_assert_eq(eng_model_load(f.dir, &mp, &f.m, &err), KDS_OK, "%s", err.msg);
+    f.m = tmu_gen_load(preset, 7, &f.dir, &err);
+    cr_assert(f.m, "%s", err.msg);
     f.vocab = eng_model_config(f.m)->vocab_size;
     return f;
 }

@@ -10,7 +10,7 @@
 #include <criterion/criterion.h>
 
 #include "eng.h"
-#include "eng_genmodel.h"
+#include "eng_config.h"
 #include "test_helpers.h"
 #include "test_model_util.h"
 
@@ -32,15 +32,8 @@ typedef struct fixture {
 static fixture open_preset(const char *preset, int n_threads, int max_batch, int max_seqs) {
     fixture f = {0};
     kds_err err = {0};
-    eng_config cfg;
-    cr_assert_eq(eng_genmodel_preset(preset, &cfg, &err), KDS_OK, "%s", err.msg);
-    f.dir = tmu_mkdtemp();
-    cr_assert(f.dir);
-    cr_assert_eq(eng_genmodel_write(&cfg, 11, KERN_BF16, f.dir, false, &err), KDS_OK, "%s",
-                 err.msg);
-    eng_model_params mp = eng_model_default_params();
-    mp.no_fingerprint_cache = true;
-    cr_assert_eq(eng_model_load(f.dir, &mp, &f.m, &err), KDS_OK, "%s", err.msg);
+    f.m = tmu_gen_load(preset, 11, &f.dir, &err);
+    cr_assert(f.m, "%s", err.msg);
     eng_ctx_params cp = eng_ctx_default_params();
     cp.n_threads = n_threads;
     cp.max_batch = max_batch;

@@ -2,6 +2,10 @@
 #define _XOPEN_SOURCE 700 /* nftw */
 #include "test_model_util.h"
 
+#include "eng.h"
+#include "eng_config.h"
+#include "eng_genmodel.h"
+
 #include <ftw.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -149,4 +153,25 @@ bool tmu_replace_in_file(const char *path, const char *from, const char *to) {
     }
     free(text);
     return ok;
+}
+
+eng_model *tmu_gen_load(const char *preset, uint64_t seed, char **dir, kds_err *err) {
+    eng_config cfg;
+    eng_model *m = NULL;
+    *dir = NULL;
+    if (eng_genmodel_preset(preset, &cfg, err) != KDS_OK) return NULL;
+    if (!(*dir = tmu_mkdtemp())) {
+        kds_err_set(err, KDS_IO, "cannot make a temporary directory");
+        return NULL;
+    }
+    eng_model_params mp = eng_model_default_params();
+    mp.no_fingerprint_cache = true;
+    if (eng_genmodel_write(&cfg, seed, KERN_BF16, *dir, false, err) != KDS_OK ||
+        eng_model_load(*dir, &mp, &m, err) != KDS_OK) {
+        tmu_rmtree(*dir);
+        free(*dir);
+        *dir = NULL;
+        return NULL;
+    }
+    return m;
 }

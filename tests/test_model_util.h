@@ -13,6 +13,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "eng.h"
 #include "eng_safetensors.h"
 
 #define TMU_GOLDEN_MODELS KDS_SOURCE_DIR "/../shared/golden/model"
@@ -46,6 +47,11 @@ bool tmu_rewrite(const char *src_dir, const char *dst_dir, const char *out_name,
 /* Write a safetensors file from a literal header (padded to 8 bytes) and
  * `data_len` bytes of data (zeros). */
 bool tmu_write_st(const char *path, const char *header, size_t data_len);
+
+/* Write generated preset `preset` (bf16, `seed`) into a fresh tmu_mkdtemp
+ * directory (*dir, caller frees and removes it) and load it without the
+ * fingerprint cache. NULL with err filled on failure (*dir then NULL). */
+eng_model *tmu_gen_load(const char *preset, uint64_t seed, char **dir, kds_err *err);
 
 /* Replace the first occurrence of `from` by `to` in a text file. */
 bool tmu_replace_in_file(const char *path, const char *from, const char *to);
