@@ -178,6 +178,23 @@ int eng_ctx_threads(const eng_ctx *c);
 const char *eng_ctx_device(const eng_ctx *c);
 
 /*
+ * Device contexts keep each sequence's state on the device between calls
+ * (up to max_seqs sequences; the least recently used one goes back to host
+ * memory when another needs its slot). Reading a sequence's state bytes
+ * (eng_seq_state_save, eng_seq_save_fixed / _mla, eng_seq_clone) copies it
+ * back first; writing them (eng_seq_state_load, eng_seq_load_*,
+ * eng_seq_reset) makes the next pass upload it. eng_ctx_attach moves `s`
+ * onto the context's device now instead of at its next pass (a restored
+ * session's state goes up while nothing waits for it; benchmarks time the
+ * hand-over with it); on a CPU context it brings the host copy up to date.
+ * A sequence must not be used by two threads at once, and a context and
+ * the sequences resident on it belong to one thread at a time. Freeing the
+ * context copies every resident state back to its sequence.
+ * Errors: KDS_INVALID_ARG (another model), KDS_CUDA.
+ */
+kds_status eng_ctx_attach(eng_ctx *c, eng_seq *s, kds_err *err);
+
+/*
  * Feed `n` tokens through the prefill path (chunked KDA, batched matrix
  * products), in steps of at most max_batch tokens. If `logits_all` is not
  * NULL it receives [n, vocab] logits of every position; the sequence's last

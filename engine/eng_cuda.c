@@ -46,6 +46,11 @@ kds_status eng__cuda_forward(eng_cuda *g, eng_seq *const *seqs, int n_seqs, cons
     return kds_err_set(err, KDS_UNSUPPORTED, "this kdaserve was built without CUDA");
 }
 
+kds_status eng__cuda_attach(eng_cuda *g, eng_seq *s, kds_err *err) {
+    (void)g, (void)s;
+    return kds_err_set(err, KDS_UNSUPPORTED, "this kdaserve was built without CUDA");
+}
+
 kds_status eng__cuda_state_upload(eng_cuda *g, int slot, const eng_seq *s, kds_err *err) {
     (void)g, (void)slot, (void)s;
     return kds_err_set(err, KDS_UNSUPPORTED, "this kdaserve was built without CUDA");
@@ -55,6 +60,14 @@ kds_status eng__cuda_state_download(eng_cuda *g, int slot, eng_seq *s, kds_err *
     (void)g, (void)slot, (void)s;
     return kds_err_set(err, KDS_UNSUPPORTED, "this kdaserve was built without CUDA");
 }
+
+/* No sequence is ever resident without CUDA. */
+kds_status eng__seq_fetch_slow(const eng_seq *s, kds_err *err) {
+    (void)s, (void)err;
+    return KDS_OK;
+}
+
+void eng__seq_detach(eng_seq *s) { (void)s; }
 
 #else /* KDS_HAVE_CUDA */
 
@@ -96,7 +109,12 @@ struct eng_cuda {
     dlayer *layers;                  /* [num_hidden_layers] */
     /* per-sequence state slots, per KDA layer: [max_seqs, HV, K, V], [max_seqs, taps, C] */
     float **state, **tail;
-    int32_t *slots;                  /* [max_seqs] = 0, 1, 2, ... */
+    int32_t *slots;                  /* [max_seqs]: the slot of each row of a batched pass */
+    /* residency: which sequence holds each slot, and when it last ran */
+    eng_seq **owner;                 /* [max_seqs] */
+    uint64_t *last_use;              /* [max_seqs] */
+    uint64_t clock;                  /* forward calls so far */
+    int32_t *h_slots;                /* pinned [max_seqs]: staged slot ids */
     /* activations */
     float *x, *xn, *ext, *q, *k, *v, *fa, *ga, *g, *beta, *gz, *o, *mix;
     float *fa_buf, *fb_buf, *shared_out, *router, *selw, *xg, *yg, *logits;
@@ -310,10 +328,13 @@ kds_status eng__cuda_create(const eng_model *m, int max_batch, int max_seqs, eng
     if ((rc = kern_cuda_host_alloc((void **)&g->h_logits,
                                    (size_t)max_seqs * d->vocab * sizeof(float), err)))
         goto fail;
-    int32_t *ids = (int32_t *)g->h_stage; /* slot ids 0..max_seqs-1, staged once */
-    for (int i = 0; i < max_seqs; i++) ids[i] = i;
-    if ((rc = kern_cuda_memcpy_h2d(g->slots, ids, (size_t)max_seqs * sizeof(int32_t), NULL, err)) ||
-        (rc = kern_cuda_sync(NULL, err)))
+    g->owner = calloc((size_t)max_seqs, sizeof *g->owner);
+    g->last_use = calloc((size_t)max_seqs, sizeof *g->last_use);
+    if (!g->owner || !g->last_use) {
+        rc = kds_err_set(err, KDS_NOMEM, "out of memory creating a CUDA context");
+        goto fail;
+    }
+    if ((rc = kern_cuda_host_alloc((void **)&g->h_slots, (size_t)max_seqs * sizeof(int32_t), err)))
         goto fail;
     *out = g;
     return KDS_OK;
@@ -324,6 +345,19 @@ fail:
 
 void eng__cuda_free(eng_cuda *g) {
     if (!g) return;
+    /* Resident sequences outlive the context: hand their state back. A
+     * failed copy (a broken device) leaves a sequence at its last fetch. */
+    if (g->owner)
+        for (int i = 0; i < g->max_seqs; i++) {
+            eng_seq *s = g->owner[i];
+            if (!s) continue;
+            kds_err ignored;
+            (void)eng__seq_fetch(s, &ignored);
+            eng__seq_detach(s);
+        }
+    free(g->owner);
+    free(g->last_use);
+    kern_cuda_host_free(g->h_slots);
     for (int i = 0; i < g->n_allocs; i++) kern_cuda_free(g->allocs[i]);
     if (g->layers)
         for (int l = 0; l < g->m->cfg.num_hidden_layers; l++) free(g->layers[l].w1);
@@ -352,20 +386,25 @@ kds_status eng__cuda_state_upload(eng_cuda *g, int slot, const eng_seq *s, kds_e
     if (rc != KDS_OK) return rc;
     const eng_dims *d = &g->d;
     const size_t sn = (size_t)d->HV * d->K * d->V, tn = (size_t)(d->W - 1) * d->conv_ch;
-    /* stage everything, then one copy per layer buffer */
-    memcpy(g->h_stage, s->kda_state, (size_t)d->n_kda * sn * sizeof(float));
-    memcpy(g->h_stage + (size_t)d->n_kda * sn, s->conv_tail, (size_t)d->n_kda * tn * sizeof(float));
+    /* Layer by layer: stage one layer's state (a host memcpy), then queue
+     * its DMA; the copy engine moves layer l while the CPU stages l + 1, so
+     * an upload costs about one pass over the bytes, not two. The staging
+     * buffer holds the whole state, so no region is reused before the
+     * final sync. */
+    float *st = g->h_stage, *tl = g->h_stage + (size_t)d->n_kda * sn;
     for (int l = 0; l < d->n_kda && rc == KDS_OK; l++) {
-        rc = kern_cuda_memcpy_h2d(g->state[l] + (size_t)slot * sn, g->h_stage + (size_t)l * sn,
+        memcpy(st + (size_t)l * sn, s->kda_state + (size_t)l * sn, sn * sizeof(float));
+        rc = kern_cuda_memcpy_h2d(g->state[l] + (size_t)slot * sn, st + (size_t)l * sn,
                                   sn * sizeof(float), NULL, err);
-        if (rc == KDS_OK && tn)
-            rc = kern_cuda_memcpy_h2d(g->tail[l] + (size_t)slot * tn,
-                                      g->h_stage + (size_t)d->n_kda * sn + (size_t)l * tn,
+        if (rc == KDS_OK && tn) {
+            memcpy(tl + (size_t)l * tn, s->conv_tail + (size_t)l * tn, tn * sizeof(float));
+            rc = kern_cuda_memcpy_h2d(g->tail[l] + (size_t)slot * tn, tl + (size_t)l * tn,
                                       tn * sizeof(float), NULL, err);
+        }
     }
-    /* the staging buffer is reused at once: wait for the copies */
-    if (rc == KDS_OK) rc = kern_cuda_sync(NULL, err);
-    return rc;
+    /* the staging buffer is reused by the next call: wait for the copies */
+    kds_status rs = kern_cuda_sync(NULL, err);
+    return rc != KDS_OK ? rc : rs;
 }
 
 kds_status eng__cuda_state_download(eng_cuda *g, int slot, eng_seq *s, kds_err *err) {
@@ -380,11 +419,84 @@ kds_status eng__cuda_state_download(eng_cuda *g, int slot, eng_seq *s, kds_err *
             rc = kern_cuda_memcpy_d2h(g->h_stage + (size_t)d->n_kda * sn + (size_t)l * tn,
                                       g->tail[l] + (size_t)slot * tn, tn * sizeof(float), NULL, err);
     }
-    if (rc == KDS_OK) rc = kern_cuda_sync(NULL, err);
+    kds_status rs = kern_cuda_sync(NULL, err);
+    if (rc == KDS_OK) rc = rs;
     if (rc != KDS_OK) return rc;
     memcpy(s->kda_state, g->h_stage, (size_t)d->n_kda * sn * sizeof(float));
     memcpy(s->conv_tail, g->h_stage + (size_t)d->n_kda * sn, (size_t)d->n_kda * tn * sizeof(float));
     return KDS_OK;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Residency: a sequence keeps its slot between calls; its host buffers are
+ * brought up to date only when read (snapshots, clones: eng__seq_fetch),
+ * and uploaded again only after they were written (load, reset).          */
+
+kds_status eng__seq_fetch_slow(const eng_seq *cs, kds_err *err) {
+    /* Logically const: the host buffers get the state the sequence already
+     * has (on the device). */
+    eng_seq *s = (eng_seq *)cs;
+    kds_status rc = eng__cuda_state_download(s->gpu, s->gpu_slot, s, err);
+    if (rc == KDS_OK) s->gpu_newer = 0;
+    return rc;
+}
+
+void eng__seq_detach(eng_seq *s) {
+    if (!s->gpu) return;
+    s->gpu->owner[s->gpu_slot] = NULL;
+    s->gpu = NULL;
+    s->gpu_slot = -1;
+    s->gpu_newer = s->host_newer = 0;
+}
+
+/* Give `s` a slot of g with its current state, for a pass at g->clock:
+ * its own, else a free one, else the least recently used one that is not
+ * part of this pass (whose state goes back to its host buffers first). */
+static kds_status make_resident(eng_cuda *g, eng_seq *s, int *slot, kds_err *err) {
+    kds_status rc;
+    if (s->gpu == g) {
+        if (s->host_newer) {
+            if ((rc = eng__cuda_state_upload(g, s->gpu_slot, s, err)) != KDS_OK) return rc;
+            s->host_newer = 0;
+        }
+        g->last_use[s->gpu_slot] = g->clock;
+        *slot = s->gpu_slot;
+        return KDS_OK;
+    }
+    if (s->gpu) { /* resident on another context of the same model */
+        if ((rc = eng__seq_fetch(s, err)) != KDS_OK) return rc;
+        eng__seq_detach(s);
+    }
+    int pick = -1;
+    for (int i = 0; i < g->max_seqs && pick < 0; i++)
+        if (!g->owner[i]) pick = i;
+    if (pick < 0)
+        for (int i = 0; i < g->max_seqs; i++)
+            if (g->last_use[i] != g->clock && (pick < 0 || g->last_use[i] < g->last_use[pick]))
+                pick = i;
+    if (pick < 0)
+        return kds_err_set(err, KDS_INTERNAL, "no free GPU state slot (%d in use)", g->max_seqs);
+    if (g->owner[pick]) {
+        eng_seq *old = g->owner[pick];
+        if ((rc = eng__seq_fetch(old, err)) != KDS_OK) return rc;
+        eng__seq_detach(old);
+    }
+    if ((rc = eng__cuda_state_upload(g, pick, s, err)) != KDS_OK) return rc;
+    g->owner[pick] = s;
+    g->last_use[pick] = g->clock;
+    s->gpu = g;
+    s->gpu_slot = pick;
+    s->gpu_newer = s->host_newer = 0;
+    *slot = pick;
+    return KDS_OK;
+}
+
+kds_status eng__cuda_attach(eng_cuda *g, eng_seq *s, kds_err *err) {
+    if (s->model != g->m)
+        return kds_err_set(err, KDS_INVALID_ARG, "sequence and CUDA context belong to different models");
+    int slot;
+    g->clock++;
+    return make_resident(g, s, &slot, err);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -412,16 +524,17 @@ static kds_status norm_rows(const float *x, const float *w, int rows, int n, flo
     } while (0)
 
 /* One KDA mixer: rows of xn -> x += mixer(xn). multi: one token of each of
- * T sequences in slots 0..T-1; else T tokens of the sequence in slot 0. */
+ * T sequences in slots g->slots[0..T); else T tokens of the sequence in
+ * slot `slot`. */
 static kds_status kda_layer(eng_cuda *g, const dlayer *L, int kl, int T, int multi, int chunked,
-                            kds_err *err) {
+                            int slot, kds_err *err) {
     kds_status rc;
     const eng_dims *d = &g->d;
     const eng_config *cfg = &g->m->cfg;
     const int C = d->conv_ch, taps = d->W - 1, hid = d->hidden;
     float *in = g->ext + (size_t)taps * C;
-    /* kl: this layer's index among the KDA layers; one sequence uses slot 0 */
-    float *tail0 = g->tail[kl];
+    /* kl: this layer's index among the KDA layers */
+    float *tail0 = g->tail[kl] + (size_t)slot * taps * C;
     if (!multi && taps > 0)
         TRY(kern_cuda_memcpy_d2d(g->ext, tail0, (size_t)taps * C * sizeof(float), NULL, err));
     TRY(mm(&L->q_proj, g->xn, hid, T, in, C, false, err));
@@ -446,7 +559,8 @@ static kds_status kda_layer(eng_cuda *g, const dlayer *L, int kl, int T, int mul
                                          .q = g->q, .k = g->k, .v = g->v, .g = g->g,
                                          .beta = g->beta, .A_log = L->A_log,
                                          .dt_bias = L->dt_bias, .lower_bound = lb,
-                                         .state = g->state[kl], .o = g->o,
+                                         .state = g->state[kl] + (size_t)slot * d->HV * d->K * d->V,
+                                         .o = g->o,
                                          .workspace = g->ws, .workspace_bytes = g->ws_bytes};
         TRY(kern_cuda_kda_prefill(&pa, NULL, err));
     } else {
@@ -525,7 +639,7 @@ static kds_status dense_ffn(eng_cuda *g, const dlayer *L, int T, kds_err *err) {
 
 /* The device part of a pass over T rows whose states sit in slots 0.. */
 static kds_status run_layers(eng_cuda *g, const int32_t *ids, int T, int multi, int chunked,
-                             float *dst, int first, kds_err *err) {
+                             int slot, float *dst, int first, kds_err *err) {
     kds_status rc;
     const eng_model *m = g->m;
     const eng_config *cfg = &m->cfg;
@@ -539,7 +653,7 @@ static kds_status run_layers(eng_cuda *g, const int32_t *ids, int T, int multi, 
     for (int l = 0; l < cfg->num_hidden_layers; l++) {
         const dlayer *L = &g->layers[l];
         TRY(norm_rows(g->x, L->in_norm, T, hid, eps, g->xn, err));
-        TRY(kda_layer(g, L, g->d.layer_slot[l], T, multi, chunked, err));
+        TRY(kda_layer(g, L, g->d.layer_slot[l], T, multi, chunked, slot, err));
         TRY(norm_rows(g->x, L->post_norm, T, hid, eps, g->xn, err));
         TRY(L->is_moe ? moe_ffn(g, L, T, err) : dense_ffn(g, L, T, err));
     }
@@ -559,7 +673,12 @@ kds_status eng__cuda_forward(eng_cuda *g, eng_seq *const *seqs, int n_seqs, cons
     if (T < 1 || T > (multi ? g->max_seqs : g->max_batch))
         return kds_err_set(err, KDS_INVALID_ARG, "CUDA forward of %d rows (limit %d)", T,
                            multi ? g->max_seqs : g->max_batch);
-    for (int i = 0; i < n_seqs && rc == KDS_OK; i++) rc = eng__cuda_state_upload(g, i, seqs[i], err);
+    /* every sequence of the pass gets a slot (uploading its state only if
+     * it was not resident or its host copy was written since) */
+    g->clock++;
+    for (int i = 0; i < n_seqs && rc == KDS_OK; i++) rc = make_resident(g, seqs[i], &g->h_slots[i], err);
+    if (rc == KDS_OK && multi)
+        rc = kern_cuda_memcpy_h2d(g->slots, g->h_slots, (size_t)n_seqs * sizeof(int32_t), NULL, err);
     if (rc != KDS_OK) return rc;
     /* Logits land in a host buffer first so a failure leaves the
      * sequences untouched: the caller's logits_all (one sequence), else
@@ -567,9 +686,10 @@ kds_status eng__cuda_forward(eng_cuda *g, eng_seq *const *seqs, int n_seqs, cons
     const int need = logits || want_last || multi;
     const int first = logits || multi ? 0 : T - 1;
     float *dst = !need ? NULL : logits ? logits : g->h_logits;
-    rc = run_layers(g, ids, T, multi, chunked, dst, first, err);
-    for (int i = 0; i < n_seqs && rc == KDS_OK; i++) rc = eng__cuda_state_download(g, i, seqs[i], err);
+    rc = run_layers(g, ids, T, multi, chunked, g->h_slots[0], dst, first, err);
     if (rc != KDS_OK) return rc;
+    /* the device copies are now ahead of the host buffers */
+    for (int i = 0; i < n_seqs; i++) seqs[i]->gpu_newer = 1;
     /* the host bookkeeping of forward() */
     for (int t = 0; t < T; t++) eng__seq_push_recent(seqs[multi ? t : 0], ids[t]);
     if (multi)

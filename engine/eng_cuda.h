@@ -9,12 +9,15 @@
  * Pure-KDA models only (KDA + dense / MoE FFN); a model with MLA layers is
  * refused with KDS_UNSUPPORTED.
  *
- * State hand-over (the simplest correct form): eng__cuda_forward uploads
- * each sequence's state from its eng_seq into a slot before the pass and
- * downloads it back after, through a pinned staging buffer, so host memory
- * always holds the current state and snapshots work unchanged. The cost is
- * two state copies per call (~2 x 43 MiB per sequence at Kimi's 48B shape):
- * keeping states resident across calls is the next step.
+ * State residency: a sequence that runs on the GPU keeps its state in a
+ * device slot between calls (eng_seq.gpu / gpu_slot). Its host buffers are
+ * brought up to date only when something reads them (snapshot saves,
+ * clones: eng__seq_fetch, one copy of the state), and the device copy is
+ * uploaded again only after the host buffers were written (a restore, a
+ * reset: eng__seq_host_written). A pass over more sequences than free
+ * slots evicts the least recently used resident sequence not in the pass
+ * (its state goes back to its host buffers first). Freeing the context
+ * hands every resident state back; freeing a sequence frees its slot.
  *
  * Threading: one host thread at a time per eng_cuda (as for eng_ctx).
  * Without KDS_HAVE_CUDA every function fails with KDS_UNSUPPORTED.
@@ -37,8 +40,10 @@ void eng__cuda_free(eng_cuda *g);
 /* forward() of eng_forward.c on the GPU, same arguments: T tokens of
  * seqs[0] (n_seqs == 1; chunked: the prefill kernel, else the decode
  * kernel, T == 1) or one token of each of seqs[0..T) (n_seqs == T). On
- * success the sequences advance exactly as forward() advances them. On
- * error (KDS_CUDA, KDS_NOMEM) nothing in the sequences changed. */
+ * success the sequences advance exactly as forward() advances them (their
+ * states on the device). Errors found before the pass (KDS_INVALID_ARG)
+ * change nothing; after a device error (KDS_CUDA) the context is unusable
+ * and a resident sequence's state is its last fetched one. */
 kds_status eng__cuda_forward(eng_cuda *g, eng_seq *const *seqs, int n_seqs, const int32_t *ids,
                              int T, int chunked, float *logits, int want_last, kds_err *err);
 
@@ -46,6 +51,10 @@ kds_status eng__cuda_forward(eng_cuda *g, eng_seq *const *seqs, int n_seqs, cons
  * (0 <= slot < max_seqs), or back from it into `s`, through the pinned
  * staging buffer; synchronous. Errors: KDS_INVALID_ARG (slot, model),
  * KDS_CUDA. */
+/* Make `s` resident now (eng_ctx_attach): what the first pass would do,
+ * so a restore can be timed or overlapped. Errors: as eng__cuda_forward. */
+kds_status eng__cuda_attach(eng_cuda *g, eng_seq *s, kds_err *err);
+
 kds_status eng__cuda_state_upload(eng_cuda *g, int slot, const eng_seq *s, kds_err *err);
 kds_status eng__cuda_state_download(eng_cuda *g, int slot, eng_seq *s, kds_err *err);
 

@@ -650,7 +650,13 @@ static void forward(eng_ctx *c, eng_seq *const *seqs, int n_seqs, const int32_t 
 static kds_status run_forward(eng_ctx *c, eng_seq *const *seqs, int n_seqs, const int32_t *ids,
                               int T, int chunked, float *logits, int want_last, kds_err *err) {
     if (c->gpu) return eng__cuda_forward(c->gpu, seqs, n_seqs, ids, T, chunked, logits, want_last, err);
+    /* a sequence last run on a GPU context continues here from its state */
+    for (int i = 0; i < n_seqs; i++) {
+        kds_status rc = eng__seq_fetch(seqs[i], err);
+        if (rc != KDS_OK) return rc;
+    }
     forward(c, seqs, n_seqs, ids, T, chunked, logits, want_last);
+    for (int i = 0; i < n_seqs; i++) eng__seq_host_written(seqs[i]);
     return KDS_OK;
 }
 
@@ -880,6 +886,12 @@ int eng_ctx_threads(const eng_ctx *c) { return c->n_threads; }
 const char *eng_ctx_device(const eng_ctx *c) { return c->gpu ? "cuda" : "cpu"; }
 
 int eng_ctx_max_seqs(const eng_ctx *c) { return c->max_seqs; }
+
+kds_status eng_ctx_attach(eng_ctx *c, eng_seq *s, kds_err *err) {
+    if (s->model != c->m)
+        return kds_err_set(err, KDS_INVALID_ARG, "sequence and context belong to different models");
+    return c->gpu ? eng__cuda_attach(c->gpu, s, err) : eng__seq_fetch(s, err);
+}
 
 /* ------------------------------------------------------------------------ */
 /* Sampling                                                                  */

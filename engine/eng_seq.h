@@ -40,7 +40,30 @@ struct eng_seq {
     uint64_t rng[4];             /* xoshiro256** */
     int32_t recent[ENG_RECENT_TOKENS]; /* ring of the last tokens (repetition penalty) */
     int32_t n_recent;            /* tokens ever pushed, saturating at INT32_MAX */
+    /* Device residency (engine/eng_cuda.c). While `gpu` is set, slot
+     * `gpu_slot` of that GPU context holds this sequence's KDA states, conv
+     * tails and MLA rows. gpu_newer: the device copy is ahead of the host
+     * buffers above (a reader of them calls eng__seq_fetch first);
+     * host_newer: the host buffers were written (load, reset) and the
+     * device copy is stale (the next GPU pass uploads them). pos, logits,
+     * rng and recent are host fields and always current. */
+    struct eng_cuda *gpu;
+    int gpu_slot;
+    int gpu_newer, host_newer;
 };
+
+/* Residency hooks (eng_cuda.c; trivial for sequences never run on a GPU):
+ * bring the host buffers up to date before reading them (synchronous copy
+ * from the device; `s` is logically const: its content does not change),
+ * mark them written, and give up the device slot (eng_seq_free). */
+kds_status eng__seq_fetch_slow(const eng_seq *s, kds_err *err);
+void eng__seq_detach(eng_seq *s);
+static inline kds_status eng__seq_fetch(const eng_seq *s, kds_err *err) {
+    return s->gpu && s->gpu_newer ? eng__seq_fetch_slow(s, err) : KDS_OK;
+}
+static inline void eng__seq_host_written(eng_seq *s) {
+    if (s->gpu) s->host_newer = 1, s->gpu_newer = 0;
+}
 
 /* Make room for `tokens` positions in every MLA cache (geometric growth). */
 kds_status eng__seq_reserve(eng_seq *s, int64_t tokens, kds_err *err);

@@ -76,6 +76,7 @@ void eng_seq_reset(eng_seq *s, uint64_t seed) {
     for (int i = 0; i < 4; i++) s->rng[i] = splitmix64(&x);
     memset(s->recent, 0, sizeof s->recent);
     s->n_recent = 0;
+    eng__seq_host_written(s);
 }
 
 void eng_seq_reseed(eng_seq *s, uint64_t seed) {
@@ -126,6 +127,7 @@ nomem:
 
 void eng_seq_free(eng_seq *s) {
     if (!s) return;
+    eng__seq_detach(s);
     if (s->mla_cache)
         for (int i = 0; i < s->d.n_mla; i++) free(s->mla_cache[i]);
     free(s->mla_cache);
@@ -137,7 +139,9 @@ void eng_seq_free(eng_seq *s) {
 
 kds_status eng_seq_clone(const eng_seq *s, eng_seq **out, kds_err *err) {
     eng_seq *c;
-    kds_status rc = eng_seq_create(s->model, 0, &c, err);
+    kds_status rc = eng__seq_fetch(s, err);
+    if (rc != KDS_OK) return rc;
+    rc = eng_seq_create(s->model, 0, &c, err);
     if (rc != KDS_OK) return rc;
     if ((rc = eng__seq_reserve(c, s->pos, err)) != KDS_OK) {
         eng_seq_free(c);
@@ -196,6 +200,8 @@ static kds_status save_state(const eng_seq *s, void *buf, size_t len, int with_m
     size_t need = with_mla ? eng_seq_state_bytes(s) : eng_seq_fixed_bytes(s);
     if (len < need)
         return kds_err_set(err, KDS_TOO_LARGE, "state needs %zu bytes, buffer has %zu", need, len);
+    kds_status rc = eng__seq_fetch(s, err);
+    if (rc != KDS_OK) return rc;
     unsigned char *p = buf;
     memset(p, 0, ENG_STATE_HEADER_BYTES);
     memcpy(p, ENG_STATE_MAGIC, 8);
@@ -246,6 +252,8 @@ kds_status eng_seq_save_mla(const eng_seq *s, int64_t t0, int64_t t1, void *buf,
     if (len < (size_t)(t1 - t0) * eng_seq_mla_token_bytes(s))
         return kds_err_set(err, KDS_TOO_LARGE, "buffer too small for %lld MLA rows",
                            (long long)(t1 - t0));
+    kds_status rc = eng__seq_fetch(s, err);
+    if (rc != KDS_OK) return rc;
     unsigned char *p = buf;
     for (int64_t t = t0; t < t1; t++)
         for (int i = 0; i < s->d.n_mla; i++) {
@@ -264,12 +272,16 @@ kds_status eng_seq_load_mla(eng_seq *s, int64_t t0, int64_t t1, const void *buf,
     if (len != (size_t)(t1 - t0) * eng_seq_mla_token_bytes(s))
         return kds_err_set(err, KDS_BAD_FORMAT, "%zu bytes for %lld MLA rows, expected %zu", len,
                            (long long)(t1 - t0), (size_t)(t1 - t0) * eng_seq_mla_token_bytes(s));
+    /* a partial write: the rest of the host copy must be current first */
+    kds_status rc = eng__seq_fetch(s, err);
+    if (rc != KDS_OK) return rc;
     const unsigned char *p = buf;
     for (int64_t t = t0; t < t1; t++)
         for (int i = 0; i < s->d.n_mla; i++) {
             memcpy(s->mla_cache[i] + (size_t)t * s->d.mla_row, p, row);
             p += row;
         }
+    eng__seq_host_written(s);
     return KDS_OK;
 }
 
@@ -332,6 +344,7 @@ static kds_status load_state(eng_seq *s, const void *buf, size_t len, int with_m
             memset(s->mla_cache[i], 0, n);
         p += with_mla ? n : 0;
     }
+    eng__seq_host_written(s);
     return KDS_OK;
 }
 

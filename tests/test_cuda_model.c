@@ -175,9 +175,12 @@ Test(cuda_model, logits_match_cpu, .timeout = 3600) {
     expect_close(eng_seq_logits(gs[1]), eng_seq_logits(cs[1]), V, LOGIT_TOL, "single decode", 8);
     cr_log_info("cuda_model: largest GPU-CPU error / largest magnitude %g (limit %g)", worst_ratio,
                 LOGIT_TOL);
-    /* the states came back to host memory after every call */
+    /* the states stay on the device; a fetch brings them to host memory */
     const eng_dims *d = &cs[0]->d;
     for (int i = 0; i < n_seqs; i++) {
+        cr_expect(gs[i]->gpu != NULL && gs[i]->gpu_newer, "sequence %d is not resident", i);
+        cr_assert_eq(eng_ctx_attach(cc, gs[i], &err), KDS_OK, "%s", err.msg); /* = a fetch */
+        cr_expect(!gs[i]->gpu_newer, "sequence %d: fetch left the host copy stale", i);
         cr_expect_eq(gs[i]->pos, cs[i]->pos, "sequence %d: positions differ", i);
         cr_expect_eq(gs[i]->n_recent, cs[i]->n_recent);
         expect_close(gs[i]->kda_state, cs[i]->kda_state, (size_t)d->n_kda * d->HV * d->K * d->V,
@@ -223,6 +226,98 @@ Test(cuda_model, state_hand_over_round_trip) {
     eng__cuda_free(g);
     eng_seq_free(a);
     eng_seq_free(b);
+    eng_ctx_free(cc);
+    close_fixture(&f);
+}
+
+/* The largest error of two sequences' KDA states and conv tails. */
+static void expect_same_state(const eng_seq *g, const eng_seq *c, const char *what) {
+    const eng_dims *d = &c->d;
+    cr_expect_eq(g->pos, c->pos, "%s: positions %lld and %lld", what, (long long)g->pos,
+                 (long long)c->pos);
+    expect_close(g->kda_state, c->kda_state, (size_t)d->n_kda * d->HV * d->K * d->V, STATE_TOL,
+                 what, 0);
+    expect_close(g->conv_tail, c->conv_tail, (size_t)d->n_kda * (d->W - 1) * d->conv_ch, STATE_TOL,
+                 what, 0);
+}
+
+/* Residency: three sequences through a context with two state slots (so
+ * passes evict), a snapshot save of a resident sequence, a restore into a
+ * resident sequence, a clone, and the context freed while sequences are
+ * resident: every step agrees with the CPU engine doing the same. */
+Test(cuda_model, resident_states_follow_the_cpu, .timeout = 3600) {
+    require_device();
+    fixture f = open_preset("tiny");
+    kds_err err = {0};
+    eng_ctx_params cp = eng_ctx_default_params();
+    cp.n_threads = 1;
+    cp.max_batch = 8;
+    cp.max_seqs = 2;
+    eng_ctx *cc = NULL, *gc = NULL;
+    cr_assert_eq(eng_ctx_create(f.m, &cp, &cc, &err), KDS_OK, "%s", err.msg);
+    cp.device = "cuda";
+    cr_assert_eq(eng_ctx_create(f.m, &cp, &gc, &err), KDS_OK, "%s", err.msg);
+    const int V = f.vocab;
+    eng_seq *cs[3], *gs[3];
+    int32_t ids[5];
+    for (int i = 0; i < 3; i++) {
+        cr_assert_eq(eng_seq_create(f.m, 9, &cs[i], &err), KDS_OK, "%s", err.msg);
+        cr_assert_eq(eng_seq_create(f.m, 9, &gs[i], &err), KDS_OK, "%s", err.msg);
+        prompt(ids, 5, V, 70u + (uint32_t)i);
+        cr_assert_eq(eng_prefill(cc, cs[i], ids, 5, NULL, NULL, NULL, &err), KDS_OK, "%s", err.msg);
+        cr_assert_eq(eng_prefill(gc, gs[i], ids, 5, NULL, NULL, NULL, &err), KDS_OK, "%s", err.msg);
+        expect_close(eng_seq_logits(gs[i]), eng_seq_logits(cs[i]), V, LOGIT_TOL, "prefill", i);
+    }
+    /* two slots: the third prefill evicted the least recently used one */
+    cr_expect_null(gs[0]->gpu, "sequence 0 should have been evicted");
+    cr_expect(gs[1]->gpu && gs[2]->gpu, "sequences 1 and 2 should be resident");
+    expect_same_state(gs[0], cs[0], "evicted state in host memory");
+    /* a batch of the evicted 0 and the resident 2 evicts 1 */
+    eng_seq *cb[2] = {cs[0], cs[2]}, *gb[2] = {gs[0], gs[2]};
+    int32_t next[2] = {argmax(eng_seq_logits(cs[0]), V), argmax(eng_seq_logits(cs[2]), V)};
+    cr_assert_eq(eng_decode_batch(cc, cb, next, 2, &err), KDS_OK, "%s", err.msg);
+    cr_assert_eq(eng_decode_batch(gc, gb, next, 2, &err), KDS_OK, "%s", err.msg);
+    for (int i = 0; i < 2; i++)
+        expect_close(eng_seq_logits(gb[i]), eng_seq_logits(cb[i]), V, LOGIT_TOL, "batched decode", i);
+    cr_expect_null(gs[1]->gpu, "sequence 1 should have been evicted");
+    /* a snapshot of a resident sequence carries its device state */
+    size_t n = eng_seq_state_bytes(gs[2]);
+    unsigned char *snap_g = malloc(n), *snap_c = malloc(n);
+    cr_assert(snap_g && snap_c);
+    cr_assert_eq(eng_seq_state_save(gs[2], snap_g, n, &err), KDS_OK, "%s", err.msg);
+    cr_assert_eq(eng_seq_state_save(cs[2], snap_c, n, &err), KDS_OK, "%s", err.msg);
+    expect_same_state(gs[2], cs[2], "saved resident state");
+    /* a restore into a resident sequence replaces its device state: load
+     * sequence 1's snapshot into gs[2] and continue as cs[1] */
+    size_t n1 = eng_seq_state_bytes(cs[1]);
+    unsigned char *snap1 = malloc(n1);
+    cr_assert(snap1);
+    cr_assert_eq(eng_seq_state_save(cs[1], snap1, n1, &err), KDS_OK, "%s", err.msg);
+    cr_assert(gs[2]->gpu != NULL);
+    cr_assert_eq(eng_seq_state_load(gs[2], snap1, n1, &err), KDS_OK, "%s", err.msg);
+    int32_t id = argmax(eng_seq_logits(cs[1]), V);
+    cr_assert_eq(eng_decode(cc, cs[1], id, &err), KDS_OK, "%s", err.msg);
+    cr_assert_eq(eng_decode(gc, gs[2], id, &err), KDS_OK, "%s", err.msg);
+    expect_close(eng_seq_logits(gs[2]), eng_seq_logits(cs[1]), V, LOGIT_TOL, "decode after restore", 0);
+    /* a clone of a resident sequence starts from its device state */
+    eng_seq *clone = NULL;
+    cr_assert(gs[0]->gpu && gs[0]->gpu_newer);
+    cr_assert_eq(eng_seq_clone(gs[0], &clone, &err), KDS_OK, "%s", err.msg);
+    expect_same_state(clone, cs[0], "clone of a resident sequence");
+    eng_seq_free(clone);
+    /* freeing the context hands the resident states back */
+    eng_ctx_free(gc);
+    cr_expect(!gs[0]->gpu && !gs[2]->gpu, "sequences still point at a freed context");
+    expect_same_state(gs[0], cs[0], "state after the context was freed");
+    expect_same_state(gs[2], cs[1], "restored state after the context was freed");
+    cr_log_info("cuda_model residency: largest GPU-CPU error / largest magnitude %g", worst_ratio);
+    for (int i = 0; i < 3; i++) {
+        eng_seq_free(cs[i]);
+        eng_seq_free(gs[i]);
+    }
+    free(snap_g);
+    free(snap_c);
+    free(snap1);
     eng_ctx_free(cc);
     close_fixture(&f);
 }
