@@ -15,8 +15,9 @@
  *                                                     MoE: kern_cuda_moe_route/gather/combine
  * then the final norm and lm_head, and the logits copied back.
  *
- * The embedding rows are converted on the host and uploaded (T x hidden
- * floats per call). The MoE's expert products are launched per active
+ * The embedding table lives on the device (kern_cuda_embed). A generated
+ * model (eng_model_generate) has its matrices made here by
+ * kern_cuda_gen_normal. The MoE's expert products are launched per active
  * expert, which needs the expert offsets on the host: one small
  * device-to-host copy per MoE layer (a sync point; a grouped product
  * reading the offsets on the device removes it).
@@ -75,7 +76,6 @@ void eng__seq_detach(eng_seq *s) { (void)s; }
 
 #include "kern_cuda.h"
 
-#define MAX_ALLOCS 4096
 
 /* A matrix on the device, in its stored dtype. */
 typedef struct dweight {
@@ -102,8 +102,10 @@ struct eng_cuda {
     const eng_model *m;
     eng_dims d;
     int B, max_batch, max_seqs, top_k, E, ffn_width, rank;
-    void *allocs[MAX_ALLOCS];
-    int n_allocs;
+    void **allocs;                   /* every device buffer, freed with the context */
+    int n_allocs, cap_allocs;
+    const void *embed;               /* [vocab, hidden] as stored (or generated) */
+    int32_t *ids, *h_ids;            /* [B] token ids: device, pinned staging */
     dweight lm_head;
     const float *final_norm;
     dlayer *layers;                  /* [num_hidden_layers] */
@@ -122,7 +124,7 @@ struct eng_cuda {
     void *ws;                        /* prefill workspace */
     size_t ws_bytes;
     /* host side */
-    float *h_stage;                  /* pinned: one sequence's state, or B x hidden embeddings */
+    float *h_stage;                  /* pinned: one sequence's KDA states and conv tails */
     size_t stage_floats;
     int32_t *h_exp_off;              /* [E + 1] */
     float *h_logits;                 /* pinned [max_seqs, vocab]: logits before they go to the seqs */
@@ -130,8 +132,13 @@ struct eng_cuda {
 
 static kds_status dalloc(eng_cuda *g, void **p, size_t bytes, kds_err *err) {
     *p = NULL;
-    if (g->n_allocs == MAX_ALLOCS)
-        return kds_err_set(err, KDS_UNSUPPORTED, "device 'cuda': model has too many tensors");
+    if (g->n_allocs == g->cap_allocs) {
+        int cap = g->cap_allocs ? 2 * g->cap_allocs : 256;
+        void **a = realloc(g->allocs, (size_t)cap * sizeof *a);
+        if (!a) return kds_err_set(err, KDS_NOMEM, "out of memory creating a CUDA context");
+        g->allocs = a;
+        g->cap_allocs = cap;
+    }
     kds_status rc = kern_cuda_malloc(p, bytes ? bytes : 16, err);
     if (rc == KDS_OK) g->allocs[g->n_allocs++] = *p;
     return rc;
@@ -146,13 +153,25 @@ static kds_status up_bytes(eng_cuda *g, const void **dst, const void *src, size_
     return rc;
 }
 
-static kds_status up_w(eng_cuda *g, dweight *dw, const eng_weight *w, kds_err *err) {
+/* A matrix onto the device, at `at` (a slice of a bigger buffer) or in a
+ * buffer of its own: copied as stored, or made there for a generated
+ * model (w->data NULL: kern_cuda_gen_normal, the values gen-model writes). */
+static kds_status put_w(eng_cuda *g, dweight *dw, const eng_weight *w, void *at, kds_err *err) {
     *dw = (dweight){NULL, w->dt, w->rows, w->cols};
     if (w->rows == 0) return KDS_OK;
     if (w->dt != KERN_F32 && w->dt != KERN_BF16)
         return kds_err_set(err, KDS_UNSUPPORTED,
                            "device 'cuda': f16 weights are not supported yet (bf16 or f32 only)");
-    return up_bytes(g, &dw->p, w->data, (size_t)w->rows * w->cols * kern_dtype_size(w->dt), err);
+    const size_t n = (size_t)w->rows * w->cols, bytes = n * kern_dtype_size(w->dt);
+    kds_status rc = KDS_OK;
+    if (!at && (rc = dalloc(g, &at, bytes, err)) != KDS_OK) return rc;
+    dw->p = at;
+    if (!w->data) return kern_cuda_gen_normal(at, w->dt, n, w->gen_key, w->gen_sd, NULL, err);
+    return kern_cuda_memcpy_h2d(at, w->data, bytes, NULL, err);
+}
+
+static kds_status up_w(eng_cuda *g, dweight *dw, const eng_weight *w, kds_err *err) {
+    return put_w(g, dw, w, NULL, err);
 }
 
 static kds_status up_f(eng_cuda *g, const float **dst, const float *src, size_t n, kds_err *err) {
@@ -210,8 +229,14 @@ kds_status eng__cuda_create(const eng_model *m, int max_batch, int max_seqs, eng
         rc = kds_err_set(err, KDS_NOMEM, "out of memory creating a CUDA context");
         goto fail;
     }
-    /* weights, as stored */
-    if ((rc = up_w(g, &g->lm_head, &m->lm_head, err)) != KDS_OK) goto fail;
+    /* weights, as stored (a tied lm_head is the embedding, uploaded once) */
+    dweight emb;
+    if ((rc = up_w(g, &emb, &m->embed_tokens, err)) != KDS_OK) goto fail;
+    g->embed = emb.p;
+    if (m->lm_head.data == m->embed_tokens.data && m->lm_head.gen_key == m->embed_tokens.gen_key)
+        g->lm_head = emb;
+    else if ((rc = up_w(g, &g->lm_head, &m->lm_head, err)) != KDS_OK)
+        goto fail;
     if ((rc = up_f(g, &g->final_norm, m->final_norm, d->hidden, err)) != KDS_OK) goto fail;
     float *conv_host = malloc((size_t)C * d->W * sizeof(float));
     if (!conv_host) {
@@ -267,10 +292,27 @@ kds_status eng__cuda_create(const eng_model *m, int max_batch, int max_seqs, eng
         }
         dl->w3 = dl->w1 + g->E;
         dl->w2 = dl->w3 + g->E;
-        for (int e = 0; e < g->E && rc == KDS_OK; e++)
-            if ((rc = up_w(g, &dl->w1[e], &f->w1[e], err)) == KDS_OK &&
-                (rc = up_w(g, &dl->w3[e], &f->w3[e], err)) == KDS_OK)
-                rc = up_w(g, &dl->w2[e], &f->w2[e], err);
+        /* one buffer per layer for all its experts, [E][w1 | w3 | w2]: few
+         * allocations for the 48B's 20,736 expert matrices, and one base +
+         * stride for grouped products */
+        const size_t b1 = (size_t)f->w1[0].rows * f->w1[0].cols * kern_dtype_size(f->w1[0].dt),
+                     b3 = (size_t)f->w3[0].rows * f->w3[0].cols * kern_dtype_size(f->w3[0].dt),
+                     b2 = (size_t)f->w2[0].rows * f->w2[0].cols * kern_dtype_size(f->w2[0].dt);
+        void *arena;
+        if ((rc = dalloc(g, &arena, (size_t)g->E * (b1 + b3 + b2), err)) != KDS_OK) break;
+        for (int e = 0; e < g->E && rc == KDS_OK; e++) {
+            char *at = (char *)arena + (size_t)e * (b1 + b3 + b2);
+            if (f->w1[e].dt != f->w1[0].dt || f->w3[e].dt != f->w3[0].dt ||
+                f->w2[e].dt != f->w2[0].dt) {
+                rc = kds_err_set(err, KDS_UNSUPPORTED,
+                                 "device 'cuda': the experts of layer %d are stored in different "
+                                 "dtypes", l);
+                break;
+            }
+            if ((rc = put_w(g, &dl->w1[e], &f->w1[e], at, err)) == KDS_OK &&
+                (rc = put_w(g, &dl->w3[e], &f->w3[e], at + b1, err)) == KDS_OK)
+                rc = put_w(g, &dl->w2[e], &f->w2[e], at + b1 + b3, err);
+        }
     }
     free(conv_host);
     if (rc != KDS_OK) goto fail;
@@ -281,6 +323,7 @@ kds_status eng__cuda_create(const eng_model *m, int max_batch, int max_seqs, eng
         DALLOC(g->tail[s], (size_t)max_seqs * (taps > 0 ? taps : 1) * C);
     }
     DALLOC(g->slots, max_seqs);
+    DALLOC(g->ids, g->B);
     /* activations */
     const size_t B = (size_t)g->B, Bk = B * (size_t)g->top_k;
     DALLOC(g->x, B * d->hidden);
@@ -322,7 +365,6 @@ kds_status eng__cuda_create(const eng_model *m, int max_batch, int max_seqs, eng
     if ((rc = dalloc(g, &g->ws, g->ws_bytes, err)) != KDS_OK) goto fail;
     /* host staging */
     g->stage_floats = (size_t)d->n_kda * ((size_t)d->HV * d->K * d->V + (size_t)taps * C);
-    if (g->stage_floats < B * d->hidden) g->stage_floats = B * d->hidden;
     if ((rc = kern_cuda_host_alloc((void **)&g->h_stage, g->stage_floats * sizeof(float), err)))
         goto fail;
     if ((rc = kern_cuda_host_alloc((void **)&g->h_logits,
@@ -334,8 +376,11 @@ kds_status eng__cuda_create(const eng_model *m, int max_batch, int max_seqs, eng
         rc = kds_err_set(err, KDS_NOMEM, "out of memory creating a CUDA context");
         goto fail;
     }
-    if ((rc = kern_cuda_host_alloc((void **)&g->h_slots, (size_t)max_seqs * sizeof(int32_t), err)))
+    if ((rc = kern_cuda_host_alloc((void **)&g->h_slots, (size_t)max_seqs * sizeof(int32_t), err)) ||
+        (rc = kern_cuda_host_alloc((void **)&g->h_ids, (size_t)g->B * sizeof(int32_t), err)))
         goto fail;
+    /* a generated model's weights were made by kernels: wait for them */
+    if ((rc = kern_cuda_sync(NULL, err))) goto fail;
     *out = g;
     return KDS_OK;
 fail:
@@ -359,6 +404,8 @@ void eng__cuda_free(eng_cuda *g) {
     free(g->last_use);
     kern_cuda_host_free(g->h_slots);
     for (int i = 0; i < g->n_allocs; i++) kern_cuda_free(g->allocs[i]);
+    free(g->allocs);
+    kern_cuda_host_free(g->h_ids);
     if (g->layers)
         for (int l = 0; l < g->m->cfg.num_hidden_layers; l++) free(g->layers[l].w1);
     free(g->layers);
@@ -645,11 +692,10 @@ static kds_status run_layers(eng_cuda *g, const int32_t *ids, int T, int multi, 
     const eng_config *cfg = &m->cfg;
     const int hid = g->d.hidden;
     const float eps = cfg->rms_norm_eps;
-    const size_t esz = kern_dtype_size(m->embed_tokens.dt);
-    for (int t = 0; t < T; t++)
-        kern_to_f32(m->embed_tokens.dt, (const char *)m->embed_tokens.data + (size_t)ids[t] * hid * esz,
-                    g->h_stage + (size_t)t * hid, (size_t)hid);
-    TRY(kern_cuda_memcpy_h2d(g->x, g->h_stage, (size_t)T * hid * sizeof(float), NULL, err));
+    /* the ids were checked by the caller (eng_prefill / eng_decode*) */
+    memcpy(g->h_ids, ids, (size_t)T * sizeof(int32_t));
+    TRY(kern_cuda_memcpy_h2d(g->ids, g->h_ids, (size_t)T * sizeof(int32_t), NULL, err));
+    TRY(kern_cuda_embed(g->embed, m->embed_tokens.dt, g->d.vocab, hid, g->ids, T, g->x, NULL, err));
     for (int l = 0; l < cfg->num_hidden_layers; l++) {
         const dlayer *L = &g->layers[l];
         TRY(norm_rows(g->x, L->in_norm, T, hid, eps, g->xn, err));
@@ -677,7 +723,8 @@ kds_status eng__cuda_forward(eng_cuda *g, eng_seq *const *seqs, int n_seqs, cons
      * it was not resident or its host copy was written since) */
     g->clock++;
     for (int i = 0; i < n_seqs && rc == KDS_OK; i++) rc = make_resident(g, seqs[i], &g->h_slots[i], err);
-    if (rc == KDS_OK && multi)
+    /* the decode kernel reads slots from the device, also for one sequence */
+    if (rc == KDS_OK)
         rc = kern_cuda_memcpy_h2d(g->slots, g->h_slots, (size_t)n_seqs * sizeof(int32_t), NULL, err);
     if (rc != KDS_OK) return rc;
     /* Logits land in a host buffer first so a failure leaves the

@@ -745,6 +745,10 @@ kds_status eng_ctx_create(const eng_model *m, const eng_ctx_params *p, eng_ctx *
     *out = NULL;
     eng_ctx_params def = eng_ctx_default_params();
     if (!p) p = &def;
+    if (m->generated && !(p->device && strcmp(p->device, "cuda") == 0))
+        return kds_err_set(err, KDS_UNSUPPORTED,
+                           "model %s was generated for the GPU: its weights exist only there "
+                           "(use device cuda)", m->dir);
     eng_ctx *c = calloc(1, sizeof *c);
     if (!c) return kds_err_set(err, KDS_NOMEM, "out of memory creating a context");
     c->m = m;

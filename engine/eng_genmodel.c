@@ -354,12 +354,7 @@ static float sample(const gen_tensor *t, size_t i) {
     uint64_t r = mix64(t->stream + (uint64_t)(i + 1) * 0x9e3779b97f4a7c15ull);
     double u = (double)(r >> 40) * (1.0 / 16777216.0); /* U[0, 1), 24 bits */
     switch (t->init) {
-    case INIT_NORMAL: {
-        /* Irwin-Hall: four 16-bit uniforms, mean 2, variance 1/3 */
-        double s = (double)(r & 0xffff) + (double)((r >> 16) & 0xffff) +
-                   (double)((r >> 32) & 0xffff) + (double)(r >> 48);
-        return (float)((s * (1.0 / 65536.0) - 2.0) * 1.7320508075688772 * t->a);
-    }
+    case INIT_NORMAL: return kern_gen_normal(t->stream, i, t->a); /* also on the GPU */
     case INIT_UNIFORM: return (float)(t->a + (t->b - t->a) * u);
     case INIT_A_LOG: return (float)log(1.0 + 15.0 * u);
     case INIT_DT_BIAS: {
@@ -758,4 +753,66 @@ void eng_genmodel_describe(const eng_config *c, FILE *f) {
         fprintf(f, " + %zu B/token (%s at 128K tokens)", s.per_token,
                 human((double)s.fixed + (double)s.per_token * 131072.0, a, sizeof a));
     fprintf(f, "\n");
+}
+
+/* ------------------------------------------------------------------------ */
+/* The same model without files: eng__genmodel_tensors                      */
+
+kds_status eng__genmodel_tensors(const eng_config *c, uint64_t seed, eng_gen_tensor **out,
+                                 size_t *n_out, kds_err *err) {
+    *out = NULL;
+    *n_out = 0;
+    size_t n = eng_config_tensor_count(c);
+    if (n > GEN_MAX_TENSORS)
+        return kds_err_set(err, KDS_TOO_LARGE, "%zu tensors is too many to generate (max %zu)", n,
+                           GEN_MAX_TENSORS);
+    gen_list g = {calloc(n ? n : 1, sizeof(gen_tensor)), 0, n, seed};
+    eng_gen_tensor *t = calloc(n ? n : 1, sizeof *t);
+    kds_status rc = KDS_OK;
+    if (!g.t || !t) {
+        rc = kds_err_set(err, KDS_NOMEM, "out of memory listing %zu tensors", n);
+        goto out;
+    }
+    list_all(&g, c);
+    if (g.n != n) {
+        rc = kds_err_set(err, KDS_INTERNAL, "listed %zu tensors, expected %zu", g.n, n);
+        goto out;
+    }
+    for (size_t i = 0; i < n; i++) {
+        const gen_tensor *s = &g.t[i];
+        eng_gen_tensor *d = &t[i];
+        d->name = strdup(s->name);
+        d->n_dims = s->n_dims;
+        memcpy(d->shape, s->shape, sizeof d->shape);
+        d->n_elems = s->n_elems;
+        d->key = s->stream;
+        d->sd = s->a;
+        if (!d->name) {
+            rc = kds_err_set(err, KDS_NOMEM, "out of memory listing %zu tensors", n);
+            goto out;
+        }
+        /* matrices are left to the device (every one is INIT_NORMAL) */
+        if (s->n_dims == 2 && s->init == INIT_NORMAL) continue;
+        if (!(d->values = malloc(s->n_elems * sizeof(float)))) {
+            rc = kds_err_set(err, KDS_NOMEM, "out of memory generating '%s'", s->name);
+            goto out;
+        }
+        fill_range(s, KERN_F32, d->values, 0, s->n_elems);
+    }
+    *out = t;
+    *n_out = n;
+    t = NULL;
+out:
+    eng__genmodel_tensors_free(t, n);
+    free(g.t);
+    return rc;
+}
+
+void eng__genmodel_tensors_free(eng_gen_tensor *t, size_t n) {
+    if (!t) return;
+    for (size_t i = 0; i < n; i++) {
+        free((char *)t[i].name);
+        free(t[i].values);
+    }
+    free(t);
 }

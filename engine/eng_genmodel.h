@@ -28,6 +28,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
+#include "eng.h"
 #include "eng_config.h"
 #include "kds_status.h"
 #include "kern.h"
@@ -78,6 +79,40 @@ kds_status eng_genmodel_write(const eng_config *c, uint64_t seed, kern_dtype dty
 kds_status eng__genmodel_write_sharded(const eng_config *c, uint64_t seed, kern_dtype dtype,
                                        const char *out_dir, bool progress, uint64_t shard_bytes,
                                        kds_err *err);
+
+/* Engine-internal (eng_model_generate): the tensors of the model that
+ * eng_genmodel_write(c, seed, ...) writes, without writing them. Vectors,
+ * conv taps and A_log come with their float values (generated here, as in
+ * the file); 2-D matrices with values == NULL and the (key, sd) from which
+ * kern_gen_normal / kern_cuda_gen_normal make element i. c must be parsed
+ * (eng_config_parse). Free with eng__genmodel_tensors_free. */
+typedef struct eng_gen_tensor {
+    const char *name;
+    int n_dims;
+    int64_t shape[4];
+    size_t n_elems;
+    float *values;   /* NULL for matrices */
+    uint64_t key;    /* matrices: the stream of kern_gen_normal */
+    float sd;
+} eng_gen_tensor;
+
+kds_status eng__genmodel_tensors(const eng_config *c, uint64_t seed, eng_gen_tensor **out,
+                                 size_t *n, kds_err *err);
+void eng__genmodel_tensors_free(eng_gen_tensor *t, size_t n);
+
+/*
+ * A model generated in memory, for the GPU: config `c` (checked as
+ * eng_config_parse would), its small vectors made on the host, and every
+ * matrix left to be made on the device where it is used (eng_weight.data
+ * NULL, gen_key / gen_sd set; eng_model.generated true). The values equal
+ * those eng_genmodel_write(c, seed, KERN_BF16, ...) writes, so this is that
+ * model without the file, e.g. the 98 GB Kimi-Linear-48B. Only a "cuda"
+ * context can run it (a "cpu" one refuses it with KDS_UNSUPPORTED); it has
+ * no tokenizer. eng_model_dir() names it "generated:<label> seed <seed>".
+ * Errors: KDS_INVALID_ARG (config), KDS_NOMEM, KDS_TOO_LARGE.
+ */
+kds_status eng_model_generate(const eng_config *c, uint64_t seed, const char *label,
+                              eng_model **out, kds_err *err);
 
 /* Print a summary: layout, tensor and parameter counts, bytes at the
  * config's torch_dtype (bf16 when unset) and the per-sequence state size. */

@@ -27,6 +27,7 @@
 #include <unistd.h>
 #include <xxhash.h>
 
+#include "eng_genmodel.h"
 #include "eng_model.h"
 #include "eng_tokenizer.h"
 
@@ -128,6 +129,8 @@ typedef struct cat_entry {
     const char *name; /* borrowed from the shard's header */
     const eng_st_tensor *t;
     int shard;
+    uint64_t gen_key; /* generated models (eng_model_generate): a matrix's stream */
+    float gen_sd;
 } cat_entry;
 
 static int cat_cmp(const void *a, const void *b) {
@@ -198,7 +201,7 @@ static kds_status open_single(loader *ld, const char *path) {
     if (!ld->cat) return kds_err_set(ld->err, KDS_NOMEM, "out of memory loading %s", path);
     for (size_t i = 0; i < n; i++) {
         const eng_st_tensor *t = eng_st_at(m->shards[0], i);
-        ld->cat[i] = (cat_entry){t->name, t, 0};
+        ld->cat[i] = (cat_entry){.name = t->name, .t = t, .shard = 0};
     }
     ld->n_cat = n;
     return sort_catalog(ld);
@@ -293,12 +296,12 @@ static kds_status open_sharded(loader *ld) {
     for (int s = 0; s < m->n_shards; s++)
         for (size_t j = 0; j < eng_st_count(m->shards[s]); j++) {
             const eng_st_tensor *t = eng_st_at(m->shards[s], j);
-            all[k++] = (cat_entry){t->name, t, s};
+            all[k++] = (cat_entry){.name = t->name, .t = t, .shard = s};
         }
     qsort(all, n_all, sizeof *all, cat_cmp);
     i = 0;
     cJSON_ArrayForEach(it, wm) {
-        cat_entry key = {it->string, NULL, entry_shard[i]};
+        cat_entry key = {.name = it->string, .t = NULL, .shard = entry_shard[i]};
         const cat_entry *hit = bsearch(&key, all, n_all, sizeof *all, cat_cmp);
         if (!hit) {
             rc = kds_err_set(ld->err, KDS_NOT_FOUND,
@@ -359,8 +362,10 @@ static void set_name(loader *ld, const char *fmt, va_list ap) {
 }
 
 /* Find ld->name and check its dtype; NULL (and a failure) otherwise. */
-static const eng_st_tensor *lookup(loader *ld, kern_dtype *dt, bool optional) {
+static const eng_st_tensor *lookup_entry(loader *ld, kern_dtype *dt, bool optional,
+                                         const cat_entry **entry) {
     const cat_entry *e = cat_find(ld, ld->name);
+    *entry = e;
     if (!e) {
         if (!optional) fail(ld, KDS_NOT_FOUND, "tensor '%s' not found in %s", ld->name, ld->where);
         return NULL;
@@ -377,6 +382,11 @@ static const eng_st_tensor *lookup(loader *ld, kern_dtype *dt, bool optional) {
     return e->t;
 }
 
+static const eng_st_tensor *lookup(loader *ld, kern_dtype *dt, bool optional) {
+    const cat_entry *e;
+    return lookup_entry(ld, dt, optional, &e);
+}
+
 /* A Linear weight [rows, cols], read in place. */
 static void bind_matrix(loader *ld, eng_weight *w, int64_t rows, int64_t cols, const char *fmt, ...)
     __attribute__((format(printf, 5, 6)));
@@ -389,7 +399,8 @@ static void bind_matrix(loader *ld, eng_weight *w, int64_t rows, int64_t cols, c
     set_name(ld, fmt, ap);
     va_end(ap);
     kern_dtype dt;
-    const eng_st_tensor *t = lookup(ld, &dt, false);
+    const cat_entry *e;
+    const eng_st_tensor *t = lookup_entry(ld, &dt, false, &e);
     if (!t) return;
     if (t->n_dims != 2 || t->shape[0] != rows || t->shape[1] != cols) {
         char got[128], want[64];
@@ -400,7 +411,7 @@ static void bind_matrix(loader *ld, eng_weight *w, int64_t rows, int64_t cols, c
              ld->where);
         return;
     }
-    *w = (eng_weight){dt, t->data, (int)rows, (int)cols};
+    *w = (eng_weight){dt, t->data, (int)rows, (int)cols, e->gen_key, e->gen_sd};
 }
 
 /* Accepted layouts of a small vector: up to 2 shapes of up to 4 dims. */
@@ -902,4 +913,95 @@ const char *eng_model_fingerprint(const eng_model *m) {
 
 const eng_tokenizer *eng_model_tokenizer(const eng_model *m) {
     return m->tokenizer;
+}
+
+/* ------------------------------------------------------------------------ */
+/* A generated model without files (eng_genmodel.h): the loader's binding   */
+/* over a catalog of in-memory tensors whose matrices have no bytes.        */
+
+kds_status eng_model_generate(const eng_config *c, uint64_t seed, const char *label,
+                              eng_model **out, kds_err *err) {
+    if (!out) return kds_err_set(err, KDS_INVALID_ARG, "eng_model_generate: no output pointer");
+    *out = NULL;
+    if (!c) return kds_err_set(err, KDS_INVALID_ARG, "eng_model_generate: no config");
+    kds_status rc = KDS_OK;
+    eng_gen_tensor *gt = NULL;
+    eng_st_tensor *st = NULL;
+    size_t n = 0;
+    char *json = NULL, name[256];
+    loader ld = {.err = err, .rc = KDS_OK};
+    eng_model *m = calloc(1, sizeof *m);
+    if (!m) return kds_err_set(err, KDS_NOMEM, "out of memory generating a model");
+    /* the config exactly as a written model's config.json would load */
+    eng_config want = *c;
+    snprintf(want.torch_dtype, sizeof want.torch_dtype, "bfloat16");
+    if (!(json = eng_config_to_json(&want))) {
+        rc = kds_err_set(err, KDS_NOMEM, "out of memory generating a model");
+        goto fail;
+    }
+    if ((rc = eng_config_parse(json, strlen(json), "generated config", &m->cfg, err)) != KDS_OK)
+        goto fail;
+    snprintf(name, sizeof name, "generated:%s seed %llu", label && label[0] ? label : "model",
+             (unsigned long long)seed);
+    if (!(m->dir = strdup(name))) {
+        rc = kds_err_set(err, KDS_NOMEM, "out of memory generating a model");
+        goto fail;
+    }
+    if ((rc = eng__genmodel_tensors(&m->cfg, seed, &gt, &n, err)) != KDS_OK) goto fail;
+    st = calloc(n ? n : 1, sizeof *st);
+    ld.cat = calloc(n ? n : 1, sizeof *ld.cat);
+    if (!st || !ld.cat) {
+        rc = kds_err_set(err, KDS_NOMEM, "out of memory generating a model");
+        goto fail;
+    }
+    for (size_t i = 0; i < n; i++) {
+        const eng_gen_tensor *g = &gt[i];
+        /* a written model stores every tensor in bf16: round the vectors
+         * the same way (the matrices are rounded where they are made) */
+        for (size_t j = 0; g->values && j < g->n_elems; j++)
+            g->values[j] = kern_bf16_to_f32(kern_f32_to_bf16(g->values[j]));
+        st[i] = (eng_st_tensor){.name = g->name,
+                                .dtype = g->values ? ENG_ST_F32 : ENG_ST_BF16,
+                                .n_dims = g->n_dims,
+                                .n_elems = g->n_elems,
+                                .n_bytes = g->n_elems * (g->values ? 4 : 2),
+                                .data = g->values};
+        memcpy(st[i].shape, g->shape, sizeof g->shape);
+        ld.cat[i] = (cat_entry){.name = g->name, .t = &st[i], .shard = 0, .gen_key = g->key,
+                                .gen_sd = g->sd};
+    }
+    ld.n_cat = n;
+    ld.m = m;
+    ld.dir = m->dir;
+    ld.where = strdup("the generated model");
+    if (!ld.where) {
+        rc = kds_err_set(err, KDS_NOMEM, "out of memory generating a model");
+        goto fail;
+    }
+    if ((rc = sort_catalog(&ld)) != KDS_OK || (rc = bind_all(&ld)) != KDS_OK) goto fail;
+    /* the fingerprint names what the weights are made of: config and seed */
+    XXH3_state_t *hs = XXH3_createState();
+    if (!hs) {
+        rc = kds_err_set(err, KDS_NOMEM, "out of memory generating a model");
+        goto fail;
+    }
+    XXH3_128bits_reset(hs);
+    feed_str(hs, "kdaserve-generated-v1");
+    feed_str(hs, json);
+    feed_u64(hs, seed);
+    XXH128_canonical_t canon;
+    XXH128_canonicalFromHash(&canon, XXH3_128bits_digest(hs));
+    XXH3_freeState(hs);
+    for (int i = 0; i < 16; i++) snprintf(m->fingerprint + 2 * i, 3, "%02x", canon.digest[i]);
+    m->generated = true;
+    *out = m;
+    m = NULL;
+fail:
+    eng_model_free(m);
+    eng__genmodel_tensors_free(gt, n);
+    free(st);
+    free(ld.cat);
+    free(ld.where);
+    free(json);
+    return rc;
 }

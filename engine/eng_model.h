@@ -23,8 +23,10 @@
 /* A 2-D weight [rows, cols] (PyTorch Linear: out, in) read in place. */
 typedef struct eng_weight {
     kern_dtype dt;
-    const void *data;   /* borrowed from the mapping */
+    const void *data;   /* borrowed from the mapping; NULL in a generated model */
     int rows, cols;
+    uint64_t gen_key;   /* generated model (data NULL): element i is */
+    float gen_sd;       /* kern_gen_normal(gen_key, i, gen_sd), made on the device */
 } eng_weight;
 
 typedef struct eng_kda_weights {
@@ -85,6 +87,7 @@ struct eng_model {
     float *small_f32;                /* arena of converted small vectors */
     size_t small_f32_used, small_f32_cap;
     eng_tokenizer *tokenizer;        /* owned */
+    bool generated;                  /* eng_model_generate: matrices exist only on a device */
 };
 
 #endif /* ENG_MODEL_H */

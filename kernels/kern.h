@@ -42,6 +42,13 @@ uint16_t kern_f32_to_bf16(float f);
 float kern_f16_to_f32(uint16_t h);
 uint16_t kern_f32_to_f16(float f);
 
+/* Element i of a generated model's weight matrix (eng_genmodel.h): the
+ * counter-based splitmix64 stream keyed by `stream`, turned into an
+ * N(0, sd^2)-like value (Irwin-Hall of four 16-bit uniforms, in double).
+ * kern_cuda_gen_normal makes the same values on a GPU, bit for bit, so a
+ * model generated there equals the one `kdaserve gen-model` writes. */
+float kern_gen_normal(uint64_t stream, uint64_t i, float sd);
+
 /* Convert `n` elements of type `dt` at `src` to float32 at `dst`. */
 void kern_to_f32(kern_dtype dt, const void *src, float *dst, size_t n);
 

@@ -92,6 +92,21 @@ kds_status kern_cuda_sync(void *stream, kds_err *err);
 kds_status kern_cuda_fill_uniform(void *dst, kern_dtype dt, size_t n, float lo, float hi,
                                   uint64_t seed, void *stream, kds_err *err);
 
+/* Fill n elements of dst (F32 or BF16) with kern_gen_normal(key, i, sd)
+ * for i < n: a generated model's matrix made on the GPU, equal bit for bit
+ * to what eng_genmodel writes (bf16: round to nearest even, as
+ * kern_f32_to_bf16). Errors: KDS_INVALID_ARG, KDS_CUDA. */
+kds_status kern_cuda_gen_normal(void *dst, kern_dtype dt, size_t n, uint64_t key, float sd,
+                                void *stream, kds_err *err);
+
+/* x[t, :] = float(table[ids[t], :]) for t < T: the embedding lookup. table
+ * [vocab, hidden] in dt (F32 or BF16), ids [T] int32 and x [T, hidden] fp32
+ * on the device. Ids are the caller's to check (the engine checks them on
+ * the host); one outside [0, vocab) gives a zero row. Errors:
+ * KDS_INVALID_ARG, KDS_CUDA. */
+kds_status kern_cuda_embed(const void *table, kern_dtype dt, int vocab, int hidden,
+                           const int32_t *ids, int T, float *x, void *stream, kds_err *err);
+
 /* ------------------------------------------------------------------------ */
 /* Element kernels (same semantics as kern.h; all pointers are device ones)  */
 

@@ -15,6 +15,7 @@
 
 #include "eng.h"
 #include "eng_config.h"
+#include "eng_genmodel.h"
 #include "eng_seq.h"
 #include "test_helpers.h"
 #include "test_model_util.h"
@@ -319,6 +320,46 @@ Test(cuda_model, resident_states_follow_the_cpu, .timeout = 3600) {
     free(snap_c);
     free(snap1);
     eng_ctx_free(cc);
+    close_fixture(&f);
+}
+
+/* The model generated on the device (eng_model_generate: matrices made by
+ * kern_cuda_gen_normal) is the written model: the same logits, bit for bit. */
+Test(cuda_model, generated_on_the_device_equals_the_file, .timeout = 3600) {
+    require_device();
+    fixture f = open_preset("tiny"); /* seed 7, bf16 */
+    kds_err err = {0};
+    eng_config cfg;
+    cr_assert_eq(eng_genmodel_preset("tiny", &cfg, &err), KDS_OK, "%s", err.msg);
+    eng_model *gm = NULL;
+    cr_assert_eq(eng_model_generate(&cfg, 7, "tiny", &gm, &err), KDS_OK, "%s", err.msg);
+    eng_ctx_params cp = eng_ctx_default_params();
+    cp.n_threads = 1;
+    cp.max_batch = 8;
+    cp.max_seqs = 2;
+    cp.device = "cuda";
+    eng_ctx *fc = NULL, *gc = NULL;
+    cr_assert_eq(eng_ctx_create(f.m, &cp, &fc, &err), KDS_OK, "%s", err.msg);
+    cr_assert_eq(eng_ctx_create(gm, &cp, &gc, &err), KDS_OK, "%s", err.msg);
+    eng_seq *a = NULL, *b = NULL;
+    cr_assert_eq(eng_seq_create(f.m, 1, &a, &err), KDS_OK, "%s", err.msg);
+    cr_assert_eq(eng_seq_create(gm, 1, &b, &err), KDS_OK, "%s", err.msg);
+    int32_t ids[6];
+    prompt(ids, 6, f.vocab, 3);
+    cr_assert_eq(eng_prefill(fc, a, ids, 6, NULL, NULL, NULL, &err), KDS_OK, "%s", err.msg);
+    cr_assert_eq(eng_prefill(gc, b, ids, 6, NULL, NULL, NULL, &err), KDS_OK, "%s", err.msg);
+    cr_expect_eq(memcmp(eng_seq_logits(a), eng_seq_logits(b), (size_t)f.vocab * sizeof(float)), 0,
+                 "prefill logits differ");
+    int32_t id = argmax(eng_seq_logits(a), f.vocab);
+    cr_assert_eq(eng_decode(fc, a, id, &err), KDS_OK, "%s", err.msg);
+    cr_assert_eq(eng_decode(gc, b, id, &err), KDS_OK, "%s", err.msg);
+    cr_expect_eq(memcmp(eng_seq_logits(a), eng_seq_logits(b), (size_t)f.vocab * sizeof(float)), 0,
+                 "decode logits differ");
+    eng_seq_free(a);
+    eng_seq_free(b);
+    eng_ctx_free(fc);
+    eng_ctx_free(gc);
+    eng_model_free(gm);
     close_fixture(&f);
 }
 

@@ -42,6 +42,17 @@ uint16_t kern_f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+float kern_gen_normal(uint64_t stream, uint64_t i, float sd) {
+    uint64_t z = stream + (i + 1) * 0x9e3779b97f4a7c15ull; /* splitmix64, counter form */
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    /* Irwin-Hall: four 16-bit uniforms, mean 2, variance 1/3 */
+    double s = (double)(z & 0xffff) + (double)((z >> 16) & 0xffff) + (double)((z >> 32) & 0xffff) +
+               (double)(z >> 48);
+    return (float)((s * (1.0 / 65536.0) - 2.0) * 1.7320508075688772 * (double)sd);
+}
+
 float kern_f16_to_f32(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
     uint32_t exp = (h >> 10) & 0x1fu;

@@ -47,3 +47,89 @@ extern "C" kds_status kern_cuda_fill_uniform(void *dst, kern_dtype dt, size_t n,
                                                                   seed);
     return kern_cuda__status(cudaGetLastError(), err, "fill launch");
 }
+
+/* ------------------------------------------------------------------------ */
+/* Generated-model weights and the embedding lookup                          */
+
+namespace {
+
+/* kern_gen_normal (kernels/cpu/ops.c), step for step; the double
+ * operations use explicit round-to-nearest intrinsics so nvcc cannot fuse
+ * them into FMAs the CPU does not do. */
+__device__ __forceinline__ float gen_normal(uint64_t key, uint64_t i, float sd) {
+    const uint64_t z = mix64(key + (i + 1) * 0x9E3779B97F4A7C15ull);
+    double s = __dadd_rn(__dadd_rn(__dadd_rn((double)(z & 0xffff), (double)((z >> 16) & 0xffff)),
+                                   (double)((z >> 32) & 0xffff)),
+                         (double)(z >> 48));
+    double v = __dadd_rn(__dmul_rn(s, 1.0 / 65536.0), -2.0);
+    v = __dmul_rn(__dmul_rn(v, 1.7320508075688772), (double)sd);
+    return (float)v;
+}
+
+__device__ __forceinline__ uint16_t to_bf16(float x) {
+    uint32_t u = __float_as_uint(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+__global__ void gen_normal_kernel(void *dst, int bf16, size_t n, uint64_t key, float sd) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        const float x = gen_normal(key, i, sd);
+        if (bf16)
+            static_cast<uint16_t *>(dst)[i] = to_bf16(x);
+        else
+            static_cast<float *>(dst)[i] = x;
+    }
+}
+
+/* one CTA per row; 8 bf16 (or 4 f32) per 16-byte load when aligned */
+__global__ void embed_kernel(const void *table, int bf16, int vocab, int hidden,
+                             const int32_t *ids, float *x) {
+    const int t = blockIdx.x;
+    const int32_t id = ids[t];
+    float *dst = x + (size_t)t * hidden;
+    if (id < 0 || id >= vocab) {
+        for (int c = threadIdx.x; c < hidden; c += blockDim.x) dst[c] = 0.0f;
+        return;
+    }
+    if (bf16) {
+        const uint16_t *src = static_cast<const uint16_t *>(table) + (size_t)id * hidden;
+        for (int c = threadIdx.x; c < hidden; c += blockDim.x)
+            dst[c] = __uint_as_float((uint32_t)src[c] << 16);
+    } else {
+        const float *src = static_cast<const float *>(table) + (size_t)id * hidden;
+        for (int c = threadIdx.x; c < hidden; c += blockDim.x) dst[c] = src[c];
+    }
+}
+
+} /* namespace */
+
+extern "C" kds_status kern_cuda_gen_normal(void *dst, kern_dtype dt, size_t n, uint64_t key,
+                                           float sd, void *stream, kds_err *err) {
+    if (dt != KERN_F32 && dt != KERN_BF16)
+        return kern_cuda__err(err, KDS_INVALID_ARG, "gen_normal: dtype %d (need F32 or BF16)",
+                              (int)dt);
+    if (n == 0) return KDS_OK;
+    if (!dst) return kern_cuda__err(err, KDS_INVALID_ARG, "gen_normal: NULL device pointer");
+    const int threads = 256;
+    const size_t want = (n + threads - 1) / threads;
+    const unsigned blocks = (unsigned)(want < 65536 ? want : 65536);
+    gen_normal_kernel<<<blocks, threads, 0, kern_cuda__stream(stream)>>>(dst, dt == KERN_BF16, n, key, sd);
+    return kern_cuda__status(cudaGetLastError(), err, "gen_normal launch");
+}
+
+extern "C" kds_status kern_cuda_embed(const void *table, kern_dtype dt, int vocab, int hidden,
+                                      const int32_t *ids, int T, float *x, void *stream,
+                                      kds_err *err) {
+    if (dt != KERN_F32 && dt != KERN_BF16)
+        return kern_cuda__err(err, KDS_INVALID_ARG, "embed: dtype %d (need F32 or BF16)", (int)dt);
+    if (T < 0 || vocab < 1 || hidden < 1)
+        return kern_cuda__err(err, KDS_INVALID_ARG, "embed: T %d, vocab %d, hidden %d", T, vocab,
+                              hidden);
+    if (T == 0) return KDS_OK;
+    if (!table || !ids || !x) return kern_cuda__err(err, KDS_INVALID_ARG, "embed: NULL pointer");
+    embed_kernel<<<T, 256, 0, kern_cuda__stream(stream)>>>(table, dt == KERN_BF16, vocab, hidden, ids, x);
+    return kern_cuda__status(cudaGetLastError(), err, "embed launch");
+}
