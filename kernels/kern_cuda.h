@@ -383,7 +383,146 @@ typedef struct kern_cuda_sample_args {
 kds_status kern_cuda_sample(const kern_cuda_sample_args *a, void *stream, kds_err *err);
 
 /* ------------------------------------------------------------------------ */
+/* MLA attention, absorbed form (kern_cuda_mla.cu; CPU: kern_mla_attend)     */
+
+/*
+ * Which sequence's latent cache each of `rows` rows uses, and at which
+ * position. A cache is fp32 [capacity, dc + dr] in device memory, 16-byte
+ * aligned, row tau = [rmsnorm(c_tau) * kv_a_layernorm (dc) | k_pe_tau (dr)]
+ * (kern_mla_shape in kern.h). Two forms:
+ *   caches == NULL  one sequence (prefill, or eng_decode): row r is position
+ *                   pos0 + r of the sequence whose cache is `cache`;
+ *   caches != NULL  one row per sequence (batched decode): row r is position
+ *                   pos[r] of the sequence whose cache is caches[slots[r]].
+ *                   caches: device array of n_caches device pointers (one
+ *                   per slot, for this layer); slots, pos: device int32
+ *                   [rows], so the host need not know them at launch. A
+ *                   slot outside [0, n_caches) marks a padding row: nothing
+ *                   is written to any cache, its o row is 0.
+ * Positions must be below the cache's capacity (not checked on the device).
+ */
+typedef struct kern_cuda_mla_rows {
+    int rows;
+    float *cache;
+    int64_t pos0;
+    float *const *caches;
+    int n_caches;
+    const int32_t *slots, *pos;
+} kern_cuda_mla_rows;
+
+/*
+ * Append each row's latent to its cache (the engine's loop in mla_layer):
+ *   cache[pos] = [kern_rmsnorm(kva[r, :dc], norm_w, eps) | kva[r, dc:dc+dr]]
+ * kva: device fp32 [rows, dc + dr] (the kv_a_proj_with_mqa output); norm_w:
+ * device [dc] F32 or BF16 (kv_a_layernorm), or NULL (no weight). Numerics as
+ * kern_rmsnorm (sum of squares in double, products rounded one by one): the
+ * only difference is the summation order of the squares. With the table
+ * form, two rows must not name the same (slot, position). Errors:
+ * KDS_INVALID_ARG (NULL, shape, dtype, alignment), KDS_CUDA.
+ */
+typedef struct kern_cuda_mla_append_args {
+    kern_cuda_mla_rows map;
+    int dc, dr;
+    float eps;
+    const float *kva;
+    const void *norm_w;
+    kern_dtype norm_w_dtype;
+} kern_cuda_mla_append_args;
+
+kds_status kern_cuda_mla_cache_append(const kern_cuda_mla_append_args *a, void *stream,
+                                      kds_err *err);
+
+/*
+ * Absorbed MLA attention for the rows of `map` (after their latents were
+ * appended: row r sees cache rows 0 .. its position), all heads:
+ *   o[r, h] = softmax_tau( [q_nope W_UK_h | q_pe] . cache[tau] / sqrt(dn + dr) )
+ *             . cache[tau, :dc]  W_UV_h^T
+ * i.e. kern_mla_attend for every row (one sequence: kern_mla_attend with
+ * T = rows at pos0; table form: T = 1 per row), up to summation order.
+ * Device pointers: q fp32 [rows, nh*(dn+dr)] (head h: [q_nope | q_pe]);
+ * kv_b [nh*(dn+dv), dc] F32 or BF16 (kv_b_proj: head h's rows are W_UK_h
+ * then W_UV_h); o fp32 [rows, nh*dv]; workspace (16-byte aligned) of
+ * workspace_bytes >= kern_cuda_mla_workspace_bytes(shape, rows, 1).
+ *
+ * Three launches: absorb (Qa = [q_nope W_UK_h | q_pe] scaled, into the
+ * workspace), attend (MQA over the shared 576-wide keys, the context cut in
+ * n_split splits, flash-decoding partials into the workspace), combine
+ * (merge the splits, W_UV_h). n_split <= 0 chooses it: enough CTAs for two
+ * per SM, no split below 256 keys of max_ctx, no more than the workspace
+ * holds; an explicit n_split is lowered to what the workspace holds.
+ * max_ctx: the longest context among the rows (position + 1), only for that
+ * choice (a row longer than it is still attended in full, by the last split).
+ * Shapes: dc in {64, 128, 256, 512}, dr % 4 == 0, any nh, dn, dv. Dynamic
+ * shared memory kern_cuda_mla_attention_smem_bytes(shape) (148,480 B at
+ * Kimi's dc + dr = 576: H100/H200/A100 only). Nothing may alias o.
+ * Errors: KDS_INVALID_ARG (NULL, dtype, alignment, workspace below one
+ * split), KDS_UNSUPPORTED (shape), KDS_CUDA.
+ */
+typedef struct kern_cuda_mla_args {
+    kern_mla_shape shape;
+    kern_cuda_mla_rows map;
+    const float *q;
+    const void *kv_b;
+    kern_dtype kv_b_dtype;
+    float *o;
+    int max_ctx;
+    int n_split; /* <= 0: automatic */
+    void *workspace;
+    size_t workspace_bytes;
+} kern_cuda_mla_args;
+
+kds_status kern_cuda_mla_attention(const kern_cuda_mla_args *a, void *stream, kds_err *err);
+
+/* Workspace for `rows` rows with up to max_splits context splits:
+ * rows*nh*((dc+dr) + max_splits*(dc+2)) floats, each part 256-byte aligned
+ * (0 for a bad shape). Kimi (nh 32): 73.7 KB + 65.8 KB per split per row. */
+size_t kern_cuda_mla_workspace_bytes(const kern_mla_shape *sh, int rows, int max_splits);
+
+/* Dynamic shared memory of the attend kernel (0 for an unsupported shape). */
+size_t kern_cuda_mla_attention_smem_bytes(const kern_mla_shape *sh);
+
+/* ------------------------------------------------------------------------ */
 /* Whole-model helpers (kern_cuda_model.cu; used by engine/eng_cuda.c)       */
+
+/*
+ * GEMM context (kernels/cuda/kern_cuda_gemm.cu): what the cuBLAS path of
+ * kern_cuda_matmul needs, made once: a cuBLAS handle, its workspace
+ * (32 MiB, the size cuBLAS recommends for Hopper) and a bf16 scratch for
+ * the activations, 2 x max_act_elems bf16 (the hi and lo halves of x).
+ *   max_act_elems: the largest T * cols of one cuBLAS product; a call with
+ *     more is run in pieces of floor(max_act_elems / cols) rows (same
+ *     result, more launches). Suggested: max_batch * the largest `cols` the
+ *     caller multiplies (Kimi-48B: 4096, o_proj). Must be >= 1.
+ * Ownership: caller owns: free with kern_cuda_gemm_ctx_free (which
+ * synchronises the device, cudaFree semantics: not on the hot path).
+ * Threading: one host thread and one stream at a time: the scratch is shared
+ * by every call, so calls on different streams must be ordered by the
+ * caller. The stream given to kern_cuda_matmul wins (the handle is re-bound,
+ * with its workspace, when it changes); kern_cuda_gemm_ctx_set_stream binds
+ * one ahead of time.
+ * Errors: KDS_INVALID_ARG (out NULL, max_act_elems 0), KDS_NOMEM (device
+ * memory), KDS_CUDA (cuBLAS initialisation: message names the cuBLAS
+ * status). On error *out = NULL and nothing is left allocated.
+ */
+typedef struct kern_cuda_gemm_ctx kern_cuda_gemm_ctx;
+
+kds_status kern_cuda_gemm_ctx_create(size_t max_act_elems, kern_cuda_gemm_ctx **out,
+                                     kds_err *err);
+void kern_cuda_gemm_ctx_free(kern_cuda_gemm_ctx *c); /* NULL: no-op */
+kds_status kern_cuda_gemm_ctx_set_stream(kern_cuda_gemm_ctx *c, void *stream, kds_err *err);
+
+/* Precision of the tensor-core products (cuBLAS in kern_cuda_matmul, the
+ * WMMA grouped expert product). Weights are used as stored (bf16 exactly);
+ * only the fp32 activations are rounded:
+ *   EXACT (0, the default): x = hi + lo with hi = bf16(x), lo = bf16(x - hi),
+ *     two products accumulated in fp32: ~16 bits of x, ~1e-5 of the largest
+ *     magnitude, about what fp32 activations give;
+ *   BF16: x rounded to bf16 once (what vLLM does): half the work, ~2^-9
+ *     relative error per activation, ~3e-3 of the largest output. */
+typedef enum kern_cuda_gemm_mode {
+    KERN_CUDA_GEMM_EXACT = 0,
+    KERN_CUDA_GEMM_BF16 = 1,
+} kern_cuda_gemm_mode;
 
 /*
  * y[t, r] = sum_c x[t, c] * W[r, c]   (accumulate: y[t, r] += that sum)
@@ -391,11 +530,25 @@ kds_status kern_cuda_sample(const kern_cuda_sample_args *a, void *stream, kds_er
  * row-major in w_dtype F32 or BF16, fp32 activations and accumulation).
  * Device pointers: W; x [T, ldx] fp32 (ldx >= cols); y [T, ldy] fp32
  * (ldy >= rows, columns [rows, ldy) untouched). Nothing may alias y.
- * A plain 16 x 16 shared-memory tiling on CUDA cores: correct first, not
- * fast (no tensor cores, no cuBLAS). Agrees with kern_matmul up to
- * summation order. Errors: KDS_INVALID_ARG (shape, dtype, NULL),
- * KDS_UNSUPPORTED (T > 1048560), KDS_CUDA.
+ * Dispatch (kernels/cuda/README.md):
+ *   T <= 8 (KERN_CUDA_GEMV_MAX_T): a bandwidth-bound GEMV on CUDA cores that
+ *     streams every weight byte once for all T rows (16-byte loads when W,
+ *     x are 16-byte aligned, cols % (16 / dtype size) == 0 and ldx % 4 == 0;
+ *     element loads otherwise); exact fp32 arithmetic whatever `mode`;
+ *     no context needed;
+ *   T > 8 with gemm != NULL: cuBLAS on tensor cores, bf16 weights x bf16
+ *     activations (split by `mode`), fp32 accumulation and output
+ *     (accumulate = beta 1); f32 weights: an fp32 cuBLAS product (no TF32);
+ *   T > 8 without a context: a 16 x 16 shared-memory tiling on CUDA cores
+ *     (exact, slow: the fallback).
+ * Zero-initialised gemm/mode keep the exact fp32-activation results. All
+ * paths agree with kern_matmul up to summation order (~1e-6 relative),
+ * except the cuBLAS bf16 product (EXACT ~1e-5, BF16 ~3e-3, see above).
+ * Errors: KDS_INVALID_ARG (shape, dtype, mode, NULL), KDS_UNSUPPORTED
+ * (T > 1048560 without a context), KDS_CUDA (launch or cuBLAS status).
  */
+#define KERN_CUDA_GEMV_MAX_T 8
+
 typedef struct kern_cuda_matmul_args {
     const void *W;
     kern_dtype w_dtype;
@@ -405,9 +558,63 @@ typedef struct kern_cuda_matmul_args {
     float *y;
     int ldy;
     bool accumulate;
+    kern_cuda_gemm_ctx *gemm;  /* NULL: no cuBLAS (GEMV or the tiled fallback) */
+    kern_cuda_gemm_mode mode;  /* cuBLAS bf16 products only */
 } kern_cuda_matmul_args;
 
 kds_status kern_cuda_matmul(const kern_cuda_matmul_args *a, void *stream, kds_err *err);
+
+/*
+ * The routed experts' products, grouped, with the grouping read on the
+ * device (no host sync): rows [exp_off[e], exp_off[e+1]) of x belong to
+ * expert e (kern_cuda_moe_route's exp_off, after kern_cuda_moe_gather):
+ *   W3 == NULL:  y[i, r] = sum_c x[i, c] * W_e[r, c]
+ *   W3 != NULL:  y[i, r] = silu(x[i] . W_e[r]) * (x[i] . W3_e[r])
+ *                (gate and up projections fused: kern_swiglu of the two)
+ * for every row i of expert e, r < rows. Device pointers:
+ *   W, W3     [E] device arrays of device pointers, one matrix per expert,
+ *             each [rows, cols] row-major in w_dtype (BF16 or F32) and
+ *             16-byte aligned (cudaMalloc'd bases qualify). Build them once
+ *             at load time (kern_cuda_malloc + kern_cuda_memcpy_h2d).
+ *   exp_off   [E + 1] int32, non-decreasing from 0 (bad offsets are clamped
+ *             to [0, n_rows], never read or written out of bounds)
+ *   x         [n_rows, ldx] fp32, y [n_rows, ldy] fp32 (ldy >= rows);
+ *             n_rows is what the host knows: the allocated rows (T * k).
+ *             Rows of y outside every group and columns >= rows untouched.
+ * The grid is sized from n_rows; CTAs without work exit at once.
+ * Algorithms (`algo`, KERN_CUDA_MOE_AUTO picks GEMV when n_rows <= 2 * E,
+ * i.e. about two rows per expert or fewer, or for f32 weights):
+ *   GEMV: per expert, chunks of up to 8 rows, each streaming the expert's
+ *     weights once (CUDA cores, exact fp32 whatever `mode`);
+ *   TENSOR: WMMA tiles of 64 rows x 64 weight rows, bf16 operands, fp32
+ *     accumulation, x split by `mode` (BF16 weights only; needs cols % 8 ==
+ *     0, ldx % 4 == 0, x 16-byte aligned, else KDS_UNSUPPORTED).
+ * Errors: KDS_INVALID_ARG (shape, dtype, NULL), KDS_UNSUPPORTED (TENSOR
+ * asked for what it cannot do), KDS_CUDA (launch). Nothing may alias y.
+ */
+typedef enum kern_cuda_moe_algo {
+    KERN_CUDA_MOE_AUTO = 0,
+    KERN_CUDA_MOE_GEMV = 1,
+    KERN_CUDA_MOE_TENSOR = 2,
+} kern_cuda_moe_algo;
+
+typedef struct kern_cuda_moe_experts_args {
+    int E;                  /* experts */
+    int rows, cols;         /* each expert's matrix [rows, cols] */
+    kern_dtype w_dtype;     /* BF16 or F32 */
+    const void *const *W;   /* device [E] of device pointers */
+    const void *const *W3;  /* NULL, or device [E]: fused silu(x W^T) * (x W3^T) */
+    const int32_t *exp_off; /* device [E + 1] */
+    int n_rows;             /* rows of x and y (upper bound of exp_off[E]) */
+    const float *x;
+    int ldx;
+    float *y;
+    int ldy;
+    kern_cuda_gemm_mode mode;
+    kern_cuda_moe_algo algo;
+} kern_cuda_moe_experts_args;
+
+kds_status kern_cuda_moe_experts(const kern_cuda_moe_experts_args *a, void *stream, kds_err *err);
 
 /*
  * The KDA depthwise causal short convolution + SiLU over C = 2*n_qk + n_v

@@ -49,4 +49,9 @@ static inline cudaStream_t kern_cuda__stream(void *stream) {
  * the current device can run. Defined in kern_cuda_kda.cu. */
 cudaError_t kern_cuda__probe_kernels(void);
 
+/* The 16 x 16 shared-memory tiled product (kern_cuda_model.cu): the
+ * fallback of kern_cuda_matmul for T > 8 without a GEMM context. Arguments
+ * already checked, T >= 1, rows >= 1. */
+kds_status kern_cuda__matmul_tiled(const kern_cuda_matmul_args *a, cudaStream_t st, kds_err *err);
+
 #endif /* KERN_CUDA_IMPL_CUH */

@@ -6,10 +6,9 @@
  * Contracts in kern_cuda.h; CPU references kern_matmul, kern_silu,
  * kern_swiglu (kern.h) and the conv loop of engine/eng_forward.c.
  *
- * The matrix product is deliberately plain: 16 x 16 tiles through shared
- * memory on CUDA cores, fp32 accumulation, no cuBLAS (it must also run under
- * the CPU emulation of kernels/cuda/emu). Tensor cores / cuBLAS are the next
- * step for speed (kernels/cuda/README.md).
+ * The tiled matrix product here is the plain fallback of kern_cuda_matmul:
+ * 16 x 16 tiles through shared memory on CUDA cores, fp32 accumulation. The
+ * GEMV, cuBLAS and grouped expert paths are in kern_cuda_gemm.cu.
  */
 #include <stdint.h>
 
@@ -104,22 +103,14 @@ unsigned blocks_for(size_t n, int threads) {
 
 } /* namespace */
 
-extern "C" kds_status kern_cuda_matmul(const kern_cuda_matmul_args *a, void *stream, kds_err *err) {
-    if (!a) return kern_cuda__err(err, KDS_INVALID_ARG, "matmul: NULL arguments");
-    if (a->rows < 0 || a->cols < 1 || a->T < 0 || a->ldx < a->cols || a->ldy < a->rows)
-        return kern_cuda__err(err, KDS_INVALID_ARG, "matmul: rows=%d cols=%d T=%d ldx=%d ldy=%d",
-                              a->rows, a->cols, a->T, a->ldx, a->ldy);
-    if (a->w_dtype != KERN_F32 && a->w_dtype != KERN_BF16)
-        return kern_cuda__err(err, KDS_INVALID_ARG, "matmul: weight dtype %d (need F32 or BF16)",
-                              (int)a->w_dtype);
-    if (a->rows == 0 || a->T == 0) return KDS_OK;
-    if (!a->W || !a->x || !a->y)
-        return kern_cuda__err(err, KDS_INVALID_ARG, "matmul: NULL W, x or y device pointer");
+/* The tiled fallback of kern_cuda_matmul (kern_cuda_gemm.cu checks the
+ * arguments and dispatches; T >= 1, rows >= 1 here). */
+kds_status kern_cuda__matmul_tiled(const kern_cuda_matmul_args *a, cudaStream_t st, kds_err *err) {
     if (a->T > 65535 * kTile)
         return kern_cuda__err(err, KDS_UNSUPPORTED, "matmul: T=%d rows exceed one launch", a->T);
     dim3 grid((unsigned)((a->rows + kTile - 1) / kTile), (unsigned)((a->T + kTile - 1) / kTile));
     dim3 block(kTile, kTile);
-    matmul_kernel<<<grid, block, 0, kern_cuda__stream(stream)>>>(a->W, a->w_dtype == KERN_BF16, a->rows, a->cols, a->x, a->ldx, a->T, a->y, a->ldy, a->accumulate ? 1 : 0);
+    matmul_kernel<<<grid, block, 0, st>>>(a->W, a->w_dtype == KERN_BF16, a->rows, a->cols, a->x, a->ldx, a->T, a->y, a->ldy, a->accumulate ? 1 : 0);
     return kern_cuda__status(cudaGetLastError(), err, "matmul launch");
 }
 
