@@ -52,10 +52,7 @@ typedef struct thread_scratch {
     float *mm;          /* widened weight rows for BLAS */
     float *kda_ws;      /* chunked KDA workspace */
     float *mla_w;       /* one head's kv_b rows, widened: [(dn+dv), dc] */
-    float *mla_q;       /* [B, dc + dr] absorbed, scaled queries of one head */
-    float *mla_s;       /* [B, MLA_KEY_BLOCK] scores / probabilities of one key block */
-    float *mla_lat;     /* [B, dc] running softmax-weighted latent sum */
-    float *mla_ml;      /* [2, B] running max and denominator per query */
+    float *mla_ws;      /* kern_mla_attend_head workspace for B queries */
 } thread_scratch;
 
 struct eng_ctx {
@@ -313,87 +310,6 @@ typedef struct mla_run {
     int T, n_groups;        /* task = group * heads + head; groups split the rows */
 } mla_run;
 
-/* Keys per block of the online softmax: scores for one block of keys at a
- * time, so scratch does not grow with the context. */
-#define MLA_KEY_BLOCK 256
-
-/*
- * One head of absorbed MLA for T queries of one sequence at positions
- * pos .. pos+T-1 (flash-attention style), W_UK_h / W_UV_h already widened:
- *   Q = [W_UK_h^T q_nope | q_pe] * scale          [T, dc + dr]
- *   for each key block K_b = cache rows           [nb, dc + dr]
- *     S = Q K_b^T (masked causally), online softmax, Lat += P C_b   (C_b = K_b[:, :dc])
- *   O_h = (Lat / l) W_UV_h^T                       [T, dv]
- * qh: this head's query columns of T rows of mq; cache: [pos + T, dc + dr];
- * out: this head's columns of T rows of o [., nh*dv].
- */
-static void mla_attend(eng_ctx *c, thread_scratch *ts, const float *wuk, const float *wuv,
-                       const float *qh, int T, int64_t pos, const float *cache, float *out) {
-    const eng_dims *d = &c->d;
-    const int dc = d->dc, dn = d->dn, dr = d->dr, dv = d->dv, row = d->mla_row;
-    const float scale = 1.0f / sqrtf((float)(dn + dr));
-    const int qstride = d->mla_heads * (dn + dr);
-    float *Q = ts->mla_q, *S = ts->mla_s, *lat = ts->mla_lat, *mx = ts->mla_ml, *den = mx + T;
-    /* Q[:, :dc] = q_nope W_UK_h; Q[:, dc:] = q_pe; all times the scale. */
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, T, dc, dn, scale, qh, qstride, wuk, dc,
-                0.0f, Q, row);
-    for (int t = 0; t < T; t++)
-        for (int j = 0; j < dr; j++) Q[(size_t)t * row + dc + j] = scale * qh[(size_t)t * qstride + dn + j];
-    memset(lat, 0, (size_t)T * dc * sizeof(float));
-    for (int t = 0; t < T; t++) {
-        mx[t] = -INFINITY;
-        den[t] = 0.0f;
-    }
-    const int64_t n_ctx = pos + T;
-    for (int64_t k0 = 0; k0 < n_ctx; k0 += MLA_KEY_BLOCK) {
-        int nb = n_ctx - k0 < MLA_KEY_BLOCK ? (int)(n_ctx - k0) : MLA_KEY_BLOCK;
-        const float *Kb = cache + (size_t)k0 * row;
-        /* queries that see none of this block (k0 > pos + t) are skipped */
-        int t0 = k0 > pos ? (int)(k0 - pos) : 0;
-        int nq = T - t0;
-        if (nq == 1) /* decode: gemv, which packs nothing */
-            cblas_sgemv(CblasRowMajor, CblasNoTrans, nb, row, 1.0f, Kb, row,
-                        Q + (size_t)t0 * row, 1, 0.0f, S, 1);
-        else
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nq, nb, row, 1.0f,
-                        Q + (size_t)t0 * row, row, Kb, row, 0.0f, S, MLA_KEY_BLOCK);
-        for (int i = 0; i < nq; i++) {
-            int t = t0 + i;
-            float *srow = S + (size_t)i * MLA_KEY_BLOCK;
-            int visible = (int)(pos + t - k0 + 1); /* keys k0 .. pos+t */
-            if (visible > nb) visible = nb;
-            float bm = mx[t];
-            for (int j = 0; j < visible; j++) bm = srow[j] > bm ? srow[j] : bm;
-            float corr = expf(mx[t] - bm); /* 0 on the first block (mx = -inf) */
-            float sum = 0.0f;
-            for (int j = 0; j < visible; j++) {
-                srow[j] = expf(srow[j] - bm);
-                sum += srow[j];
-            }
-            for (int j = visible; j < nb; j++) srow[j] = 0.0f;
-            den[t] = den[t] * corr + sum;
-            mx[t] = bm;
-            float *lrow = lat + (size_t)t * dc;
-            if (corr != 1.0f)
-                for (int j = 0; j < dc; j++) lrow[j] *= corr;
-        }
-        /* Lat[t0:] += P C_b, C_b = the first dc columns of the key rows */
-        if (nq == 1)
-            cblas_sgemv(CblasRowMajor, CblasTrans, nb, dc, 1.0f, Kb, row, S, 1, 1.0f,
-                        lat + (size_t)t0 * dc, 1);
-        else
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nq, dc, nb, 1.0f, S,
-                        MLA_KEY_BLOCK, Kb, row, 1.0f, lat + (size_t)t0 * dc, dc);
-    }
-    for (int t = 0; t < T; t++) {
-        float inv = 1.0f / den[t], *lrow = lat + (size_t)t * dc;
-        for (int j = 0; j < dc; j++) lrow[j] *= inv;
-    }
-    /* O_h = Lat W_UV_h^T, written into this head's columns of o [T, nh*dv] */
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, dv, dc, 1.0f, lat, dc, wuv, dc, 0.0f,
-                out, d->mla_heads * dv);
-}
-
 /* One head for one group of rows: widen the head's kv_b rows once, then
  * attend the whole batch of one sequence, or each row of the group against
  * its own sequence's cache and position. */
@@ -403,6 +319,7 @@ static void mla_head_fn(void *arg, int task, int thread) {
     const eng_dims *d = &c->d;
     thread_scratch *ts = &c->ts[thread];
     const int dc = d->dc, dn = d->dn, dr = d->dr, dv = d->dv;
+    const kern_mla_shape sh = {d->mla_heads, dc, dr, dn, dv};
     const int h = task % d->mla_heads, group = task / d->mla_heads;
     const eng_weight *kvb = &r->w->kv_b_proj; /* [nh*(dn+dv), dc] */
     size_t esz = kern_dtype_size(kvb->dt);
@@ -415,15 +332,17 @@ static void mla_head_fn(void *arg, int task, int thread) {
     float *oh = c->o + (size_t)h * dv;
     if (r->n_seqs == 1) {
         const eng_seq *s = r->seqs[0];
-        mla_attend(c, ts, wuk, wuv, qh, r->T, s->pos, s->mla_cache[r->slot], oh);
+        kern_mla_attend_head(&sh, wuk, wuv, qh, (int)qstride, r->T, s->pos, s->mla_cache[r->slot],
+                             oh, (int)ostride, ts->mla_ws);
         return;
     }
     int t0 = (int)((int64_t)r->T * group / r->n_groups);
     int t1 = (int)((int64_t)r->T * (group + 1) / r->n_groups);
     for (int t = t0; t < t1; t++) {
         const eng_seq *s = r->seqs[t];
-        mla_attend(c, ts, wuk, wuv, qh + (size_t)t * qstride, 1, s->pos, s->mla_cache[r->slot],
-                   oh + (size_t)t * ostride);
+        kern_mla_attend_head(&sh, wuk, wuv, qh + (size_t)t * qstride, (int)qstride, 1, s->pos,
+                             s->mla_cache[r->slot], oh + (size_t)t * ostride, (int)ostride,
+                             ts->mla_ws);
     }
 }
 
@@ -827,10 +746,8 @@ kds_status eng_ctx_create(const eng_model *m, const eng_ctx_params *p, eng_ctx *
         if (d->n_kda) ALLOC(c->ts[i].kda_ws, kern_kda_chunked_workspace_floats(&sh, c->kda_chunk));
         if (d->n_mla) {
             ALLOC(c->ts[i].mla_w, (size_t)(d->dn + d->dv) * d->dc);
-            ALLOC(c->ts[i].mla_q, B * d->mla_row);
-            ALLOC(c->ts[i].mla_s, B * MLA_KEY_BLOCK);
-            ALLOC(c->ts[i].mla_lat, B * d->dc);
-            ALLOC(c->ts[i].mla_ml, 2 * B);
+            kern_mla_shape msh = {d->mla_heads, d->dc, d->dr, d->dn, d->dv};
+            ALLOC(c->ts[i].mla_ws, kern_mla_attend_head_workspace_floats(&msh, (int)B));
         }
     }
 #undef ALLOC
@@ -866,10 +783,7 @@ void eng_ctx_free(eng_ctx *c) {
             free(c->ts[i].mm);
             free(c->ts[i].kda_ws);
             free(c->ts[i].mla_w);
-            free(c->ts[i].mla_q);
-            free(c->ts[i].mla_s);
-            free(c->ts[i].mla_lat);
-            free(c->ts[i].mla_ml);
+            free(c->ts[i].mla_ws);
         }
     float *bufs[] = {c->x,  c->xn, c->mix, c->ext, c->q,  c->k,      c->v,      c->fa,
                      c->ga, c->g,  c->beta, c->gz, c->o,  c->mq,     c->kva,    c->fa_buf,

@@ -153,6 +153,55 @@ void kern_rmsnorm_gated(const float *x, const float *z, const void *w, kern_dtyp
                         int n, float eps, float *y);
 
 /* ------------------------------------------------------------------------ */
+/* MLA attention, absorbed form (kda-model-spec.md §5.2; no RoPE)            */
+
+/*
+ * Widths of one MLA layer: nh heads; dc = kv_lora_rank (the latent);
+ * dr = qk_rope_head_dim (the shared k_pe, not rotated); dn = qk_nope_head_dim;
+ * dv = v_head_dim. Kimi-Linear: nh 32, dc 512, dr 64, dn 128, dv 128.
+ * A sequence's latent cache is fp32 [n, dc + dr], row tau =
+ * [rmsnorm(c_tau) * kv_a_layernorm | k_pe_tau].
+ */
+typedef struct kern_mla_shape {
+    int nh, dc, dr, dn, dv;
+} kern_mla_shape;
+
+/* Keys per block of the CPU kernel's online softmax. */
+#define KERN_MLA_KEY_BLOCK 256
+
+/*
+ * One head of absorbed MLA for T queries of one sequence at positions
+ * pos .. pos+T-1 (causal: query t sees keys 0 .. pos+t), the CPU engine's
+ * attention (engine/eng_forward.c):
+ *   Q = [q_nope W_UK_h | q_pe] / sqrt(dn + dr)            [T, dc + dr]
+ *   per block of KERN_MLA_KEY_BLOCK cache rows K_b:        [nb, dc + dr]
+ *     S = Q K_b^T (masked), online softmax, Lat += P K_b[:, :dc]
+ *   O_h = (Lat / l) W_UV_h^T                               [T, dv]
+ *   wuk: W_UK_h [dn, dc], wuv: W_UV_h [dv, dc], fp32 (kv_b_proj rows of
+ *        head h, widened);
+ *   qh:  row t at qh + t*q_stride: [q_nope (dn) | q_pe (dr)];
+ *   cache: [pos + T, dc + dr] fp32;
+ *   oh:  row t at oh + t*o_stride, dv values written;
+ *   workspace: kern_mla_attend_head_workspace_floats(sh, T) floats.
+ */
+void kern_mla_attend_head(const kern_mla_shape *sh, const float *wuk, const float *wuv,
+                          const float *qh, int q_stride, int T, int64_t pos, const float *cache,
+                          float *oh, int o_stride, float *workspace);
+size_t kern_mla_attend_head_workspace_floats(const kern_mla_shape *sh, int T);
+
+/*
+ * Heads [h0, h1) of the same, weights in their stored dtype: head h's
+ * kv_b_proj rows (W_UK_h then W_UV_h) are widened into the workspace, then
+ * kern_mla_attend_head. kv_b: [nh*(dn+dv), dc] of dtype dt; q: [T, nh*(dn+dr)];
+ * o: [T, nh*dv] (only the heads' columns written); cache as above;
+ * workspace: kern_mla_attend_workspace_floats(sh, T) floats.
+ */
+void kern_mla_attend(const kern_mla_shape *sh, kern_dtype dt, const void *kv_b, const float *q,
+                     int T, int64_t pos, const float *cache, float *o, int h0, int h1,
+                     float *workspace);
+size_t kern_mla_attend_workspace_floats(const kern_mla_shape *sh, int T);
+
+/* ------------------------------------------------------------------------ */
 /* MoE routing (CPU reference of the CUDA routing kernels)                   */
 
 /* Router settings, from the model config. n_group = 1 means no group limit
