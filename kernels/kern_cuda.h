@@ -568,14 +568,23 @@ kds_status kern_cuda_matmul(const kern_cuda_matmul_args *a, void *stream, kds_er
  * The routed experts' products, grouped, with the grouping read on the
  * device (no host sync): rows [exp_off[e], exp_off[e+1]) of x belong to
  * expert e (kern_cuda_moe_route's exp_off, after kern_cuda_moe_gather):
- *   W3 == NULL:  y[i, r] = sum_c x[i, c] * W_e[r, c]
- *   W3 != NULL:  y[i, r] = silu(x[i] . W_e[r]) * (x[i] . W3_e[r])
+ *   no W3:    y[i, r] = sum_c x[i, c] * W_e[r, c]
+ *   with W3:  y[i, r] = silu(x[i] . W_e[r]) * (x[i] . W3_e[r])
  *                (gate and up projections fused: kern_swiglu of the two)
  * for every row i of expert e, r < rows. Device pointers:
- *   W, W3     [E] device arrays of device pointers, one matrix per expert,
- *             each [rows, cols] row-major in w_dtype (BF16 or F32) and
- *             16-byte aligned (cudaMalloc'd bases qualify). Build them once
- *             at load time (kern_cuda_malloc + kern_cuda_memcpy_h2d).
+ *   the experts' matrices, each [rows, cols] row-major in w_dtype (BF16 or
+ *             F32), given either way:
+ *     W, W3   [E] device arrays of device pointers, one matrix per expert,
+ *             each 16-byte aligned (cudaMalloc'd bases qualify; build the
+ *             tables once at load time: kern_cuda_malloc + memcpy_h2d), or,
+ *             with W == NULL,
+ *     W_base, W3_base, w_stride: expert e's matrix at W_base + e * w_stride
+ *             bytes (one buffer per layer, e.g. [E][w1 | w3 | w2] gives
+ *             W_base = w1 of expert 0, W3_base = W_base + |w1|, w_stride =
+ *             |w1| + |w3| + |w2|); w_stride >= rows * cols * dtype size.
+ *             16-byte loads need the bases and w_stride 16-byte aligned
+ *             (checked here; otherwise element loads, or KDS_UNSUPPORTED
+ *             for TENSOR).
  *   exp_off   [E + 1] int32, non-decreasing from 0 (bad offsets are clamped
  *             to [0, n_rows], never read or written out of bounds)
  *   x         [n_rows, ldx] fp32, y [n_rows, ldy] fp32 (ldy >= rows);
@@ -602,8 +611,11 @@ typedef struct kern_cuda_moe_experts_args {
     int E;                  /* experts */
     int rows, cols;         /* each expert's matrix [rows, cols] */
     kern_dtype w_dtype;     /* BF16 or F32 */
-    const void *const *W;   /* device [E] of device pointers */
+    const void *const *W;   /* device [E] of device pointers, or NULL: W_base */
     const void *const *W3;  /* NULL, or device [E]: fused silu(x W^T) * (x W3^T) */
+    const void *W_base;     /* with W == NULL: expert e at W_base + e * w_stride */
+    const void *W3_base;    /* NULL, or the fused up projection likewise */
+    size_t w_stride;        /* bytes from one expert's matrix to the next */
     const int32_t *exp_off; /* device [E + 1] */
     int n_rows;             /* rows of x and y (upper bound of exp_off[E]) */
     const float *x;

@@ -222,6 +222,9 @@ Test(cuda_gemm, bad_arguments_refused) {
     cr_expect_eq(kern_cuda_moe_experts(&m, NULL, &err), KDS_INVALID_ARG);
     m.w_dtype = KERN_BF16, m.exp_off = NULL;
     cr_expect_eq(kern_cuda_moe_experts(&m, NULL, &err), KDS_INVALID_ARG);
+    m.exp_off = (int32_t *)d, m.W = NULL, m.W_base = d, m.w_stride = 64; /* < 8 x 8 bf16 */
+    cr_expect_eq(kern_cuda_moe_experts(&m, NULL, &err), KDS_INVALID_ARG);
+    cr_expect(strstr(err.msg, "w_stride"), "message: %s", err.msg);
     kern_cuda_free(d);
 }
 
@@ -234,6 +237,7 @@ typedef struct moe_case {
     bool fused;
     kern_cuda_moe_algo algo;
     kern_cuda_gemm_mode mode;
+    bool stacked; /* one buffer [E][W | W3 | 32 bytes] (W_base, w_stride), else pointer tables */
 } moe_case;
 
 /* Returns the largest error over the largest magnitude against a loop of
@@ -251,6 +255,18 @@ static double run_moe(const moe_case *c, uint64_t seed) {
     for (int i = 0; i < nmat * E; i++) dw[i] = tcu_upload_as(wf + (size_t)i * nw, nw, c->dt);
     void *dtab = tcu_dev_alloc((size_t)nmat * E * sizeof(void *));
     tcu_h2d(dtab, dw, (size_t)nmat * E * sizeof(void *));
+    /* the stacked form: expert e's W at e * stride, its W3 right after */
+    const size_t mbytes = nw * kern_dtype_size(c->dt), stride = nmat * mbytes + 32;
+    char *dstack = tcu_dev_alloc(E * stride);
+    tcu_poison(dstack, E * stride);
+    for (int e = 0; e < E; e++)
+        for (int m = 0; m < nmat; m++) {
+            void *tmp = tcu_malloc(mbytes);
+            kds_err e2 = {0};
+            cr_assert_eq(kern_cuda_memcpy_d2h(tmp, dw[m * E + e], mbytes, NULL, &e2), KDS_OK, "%s", e2.msg);
+            tcu_h2d(dstack + e * stride + m * mbytes, tmp, mbytes);
+            free(tmp);
+        }
     float *x = tcu_malloc((size_t)n * ldx * sizeof(float));
     tcu_fill(&s, x, (size_t)n * ldx, -2.0f, 2.0f);
     float *y0 = tcu_malloc((size_t)n * ldy * sizeof(float));
@@ -260,8 +276,11 @@ static double run_moe(const moe_case *c, uint64_t seed) {
     tcu_h2d(doff, c->off, (size_t)(E + 1) * sizeof(int32_t));
     kds_err err = {0};
     kern_cuda_moe_experts_args a = {
-        .E = E, .rows = rows, .cols = cols, .w_dtype = c->dt, .W = (const void *const *)dtab,
-        .W3 = c->fused ? (const void *const *)dtab + E : NULL, .exp_off = doff, .n_rows = n,
+        .E = E, .rows = rows, .cols = cols, .w_dtype = c->dt,
+        .W = c->stacked ? NULL : (const void *const *)dtab,
+        .W3 = c->fused && !c->stacked ? (const void *const *)dtab + E : NULL,
+        .W_base = c->stacked ? dstack : NULL, .W3_base = c->stacked && c->fused ? dstack + mbytes : NULL,
+        .w_stride = c->stacked ? stride : 0, .exp_off = doff, .n_rows = n,
         .x = dx, .ldx = ldx, .y = dy, .ldy = ldy, .mode = c->mode, .algo = c->algo};
     cr_assert_eq(kern_cuda_moe_experts(&a, NULL, &err), KDS_OK, "%s", err.msg);
     float *got = tcu_malloc((size_t)n * ldy * sizeof(float));
@@ -303,7 +322,7 @@ static double run_moe(const moe_case *c, uint64_t seed) {
                 cr_assert_eq(got[(size_t)t * ldy + r], y0[(size_t)t * ldy + r],
                              "y[%d, %d] outside every group was written", t, r);
     for (int i = 0; i < nmat * E; i++) kern_cuda_free(dw[i]);
-    kern_cuda_free(dtab), kern_cuda_free(dx), kern_cuda_free(dy), kern_cuda_free(doff);
+    kern_cuda_free(dtab), kern_cuda_free(dstack), kern_cuda_free(dx), kern_cuda_free(dy), kern_cuda_free(doff);
     free(wf), free(dw), free(x), free(y0), free(got), free(ref), free(xc), free(b), free(wb);
     return worst / (big > 0 ? big : 1);
 }
@@ -318,8 +337,8 @@ static void check_moe(moe_case c, const char *what, uint64_t seed) {
     c.mode = KERN_CUDA_GEMM_EXACT;
     const double e = run_moe(&c, seed);
     const double tol = c.algo == KERN_CUDA_MOE_GEMV || c.dt == KERN_F32 ? 1e-5 : 2e-5;
-    printf("cuda_gemm moe %-28s %s %s%s: EXACT err/max %.2e\n", what, c.dt == KERN_BF16 ? "bf16" : "f32",
-           algo_name(c.algo), c.fused ? " fused" : "", e);
+    printf("cuda_gemm moe %-28s %s %s%s%s: EXACT err/max %.2e\n", what, c.dt == KERN_BF16 ? "bf16" : "f32",
+           algo_name(c.algo), c.fused ? " fused" : "", c.stacked ? " stacked" : "", e);
     cr_expect_leq(e, tol, "%s %s%s: EXACT error %.3e > %.0e", what, algo_name(c.algo), c.fused ? " fused" : "", e,
                   tol);
     if (c.algo != KERN_CUDA_MOE_TENSOR || c.off[c.E] == 0) return; /* no rows: nothing to compare */
@@ -337,13 +356,13 @@ Test(cuda_gemm, moe_one_expert_takes_all) {
     const int32_t off[] = {0, 0, 0, 70, 70, 70};
     for (int al = 1; al <= 2; al++)
         for (int f = 0; f < 2; f++) {
-            moe_case c = {KERN_BF16, 5, 80, 72, 75, off, f, al, 0};
+            moe_case c = {KERN_BF16, 5, 80, 72, 75, off, f, al, 0, f};
             check_moe(c, "one expert, 70 rows", 11);
         }
-    moe_case c = {KERN_F32, 5, 21, 36, 75, off, true, KERN_CUDA_MOE_GEMV, 0};
+    moe_case c = {KERN_F32, 5, 21, 36, 75, off, true, KERN_CUDA_MOE_GEMV, 0, false};
     check_moe(c, "one expert, 70 rows", 12);
     const int32_t none[] = {0, 0, 0, 0, 0, 0}; /* no rows at all: nothing written */
-    moe_case z = {KERN_BF16, 5, 16, 16, 9, none, false, KERN_CUDA_MOE_TENSOR, 0};
+    moe_case z = {KERN_BF16, 5, 16, 16, 9, none, false, KERN_CUDA_MOE_TENSOR, 0, false};
     check_moe(z, "no rows", 13);
     z.algo = KERN_CUDA_MOE_GEMV;
     check_moe(z, "no rows", 13);
@@ -354,14 +373,18 @@ Test(cuda_gemm, moe_one_expert_takes_all) {
 Test(cuda_gemm, moe_uneven_groups) {
     tcu_require_device();
     const int32_t off[] = {0, 1, 1, 10, 12, 12, 29, 29};
-    moe_case c = {KERN_BF16, 7, 24, 50, 29, off, false, KERN_CUDA_MOE_GEMV, 0};
+    moe_case c = {KERN_BF16, 7, 24, 50, 29, off, false, KERN_CUDA_MOE_GEMV, 0, false};
     check_moe(c, "uneven, cols 50", 21);
     c.fused = true;
     check_moe(c, "uneven, cols 50", 22);
     c.cols = 48, c.fused = false, c.algo = KERN_CUDA_MOE_TENSOR;
     check_moe(c, "uneven, cols 48", 23);
+    c.stacked = true;
+    check_moe(c, "uneven, cols 48", 25);
     c.dt = KERN_F32, c.algo = KERN_CUDA_MOE_GEMV, c.cols = 50;
     check_moe(c, "uneven, cols 50", 24);
+    c.fused = true, c.stacked = true; /* element loads from the stacked form */
+    check_moe(c, "uneven, cols 50", 26);
 }
 
 /* Random routing: CPU routing and permutation of T tokens (kern_moe_route,
@@ -387,7 +410,7 @@ static void check_routed(int T, int E, int k, int rows, int cols, kern_cuda_moe_
     }
     char what[64];
     snprintf(what, sizeof what, "routed T=%d E=%d k=%d (%d empty, max %d)", T, E, k, empty, most);
-    moe_case c = {KERN_BF16, E, rows, cols, T * k, off, fused, algo, 0};
+    moe_case c = {KERN_BF16, E, rows, cols, T * k, off, fused, algo, 0, (seed & 1) != 0};
     check_moe(c, what, seed + 1);
     free(scores), free(sel), free(w), free(off), free(row_of), free(tok_of);
 }

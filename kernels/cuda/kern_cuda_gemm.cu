@@ -250,7 +250,9 @@ gemv_kernel(const void *W, int rows, int cols, const float *x, int ldx, int T, f
 /* ---- grouped experts -------------------------------------------------------- */
 
 struct moe_params {
-    const void *const *W, *const *W3;
+    const void *const *W, *const *W3; /* pointer tables, or NULL: */
+    const char *base1, *base3;        /* expert e at base + e * stride */
+    size_t stride;
     const int32_t *exp_off;
     int E, rows, cols, n_rows;
     const float *x;
@@ -258,6 +260,12 @@ struct moe_params {
     float *y;
     int ldy;
 };
+
+/* Expert e's matrix: from the table, or base + e * stride. */
+__device__ __forceinline__ const char *expert_w(const void *const *tab, const char *base, size_t stride,
+                                                int e) {
+    return tab ? static_cast<const char *>(tab[e]) : base + (size_t)e * stride;
+}
 
 struct tile_t {
     int e, m0, cnt;
@@ -347,8 +355,8 @@ __global__ void __launch_bounds__(kGemvWarps * 32) moe_gemv_kernel(const moe_par
     const int r0 = (blockIdx.y * kGemvWarps + (threadIdx.x >> 5)) * RPW;
     if (r0 >= p.rows) return;
     const size_t rb = (size_t)p.cols * (BF16 ? 2 : 4);
-    const char *w1 = static_cast<const char *>(p.W[tl.e]);
-    const char *w3 = FUSED ? static_cast<const char *>(p.W3[tl.e]) : nullptr;
+    const char *w1 = expert_w(p.W, p.base1, p.stride, tl.e);
+    const char *w3 = FUSED ? expert_w(p.W3, p.base3, p.stride, tl.e) : nullptr;
     const void *wrow[kGemvRows];
 #pragma unroll
     for (int i = 0; i < kGemvRows; i++) {
@@ -392,8 +400,8 @@ __global__ void __launch_bounds__(kTcThreads) moe_tc_kernel(const moe_params p) 
     const int tid = threadIdx.x, warp = tid >> 5, wm = warp >> 1, wn = warp & 1;
     const int n0 = blockIdx.y * kTcN;
     const size_t rb = (size_t)p.cols * 2;
-    const char *W1 = static_cast<const char *>(p.W[tl.e]);
-    const char *W3 = FUSED ? static_cast<const char *>(p.W3[tl.e]) : nullptr;
+    const char *W1 = expert_w(p.W, p.base1, p.stride, tl.e);
+    const char *W3 = FUSED ? expert_w(p.W3, p.base3, p.stride, tl.e) : nullptr;
 
     /* per thread: 4 float4 of x (row idx / 8, column 4 (idx % 8)) and 2
      * 16-byte chunks of each weight (row idx / 4, column 8 (idx % 4)) */
@@ -700,20 +708,28 @@ extern "C" kds_status kern_cuda_moe_experts(const kern_cuda_moe_experts_args *a,
     if (a->algo != KERN_CUDA_MOE_AUTO && a->algo != KERN_CUDA_MOE_GEMV && a->algo != KERN_CUDA_MOE_TENSOR)
         return kern_cuda__err(err, KDS_INVALID_ARG, "moe experts: algo %d", (int)a->algo);
     if (a->n_rows == 0) return KDS_OK;
-    if (!a->W || !a->exp_off || !a->x || !a->y)
-        return kern_cuda__err(err, KDS_INVALID_ARG, "moe experts: NULL W, exp_off, x or y device pointer");
+    if ((!a->W && !a->W_base) || !a->exp_off || !a->x || !a->y)
+        return kern_cuda__err(err, KDS_INVALID_ARG, "moe experts: NULL W (and W_base), exp_off, x or y device pointer");
+    const bool table = a->W != NULL;
+    const bool fused = table ? a->W3 != NULL : a->W3_base != NULL;
+    const size_t mat_bytes = (size_t)a->rows * a->cols * (a->w_dtype == KERN_BF16 ? 2 : 4);
+    if (!table && a->w_stride < mat_bytes)
+        return kern_cuda__err(err, KDS_INVALID_ARG, "moe experts: w_stride %zu below one matrix (%zu bytes)",
+                              a->w_stride, mat_bytes);
     const bool bf16 = a->w_dtype == KERN_BF16;
-    const bool vec = aligned16(a->x) && a->ldx % 4 == 0 && a->cols % (bf16 ? 8 : 4) == 0;
+    const bool vec = aligned16(a->x) && a->ldx % 4 == 0 && a->cols % (bf16 ? 8 : 4) == 0 &&
+                     (table || (aligned16(a->W_base) && aligned16(a->W3_base) && a->w_stride % 16 == 0));
     const bool tc_ok = bf16 && vec;
     bool tc = a->algo == KERN_CUDA_MOE_TENSOR;
     if (tc && !tc_ok)
         return kern_cuda__err(err, KDS_UNSUPPORTED,
                               "moe experts: tensor-core path needs bf16 weights, cols %% 8 == 0, ldx %% 4 == 0 "
-                              "and 16-byte aligned x (dtype %d, cols %d, ldx %d)",
-                              (int)a->w_dtype, a->cols, a->ldx);
+                              "and 16-byte aligned x, bases and stride (dtype %d, cols %d, ldx %d, stride %zu)",
+                              (int)a->w_dtype, a->cols, a->ldx, a->w_stride);
     if (a->algo == KERN_CUDA_MOE_AUTO) tc = tc_ok && a->n_rows > 2 * a->E;
-    const moe_params p = {a->W, a->W3, a->exp_off, a->E, a->rows, a->cols, a->n_rows, a->x, a->ldx, a->y, a->ldy};
-    const bool fused = a->W3 != NULL;
+    const moe_params p = {table ? a->W : nullptr, table ? a->W3 : nullptr,
+                          static_cast<const char *>(a->W_base), static_cast<const char *>(a->W3_base),
+                          a->w_stride, a->exp_off, a->E, a->rows, a->cols, a->n_rows, a->x, a->ldx, a->y, a->ldy};
     const cudaStream_t st = kern_cuda__stream(stream);
     /* tiles: sum_e ceil(n_e / BM) <= n_rows / BM + (experts with rows), and <= n_rows */
     const int active = a->E < a->n_rows ? a->E : a->n_rows;
