@@ -49,6 +49,10 @@ int cli_open(const char *cmd, const char *model_dir, int threads, int max_batch,
 /* cli_open on a device: NULL or "cpu", or "cuda" (eng_ctx_params.device). */
 int cli_open_on(const char *cmd, const char *model_dir, int threads, int max_batch,
                 const char *device, eng_model **m, eng_ctx **c);
+/* Median seconds of `reps` copies of `bytes` from pinned host memory to
+ * the GPU (the reference a restore onto the device is read against).
+ * KDS_UNSUPPORTED without CUDA. */
+kds_status cli_copy_to_device_s(size_t bytes, int reps, double *median_s, kds_err *err);
 /* true for "cpu" and "cuda", the values --device takes */
 bool cli_device_valid(const char *device);
 

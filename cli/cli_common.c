@@ -120,3 +120,40 @@ int cli_open_on(const char *cmd, const char *model_dir, int threads, int max_bat
     }
     return 0;
 }
+
+#ifdef KDS_HAVE_CUDA
+#include "kern_cuda.h"
+
+static int cmp_seconds(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+kds_status cli_copy_to_device_s(size_t bytes, int reps, double *median_s, kds_err *err) {
+    void *host = NULL, *dev = NULL;
+    double *t = calloc((size_t)(reps > 0 ? reps : 1), sizeof *t);
+    kds_status rc = t ? KDS_OK : kds_err_set(err, KDS_NOMEM, "out of memory");
+    if (rc == KDS_OK) rc = kern_cuda_host_alloc(&host, bytes, err);
+    if (rc == KDS_OK) rc = kern_cuda_malloc(&dev, bytes, err);
+    if (rc == KDS_OK) memset(host, 1, bytes);
+    for (int i = 0; i < reps && rc == KDS_OK; i++) {
+        double t0 = cli_now();
+        rc = kern_cuda_memcpy_h2d(dev, host, bytes, NULL, err);
+        if (rc == KDS_OK) rc = kern_cuda_sync(NULL, err);
+        t[i] = cli_now() - t0;
+    }
+    if (rc == KDS_OK) {
+        qsort(t, (size_t)reps, sizeof *t, cmp_seconds);
+        *median_s = reps % 2 ? t[reps / 2] : 0.5 * (t[reps / 2 - 1] + t[reps / 2]);
+    }
+    kern_cuda_free(dev);
+    kern_cuda_host_free(host);
+    free(t);
+    return rc;
+}
+#else
+kds_status cli_copy_to_device_s(size_t bytes, int reps, double *median_s, kds_err *err) {
+    (void)bytes, (void)reps, (void)median_s;
+    return kds_err_set(err, KDS_UNSUPPORTED, "this kdaserve was built without CUDA");
+}
+#endif

@@ -17,7 +17,7 @@
 #define CMD "snap"
 
 enum { OPT_DB = 2000, OPT_NAME, OPT_MODEL, OPT_TOKENS, OPT_REPEATS, OPT_THREADS, OPT_REPLAY_MAX,
-       OPT_NO_SYNC };
+       OPT_NO_SYNC, OPT_DEVICE };
 
 static const char *const SNAP_USAGE =
     "usage: kdaserve snap <command> [--db DIR] [options]\n\n"
@@ -100,7 +100,7 @@ static int load_model(const char *dir, eng_model **m) {
 
 /* Common option parsing: --db, --help, plus the sub-command's extras. */
 typedef struct sub_opts {
-    const char *db, *name, *model;
+    const char *db, *name, *model, *device;
     int64_t tokens, repeats, threads, replay_max;
     bool tokens_set, no_sync;
     const char *tokens_list;
@@ -115,7 +115,8 @@ static int parse_sub(int argc, char **argv, const char *help, sub_opts *o) {
         {"repeats", required_argument, 0, OPT_REPEATS},
         {"threads", required_argument, 0, OPT_THREADS},
         {"replay-max", required_argument, 0, OPT_REPLAY_MAX},
-        {"no-sync", no_argument, 0, OPT_NO_SYNC},     {"help", no_argument, 0, 'h'},
+        {"no-sync", no_argument, 0, OPT_NO_SYNC},     {"device", required_argument, 0, OPT_DEVICE},
+        {"help", no_argument, 0, 'h'},
         {0, 0, 0, 0}};
     optind = 1;
     for (int c; (c = getopt_long(argc, argv, "h", opts, NULL)) != -1;) {
@@ -124,6 +125,11 @@ static int parse_sub(int argc, char **argv, const char *help, sub_opts *o) {
         case OPT_NAME: o->name = optarg; break;
         case OPT_MODEL: o->model = optarg; break;
         case OPT_NO_SYNC: o->no_sync = true; break;
+        case OPT_DEVICE:
+            if (!cli_device_valid(optarg))
+                return cli_failf(CMD, "--device wants cpu or cuda, got '%s'", optarg);
+            o->device = optarg;
+            break;
         case OPT_TOKENS:
             o->tokens_list = optarg;
             o->tokens_set = true;
@@ -388,7 +394,8 @@ static int snap_size(const char *model_dir, int64_t tokens) {
 
 static const char *const BENCH_USAGE =
     "usage: kdaserve snap bench --model DIR [--db DIR] [--tokens N,N,...] [--repeats R]\n"
-    "                           [--replay-max N] [--threads N] [--no-sync]\n\n"
+    "                           [--replay-max N] [--threads N] [--no-sync]\n"
+    "                           [--device cpu|cuda]\n\n"
     "For each context length N (default 1024,32768): builds the state of N random\n"
     "tokens by prefill (the replay a resume avoids, timed), saves it as a snapshot\n"
     "R times (default 5) and loads it back R times, and prints the median save and\n"
@@ -398,7 +405,10 @@ static const char *const BENCH_USAGE =
     "position set to N (the bytes have the same size at every position), and the\n"
     "replay time is extrapolated from the measured prefill rate (marked \"extrap.\").\n"
     "Without --db a temporary store under /tmp is used and removed. --no-sync saves\n"
-    "without fsync (MDB_NOSYNC).\n";
+    "without fsync (MDB_NOSYNC).\n\n"
+    "--device cuda prefills on the GPU and adds a column: the state of each restore\n"
+    "moved onto the device (eng_ctx_attach), next to a plain pinned-memory copy of\n"
+    "the same bytes to the device, so restore-to-GPU can be read against the copy.\n";
 
 static int cmp_d(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
@@ -448,9 +458,11 @@ static int snap_bench(sub_opts *o) {
                                                                               sizeof(double));
     double *t_resume = calloc((size_t)reps, sizeof(double));
     kds_err err = {0};
-    int rc = cli_open(CMD, o->model, (int)o->threads, 0, &m, &c);
+    const bool on_gpu = o->device && strcmp(o->device, "cuda") == 0;
+    double *t_up = calloc((size_t)reps, sizeof(double));
+    int rc = cli_open_on(CMD, o->model, (int)o->threads, 0, o->device, &m, &c);
     if (rc) goto out;
-    if (!t_save || !t_load || !t_resume) {
+    if (!t_save || !t_load || !t_resume || !t_up) {
         rc = cli_failf(CMD, "out of memory");
         goto out;
     }
@@ -479,8 +491,10 @@ static int snap_bench(sub_opts *o) {
     printf("state        %zu bytes fixed + %zu bytes/token\n", z.fixed, z.per_token);
     printf("store        %s (%s commits), %d repeats, %d threads\n", db,
            o->no_sync ? "no-sync" : "durable", reps, eng_ctx_threads(c));
-    printf("\n%10s %10s %22s %22s %22s %12s %14s %9s\n", "tokens", "snapshot", "save (median)",
-           "restore (median)", "resume (open+load)", "replay", "replay tok/s", "speedup");
+    printf("device       %s\n", eng_ctx_device(c));
+    printf("\n%10s %10s %22s %22s %22s %12s %14s %9s%s\n", "tokens", "snapshot", "save (median)",
+           "restore (median)", "resume (open+load)", "replay", "replay tok/s", "speedup",
+           on_gpu ? "   onto GPU (median)   copy alone" : "");
     double rate = 0; /* measured prefill tokens/s of the largest measured context */
     int64_t rate_at = 0;
     for (int ci = 0; ci < n_counts; ci++) {
@@ -545,6 +559,11 @@ static int snap_bench(sub_opts *o) {
             double t0 = cli_now();
             if (sess_load(st, snap, m, r, &si, &err) != KDS_OK) goto fail;
             t_load[i] = cli_now() - t0;
+            if (on_gpu) { /* the restored state onto the device */
+                t0 = cli_now();
+                if (eng_ctx_attach(c, r, &err) != KDS_OK) goto fail;
+                t_up[i] = cli_now() - t0;
+            }
         }
         if (eng_seq_state_save(r, back, n, &err) != KDS_OK) goto fail;
         if (memcmp(state, back, n) != 0) {
@@ -578,8 +597,15 @@ static int snap_bench(sub_opts *o) {
         snprintf(b5, sizeof b5, "%.0f%s", measured ? T / replay : rate, measured ? "" : "*");
         char sz[24];
         fmt_bytes((double)bytes, sz, sizeof sz);
-        printf("%10lld %10s %22s %22s %22s %12s %14s %8.0fx\n", (long long)T, sz, b1, b2, b3, b4,
+        printf("%10lld %10s %22s %22s %22s %12s %14s %8.0fx", (long long)T, sz, b1, b2, b3, b4,
                b5, replay / mr);
+        if (on_gpu) {
+            double copy = 0, mu = median(t_up, reps);
+            if (cli_copy_to_device_s(eng_seq_fixed_bytes(r), reps, &copy, &err) != KDS_OK) goto fail;
+            printf("   %8.2f ms %5.1f GB/s   %8.2f ms %5.1f GB/s", mu * 1e3,
+                   eng_seq_fixed_bytes(r) / mu / 1e9, copy * 1e3, eng_seq_fixed_bytes(r) / copy / 1e9);
+        }
+        printf("\n");
         fflush(stdout);
         /* drop this length's snapshots so the store does not grow run to run */
         for (int i = 0; i < reps; i++) {
@@ -602,6 +628,7 @@ out:
     free(t_save);
     free(t_load);
     free(t_resume);
+    free(t_up);
     eng_seq_free(s);
     eng_seq_free(r);
     sess_close(st);

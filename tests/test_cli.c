@@ -6,6 +6,9 @@
  * missing models.
  */
 #include <criterion/criterion.h>
+#ifdef KDS_HAVE_CUDA
+#include "kern_cuda.h"
+#endif
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -146,4 +149,25 @@ Test(cli, device_flag_refuses_unknown_names) {
     cr_expect(strstr(out, "--device wants cpu or cuda, got 'gpu'"), "%s", out);
     cr_expect_eq(run(out, sizeof out, KDASERVE " serve --device npu 2>&1"), 1);
     cr_expect(strstr(out, "--device wants cpu or cuda, got 'npu'"), "%s", out);
+}
+
+/* bench --gen makes the model on the GPU: refused on the CPU, with an
+ * unknown preset, next to --model, and (here, without a GPU) with the
+ * reason the device cannot be used. */
+Test(cli, bench_gen_refusals) {
+    char out[4096];
+    cr_expect_eq(run(out, sizeof out, KDASERVE " bench --gen tiny --device cpu 2>&1"), 1);
+    cr_expect(strstr(out, "--device cuda only"), "%s", out);
+    cr_expect_eq(run(out, sizeof out, KDASERVE " bench --gen tiny --model /tmp 2>&1"), 1);
+    cr_expect(strstr(out, "exclude each other"), "%s", out);
+    cr_expect_eq(run(out, sizeof out, KDASERVE " bench --gen nope 2>&1"), 1);
+    cr_expect(strstr(out, "nope"), "%s", out);
+    cr_expect_eq(run(out, sizeof out, KDASERVE " snap bench --device tpu --model /tmp 2>&1"), 1);
+    cr_expect(strstr(out, "--device wants cpu or cuda, got 'tpu'"), "%s", out);
+#ifdef KDS_HAVE_CUDA
+    kds_err why = {0};
+    if (kern_cuda_available(&why)) return; /* with a GPU it would run */
+#endif
+    cr_expect_eq(run(out, sizeof out, KDASERVE " bench --gen tiny 2>&1"), 1);
+    cr_expect(strstr(out, "cuda"), "names the device: %s", out);
 }
