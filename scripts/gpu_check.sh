@@ -29,8 +29,10 @@
 # printed are the summary and the benchmark tables.
 # Exit status: 0 all passed; 1 a test or check failed; 2 no GPU here;
 # 3 no binaries (bundle unusable and the build failed).
-# Budget: each step has a time limit; the whole check ends within 7 minutes
-# (typically 3-5), so `run` with timeout_s 540 leaves room.
+# Budget: each step has a time limit; the whole check ends within 9 minutes
+# (tests 180 s, the 48B whole-model and restore figures <= 200 s, kernel
+# benchmarks <= 150 s, then the tiny-model bench, ncu and compute-sanitizer
+# as time allows): call `run` with timeout_s 590.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
@@ -82,6 +84,9 @@ if [ "${1:-}" = "--bundle" ]; then
             case $(basename "$lib") in
             libc.so.* | libm.so.* | libpthread.so.* | libdl.so.* | librt.so.* | libresolv.so.* | \
                 ld-linux*.so.* | libcuda.so.* | libutil.so.* | libstdc++.so.* | libgcc_s.so.*) ;;
+            # cuBLAS is ~600 MB: the GPU machine's CUDA 13 image has its own
+            # (toolkit or the nvidia-cublas wheel), found at check time
+            libcublas.so.* | libcublasLt.so.*) ;;
             *) cp -L "$lib" "$stage/lib/" ;;
             esac
         done
@@ -150,6 +155,21 @@ BIN_LD=${LD_LIBRARY_PATH:-}
 for d in /usr/local/nvidia/lib64 /usr/local/nvidia/lib; do
     [ -d "$d" ] && ls "$d"/libcuda.so* >/dev/null 2>&1 && BIN_LD="${BIN_LD:+$BIN_LD:}$d"
 done
+# cuBLAS (not in the bundle): the toolkit's, else the one PyTorch's CUDA 13
+# wheels bring (nvidia-cublas)
+cublas_dir=
+for d in "${CUDA_HOME:-/usr/local/cuda}/lib64" /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
+    /opt/torch/.venv/lib/python3*/site-packages/nvidia/cu13/lib \
+    /opt/torch/.venv/lib/python3*/site-packages/nvidia/cublas/lib; do
+    ls "$d"/libcublas.so.13* >/dev/null 2>&1 && { cublas_dir=$d; break; }
+done
+if [ -z "$cublas_dir" ]; then
+    f=$(timeout 20 find /usr /opt -name 'libcublas.so.13*' 2>/dev/null | head -1)
+    [ -n "$f" ] && cublas_dir=$(dirname "$f")
+fi
+if [ -n "$cublas_dir" ]; then BIN_LD="${BIN_LD:+$BIN_LD:}$cublas_dir"; else
+    echo "(no libcublas.so.13 found on this machine: the bundle's programs will not load)"
+fi
 run_bin() { env LD_LIBRARY_PATH="$BIN_LD" "$@"; }
 
 # ---- binaries: the bundle, else a build here ---------------------------------
@@ -229,12 +249,54 @@ run_suite() { # name, filter, timeout, log
 }
 : >"$out/tests.log"
 : >"$out/golden_cpu.log"
-run_suite "CUDA kernels vs CPU references and golden files" 'cuda_*/*' 180 "$out/tests.log"
+run_suite "CUDA kernels vs CPU references and golden files" '@(cuda_*/*|genmodel_mem/*)' 180 "$out/tests.log"
 run_suite "CPU golden KDA" 'kda_golden/*' 45 "$out/golden_cpu.log"
 
+# ---- Kimi-Linear-48B generated on the GPU (no 98 GB file): whole-model figures ----------
+# (kdaserve bench --gen: prefill tokens/s at 4096, decode at B = 1, then at
+# B = 64; and the restore of a 48B-sized state from the store onto the GPU)
+if [ -x "$BIN/kdaserve" ] && [ $((SECONDS - t0)) -lt 240 ]; then
+    k48_fail=0
+    for spec in "--prompt-tokens 4096 --gen-tokens 128 --repeats 2" \
+        "--prompt-tokens 128 --gen-tokens 32 --repeats 2 --seqs 64"; do
+        lim=$((420 - (SECONDS - t0)))
+        [ $lim -gt 90 ] && lim=90
+        [ $lim -lt 30 ] && { say "48B bench: out of time for: $spec"; continue; }
+        {
+            echo
+            echo "## kdaserve bench --gen kimi-linear-48b $spec (H200)"
+            echo
+            echo '```'
+        } >>"$out/bench.md"
+        say "48B bench: kdaserve bench --gen kimi-linear-48b $spec (limit $lim s)"
+        timeout $lim env LD_LIBRARY_PATH="$BIN_LD" "$BIN/kdaserve" bench --gen kimi-linear-48b \
+            --device cuda $spec >"$out/k48.txt" 2>&1 || k48_fail=1
+        cat "$out/k48.txt" >>"$out/bench.md"
+        echo '```' >>"$out/bench.md"
+        say "  $(grep -E '^(prefill|decode) |N=|kdaserve bench:' "$out/k48.txt" | tr -s ' ' | cut -c1-90 | paste -sd';')"
+    done
+    sdir=${TMPDIR:-/tmp}/kds-gpu-check-state48b
+    if [ $((SECONDS - t0)) -lt 400 ] &&
+        timeout 30 env LD_LIBRARY_PATH="$BIN_LD" "$BIN/kdaserve" gen-model --preset state48b \
+            --out "$sdir" >/dev/null 2>&1; then
+        say "restore onto the GPU: kdaserve snap bench --device cuda (48B-sized state)"
+        { echo; echo "## kdaserve snap bench --device cuda (state48b: the 48B's 42.8 MiB state)"; echo; echo '```'; } >>"$out/bench.md"
+        timeout 60 env LD_LIBRARY_PATH="$BIN_LD" "$BIN/kdaserve" snap bench --model "$sdir" \
+            --device cuda --tokens 1024 --repeats 5 --no-sync >>"$out/bench.md" 2>&1 || k48_fail=1
+        echo '```' >>"$out/bench.md"
+    fi
+    rm -rf "$sdir" "$out/k48.txt"
+    if [ $k48_fail -eq 0 ]; then note "48B bench + restore: done (bench.md)"; else
+        failed=1
+        note "FAIL 48B bench or restore bench (see bench.md)"
+    fi
+else
+    note "48B bench: not run (no kdaserve, or out of time)"
+fi
+
 # ---- benchmarks ----------------------------------------------------------------------
-left=$((380 - (SECONDS - t0)))
-[ $left -gt 200 ] && left=200
+left=$((470 - (SECONDS - t0)))
+[ $left -gt 150 ] && left=150
 if [ $left -lt 60 ]; then
     note "bench: skipped, only $left s left of the budget"
 else
@@ -253,7 +315,7 @@ fi
 # ---- the whole model on the GPU: kdaserve bench --device cuda on a generated tiny model ----
 # (tiny is a correctness run end to end, not a speed figure for real models;
 # appended to bench.md; older bundles have no kdaserve and skip this)
-if [ -x "$BIN/kdaserve" ] && [ $((SECONDS - t0)) -lt 280 ]; then
+if [ -x "$BIN/kdaserve" ] && [ $((SECONDS - t0)) -lt 440 ]; then
     mdir=${TMPDIR:-/tmp}/kds-gpu-check-tiny
     rm -rf "$mdir"
     say "model bench: kdaserve bench --device cuda / cpu on a generated tiny model"
@@ -289,9 +351,9 @@ fi
 # ---- Nsight Compute: where the prefill's and the decode's time goes --------------------
 : >"$out/ncu.txt"
 ncu=$(cuda_tool ncu || true)
-if [ -n "$ncu" ] && [ -z "${KDS_GPU_CHECK_FORCE:-}" ] && [ $((SECONDS - t0)) -lt 330 ]; then
+if [ -n "$ncu" ] && [ -z "${KDS_GPU_CHECK_FORCE:-}" ] && [ $((SECONDS - t0)) -lt 460 ]; then
     say "ncu: one prefill (fp32, tensor cores) at T = 4096 and one decode step at B = 256"
-    timeout $((400 - (SECONDS - t0) < 75 ? 400 - (SECONDS - t0) : 75)) "$ncu" --clock-control none --target-processes all \
+    timeout $((520 - (SECONDS - t0) < 60 ? 520 - (SECONDS - t0) : 60)) "$ncu" --clock-control none --target-processes all \
         --kernel-name regex:'prefill|decode' --launch-count 5 --section SpeedOfLight \
         --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
         env LD_LIBRARY_PATH="$BIN_LD" "$BIN/kds_cuda_bench" --once 4096 >"$out/ncu.txt" 2>&1
@@ -307,7 +369,7 @@ sanitizer=$(cuda_tool compute-sanitizer || true)
 if [ -n "$sanitizer" ] && [ -z "${KDS_GPU_CHECK_FORCE:-}" ]; then
     san_fail=0
     san_end=$((SECONDS + 100)) # all sanitizer runs together, and the whole
-    [ $san_end -gt $((t0 + 420)) ] && san_end=$((t0 + 420)) # the check ends by 7 min
+    [ $san_end -gt $((t0 + 540)) ] && san_end=$((t0 + 540)) # the check ends by 9 min
     for spec in "memcheck cuda_prefill/small_heads" "memcheck cuda_prefill/gva_k64_v32" \
         "memcheck cuda_ops/moe_route_grouped_with_ties" "memcheck cuda_ops/sample_top_p_min_p_penalty" \
         "memcheck cuda_kda/decode_gva_k64_lower_bound" "racecheck cuda_ops/sample_temperature_top_k" \
