@@ -5,8 +5,8 @@
  * Built by CMake as `kds_cuda_bench` when nvcc is found; run by
  * scripts/gpu_check.sh on the GPU machine:
  *
- *   kds_cuda_bench [--quick] [--decode | --prefill]
- *       --quick: fewer repeats, no T = 1M prefill; --decode / --prefill: only those
+ *   kds_cuda_bench [--quick] [--decode | --prefill | --gemm]
+ *       --quick: fewer repeats, no T = 1M prefill; --decode / --prefill / --gemm: only those
  *   kds_cuda_bench --tiny         # toy sizes: a smoke test of this program
  *                                 # itself (e.g. under kernels/cuda/emu)
  *   kds_cuda_bench --once T       # one fp32 and one tensor-core prefill at T
@@ -20,7 +20,10 @@
  *     bandwidth of the state traffic (state read + written once);
  *   - the chunked KDA prefill, T = 16K, 128K, 1M, raw inputs (L2 norm, gate
  *     and sigmoid in the kernel, as fla's chunk_kda was timed), tokens/s;
- *   - the smaller kernels: gated RMSNorm, MoE routing, sampling.
+ *   - the smaller kernels: gated RMSNorm, MoE routing, sampling;
+ *   - the matrix products (--gemm): kern_cuda_matmul at Kimi's q_proj,
+ *     o_proj, lm_head for T = 1, 8, 64, 4096 and the grouped experts
+ *     (top-8 of 256) at T = 1, 64, 4096, GB/s and TFLOP/s, both modes.
  * Method: inputs filled on the GPU with random values (never zeros), a
  * warm-up, then repeats; before each timed run a 2 GiB fill is queued so the
  * host enqueues the timed launches while the GPU is still busy (no host gaps
@@ -394,6 +397,137 @@ static void bench_small(int quick) {
     printf("\n");
 }
 
+/* ---- matrix products (--gemm) -------------------------------------------------- */
+
+typedef struct gemm_run {
+    kern_cuda_matmul_args a;
+    char *w0;          /* copies of the weights, rotated so they come from HBM */
+    size_t w_bytes;
+    int copies, next;
+    kern_cuda_moe_experts_args m;
+} gemm_run;
+
+static void run_matmul(void *ctx) {
+    gemm_run *g = (gemm_run *)ctx;
+    g->a.W = g->w0 + (size_t)(g->next++ % g->copies) * g->w_bytes;
+    KS(kern_cuda_matmul(&g->a, NULL, ERR));
+}
+static void run_experts(void *ctx) {
+    KS(kern_cuda_moe_experts(&((gemm_run *)ctx)->m, NULL, ERR));
+}
+
+/* GB/s of weights + activations and TFLOP/s (2 per multiply-add) of
+ * kern_cuda_matmul at Kimi-48B's projections and of the grouped experts
+ * (top-8 of 256, random routing), in both precision modes where it matters. */
+static void bench_gemm(int quick) {
+    const int reps = g_tiny ? 1 : quick ? 5 : 15;
+    kern_cuda_gemm_ctx *ctx = NULL;
+    const size_t max_elems = g_tiny ? 64 * 128 : (size_t)4096 * 4096;
+    KS(kern_cuda_gemm_ctx_create(max_elems, &ctx, ERR));
+    printf("### Matrix products (kern_cuda_matmul: bf16 weights, fp32 activations; GEMV for T <= %d, "
+           "cuBLAS above)\n\n",
+           KERN_CUDA_GEMV_MAX_T);
+    printf("| product | rows x cols | T | path | µs (median) | GB/s (weights + x + y) | TFLOP/s |\n");
+    printf("|---|---|---|---|---|---|---|\n");
+    struct { const char *name; int rows, cols; } P[] = {
+        {"q_proj", 4096, 2304}, {"o_proj", 2304, 4096}, {"lm_head", 163840, 2304}};
+    const int Ts[] = {1, 8, 64, 4096}, Ttiny[] = {1, 8, 64, 64};
+    const int nT = g_tiny ? 3 : 4;
+    const size_t xmax = g_tiny ? 64 * 128 : (size_t)4096 * 4096;
+    float *x = dalloc(xmax * 4), *y = dalloc(g_tiny ? 64 * 256 * 4 : (size_t)64 * 163840 * 4 > xmax * 4 ? (size_t)64 * 163840 * 4 : xmax * 4);
+    fill(x, KERN_F32, xmax, -1, 1, 71);
+    for (int pi = 0; pi < 3; pi++) {
+        const int rows = g_tiny ? (pi == 2 ? 256 : 64 + 32 * pi) : P[pi].rows;
+        const int cols = g_tiny ? (pi == 1 ? 128 : 64) : P[pi].cols;
+        const size_t wb = (size_t)rows * cols * 2;
+        int copies = (int)(((size_t)256 << 20) / wb) + 1;
+        if (copies < 2 || g_tiny) copies = 2;
+        gemm_run g = {.w0 = dalloc(wb * copies), .w_bytes = wb, .copies = copies};
+        fill(g.w0, KERN_BF16, wb / 2 * copies, -1, 1, 72 + pi);
+        for (int ti = 0; ti < nT; ti++) {
+            const int T = g_tiny ? Ttiny[ti] : Ts[ti];
+            if (pi == 2 && T > 64) continue; /* logits are needed for the last rows only */
+            for (int mode = 0; mode < 2; mode++) {
+                if (T <= KERN_CUDA_GEMV_MAX_T && mode) continue; /* the GEMV has no mode */
+                g.a = (kern_cuda_matmul_args){.w_dtype = KERN_BF16, .rows = rows, .cols = cols, .x = x,
+                                              .ldx = cols, .T = T, .y = y, .ldy = rows, .gemm = ctx,
+                                              .mode = mode};
+                const double us = time_us(run_matmul, &g, reps);
+                const double bytes = (double)wb + (double)T * cols * 4 + (double)T * rows * 4;
+                const double flop = 2.0 * T * rows * cols;
+                printf("| %s | %d x %d | %d | %s | %.2f | %.0f | %.2f |\n", g_tiny ? "tiny" : P[pi].name, rows,
+                       cols, T, T <= KERN_CUDA_GEMV_MAX_T ? "GEMV" : mode ? "cuBLAS BF16" : "cuBLAS EXACT", us,
+                       bytes / (us * 1e-6) / 1e9, flop / (us * 1e-6) / 1e12);
+                fflush(stdout);
+            }
+        }
+        CK(cudaFree(g.w0));
+    }
+    CK(cudaFree(x));
+    CK(cudaFree(y));
+
+    /* grouped experts: w1/w3 fused (silu(x W1^T) * x W3^T) and w2, experts
+     * stacked [E][w1 | w3 | w2] as the engine stores them */
+    const int E = g_tiny ? 8 : 256, k = g_tiny ? 2 : 8, inner = g_tiny ? 32 : 1024, hid = g_tiny ? 64 : 2304;
+    const int Te[] = {1, 64, 4096}, Tetiny[] = {1, 4, 32};
+    const size_t mat = (size_t)inner * hid * 2, stride = 3 * mat;
+    char *wexp = dalloc(stride * E);
+    fill(wexp, KERN_BF16, stride / 2 * E, -1, 1, 81);
+    const int Tmax = g_tiny ? 32 : 4096;
+    float *lg = dalloc((size_t)Tmax * E * 4), *selw = dalloc((size_t)Tmax * k * 4);
+    int32_t *sel = dalloc((size_t)Tmax * k * 4), *row = dalloc((size_t)Tmax * k * 4);
+    int32_t *tok = dalloc((size_t)Tmax * k * 4), *off = dalloc((size_t)(E + 1) * 4);
+    float *xg = dalloc((size_t)Tmax * k * hid * 4), *hb = dalloc((size_t)Tmax * k * inner * 4);
+    float *yg = dalloc((size_t)Tmax * k * hid * 4);
+    fill(lg, KERN_F32, (size_t)Tmax * E, -4, 4, 82);
+    fill(xg, KERN_F32, (size_t)Tmax * k * hid, -1, 1, 83);
+    int32_t *h_off = malloc((size_t)(E + 1) * 4);
+    printf("\n### Grouped experts (kern_cuda_moe_experts: top-%d of %d, random routing, bf16 experts "
+           "[%d x %d], stacked)\n\n", k, E, inner, hid);
+    printf("| T | rows (T*k) | active experts | product | path | µs (median) | GB/s (active weights) | "
+           "TFLOP/s |\n|---|---|---|---|---|---|---|---|\n");
+    for (int ti = 0; ti < 3; ti++) {
+        const int T = g_tiny ? Tetiny[ti] : Te[ti], n = T * k;
+        kern_cuda_moe_route_args ra = {
+            .p = {.n_experts = E, .top_k = k, .n_group = 1, .topk_group = 1, .renormalize = 1,
+                  .routed_scaling_factor = 1.0f},
+            .T = T, .logits = lg, .apply_sigmoid = true, .sel = sel, .w = selw, .exp_off = off,
+            .row_of = row, .tok_of = tok};
+        KS(kern_cuda_moe_route(&ra, NULL, ERR));
+        CK(cudaMemcpy(h_off, off, (size_t)(E + 1) * 4, cudaMemcpyDeviceToHost));
+        int active = 0;
+        for (int e = 0; e < E; e++) active += h_off[e + 1] > h_off[e];
+        const int tc = n > 2 * E; /* what KERN_CUDA_MOE_AUTO picks */
+        for (int mode = 0; mode < 2; mode++) {
+            if (!tc && mode) continue;
+            for (int prod = 0; prod < 2; prod++) {
+                gemm_run g = {.m = {.E = E, .w_dtype = KERN_BF16, .w_stride = stride, .exp_off = off, .n_rows = n,
+                                    .mode = mode, .algo = KERN_CUDA_MOE_AUTO}};
+                if (prod == 0) { /* w1 | w3 fused: [inner, hid] each */
+                    g.m.rows = inner, g.m.cols = hid, g.m.W_base = wexp, g.m.W3_base = wexp + mat;
+                    g.m.x = xg, g.m.ldx = hid, g.m.y = hb, g.m.ldy = inner;
+                } else { /* w2: [hid, inner] */
+                    g.m.rows = hid, g.m.cols = inner, g.m.W_base = wexp + 2 * mat;
+                    g.m.x = hb, g.m.ldx = inner, g.m.y = yg, g.m.ldy = hid;
+                }
+                const double us = time_us(run_experts, &g, reps);
+                const double wbytes = (double)active * mat * (prod == 0 ? 2 : 1);
+                const double flop = 2.0 * n * (double)inner * hid * (prod == 0 ? 2 : 1);
+                printf("| %d | %d | %d | %s | %s | %.2f | %.0f | %.2f |\n", T, n, active,
+                       prod == 0 ? "w1+w3 fused (SwiGLU)" : "w2", tc ? (mode ? "tensor BF16" : "tensor EXACT") : "GEMV",
+                       us, wbytes / (us * 1e-6) / 1e9, flop / (us * 1e-6) / 1e12);
+                fflush(stdout);
+            }
+        }
+    }
+    printf("\nTargets: GEMV and grouped GEMV at T = 1 near 4.3 TB/s (weights streamed once); T = 4096 on "
+           "tensor cores (EXACT does two bf16 products).\n\n");
+    free(h_off);
+    void *f[] = {wexp, lg, selw, sel, row, tok, off, xg, hb, yg};
+    for (size_t i = 0; i < sizeof f / sizeof f[0]; i++) CK(cudaFree(f[i]));
+    kern_cuda_gemm_ctx_free(ctx);
+}
+
 /* --once T: one run of each kernel of interest, for ncu. */
 static void run_once(int T) {
     const int H = 32, K = 128, V = 128, B = 256;
@@ -437,7 +571,7 @@ static void run_once(int T) {
 }
 
 int main(int argc, char **argv) {
-    int quick = 0, only_decode = 0, only_prefill = 0, once = 0;
+    int quick = 0, only_decode = 0, only_prefill = 0, only_gemm = 0, once = 0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--quick"))
             quick = 1;
@@ -445,12 +579,14 @@ int main(int argc, char **argv) {
             only_decode = 1;
         else if (!strcmp(argv[i], "--prefill"))
             only_prefill = 1;
+        else if (!strcmp(argv[i], "--gemm"))
+            only_gemm = 1;
         else if (!strcmp(argv[i], "--tiny"))
             g_tiny = 1;
         else if (!strcmp(argv[i], "--once") && i + 1 < argc && atoi(argv[i + 1]) > 0)
             once = atoi(argv[++i]);
         else {
-            fprintf(stderr, "usage: %s [--quick] [--decode | --prefill] [--tiny] [--once T]\n",
+            fprintf(stderr, "usage: %s [--quick] [--decode | --prefill | --gemm] [--tiny] [--once T]\n",
                     argv[0]);
             return 2;
         }
@@ -477,9 +613,10 @@ int main(int argc, char **argv) {
     if (g_tiny) g_busy_floats = 1 << 12;
     g_busy = dalloc(g_busy_floats * 4);
     bench_copy();
-    if (!only_prefill) bench_decode(quick);
-    if (!only_decode) bench_prefill(quick);
-    if (!only_decode && !only_prefill) bench_small(quick);
+    if (!only_prefill && !only_gemm) bench_decode(quick);
+    if (!only_decode && !only_gemm) bench_prefill(quick);
+    if (!only_decode && !only_prefill && !only_gemm) bench_small(quick);
+    if (!only_decode && !only_prefill) bench_gemm(quick);
     CK(cudaFree(g_busy));
     return 0;
 }
