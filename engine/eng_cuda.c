@@ -90,12 +90,18 @@ typedef struct dlayer {
     dweight q_proj, k_proj, v_proj, f_a, f_b, b_proj, g_a, g_b, o_proj;
     const float *conv_w;             /* [conv_ch, W]: q, k, v taps stacked */
     const float *A_log, *dt_bias, *o_norm;
+    /* MLA */
+    int is_mla;
+    dweight mq_proj, q_a, q_b, kv_a, kv_b;  /* q_proj, or q_a + q_b (q_lora_rank > 0) */
+    const float *q_a_norm, *kv_a_norm;
     /* FFN */
     int is_moe;
     dweight gate, up, down;          /* dense */
     dweight router, sh_gate, sh_up, sh_down;
     const float *router_bias;
     dweight *w1, *w3, *w2;           /* [E] each (host array of device matrices) */
+    const void *experts;             /* one buffer: expert e's [w1 | w3 | w2] at e * expert_stride */
+    size_t expert_stride;
 } dlayer;
 
 struct eng_cuda {
@@ -123,10 +129,19 @@ struct eng_cuda {
     int32_t *sel, *exp_off, *row_of, *tok_of;
     void *ws;                        /* prefill workspace */
     size_t ws_bytes;
+    kern_cuda_gemm_ctx *gemm;        /* cuBLAS for products of more than 8 rows */
+    /* MLA: per MLA layer and slot a latent cache [cap, dc + dr] (grown
+     * geometrically), its device pointer table, and the pass's positions */
+    float ***mla_cache;              /* [n_mla][max_seqs] device pointers (host array) */
+    float ***mla_table;              /* [n_mla] device arrays [max_seqs] of the same */
+    int64_t *mla_cap;                /* [max_seqs] rows each slot's caches hold */
+    int32_t *pos, *h_pos;            /* [max_seqs] positions of a pass: device, pinned */
+    float *mq, *kva;                 /* [B, nh*(dn+dr)], [B, dc+dr] */
+    void *mla_ws;                    /* kern_cuda_mla_attention workspace */
+    size_t mla_ws_bytes;
     /* host side */
     float *h_stage;                  /* pinned: one sequence's KDA states and conv tails */
     size_t stage_floats;
-    int32_t *h_exp_off;              /* [E + 1] */
     float *h_logits;                 /* pinned [max_seqs, vocab]: logits before they go to the seqs */
 };
 
@@ -197,10 +212,11 @@ kds_status eng__cuda_create(const eng_model *m, int max_batch, int max_seqs, eng
                            why.msg);
     eng_dims dm;
     eng__dims(&m->cfg, &dm);
-    if (dm.n_mla > 0)
+    if (dm.n_mla > 0 && kern_cuda_mla_attention_smem_bytes(&(kern_mla_shape){
+                            dm.mla_heads, dm.dc, dm.dr, dm.dn, dm.dv}) == 0)
         return kds_err_set(err, KDS_UNSUPPORTED,
-                           "device 'cuda': the model has %d MLA layers; the GPU forward pass runs "
-                           "pure-KDA models only for now (use --device cpu)", dm.n_mla);
+                           "device 'cuda': MLA with kv_lora_rank %d is not supported on the GPU "
+                           "(64, 128, 256 or 512; use --device cpu)", dm.dc);
     eng_cuda *g = calloc(1, sizeof *g);
     if (!g) return kds_err_set(err, KDS_NOMEM, "out of memory creating a CUDA context");
     kds_status rc = KDS_OK;
@@ -248,6 +264,24 @@ kds_status eng__cuda_create(const eng_model *m, int max_batch, int max_seqs, eng
         dlayer *dl = &g->layers[l];
         const eng_kda_weights *k = &hw->kda;
         const eng_ffn_weights *f = &hw->ffn;
+        if ((rc = up_f(g, &dl->in_norm, hw->input_layernorm, d->hidden, err)) ||
+            (rc = up_f(g, &dl->post_norm, hw->post_attention_layernorm, d->hidden, err)))
+            break;
+        dl->is_mla = hw->kind != ENG_LAYER_KDA;
+        if (dl->is_mla) {
+            const eng_mla_weights *a = &hw->mla;
+            if (cfg->q_lora_rank > rank) rank = cfg->q_lora_rank;
+            if ((rc = up_w(g, &dl->mq_proj, &a->q_proj, err)) ||
+                (rc = up_w(g, &dl->q_a, &a->q_a_proj, err)) ||
+                (rc = up_w(g, &dl->q_b, &a->q_b_proj, err)) ||
+                (rc = up_f(g, &dl->q_a_norm, a->q_a_layernorm, (size_t)cfg->q_lora_rank, err)) ||
+                (rc = up_w(g, &dl->kv_a, &a->kv_a_proj_with_mqa, err)) ||
+                (rc = up_f(g, &dl->kv_a_norm, a->kv_a_layernorm, (size_t)d->dc, err)) ||
+                (rc = up_w(g, &dl->kv_b, &a->kv_b_proj, err)) ||
+                (rc = up_w(g, &dl->o_proj, &a->o_proj, err)))
+                break;
+            goto ffn;
+        }
         if (k->f_a_proj.rows > rank) rank = k->f_a_proj.rows;
         if (k->g_a_proj.rows > rank) rank = k->g_a_proj.rows;
         memcpy(conv_host, k->q_conv, (size_t)d->kda_qk * d->W * sizeof(float));
@@ -255,9 +289,7 @@ kds_status eng__cuda_create(const eng_model *m, int max_batch, int max_seqs, eng
                (size_t)d->kda_qk * d->W * sizeof(float));
         memcpy(conv_host + (size_t)2 * d->kda_qk * d->W, k->v_conv,
                (size_t)d->kda_v * d->W * sizeof(float));
-        if ((rc = up_f(g, &dl->in_norm, hw->input_layernorm, d->hidden, err)) ||
-            (rc = up_f(g, &dl->post_norm, hw->post_attention_layernorm, d->hidden, err)) ||
-            (rc = up_w(g, &dl->q_proj, &k->q_proj, err)) ||
+        if ((rc = up_w(g, &dl->q_proj, &k->q_proj, err)) ||
             (rc = up_w(g, &dl->k_proj, &k->k_proj, err)) ||
             (rc = up_w(g, &dl->v_proj, &k->v_proj, err)) ||
             (rc = up_w(g, &dl->f_a, &k->f_a_proj, err)) ||
@@ -271,6 +303,7 @@ kds_status eng__cuda_create(const eng_model *m, int max_batch, int max_seqs, eng
             (rc = up_f(g, &dl->dt_bias, k->dt_bias, (size_t)d->HV * d->K, err)) ||
             (rc = up_f(g, &dl->o_norm, k->o_norm, d->V, err)))
             break;
+    ffn:
         dl->is_moe = f->is_moe;
         if (!f->is_moe) {
             if ((rc = up_w(g, &dl->gate, &f->gate_proj, err)) ||
@@ -300,6 +333,8 @@ kds_status eng__cuda_create(const eng_model *m, int max_batch, int max_seqs, eng
                      b2 = (size_t)f->w2[0].rows * f->w2[0].cols * kern_dtype_size(f->w2[0].dt);
         void *arena;
         if ((rc = dalloc(g, &arena, (size_t)g->E * (b1 + b3 + b2), err)) != KDS_OK) break;
+        dl->experts = arena;
+        dl->expert_stride = b1 + b3 + b2;
         for (int e = 0; e < g->E && rc == KDS_OK; e++) {
             char *at = (char *)arena + (size_t)e * (b1 + b3 + b2);
             if (f->w1[e].dt != f->w1[0].dt || f->w3[e].dt != f->w3[0].dt ||
@@ -338,7 +373,9 @@ kds_status eng__cuda_create(const eng_model *m, int max_batch, int max_seqs, eng
     DALLOC(g->g, B * d->HV * d->K);
     DALLOC(g->beta, B * d->HV);
     DALLOC(g->gz, B * d->kda_v);
-    DALLOC(g->o, B * d->kda_v);
+    size_t o_width = (size_t)d->kda_v;
+    if (d->n_mla && (size_t)d->mla_heads * d->dv > o_width) o_width = (size_t)d->mla_heads * d->dv;
+    DALLOC(g->o, B * o_width);
     DALLOC(g->fa_buf, (Bk + B) * width);
     DALLOC(g->fb_buf, (Bk + B) * width);
     DALLOC(g->shared_out, B * d->hidden);
@@ -351,13 +388,44 @@ kds_status eng__cuda_create(const eng_model *m, int max_batch, int max_seqs, eng
         DALLOC(g->tok_of, Bk);
         DALLOC(g->xg, Bk * d->hidden);
         DALLOC(g->yg, Bk * d->hidden);
-        g->h_exp_off = malloc((size_t)(g->E + 1) * sizeof(int32_t));
-        if (!g->h_exp_off) {
+    }
+    DALLOC(g->logits, B * d->vocab);
+    DALLOC(g->pos, max_seqs);
+    if (d->n_mla) {
+        const kern_mla_shape msh = {d->mla_heads, d->dc, d->dr, d->dn, d->dv};
+        DALLOC(g->mq, B * d->mla_heads * (d->dn + d->dr));
+        DALLOC(g->kva, B * d->mla_row);
+        /* context splits for parallelism when there are few rows */
+        int splits = (int)(2048 / B);
+        splits = splits < 1 ? 1 : splits > 32 ? 32 : splits;
+        g->mla_ws_bytes = kern_cuda_mla_workspace_bytes(&msh, (int)B, splits);
+        if ((rc = dalloc(g, &g->mla_ws, g->mla_ws_bytes, err)) != KDS_OK) goto fail;
+        g->mla_cache = calloc((size_t)d->n_mla, sizeof *g->mla_cache);
+        g->mla_table = calloc((size_t)d->n_mla, sizeof *g->mla_table);
+        g->mla_cap = calloc((size_t)max_seqs, sizeof *g->mla_cap);
+        if (!g->mla_cache || !g->mla_table || !g->mla_cap) {
             rc = kds_err_set(err, KDS_NOMEM, "out of memory creating a CUDA context");
             goto fail;
         }
+        for (int i = 0; i < d->n_mla; i++) {
+            if (!(g->mla_cache[i] = calloc((size_t)max_seqs, sizeof **g->mla_cache))) {
+                rc = kds_err_set(err, KDS_NOMEM, "out of memory creating a CUDA context");
+                goto fail;
+            }
+            DALLOC(g->mla_table[i], max_seqs);
+            if ((rc = kern_cuda_memset(g->mla_table[i], 0, (size_t)max_seqs * sizeof(float *), NULL,
+                                       err)))
+                goto fail;
+        }
     }
-    DALLOC(g->logits, B * d->vocab);
+    {
+        /* cuBLAS for products of more than 8 rows: scratch for the widest */
+        size_t cols = (size_t)d->hidden;
+        if ((size_t)width > cols) cols = (size_t)width;
+        if (o_width > cols) cols = o_width;
+        if ((size_t)d->kda_v > cols) cols = (size_t)d->kda_v;
+        if ((rc = kern_cuda_gemm_ctx_create(B * cols, &g->gemm, err)) != KDS_OK) goto fail;
+    }
     kern_kda_shape sh = {d->H, d->HV, d->K, d->V, 1.0f};
     int chunks = (max_batch + 63) / 64;
     if (chunks > 64) chunks = 64;
@@ -377,7 +445,8 @@ kds_status eng__cuda_create(const eng_model *m, int max_batch, int max_seqs, eng
         goto fail;
     }
     if ((rc = kern_cuda_host_alloc((void **)&g->h_slots, (size_t)max_seqs * sizeof(int32_t), err)) ||
-        (rc = kern_cuda_host_alloc((void **)&g->h_ids, (size_t)g->B * sizeof(int32_t), err)))
+        (rc = kern_cuda_host_alloc((void **)&g->h_ids, (size_t)g->B * sizeof(int32_t), err)) ||
+        (rc = kern_cuda_host_alloc((void **)&g->h_pos, (size_t)max_seqs * sizeof(int32_t), err)))
         goto fail;
     /* a generated model's weights were made by kernels: wait for them */
     if ((rc = kern_cuda_sync(NULL, err))) goto fail;
@@ -403,6 +472,16 @@ void eng__cuda_free(eng_cuda *g) {
     free(g->owner);
     free(g->last_use);
     kern_cuda_host_free(g->h_slots);
+    kern_cuda_host_free(g->h_pos);
+    kern_cuda_gemm_ctx_free(g->gemm);
+    if (g->mla_cache)
+        for (int i = 0; i < g->d.n_mla; i++) {
+            for (int j = 0; g->mla_cache[i] && j < g->max_seqs; j++) kern_cuda_free(g->mla_cache[i][j]);
+            free(g->mla_cache[i]);
+        }
+    free(g->mla_cache);
+    free(g->mla_table);
+    free(g->mla_cap);
     for (int i = 0; i < g->n_allocs; i++) kern_cuda_free(g->allocs[i]);
     free(g->allocs);
     kern_cuda_host_free(g->h_ids);
@@ -411,7 +490,6 @@ void eng__cuda_free(eng_cuda *g) {
     free(g->layers);
     free(g->state);
     free(g->tail);
-    free(g->h_exp_off);
     kern_cuda_host_free(g->h_stage);
     kern_cuda_host_free(g->h_logits);
     free(g);
@@ -474,6 +552,53 @@ kds_status eng__cuda_state_download(eng_cuda *g, int slot, eng_seq *s, kds_err *
     return KDS_OK;
 }
 
+/* Room for `rows` latent rows in every MLA cache of `slot`: geometric
+ * growth (a new buffer, the old rows copied over), so a long decode
+ * allocates O(log n) times; the device pointer tables follow. */
+static kds_status mla_reserve(eng_cuda *g, int slot, int64_t rows, kds_err *err) {
+    const eng_dims *d = &g->d;
+    if (d->n_mla == 0 || rows <= g->mla_cap[slot]) return KDS_OK;
+    int64_t cap = g->mla_cap[slot] ? g->mla_cap[slot] : 256;
+    while (cap < rows) cap *= 2;
+    const size_t row = (size_t)d->mla_row * sizeof(float);
+    kds_status rc = KDS_OK;
+    for (int i = 0; i < d->n_mla && rc == KDS_OK; i++) {
+        void *p = NULL;
+        if ((rc = kern_cuda_malloc(&p, (size_t)cap * row, err)) != KDS_OK) break;
+        float *old = g->mla_cache[i][slot];
+        if (old && g->mla_cap[slot])
+            rc = kern_cuda_memcpy_d2d(p, old, (size_t)g->mla_cap[slot] * row, NULL, err);
+        /* the table entry: a synchronous copy of one pointer */
+        if (rc == KDS_OK)
+            rc = kern_cuda_memcpy_h2d(g->mla_table[i] + slot, &p, sizeof p, NULL, err);
+        if (rc == KDS_OK) rc = kern_cuda_sync(NULL, err);
+        if (rc != KDS_OK) {
+            kern_cuda_free(p);
+            break;
+        }
+        kern_cuda_free(old);
+        g->mla_cache[i][slot] = p;
+    }
+    /* every layer grew, or the capacity stays the smallest one known */
+    if (rc == KDS_OK) g->mla_cap[slot] = cap;
+    return rc;
+}
+
+/* MLA rows [r0, s->pos) of every layer: host -> slot, or slot -> host. */
+static kds_status mla_rows_copy(eng_cuda *g, int slot, eng_seq *s, int64_t r0, int up,
+                                kds_err *err) {
+    const eng_dims *d = &g->d;
+    if (d->n_mla == 0 || r0 >= s->pos) return KDS_OK;
+    kds_status rc = up ? mla_reserve(g, slot, s->pos, err) : KDS_OK;
+    const size_t row = (size_t)d->mla_row, n = (size_t)(s->pos - r0) * row * sizeof(float);
+    for (int i = 0; i < d->n_mla && rc == KDS_OK; i++) {
+        float *dev = g->mla_cache[i][slot] + (size_t)r0 * row, *host = s->mla_cache[i] + (size_t)r0 * row;
+        rc = up ? kern_cuda_memcpy_h2d(dev, host, n, NULL, err) : kern_cuda_memcpy_d2h(host, dev, n, NULL, err);
+    }
+    if (rc == KDS_OK) rc = kern_cuda_sync(NULL, err);
+    return rc;
+}
+
 /* ------------------------------------------------------------------------ */
 /* Residency: a sequence keeps its slot between calls; its host buffers are
  * brought up to date only when read (snapshots, clones: eng__seq_fetch),
@@ -484,7 +609,12 @@ kds_status eng__seq_fetch_slow(const eng_seq *cs, kds_err *err) {
      * has (on the device). */
     eng_seq *s = (eng_seq *)cs;
     kds_status rc = eng__cuda_state_download(s->gpu, s->gpu_slot, s, err);
-    if (rc == KDS_OK) s->gpu_newer = 0;
+    /* MLA caches are append-only: only the rows made on the device */
+    if (rc == KDS_OK) rc = mla_rows_copy(s->gpu, s->gpu_slot, s, s->gpu_host_rows, 0, err);
+    if (rc == KDS_OK) {
+        s->gpu_newer = 0;
+        s->gpu_host_rows = s->pos;
+    }
     return rc;
 }
 
@@ -503,8 +633,11 @@ static kds_status make_resident(eng_cuda *g, eng_seq *s, int *slot, kds_err *err
     kds_status rc;
     if (s->gpu == g) {
         if (s->host_newer) {
-            if ((rc = eng__cuda_state_upload(g, s->gpu_slot, s, err)) != KDS_OK) return rc;
+            if ((rc = eng__cuda_state_upload(g, s->gpu_slot, s, err)) != KDS_OK ||
+                (rc = mla_rows_copy(g, s->gpu_slot, s, 0, 1, err)) != KDS_OK)
+                return rc;
             s->host_newer = 0;
+            s->gpu_host_rows = s->pos;
         }
         g->last_use[s->gpu_slot] = g->clock;
         *slot = s->gpu_slot;
@@ -528,7 +661,10 @@ static kds_status make_resident(eng_cuda *g, eng_seq *s, int *slot, kds_err *err
         if ((rc = eng__seq_fetch(old, err)) != KDS_OK) return rc;
         eng__seq_detach(old);
     }
-    if ((rc = eng__cuda_state_upload(g, pick, s, err)) != KDS_OK) return rc;
+    if ((rc = eng__cuda_state_upload(g, pick, s, err)) != KDS_OK ||
+        (rc = mla_rows_copy(g, pick, s, 0, 1, err)) != KDS_OK)
+        return rc;
+    s->gpu_host_rows = s->pos;
     g->owner[pick] = s;
     g->last_use[pick] = g->clock;
     s->gpu = g;
@@ -550,10 +686,11 @@ kds_status eng__cuda_attach(eng_cuda *g, eng_seq *s, kds_err *err) {
 /* Forward                                                                   */
 
 /* y [T, ldy] (+)= x [T, ldx] W^T */
-static kds_status mm(const dweight *w, const float *x, int ldx, int T, float *y, int ldy,
-                     bool acc, kds_err *err) {
+static kds_status mm(eng_cuda *g, const dweight *w, const float *x, int ldx, int T, float *y,
+                      int ldy, bool acc, kds_err *err) {
     kern_cuda_matmul_args a = {.W = w->p, .w_dtype = w->dt, .rows = w->rows, .cols = w->cols,
-                               .x = x, .ldx = ldx, .T = T, .y = y, .ldy = ldy, .accumulate = acc};
+                               .x = x, .ldx = ldx, .T = T, .y = y, .ldy = ldy, .accumulate = acc,
+                               .gemm = g->gemm, .mode = KERN_CUDA_GEMM_EXACT};
     return kern_cuda_matmul(&a, NULL, err);
 }
 
@@ -584,14 +721,14 @@ static kds_status kda_layer(eng_cuda *g, const dlayer *L, int kl, int T, int mul
     float *tail0 = g->tail[kl] + (size_t)slot * taps * C;
     if (!multi && taps > 0)
         TRY(kern_cuda_memcpy_d2d(g->ext, tail0, (size_t)taps * C * sizeof(float), NULL, err));
-    TRY(mm(&L->q_proj, g->xn, hid, T, in, C, false, err));
-    TRY(mm(&L->k_proj, g->xn, hid, T, in + d->kda_qk, C, false, err));
-    TRY(mm(&L->v_proj, g->xn, hid, T, in + 2 * d->kda_qk, C, false, err));
-    TRY(mm(&L->f_a, g->xn, hid, T, g->fa, L->f_a.rows, false, err));
-    TRY(mm(&L->b_proj, g->xn, hid, T, g->beta, d->HV, false, err));
-    TRY(mm(&L->g_a, g->xn, hid, T, g->ga, L->g_a.rows, false, err));
-    TRY(mm(&L->f_b, g->fa, L->f_a.rows, T, g->g, d->HV * d->K, false, err));
-    TRY(mm(&L->g_b, g->ga, L->g_a.rows, T, g->gz, d->kda_v, false, err));
+    TRY(mm(g, &L->q_proj, g->xn, hid, T, in, C, false, err));
+    TRY(mm(g, &L->k_proj, g->xn, hid, T, in + d->kda_qk, C, false, err));
+    TRY(mm(g, &L->v_proj, g->xn, hid, T, in + 2 * d->kda_qk, C, false, err));
+    TRY(mm(g, &L->f_a, g->xn, hid, T, g->fa, L->f_a.rows, false, err));
+    TRY(mm(g, &L->b_proj, g->xn, hid, T, g->beta, d->HV, false, err));
+    TRY(mm(g, &L->g_a, g->xn, hid, T, g->ga, L->g_a.rows, false, err));
+    TRY(mm(g, &L->f_b, g->fa, L->f_a.rows, T, g->g, d->HV * d->K, false, err));
+    TRY(mm(g, &L->g_b, g->ga, L->g_a.rows, T, g->gz, d->kda_v, false, err));
     kern_cuda_conv_args ca = {.T = T, .W = d->W, .n_qk = d->kda_qk, .n_v = d->kda_v,
                               .ext = g->ext, .w = L->conv_w, .tails = multi ? g->tail[kl] : NULL,
                               .slots = multi ? g->slots : NULL, .q = g->q, .k = g->k, .v = g->v};
@@ -622,7 +759,7 @@ static kds_status kda_layer(eng_cuda *g, const dlayer *L, int kl, int T, int mul
                               .z = g->gz, .z_dtype = KERN_F32, .w = L->o_norm,
                               .w_dtype = KERN_F32, .y = g->o, .y_dtype = KERN_F32};
     TRY(kern_cuda_rmsnorm(&na, NULL, err));
-    return mm(&L->o_proj, g->o, d->kda_v, T, g->x, hid, true, err);
+    return mm(g, &L->o_proj, g->o, d->kda_v, T, g->x, hid, true, err);
 }
 
 static kds_status moe_ffn(eng_cuda *g, const dlayer *L, int T, kds_err *err) {
@@ -630,7 +767,7 @@ static kds_status moe_ffn(eng_cuda *g, const dlayer *L, int T, kds_err *err) {
     const eng_config *cfg = &g->m->cfg;
     const int E = g->E, k = g->top_k, hid = g->d.hidden;
     const int inner = cfg->moe_intermediate_size, sh_inner = L->sh_gate.rows;
-    TRY(mm(&L->router, g->xn, hid, T, g->router, E, false, err));
+    TRY(mm(g, &L->router, g->xn, hid, T, g->router, E, false, err));
     kern_cuda_moe_route_args ra = {
         .p = {.n_experts = E,
               .top_k = k,
@@ -644,49 +781,87 @@ static kds_status moe_ffn(eng_cuda *g, const dlayer *L, int T, kds_err *err) {
     TRY(kern_cuda_moe_route(&ra, NULL, err));
     TRY(kern_cuda_moe_gather(g->xn, (size_t)hid * sizeof(float), g->tok_of, T * k, g->xg, NULL,
                              err));
-    /* the expert offsets decide the launches: a sync point (see the top) */
-    TRY(kern_cuda_memcpy_d2h(g->h_exp_off, g->exp_off, (size_t)(E + 1) * sizeof(int32_t), NULL,
-                             err));
-    TRY(kern_cuda_sync(NULL, err));
     float *sh_a = g->fa_buf + (size_t)T * k * inner, *sh_b = g->fb_buf + (size_t)T * k * inner;
     if (sh_inner > 0) {
-        TRY(mm(&L->sh_gate, g->xn, hid, T, sh_a, sh_inner, false, err));
-        TRY(mm(&L->sh_up, g->xn, hid, T, sh_b, sh_inner, false, err));
+        TRY(mm(g, &L->sh_gate, g->xn, hid, T, sh_a, sh_inner, false, err));
+        TRY(mm(g, &L->sh_up, g->xn, hid, T, sh_b, sh_inner, false, err));
+        TRY(kern_cuda_swiglu(sh_a, sh_b, (size_t)T * sh_inner, NULL, err));
+        TRY(mm(g, &L->sh_down, sh_a, sh_inner, T, g->shared_out, hid, false, err));
     }
-    for (int e = 0; e < E; e++) {
-        const int off = g->h_exp_off[e], n_e = g->h_exp_off[e + 1] - off;
-        if (n_e <= 0) continue;
-        TRY(mm(&L->w1[e], g->xg + (size_t)off * hid, hid, n_e, g->fa_buf + (size_t)off * inner,
-               inner, false, err));
-        TRY(mm(&L->w3[e], g->xg + (size_t)off * hid, hid, n_e, g->fb_buf + (size_t)off * inner,
-               inner, false, err));
-    }
-    TRY(kern_cuda_swiglu(g->fa_buf, g->fb_buf, (size_t)T * k * inner + (size_t)T * sh_inner, NULL,
-                         err));
-    if (sh_inner > 0) TRY(mm(&L->sh_down, sh_a, sh_inner, T, g->shared_out, hid, false, err));
-    for (int e = 0; e < E; e++) {
-        const int off = g->h_exp_off[e], n_e = g->h_exp_off[e + 1] - off;
-        if (n_e <= 0) continue;
-        TRY(mm(&L->w2[e], g->fa_buf + (size_t)off * inner, inner, n_e, g->yg + (size_t)off * hid,
-               hid, false, err));
-    }
+    /* The routed experts, grouped by kern_cuda_moe_experts reading the
+     * offsets on the device (no host sync): gate and up fused into
+     * silu(x W1^T) * (x W3^T), then W2. Each expert's [w1 | w3 | w2] sits
+     * at L->experts + e * expert_stride. */
+    const size_t b1 = (size_t)L->w1[0].rows * L->w1[0].cols * kern_dtype_size(L->w1[0].dt),
+                 b3 = (size_t)L->w3[0].rows * L->w3[0].cols * kern_dtype_size(L->w3[0].dt);
+    kern_cuda_moe_experts_args ea = {.E = E, .rows = inner, .cols = hid, .w_dtype = L->w1[0].dt,
+                                     .W_base = L->experts, .W3_base = (const char *)L->experts + b1,
+                                     .w_stride = L->expert_stride, .exp_off = g->exp_off,
+                                     .n_rows = T * k, .x = g->xg, .ldx = hid, .y = g->fa_buf,
+                                     .ldy = inner, .mode = KERN_CUDA_GEMM_EXACT};
+    TRY(kern_cuda_moe_experts(&ea, NULL, err));
+    kern_cuda_moe_experts_args da = {.E = E, .rows = hid, .cols = inner, .w_dtype = L->w2[0].dt,
+                                     .W_base = (const char *)L->experts + b1 + b3,
+                                     .w_stride = L->expert_stride, .exp_off = g->exp_off,
+                                     .n_rows = T * k, .x = g->fa_buf, .ldx = inner, .y = g->yg,
+                                     .ldy = hid, .mode = KERN_CUDA_GEMM_EXACT};
+    TRY(kern_cuda_moe_experts(&da, NULL, err));
     TRY(kern_cuda_moe_combine(g->yg, g->row_of, g->selw, T, k, hid,
                               sh_inner > 0 ? g->shared_out : NULL, g->mix, NULL, err));
     return kern_cuda_add(g->x, g->mix, (size_t)T * hid, NULL, err);
 }
 
+/* One MLA mixer (spec §5, absorbed, no RoPE): rows of xn -> x += mixer(xn).
+ * multi: one token of each of T sequences (slots g->slots, positions
+ * g->pos); else T tokens of the sequence in `slot` from position pos0. */
+static kds_status mla_layer(eng_cuda *g, const dlayer *L, int ml, int T, int multi, int slot,
+                            int64_t pos0, int max_ctx, kds_err *err) {
+    kds_status rc;
+    const eng_dims *d = &g->d;
+    const eng_config *cfg = &g->m->cfg;
+    const int hid = d->hidden, qw = d->mla_heads * (d->dn + d->dr);
+    if (cfg->q_lora_rank > 0) {
+        TRY(mm(g, &L->q_a, g->xn, hid, T, g->fa, cfg->q_lora_rank, false, err));
+        TRY(norm_rows(g->fa, L->q_a_norm, T, cfg->q_lora_rank, cfg->rms_norm_eps, g->fa, err));
+        TRY(mm(g, &L->q_b, g->fa, cfg->q_lora_rank, T, g->mq, qw, false, err));
+    } else {
+        TRY(mm(g, &L->mq_proj, g->xn, hid, T, g->mq, qw, false, err));
+    }
+    TRY(mm(g, &L->kv_a, g->xn, hid, T, g->kva, d->mla_row, false, err));
+    kern_cuda_mla_rows map = {.rows = T};
+    if (multi) {
+        map.caches = g->mla_table[ml];
+        map.n_caches = g->max_seqs;
+        map.slots = g->slots;
+        map.pos = g->pos;
+    } else {
+        map.cache = g->mla_cache[ml][slot];
+        map.pos0 = pos0;
+    }
+    kern_cuda_mla_append_args aa = {.map = map, .dc = d->dc, .dr = d->dr, .eps = cfg->rms_norm_eps,
+                                    .kva = g->kva, .norm_w = L->kv_a_norm, .norm_w_dtype = KERN_F32};
+    TRY(kern_cuda_mla_cache_append(&aa, NULL, err));
+    kern_cuda_mla_args ma = {.shape = {d->mla_heads, d->dc, d->dr, d->dn, d->dv}, .map = map,
+                             .q = g->mq, .kv_b = L->kv_b.p, .kv_b_dtype = L->kv_b.dt, .o = g->o,
+                             .max_ctx = max_ctx, .n_split = 0, .workspace = g->mla_ws,
+                             .workspace_bytes = g->mla_ws_bytes};
+    TRY(kern_cuda_mla_attention(&ma, NULL, err));
+    return mm(g, &L->o_proj, g->o, d->mla_heads * d->dv, T, g->x, hid, true, err);
+}
+
 static kds_status dense_ffn(eng_cuda *g, const dlayer *L, int T, kds_err *err) {
     kds_status rc;
     const int hid = g->d.hidden, inner = L->gate.rows;
-    TRY(mm(&L->gate, g->xn, hid, T, g->fa_buf, inner, false, err));
-    TRY(mm(&L->up, g->xn, hid, T, g->fb_buf, inner, false, err));
+    TRY(mm(g, &L->gate, g->xn, hid, T, g->fa_buf, inner, false, err));
+    TRY(mm(g, &L->up, g->xn, hid, T, g->fb_buf, inner, false, err));
     TRY(kern_cuda_swiglu(g->fa_buf, g->fb_buf, (size_t)T * inner, NULL, err));
-    return mm(&L->down, g->fa_buf, inner, T, g->x, hid, true, err);
+    return mm(g, &L->down, g->fa_buf, inner, T, g->x, hid, true, err);
 }
 
 /* The device part of a pass over T rows whose states sit in slots 0.. */
 static kds_status run_layers(eng_cuda *g, const int32_t *ids, int T, int multi, int chunked,
-                             int slot, float *dst, int first, kds_err *err) {
+                             int slot, int64_t pos0, int max_ctx, float *dst, int first,
+                             kds_err *err) {
     kds_status rc;
     const eng_model *m = g->m;
     const eng_config *cfg = &m->cfg;
@@ -699,14 +874,17 @@ static kds_status run_layers(eng_cuda *g, const int32_t *ids, int T, int multi, 
     for (int l = 0; l < cfg->num_hidden_layers; l++) {
         const dlayer *L = &g->layers[l];
         TRY(norm_rows(g->x, L->in_norm, T, hid, eps, g->xn, err));
-        TRY(kda_layer(g, L, g->d.layer_slot[l], T, multi, chunked, slot, err));
+        if (L->is_mla)
+            TRY(mla_layer(g, L, g->d.layer_slot[l], T, multi, slot, pos0, max_ctx, err));
+        else
+            TRY(kda_layer(g, L, g->d.layer_slot[l], T, multi, chunked, slot, err));
         TRY(norm_rows(g->x, L->post_norm, T, hid, eps, g->xn, err));
         TRY(L->is_moe ? moe_ffn(g, L, T, err) : dense_ffn(g, L, T, err));
     }
     if (!dst) return kern_cuda_sync(NULL, err);
     const int n = T - first;
     TRY(norm_rows(g->x + (size_t)first * hid, g->final_norm, n, hid, eps, g->xn, err));
-    TRY(mm(&g->lm_head, g->xn, hid, n, g->logits, g->d.vocab, false, err));
+    TRY(mm(g, &g->lm_head, g->xn, hid, n, g->logits, g->d.vocab, false, err));
     TRY(kern_cuda_memcpy_d2h(dst, g->logits, (size_t)n * g->d.vocab * sizeof(float), NULL, err));
     return kern_cuda_sync(NULL, err);
 }
@@ -723,9 +901,24 @@ kds_status eng__cuda_forward(eng_cuda *g, eng_seq *const *seqs, int n_seqs, cons
      * it was not resident or its host copy was written since) */
     g->clock++;
     for (int i = 0; i < n_seqs && rc == KDS_OK; i++) rc = make_resident(g, seqs[i], &g->h_slots[i], err);
-    /* the decode kernel reads slots from the device, also for one sequence */
+    /* room for this pass's latent rows; the positions and slots of the rows
+     * go to the device (the decode kernel reads slots there, also for one
+     * sequence) */
+    int max_ctx = 0;
+    for (int i = 0; i < n_seqs && rc == KDS_OK; i++) {
+        const int64_t end = seqs[i]->pos + (multi ? 1 : T);
+        if (end > INT32_MAX) {
+            rc = kds_err_set(err, KDS_UNSUPPORTED, "device 'cuda': contexts above 2^31 tokens");
+            break;
+        }
+        g->h_pos[i] = (int32_t)seqs[i]->pos;
+        if (end > max_ctx) max_ctx = (int)end;
+        rc = mla_reserve(g, g->h_slots[i], end, err);
+    }
     if (rc == KDS_OK)
         rc = kern_cuda_memcpy_h2d(g->slots, g->h_slots, (size_t)n_seqs * sizeof(int32_t), NULL, err);
+    if (rc == KDS_OK && g->d.n_mla)
+        rc = kern_cuda_memcpy_h2d(g->pos, g->h_pos, (size_t)n_seqs * sizeof(int32_t), NULL, err);
     if (rc != KDS_OK) return rc;
     /* Logits land in a host buffer first so a failure leaves the
      * sequences untouched: the caller's logits_all (one sequence), else
@@ -733,7 +926,8 @@ kds_status eng__cuda_forward(eng_cuda *g, eng_seq *const *seqs, int n_seqs, cons
     const int need = logits || want_last || multi;
     const int first = logits || multi ? 0 : T - 1;
     float *dst = !need ? NULL : logits ? logits : g->h_logits;
-    rc = run_layers(g, ids, T, multi, chunked, g->h_slots[0], dst, first, err);
+    rc = run_layers(g, ids, T, multi, chunked, g->h_slots[0], seqs[0]->pos, max_ctx, dst, first,
+                    err);
     if (rc != KDS_OK) return rc;
     /* the device copies are now ahead of the host buffers */
     for (int i = 0; i < n_seqs; i++) seqs[i]->gpu_newer = 1;

@@ -50,6 +50,7 @@ struct eng_seq {
     struct eng_cuda *gpu;
     int gpu_slot;
     int gpu_newer, host_newer;
+    int64_t gpu_host_rows;       /* MLA rows [0, this) of the host caches are current */
 };
 
 /* Residency hooks (eng_cuda.c; trivial for sequences never run on a GPU):

@@ -4,8 +4,9 @@
  * (pure KDA + MoE, bf16 weights on both sides): logits of a prefill and of
  * batched decode steps within 1e-4 of the largest logit, the same greedy
  * tokens, the same states in host memory afterwards; the state hand-over
- * to and from the device; and the refusals (no device, hybrid model,
- * unknown device name). The GPU tests skip without a device; they also
+ * to and from the device; residency; a hybrid (MLA) model; the model
+ * generated on the device; and the refusals (no device, unknown device
+ * name). The GPU tests skip without a device; they also
  * run under the CPU emulation (kernels/cuda/emu/build.sh), slowly.
  */
 #include <criterion/criterion.h>
@@ -363,16 +364,82 @@ Test(cuda_model, generated_on_the_device_equals_the_file, .timeout = 3600) {
     close_fixture(&f);
 }
 
-/* Models with MLA layers are refused, naming the reason. */
-Test(cuda_model, hybrid_refused) {
+/* A hybrid model (KDA and MLA layers, tiny-hybrid) follows the CPU: prefill
+ * logits at every position, batched decode of sequences with different
+ * contexts, then a single decode; the latent caches come back to host
+ * memory with a fetch, and a restore into a resident sequence re-uploads
+ * them. */
+Test(cuda_model, hybrid_follows_the_cpu, .timeout = 3600) {
     require_device();
     fixture f = open_preset("tiny-hybrid");
     kds_err err = {0};
-    kds_status rc;
-    eng_ctx *c = make_ctx(f.m, "cuda", &rc, &err);
-    cr_expect_eq(rc, KDS_UNSUPPORTED, "status %d: %s", (int)rc, err.msg);
-    cr_expect(strstr(err.msg, "MLA") != NULL, "message: '%s'", err.msg);
-    cr_expect_null(c);
+    eng_ctx_params cp = eng_ctx_default_params();
+    cp.n_threads = 1;
+    cp.max_batch = 16;
+    cp.max_seqs = 2;
+    eng_ctx *cc = NULL, *gc = NULL;
+    cr_assert_eq(eng_ctx_create(f.m, &cp, &cc, &err), KDS_OK, "%s", err.msg);
+    cp.device = "cuda";
+    cr_assert_eq(eng_ctx_create(f.m, &cp, &gc, &err), KDS_OK, "%s", err.msg);
+    const int V = f.vocab, lens[2] = {9, 3};
+    eng_seq *cs[2], *gs[2];
+    int32_t ids[9];
+    float *la_c = malloc((size_t)9 * V * sizeof(float)), *la_g = malloc((size_t)9 * V * sizeof(float));
+    cr_assert(la_c && la_g);
+    for (int i = 0; i < 2; i++) {
+        cr_assert_eq(eng_seq_create(f.m, 5, &cs[i], &err), KDS_OK, "%s", err.msg);
+        cr_assert_eq(eng_seq_create(f.m, 5, &gs[i], &err), KDS_OK, "%s", err.msg);
+        prompt(ids, lens[i], V, 90u + (uint32_t)i);
+        cr_assert_eq(eng_prefill(cc, cs[i], ids, lens[i], i ? NULL : la_c, NULL, NULL, &err), KDS_OK,
+                     "%s", err.msg);
+        cr_assert_eq(eng_prefill(gc, gs[i], ids, lens[i], i ? NULL : la_g, NULL, NULL, &err), KDS_OK,
+                     "%s", err.msg);
+        if (i == 0) expect_close(la_g, la_c, (size_t)9 * V, LOGIT_TOL, "hybrid prefill, every position", 0);
+        expect_close(eng_seq_logits(gs[i]), eng_seq_logits(cs[i]), V, LOGIT_TOL, "hybrid prefill", i);
+    }
+    for (int step = 0; step < 3; step++) {
+        int32_t next[2] = {argmax(eng_seq_logits(cs[0]), V), argmax(eng_seq_logits(cs[1]), V)};
+        cr_assert_eq(eng_decode_batch(cc, cs, next, 2, &err), KDS_OK, "%s", err.msg);
+        cr_assert_eq(eng_decode_batch(gc, gs, next, 2, &err), KDS_OK, "%s", err.msg);
+        for (int i = 0; i < 2; i++)
+            expect_close(eng_seq_logits(gs[i]), eng_seq_logits(cs[i]), V, LOGIT_TOL,
+                         "hybrid batched decode", step);
+    }
+    int32_t id = argmax(eng_seq_logits(cs[1]), V);
+    cr_assert_eq(eng_decode(cc, cs[1], id, &err), KDS_OK, "%s", err.msg);
+    cr_assert_eq(eng_decode(gc, gs[1], id, &err), KDS_OK, "%s", err.msg);
+    expect_close(eng_seq_logits(gs[1]), eng_seq_logits(cs[1]), V, LOGIT_TOL, "hybrid single decode", 0);
+    /* the latent rows made on the device come back with a fetch */
+    const eng_dims *d = &cs[0]->d;
+    for (int i = 0; i < 2; i++) {
+        cr_assert_eq(eng_ctx_attach(cc, gs[i], &err), KDS_OK, "%s", err.msg);
+        expect_same_state(gs[i], cs[i], "hybrid KDA state");
+        for (int l = 0; l < d->n_mla; l++)
+            expect_close(gs[i]->mla_cache[l], cs[i]->mla_cache[l], (size_t)cs[i]->pos * d->mla_row,
+                         STATE_TOL, "latent cache", l);
+    }
+    /* restore sequence 1's snapshot into the resident sequence 0: its
+     * latent cache is replaced on the device too */
+    size_t n1 = eng_seq_state_bytes(cs[1]);
+    unsigned char *snap1 = malloc(n1);
+    cr_assert(snap1);
+    cr_assert_eq(eng_seq_state_save(cs[1], snap1, n1, &err), KDS_OK, "%s", err.msg);
+    cr_assert_eq(eng_seq_state_load(gs[0], snap1, n1, &err), KDS_OK, "%s", err.msg);
+    id = argmax(eng_seq_logits(cs[1]), V);
+    cr_assert_eq(eng_decode(cc, cs[1], id, &err), KDS_OK, "%s", err.msg);
+    cr_assert_eq(eng_decode(gc, gs[0], id, &err), KDS_OK, "%s", err.msg);
+    expect_close(eng_seq_logits(gs[0]), eng_seq_logits(cs[1]), V, LOGIT_TOL,
+                 "hybrid decode after a restore", 0);
+    cr_log_info("cuda_model hybrid: largest GPU-CPU error / largest magnitude %g", worst_ratio);
+    free(snap1);
+    free(la_c);
+    free(la_g);
+    for (int i = 0; i < 2; i++) {
+        eng_seq_free(cs[i]);
+        eng_seq_free(gs[i]);
+    }
+    eng_ctx_free(gc);
+    eng_ctx_free(cc);
     close_fixture(&f);
 }
 
