@@ -77,6 +77,9 @@ void eng__seq_detach(eng_seq *s) { (void)s; }
 #include "kern_cuda.h"
 
 
+/* Decode graphs per power of two of the longest context (MLA models). */
+#define ENG_CUDA_CTX_BUCKETS 32
+
 /* A matrix on the device, in its stored dtype. */
 typedef struct dweight {
     const void *p;
@@ -130,6 +133,9 @@ struct eng_cuda {
     void *ws;                        /* prefill workspace */
     size_t ws_bytes;
     kern_cuda_gemm_ctx *gemm;        /* cuBLAS for products of more than 8 rows */
+    void *stream;                    /* every copy and kernel of the context runs here */
+    void **graphs;                   /* [max_seqs][ENG_CUDA_CTX_BUCKETS] decode graphs, or NULL */
+    int graphs_off;                  /* capture unavailable, or KDS_CUDA_GRAPHS=0 */
     /* MLA: per MLA layer and slot a latent cache [cap, dc + dr] (grown
      * geometrically), its device pointer table, and the pass's positions */
     float ***mla_cache;              /* [n_mla][max_seqs] device pointers (host array) */
@@ -163,7 +169,7 @@ static kds_status up_bytes(eng_cuda *g, const void **dst, const void *src, size_
                            kds_err *err) {
     void *p;
     kds_status rc = dalloc(g, &p, bytes, err);
-    if (rc == KDS_OK && bytes) rc = kern_cuda_memcpy_h2d(p, src, bytes, NULL, err);
+    if (rc == KDS_OK && bytes) rc = kern_cuda_memcpy_h2d(p, src, bytes, g->stream, err);
     *dst = p;
     return rc;
 }
@@ -181,8 +187,8 @@ static kds_status put_w(eng_cuda *g, dweight *dw, const eng_weight *w, void *at,
     kds_status rc = KDS_OK;
     if (!at && (rc = dalloc(g, &at, bytes, err)) != KDS_OK) return rc;
     dw->p = at;
-    if (!w->data) return kern_cuda_gen_normal(at, w->dt, n, w->gen_key, w->gen_sd, NULL, err);
-    return kern_cuda_memcpy_h2d(at, w->data, bytes, NULL, err);
+    if (!w->data) return kern_cuda_gen_normal(at, w->dt, n, w->gen_key, w->gen_sd, g->stream, err);
+    return kern_cuda_memcpy_h2d(at, w->data, bytes, g->stream, err);
 }
 
 static kds_status up_w(eng_cuda *g, dweight *dw, const eng_weight *w, kds_err *err) {
@@ -223,6 +229,14 @@ kds_status eng__cuda_create(const eng_model *m, int max_batch, int max_seqs, eng
     const eng_config *cfg = &m->cfg;
     g->m = m;
     g->d = dm;
+    if ((rc = kern_cuda_stream_create(&g->stream, err)) != KDS_OK) goto fail;
+    g->graphs = calloc((size_t)max_seqs * ENG_CUDA_CTX_BUCKETS, sizeof *g->graphs);
+    if (!g->graphs) {
+        rc = kds_err_set(err, KDS_NOMEM, "out of memory creating a CUDA context");
+        goto fail;
+    }
+    const char *graphs_env = getenv("KDS_CUDA_GRAPHS");
+    g->graphs_off = graphs_env && strcmp(graphs_env, "0") == 0;
     const eng_dims *d = &g->d;
     g->max_batch = max_batch;
     g->max_seqs = max_seqs;
@@ -449,7 +463,7 @@ kds_status eng__cuda_create(const eng_model *m, int max_batch, int max_seqs, eng
         (rc = kern_cuda_host_alloc((void **)&g->h_pos, (size_t)max_seqs * sizeof(int32_t), err)))
         goto fail;
     /* a generated model's weights were made by kernels: wait for them */
-    if ((rc = kern_cuda_sync(NULL, err))) goto fail;
+    if ((rc = kern_cuda_sync(g->stream, err))) goto fail;
     *out = g;
     return KDS_OK;
 fail:
@@ -484,6 +498,11 @@ void eng__cuda_free(eng_cuda *g) {
     free(g->mla_cap);
     for (int i = 0; i < g->n_allocs; i++) kern_cuda_free(g->allocs[i]);
     free(g->allocs);
+    if (g->graphs)
+        for (size_t i = 0; i < (size_t)g->max_seqs * ENG_CUDA_CTX_BUCKETS; i++)
+            kern_cuda_graph_free(g->graphs[i]);
+    free(g->graphs);
+    kern_cuda_stream_free(g->stream);
     kern_cuda_host_free(g->h_ids);
     if (g->layers)
         for (int l = 0; l < g->m->cfg.num_hidden_layers; l++) free(g->layers[l].w1);
@@ -520,15 +539,15 @@ kds_status eng__cuda_state_upload(eng_cuda *g, int slot, const eng_seq *s, kds_e
     for (int l = 0; l < d->n_kda && rc == KDS_OK; l++) {
         memcpy(st + (size_t)l * sn, s->kda_state + (size_t)l * sn, sn * sizeof(float));
         rc = kern_cuda_memcpy_h2d(g->state[l] + (size_t)slot * sn, st + (size_t)l * sn,
-                                  sn * sizeof(float), NULL, err);
+                                  sn * sizeof(float), g->stream, err);
         if (rc == KDS_OK && tn) {
             memcpy(tl + (size_t)l * tn, s->conv_tail + (size_t)l * tn, tn * sizeof(float));
             rc = kern_cuda_memcpy_h2d(g->tail[l] + (size_t)slot * tn, tl + (size_t)l * tn,
-                                      tn * sizeof(float), NULL, err);
+                                      tn * sizeof(float), g->stream, err);
         }
     }
     /* the staging buffer is reused by the next call: wait for the copies */
-    kds_status rs = kern_cuda_sync(NULL, err);
+    kds_status rs = kern_cuda_sync(g->stream, err);
     return rc != KDS_OK ? rc : rs;
 }
 
@@ -539,12 +558,12 @@ kds_status eng__cuda_state_download(eng_cuda *g, int slot, eng_seq *s, kds_err *
     const size_t sn = (size_t)d->HV * d->K * d->V, tn = (size_t)(d->W - 1) * d->conv_ch;
     for (int l = 0; l < d->n_kda && rc == KDS_OK; l++) {
         rc = kern_cuda_memcpy_d2h(g->h_stage + (size_t)l * sn, g->state[l] + (size_t)slot * sn,
-                                  sn * sizeof(float), NULL, err);
+                                  sn * sizeof(float), g->stream, err);
         if (rc == KDS_OK && tn)
             rc = kern_cuda_memcpy_d2h(g->h_stage + (size_t)d->n_kda * sn + (size_t)l * tn,
-                                      g->tail[l] + (size_t)slot * tn, tn * sizeof(float), NULL, err);
+                                      g->tail[l] + (size_t)slot * tn, tn * sizeof(float), g->stream, err);
     }
-    kds_status rs = kern_cuda_sync(NULL, err);
+    kds_status rs = kern_cuda_sync(g->stream, err);
     if (rc == KDS_OK) rc = rs;
     if (rc != KDS_OK) return rc;
     memcpy(s->kda_state, g->h_stage, (size_t)d->n_kda * sn * sizeof(float));
@@ -567,11 +586,11 @@ static kds_status mla_reserve(eng_cuda *g, int slot, int64_t rows, kds_err *err)
         if ((rc = kern_cuda_malloc(&p, (size_t)cap * row, err)) != KDS_OK) break;
         float *old = g->mla_cache[i][slot];
         if (old && g->mla_cap[slot])
-            rc = kern_cuda_memcpy_d2d(p, old, (size_t)g->mla_cap[slot] * row, NULL, err);
+            rc = kern_cuda_memcpy_d2d(p, old, (size_t)g->mla_cap[slot] * row, g->stream, err);
         /* the table entry: a synchronous copy of one pointer */
         if (rc == KDS_OK)
-            rc = kern_cuda_memcpy_h2d(g->mla_table[i] + slot, &p, sizeof p, NULL, err);
-        if (rc == KDS_OK) rc = kern_cuda_sync(NULL, err);
+            rc = kern_cuda_memcpy_h2d(g->mla_table[i] + slot, &p, sizeof p, g->stream, err);
+        if (rc == KDS_OK) rc = kern_cuda_sync(g->stream, err);
         if (rc != KDS_OK) {
             kern_cuda_free(p);
             break;
@@ -593,9 +612,9 @@ static kds_status mla_rows_copy(eng_cuda *g, int slot, eng_seq *s, int64_t r0, i
     const size_t row = (size_t)d->mla_row, n = (size_t)(s->pos - r0) * row * sizeof(float);
     for (int i = 0; i < d->n_mla && rc == KDS_OK; i++) {
         float *dev = g->mla_cache[i][slot] + (size_t)r0 * row, *host = s->mla_cache[i] + (size_t)r0 * row;
-        rc = up ? kern_cuda_memcpy_h2d(dev, host, n, NULL, err) : kern_cuda_memcpy_d2h(host, dev, n, NULL, err);
+        rc = up ? kern_cuda_memcpy_h2d(dev, host, n, g->stream, err) : kern_cuda_memcpy_d2h(host, dev, n, g->stream, err);
     }
-    if (rc == KDS_OK) rc = kern_cuda_sync(NULL, err);
+    if (rc == KDS_OK) rc = kern_cuda_sync(g->stream, err);
     return rc;
 }
 
@@ -691,15 +710,15 @@ static kds_status mm(eng_cuda *g, const dweight *w, const float *x, int ldx, int
     kern_cuda_matmul_args a = {.W = w->p, .w_dtype = w->dt, .rows = w->rows, .cols = w->cols,
                                .x = x, .ldx = ldx, .T = T, .y = y, .ldy = ldy, .accumulate = acc,
                                .gemm = g->gemm, .mode = KERN_CUDA_GEMM_EXACT};
-    return kern_cuda_matmul(&a, NULL, err);
+    return kern_cuda_matmul(&a, g->stream, err);
 }
 
-static kds_status norm_rows(const float *x, const float *w, int rows, int n, float eps, float *y,
-                            kds_err *err) {
+static kds_status norm_rows(eng_cuda *g, const float *x, const float *w, int rows, int n,
+                            float eps, float *y, kds_err *err) {
     kern_cuda_norm_args a = {.rows = rows, .n = n, .eps = eps, .x = x, .z = NULL,
                              .z_dtype = KERN_F32, .w = w, .w_dtype = KERN_F32, .y = y,
                              .y_dtype = KERN_F32};
-    return kern_cuda_rmsnorm(&a, NULL, err);
+    return kern_cuda_rmsnorm(&a, g->stream, err);
 }
 
 #define TRY(call)                                   \
@@ -720,7 +739,7 @@ static kds_status kda_layer(eng_cuda *g, const dlayer *L, int kl, int T, int mul
     /* kl: this layer's index among the KDA layers */
     float *tail0 = g->tail[kl] + (size_t)slot * taps * C;
     if (!multi && taps > 0)
-        TRY(kern_cuda_memcpy_d2d(g->ext, tail0, (size_t)taps * C * sizeof(float), NULL, err));
+        TRY(kern_cuda_memcpy_d2d(g->ext, tail0, (size_t)taps * C * sizeof(float), g->stream, err));
     TRY(mm(g, &L->q_proj, g->xn, hid, T, in, C, false, err));
     TRY(mm(g, &L->k_proj, g->xn, hid, T, in + d->kda_qk, C, false, err));
     TRY(mm(g, &L->v_proj, g->xn, hid, T, in + 2 * d->kda_qk, C, false, err));
@@ -732,10 +751,10 @@ static kds_status kda_layer(eng_cuda *g, const dlayer *L, int kl, int T, int mul
     kern_cuda_conv_args ca = {.T = T, .W = d->W, .n_qk = d->kda_qk, .n_v = d->kda_v,
                               .ext = g->ext, .w = L->conv_w, .tails = multi ? g->tail[kl] : NULL,
                               .slots = multi ? g->slots : NULL, .q = g->q, .k = g->k, .v = g->v};
-    TRY(kern_cuda_short_conv(&ca, NULL, err));
+    TRY(kern_cuda_short_conv(&ca, g->stream, err));
     if (!multi && taps > 0)
         TRY(kern_cuda_memcpy_d2d(tail0, g->ext + (size_t)T * C, (size_t)taps * C * sizeof(float),
-                                 NULL, err));
+                                 g->stream, err));
     const kern_kda_shape sh = {d->H, d->HV, d->K, d->V, 1.0f / sqrtf((float)d->K)};
     const float lb = cfg->has_gate_lower_bound ? cfg->gate_lower_bound : 0.0f;
     if (chunked && !multi) {
@@ -746,19 +765,19 @@ static kds_status kda_layer(eng_cuda *g, const dlayer *L, int kl, int T, int mul
                                          .state = g->state[kl] + (size_t)slot * d->HV * d->K * d->V,
                                          .o = g->o,
                                          .workspace = g->ws, .workspace_bytes = g->ws_bytes};
-        TRY(kern_cuda_kda_prefill(&pa, NULL, err));
+        TRY(kern_cuda_kda_prefill(&pa, g->stream, err));
     } else {
         kern_cuda_kda_decode_args da = {.shape = sh, .N = T, .in_dtype = KERN_F32, .q = g->q,
                                         .k = g->k, .v = g->v, .g_raw = g->g, .beta_raw = g->beta,
                                         .A_log = L->A_log, .dt_bias = L->dt_bias,
                                         .lower_bound = lb, .state_pool = g->state[kl],
                                         .pool_slots = g->max_seqs, .slots = g->slots, .o = g->o};
-        TRY(kern_cuda_kda_decode(&da, NULL, err));
+        TRY(kern_cuda_kda_decode(&da, g->stream, err));
     }
     kern_cuda_norm_args na = {.rows = T * d->HV, .n = d->V, .eps = cfg->rms_norm_eps, .x = g->o,
                               .z = g->gz, .z_dtype = KERN_F32, .w = L->o_norm,
                               .w_dtype = KERN_F32, .y = g->o, .y_dtype = KERN_F32};
-    TRY(kern_cuda_rmsnorm(&na, NULL, err));
+    TRY(kern_cuda_rmsnorm(&na, g->stream, err));
     return mm(g, &L->o_proj, g->o, d->kda_v, T, g->x, hid, true, err);
 }
 
@@ -778,14 +797,14 @@ static kds_status moe_ffn(eng_cuda *g, const dlayer *L, int T, kds_err *err) {
         .T = T, .logits = g->router, .apply_sigmoid = true, .bias = L->router_bias,
         .sel = g->sel, .w = g->selw, .exp_off = g->exp_off, .row_of = g->row_of,
         .tok_of = g->tok_of};
-    TRY(kern_cuda_moe_route(&ra, NULL, err));
+    TRY(kern_cuda_moe_route(&ra, g->stream, err));
     TRY(kern_cuda_moe_gather(g->xn, (size_t)hid * sizeof(float), g->tok_of, T * k, g->xg, NULL,
                              err));
     float *sh_a = g->fa_buf + (size_t)T * k * inner, *sh_b = g->fb_buf + (size_t)T * k * inner;
     if (sh_inner > 0) {
         TRY(mm(g, &L->sh_gate, g->xn, hid, T, sh_a, sh_inner, false, err));
         TRY(mm(g, &L->sh_up, g->xn, hid, T, sh_b, sh_inner, false, err));
-        TRY(kern_cuda_swiglu(sh_a, sh_b, (size_t)T * sh_inner, NULL, err));
+        TRY(kern_cuda_swiglu(sh_a, sh_b, (size_t)T * sh_inner, g->stream, err));
         TRY(mm(g, &L->sh_down, sh_a, sh_inner, T, g->shared_out, hid, false, err));
     }
     /* The routed experts, grouped by kern_cuda_moe_experts reading the
@@ -799,16 +818,16 @@ static kds_status moe_ffn(eng_cuda *g, const dlayer *L, int T, kds_err *err) {
                                      .w_stride = L->expert_stride, .exp_off = g->exp_off,
                                      .n_rows = T * k, .x = g->xg, .ldx = hid, .y = g->fa_buf,
                                      .ldy = inner, .mode = KERN_CUDA_GEMM_EXACT};
-    TRY(kern_cuda_moe_experts(&ea, NULL, err));
+    TRY(kern_cuda_moe_experts(&ea, g->stream, err));
     kern_cuda_moe_experts_args da = {.E = E, .rows = hid, .cols = inner, .w_dtype = L->w2[0].dt,
                                      .W_base = (const char *)L->experts + b1 + b3,
                                      .w_stride = L->expert_stride, .exp_off = g->exp_off,
                                      .n_rows = T * k, .x = g->fa_buf, .ldx = inner, .y = g->yg,
                                      .ldy = hid, .mode = KERN_CUDA_GEMM_EXACT};
-    TRY(kern_cuda_moe_experts(&da, NULL, err));
+    TRY(kern_cuda_moe_experts(&da, g->stream, err));
     TRY(kern_cuda_moe_combine(g->yg, g->row_of, g->selw, T, k, hid,
-                              sh_inner > 0 ? g->shared_out : NULL, g->mix, NULL, err));
-    return kern_cuda_add(g->x, g->mix, (size_t)T * hid, NULL, err);
+                              sh_inner > 0 ? g->shared_out : NULL, g->mix, g->stream, err));
+    return kern_cuda_add(g->x, g->mix, (size_t)T * hid, g->stream, err);
 }
 
 /* One MLA mixer (spec §5, absorbed, no RoPE): rows of xn -> x += mixer(xn).
@@ -822,7 +841,7 @@ static kds_status mla_layer(eng_cuda *g, const dlayer *L, int ml, int T, int mul
     const int hid = d->hidden, qw = d->mla_heads * (d->dn + d->dr);
     if (cfg->q_lora_rank > 0) {
         TRY(mm(g, &L->q_a, g->xn, hid, T, g->fa, cfg->q_lora_rank, false, err));
-        TRY(norm_rows(g->fa, L->q_a_norm, T, cfg->q_lora_rank, cfg->rms_norm_eps, g->fa, err));
+        TRY(norm_rows(g, g->fa, L->q_a_norm, T, cfg->q_lora_rank, cfg->rms_norm_eps, g->fa, err));
         TRY(mm(g, &L->q_b, g->fa, cfg->q_lora_rank, T, g->mq, qw, false, err));
     } else {
         TRY(mm(g, &L->mq_proj, g->xn, hid, T, g->mq, qw, false, err));
@@ -840,12 +859,12 @@ static kds_status mla_layer(eng_cuda *g, const dlayer *L, int ml, int T, int mul
     }
     kern_cuda_mla_append_args aa = {.map = map, .dc = d->dc, .dr = d->dr, .eps = cfg->rms_norm_eps,
                                     .kva = g->kva, .norm_w = L->kv_a_norm, .norm_w_dtype = KERN_F32};
-    TRY(kern_cuda_mla_cache_append(&aa, NULL, err));
+    TRY(kern_cuda_mla_cache_append(&aa, g->stream, err));
     kern_cuda_mla_args ma = {.shape = {d->mla_heads, d->dc, d->dr, d->dn, d->dv}, .map = map,
                              .q = g->mq, .kv_b = L->kv_b.p, .kv_b_dtype = L->kv_b.dt, .o = g->o,
                              .max_ctx = max_ctx, .n_split = 0, .workspace = g->mla_ws,
                              .workspace_bytes = g->mla_ws_bytes};
-    TRY(kern_cuda_mla_attention(&ma, NULL, err));
+    TRY(kern_cuda_mla_attention(&ma, g->stream, err));
     return mm(g, &L->o_proj, g->o, d->mla_heads * d->dv, T, g->x, hid, true, err);
 }
 
@@ -854,45 +873,97 @@ static kds_status dense_ffn(eng_cuda *g, const dlayer *L, int T, kds_err *err) {
     const int hid = g->d.hidden, inner = L->gate.rows;
     TRY(mm(g, &L->gate, g->xn, hid, T, g->fa_buf, inner, false, err));
     TRY(mm(g, &L->up, g->xn, hid, T, g->fb_buf, inner, false, err));
-    TRY(kern_cuda_swiglu(g->fa_buf, g->fb_buf, (size_t)T * inner, NULL, err));
+    TRY(kern_cuda_swiglu(g->fa_buf, g->fb_buf, (size_t)T * inner, g->stream, err));
     return mm(g, &L->down, g->fa_buf, inner, T, g->x, hid, true, err);
 }
 
 /* The device part of a pass over T rows whose states sit in slots 0.. */
-static kds_status run_layers(eng_cuda *g, const int32_t *ids, int T, int multi, int chunked,
-                             int slot, int64_t pos0, int max_ctx, float *dst, int first,
-                             kds_err *err) {
+/* The queued part of a pass (no sync, so it can be captured into a graph):
+ * ids, slots and positions from their pinned buffers (h_ids, h_slots,
+ * h_pos: read when the pass runs), the layers, and the logits of rows
+ * [first, T) into `dst` (NULL: none). */
+static kds_status run_layers(eng_cuda *g, int T, int multi, int chunked, int slot, int64_t pos0,
+                             int max_ctx, float *dst, int first, kds_err *err) {
     kds_status rc;
     const eng_model *m = g->m;
     const eng_config *cfg = &m->cfg;
     const int hid = g->d.hidden;
     const float eps = cfg->rms_norm_eps;
-    /* the ids were checked by the caller (eng_prefill / eng_decode*) */
-    memcpy(g->h_ids, ids, (size_t)T * sizeof(int32_t));
-    TRY(kern_cuda_memcpy_h2d(g->ids, g->h_ids, (size_t)T * sizeof(int32_t), NULL, err));
-    TRY(kern_cuda_embed(g->embed, m->embed_tokens.dt, g->d.vocab, hid, g->ids, T, g->x, NULL, err));
+    const int n_rows_seqs = multi ? T : 1;
+    TRY(kern_cuda_memcpy_h2d(g->ids, g->h_ids, (size_t)T * sizeof(int32_t), g->stream, err));
+    /* the decode kernel reads slots on the device, also for one sequence */
+    TRY(kern_cuda_memcpy_h2d(g->slots, g->h_slots, (size_t)n_rows_seqs * sizeof(int32_t), g->stream,
+                             err));
+    if (g->d.n_mla)
+        TRY(kern_cuda_memcpy_h2d(g->pos, g->h_pos, (size_t)n_rows_seqs * sizeof(int32_t), g->stream,
+                                 err));
+    TRY(kern_cuda_embed(g->embed, m->embed_tokens.dt, g->d.vocab, hid, g->ids, T, g->x, g->stream, err));
     for (int l = 0; l < cfg->num_hidden_layers; l++) {
         const dlayer *L = &g->layers[l];
-        TRY(norm_rows(g->x, L->in_norm, T, hid, eps, g->xn, err));
+        TRY(norm_rows(g, g->x, L->in_norm, T, hid, eps, g->xn, err));
         if (L->is_mla)
             TRY(mla_layer(g, L, g->d.layer_slot[l], T, multi, slot, pos0, max_ctx, err));
         else
             TRY(kda_layer(g, L, g->d.layer_slot[l], T, multi, chunked, slot, err));
-        TRY(norm_rows(g->x, L->post_norm, T, hid, eps, g->xn, err));
+        TRY(norm_rows(g, g->x, L->post_norm, T, hid, eps, g->xn, err));
         TRY(L->is_moe ? moe_ffn(g, L, T, err) : dense_ffn(g, L, T, err));
     }
-    if (!dst) return kern_cuda_sync(NULL, err);
+    if (!dst) return KDS_OK;
     const int n = T - first;
-    TRY(norm_rows(g->x + (size_t)first * hid, g->final_norm, n, hid, eps, g->xn, err));
+    TRY(norm_rows(g, g->x + (size_t)first * hid, g->final_norm, n, hid, eps, g->xn, err));
     TRY(mm(g, &g->lm_head, g->xn, hid, n, g->logits, g->d.vocab, false, err));
-    TRY(kern_cuda_memcpy_d2h(dst, g->logits, (size_t)n * g->d.vocab * sizeof(float), NULL, err));
-    return kern_cuda_sync(NULL, err);
+    return kern_cuda_memcpy_d2h(dst, g->logits, (size_t)n * g->d.vocab * sizeof(float), g->stream,
+                                err);
+}
+
+/* ceil(log2(n)) for n >= 1: the context bucket of a decode graph */
+static int ctx_bucket(int n) {
+    int b = 0;
+    while (b < 31 && (1 << b) < n) b++;
+    return b;
+}
+
+/*
+ * A decode pass of T sequences (one token each) through a CUDA graph: one
+ * per (T, context bucket), captured the first time and replayed after
+ * (each replay reads this step's ids, slots and positions from the pinned
+ * buffers). The MLA split choice depends on the longest context, so MLA
+ * models get a graph per power of two of it (captured for the bucket's
+ * top; shorter rows are still attended exactly). If capture is not
+ * available or fails, graphs are switched off for the context and passes
+ * run with plain launches.
+ */
+static kds_status decode_pass(eng_cuda *g, int T, int max_ctx, kds_err *err) {
+    kds_status rc;
+    const int b = g->d.n_mla ? ctx_bucket(max_ctx) : 0;
+    void **slot = &g->graphs[(size_t)(T - 1) * ENG_CUDA_CTX_BUCKETS + b];
+    if (!g->graphs_off && !*slot) {
+        kds_err cap_err;
+        kds_err_clear(&cap_err);
+        if (kern_cuda_graph_begin(g->stream, &cap_err) == KDS_OK) {
+            rc = run_layers(g, T, 1, 0, 0, 0, g->d.n_mla ? 1 << b : 0, g->h_logits, 0, &cap_err);
+            void *exec = NULL;
+            kds_status end = kern_cuda_graph_end(g->stream, &exec, &cap_err);
+            if (rc == KDS_OK && end == KDS_OK)
+                *slot = exec;
+            else
+                kern_cuda_graph_free(exec);
+        }
+        if (!*slot) g->graphs_off = 1;
+    }
+    if (*slot)
+        TRY(kern_cuda_graph_launch(*slot, g->stream, err));
+    else
+        TRY(run_layers(g, T, 1, 0, 0, 0, max_ctx, g->h_logits, 0, err));
+    return kern_cuda_sync(g->stream, err);
 }
 
 kds_status eng__cuda_forward(eng_cuda *g, eng_seq *const *seqs, int n_seqs, const int32_t *ids,
                              int T, int chunked, float *logits, int want_last, kds_err *err) {
     kds_status rc = KDS_OK;
-    const int multi = n_seqs > 1;
+    /* one token per sequence (every decode, also of one sequence) takes the
+     * batched path: slots and positions on the device, graphs */
+    const int multi = n_seqs > 1 || !chunked;
     const int vocab = g->d.vocab;
     if (T < 1 || T > (multi ? g->max_seqs : g->max_batch))
         return kds_err_set(err, KDS_INVALID_ARG, "CUDA forward of %d rows (limit %d)", T,
@@ -915,19 +986,21 @@ kds_status eng__cuda_forward(eng_cuda *g, eng_seq *const *seqs, int n_seqs, cons
         if (end > max_ctx) max_ctx = (int)end;
         rc = mla_reserve(g, g->h_slots[i], end, err);
     }
-    if (rc == KDS_OK)
-        rc = kern_cuda_memcpy_h2d(g->slots, g->h_slots, (size_t)n_seqs * sizeof(int32_t), NULL, err);
-    if (rc == KDS_OK && g->d.n_mla)
-        rc = kern_cuda_memcpy_h2d(g->pos, g->h_pos, (size_t)n_seqs * sizeof(int32_t), NULL, err);
     if (rc != KDS_OK) return rc;
+    /* the ids were checked by the caller (eng_prefill / eng_decode*) */
+    memcpy(g->h_ids, ids, (size_t)T * sizeof(int32_t));
     /* Logits land in a host buffer first so a failure leaves the
      * sequences untouched: the caller's logits_all (one sequence), else
      * h_logits (the last row of one sequence, or one row per sequence). */
     const int need = logits || want_last || multi;
     const int first = logits || multi ? 0 : T - 1;
     float *dst = !need ? NULL : logits ? logits : g->h_logits;
-    rc = run_layers(g, ids, T, multi, chunked, g->h_slots[0], seqs[0]->pos, max_ctx, dst, first,
-                    err);
+    if (multi) {
+        rc = decode_pass(g, T, max_ctx, err);
+    } else {
+        rc = run_layers(g, T, 0, chunked, g->h_slots[0], seqs[0]->pos, max_ctx, dst, first, err);
+        if (rc == KDS_OK) rc = kern_cuda_sync(g->stream, err);
+    }
     if (rc != KDS_OK) return rc;
     /* the device copies are now ahead of the host buffers */
     for (int i = 0; i < n_seqs; i++) seqs[i]->gpu_newer = 1;

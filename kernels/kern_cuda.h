@@ -81,6 +81,27 @@ kds_status kern_cuda_memcpy_d2d(void *dst_dev, const void *src_dev, size_t bytes
                                 kds_err *err);
 kds_status kern_cuda_memset(void *dst_dev, int byte, size_t bytes, void *stream, kds_err *err);
 
+/* A stream of our own (blocking with respect to the legacy default stream),
+ * for work that is captured into graphs. Errors: KDS_CUDA. */
+kds_status kern_cuda_stream_create(void **stream, kds_err *err);
+void kern_cuda_stream_free(void *stream); /* NULL: no-op */
+
+/*
+ * CUDA graphs: kern_cuda_graph_begin starts capturing what is queued on
+ * `stream` (relaxed mode: nothing runs; kernels, copies from pinned memory
+ * and cuBLAS calls are recorded); kern_cuda_graph_end stops and
+ * instantiates it into *exec (on any failure the capture is ended and
+ * discarded, *exec = NULL); kern_cuda_graph_launch replays it on `stream`.
+ * A replay reads device buffers and pinned host buffers at replay time, so
+ * a graph is reused by changing their contents, never the kernel
+ * arguments. KDS_UNSUPPORTED where capture is not available (the CPU
+ * emulation): callers launch directly. Errors: KDS_CUDA.
+ */
+kds_status kern_cuda_graph_begin(void *stream, kds_err *err);
+kds_status kern_cuda_graph_end(void *stream, void **exec, kds_err *err);
+kds_status kern_cuda_graph_launch(void *exec, void *stream, kds_err *err);
+void kern_cuda_graph_free(void *exec); /* NULL: no-op */
+
 /* Wait until all work queued on `stream` (NULL: the whole device) finished.
  * Returns the first pending asynchronous error as KDS_CUDA. */
 kds_status kern_cuda_sync(void *stream, kds_err *err);

@@ -112,3 +112,49 @@ extern "C" kds_status kern_cuda_sync(void *stream, kds_err *err) {
     cudaError_t e = stream ? cudaStreamSynchronize(kern_cuda__stream(stream)) : cudaDeviceSynchronize();
     return kern_cuda__status(e, err, "cuda sync");
 }
+
+extern "C" kds_status kern_cuda_stream_create(void **stream, kds_err *err) {
+    cudaStream_t s = nullptr;
+    cudaError_t e = cudaStreamCreate(&s);
+    *stream = e == cudaSuccess ? (void *)s : nullptr;
+    return kern_cuda__status(e, err, "cuda stream create");
+}
+
+extern "C" void kern_cuda_stream_free(void *stream) {
+    if (stream) cudaStreamDestroy(static_cast<cudaStream_t>(stream));
+}
+
+extern "C" kds_status kern_cuda_graph_begin(void *stream, kds_err *err) {
+    cudaError_t e = cudaStreamBeginCapture(kern_cuda__stream(stream), cudaStreamCaptureModeRelaxed);
+    if (e == cudaErrorNotSupported) {
+        (void)cudaGetLastError();
+        return kern_cuda__err(err, KDS_UNSUPPORTED, "cuda graphs: capture not supported here");
+    }
+    return kern_cuda__status(e, err, "cuda graph capture begin");
+}
+
+extern "C" kds_status kern_cuda_graph_end(void *stream, void **exec, kds_err *err) {
+    *exec = nullptr;
+    cudaGraph_t graph = nullptr;
+    cudaError_t e = cudaStreamEndCapture(kern_cuda__stream(stream), &graph);
+    if (e != cudaSuccess) {
+        if (graph) cudaGraphDestroy(graph);
+        return kern_cuda__status(e, err, "cuda graph capture end");
+    }
+    cudaGraphExec_t ge = nullptr;
+    e = cudaGraphInstantiate(&ge, graph, 0);
+    cudaGraphDestroy(graph);
+    if (e != cudaSuccess) return kern_cuda__status(e, err, "cuda graph instantiate");
+    *exec = (void *)ge;
+    return KDS_OK;
+}
+
+extern "C" kds_status kern_cuda_graph_launch(void *exec, void *stream, kds_err *err) {
+    return kern_cuda__status(cudaGraphLaunch(static_cast<cudaGraphExec_t>(exec),
+                                             kern_cuda__stream(stream)),
+                             err, "cuda graph launch");
+}
+
+extern "C" void kern_cuda_graph_free(void *exec) {
+    if (exec) cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(exec));
+}

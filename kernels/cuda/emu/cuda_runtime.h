@@ -332,11 +332,32 @@ enum {
     cudaSuccess = 0,
     cudaErrorInvalidValue = 1,
     cudaErrorMemoryAllocation = 2,
+    cudaErrorNotSupported = 801,
     cudaErrorNoDevice = 100,
     cudaErrorNoKernelImageForDevice = 209,
 };
 typedef struct emu_stream *cudaStream_t;
 typedef struct emu_event *cudaEvent_t;
+/* CUDA graphs: capture is refused here (kernels run at launch), so code
+ * that captures must fall back to plain launches under the emulation. */
+typedef struct emu_graph *cudaGraph_t;
+typedef struct emu_graph_exec *cudaGraphExec_t;
+enum cudaStreamCaptureMode { cudaStreamCaptureModeGlobal, cudaStreamCaptureModeThreadLocal,
+                             cudaStreamCaptureModeRelaxed };
+static inline cudaError_t cudaStreamBeginCapture(cudaStream_t, cudaStreamCaptureMode) {
+    return cudaErrorNotSupported;
+}
+static inline cudaError_t cudaStreamEndCapture(cudaStream_t, cudaGraph_t *g) {
+    *g = nullptr;
+    return cudaErrorNotSupported;
+}
+static inline cudaError_t cudaGraphInstantiate(cudaGraphExec_t *e, cudaGraph_t, unsigned long long) {
+    *e = nullptr;
+    return cudaErrorNotSupported;
+}
+static inline cudaError_t cudaGraphLaunch(cudaGraphExec_t, cudaStream_t) { return cudaErrorNotSupported; }
+static inline cudaError_t cudaGraphDestroy(cudaGraph_t) { return cudaSuccess; }
+static inline cudaError_t cudaGraphExecDestroy(cudaGraphExec_t) { return cudaSuccess; }
 enum cudaMemcpyKind {
     cudaMemcpyHostToDevice,
     cudaMemcpyDeviceToHost,
