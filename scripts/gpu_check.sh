@@ -250,6 +250,8 @@ run_suite() { # name, filter, timeout, log
 : >"$out/tests.log"
 : >"$out/golden_cpu.log"
 run_suite "CUDA kernels vs CPU references and golden files" '@(cuda_*/*|genmodel_mem/*)' 180 "$out/tests.log"
+# the whole-model tests again with plain launches instead of CUDA graphs
+KDS_CUDA_GRAPHS=0 run_suite "whole model, graphs off (KDS_CUDA_GRAPHS=0)" 'cuda_model/*' 60 "$out/tests.log"
 run_suite "CPU golden KDA" 'kda_golden/*' 45 "$out/golden_cpu.log"
 
 # ---- Kimi-Linear-48B generated on the GPU (no 98 GB file): whole-model figures ----------
