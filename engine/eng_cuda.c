@@ -462,8 +462,9 @@ kds_status eng__cuda_create(const eng_model *m, int max_batch, int max_seqs, eng
         (rc = kern_cuda_host_alloc((void **)&g->h_ids, (size_t)g->B * sizeof(int32_t), err)) ||
         (rc = kern_cuda_host_alloc((void **)&g->h_pos, (size_t)max_seqs * sizeof(int32_t), err)))
         goto fail;
-    /* a generated model's weights were made by kernels: wait for them */
-    if ((rc = kern_cuda_sync(g->stream, err))) goto fail;
+    /* everything the set-up queued (generated weights, uploads, any library
+     * initialisation on the default stream): a device-wide sync */
+    if ((rc = kern_cuda_sync(NULL, err))) goto fail;
     *out = g;
     return KDS_OK;
 fail:

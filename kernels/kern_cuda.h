@@ -81,7 +81,7 @@ kds_status kern_cuda_memcpy_d2d(void *dst_dev, const void *src_dev, size_t bytes
                                 kds_err *err);
 kds_status kern_cuda_memset(void *dst_dev, int byte, size_t bytes, void *stream, kds_err *err);
 
-/* A stream of our own (blocking with respect to the legacy default stream),
+/* A stream of our own (non-blocking: not ordered with the legacy default stream),
  * for work that is captured into graphs. Errors: KDS_CUDA. */
 kds_status kern_cuda_stream_create(void **stream, kds_err *err);
 void kern_cuda_stream_free(void *stream); /* NULL: no-op */

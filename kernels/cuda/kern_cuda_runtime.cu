@@ -114,8 +114,10 @@ extern "C" kds_status kern_cuda_sync(void *stream, kds_err *err) {
 }
 
 extern "C" kds_status kern_cuda_stream_create(void **stream, kds_err *err) {
+    /* non-blocking: no implicit ordering with the legacy default stream, which
+     * a graph capture on this stream must never depend on */
     cudaStream_t s = nullptr;
-    cudaError_t e = cudaStreamCreate(&s);
+    cudaError_t e = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
     *stream = e == cudaSuccess ? (void *)s : nullptr;
     return kern_cuda__status(e, err, "cuda stream create");
 }

@@ -344,6 +344,9 @@ typedef struct emu_graph *cudaGraph_t;
 typedef struct emu_graph_exec *cudaGraphExec_t;
 enum cudaStreamCaptureMode { cudaStreamCaptureModeGlobal, cudaStreamCaptureModeThreadLocal,
                              cudaStreamCaptureModeRelaxed };
+static inline cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned) {
+    return cudaStreamCreate(s);
+}
 static inline cudaError_t cudaStreamBeginCapture(cudaStream_t, cudaStreamCaptureMode) {
     return cudaErrorNotSupported;
 }
