@@ -46,8 +46,8 @@ static void serve_usage(FILE *f) {
             "  --idle-timeout S       ping a silent connection after S s, drop it when it\n"
             "                         does not answer (default 300)\n"
             "  --threads N            compute threads (default: all CPUs)\n"
-            "  --device cpu|cuda      where the model runs (default cpu; cuda: pure-KDA\n"
-            "                         models, see kernels/cuda/README.md)\n"
+            "  --device cpu|cuda      where the model runs (default cpu; cuda: the current\n"
+            "                         GPU, see kernels/cuda/README.md)\n"
             "  --quiet                no log lines\n");
 }
 

@@ -157,14 +157,15 @@ typedef struct eng_ctx_params {
                            * logits scratch and the row buffers); 0 = 64 */
     /* NULL or "cpu" (default), or "cuda": eng_prefill / eng_decode /
      * eng_decode_batch run the forward pass on the current CUDA device (the
-     * weights are uploaded once at eng_ctx_create). Pure-KDA models only
-     * for now. Each call copies the sequences' KDA states and conv tails to
-     * the device and back (pinned staging), so eng_seq always holds the
-     * current state and snapshots work unchanged; that costs two state
-     * copies per call. Sampling stays on the host. eng_ctx_create fails
-     * with KDS_UNSUPPORTED and a message when CUDA is not compiled in, no
-     * usable device is present, or the model has MLA layers; with
-     * KDS_INVALID_ARG for another name. */
+     * weights are uploaded once at eng_ctx_create; KDA and hybrid models).
+     * Sequence states stay on the device between calls (eng_ctx_attach
+     * below says how they come back for snapshots). Sampling stays on the
+     * host. eng_ctx_create fails with KDS_UNSUPPORTED and a message when
+     * CUDA is not compiled in, no usable device is present, or the model
+     * has something the GPU path lacks (f16 weights, an MLA kv_lora_rank
+     * outside 64/128/256/512); with KDS_INVALID_ARG for another name.
+     * Environment: KDS_CUDA_GRAPHS=0 runs decode passes without CUDA
+     * graphs. */
     const char *device;
 } eng_ctx_params;
 

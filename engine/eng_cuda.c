@@ -1,7 +1,7 @@
 /*
  * eng_cuda.c - the whole-model forward pass on a CUDA GPU (eng_cuda.h):
  * the layer sequence of forward() in eng_forward.c, op for op, on the
- * kernels of kernels/kern_cuda.h. Pure-KDA models only for now.
+ * kernels of kernels/kern_cuda.h, for KDA and hybrid (MLA) models.
  *
  * Per layer (x, xn, mix: [rows, hidden] fp32 on the device):
  *   xn = rmsnorm(x)                                   kern_cuda_rmsnorm

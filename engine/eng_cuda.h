@@ -5,9 +5,8 @@
  * An eng_cuda holds, on the current CUDA device: a copy of the model's
  * weights as stored (bf16 / f32 matrices, f32 small vectors), activation
  * buffers for max(max_batch, max_seqs) rows, and max_seqs slots of
- * per-sequence state (every KDA layer's [HV, K, V] state and conv tail).
- * Pure-KDA models only (KDA + dense / MoE FFN); a model with MLA layers is
- * refused with KDS_UNSUPPORTED.
+ * per-sequence state (every KDA layer's [HV, K, V] state and conv tail,
+ * every MLA layer's latent cache). KDA and hybrid models, dense or MoE.
  *
  * State residency: a sequence that runs on the GPU keeps its state in a
  * device slot between calls (eng_seq.gpu / gpu_slot). Its host buffers are
