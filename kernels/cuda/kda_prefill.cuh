@@ -328,6 +328,418 @@ __global__ void __launch_bounds__(kIntraThreads) prefill_intra_kernel(const pref
     }
 }
 
+/* ---- intra-chunk kernel on tensor cores ------------------------------------- */
+
+/*
+ * prefill_intra_tc_kernel<In, K>: the same workspace as prefill_intra_kernel
+ * (tensor_cores = true), with the big products on tensor cores (WMMA
+ * 16x16x16, bf16 hi + lo operands, hi*hi + hi*lo + lo*hi, fp32 accumulators:
+ * see prefill_state_tc_kernel) and ~110 KiB of shared memory at K = V = 128
+ * (two CTAs per SM on H100/H200). K a multiple of 16, V any multiple of 4 up
+ * to 128 (padded to 16 columns in shared memory).
+ *
+ * The chunk's rows fall in NB = 4 blocks of S = 16 rows; B_b = Gamma just
+ * before block b (B_0 = 0, B_4 = Gamma_last) comes first, from per-block sums
+ * of the log-decay (double), so that every block can be worked on alone:
+ *   delta_r = Gamma_r - B_b   (running sum inside the block, double)
+ * and e^{Gamma_r - Gamma_j} for j in an earlier block m < b factors as
+ *   e^{delta_r} * e^{B_b - Gamma_j},   both exponents <= 0,
+ * i.e. the off-diagonal block (b, m) of A_qk / A_kk is the product of
+ * Qa_b = q e^{delta} (Kq_b = k e^{delta}) with R_bm = k_j e^{B_b - Gamma_j}^T,
+ * R_bm formed while block m is walked (every exponent a difference of
+ * doubles, rounded once). Diagonal blocks: every factor formed directly from
+ * the deltas (CUDA cores, as the fp32 kernel).
+ *
+ * Per block b (sequential; one barrier after the walk, one after the
+ * products):
+ *   walk (thread per key channel and part of the rows): delta, Qt, Kb and
+ *     beta K~ (to the workspace; beta K~ in W's place as scratch), Qa_b, Kq_b
+ *     and the right operands R_{b'b}, b' > b (bf16 hi + lo);
+ *   diagonal block (warp per row) and off-diagonal blocks (b, m < b) on
+ *     tensor cores (warp m): A_qk to the workspace, beta A_kk to shared.
+ * Then the solve, (I + A_kk)^-1 as a whole (fp32): the 16 x 16 diagonal
+ * blocks by forward substitution, a thread per column; the blocks below by
+ * levels, T_ij = -T_ii sum_{j <= l < i} A_il T_lj; then W = T (beta K~) and
+ * U = T (beta V) on tensor cores, 16 x 16 output tiles over the 8 warps.
+ */
+struct intra_tc_smem {
+    size_t beta, rn, anc, a;                       /* live throughout */
+    size_t part, stg_a, kb, delta, qah, qal, kqh, kql, slot; /* the blocks */
+    size_t t, z, th, tl, rh, rl, stg;              /* the solve (aliases the above) */
+    size_t total;
+    int ldk, lda, ldt, ldr; /* bf16 [*, K], fp32 [*, C], bf16 [*, C], bf16 [*, max(K, V16)] */
+};
+constexpr int kIntraTcSlots = 5; /* right operands R_{b'm} alive at once (see slot_of) */
+__host__ __device__ inline intra_tc_smem intra_tc_smem_layout(int K, int V) {
+    const size_t C = kChunk, S = kSub, V16 = ((size_t)V + 15) & ~(size_t)15;
+    intra_tc_smem s;
+    s.ldk = K + 8;
+    s.lda = kChunk + 4;
+    s.ldt = kChunk + 8;
+    s.ldr = (int)(((size_t)K > V16 ? (size_t)K : V16) + 8);
+    size_t off = 0;
+#define KDS_TC_ALLOC(field, bytes)                                                             \
+    s.field = off;                                                                             \
+    off = (off + (size_t)(bytes) + 127) & ~(size_t)127
+    KDS_TC_ALLOC(beta, C * 4);
+    KDS_TC_ALLOC(rn, 2 * C * 4);
+    KDS_TC_ALLOC(anc, 5 * (size_t)K * 8);
+    KDS_TC_ALLOC(a, C * s.lda * 4);
+    const size_t base = off;
+    /* the walk's partial sums are written while the previous block's A_qk
+     * tiles may still be staged: separate arrays */
+    KDS_TC_ALLOC(part, (size_t)kIntraThreads * 8);
+    KDS_TC_ALLOC(stg_a, 3 * 256 * 4);
+    KDS_TC_ALLOC(kb, S * (size_t)K * 4);
+    KDS_TC_ALLOC(delta, S * (size_t)K * 8);
+    KDS_TC_ALLOC(qah, S * s.ldk * 2);
+    KDS_TC_ALLOC(qal, S * s.ldk * 2);
+    KDS_TC_ALLOC(kqh, S * s.ldk * 2);
+    KDS_TC_ALLOC(kql, S * s.ldk * 2);
+    KDS_TC_ALLOC(slot, kIntraTcSlots * 2 * S * s.ldk * 2);
+    const size_t end_blocks = off;
+    off = base;
+    KDS_TC_ALLOC(t, C * s.lda * 4);
+    KDS_TC_ALLOC(z, 3 * 256 * 4);
+    KDS_TC_ALLOC(th, C * s.ldt * 2);
+    KDS_TC_ALLOC(tl, C * s.ldt * 2);
+    KDS_TC_ALLOC(rh, C * s.ldr * 2);
+    KDS_TC_ALLOC(rl, C * s.ldr * 2);
+    KDS_TC_ALLOC(stg, (kIntraThreads / 32) * 256 * 4);
+#undef KDS_TC_ALLOC
+    s.total = off > end_blocks ? off : end_blocks;
+    return s;
+}
+
+/* Slot of the right operand R_{b m} (b > m): (1,0) 0, (2,0) 1, (3,0) 2,
+ * (2,1) 3, (3,1) 4, (3,2) 0 (formed in step 2, after (1,0) was used). */
+__device__ __forceinline__ int intra_tc_slot(int b, int m) {
+    return m == 0 ? b - 1 : m == 1 ? b + 1 : 0;
+}
+
+/* Log-decay of row r (chunk-local), channel d, clamped; 0 past the sequence. */
+template <typename In>
+__device__ __forceinline__ float prefill_g(const prefill_params &p, int t0, int L, int hv, int r, int d,
+                                           float A_log) {
+    if (r >= L) return 0.0f;
+    const size_t gi = ((size_t)(t0 + r) * p.HV + hv) * p.K + d;
+    float gv;
+    if (p.raw) {
+        float x = In::ld(static_cast<const typename In::T *>(p.g), gi);
+        if (p.dt_bias) x += p.dt_bias[(size_t)hv * p.K + d];
+        gv = gate(x, A_log, p.lower_bound);
+    } else {
+        gv = static_cast<const float *>(p.g)[gi];
+    }
+    return gv < kGFloor ? kGFloor : gv;
+}
+
+/* x = hi + lo, both bf16 (also used by the state pass below) */
+__device__ __forceinline__ void split_bf16(float x, __nv_bfloat16 *hi, __nv_bfloat16 *lo) {
+    const __nv_bfloat16 h = __float2bfloat16_rn(x);
+    *hi = h;
+    *lo = __float2bfloat16_rn(x - __bfloat162float(h));
+}
+
+/*
+ * grid (n_chunks, HV), kIntraThreads threads, intra_tc_smem_layout(K, V)
+ * .total bytes of dynamic shared memory.
+ */
+template <typename In, int K>
+__global__ void __launch_bounds__(kIntraThreads, 2) prefill_intra_tc_kernel(const prefill_params p) {
+    namespace wm = nvcuda::wmma;
+    typedef __nv_bfloat16 bf;
+    typedef wm::fragment<wm::matrix_a, 16, 16, 16, bf, wm::row_major> frag_a;
+    typedef wm::fragment<wm::matrix_b, 16, 16, 16, bf, wm::row_major> frag_b;
+    typedef wm::fragment<wm::matrix_b, 16, 16, 16, bf, wm::col_major> frag_bt;
+    typedef wm::fragment<wm::accumulator, 16, 16, 16, float> frag_c;
+    typedef typename In::T T;
+    KDS_DYN_SMEM(smem);
+    constexpr int C = kChunk, S = kSub, NB = C / S, NT = kIntraThreads, NW = NT / 32;
+    constexpr int NP = NT / K; /* walk: threads per key channel */
+    constexpr int RP = S / NP; /* walk: rows of a block per thread */
+    constexpr int KU = (K + 31) / 32;
+    static_assert(K % 16 == 0 && K <= kPrefillMaxK && NP * K == NT && NP * RP == S, "intra tc K");
+    static_assert(NB == 4 && NW == 8 && S == 16, "intra tc geometry (diagonal rows w, 15 - w)");
+    const int V = p.V, H = p.H, HV = p.HV;
+    const intra_tc_smem lay = intra_tc_smem_layout(K, V);
+    const int ldk = lay.ldk, lda = lay.lda, ldt = lay.ldt, ldr = lay.ldr;
+    float *sBeta = reinterpret_cast<float *>(smem + lay.beta);
+    float *sRn = reinterpret_cast<float *>(smem + lay.rn); /* [2][C]: q, k row scales */
+    double *sAnc = reinterpret_cast<double *>(smem + lay.anc); /* [5][K]: B_0 .. B_4 */
+    float *sA = reinterpret_cast<float *>(smem + lay.a);  /* [C][lda]: beta A_kk, strictly lower */
+    double *sPart = reinterpret_cast<double *>(smem + lay.part);
+    float *sStgA = reinterpret_cast<float *>(smem + lay.stg_a);
+    float *sKb = reinterpret_cast<float *>(smem + lay.kb);     /* [S][K]: k of the block */
+    double *sDelta = reinterpret_cast<double *>(smem + lay.delta); /* [S][K] */
+    bf *sQah = reinterpret_cast<bf *>(smem + lay.qah), *sQal = reinterpret_cast<bf *>(smem + lay.qal);
+    bf *sKqh = reinterpret_cast<bf *>(smem + lay.kqh), *sKql = reinterpret_cast<bf *>(smem + lay.kql);
+    bf *sSlot = reinterpret_cast<bf *>(smem + lay.slot);
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int ci = blockIdx.x, hv = blockIdx.y;
+    const int h = hv / (HV / H);
+    const int t0 = (p.c0 + ci) * C;
+    const int L = p.T - t0 < C ? p.T - t0 : C;
+    const ws_layout wl = prefill_ws_layout(K, V);
+    float *ws = p.ws + ((size_t)ci * HV + hv) * p.ws_stride;
+    const T *q = static_cast<const T *>(p.q), *k = static_cast<const T *>(p.k);
+    const T *v = static_cast<const T *>(p.v);
+    const float A_log = p.raw ? p.A_log[hv] : 0.0f;
+
+    /* 1. beta; row scales of q, k (raw: 1 / sqrt(|x|^2 + 1e-6), as the fp32
+     *    kernel); A_qk above the diagonal; per-block sums of g */
+    for (int r = tid; r < C; r += NT) {
+        float b = 0.0f;
+        if (r < L) {
+            const size_t bi = (size_t)(t0 + r) * HV + hv;
+            b = p.raw ? sigmoid(In::ld(static_cast<const T *>(p.beta), bi))
+                      : static_cast<const float *>(p.beta)[bi];
+        }
+        sBeta[r] = b;
+    }
+    if (p.raw) {
+        for (int row = warp; row < 2 * C; row += NW) {
+            const int r = row % C;
+            const T *x = row < C ? q : k;
+            float ss = 0.0f;
+            if (r < L)
+                for (int d = lane; d < K; d += 32) {
+                    const float xv = In::ld(x, ((size_t)(t0 + r) * H + h) * K + d);
+                    ss = fmaf(xv, xv, ss);
+                }
+            ss = warp_sum(ss);
+            if (lane == 0) sRn[row] = (float)(1.0 / sqrt((double)ss + 1e-6));
+        }
+    } else {
+        for (int i = tid; i < 2 * C; i += NT) sRn[i] = 1.0f;
+    }
+    for (int i = tid; i < C * C; i += NT)
+        if (i % C > i / C) ws[wl.aqk + i] = 0.0f;
+    for (int j = tid; j < NB * K; j += NT) {
+        const int b = j / K, d = j - b * K;
+        double s = 0.0;
+        for (int i = 0; i < S; i++) s += (double)prefill_g<In>(p, t0, L, hv, b * S + i, d, A_log);
+        sAnc[(b + 1) * K + d] = s;
+    }
+    __syncthreads();
+    /* 2. anchors B_b (double) and e^{Gamma_last} */
+    for (int d = tid; d < K; d += NT) {
+        double acc = 0.0;
+        sAnc[d] = 0.0;
+        for (int b = 1; b <= NB; b++) {
+            acc += sAnc[b * K + d];
+            sAnc[b * K + d] = acc;
+        }
+        ws[wl.eg + d] = expf((float)acc);
+    }
+    __syncthreads();
+
+    /* 3. block by block */
+    const int wd = tid % K, wp = tid / K; /* walk: channel, part of the rows */
+    for (int b = 0; b < NB; b++) {
+        const int n0 = b * S;
+        float gr[RP];
+        double ps = 0.0;
+#pragma unroll
+        for (int i = 0; i < RP; i++) {
+            gr[i] = prefill_g<In>(p, t0, L, hv, n0 + wp * RP + i, wd, A_log);
+            ps += (double)gr[i];
+        }
+        sPart[tid] = ps;
+        __syncthreads(); /* also: the previous block's products are done */
+        double dl = 0.0;
+        for (int pp = 0; pp < wp; pp++) dl += sPart[pp * K + wd];
+        const double Bb = sAnc[b * K + wd], Bl = sAnc[NB * K + wd];
+#pragma unroll
+        for (int i = 0; i < RP; i++) {
+            const int ri = wp * RP + i, r = n0 + ri;
+            dl += (double)gr[i];
+            float qv = 0.0f, kv = 0.0f;
+            if (r < L) {
+                const size_t qi = ((size_t)(t0 + r) * H + h) * K + wd;
+                qv = In::ld(q, qi) * sRn[r];
+                kv = In::ld(k, qi) * sRn[C + r];
+            }
+            sDelta[ri * K + wd] = dl;
+            sKb[ri * K + wd] = kv;
+            const float e = expf((float)dl);
+            split_bf16(qv * e, &sQah[ri * ldk + wd], &sQal[ri * ldk + wd]);
+            split_bf16(kv * e, &sKqh[ri * ldk + wd], &sKql[ri * ldk + wd]);
+            const float eg = expf((float)(Bb + dl));
+            const size_t o = (size_t)r * K + wd;
+            ws[wl.qt + o] = p.scale * qv * eg;
+            ws[wl.w + o] = sBeta[r] * (kv * eg); /* beta K~, until W replaces it */
+            ws[wl.kb + o] = kv * expf((float)((Bl - Bb) - dl));
+            for (int b2 = b + 1; b2 < NB; b2++) {
+                const float x = kv * expf((float)((sAnc[b2 * K + wd] - Bb) - dl));
+                bf *rh = sSlot + (size_t)intra_tc_slot(b2, b) * 2 * S * ldk;
+                split_bf16(x, &rh[ri * ldk + wd], &rh[S * ldk + ri * ldk + wd]);
+            }
+        }
+        __syncthreads();
+
+        /* diagonal block: warp w does rows w and 15 - w (17 pairs) */
+        for (int half = 0; half < 2; half++) {
+            const int i = half == 0 ? warp : S - 1 - warp, r = n0 + i;
+            float qr[KU], kr[KU];
+            double dr[KU];
+#pragma unroll
+            for (int u = 0; u < KU; u++) {
+                const int d = lane + 32 * u;
+                const bool ok = d < K;
+                qr[u] = ok && r < L ? In::ld(q, ((size_t)(t0 + r) * H + h) * K + d) * sRn[r] : 0.0f;
+                kr[u] = ok ? sKb[i * K + d] : 0.0f;
+                dr[u] = ok ? sDelta[i * K + d] : 0.0;
+            }
+            for (int j = 0; j <= i; j++) {
+                float aq = 0.0f, ak = 0.0f;
+#pragma unroll
+                for (int u = 0; u < KU; u++) {
+                    const int d = lane + 32 * u;
+                    if (d < K) {
+                        const float e = j == i ? 1.0f : expf((float)(dr[u] - sDelta[j * K + d]));
+                        const float kc = sKb[j * K + d] * e;
+                        aq = fmaf(qr[u], kc, aq);
+                        ak = fmaf(kr[u], kc, ak);
+                    }
+                }
+                aq = warp_sum(aq);
+                ak = warp_sum(ak);
+                if (lane == 0) {
+                    ws[wl.aqk + (size_t)r * C + n0 + j] = p.scale * aq;
+                    if (j < i) sA[r * lda + n0 + j] = sBeta[r] * ak;
+                }
+            }
+        }
+        /* off the diagonal: block (b, m), m < b, on tensor cores (warp m) */
+        if (warp < b) {
+            const int m = warp;
+            const bf *rh = sSlot + (size_t)intra_tc_slot(b, m) * 2 * S * ldk, *rl = rh + S * ldk;
+            frag_c aq, ak;
+            wm::fill_fragment(aq, 0.0f);
+            wm::fill_fragment(ak, 0.0f);
+#pragma unroll 2
+            for (int kk = 0; kk < K; kk += 16) {
+                frag_bt bh, bl; /* R^T: element (d, j) is R[j][d] */
+                frag_a ah, al;
+                wm::load_matrix_sync(bh, rh + kk, ldk);
+                wm::load_matrix_sync(bl, rl + kk, ldk);
+                wm::load_matrix_sync(ah, sQah + kk, ldk);
+                wm::load_matrix_sync(al, sQal + kk, ldk);
+                wm::mma_sync(aq, ah, bh, aq);
+                wm::mma_sync(aq, ah, bl, aq);
+                wm::mma_sync(aq, al, bh, aq);
+                wm::load_matrix_sync(ah, sKqh + kk, ldk);
+                wm::load_matrix_sync(al, sKql + kk, ldk);
+                wm::mma_sync(ak, ah, bh, ak);
+                wm::mma_sync(ak, ah, bl, ak);
+                wm::mma_sync(ak, al, bh, ak);
+            }
+            float *sa_t = sA + n0 * lda + S * m;
+            float *stg = sStgA + warp * 256;
+            wm::store_matrix_sync(sa_t, ak, lda, wm::mem_row_major);
+            wm::store_matrix_sync(stg, aq, 16, wm::mem_row_major);
+            __syncwarp();
+            for (int e = lane; e < 256; e += 32) {
+                const int i = e >> 4, j = e & 15, r = n0 + i;
+                sa_t[i * lda + j] *= sBeta[r];
+                ws[wl.aqk + (size_t)r * C + S * m + j] = p.scale * stg[e];
+            }
+        }
+    }
+    __syncthreads(); /* the blocks' arrays are dead from here: the solve's alias them */
+
+    /* 4. T = (I + A_kk)^-1, fp32; diagonal blocks first, a thread per column */
+    float *sT = reinterpret_cast<float *>(smem + lay.t); /* [C][lda], lower blocks */
+    float *sZ = reinterpret_cast<float *>(smem + lay.z);
+    bf *sTh = reinterpret_cast<bf *>(smem + lay.th), *sTl = reinterpret_cast<bf *>(smem + lay.tl);
+    bf *sRh = reinterpret_cast<bf *>(smem + lay.rh), *sRl = reinterpret_cast<bf *>(smem + lay.rl);
+    float *sStg = reinterpret_cast<float *>(smem + lay.stg);
+    if (tid < C) {
+        const int n0 = (tid / S) * S, j = tid % S;
+        for (int i = 0; i < S; i++) {
+            float t = i == j ? 1.0f : 0.0f;
+            if (i > j) {
+                float s = 0.0f;
+                for (int l = j; l < i; l++) s = fmaf(sA[(n0 + i) * lda + n0 + l], sT[(n0 + l) * lda + n0 + j], s);
+                t = -s;
+            }
+            sT[(n0 + i) * lda + n0 + j] = t;
+        }
+    }
+    __syncthreads();
+    /* the blocks below the diagonal, by distance: T_ij = -T_ii Z,
+     * Z = sum_{j <= l < i} A_il T_lj (T_jj lower triangular) */
+    for (int lev = 1; lev < NB; lev++) {
+        const int np = NB - lev;
+        for (int e = tid; e < np * 256; e += NT) {
+            const int bj = e >> 8, bi = bj + lev, x = (e >> 4) & 15, y = e & 15;
+            const float *arow = sA + (bi * S + x) * lda;
+            float s = 0.0f;
+            for (int c = bj * S + y; c < bi * S; c++) s = fmaf(arow[c], sT[c * lda + bj * S + y], s);
+            sZ[e] = s;
+        }
+        __syncthreads();
+        for (int e = tid; e < np * 256; e += NT) {
+            const int bj = e >> 8, bi = bj + lev, x = (e >> 4) & 15, y = e & 15;
+            const float *trow = sT + (bi * S + x) * lda + bi * S;
+            float s = 0.0f;
+            for (int z = 0; z <= x; z++) s = fmaf(trow[z], sZ[(bj << 8) + z * 16 + y], s);
+            sT[(bi * S + x) * lda + bj * S + y] = -s;
+        }
+        __syncthreads();
+    }
+    for (int e = tid; e < C * C; e += NT) {
+        const int r = e / C, c = e - r * C;
+        if (c / S <= r / S) split_bf16(sT[r * lda + c], &sTh[r * ldt + c], &sTl[r * ldt + c]);
+    }
+
+    /* 5. W = T (beta K~), then U = T (beta V): right-hand sides split into
+     *    shared memory, 16 x 16 output tiles over the warps */
+    for (int pass = 0; pass < 2; pass++) {
+        const int N = pass == 0 ? K : V, N16 = (N + 15) & ~15, nc = N16 / 16;
+        for (int e = tid; e < C * N16; e += NT) {
+            const int r = e / N16, c = e - r * N16;
+            float x = 0.0f;
+            if (c < N) {
+                if (pass == 0)
+                    x = ws[wl.w + (size_t)r * K + c];
+                else if (r < L)
+                    x = sBeta[r] * In::ld(v, ((size_t)(t0 + r) * HV + hv) * V + c);
+            }
+            split_bf16(x, &sRh[r * ldr + c], &sRl[r * ldr + c]);
+        }
+        __syncthreads(); /* the right-hand sides (and T's split) */
+        float *dst = ws + (pass == 0 ? wl.w : wl.u);
+        float *stg = sStg + warp * 256;
+        for (int tile = warp; tile < NB * nc; tile += NW) {
+            const int bi = tile / nc, c = tile - bi * nc;
+            frag_c acc;
+            wm::fill_fragment(acc, 0.0f);
+            for (int bj = 0; bj <= bi; bj++) {
+                frag_a ah, al;
+                frag_b bh, bl;
+                wm::load_matrix_sync(ah, sTh + bi * S * ldt + bj * S, ldt);
+                wm::load_matrix_sync(al, sTl + bi * S * ldt + bj * S, ldt);
+                wm::load_matrix_sync(bh, sRh + bj * S * ldr + 16 * c, ldr);
+                wm::load_matrix_sync(bl, sRl + bj * S * ldr + 16 * c, ldr);
+                wm::mma_sync(acc, ah, bh, acc);
+                wm::mma_sync(acc, ah, bl, acc);
+                wm::mma_sync(acc, al, bh, acc);
+            }
+            wm::store_matrix_sync(stg, acc, 16, wm::mem_row_major);
+            __syncwarp();
+            for (int e = lane; e < 256; e += 32) {
+                const int x = e >> 4, col = 16 * c + (e & 15);
+                if (col < N) dst[(size_t)(bi * S + x) * N + col] = stg[e];
+            }
+            __syncwarp(); /* before the next tile's store */
+        }
+        __syncthreads(); /* before the right-hand sides are replaced */
+    }
+}
+
 /* ---- state pass ------------------------------------------------------------ */
 
 /* n floats from global to shared memory, float4 at a time (both 16-byte
@@ -498,13 +910,6 @@ __host__ __device__ inline state_tc_smem state_tc_smem_layout(int K) {
 #undef KDS_TC_ALLOC
     s.total_bytes = off;
     return s;
-}
-
-/* x = hi + lo, both bf16 */
-__device__ __forceinline__ void split_bf16(float x, __nv_bfloat16 *hi, __nv_bfloat16 *lo) {
-    const __nv_bfloat16 h = __float2bfloat16_rn(x);
-    *hi = h;
-    *lo = __float2bfloat16_rn(x - __bfloat162float(h));
 }
 
 template <int K>

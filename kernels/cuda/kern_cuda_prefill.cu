@@ -29,6 +29,28 @@ static cudaError_t launch_intra(const kda::prefill_params &p, size_t smem, cudaS
     return cudaGetLastError();
 }
 
+template <typename In, int K>
+static cudaError_t launch_intra_tc(const kda::prefill_params &p, cudaStream_t st) {
+    const size_t smem = kda::intra_tc_smem_layout(K, p.V).total;
+    cudaError_t e = cudaFuncSetAttribute(kda::prefill_intra_tc_kernel<In, K>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e != cudaSuccess) return e;
+    dim3 grid((unsigned)p.n_chunks, (unsigned)p.HV);
+    kda::prefill_intra_tc_kernel<In, K><<<grid, kda::kIntraThreads, smem, st>>>(p);
+    return cudaGetLastError();
+}
+
+template <typename In>
+static cudaError_t launch_intra_k(const kda::prefill_params &p, bool tc, size_t smem, cudaStream_t st) {
+    if (!tc) return launch_intra<In>(p, smem, st);
+    switch (p.K) { /* K % 16 == 0, checked */
+    case 16: return launch_intra_tc<In, 16>(p, st);
+    case 32: return launch_intra_tc<In, 32>(p, st);
+    case 64: return launch_intra_tc<In, 64>(p, st);
+    default: return launch_intra_tc<In, 128>(p, st);
+    }
+}
+
 template <int K>
 static cudaError_t launch_state(const kda::prefill_params &p, cudaStream_t st) {
     const size_t smem = kda::state_smem_layout(K).total_bytes;
@@ -113,18 +135,22 @@ extern "C" kds_status kern_cuda_kda_prefill(const kern_cuda_kda_prefill_args *a,
     if (per_pass > 65535) per_pass = 65535; /* grid.x of the intra kernel stays an int */
 
     /* The intra kernel's shared memory must fit the device (227 KiB on
-     * H100/H200, 163 KiB on A100: K = V = 128 needs ~186 KiB). */
-    const size_t smem_intra = kda::intra_smem_layout(sh->K, sh->V).total;
+     * H100/H200, 163 KiB on A100: K = V = 128 needs ~186 KiB in fp32, ~111 KiB
+     * on tensor cores). */
+    const size_t smem_intra = a->tensor_cores ? kda::intra_tc_smem_layout(sh->K, sh->V).total
+                                              : kda::intra_smem_layout(sh->K, sh->V).total;
     int dev = 0, optin = 0;
     cudaError_t e = cudaGetDevice(&dev);
     if (e == cudaSuccess)
         e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
     if (e != cudaSuccess) return kern_cuda__status(e, err, "kda prefill: device query");
-    if ((size_t)optin < smem_intra || (size_t)optin < state_smem_bytes(sh->K, a->tensor_cores))
+    const size_t smem_state = state_smem_bytes(sh->K, a->tensor_cores);
+    const size_t smem_max = smem_intra > smem_state ? smem_intra : smem_state;
+    if ((size_t)optin < smem_max)
         return kern_cuda__err(err, KDS_UNSUPPORTED,
                               "kda prefill: K=%d V=%d needs %zu bytes of shared memory per block, "
                               "the device allows %d",
-                              sh->K, sh->V, smem_intra, optin);
+                              sh->K, sh->V, smem_max, optin);
 
     kda::prefill_params p;
     p.q = a->q;
@@ -157,8 +183,8 @@ extern "C" kds_status kern_cuda_kda_prefill(const kern_cuda_kda_prefill_args *a,
         p.n_chunks = (int)(n_chunks - c0 < per_pass ? n_chunks - c0 : per_pass);
         if (a->profile) e = cudaEventRecord(ev[0], st);
         if (e == cudaSuccess)
-            e = bf16 ? launch_intra<kda::in_bf16>(p, smem_intra, st)
-                     : launch_intra<kda::in_f32>(p, smem_intra, st);
+            e = bf16 ? launch_intra_k<kda::in_bf16>(p, a->tensor_cores, smem_intra, st)
+                     : launch_intra_k<kda::in_f32>(p, a->tensor_cores, smem_intra, st);
         if (a->profile && e == cudaSuccess) e = cudaEventRecord(ev[1], st);
         if (e == cudaSuccess) e = launch_state_k(p, a->tensor_cores, st);
         if (a->profile && e == cudaSuccess) {
