@@ -62,6 +62,11 @@ kds_status eng__cuda_state_download(eng_cuda *g, int slot, eng_seq *s, kds_err *
     return kds_err_set(err, KDS_UNSUPPORTED, "this kdaserve was built without CUDA");
 }
 
+int eng__cuda_graph_count(const eng_cuda *g) {
+    (void)g;
+    return -1;
+}
+
 /* No sequence is ever resident without CUDA. */
 kds_status eng__seq_fetch_slow(const eng_seq *s, kds_err *err) {
     (void)s, (void)err;
@@ -915,6 +920,13 @@ static kds_status run_layers(eng_cuda *g, int T, int multi, int chunked, int slo
     TRY(mm(g, &g->lm_head, g->xn, hid, n, g->logits, g->d.vocab, false, err));
     return kern_cuda_memcpy_d2h(dst, g->logits, (size_t)n * g->d.vocab * sizeof(float), g->stream,
                                 err);
+}
+
+int eng__cuda_graph_count(const eng_cuda *g) {
+    if (g->graphs_off) return -1;
+    int n = 0;
+    for (size_t i = 0; i < (size_t)g->max_seqs * ENG_CUDA_CTX_BUCKETS; i++) n += g->graphs[i] != NULL;
+    return n;
 }
 
 /* ceil(log2(n)) for n >= 1: the context bucket of a decode graph */

@@ -54,6 +54,11 @@ kds_status eng__cuda_forward(eng_cuda *g, eng_seq *const *seqs, int n_seqs, cons
  * so a restore can be timed or overlapped. Errors: as eng__cuda_forward. */
 kds_status eng__cuda_attach(eng_cuda *g, eng_seq *s, kds_err *err);
 
+/* For tests: the context's GPU part (NULL on a CPU context), and how many
+ * decode graphs it has captured (-1: graphs are off). */
+eng_cuda *eng__ctx_gpu(const eng_ctx *c);
+int eng__cuda_graph_count(const eng_cuda *g);
+
 kds_status eng__cuda_state_upload(eng_cuda *g, int slot, const eng_seq *s, kds_err *err);
 kds_status eng__cuda_state_download(eng_cuda *g, int slot, eng_seq *s, kds_err *err);
 

@@ -803,6 +803,8 @@ int eng_ctx_threads(const eng_ctx *c) { return c->n_threads; }
 
 const char *eng_ctx_device(const eng_ctx *c) { return c->gpu ? "cuda" : "cpu"; }
 
+eng_cuda *eng__ctx_gpu(const eng_ctx *c) { return c->gpu; }
+
 int eng_ctx_max_seqs(const eng_ctx *c) { return c->max_seqs; }
 
 kds_status eng_ctx_attach(eng_ctx *c, eng_seq *s, kds_err *err) {

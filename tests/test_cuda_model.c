@@ -25,6 +25,20 @@
 #include "kern_cuda.h"
 #endif
 
+/* Decode passes run as CUDA graphs unless KDS_CUDA_GRAPHS=0 (gpu_check.sh
+ * runs these tests both ways); the emulation records and replays graphs
+ * too, so a value baked into a graph at capture fails the logits there. */
+static void expect_graphs(eng_ctx *gc, const char *what) {
+    const char *env = getenv("KDS_CUDA_GRAPHS");
+    int n = eng__cuda_graph_count(eng__ctx_gpu(gc));
+    cr_log_info("%s: %d decode graphs captured", what, n);
+    if (env && strcmp(env, "0") == 0)
+        cr_expect_eq(n, -1, "%s: KDS_CUDA_GRAPHS=0 but graphs were used", what);
+    else
+        cr_expect_gt(n, 0, "%s: no decode graph was captured (capture failed; passes ran without "
+                     "graphs)", what);
+}
+
 /* fp32 accumulation in another order through 4 layers and an lm_head */
 #define LOGIT_TOL 1e-4
 #define STATE_TOL 1e-4
@@ -177,6 +191,7 @@ Test(cuda_model, logits_match_cpu, .timeout = 3600) {
     expect_close(eng_seq_logits(gs[1]), eng_seq_logits(cs[1]), V, LOGIT_TOL, "single decode", 8);
     cr_log_info("cuda_model: largest GPU-CPU error / largest magnitude %g (limit %g)", worst_ratio,
                 LOGIT_TOL);
+    expect_graphs(gc, "tiny");
     /* the states stay on the device; a fetch brings them to host memory */
     const eng_dims *d = &cs[0]->d;
     for (int i = 0; i < n_seqs; i++) {
@@ -431,6 +446,7 @@ Test(cuda_model, hybrid_follows_the_cpu, .timeout = 3600) {
     expect_close(eng_seq_logits(gs[0]), eng_seq_logits(cs[1]), V, LOGIT_TOL,
                  "hybrid decode after a restore", 0);
     cr_log_info("cuda_model hybrid: largest GPU-CPU error / largest magnitude %g", worst_ratio);
+    expect_graphs(gc, "tiny-hybrid");
     free(snap1);
     free(la_c);
     free(la_g);

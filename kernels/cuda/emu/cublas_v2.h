@@ -125,19 +125,23 @@ static inline cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta
     if (m == 0 || n == 0) return CUBLAS_STATUS_SUCCESS;
     if ((k > 0 && (!A || !B)) || !C) return CUBLAS_STATUS_INVALID_VALUE;
     const bool tf32 = at == CUDA_R_32F && (h->math == CUBLAS_TF32_TENSOR_OP_MATH || comp == CUBLAS_COMPUTE_32F_FAST_TF32);
+    /* host scalars are read at the call (pointer mode host), the product
+     * runs on the handle's stream: now, or when a captured graph replays */
     const float al = *static_cast<const float *>(alpha), be = *static_cast<const float *>(beta);
     float *c = static_cast<float *>(C);
-    for (int j = 0; j < n; j++)
-        for (int i = 0; i < m; i++) {
-            double s = 0.0;
-            for (int l = 0; l < k; l++) {
-                const size_t ai = ta == CUBLAS_OP_N ? (size_t)l * lda + i : (size_t)i * lda + l;
-                const size_t bi = tb == CUBLAS_OP_N ? (size_t)j * ldb + l : (size_t)l * ldb + j;
-                s += emu_cublas_elem(A, at, ai, tf32) * emu_cublas_elem(B, bt, bi, tf32);
+    emu::enqueue(h->stream, [=]() {
+        for (int j = 0; j < n; j++)
+            for (int i = 0; i < m; i++) {
+                double s = 0.0;
+                for (int l = 0; l < k; l++) {
+                    const size_t ai = ta == CUBLAS_OP_N ? (size_t)l * lda + i : (size_t)i * lda + l;
+                    const size_t bi = tb == CUBLAS_OP_N ? (size_t)j * ldb + l : (size_t)l * ldb + j;
+                    s += emu_cublas_elem(A, at, ai, tf32) * emu_cublas_elem(B, bt, bi, tf32);
+                }
+                float *d = &c[(size_t)j * ldc + i];
+                *d = be == 0.0f ? (float)(al * s) : (float)(al * s + (double)be * *d);
             }
-            float *d = &c[(size_t)j * ldc + i];
-            *d = be == 0.0f ? (float)(al * s) : (float)(al * s + (double)be * *d);
-        }
+    });
     return CUBLAS_STATUS_SUCCESS;
 }
 

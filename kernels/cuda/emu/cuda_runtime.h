@@ -333,34 +333,30 @@ enum {
     cudaErrorInvalidValue = 1,
     cudaErrorMemoryAllocation = 2,
     cudaErrorNotSupported = 801,
+    cudaErrorStreamCaptureUnsupported = 900,
+    cudaErrorStreamCaptureInvalidated = 901,
     cudaErrorNoDevice = 100,
     cudaErrorNoKernelImageForDevice = 209,
 };
 typedef struct emu_stream *cudaStream_t;
 typedef struct emu_event *cudaEvent_t;
-/* CUDA graphs: capture is refused here (kernels run at launch), so code
- * that captures must fall back to plain launches under the emulation. */
+/* CUDA graphs (emu.cpp): while a stream is captured, the kernels, async
+ * copies and memsets queued on it (and cuBLAS calls bound to it) are
+ * recorded with their arguments as they were at launch, and a graph
+ * launch replays them in order, so code that would bake a stale host
+ * value into a graph fails its tests here too. Synchronous calls during a
+ * capture invalidate it, as CUDA does. */
 typedef struct emu_graph *cudaGraph_t;
 typedef struct emu_graph_exec *cudaGraphExec_t;
 enum cudaStreamCaptureMode { cudaStreamCaptureModeGlobal, cudaStreamCaptureModeThreadLocal,
                              cudaStreamCaptureModeRelaxed };
-static inline cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned) {
-    return cudaStreamCreate(s);
-}
-static inline cudaError_t cudaStreamBeginCapture(cudaStream_t, cudaStreamCaptureMode) {
-    return cudaErrorNotSupported;
-}
-static inline cudaError_t cudaStreamEndCapture(cudaStream_t, cudaGraph_t *g) {
-    *g = nullptr;
-    return cudaErrorNotSupported;
-}
-static inline cudaError_t cudaGraphInstantiate(cudaGraphExec_t *e, cudaGraph_t, unsigned long long) {
-    *e = nullptr;
-    return cudaErrorNotSupported;
-}
-static inline cudaError_t cudaGraphLaunch(cudaGraphExec_t, cudaStream_t) { return cudaErrorNotSupported; }
-static inline cudaError_t cudaGraphDestroy(cudaGraph_t) { return cudaSuccess; }
-static inline cudaError_t cudaGraphExecDestroy(cudaGraphExec_t) { return cudaSuccess; }
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned flags);
+cudaError_t cudaStreamBeginCapture(cudaStream_t s, cudaStreamCaptureMode mode);
+cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t *g);
+cudaError_t cudaGraphInstantiate(cudaGraphExec_t *e, cudaGraph_t g, unsigned long long flags);
+cudaError_t cudaGraphLaunch(cudaGraphExec_t e, cudaStream_t s);
+cudaError_t cudaGraphDestroy(cudaGraph_t g);
+cudaError_t cudaGraphExecDestroy(cudaGraphExec_t e);
 enum cudaMemcpyKind {
     cudaMemcpyHostToDevice,
     cudaMemcpyDeviceToHost,
@@ -428,7 +424,20 @@ template <typename F> static inline cudaError_t cudaFuncSetAttribute(F, cudaFunc
 
 /* The build script rewrites every `kernel<<<g, b, s, st>>>(args);` into
  * EMU_LAUNCH(g, b, s, st, kernel, args). */
+namespace emu {
+/* Run `op` now, or record it when `s` is being captured into a graph. */
+void enqueue(cudaStream_t s, std::function<void()> op);
+static inline cudaStream_t stream_of(cudaStream_t s) { return s; }
+static inline cudaStream_t stream_of(long) { return nullptr; }
+/* A kernel launch: the arguments are copied now, as a GPU launch copies
+ * them, and the grid runs now or at the graph's replay. */
+template <class K, class... A>
+void launch_k(dim3 g, dim3 b, size_t smem, cudaStream_t st, const char *name, K k, A... a) {
+    enqueue(st, [=]() { launch(g, b, smem, [=]() { k(a...); }, name); });
+}
+} // namespace emu
+
 #define EMU_LAUNCH(g, b, s, st, k, ...)                                                        \
-    emu::launch(dim3(g), dim3(b), (size_t)(s), [&]() { k(__VA_ARGS__); }, #k)
+    emu::launch_k(dim3(g), dim3(b), (size_t)(s), emu::stream_of(st), #k, k, ##__VA_ARGS__)
 
 #endif

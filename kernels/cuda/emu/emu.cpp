@@ -307,21 +307,83 @@ cudaError_t cudaMallocHost(void **p, size_t n) {
     return *p ? cudaSuccess : cudaErrorMemoryAllocation;
 }
 cudaError_t cudaFreeHost(void *p) { free(p); return cudaSuccess; }
-cudaError_t cudaMemcpyAsync(void *d, const void *s, size_t n, cudaMemcpyKind, cudaStream_t) {
-    memmove(d, s, n);
+/* ---- stream capture (CUDA graphs) ---------------------------------------- */
+struct emu_graph { std::vector<std::function<void()>> ops; };
+struct emu_graph_exec { std::vector<std::function<void()>> ops; };
+namespace emu {
+static cudaStream_t capturing;       /* the stream being captured, or null */
+static emu_graph *capture_graph;
+static bool capture_broken;          /* a synchronous call happened during the capture */
+void enqueue(cudaStream_t s, std::function<void()> op) {
+    if (capture_graph && s == capturing && s) {
+        capture_graph->ops.push_back(std::move(op));
+        return;
+    }
+    if (capture_graph && !s) capture_broken = true; /* legacy-stream work during a capture */
+    op();
+}
+/* A synchronous call: refused while a capture is in progress. */
+static cudaError_t sync_call(void) {
+    if (!capture_graph) return cudaSuccess;
+    capture_broken = true;
+    return cudaErrorStreamCaptureUnsupported;
+}
+} // namespace emu
+cudaError_t cudaStreamBeginCapture(cudaStream_t s, cudaStreamCaptureMode) {
+    if (!s || emu::capture_graph) return cudaErrorInvalidValue;
+    emu::capturing = s;
+    emu::capture_graph = new emu_graph;
+    emu::capture_broken = false;
+    return cudaSuccess;
+}
+cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t *g) {
+    *g = nullptr;
+    if (!emu::capture_graph || s != emu::capturing) return cudaErrorInvalidValue;
+    emu_graph *graph = emu::capture_graph;
+    emu::capture_graph = nullptr;
+    emu::capturing = nullptr;
+    if (emu::capture_broken) {
+        delete graph;
+        return cudaErrorStreamCaptureInvalidated;
+    }
+    *g = graph;
+    return cudaSuccess;
+}
+cudaError_t cudaGraphInstantiate(cudaGraphExec_t *e, cudaGraph_t g, unsigned long long) {
+    *e = g ? new emu_graph_exec{g->ops} : nullptr;
+    return g ? cudaSuccess : cudaErrorInvalidValue;
+}
+cudaError_t cudaGraphLaunch(cudaGraphExec_t e, cudaStream_t s) {
+    if (!e) return cudaErrorInvalidValue;
+    emu::enqueue(s, [e]() {
+        for (auto &op : e->ops) op();
+    });
+    return cudaSuccess;
+}
+cudaError_t cudaGraphDestroy(cudaGraph_t g) { delete g; return cudaSuccess; }
+cudaError_t cudaGraphExecDestroy(cudaGraphExec_t e) { delete e; return cudaSuccess; }
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned) { return cudaStreamCreate(s); }
+
+cudaError_t cudaMemcpyAsync(void *d, const void *s, size_t n, cudaMemcpyKind, cudaStream_t st) {
+    emu::enqueue(st, [=]() { memmove(d, s, n); });
     return cudaSuccess;
 }
 cudaError_t cudaMemcpy(void *d, const void *s, size_t n, cudaMemcpyKind) {
+    if (cudaError_t e = emu::sync_call()) return e;
     memmove(d, s, n);
     return cudaSuccess;
 }
-cudaError_t cudaMemsetAsync(void *d, int v, size_t n, cudaStream_t) {
+cudaError_t cudaMemsetAsync(void *d, int v, size_t n, cudaStream_t st) {
+    emu::enqueue(st, [=]() { memset(d, v, n); });
+    return cudaSuccess;
+}
+cudaError_t cudaMemset(void *d, int v, size_t n) {
+    if (cudaError_t e = emu::sync_call()) return e;
     memset(d, v, n);
     return cudaSuccess;
 }
-cudaError_t cudaMemset(void *d, int v, size_t n) { memset(d, v, n); return cudaSuccess; }
-cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
-cudaError_t cudaDeviceSynchronize(void) { return cudaSuccess; }
+cudaError_t cudaStreamSynchronize(cudaStream_t) { return emu::sync_call(); }
+cudaError_t cudaDeviceSynchronize(void) { return emu::sync_call(); }
 cudaError_t cudaGetLastError(void) {
     cudaError_t e = emu::last_err;
     emu::last_err = cudaSuccess;
