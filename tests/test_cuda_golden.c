@@ -10,8 +10,9 @@
  *   prefill      kern_cuda_kda_prefill on the golden q, k, g, beta -> o, hT
  *   prefill raw  the same from q_raw, k_raw, g_raw, beta_raw (L2 norm, gate,
  *                sigmoid in the kernel)
- *   prefill tc   raw, with the state pass on tensor cores (bf16 hi + lo
- *                products), held to 1e-4 instead of 1e-5
+ *   prefill tc   raw, with the intra-chunk kernel and the state pass on
+ *                tensor cores (bf16 hi + lo products), held to 1e-4 instead
+ *                of 1e-5
  *   decode       kern_cuda_kda_decode one token at a time from the raw
  *                inputs (files whose K, V the decode kernel compiles)
  *   split        prefill raw over the first 2T/3 tokens, decode the rest

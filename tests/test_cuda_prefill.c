@@ -11,10 +11,12 @@
  * Tolerance: max |gpu - cpu| <= 1e-5 * max |cpu| for o and the final state.
  * Both sides compute in fp32 from identical inputs (bf16 inputs are rounded
  * before the CPU sees them), so only summation order and the exp
- * implementations differ (measured ~1e-6). The tensor-core state pass
- * (bf16 hi + lo products, ~16 bits per operand) is held to 1e-4 (the issue
- * allows 1e-3 for bf16 inputs). GPU tests skip with "no CUDA device:
- * <reason>" where there is none.
+ * implementations differ (measured ~1e-6). The tensor-core path
+ * (tensor_cores = true: the intra-chunk kernel and the state pass on tensor
+ * cores, bf16 hi + lo products, ~16 bits per operand) is held to 1e-4 (the
+ * issue allows 1e-3 for bf16 inputs; measured 5e-6 to 1.3e-5 under the
+ * emulation). GPU tests skip with "no CUDA device: <reason>" where there is
+ * none.
  */
 #include <criterion/criterion.h>
 
@@ -317,7 +319,39 @@ Test(cuda_prefill, tc_small_heads_and_strong_decay) {
     run_case(&c, NULL, NULL);
 }
 
-Test(cuda_prefill, tc_kimi_shape_bf16_raw, .timeout = 120) {
+/* The tensor-core intra kernel's shape paths beyond the cases above: V not
+ * a multiple of 16 (padded right-hand-side tiles), raw fp32 with the
+ * lower-bound gate, one-chunk passes (the last chunk partial) */
+Test(cuda_prefill, tc_v100_raw_lower_bound_one_chunk_passes) {
+    tcu_require_device();
+    prefill_case c = {.T = 140, .H = 1, .HV = 2, .K = 128, .V = 100, .dt = KERN_F32, .raw = true,
+                      .lower_bound = -5.0f, .ws_chunks = 1, .tc = true, .seed = 27, GATE_DEFAULTS};
+    run_case(&c, NULL, NULL);
+}
+
+/* Two calls carry the state like one call, on tensor cores too (the second
+ * call starts mid-chunk of the sequence: its chunks are re-based at 0). */
+Test(cuda_prefill, tc_split_calls_carry_the_state) {
+    tcu_require_device();
+    prefill_case c = {.T = 230, .H = 2, .HV = 2, .K = 64, .V = 48, .dt = KERN_BF16, .split = 91,
+                      .tc = true, .seed = 28, GATE_DEFAULTS};
+    run_case(&c, NULL, NULL);
+}
+
+/* Strong decay with raw bf16 inputs at K = 64: Gamma reaches -1e5 inside a
+ * chunk; the block anchors and deltas must keep every exponent a difference
+ * of doubles. */
+Test(cuda_prefill, tc_strong_decay_raw_bf16_k64) {
+    tcu_require_device();
+    prefill_case c = {.T = 128, .H = 2, .HV = 2, .K = 64, .V = 64, .dt = KERN_BF16, .raw = true,
+                      .tc = true, .seed = 29, .g_lo = -10.0f, .g_hi = 30.0f, .a_lo = 0.0f,
+                      .a_hi = 4.0f};
+    run_case(&c, NULL, NULL);
+}
+
+/* Kimi's shape: minutes under the emulation (the WMMA stand-in computes
+ * every tile in every lane), hence the long limit. */
+Test(cuda_prefill, tc_kimi_shape_bf16_raw, .timeout = 600) {
     tcu_require_device();
     prefill_case c = {.T = 192, .H = 32, .HV = 32, .K = 128, .V = 128, .dt = KERN_BF16, .raw = true,
                       .tc = true, .seed = 26, GATE_DEFAULTS};
