@@ -432,7 +432,7 @@ kds_status eng__cuda_create(const eng_model *m, int max_batch, int max_seqs, eng
                 goto fail;
             }
             DALLOC(g->mla_table[i], max_seqs);
-            if ((rc = kern_cuda_memset(g->mla_table[i], 0, (size_t)max_seqs * sizeof(float *), NULL,
+            if ((rc = kern_cuda_memset(g->mla_table[i], 0, (size_t)max_seqs * sizeof(float *), g->stream,
                                        err)))
                 goto fail;
         }
@@ -804,7 +804,7 @@ static kds_status moe_ffn(eng_cuda *g, const dlayer *L, int T, kds_err *err) {
         .sel = g->sel, .w = g->selw, .exp_off = g->exp_off, .row_of = g->row_of,
         .tok_of = g->tok_of};
     TRY(kern_cuda_moe_route(&ra, g->stream, err));
-    TRY(kern_cuda_moe_gather(g->xn, (size_t)hid * sizeof(float), g->tok_of, T * k, g->xg, NULL,
+    TRY(kern_cuda_moe_gather(g->xn, (size_t)hid * sizeof(float), g->tok_of, T * k, g->xg, g->stream,
                              err));
     float *sh_a = g->fa_buf + (size_t)T * k * inner, *sh_b = g->fb_buf + (size_t)T * k * inner;
     if (sh_inner > 0) {

@@ -141,7 +141,7 @@ static inline cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta
                 float *d = &c[(size_t)j * ldc + i];
                 *d = be == 0.0f ? (float)(al * s) : (float)(al * s + (double)be * *d);
             }
-    });
+    }, "cublasGemmEx");
     return CUBLAS_STATUS_SUCCESS;
 }
 

@@ -426,14 +426,14 @@ template <typename F> static inline cudaError_t cudaFuncSetAttribute(F, cudaFunc
  * EMU_LAUNCH(g, b, s, st, kernel, args). */
 namespace emu {
 /* Run `op` now, or record it when `s` is being captured into a graph. */
-void enqueue(cudaStream_t s, std::function<void()> op);
+void enqueue(cudaStream_t s, std::function<void()> op, const char *what = "a copy");
 static inline cudaStream_t stream_of(cudaStream_t s) { return s; }
 static inline cudaStream_t stream_of(long) { return nullptr; }
 /* A kernel launch: the arguments are copied now, as a GPU launch copies
  * them, and the grid runs now or at the graph's replay. */
 template <class K, class... A>
 void launch_k(dim3 g, dim3 b, size_t smem, cudaStream_t st, const char *name, K k, A... a) {
-    enqueue(st, [=]() { launch(g, b, smem, [=]() { k(a...); }, name); });
+    enqueue(st, [=]() { launch(g, b, smem, [=]() { k(a...); }, name); }, name);
 }
 } // namespace emu
 

@@ -314,17 +314,23 @@ namespace emu {
 static cudaStream_t capturing;       /* the stream being captured, or null */
 static emu_graph *capture_graph;
 static bool capture_broken;          /* a synchronous call happened during the capture */
-void enqueue(cudaStream_t s, std::function<void()> op) {
+void enqueue(cudaStream_t s, std::function<void()> op, const char *what) {
     if (capture_graph && s == capturing && s) {
         capture_graph->ops.push_back(std::move(op));
         return;
     }
-    if (capture_graph && !s) capture_broken = true; /* legacy-stream work during a capture */
+    if (capture_graph && !capture_broken) { /* other-stream work during a capture */
+        fprintf(stderr, "CUDA emulation: %s on another stream during a capture: capture invalidated\n",
+                what);
+        capture_broken = true;
+    }
     op();
 }
 /* A synchronous call: refused while a capture is in progress. */
-static cudaError_t sync_call(void) {
+static cudaError_t sync_call(const char *what) {
     if (!capture_graph) return cudaSuccess;
+    if (!capture_broken)
+        fprintf(stderr, "CUDA emulation: %s during a capture: capture invalidated\n", what);
     capture_broken = true;
     return cudaErrorStreamCaptureUnsupported;
 }
@@ -365,25 +371,25 @@ cudaError_t cudaGraphExecDestroy(cudaGraphExec_t e) { delete e; return cudaSucce
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned) { return cudaStreamCreate(s); }
 
 cudaError_t cudaMemcpyAsync(void *d, const void *s, size_t n, cudaMemcpyKind, cudaStream_t st) {
-    emu::enqueue(st, [=]() { memmove(d, s, n); });
+    emu::enqueue(st, [=]() { memmove(d, s, n); }, "cudaMemcpyAsync");
     return cudaSuccess;
 }
 cudaError_t cudaMemcpy(void *d, const void *s, size_t n, cudaMemcpyKind) {
-    if (cudaError_t e = emu::sync_call()) return e;
+    if (cudaError_t e = emu::sync_call("cudaMemcpy")) return e;
     memmove(d, s, n);
     return cudaSuccess;
 }
 cudaError_t cudaMemsetAsync(void *d, int v, size_t n, cudaStream_t st) {
-    emu::enqueue(st, [=]() { memset(d, v, n); });
+    emu::enqueue(st, [=]() { memset(d, v, n); }, "cudaMemsetAsync");
     return cudaSuccess;
 }
 cudaError_t cudaMemset(void *d, int v, size_t n) {
-    if (cudaError_t e = emu::sync_call()) return e;
+    if (cudaError_t e = emu::sync_call("cudaMemset")) return e;
     memset(d, v, n);
     return cudaSuccess;
 }
-cudaError_t cudaStreamSynchronize(cudaStream_t) { return emu::sync_call(); }
-cudaError_t cudaDeviceSynchronize(void) { return emu::sync_call(); }
+cudaError_t cudaStreamSynchronize(cudaStream_t) { return emu::sync_call("cudaStreamSynchronize"); }
+cudaError_t cudaDeviceSynchronize(void) { return emu::sync_call("cudaDeviceSynchronize"); }
 cudaError_t cudaGetLastError(void) {
     cudaError_t e = emu::last_err;
     emu::last_err = cudaSuccess;
