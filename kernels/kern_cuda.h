@@ -240,14 +240,16 @@ size_t kern_cuda_kda_decode_bytes(const kern_cuda_kda_decode_args *a);
  *
  * Shapes supported: K in {8, 16, 32, 64, 128}, V a multiple of 4 up to 128,
  * HV % H == 0, T >= 0 (0 is a no-op). Needs ~186 KiB of shared memory per
- * block at K = V = 128 (fits H100/H200; A100 gets KDS_UNSUPPORTED there).
+ * block at K = V = 128 (~196 KiB with tensor cores, for the state pass; fits
+ * H100/H200; A100 gets KDS_UNSUPPORTED there).
  *
  * Numerics: fp32 arithmetic (CUDA cores), cumulative log-decays in double,
  * every exponent <= 0 (see kda_prefill.cuh); agrees with kern_kda_chunked
- * to ~1e-6 of the largest magnitude. tensor_cores = true runs the
- * sequential state pass's products on tensor cores (bf16 operands split in
- * hi + lo, three products each, fp32 accumulation: ~1e-5 of the largest
- * magnitude); K must then be a multiple of 16.
+ * to ~1e-6 of the largest magnitude. tensor_cores = true runs the products
+ * of both kernels (the intra-chunk one and the sequential state pass) on
+ * tensor cores (bf16 operands split in hi + lo, three products each, fp32
+ * accumulation: ~1e-5 of the largest magnitude); K must then be a multiple
+ * of 16.
  *
  * Errors (checked before launching; nothing is touched): KDS_INVALID_ARG
  * (NULL pointer, bad shape, dtype, misalignment, workspace below one
@@ -265,7 +267,7 @@ typedef struct kern_cuda_kda_prefill_args {
     float *o;
     void *workspace;
     size_t workspace_bytes;
-    bool tensor_cores; /* state pass on tensor cores (bf16 x 3 split); default false */
+    bool tensor_cores; /* both kernels on tensor cores (bf16 x 3 split); default false */
     /* NULL, or: time the two kernels of every pass with events and add the
      * times here (synchronises the stream after each pass: for benchmarks,
      * not for serving). */
