@@ -296,6 +296,13 @@ else
     note "48B bench: not run (no kdaserve, or out of time)"
 fi
 
+# ---- GPU against CPU logits at the 48B's widths (3.3 GB model written and read) ----
+if [ $((SECONDS - t0)) -lt 330 ]; then
+    KDS_GPU_BIG_TESTS=1 run_suite "48B widths (wide preset), GPU vs CPU logits" 'cuda_model/wide*' 150 "$out/tests.log"
+else
+    note "48B-widths logits test: not run (out of time)"
+fi
+
 # ---- benchmarks ----------------------------------------------------------------------
 left=$((470 - (SECONDS - t0)))
 [ $left -gt 150 ] && left=150

@@ -459,4 +459,59 @@ Test(cuda_model, hybrid_follows_the_cpu, .timeout = 3600) {
     close_fixture(&f);
 }
 
+/* Kimi-Linear-48B's widths (the "wide" preset: hidden 2304, 32 KDA heads
+ * of 128, MLA with kv_lora_rank 512, 32 experts top-8, vocab 163840; 4
+ * layers, 3.3 GB of bf16): GPU logits against the CPU's after a 40-token
+ * prefill (products above 8 rows on cuBLAS and the tensor-core experts)
+ * and batched decode steps (GEMV paths, decode graphs). Big: only when
+ * KDS_GPU_BIG_TESTS=1 (scripts/gpu_check.sh sets it on the GPU machine). */
+#define WIDE_TOL 1e-3 /* bf16 hi + lo products (~1e-5 each) through 4 layers and the lm_head */
+
+Test(cuda_model, wide_follows_the_cpu, .timeout = 900) {
+    require_device();
+    const char *big = getenv("KDS_GPU_BIG_TESTS");
+    if (!big || strcmp(big, "1") != 0)
+        cr_skip_test("needs KDS_GPU_BIG_TESTS=1 (writes a 3.3 GB model; run by gpu_check.sh)");
+    fixture f = open_preset("wide");
+    kds_err err = {0};
+    eng_ctx_params cp = eng_ctx_default_params();
+    cp.n_threads = 0;
+    cp.max_batch = 64;
+    cp.max_seqs = 2;
+    eng_ctx *cc = NULL, *gc = NULL;
+    cr_assert_eq(eng_ctx_create(f.m, &cp, &cc, &err), KDS_OK, "%s", err.msg);
+    cp.device = "cuda";
+    cr_assert_eq(eng_ctx_create(f.m, &cp, &gc, &err), KDS_OK, "%s", err.msg);
+    const int V = f.vocab, lens[2] = {40, 5};
+    eng_seq *cs[2], *gs[2];
+    int32_t ids[40];
+    worst_ratio = 0;
+    for (int i = 0; i < 2; i++) {
+        cr_assert_eq(eng_seq_create(f.m, 3, &cs[i], &err), KDS_OK, "%s", err.msg);
+        cr_assert_eq(eng_seq_create(f.m, 3, &gs[i], &err), KDS_OK, "%s", err.msg);
+        prompt(ids, lens[i], V, 500u + (uint32_t)i);
+        cr_assert_eq(eng_prefill(cc, cs[i], ids, lens[i], NULL, NULL, NULL, &err), KDS_OK, "%s", err.msg);
+        cr_assert_eq(eng_prefill(gc, gs[i], ids, lens[i], NULL, NULL, NULL, &err), KDS_OK, "%s", err.msg);
+        expect_close(eng_seq_logits(gs[i]), eng_seq_logits(cs[i]), V, WIDE_TOL, "wide prefill", i);
+    }
+    for (int step = 0; step < 3; step++) {
+        int32_t next[2] = {argmax(eng_seq_logits(cs[0]), V), argmax(eng_seq_logits(cs[1]), V)};
+        cr_assert_eq(eng_decode_batch(cc, cs, next, 2, &err), KDS_OK, "%s", err.msg);
+        cr_assert_eq(eng_decode_batch(gc, gs, next, 2, &err), KDS_OK, "%s", err.msg);
+        for (int i = 0; i < 2; i++)
+            expect_close(eng_seq_logits(gs[i]), eng_seq_logits(cs[i]), V, WIDE_TOL, "wide batched decode",
+                         step);
+    }
+    cr_log_info("cuda_model wide (48B widths): largest GPU-CPU error / largest magnitude %g (limit %g)",
+                worst_ratio, WIDE_TOL);
+    expect_graphs(gc, "wide");
+    for (int i = 0; i < 2; i++) {
+        eng_seq_free(cs[i]);
+        eng_seq_free(gs[i]);
+    }
+    eng_ctx_free(gc);
+    eng_ctx_free(cc);
+    close_fixture(&f);
+}
+
 #endif /* KDS_HAVE_CUDA */
