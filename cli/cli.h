@@ -53,6 +53,9 @@ int cli_open_on(const char *cmd, const char *model_dir, int threads, int max_bat
  * the GPU (the reference a restore onto the device is read against).
  * KDS_UNSUPPORTED without CUDA. */
 kds_status cli_copy_to_device_s(size_t bytes, int reps, double *median_s, kds_err *err);
+/* cli_open with every context parameter given. */
+int cli_open_with(const char *cmd, const char *model_dir, const eng_ctx_params *cp, eng_model **m,
+                  eng_ctx **c);
 /* true for "cpu" and "cuda", the values --device takes */
 bool cli_device_valid(const char *device);
 

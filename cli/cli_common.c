@@ -105,15 +105,20 @@ bool cli_device_valid(const char *device) {
 
 int cli_open_on(const char *cmd, const char *model_dir, int threads, int max_batch,
                 const char *device, eng_model **m, eng_ctx **c) {
-    kds_err err = {0};
-    eng_model_params mp = eng_model_default_params();
-    mp.progress = true;
-    if (eng_model_load(model_dir, &mp, m, &err) != KDS_OK) return cli_fail(cmd, &err);
     eng_ctx_params cp = eng_ctx_default_params();
     cp.n_threads = threads;
     if (max_batch > 0) cp.max_batch = max_batch;
     cp.device = device;
-    if (eng_ctx_create(*m, &cp, c, &err) != KDS_OK) {
+    return cli_open_with(cmd, model_dir, &cp, m, c);
+}
+
+int cli_open_with(const char *cmd, const char *model_dir, const eng_ctx_params *cp, eng_model **m,
+                  eng_ctx **c) {
+    kds_err err = {0};
+    eng_model_params mp = eng_model_default_params();
+    mp.progress = true;
+    if (eng_model_load(model_dir, &mp, m, &err) != KDS_OK) return cli_fail(cmd, &err);
+    if (eng_ctx_create(*m, cp, c, &err) != KDS_OK) {
         eng_model_free(*m);
         *m = NULL;
         return cli_fail(cmd, &err);

@@ -36,6 +36,7 @@ enum {
     OPT_SEQS,
     OPT_DEVICE,
     OPT_GEN,
+    OPT_GPU_BF16,
 };
 
 /* Print a token's bytes; control bytes other than newline and tab are shown
@@ -503,7 +504,7 @@ out:
 static void bench_usage(FILE *f) {
     fprintf(f, "usage: kdaserve bench [--model DIR | --gen PRESET [--seed S]] [--prompt-tokens N]\n"
                "                      [--gen-tokens N] [--repeats R] [--threads N] [--batch B]\n"
-               "                      [--seqs N,N,...] [--device cpu|cuda]\n\n"
+               "                      [--seqs N,N,...] [--device cpu|cuda] [--gpu-bf16]\n\n"
                "Measures prefill tokens/s (N random tokens through the prefill path, default\n"
                "512) and decode tokens/s (N tokens one at a time after that prompt, default\n"
                "128), best of R runs (default 3), and prints them with the model, thread\n"
@@ -516,6 +517,8 @@ static void bench_usage(FILE *f) {
                "--device cuda runs the forward pass on the GPU. States stay\n"
                "on the device between steps; each repeat's fresh state is moved there before\n"
                "its clock starts (the restore is `snap bench --device cuda`'s figure).\n\n"
+               "--gpu-bf16 rounds activations to bf16 once in the GPU's products above 8\n"
+               "rows (vLLM's precision; default: exact, split into bf16 hi + lo).\n\n"
                "--gen PRESET benchmarks a model generated on the GPU itself (gen-model's\n"
                "weights for that preset and --seed, default 1; no files: e.g. the 98 GB\n"
                "kimi-linear-48b). Needs --device cuda (implied). Presets: see gen-model.\n");
@@ -636,10 +639,12 @@ int cmd_bench(int argc, char **argv) {
         {"seqs", required_argument, 0, OPT_SEQS},
         {"device", required_argument, 0, OPT_DEVICE},
         {"gen", required_argument, 0, OPT_GEN},
+        {"gpu-bf16", no_argument, 0, OPT_GPU_BF16},
         {"seed", required_argument, 0, OPT_SEED},
         {"help", no_argument, 0, 'h'}, {0, 0, 0, 0}};
     const char *model = NULL, *device = NULL, *gen = NULL;
     int64_t pt = 512, gt = 128, reps = 3, threads = 0, batch = 0, seed = 1;
+    bool gpu_bf16 = false;
     int seq_counts[MAX_SEQ_COUNTS], n_counts = 0;
     optind = 1;
     for (int o; (o = getopt_long(argc, argv, "m:h", opts, NULL)) != -1;) {
@@ -650,6 +655,8 @@ int cmd_bench(int argc, char **argv) {
             model = optarg;
         } else if (o == OPT_GEN) {
             gen = optarg;
+        } else if (o == OPT_GPU_BF16) {
+            gpu_bf16 = true;
         } else if (o == OPT_SEED) {
             if (!cli_parse_i64(optarg, 0, INT64_MAX, &seed))
                 return cli_failf("bench", "--seed wants a number, got '%s'", optarg);
@@ -687,12 +694,13 @@ int cmd_bench(int argc, char **argv) {
     kds_err err = {0};
     const char *dir;
     int rc;
+    eng_ctx_params cp = eng_ctx_default_params();
+    cp.n_threads = (int)threads;
+    if (batch > 0) cp.max_batch = (int)batch;
+    cp.gpu_bf16 = gpu_bf16;
     if (gen) {
         device = "cuda";
         eng_config gcfg;
-        eng_ctx_params cp = eng_ctx_default_params();
-        cp.n_threads = (int)threads;
-        if (batch > 0) cp.max_batch = (int)batch;
         cp.device = device;
         fprintf(stderr, "generating %s (seed %lld) on the GPU...\n", gen, (long long)seed);
         if (eng_genmodel_preset(gen, &gcfg, &err) != KDS_OK ||
@@ -704,7 +712,8 @@ int cmd_bench(int argc, char **argv) {
         dir = eng_model_dir(m);
     } else {
         if (!(dir = cli_model_dir("bench", model))) return 1;
-        if ((rc = cli_open_on("bench", dir, (int)threads, (int)batch, device, &m, &c))) return rc;
+        cp.device = device;
+        if ((rc = cli_open_with("bench", dir, &cp, &m, &c))) return rc;
     }
     rc = 0;
     const eng_config *cfg = eng_model_config(m);
@@ -751,7 +760,10 @@ int cmd_bench(int argc, char **argv) {
            cfg->num_experts_per_token, cfg->vocab_size);
     printf("state        %zu bytes fixed + %zu bytes/token\n", z.fixed, z.per_token);
     printf("threads      %d\n", eng_ctx_threads(c));
-    printf("device       %s\n", eng_ctx_device(c));
+    printf("device       %s%s\n", eng_ctx_device(c),
+           strcmp(eng_ctx_device(c), "cuda") ? ""
+           : gpu_bf16 ? " (products above 8 rows: bf16 activations)"
+                      : " (products above 8 rows: exact, bf16 hi + lo)");
     printf("prefill      %.1f tokens/s  (%lld tokens, best of %lld; median %.1f)\n",
            pre[reps - 1], (long long)pt, (long long)reps, pre[reps / 2]);
     printf("decode       %.1f tokens/s  (%lld tokens after the prompt, best of %lld; "
@@ -762,11 +774,7 @@ int cmd_bench(int argc, char **argv) {
         int most = 0;
         for (int i = 0; i < n_counts; i++) most = seq_counts[i] > most ? seq_counts[i] : most;
         if (most > eng_ctx_max_seqs(c)) { /* the batched decode's scratch is sized at creation */
-            eng_ctx_params cp = eng_ctx_default_params();
-            cp.n_threads = (int)threads;
-            if (batch > 0) cp.max_batch = (int)batch;
             cp.max_seqs = most;
-            cp.device = device;
             eng_ctx_free(c);
             c = NULL;
             if (eng_ctx_create(m, &cp, &c, &err) != KDS_OK) goto fail;

@@ -167,6 +167,12 @@ typedef struct eng_ctx_params {
      * Environment: KDS_CUDA_GRAPHS=0 runs decode passes without CUDA
      * graphs. */
     const char *device;
+    /* device "cuda": matrix products of more than 8 rows round the fp32
+     * activations to bf16 once (what vLLM does: about half the tensor-core
+     * work, ~3e-3 relative error per product) instead of the default split
+     * into bf16 hi + lo (two products, ~1e-5: about fp32). Decode products
+     * of up to 8 rows are exact either way. Ignored on the CPU. */
+    bool gpu_bf16;
 } eng_ctx_params;
 
 eng_ctx_params eng_ctx_default_params(void);

@@ -29,9 +29,9 @@
 
 #ifndef KDS_HAVE_CUDA
 
-kds_status eng__cuda_create(const eng_model *m, int max_batch, int max_seqs, eng_cuda **out,
-                            kds_err *err) {
-    (void)m, (void)max_batch, (void)max_seqs;
+kds_status eng__cuda_create(const eng_model *m, int max_batch, int max_seqs, bool bf16,
+                            eng_cuda **out, kds_err *err) {
+    (void)m, (void)max_batch, (void)max_seqs, (void)bf16;
     *out = NULL;
     return kds_err_set(err, KDS_UNSUPPORTED,
                        "device 'cuda': this kdaserve was built without CUDA (configure with "
@@ -138,6 +138,7 @@ struct eng_cuda {
     void *ws;                        /* prefill workspace */
     size_t ws_bytes;
     kern_cuda_gemm_ctx *gemm;        /* cuBLAS for products of more than 8 rows */
+    kern_cuda_gemm_mode mode;        /* their activations: EXACT (hi + lo) or BF16 */
     void *stream;                    /* every copy and kernel of the context runs here */
     void **graphs;                   /* [max_seqs][ENG_CUDA_CTX_BUCKETS] decode graphs, or NULL */
     int graphs_off;                  /* capture unavailable, or KDS_CUDA_GRAPHS=0 */
@@ -213,8 +214,8 @@ static kds_status up_f(eng_cuda *g, const float **dst, const float *src, size_t 
         (ptr) = p_;                                                                          \
     } while (0)
 
-kds_status eng__cuda_create(const eng_model *m, int max_batch, int max_seqs, eng_cuda **out,
-                            kds_err *err) {
+kds_status eng__cuda_create(const eng_model *m, int max_batch, int max_seqs, bool bf16,
+                            eng_cuda **out, kds_err *err) {
     *out = NULL;
     kds_err why;
     kds_err_clear(&why);
@@ -234,6 +235,7 @@ kds_status eng__cuda_create(const eng_model *m, int max_batch, int max_seqs, eng
     const eng_config *cfg = &m->cfg;
     g->m = m;
     g->d = dm;
+    g->mode = bf16 ? KERN_CUDA_GEMM_BF16 : KERN_CUDA_GEMM_EXACT;
     if ((rc = kern_cuda_stream_create(&g->stream, err)) != KDS_OK) goto fail;
     g->graphs = calloc((size_t)max_seqs * ENG_CUDA_CTX_BUCKETS, sizeof *g->graphs);
     if (!g->graphs) {
@@ -715,7 +717,7 @@ static kds_status mm(eng_cuda *g, const dweight *w, const float *x, int ldx, int
                       int ldy, bool acc, kds_err *err) {
     kern_cuda_matmul_args a = {.W = w->p, .w_dtype = w->dt, .rows = w->rows, .cols = w->cols,
                                .x = x, .ldx = ldx, .T = T, .y = y, .ldy = ldy, .accumulate = acc,
-                               .gemm = g->gemm, .mode = KERN_CUDA_GEMM_EXACT};
+                               .gemm = g->gemm, .mode = g->mode};
     return kern_cuda_matmul(&a, g->stream, err);
 }
 
@@ -823,13 +825,13 @@ static kds_status moe_ffn(eng_cuda *g, const dlayer *L, int T, kds_err *err) {
                                      .W_base = L->experts, .W3_base = (const char *)L->experts + b1,
                                      .w_stride = L->expert_stride, .exp_off = g->exp_off,
                                      .n_rows = T * k, .x = g->xg, .ldx = hid, .y = g->fa_buf,
-                                     .ldy = inner, .mode = KERN_CUDA_GEMM_EXACT};
+                                     .ldy = inner, .mode = g->mode};
     TRY(kern_cuda_moe_experts(&ea, g->stream, err));
     kern_cuda_moe_experts_args da = {.E = E, .rows = hid, .cols = inner, .w_dtype = L->w2[0].dt,
                                      .W_base = (const char *)L->experts + b1 + b3,
                                      .w_stride = L->expert_stride, .exp_off = g->exp_off,
                                      .n_rows = T * k, .x = g->fa_buf, .ldx = inner, .y = g->yg,
-                                     .ldy = hid, .mode = KERN_CUDA_GEMM_EXACT};
+                                     .ldy = hid, .mode = g->mode};
     TRY(kern_cuda_moe_experts(&da, g->stream, err));
     TRY(kern_cuda_moe_combine(g->yg, g->row_of, g->selw, T, k, hid,
                               sh_inner > 0 ? g->shared_out : NULL, g->mix, g->stream, err));

@@ -32,8 +32,8 @@ typedef struct eng_cuda eng_cuda;
  * sequence and max_seqs sequences of one token; kda_chunk is ignored (the
  * GPU prefill uses chunks of 64). Errors: KDS_UNSUPPORTED (no CUDA build,
  * no device, MLA layers, f16 weights), KDS_NOMEM (device memory), KDS_CUDA. */
-kds_status eng__cuda_create(const eng_model *m, int max_batch, int max_seqs, eng_cuda **out,
-                            kds_err *err);
+kds_status eng__cuda_create(const eng_model *m, int max_batch, int max_seqs, bool bf16,
+                            eng_cuda **out, kds_err *err);
 void eng__cuda_free(eng_cuda *g);
 
 /* forward() of eng_forward.c on the GPU, same arguments: T tokens of

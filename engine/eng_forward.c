@@ -754,7 +754,7 @@ kds_status eng_ctx_create(const eng_model *m, const eng_ctx_params *p, eng_ctx *
     kds_status rc = eng_pool_create(c->n_threads, &c->pool, err);
     if (rc == KDS_OK && p->device && strcmp(p->device, "cpu") != 0) {
         if (strcmp(p->device, "cuda") == 0)
-            rc = eng__cuda_create(m, c->max_batch, c->max_seqs, &c->gpu, err);
+            rc = eng__cuda_create(m, c->max_batch, c->max_seqs, p->gpu_bf16, &c->gpu, err);
         else
             rc = kds_err_set(err, KDS_INVALID_ARG, "unknown device '%s' (cpu or cuda)", p->device);
     }

@@ -260,7 +260,8 @@ run_suite "CPU golden KDA" 'kda_golden/*' 45 "$out/golden_cpu.log"
 if [ -x "$BIN/kdaserve" ] && [ $((SECONDS - t0)) -lt 240 ]; then
     k48_fail=0
     for spec in "--prompt-tokens 4096 --gen-tokens 128 --repeats 2" \
-        "--prompt-tokens 128 --gen-tokens 32 --repeats 2 --seqs 64"; do
+        "--prompt-tokens 128 --gen-tokens 32 --repeats 2 --seqs 64" \
+        "--prompt-tokens 4096 --gen-tokens 16 --repeats 2 --gpu-bf16"; do
         lim=$((420 - (SECONDS - t0)))
         [ $lim -gt 90 ] && lim=90
         [ $lim -lt 30 ] && { say "48B bench: out of time for: $spec"; continue; }

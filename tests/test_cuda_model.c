@@ -230,7 +230,7 @@ Test(cuda_model, state_hand_over_round_trip) {
     prompt(ids, 12, f.vocab, 5);
     cr_assert_eq(eng_prefill(cc, a, ids, 12, NULL, NULL, NULL, &err), KDS_OK, "%s", err.msg);
     eng_cuda *g = NULL;
-    cr_assert_eq(eng__cuda_create(f.m, 16, 4, &g, &err), KDS_OK, "%s", err.msg);
+    cr_assert_eq(eng__cuda_create(f.m, 16, 4, false, &g, &err), KDS_OK, "%s", err.msg);
     cr_assert_eq(eng__cuda_state_upload(g, 2, a, &err), KDS_OK, "%s", err.msg);
     cr_assert_eq(eng__cuda_state_download(g, 2, b, &err), KDS_OK, "%s", err.msg);
     const eng_dims *d = &a->d;
