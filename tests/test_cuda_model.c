@@ -459,6 +459,50 @@ Test(cuda_model, hybrid_follows_the_cpu, .timeout = 3600) {
     close_fixture(&f);
 }
 
+/* gpu_bf16: the prefill's products (20 rows: cuBLAS) with bf16 activations
+ * stay within a bf16-sized tolerance of the CPU, and the exact default is
+ * much closer (so the mode really changes the products). */
+Test(cuda_model, bf16_activations_within_bf16_error, .timeout = 3600) {
+    require_device();
+    fixture f = open_preset("tiny");
+    kds_err err = {0};
+    eng_ctx_params cp = eng_ctx_default_params();
+    cp.n_threads = 1;
+    cp.max_batch = 32;
+    cp.max_seqs = 1;
+    eng_ctx *cc = NULL, *ge = NULL, *gb = NULL;
+    cr_assert_eq(eng_ctx_create(f.m, &cp, &cc, &err), KDS_OK, "%s", err.msg);
+    cp.device = "cuda";
+    cr_assert_eq(eng_ctx_create(f.m, &cp, &ge, &err), KDS_OK, "%s", err.msg);
+    cp.gpu_bf16 = true;
+    cr_assert_eq(eng_ctx_create(f.m, &cp, &gb, &err), KDS_OK, "%s", err.msg);
+    const int V = f.vocab, T = 20;
+    int32_t ids[20];
+    prompt(ids, T, V, 77);
+    eng_seq *s[3];
+    double ratio[3] = {0};
+    eng_ctx *ctx[3] = {cc, ge, gb};
+    for (int i = 0; i < 3; i++) {
+        cr_assert_eq(eng_seq_create(f.m, 1, &s[i], &err), KDS_OK, "%s", err.msg);
+        cr_assert_eq(eng_prefill(ctx[i], s[i], ids, T, NULL, NULL, NULL, &err), KDS_OK, "%s", err.msg);
+    }
+    for (int i = 1; i < 3; i++) {
+        double ref, diff = th_max_abs_diff(eng_seq_logits(s[i]), eng_seq_logits(s[0]), (size_t)V, &ref);
+        ratio[i] = diff / (ref > 1.0 ? ref : 1.0);
+    }
+    cr_log_info("cuda_model: prefill logits error / largest, exact %g, bf16 activations %g", ratio[1],
+                ratio[2]);
+    cr_expect_leq(ratio[1], LOGIT_TOL, "exact products: %g", ratio[1]);
+    cr_expect_leq(ratio[2], 3e-2, "bf16 activations: %g (limit 3e-2)", ratio[2]);
+    cr_expect_gt(ratio[2], 3.0 * ratio[1], "bf16 activations (%g) not worse than exact (%g): the "
+                 "mode did not reach the products", ratio[2], ratio[1]);
+    for (int i = 0; i < 3; i++) eng_seq_free(s[i]);
+    eng_ctx_free(gb);
+    eng_ctx_free(ge);
+    eng_ctx_free(cc);
+    close_fixture(&f);
+}
+
 /* Kimi-Linear-48B's widths (the "wide" preset: hidden 2304, 32 KDA heads
  * of 128, MLA with kv_lora_rank 512, 32 experts top-8, vocab 163840; 4
  * layers, 3.3 GB of bf16): GPU logits against the CPU's after a 40-token
