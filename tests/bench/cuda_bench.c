@@ -262,13 +262,14 @@ static void bench_prefill(int quick) {
     void *ws = dalloc(ws_max);
     printf("### KDA chunked prefill, one layer (H = HV = 32, K = V = 128, bf16 q/k/v/g/beta, "
            "fp32 state; L2 norm, gate and sigmoid in the kernel)\n\n");
-    printf("| T | state pass | workspace (chunks, MiB) | ms (median) | M tokens/s | vs fla chunk_kda "
-           "(anchor) | profiled run: intra / state ms (passes) |\n");
+    printf("| T | kernels (intra + state) | workspace (chunks, MiB) | ms (median) | M tokens/s | vs fla "
+           "chunk_kda (anchor) | profiled run: intra / state ms (passes) |\n");
     printf("|---|---|---|---|---|---|---|\n");
     for (int ti = 0; ti < nT; ti++) {
         const int T = g_tiny ? Ttiny[ti] : Ts[ti];
         for (size_t wi = 0; wi < 2 * sizeof ws_chunks / sizeof ws_chunks[0]; wi++) {
-            /* fp32 and tensor-core state passes at 64 chunks of workspace;
+            /* fp32 and tensor-core kernels (tensor_cores = true: the intra
+             * kernel and the state pass both on tensor cores) at 64 chunks of workspace;
              * the workspace sweep at 128K only, fp32 */
             const int tc = (int)(wi / (sizeof ws_chunks / sizeof ws_chunks[0]));
             const int wc = ws_chunks[wi % (sizeof ws_chunks / sizeof ws_chunks[0])];
@@ -290,7 +291,7 @@ static void bench_prefill(int quick) {
             CK(cudaDeviceSynchronize());
             a.profile = NULL;
             printf("| %d | %s | %d (%.0f) | %.2f | %.2f | %.2fx (fla %.1f ms) | %.2f / %.2f (%d) |\n",
-                   T, tc ? "tensor cores" : "fp32", wc, a.workspace_bytes / 1048576.0, ms, mtok,
+                   T, tc ? "tensor cores (both)" : "fp32 (both)", wc, a.workspace_bytes / 1048576.0, ms, mtok,
                    fla_ms[ti] / ms, fla_ms[ti], prof.intra_ms, prof.state_ms, prof.passes);
             fflush(stdout);
         }
