@@ -190,44 +190,18 @@ void repl__print_transcript(FILE *f, const sess_turn_record *t, size_t count, si
 }
 
 /* The format session `si` continues in: --chat / --plain when given, else
- * the mode it recorded, else (sessions from before the mode was recorded)
- * the format its first turn was fed in, else the current one. */
+ * the session module's rule (sess_session_chat_mode, shared with the
+ * server), with the current format for a session nothing tells about. */
 static kds_status session_mode(repl *r, const sess_session_info *si, bool *chat, kds_err *e) {
     if (r->mode != REPL_MODE_AUTO) {
         *chat = r->mode == REPL_MODE_CHAT;
         return KDS_OK;
     }
-    if (!strcmp(si->mode, "chat") || !strcmp(si->mode, "plain")) {
-        *chat = !strcmp(si->mode, "chat");
-        if (*chat && !eng_chat_supported(r->tok))
-            return kds_err_set(e, KDS_UNSUPPORTED,
-                               "session '%s' is in chat mode but model %s has "
-                               "no chat format",
-                               si->name, r->model_path);
-        return KDS_OK;
-    }
-    if (si->mode[0])
-        return kds_err_set(e, KDS_UNSUPPORTED,
-                           "session '%s' has mode '%s', which this version "
-                           "does not know (it knows chat and plain); pass --chat or --plain",
-                           si->name, si->mode);
-    *chat = r->chat;
-    if (!eng_chat_supported(r->tok)) {
-        *chat = false;
-        return KDS_OK;
-    }
-    /* a plain turn's prompt_tokens equal the text's plain encoding; a chat
-     * turn adds its markup */
-    sess_turn_record *t = NULL;
-    size_t n = 0;
-    if (sess_transcript(r->st, si->name, &t, &n, NULL) == KDS_OK && n) {
-        int64_t plain = eng_tok_encode(r->tok, t[0].prompt, t[0].prompt_len, NULL, 0);
-        if (plain >= 0 && t[0].prompt_tokens > 0)
-            *chat = t[0].prompt_tokens != plain &&
-                    !(plain == 0 && t[0].prompt_tokens == 1); /* BOS alone */
-    }
-    sess_transcript_free(t, n);
-    return KDS_OK;
+    kds_status rc = sess_session_chat_mode(r->st, si, r->tok, r->chat, chat, e);
+    if (rc != KDS_OK) /* the way out: say the format */
+        snprintf(e->msg + strlen(e->msg), sizeof e->msg - strlen(e->msg),
+                 "; pass --chat or --plain (model %s)", r->model_path);
+    return rc;
 }
 
 /* Load session `name` into the sequence (the repl is unchanged on failure). */

@@ -202,6 +202,20 @@ typedef struct sess_session_info {
 
 kds_status sess_session_get(sess_store *st, const char *name, sess_session_info *out,
                             kds_err *err);
+
+/*
+ * Whether session `si` continues in chat mode (true) or plain: the mode it
+ * recorded; for a session that never declared one (older stores), the
+ * format its first turn was fed in (a plain turn's prompt_tokens equal its
+ * text's plain encoding with `tok`, a chat turn adds markup); with no turn
+ * to tell, `fallback`. A tokenizer without a chat format always gives
+ * plain for undeclared sessions. One rule for every front end (REPL,
+ * server). Errors: KDS_UNSUPPORTED when the session is in chat mode and
+ * `tok` has no chat format, or its mode is one this version does not know
+ * (the message names the session and the mode); *chat is then `fallback`.
+ */
+kds_status sess_session_chat_mode(sess_store *st, const sess_session_info *si,
+                                  const eng_tokenizer *tok, bool fallback, bool *chat, kds_err *err);
 /* Every session in name order. A session whose record cannot be read is
  * listed with head 0 and tokens -1 (sess_session_get says why). Caller owns
  * *out: free(). */

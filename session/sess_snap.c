@@ -1180,3 +1180,38 @@ sess_size sess_snapshot_size(const eng_config *c, int64_t tokens) {
     z.total = z.record + z.chunks;
     return z;
 }
+
+kds_status sess_session_chat_mode(sess_store *st, const sess_session_info *si,
+                                  const eng_tokenizer *tok, bool fallback, bool *chat,
+                                  kds_err *err) {
+    *chat = fallback;
+    if (!strcmp(si->mode, "chat") || !strcmp(si->mode, "plain")) {
+        if (!strcmp(si->mode, "chat") && !eng_chat_supported(tok))
+            return kds_err_set(err, KDS_UNSUPPORTED,
+                               "session '%s' is in chat mode but the model has no chat format",
+                               si->name);
+        *chat = !strcmp(si->mode, "chat");
+        return KDS_OK;
+    }
+    if (si->mode[0])
+        return kds_err_set(err, KDS_UNSUPPORTED,
+                           "session '%s' has mode '%s', which this version does not know (it "
+                           "knows chat and plain)",
+                           si->name, si->mode);
+    if (!eng_chat_supported(tok)) {
+        *chat = false;
+        return KDS_OK;
+    }
+    /* a plain turn's prompt_tokens equal the text's plain encoding; a chat
+     * turn adds its markup */
+    sess_turn_record *t = NULL;
+    size_t n = 0;
+    if (sess_transcript(st, si->name, &t, &n, NULL) == KDS_OK && n) {
+        int64_t plain = eng_tok_encode(tok, t[0].prompt, t[0].prompt_len, NULL, 0);
+        if (plain >= 0 && t[0].prompt_tokens > 0)
+            *chat = t[0].prompt_tokens != plain &&
+                    !(plain == 0 && t[0].prompt_tokens == 1); /* BOS alone */
+    }
+    sess_transcript_free(t, n);
+    return KDS_OK;
+}

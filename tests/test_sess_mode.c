@@ -84,3 +84,70 @@ Test(sess_mode, recorded_kept_forked_exported, .timeout = 60) {
     free(db);
     free(file);
 }
+
+/* sess_session_chat_mode, the one rule the REPL and the server follow: the
+ * recorded mode; for an undeclared session the format of its first turn
+ * (a plain turn's token count is the text's plain encoding); with no turn,
+ * the fallback; chat on a tokenizer without a chat format, and unknown
+ * modes, refused with the session named. */
+Test(sess_mode, chat_mode_rule, .timeout = 60) {
+    char *tmp = tmu_mkdtemp();
+    char *db = tmu_path(tmp, "db");
+    tsu_model f = tsu_open_model(KDS_SOURCE_DIR "/models/default"); /* has a chat format */
+    tsu_model nf = tsu_open_model(TMU_MICRO_KDA);                  /* has none */
+    const eng_tokenizer *tok = eng_model_tokenizer(f.m);
+    cr_assert(eng_chat_supported(tok), "the default model should have a chat format");
+    cr_assert(!eng_chat_supported(eng_model_tokenizer(nf.m)));
+    sess_store *st = tsu_open_store(db);
+    eng_seq *s = NULL;
+    kds_err err = {0};
+    cr_assert_eq(eng_seq_create(f.m, 1, &s, &err), KDS_OK);
+    tsu_feed(&f, s, 4, 1);
+    const char *text = "hello there";
+    int64_t plain_n = eng_tok_encode(tok, text, strlen(text), NULL, 0);
+    cr_assert_gt(plain_n, 0);
+    uint64_t id;
+    /* undeclared, first turn fed as plain text / with chat markup / no turn */
+    sess_turn t = {.prompt = text, .prompt_len = strlen(text), .output = "",
+                   .prompt_tokens = plain_n};
+    cr_assert_eq(sess_save(st, "u-plain", 0, f.m, s, &t, &id, &err), KDS_OK, "%s", err.msg);
+    t.prompt_tokens = plain_n + 5;
+    cr_assert_eq(sess_save(st, "u-chat", 0, f.m, s, &t, &id, &err), KDS_OK, "%s", err.msg);
+    cr_assert_eq(sess_save(st, "u-none", 0, f.m, s, NULL, &id, &err), KDS_OK, "%s", err.msg);
+    t.mode = "chat";
+    cr_assert_eq(sess_save(st, "d-chat", 0, f.m, s, &t, &id, &err), KDS_OK, "%s", err.msg);
+    t.mode = "plain";
+    t.prompt_tokens = plain_n + 5; /* declared wins over the guess */
+    cr_assert_eq(sess_save(st, "d-plain", 0, f.m, s, &t, &id, &err), KDS_OK, "%s", err.msg);
+    struct { const char *name; bool fallback, want; } cases[] = {
+        {"u-plain", true, false}, {"u-chat", false, true}, {"u-none", true, true},
+        {"u-none", false, false}, {"d-chat", false, true}, {"d-plain", true, false}};
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        sess_session_info si;
+        bool chat = !cases[i].want;
+        cr_assert_eq(sess_session_get(st, cases[i].name, &si, &err), KDS_OK, "%s", err.msg);
+        cr_expect_eq(sess_session_chat_mode(st, &si, tok, cases[i].fallback, &chat, &err), KDS_OK,
+                     "%s: %s", cases[i].name, err.msg);
+        cr_expect_eq(chat, cases[i].want, "%s (fallback %d): chat %d", cases[i].name,
+                     cases[i].fallback, chat);
+    }
+    /* chat mode without a chat format, and a mode from a newer writer */
+    sess_session_info si;
+    cr_assert_eq(sess_session_get(st, "d-chat", &si, &err), KDS_OK, "%s", err.msg);
+    bool chat = true;
+    cr_expect_eq(sess_session_chat_mode(st, &si, eng_model_tokenizer(nf.m), false, &chat, &err),
+                 KDS_UNSUPPORTED);
+    cr_expect(strstr(err.msg, "d-chat") && strstr(err.msg, "chat format"), "%s", err.msg);
+    cr_expect(!chat);
+    snprintf(si.mode, sizeof si.mode, "poetry");
+    cr_expect_eq(sess_session_chat_mode(st, &si, tok, true, &chat, &err), KDS_UNSUPPORTED);
+    cr_expect(strstr(err.msg, "poetry"), "%s", err.msg);
+    cr_expect(chat, "an unknown mode leaves the fallback");
+    eng_seq_free(s);
+    sess_close(st);
+    tsu_close_model(&f);
+    tsu_close_model(&nf);
+    tmu_rmtree(tmp);
+    free(db);
+    free(tmp);
+}

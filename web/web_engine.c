@@ -223,12 +223,14 @@ static hot *free_slot(web_engine *E) {
     return lru;
 }
 
-/* The session's recorded mode; sessions that never declared one (older
- * stores) get the model's default, as in the REPL. */
+/* The session's mode by the rule the REPL uses too (sess_session_chat_mode);
+ * the model's default where nothing tells. A mode this version does not
+ * know (a newer writer) continues as the model's default. */
 static bool mode_is_chat(web_engine *E, const sess_session_info *info) {
-    if (!strcmp(info->mode, "chat")) return eng_chat_supported(eng_model_tokenizer(E->s->m));
-    if (!strcmp(info->mode, "plain")) return false;
-    return E->model_chat;
+    bool chat;
+    (void)sess_session_chat_mode(E->s->st, info, eng_model_tokenizer(E->s->m), E->model_chat, &chat,
+                                 NULL);
+    return chat;
 }
 
 static const char *state_of(web_engine *E, const char *store) {
