@@ -142,75 +142,130 @@ static void expect_close(const float *gpu, const float *cpu, size_t n, double to
                   what, step, diff, ref);
 }
 
+/*
+ * The same sequences on a CPU context and a GPU context: pair_open makes
+ * both contexts (sizes as given) and n pairs of sequences (same seed);
+ * pair_prefill feeds sequence i a prompt of lens[i] tokens on both sides
+ * and compares the last logits (and, with every_position, every
+ * position's logits of sequence 0); pair_decode runs greedy batched decode
+ * steps of sequences [0, n_batch) on both sides, comparing every row.
+ */
+#define PAIR_MAX 4
+typedef struct pair {
+    eng_ctx *cc, *gc;
+    eng_seq *cs[PAIR_MAX], *gs[PAIR_MAX];
+    int n, vocab;
+} pair;
+
+static pair pair_open(const fixture *f, int threads, int max_batch, int max_seqs, int n) {
+    pair p = {.n = n, .vocab = f->vocab};
+    kds_err err = {0};
+    eng_ctx_params cp = eng_ctx_default_params();
+    cp.n_threads = threads;
+    cp.max_batch = max_batch;
+    cp.max_seqs = max_seqs;
+    cr_assert_eq(eng_ctx_create(f->m, &cp, &p.cc, &err), KDS_OK, "%s", err.msg);
+    cp.device = "cuda";
+    cr_assert_eq(eng_ctx_create(f->m, &cp, &p.gc, &err), KDS_OK, "%s", err.msg);
+    cr_assert_leq(n, PAIR_MAX);
+    for (int i = 0; i < n; i++) {
+        cr_assert_eq(eng_seq_create(f->m, 9, &p.cs[i], &err), KDS_OK, "%s", err.msg);
+        cr_assert_eq(eng_seq_create(f->m, 9, &p.gs[i], &err), KDS_OK, "%s", err.msg);
+    }
+    return p;
+}
+
+static void pair_close(pair *p) {
+    for (int i = 0; i < p->n; i++) {
+        eng_seq_free(p->cs[i]);
+        eng_seq_free(p->gs[i]);
+    }
+    eng_ctx_free(p->gc); /* also hands resident states back */
+    eng_ctx_free(p->cc);
+}
+
+static void pair_prefill(pair *p, const int *lens, uint32_t salt, double tol, bool every_position,
+                         const char *what) {
+    const int V = p->vocab;
+    kds_err err = {0};
+    for (int i = 0; i < p->n; i++) {
+        int32_t *ids = malloc((size_t)lens[i] * sizeof *ids);
+        const bool all = every_position && i == 0;
+        float *lc = all ? malloc((size_t)lens[i] * V * sizeof(float)) : NULL;
+        float *lg = all ? malloc((size_t)lens[i] * V * sizeof(float)) : NULL;
+        cr_assert(ids && (!all || (lc && lg)));
+        prompt(ids, lens[i], V, salt + (uint32_t)i);
+        cr_assert_eq(eng_prefill(p->cc, p->cs[i], ids, lens[i], lc, NULL, NULL, &err), KDS_OK, "%s",
+                     err.msg);
+        cr_assert_eq(eng_prefill(p->gc, p->gs[i], ids, lens[i], lg, NULL, NULL, &err), KDS_OK, "%s",
+                     err.msg);
+        if (all) expect_close(lg, lc, (size_t)lens[i] * V, tol, what, -1);
+        expect_close(eng_seq_logits(p->gs[i]), eng_seq_logits(p->cs[i]), V, tol, what, i);
+        cr_expect_eq(argmax(eng_seq_logits(p->gs[i]), V), argmax(eng_seq_logits(p->cs[i]), V),
+                     "%s, sequence %d: greedy tokens differ", what, i);
+        free(ids);
+        free(lc);
+        free(lg);
+    }
+}
+
+static void pair_decode(pair *p, int n_batch, int steps, double tol, const char *what) {
+    const int V = p->vocab;
+    kds_err err = {0};
+    int32_t next[PAIR_MAX];
+    for (int step = 0; step < steps; step++) {
+        for (int i = 0; i < n_batch; i++) {
+            next[i] = argmax(eng_seq_logits(p->cs[i]), V);
+            cr_expect_eq(argmax(eng_seq_logits(p->gs[i]), V), next[i],
+                         "%s, step %d, sequence %d: greedy tokens differ", what, step, i);
+        }
+        cr_assert_eq(eng_decode_batch(p->cc, p->cs, next, n_batch, &err), KDS_OK, "%s", err.msg);
+        cr_assert_eq(eng_decode_batch(p->gc, p->gs, next, n_batch, &err), KDS_OK, "%s", err.msg);
+        for (int i = 0; i < n_batch; i++)
+            expect_close(eng_seq_logits(p->gs[i]), eng_seq_logits(p->cs[i]), V, tol, what, step);
+    }
+}
+
+/* One greedy eng_decode of CPU sequence c and GPU sequence g (the same token). */
+static void pair_decode_one(pair *p, eng_seq *c, eng_seq *g, double tol, const char *what) {
+    kds_err err = {0};
+    int32_t id = argmax(eng_seq_logits(c), p->vocab);
+    cr_assert_eq(eng_decode(p->cc, c, id, &err), KDS_OK, "%s", err.msg);
+    cr_assert_eq(eng_decode(p->gc, g, id, &err), KDS_OK, "%s", err.msg);
+    expect_close(eng_seq_logits(g), eng_seq_logits(c), p->vocab, tol, what, 0);
+}
+
 /* A prefill (every position's logits), then 8 batched decode steps of 3
  * sequences and one single decode: the GPU follows the CPU. */
 Test(cuda_model, logits_match_cpu, .timeout = 3600) {
     require_device();
     fixture f = open_preset("tiny");
-    kds_err err = {0};
-    kds_status rc;
-    eng_ctx *cc = make_ctx(f.m, NULL, &rc, &err);
-    cr_assert_eq(rc, KDS_OK, "%s", err.msg);
-    eng_ctx *gc = make_ctx(f.m, "cuda", &rc, &err);
-    cr_assert_eq(rc, KDS_OK, "%s", err.msg);
-    cr_expect_str_eq(eng_ctx_device(gc), "cuda");
-    const int V = f.vocab, n_seqs = 3, lens[3] = {40, 9, 1};
-    eng_seq *cs[3], *gs[3];
-    int32_t ids[40];
-    float *la_c = malloc((size_t)40 * V * sizeof(float)), *la_g = malloc((size_t)40 * V * sizeof(float));
-    cr_assert(la_c && la_g);
-    for (int i = 0; i < n_seqs; i++) {
-        cr_assert_eq(eng_seq_create(f.m, (uint64_t)i, &cs[i], &err), KDS_OK, "%s", err.msg);
-        cr_assert_eq(eng_seq_create(f.m, (uint64_t)i, &gs[i], &err), KDS_OK, "%s", err.msg);
-        prompt(ids, lens[i], V, 40u + (uint32_t)i);
-        cr_assert_eq(eng_prefill(cc, cs[i], ids, lens[i], i == 0 ? la_c : NULL, NULL, NULL, &err),
-                     KDS_OK, "%s", err.msg);
-        cr_assert_eq(eng_prefill(gc, gs[i], ids, lens[i], i == 0 ? la_g : NULL, NULL, NULL, &err),
-                     KDS_OK, "%s", err.msg);
-        if (i == 0) expect_close(la_g, la_c, (size_t)40 * V, LOGIT_TOL, "prefill, every position", 0);
-        expect_close(eng_seq_logits(gs[i]), eng_seq_logits(cs[i]), V, LOGIT_TOL, "prefill", i);
-        cr_expect_eq(argmax(eng_seq_logits(gs[i]), V), argmax(eng_seq_logits(cs[i]), V),
-                     "sequence %d: greedy token after the prefill differs", i);
-    }
-    for (int step = 0; step < 8; step++) {
-        int32_t next[3];
-        for (int i = 0; i < n_seqs; i++) {
-            next[i] = argmax(eng_seq_logits(cs[i]), V);
-            cr_expect_eq(argmax(eng_seq_logits(gs[i]), V), next[i],
-                         "step %d, sequence %d: greedy tokens differ", step, i);
-        }
-        cr_assert_eq(eng_decode_batch(cc, cs, next, n_seqs, &err), KDS_OK, "%s", err.msg);
-        cr_assert_eq(eng_decode_batch(gc, gs, next, n_seqs, &err), KDS_OK, "%s", err.msg);
-        for (int i = 0; i < n_seqs; i++)
-            expect_close(eng_seq_logits(gs[i]), eng_seq_logits(cs[i]), V, LOGIT_TOL, "batched decode",
-                         step);
-    }
-    int32_t id = argmax(eng_seq_logits(cs[1]), V);
-    cr_assert_eq(eng_decode(cc, cs[1], id, &err), KDS_OK, "%s", err.msg);
-    cr_assert_eq(eng_decode(gc, gs[1], id, &err), KDS_OK, "%s", err.msg);
-    expect_close(eng_seq_logits(gs[1]), eng_seq_logits(cs[1]), V, LOGIT_TOL, "single decode", 8);
+    pair p = pair_open(&f, 1, 64, 4, 3);
+    cr_expect_str_eq(eng_ctx_device(p.gc), "cuda");
+    const int lens[3] = {40, 9, 1};
+    worst_ratio = 0;
+    pair_prefill(&p, lens, 40u, LOGIT_TOL, true, "prefill");
+    pair_decode(&p, 3, 8, LOGIT_TOL, "batched decode");
+    pair_decode_one(&p, p.cs[1], p.gs[1], LOGIT_TOL, "single decode");
     cr_log_info("cuda_model: largest GPU-CPU error / largest magnitude %g (limit %g)", worst_ratio,
                 LOGIT_TOL);
-    expect_graphs(gc, "tiny");
+    expect_graphs(p.gc, "tiny");
     /* the states stay on the device; a fetch brings them to host memory */
-    const eng_dims *d = &cs[0]->d;
-    for (int i = 0; i < n_seqs; i++) {
-        cr_expect(gs[i]->gpu != NULL && gs[i]->gpu_newer, "sequence %d is not resident", i);
-        cr_assert_eq(eng_ctx_attach(cc, gs[i], &err), KDS_OK, "%s", err.msg); /* = a fetch */
-        cr_expect(!gs[i]->gpu_newer, "sequence %d: fetch left the host copy stale", i);
-        cr_expect_eq(gs[i]->pos, cs[i]->pos, "sequence %d: positions differ", i);
-        cr_expect_eq(gs[i]->n_recent, cs[i]->n_recent);
-        expect_close(gs[i]->kda_state, cs[i]->kda_state, (size_t)d->n_kda * d->HV * d->K * d->V,
-                     STATE_TOL, "KDA states", i);
-        expect_close(gs[i]->conv_tail, cs[i]->conv_tail, (size_t)d->n_kda * (d->W - 1) * d->conv_ch,
+    const eng_dims *d = &p.cs[0]->d;
+    kds_err err = {0};
+    for (int i = 0; i < 3; i++) {
+        eng_seq *g = p.gs[i], *c = p.cs[i];
+        cr_expect(g->gpu != NULL && g->gpu_newer, "sequence %d is not resident", i);
+        cr_assert_eq(eng_ctx_attach(p.cc, g, &err), KDS_OK, "%s", err.msg); /* = a fetch */
+        cr_expect(!g->gpu_newer, "sequence %d: fetch left the host copy stale", i);
+        cr_expect_eq(g->pos, c->pos, "sequence %d: positions differ", i);
+        cr_expect_eq(g->n_recent, c->n_recent);
+        expect_close(g->kda_state, c->kda_state, (size_t)d->n_kda * d->HV * d->K * d->V, STATE_TOL,
+                     "KDA states", i);
+        expect_close(g->conv_tail, c->conv_tail, (size_t)d->n_kda * (d->W - 1) * d->conv_ch,
                      STATE_TOL, "conv tails", i);
-        eng_seq_free(cs[i]);
-        eng_seq_free(gs[i]);
     }
-    free(la_c);
-    free(la_g);
-    eng_ctx_free(gc);
-    eng_ctx_free(cc);
+    pair_close(&p);
     close_fixture(&f);
 }
 
@@ -266,25 +321,11 @@ Test(cuda_model, resident_states_follow_the_cpu, .timeout = 3600) {
     require_device();
     fixture f = open_preset("tiny");
     kds_err err = {0};
-    eng_ctx_params cp = eng_ctx_default_params();
-    cp.n_threads = 1;
-    cp.max_batch = 8;
-    cp.max_seqs = 2;
-    eng_ctx *cc = NULL, *gc = NULL;
-    cr_assert_eq(eng_ctx_create(f.m, &cp, &cc, &err), KDS_OK, "%s", err.msg);
-    cp.device = "cuda";
-    cr_assert_eq(eng_ctx_create(f.m, &cp, &gc, &err), KDS_OK, "%s", err.msg);
-    const int V = f.vocab;
-    eng_seq *cs[3], *gs[3];
-    int32_t ids[5];
-    for (int i = 0; i < 3; i++) {
-        cr_assert_eq(eng_seq_create(f.m, 9, &cs[i], &err), KDS_OK, "%s", err.msg);
-        cr_assert_eq(eng_seq_create(f.m, 9, &gs[i], &err), KDS_OK, "%s", err.msg);
-        prompt(ids, 5, V, 70u + (uint32_t)i);
-        cr_assert_eq(eng_prefill(cc, cs[i], ids, 5, NULL, NULL, NULL, &err), KDS_OK, "%s", err.msg);
-        cr_assert_eq(eng_prefill(gc, gs[i], ids, 5, NULL, NULL, NULL, &err), KDS_OK, "%s", err.msg);
-        expect_close(eng_seq_logits(gs[i]), eng_seq_logits(cs[i]), V, LOGIT_TOL, "prefill", i);
-    }
+    pair p = pair_open(&f, 1, 8, 2, 3); /* two device slots for three sequences */
+    eng_ctx *cc = p.cc, *gc = p.gc;
+    eng_seq **cs = p.cs, **gs = p.gs;
+    const int V = f.vocab, lens[3] = {5, 5, 5};
+    pair_prefill(&p, lens, 70u, LOGIT_TOL, false, "prefill");
     /* two slots: the third prefill evicted the least recently used one */
     cr_expect_null(gs[0]->gpu, "sequence 0 should have been evicted");
     cr_expect(gs[1]->gpu && gs[2]->gpu, "sequences 1 and 2 should be resident");
@@ -312,10 +353,7 @@ Test(cuda_model, resident_states_follow_the_cpu, .timeout = 3600) {
     cr_assert_eq(eng_seq_state_save(cs[1], snap1, n1, &err), KDS_OK, "%s", err.msg);
     cr_assert(gs[2]->gpu != NULL);
     cr_assert_eq(eng_seq_state_load(gs[2], snap1, n1, &err), KDS_OK, "%s", err.msg);
-    int32_t id = argmax(eng_seq_logits(cs[1]), V);
-    cr_assert_eq(eng_decode(cc, cs[1], id, &err), KDS_OK, "%s", err.msg);
-    cr_assert_eq(eng_decode(gc, gs[2], id, &err), KDS_OK, "%s", err.msg);
-    expect_close(eng_seq_logits(gs[2]), eng_seq_logits(cs[1]), V, LOGIT_TOL, "decode after restore", 0);
+    pair_decode_one(&p, cs[1], gs[2], LOGIT_TOL, "decode after restore");
     /* a clone of a resident sequence starts from its device state */
     eng_seq *clone = NULL;
     cr_assert(gs[0]->gpu && gs[0]->gpu_newer);
@@ -324,18 +362,15 @@ Test(cuda_model, resident_states_follow_the_cpu, .timeout = 3600) {
     eng_seq_free(clone);
     /* freeing the context hands the resident states back */
     eng_ctx_free(gc);
+    p.gc = NULL;
     cr_expect(!gs[0]->gpu && !gs[2]->gpu, "sequences still point at a freed context");
     expect_same_state(gs[0], cs[0], "state after the context was freed");
     expect_same_state(gs[2], cs[1], "restored state after the context was freed");
     cr_log_info("cuda_model residency: largest GPU-CPU error / largest magnitude %g", worst_ratio);
-    for (int i = 0; i < 3; i++) {
-        eng_seq_free(cs[i]);
-        eng_seq_free(gs[i]);
-    }
     free(snap_g);
     free(snap_c);
     free(snap1);
-    eng_ctx_free(cc);
+    pair_close(&p);
     close_fixture(&f);
 }
 
@@ -388,46 +423,16 @@ Test(cuda_model, hybrid_follows_the_cpu, .timeout = 3600) {
     require_device();
     fixture f = open_preset("tiny-hybrid");
     kds_err err = {0};
-    eng_ctx_params cp = eng_ctx_default_params();
-    cp.n_threads = 1;
-    cp.max_batch = 16;
-    cp.max_seqs = 2;
-    eng_ctx *cc = NULL, *gc = NULL;
-    cr_assert_eq(eng_ctx_create(f.m, &cp, &cc, &err), KDS_OK, "%s", err.msg);
-    cp.device = "cuda";
-    cr_assert_eq(eng_ctx_create(f.m, &cp, &gc, &err), KDS_OK, "%s", err.msg);
-    const int V = f.vocab, lens[2] = {9, 3};
-    eng_seq *cs[2], *gs[2];
-    int32_t ids[9];
-    float *la_c = malloc((size_t)9 * V * sizeof(float)), *la_g = malloc((size_t)9 * V * sizeof(float));
-    cr_assert(la_c && la_g);
-    for (int i = 0; i < 2; i++) {
-        cr_assert_eq(eng_seq_create(f.m, 5, &cs[i], &err), KDS_OK, "%s", err.msg);
-        cr_assert_eq(eng_seq_create(f.m, 5, &gs[i], &err), KDS_OK, "%s", err.msg);
-        prompt(ids, lens[i], V, 90u + (uint32_t)i);
-        cr_assert_eq(eng_prefill(cc, cs[i], ids, lens[i], i ? NULL : la_c, NULL, NULL, &err), KDS_OK,
-                     "%s", err.msg);
-        cr_assert_eq(eng_prefill(gc, gs[i], ids, lens[i], i ? NULL : la_g, NULL, NULL, &err), KDS_OK,
-                     "%s", err.msg);
-        if (i == 0) expect_close(la_g, la_c, (size_t)9 * V, LOGIT_TOL, "hybrid prefill, every position", 0);
-        expect_close(eng_seq_logits(gs[i]), eng_seq_logits(cs[i]), V, LOGIT_TOL, "hybrid prefill", i);
-    }
-    for (int step = 0; step < 3; step++) {
-        int32_t next[2] = {argmax(eng_seq_logits(cs[0]), V), argmax(eng_seq_logits(cs[1]), V)};
-        cr_assert_eq(eng_decode_batch(cc, cs, next, 2, &err), KDS_OK, "%s", err.msg);
-        cr_assert_eq(eng_decode_batch(gc, gs, next, 2, &err), KDS_OK, "%s", err.msg);
-        for (int i = 0; i < 2; i++)
-            expect_close(eng_seq_logits(gs[i]), eng_seq_logits(cs[i]), V, LOGIT_TOL,
-                         "hybrid batched decode", step);
-    }
-    int32_t id = argmax(eng_seq_logits(cs[1]), V);
-    cr_assert_eq(eng_decode(cc, cs[1], id, &err), KDS_OK, "%s", err.msg);
-    cr_assert_eq(eng_decode(gc, gs[1], id, &err), KDS_OK, "%s", err.msg);
-    expect_close(eng_seq_logits(gs[1]), eng_seq_logits(cs[1]), V, LOGIT_TOL, "hybrid single decode", 0);
+    pair p = pair_open(&f, 1, 16, 2, 2);
+    eng_seq **cs = p.cs, **gs = p.gs;
+    const int lens[2] = {9, 3};
+    pair_prefill(&p, lens, 90u, LOGIT_TOL, true, "hybrid prefill");
+    pair_decode(&p, 2, 3, LOGIT_TOL, "hybrid batched decode");
+    pair_decode_one(&p, cs[1], gs[1], LOGIT_TOL, "hybrid single decode");
     /* the latent rows made on the device come back with a fetch */
     const eng_dims *d = &cs[0]->d;
     for (int i = 0; i < 2; i++) {
-        cr_assert_eq(eng_ctx_attach(cc, gs[i], &err), KDS_OK, "%s", err.msg);
+        cr_assert_eq(eng_ctx_attach(p.cc, gs[i], &err), KDS_OK, "%s", err.msg);
         expect_same_state(gs[i], cs[i], "hybrid KDA state");
         for (int l = 0; l < d->n_mla; l++)
             expect_close(gs[i]->mla_cache[l], cs[i]->mla_cache[l], (size_t)cs[i]->pos * d->mla_row,
@@ -440,22 +445,11 @@ Test(cuda_model, hybrid_follows_the_cpu, .timeout = 3600) {
     cr_assert(snap1);
     cr_assert_eq(eng_seq_state_save(cs[1], snap1, n1, &err), KDS_OK, "%s", err.msg);
     cr_assert_eq(eng_seq_state_load(gs[0], snap1, n1, &err), KDS_OK, "%s", err.msg);
-    id = argmax(eng_seq_logits(cs[1]), V);
-    cr_assert_eq(eng_decode(cc, cs[1], id, &err), KDS_OK, "%s", err.msg);
-    cr_assert_eq(eng_decode(gc, gs[0], id, &err), KDS_OK, "%s", err.msg);
-    expect_close(eng_seq_logits(gs[0]), eng_seq_logits(cs[1]), V, LOGIT_TOL,
-                 "hybrid decode after a restore", 0);
+    pair_decode_one(&p, cs[1], gs[0], LOGIT_TOL, "hybrid decode after a restore");
     cr_log_info("cuda_model hybrid: largest GPU-CPU error / largest magnitude %g", worst_ratio);
-    expect_graphs(gc, "tiny-hybrid");
+    expect_graphs(p.gc, "tiny-hybrid");
     free(snap1);
-    free(la_c);
-    free(la_g);
-    for (int i = 0; i < 2; i++) {
-        eng_seq_free(cs[i]);
-        eng_seq_free(gs[i]);
-    }
-    eng_ctx_free(gc);
-    eng_ctx_free(cc);
+    pair_close(&p);
     close_fixture(&f);
 }
 
@@ -517,44 +511,15 @@ Test(cuda_model, wide_follows_the_cpu, .timeout = 900) {
     if (!big || strcmp(big, "1") != 0)
         cr_skip_test("needs KDS_GPU_BIG_TESTS=1 (writes a 3.3 GB model; run by gpu_check.sh)");
     fixture f = open_preset("wide");
-    kds_err err = {0};
-    eng_ctx_params cp = eng_ctx_default_params();
-    cp.n_threads = 0;
-    cp.max_batch = 64;
-    cp.max_seqs = 2;
-    eng_ctx *cc = NULL, *gc = NULL;
-    cr_assert_eq(eng_ctx_create(f.m, &cp, &cc, &err), KDS_OK, "%s", err.msg);
-    cp.device = "cuda";
-    cr_assert_eq(eng_ctx_create(f.m, &cp, &gc, &err), KDS_OK, "%s", err.msg);
-    const int V = f.vocab, lens[2] = {40, 5};
-    eng_seq *cs[2], *gs[2];
-    int32_t ids[40];
+    pair p = pair_open(&f, 0, 64, 2, 2);
+    const int lens[2] = {40, 5};
     worst_ratio = 0;
-    for (int i = 0; i < 2; i++) {
-        cr_assert_eq(eng_seq_create(f.m, 3, &cs[i], &err), KDS_OK, "%s", err.msg);
-        cr_assert_eq(eng_seq_create(f.m, 3, &gs[i], &err), KDS_OK, "%s", err.msg);
-        prompt(ids, lens[i], V, 500u + (uint32_t)i);
-        cr_assert_eq(eng_prefill(cc, cs[i], ids, lens[i], NULL, NULL, NULL, &err), KDS_OK, "%s", err.msg);
-        cr_assert_eq(eng_prefill(gc, gs[i], ids, lens[i], NULL, NULL, NULL, &err), KDS_OK, "%s", err.msg);
-        expect_close(eng_seq_logits(gs[i]), eng_seq_logits(cs[i]), V, WIDE_TOL, "wide prefill", i);
-    }
-    for (int step = 0; step < 3; step++) {
-        int32_t next[2] = {argmax(eng_seq_logits(cs[0]), V), argmax(eng_seq_logits(cs[1]), V)};
-        cr_assert_eq(eng_decode_batch(cc, cs, next, 2, &err), KDS_OK, "%s", err.msg);
-        cr_assert_eq(eng_decode_batch(gc, gs, next, 2, &err), KDS_OK, "%s", err.msg);
-        for (int i = 0; i < 2; i++)
-            expect_close(eng_seq_logits(gs[i]), eng_seq_logits(cs[i]), V, WIDE_TOL, "wide batched decode",
-                         step);
-    }
+    pair_prefill(&p, lens, 500u, WIDE_TOL, false, "wide prefill");
+    pair_decode(&p, 2, 3, WIDE_TOL, "wide batched decode");
     cr_log_info("cuda_model wide (48B widths): largest GPU-CPU error / largest magnitude %g (limit %g)",
                 worst_ratio, WIDE_TOL);
-    expect_graphs(gc, "wide");
-    for (int i = 0; i < 2; i++) {
-        eng_seq_free(cs[i]);
-        eng_seq_free(gs[i]);
-    }
-    eng_ctx_free(gc);
-    eng_ctx_free(cc);
+    expect_graphs(p.gc, "wide");
+    pair_close(&p);
     close_fixture(&f);
 }
 
