@@ -511,7 +511,7 @@ static void bench_usage(FILE *f) {
                "count and sizes.\n\n"
                "--seqs N,N,... adds continuous batching: for each N, N sequences with\n"
                "different prompts (--prompt-tokens each) decode --gen-tokens greedy tokens\n"
-               "each, once together (one eng_decode_batch per step) and once one after\n"
+               "each, once together (one eng_decode_batch_sample per step) and once one after\n"
                "another (eng_decode for each sequence in turn, every step), and prints the\n"
                "aggregate tokens/s of both. --batch B is the prefill batch, not this.\n\n"
                "--device cuda runs the forward pass on the GPU. States stay\n"
@@ -597,12 +597,20 @@ static kds_status bench_seqs(eng_ctx *c, const eng_model *m, int n, int64_t pt, 
                     (rc = eng_ctx_attach(c, s[i], err)) != KDS_OK) /* onto a GPU: untimed */
                     goto out;
             double t0 = cli_now();
-            for (int64_t step = 0; step < gt; step++) {
-                for (int i = 0; i < n; i++) {
+            if (together) {
+                /* each step one batched pass that also samples the next
+                 * tokens (on a GPU: on the device, only the tokens come back) */
+                for (int i = 0; i < n; i++)
                     if ((rc = eng_sample(c, s[i], &greedy, &next[i], err)) != KDS_OK) goto out;
-                    if (!together && (rc = eng_decode(c, s[i], next[i], err)) != KDS_OK) goto out;
-                }
-                if (together && (rc = eng_decode_batch(c, s, next, n, err)) != KDS_OK) goto out;
+                for (int64_t step = 0; step < gt; step++)
+                    if ((rc = eng_decode_batch_sample(c, s, next, n, &greedy, next, err)) != KDS_OK)
+                        goto out;
+            } else {
+                for (int64_t step = 0; step < gt; step++)
+                    for (int i = 0; i < n; i++)
+                        if ((rc = eng_sample(c, s[i], &greedy, &next[i], err)) != KDS_OK ||
+                            (rc = eng_decode(c, s[i], next[i], err)) != KDS_OK)
+                            goto out;
             }
             double tps = (double)n * gt / (cli_now() - t0);
             (together ? tog : apart)[r] = tps;

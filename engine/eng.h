@@ -227,6 +227,7 @@ kds_status eng_decode_batch(eng_ctx *c, eng_seq *const *seqs, const int32_t *ids
  * eng_ctx_params.max_seqs of the context. */
 int eng_ctx_max_seqs(const eng_ctx *c);
 
+
 /* ------------------------------------------------------------------------ */
 /* Sampling                                                                  */
 
@@ -247,6 +248,23 @@ eng_sampler_params eng_sampler_default_params(void);
  * Returns KDS_INVALID_ARG at position 0 (no logits yet). */
 kds_status eng_sample(eng_ctx *c, eng_seq *s, const eng_sampler_params *p, int32_t *token,
                       kds_err *err);
+
+/*
+ * eng_decode_batch, then a token for each sequence from its new logits with
+ * sampler p: next[i], exactly what eng_sample(c, seqs[i], p) would give
+ * (the same algorithm, RNG step and repetition penalty). On a GPU context
+ * the sampler runs on the device and each sequence's logits stay there
+ * until something reads them (eng_seq_logits, eng_sample and state saves
+ * fetch them), so only the tokens cross the bus; settings the GPU sampler
+ * lacks (temperature > 0 with top_k off or above 1024) sample on the host.
+ * On the CPU it is eng_decode_batch followed by eng_sample for each. next
+ * may be ids (each step's tokens feed the next step).
+ * Errors: those of eng_decode_batch (nothing changed), KDS_INVALID_ARG
+ * (p or next NULL); an error after the pass leaves the sequences advanced
+ * and next unspecified.
+ */
+kds_status eng_decode_batch_sample(eng_ctx *c, eng_seq *const *seqs, const int32_t *ids, int n,
+                                   const eng_sampler_params *p, int32_t *next, kds_err *err);
 
 /* ------------------------------------------------------------------------ */
 /* Tokenizer                                                                 */

@@ -67,8 +67,24 @@ int eng__cuda_graph_count(const eng_cuda *g) {
     return -1;
 }
 
+kds_status eng__cuda_decode_sample(eng_cuda *g, eng_seq *const *seqs, int n, const int32_t *ids,
+                                   const eng_sampler_params *p, int32_t *next, kds_err *err) {
+    (void)g, (void)seqs, (void)n, (void)ids, (void)p, (void)next;
+    return kds_err_set(err, KDS_UNSUPPORTED, "this kdaserve was built without CUDA");
+}
+
+bool eng__cuda_sampler_takes(const eng_cuda *g, const eng_sampler_params *p) {
+    (void)g, (void)p;
+    return false;
+}
+
 /* No sequence is ever resident without CUDA. */
 kds_status eng__seq_fetch_slow(const eng_seq *s, kds_err *err) {
+    (void)s, (void)err;
+    return KDS_OK;
+}
+
+kds_status eng__seq_fetch_logits_slow(const eng_seq *s, kds_err *err) {
     (void)s, (void)err;
     return KDS_OK;
 }
@@ -140,8 +156,15 @@ struct eng_cuda {
     kern_cuda_gemm_ctx *gemm;        /* cuBLAS for products of more than 8 rows */
     kern_cuda_gemm_mode mode;        /* their activations: EXACT (hi + lo) or BF16 */
     void *stream;                    /* every copy and kernel of the context runs here */
-    void **graphs;                   /* [max_seqs][ENG_CUDA_CTX_BUCKETS] decode graphs, or NULL */
+    void **graphs;                   /* [2][max_seqs][ENG_CUDA_CTX_BUCKETS] decode graphs (logits
+                                      * to the host or left on the device), or NULL */
+    /* eng_decode_batch_sample: each slot's logits row, and the sampler's inputs and outputs */
+    float *slot_logits;              /* [max_seqs, vocab] */
+    int32_t *d_pen, *d_tok;          /* [max_seqs, ENG_RECENT_TOKENS], [max_seqs] */
+    uint64_t *d_rng;                 /* [max_seqs, 4] */
+    unsigned char *h_samp;           /* pinned staging of the three */
     int graphs_off;                  /* capture unavailable, or KDS_CUDA_GRAPHS=0 */
+    int prefill_fp32;                /* the tensor-core prefill does not fit this GPU */
     /* MLA: per MLA layer and slot a latent cache [cap, dc + dr] (grown
      * geometrically), its device pointer table, and the pass's positions */
     float ***mla_cache;              /* [n_mla][max_seqs] device pointers (host array) */
@@ -237,7 +260,7 @@ kds_status eng__cuda_create(const eng_model *m, int max_batch, int max_seqs, boo
     g->d = dm;
     g->mode = bf16 ? KERN_CUDA_GEMM_BF16 : KERN_CUDA_GEMM_EXACT;
     if ((rc = kern_cuda_stream_create(&g->stream, err)) != KDS_OK) goto fail;
-    g->graphs = calloc((size_t)max_seqs * ENG_CUDA_CTX_BUCKETS, sizeof *g->graphs);
+    g->graphs = calloc((size_t)2 * max_seqs * ENG_CUDA_CTX_BUCKETS, sizeof *g->graphs);
     if (!g->graphs) {
         rc = kds_err_set(err, KDS_NOMEM, "out of memory creating a CUDA context");
         goto fail;
@@ -412,6 +435,10 @@ kds_status eng__cuda_create(const eng_model *m, int max_batch, int max_seqs, boo
     }
     DALLOC(g->logits, B * d->vocab);
     DALLOC(g->pos, max_seqs);
+    DALLOC(g->slot_logits, (size_t)max_seqs * d->vocab);
+    DALLOC(g->d_pen, (size_t)max_seqs * ENG_RECENT_TOKENS);
+    DALLOC(g->d_tok, max_seqs);
+    DALLOC(g->d_rng, (size_t)max_seqs * 4);
     if (d->n_mla) {
         const kern_mla_shape msh = {d->mla_heads, d->dc, d->dr, d->dn, d->dv};
         DALLOC(g->mq, B * d->mla_heads * (d->dn + d->dr));
@@ -467,7 +494,9 @@ kds_status eng__cuda_create(const eng_model *m, int max_batch, int max_seqs, boo
     }
     if ((rc = kern_cuda_host_alloc((void **)&g->h_slots, (size_t)max_seqs * sizeof(int32_t), err)) ||
         (rc = kern_cuda_host_alloc((void **)&g->h_ids, (size_t)g->B * sizeof(int32_t), err)) ||
-        (rc = kern_cuda_host_alloc((void **)&g->h_pos, (size_t)max_seqs * sizeof(int32_t), err)))
+        (rc = kern_cuda_host_alloc((void **)&g->h_pos, (size_t)max_seqs * sizeof(int32_t), err)) ||
+        (rc = kern_cuda_host_alloc((void **)&g->h_samp,
+                                   (size_t)max_seqs * (ENG_RECENT_TOKENS * 4 + 4 + 32), err)))
         goto fail;
     /* everything the set-up queued (generated weights, uploads, any library
      * initialisation on the default stream): a device-wide sync */
@@ -495,6 +524,7 @@ void eng__cuda_free(eng_cuda *g) {
     free(g->last_use);
     kern_cuda_host_free(g->h_slots);
     kern_cuda_host_free(g->h_pos);
+    kern_cuda_host_free(g->h_samp);
     kern_cuda_gemm_ctx_free(g->gemm);
     if (g->mla_cache)
         for (int i = 0; i < g->d.n_mla; i++) {
@@ -507,7 +537,7 @@ void eng__cuda_free(eng_cuda *g) {
     for (int i = 0; i < g->n_allocs; i++) kern_cuda_free(g->allocs[i]);
     free(g->allocs);
     if (g->graphs)
-        for (size_t i = 0; i < (size_t)g->max_seqs * ENG_CUDA_CTX_BUCKETS; i++)
+        for (size_t i = 0; i < (size_t)2 * g->max_seqs * ENG_CUDA_CTX_BUCKETS; i++)
             kern_cuda_graph_free(g->graphs[i]);
     free(g->graphs);
     kern_cuda_stream_free(g->stream);
@@ -635,13 +665,25 @@ kds_status eng__seq_fetch_slow(const eng_seq *cs, kds_err *err) {
     /* Logically const: the host buffers get the state the sequence already
      * has (on the device). */
     eng_seq *s = (eng_seq *)cs;
-    kds_status rc = eng__cuda_state_download(s->gpu, s->gpu_slot, s, err);
+    kds_status rc = eng__seq_fetch_logits(s, err);
+    if (rc != KDS_OK || !s->gpu_newer) return rc;
+    rc = eng__cuda_state_download(s->gpu, s->gpu_slot, s, err);
     /* MLA caches are append-only: only the rows made on the device */
     if (rc == KDS_OK) rc = mla_rows_copy(s->gpu, s->gpu_slot, s, s->gpu_host_rows, 0, err);
     if (rc == KDS_OK) {
         s->gpu_newer = 0;
         s->gpu_host_rows = s->pos;
     }
+    return rc;
+}
+
+kds_status eng__seq_fetch_logits_slow(const eng_seq *cs, kds_err *err) {
+    eng_seq *s = (eng_seq *)cs; /* logically const, as above */
+    eng_cuda *g = s->gpu;
+    kds_status rc = kern_cuda_memcpy_d2h(s->logits, g->slot_logits + (size_t)s->gpu_slot * g->d.vocab,
+                                         (size_t)g->d.vocab * sizeof(float), g->stream, err);
+    if (rc == KDS_OK) rc = kern_cuda_sync(g->stream, err);
+    if (rc == KDS_OK) s->logits_on_gpu = 0;
     return rc;
 }
 
@@ -772,8 +814,18 @@ static kds_status kda_layer(eng_cuda *g, const dlayer *L, int kl, int T, int mul
                                          .dt_bias = L->dt_bias, .lower_bound = lb,
                                          .state = g->state[kl] + (size_t)slot * d->HV * d->K * d->V,
                                          .o = g->o,
-                                         .workspace = g->ws, .workspace_bytes = g->ws_bytes};
-        TRY(kern_cuda_kda_prefill(&pa, g->stream, err));
+                                         .workspace = g->ws, .workspace_bytes = g->ws_bytes,
+                                         /* bf16 x 3 products: ~1e-5, as the GEMMs */
+                                         .tensor_cores = d->K % 16 == 0 && !g->prefill_fp32};
+        rc = kern_cuda_kda_prefill(&pa, g->stream, err);
+        if (rc == KDS_UNSUPPORTED && pa.tensor_cores) {
+            /* the tensor-core kernels' shared memory is more than this GPU
+             * has (A100): the fp32 kernels from now on */
+            g->prefill_fp32 = 1;
+            pa.tensor_cores = false;
+            rc = kern_cuda_kda_prefill(&pa, g->stream, err);
+        }
+        if (rc != KDS_OK) return rc;
     } else {
         kern_cuda_kda_decode_args da = {.shape = sh, .N = T, .in_dtype = KERN_F32, .q = g->q,
                                         .k = g->k, .v = g->v, .g_raw = g->g, .beta_raw = g->beta,
@@ -889,7 +941,8 @@ static kds_status dense_ffn(eng_cuda *g, const dlayer *L, int T, kds_err *err) {
 /* The queued part of a pass (no sync, so it can be captured into a graph):
  * ids, slots and positions from their pinned buffers (h_ids, h_slots,
  * h_pos: read when the pass runs), the layers, and the logits of rows
- * [first, T) into `dst` (NULL: none). */
+ * [first, T) into `dst` (NULL: none for one sequence; for a decode pass,
+ * left in g->logits). */
 static kds_status run_layers(eng_cuda *g, int T, int multi, int chunked, int slot, int64_t pos0,
                              int max_ctx, float *dst, int first, kds_err *err) {
     kds_status rc;
@@ -916,10 +969,11 @@ static kds_status run_layers(eng_cuda *g, int T, int multi, int chunked, int slo
         TRY(norm_rows(g, g->x, L->post_norm, T, hid, eps, g->xn, err));
         TRY(L->is_moe ? moe_ffn(g, L, T, err) : dense_ffn(g, L, T, err));
     }
-    if (!dst) return KDS_OK;
+    if (!dst && !multi) return KDS_OK; /* a prefill step before the last: no logits */
     const int n = T - first;
     TRY(norm_rows(g, g->x + (size_t)first * hid, g->final_norm, n, hid, eps, g->xn, err));
     TRY(mm(g, &g->lm_head, g->xn, hid, n, g->logits, g->d.vocab, false, err));
+    if (!dst) return KDS_OK; /* decode with the logits left on the device (g->logits) */
     return kern_cuda_memcpy_d2h(dst, g->logits, (size_t)n * g->d.vocab * sizeof(float), g->stream,
                                 err);
 }
@@ -927,8 +981,15 @@ static kds_status run_layers(eng_cuda *g, int T, int multi, int chunked, int slo
 int eng__cuda_graph_count(const eng_cuda *g) {
     if (g->graphs_off) return -1;
     int n = 0;
-    for (size_t i = 0; i < (size_t)g->max_seqs * ENG_CUDA_CTX_BUCKETS; i++) n += g->graphs[i] != NULL;
+    for (size_t i = 0; i < (size_t)2 * g->max_seqs * ENG_CUDA_CTX_BUCKETS; i++)
+        n += g->graphs[i] != NULL;
     return n;
+}
+
+bool eng__cuda_sampler_takes(const eng_cuda *g, const eng_sampler_params *p) {
+    const int V = g->d.vocab;
+    const int k = p->top_k <= 0 || p->top_k >= V ? V : p->top_k; /* top-k off: every id */
+    return V % 4 == 0 && (p->temperature <= 0.0f || k <= KERN_CUDA_SAMPLE_MAX_K);
 }
 
 /* ceil(log2(n)) for n >= 1: the context bucket of a decode graph */
@@ -948,15 +1009,16 @@ static int ctx_bucket(int n) {
  * available or fails, graphs are switched off for the context and passes
  * run with plain launches.
  */
-static kds_status decode_pass(eng_cuda *g, int T, int max_ctx, kds_err *err) {
+static kds_status decode_pass(eng_cuda *g, int T, int max_ctx, int lazy, kds_err *err) {
     kds_status rc;
     const int b = g->d.n_mla ? ctx_bucket(max_ctx) : 0;
-    void **slot = &g->graphs[(size_t)(T - 1) * ENG_CUDA_CTX_BUCKETS + b];
+    float *dst = lazy ? NULL : g->h_logits;
+    void **slot = &g->graphs[((size_t)lazy * g->max_seqs + (size_t)(T - 1)) * ENG_CUDA_CTX_BUCKETS + b];
     if (!g->graphs_off && !*slot) {
         kds_err cap_err;
         kds_err_clear(&cap_err);
         if (kern_cuda_graph_begin(g->stream, &cap_err) == KDS_OK) {
-            rc = run_layers(g, T, 1, 0, 0, 0, g->d.n_mla ? 1 << b : 0, g->h_logits, 0, &cap_err);
+            rc = run_layers(g, T, 1, 0, 0, 0, g->d.n_mla ? 1 << b : 0, dst, 0, &cap_err);
             void *exec = NULL;
             kds_status end = kern_cuda_graph_end(g->stream, &exec, &cap_err);
             if (rc == KDS_OK && end == KDS_OK)
@@ -969,12 +1031,14 @@ static kds_status decode_pass(eng_cuda *g, int T, int max_ctx, kds_err *err) {
     if (*slot)
         TRY(kern_cuda_graph_launch(*slot, g->stream, err));
     else
-        TRY(run_layers(g, T, 1, 0, 0, 0, max_ctx, g->h_logits, 0, err));
+        TRY(run_layers(g, T, 1, 0, 0, 0, max_ctx, dst, 0, err));
     return kern_cuda_sync(g->stream, err);
 }
 
-kds_status eng__cuda_forward(eng_cuda *g, eng_seq *const *seqs, int n_seqs, const int32_t *ids,
-                             int T, int chunked, float *logits, int want_last, kds_err *err) {
+/* eng__cuda_forward; lazy (decode only): the logits stay in g->logits. */
+static kds_status forward_impl(eng_cuda *g, eng_seq *const *seqs, int n_seqs, const int32_t *ids,
+                               int T, int chunked, float *logits, int want_last, int lazy,
+                               kds_err *err) {
     kds_status rc = KDS_OK;
     /* one token per sequence (every decode, also of one sequence) takes the
      * batched path: slots and positions on the device, graphs */
@@ -1011,7 +1075,7 @@ kds_status eng__cuda_forward(eng_cuda *g, eng_seq *const *seqs, int n_seqs, cons
     const int first = logits || multi ? 0 : T - 1;
     float *dst = !need ? NULL : logits ? logits : g->h_logits;
     if (multi) {
-        rc = decode_pass(g, T, max_ctx, err);
+        rc = decode_pass(g, T, max_ctx, lazy, err);
     } else {
         rc = run_layers(g, T, 0, chunked, g->h_slots[0], seqs[0]->pos, max_ctx, dst, first, err);
         if (rc == KDS_OK) rc = kern_cuda_sync(g->stream, err);
@@ -1029,12 +1093,72 @@ kds_status eng__cuda_forward(eng_cuda *g, eng_seq *const *seqs, int n_seqs, cons
         seqs[0]->has_logits = 0;
     } else if (multi) {
         for (int t = 0; t < T; t++) {
-            memcpy(seqs[t]->logits, dst + (size_t)t * vocab, (size_t)vocab * sizeof(float));
+            if (!lazy) memcpy(seqs[t]->logits, dst + (size_t)t * vocab, (size_t)vocab * sizeof(float));
+            seqs[t]->logits_on_gpu = lazy;
             seqs[t]->has_logits = 1;
         }
     } else {
         memcpy(seqs[0]->logits, dst + (size_t)(T - 1 - first) * vocab, (size_t)vocab * sizeof(float));
         seqs[0]->has_logits = 1;
+    }
+    return KDS_OK;
+}
+
+kds_status eng__cuda_forward(eng_cuda *g, eng_seq *const *seqs, int n_seqs, const int32_t *ids,
+                             int T, int chunked, float *logits, int want_last, kds_err *err) {
+    return forward_impl(g, seqs, n_seqs, ids, T, chunked, logits, want_last, 0, err);
+}
+
+/*
+ * The decode pass with its logits left on the device, then the sampler
+ * there: the rows go to their slots' logits (where eng__seq_fetch_logits
+ * finds them), the sampler works on the pass's copy (its repetition
+ * penalty, each row's recent tokens newest first as eng_sample picks them,
+ * rewrites entries in place), and only the tokens and the advanced RNG
+ * states come back. The caller
+ * checked eng__cuda_sampler_takes(g, p).
+ */
+kds_status eng__cuda_decode_sample(eng_cuda *g, eng_seq *const *seqs, int n, const int32_t *ids,
+                                   const eng_sampler_params *p, int32_t *next, kds_err *err) {
+    kds_status rc = forward_impl(g, seqs, n, ids, n, 0, NULL, 1, 1, err);
+    if (rc != KDS_OK) return rc;
+    const int V = g->d.vocab;
+    const size_t row_bytes = (size_t)V * sizeof(float);
+    int n_pen = 0;
+    if (p->repeat_penalty > 0.0f && p->repeat_penalty != 1.0f)
+        n_pen = p->repeat_last_n < ENG_RECENT_TOKENS ? p->repeat_last_n : ENG_RECENT_TOKENS;
+    if (n_pen < 0) n_pen = 0;
+    int32_t *h_pen = (int32_t *)g->h_samp;
+    uint64_t *h_rng = (uint64_t *)(g->h_samp + (size_t)g->max_seqs * ENG_RECENT_TOKENS * 4);
+    int32_t *h_tok = (int32_t *)((unsigned char *)h_rng + (size_t)g->max_seqs * 32);
+    for (int i = 0; i < n; i++) {
+        const eng_seq *s = seqs[i];
+        const int have = s->n_recent < ENG_RECENT_TOKENS ? s->n_recent : ENG_RECENT_TOKENS;
+        for (int j = 0; j < n_pen; j++)
+            h_pen[(size_t)i * n_pen + j] =
+                j < have ? s->recent[((uint32_t)s->n_recent - 1 - (uint32_t)j) % ENG_RECENT_TOKENS] : -1;
+        memcpy(h_rng + (size_t)i * 4, s->rng, 32);
+    }
+    if (n_pen)
+        TRY(kern_cuda_memcpy_h2d(g->d_pen, h_pen, (size_t)n * n_pen * sizeof(int32_t), g->stream, err));
+    TRY(kern_cuda_memcpy_h2d(g->d_rng, h_rng, (size_t)n * 32, g->stream, err));
+    kern_cuda_sample_args sa = {.N = n, .V = V, .logits = g->logits,
+                                .params = {.temperature = p->temperature, .top_k = p->top_k,
+                                           .top_p = p->top_p, .min_p = p->min_p,
+                                           .repeat_penalty = p->repeat_penalty},
+                                .penalty_ids = n_pen ? g->d_pen : NULL, .n_penalty = n_pen,
+                                .rng = g->d_rng, .tokens = g->d_tok};
+    /* the rows to their slots first (g->slots holds this pass's slots): the
+     * sampler rewrites penalised entries of g->logits in place, while
+     * eng_sample leaves a sequence's logits as they are */
+    TRY(kern_cuda_rows_scatter(g->logits, row_bytes, g->slots, n, g->slot_logits, g->stream, err));
+    TRY(kern_cuda_sample(&sa, g->stream, err));
+    TRY(kern_cuda_memcpy_d2h(h_tok, g->d_tok, (size_t)n * sizeof(int32_t), g->stream, err));
+    TRY(kern_cuda_memcpy_d2h(h_rng, g->d_rng, (size_t)n * 32, g->stream, err));
+    TRY(kern_cuda_sync(g->stream, err));
+    for (int i = 0; i < n; i++) {
+        next[i] = h_tok[i];
+        memcpy(seqs[i]->rng, h_rng + (size_t)i * 4, 32);
     }
     return KDS_OK;
 }

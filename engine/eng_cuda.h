@@ -50,6 +50,13 @@ kds_status eng__cuda_forward(eng_cuda *g, eng_seq *const *seqs, int n_seqs, cons
  * (0 <= slot < max_seqs), or back from it into `s`, through the pinned
  * staging buffer; synchronous. Errors: KDS_INVALID_ARG (slot, model),
  * KDS_CUDA. */
+/* eng_decode_batch_sample on the GPU (the checks and host MLA reserves
+ * done by the caller, who also checked eng__cuda_sampler_takes(g, p)): the
+ * pass with the logits left on the device, the sampler there, next[i] out. */
+bool eng__cuda_sampler_takes(const eng_cuda *g, const eng_sampler_params *p);
+kds_status eng__cuda_decode_sample(eng_cuda *g, eng_seq *const *seqs, int n, const int32_t *ids,
+                                   const eng_sampler_params *p, int32_t *next, kds_err *err);
+
 /* Make `s` resident now (eng_ctx_attach): what the first pass would do,
  * so a restore can be timed or overlapped. Errors: as eng__cuda_forward. */
 kds_status eng__cuda_attach(eng_cuda *g, eng_seq *s, kds_err *err);

@@ -608,8 +608,9 @@ kds_status eng_decode(eng_ctx *c, eng_seq *s, int32_t id, kds_err *err) {
     return run_forward(c, &s, 1, &id, 1, 0, NULL, 1, err);
 }
 
-kds_status eng_decode_batch(eng_ctx *c, eng_seq *const *seqs, const int32_t *ids, int n,
-                            kds_err *err) {
+/* The checks of eng_decode_batch, and room in the MLA caches. */
+static kds_status decode_batch_prepare(eng_ctx *c, eng_seq *const *seqs, const int32_t *ids, int n,
+                                       kds_err *err) {
     if (n < 0 || n > c->max_seqs)
         return kds_err_set(err, KDS_INVALID_ARG,
                            "batch of %d sequences: this context takes 0 to %d (max_seqs)", n,
@@ -639,7 +640,28 @@ kds_status eng_decode_batch(eng_ctx *c, eng_seq *const *seqs, const int32_t *ids
         kds_status rc = eng__seq_reserve(seqs[i], seqs[i]->pos + 1, err);
         if (rc != KDS_OK) return rc;
     }
+    return KDS_OK;
+}
+
+kds_status eng_decode_batch(eng_ctx *c, eng_seq *const *seqs, const int32_t *ids, int n,
+                            kds_err *err) {
+    kds_status rc = decode_batch_prepare(c, seqs, ids, n, err);
+    if (rc != KDS_OK || n == 0) return rc;
     return run_forward(c, seqs, n, ids, n, 0, NULL, 1, err);
+}
+
+kds_status eng_decode_batch_sample(eng_ctx *c, eng_seq *const *seqs, const int32_t *ids, int n,
+                                   const eng_sampler_params *p, int32_t *next, kds_err *err) {
+    if (!p || (!next && n > 0))
+        return kds_err_set(err, KDS_INVALID_ARG, "eng_decode_batch_sample without %s",
+                           !p ? "sampler settings" : "an output array");
+    kds_status rc = decode_batch_prepare(c, seqs, ids, n, err);
+    if (rc != KDS_OK || n == 0) return rc;
+    if (c->gpu && eng__cuda_sampler_takes(c->gpu, p))
+        return eng__cuda_decode_sample(c->gpu, seqs, n, ids, p, next, err);
+    if ((rc = run_forward(c, seqs, n, ids, n, 0, NULL, 1, err)) != KDS_OK) return rc;
+    for (int i = 0; i < n && rc == KDS_OK; i++) rc = eng_sample(c, seqs[i], p, &next[i], err);
+    return rc;
 }
 
 /* ------------------------------------------------------------------------ */
@@ -818,6 +840,8 @@ kds_status eng_ctx_attach(eng_ctx *c, eng_seq *s, kds_err *err) {
 
 kds_status eng_sample(eng_ctx *c, eng_seq *s, const eng_sampler_params *p, int32_t *token,
                       kds_err *err) {
+    kds_status rc = eng__seq_fetch_logits(s, err);
+    if (rc != KDS_OK) return rc;
     if (!s->has_logits)
         return kds_err_set(err, KDS_INVALID_ARG, "nothing to sample from: the sequence is empty");
     /* the recent tokens, newest first, that the repetition penalty looks at */

@@ -51,6 +51,8 @@ struct eng_seq {
     int gpu_slot;
     int gpu_newer, host_newer;
     int64_t gpu_host_rows;       /* MLA rows [0, this) of the host caches are current */
+    int logits_on_gpu;           /* `logits` is stale: the current row is in the slot's device
+                                  * logits (eng_decode_batch_sample) */
 };
 
 /* Residency hooks (eng_cuda.c; trivial for sequences never run on a GPU):
@@ -58,12 +60,17 @@ struct eng_seq {
  * from the device; `s` is logically const: its content does not change),
  * mark them written, and give up the device slot (eng_seq_free). */
 kds_status eng__seq_fetch_slow(const eng_seq *s, kds_err *err);
+kds_status eng__seq_fetch_logits_slow(const eng_seq *s, kds_err *err);
 void eng__seq_detach(eng_seq *s);
 static inline kds_status eng__seq_fetch(const eng_seq *s, kds_err *err) {
-    return s->gpu && s->gpu_newer ? eng__seq_fetch_slow(s, err) : KDS_OK;
+    return s->gpu && (s->gpu_newer || s->logits_on_gpu) ? eng__seq_fetch_slow(s, err) : KDS_OK;
+}
+/* Only the logits (eng_seq_logits, eng_sample): one row, not the state. */
+static inline kds_status eng__seq_fetch_logits(const eng_seq *s, kds_err *err) {
+    return s->gpu && s->logits_on_gpu ? eng__seq_fetch_logits_slow(s, err) : KDS_OK;
 }
 static inline void eng__seq_host_written(eng_seq *s) {
-    if (s->gpu) s->host_newer = 1, s->gpu_newer = 0;
+    if (s->gpu) s->host_newer = 1, s->gpu_newer = 0, s->logits_on_gpu = 0;
 }
 
 /* Make room for `tokens` positions in every MLA cache (geometric growth). */

@@ -162,7 +162,11 @@ kds_status eng_seq_clone(const eng_seq *s, eng_seq **out, kds_err *err) {
 }
 
 int64_t eng_seq_pos(const eng_seq *s) { return s->pos; }
-const float *eng_seq_logits(const eng_seq *s) { return s->has_logits ? s->logits : NULL; }
+const float *eng_seq_logits(const eng_seq *s) {
+    /* logits left on a GPU by eng_decode_batch_sample come back first */
+    if (eng__seq_fetch_logits(s, NULL) != KDS_OK) return NULL;
+    return s->has_logits ? s->logits : NULL;
+}
 
 size_t eng_seq_state_bytes(const eng_seq *s) {
     eng_state_size z = eng_config_state_size(&s->model->cfg);

@@ -128,6 +128,13 @@ kds_status kern_cuda_gen_normal(void *dst, kern_dtype dt, size_t n, uint64_t key
 kds_status kern_cuda_embed(const void *table, kern_dtype dt, int vocab, int hidden,
                            const int32_t *ids, int T, float *x, void *stream, kds_err *err);
 
+/* dst[idx[i]] = src[i] for rows i < n of `row_bytes` bytes (a multiple of
+ * 16; src, dst 16-byte aligned): rows of a batch back to their sequences'
+ * slots. idx on the device; an index below 0 skips its row. The indices
+ * must be distinct. Errors: KDS_INVALID_ARG, KDS_CUDA. */
+kds_status kern_cuda_rows_scatter(const void *src, size_t row_bytes, const int32_t *idx, int n,
+                                  void *dst, void *stream, kds_err *err);
+
 /* ------------------------------------------------------------------------ */
 /* Element kernels (same semantics as kern.h; all pointers are device ones)  */
 

@@ -84,6 +84,36 @@ static void check_embed(kern_dtype dt) {
 Test(cuda_gen, embed_bf16) { check_embed(KERN_BF16); }
 Test(cuda_gen, embed_f32) { check_embed(KERN_F32); }
 
+/* Rows back to their slots: dst[idx[i]] = src[i]; a negative index skips
+ * its row; rows of dst nobody names stay as they were. */
+Test(cuda_gen, rows_scatter) {
+    tcu_require_device();
+    const int n = 3, slots = 5, cols = 12; /* 48-byte rows */
+    const int32_t idx[3] = {4, -1, 1};
+    float src[3][12], dst[5][12], want[5][12];
+    for (int i = 0; i < n; i++)
+        for (int c = 0; c < cols; c++) src[i][c] = (float)(100 * i + c);
+    for (int r = 0; r < slots; r++)
+        for (int c = 0; c < cols; c++) dst[r][c] = want[r][c] = -1.0f - (float)r;
+    memcpy(want[4], src[0], sizeof want[4]);
+    memcpy(want[1], src[2], sizeof want[1]);
+    void *ds = tcu_dev_alloc(sizeof src), *dd = tcu_dev_alloc(sizeof dst);
+    int32_t *di = tcu_dev_alloc(sizeof idx);
+    tcu_h2d(ds, src, sizeof src);
+    tcu_h2d(dd, dst, sizeof dst);
+    tcu_h2d(di, idx, sizeof idx);
+    kds_err err = {0};
+    cr_assert_eq(kern_cuda_rows_scatter(ds, sizeof src[0], di, n, dd, NULL, &err), KDS_OK, "%s",
+                 err.msg);
+    cr_assert_eq(kern_cuda_sync(NULL, &err), KDS_OK, "%s", err.msg);
+    tcu_d2h(dst, dd, sizeof dst);
+    cr_expect_eq(memcmp(dst, want, sizeof dst), 0, "scattered rows differ");
+    cr_expect_eq(kern_cuda_rows_scatter(ds, 20, di, n, dd, NULL, &err), KDS_INVALID_ARG);
+    kern_cuda_free(ds);
+    kern_cuda_free(dd);
+    kern_cuda_free(di);
+}
+
 #else
 
 Test(cuda_gen, skipped) { cr_skip_test("built without CUDA"); }

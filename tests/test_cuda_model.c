@@ -109,6 +109,39 @@ Test(cuda_model, device_names) {
     close_fixture(&f);
 }
 
+/* eng_decode_batch_sample on the CPU is eng_decode_batch + eng_sample. */
+Test(cuda_model, decode_batch_sample_on_the_cpu) {
+    fixture f = open_preset("tiny");
+    kds_err err = {0};
+    kds_status rc;
+    eng_ctx *c = make_ctx(f.m, NULL, &rc, &err);
+    cr_assert_eq(rc, KDS_OK, "%s", err.msg);
+    eng_seq *a[2], *b[2];
+    int32_t ids[4] = {5, 9, 11, 3}, in[2] = {7, 8}, out[2], want;
+    eng_sampler_params sp = eng_sampler_default_params();
+    for (int i = 0; i < 2; i++) {
+        cr_assert_eq(eng_seq_create(f.m, 4, &a[i], &err), KDS_OK, "%s", err.msg);
+        cr_assert_eq(eng_seq_create(f.m, 4, &b[i], &err), KDS_OK, "%s", err.msg);
+        cr_assert_eq(eng_prefill(c, a[i], ids + i, 3, NULL, NULL, NULL, &err), KDS_OK, "%s", err.msg);
+        cr_assert_eq(eng_prefill(c, b[i], ids + i, 3, NULL, NULL, NULL, &err), KDS_OK, "%s", err.msg);
+    }
+    cr_assert_eq(eng_decode_batch_sample(c, a, in, 2, &sp, out, &err), KDS_OK, "%s", err.msg);
+    cr_assert_eq(eng_decode_batch(c, b, in, 2, &err), KDS_OK, "%s", err.msg);
+    for (int i = 0; i < 2; i++) {
+        cr_assert_eq(eng_sample(c, b[i], &sp, &want, &err), KDS_OK, "%s", err.msg);
+        cr_expect_eq(out[i], want, "sequence %d", i);
+    }
+    cr_expect_eq(eng_decode_batch_sample(c, a, in, 2, NULL, out, &err), KDS_INVALID_ARG);
+    in[1] = -1;
+    cr_expect_eq(eng_decode_batch_sample(c, a, in, 2, &sp, out, &err), KDS_INVALID_ARG);
+    for (int i = 0; i < 2; i++) {
+        eng_seq_free(a[i]);
+        eng_seq_free(b[i]);
+    }
+    eng_ctx_free(c);
+    close_fixture(&f);
+}
+
 #ifdef KDS_HAVE_CUDA
 
 static void require_device(void) {
@@ -450,6 +483,81 @@ Test(cuda_model, hybrid_follows_the_cpu, .timeout = 3600) {
     expect_graphs(p.gc, "tiny-hybrid");
     free(snap1);
     pair_close(&p);
+    close_fixture(&f);
+}
+
+/* eng_decode_batch_sample on the GPU (sampler on the device, logits left
+ * there) against eng_decode_batch + eng_sample on a second GPU context (the
+ * same device logits, sampled on the host): the same tokens and RNG
+ * states, sampled (temperature, top-k, top-p, min-p, repetition penalty)
+ * and greedy, through batches that evict (3 sequences, 2 slots); then the
+ * logits and the whole state bytes read back equal, bit for bit. */
+Test(cuda_model, device_sampling_equals_host_sampling, .timeout = 3600) {
+    require_device();
+    fixture f = open_preset("tiny");
+    kds_err err = {0};
+    eng_ctx_params cp = eng_ctx_default_params();
+    cp.n_threads = 1;
+    cp.max_batch = 16;
+    cp.max_seqs = 2;
+    cp.device = "cuda";
+    eng_ctx *ga = NULL, *gb = NULL;
+    cr_assert_eq(eng_ctx_create(f.m, &cp, &ga, &err), KDS_OK, "%s", err.msg);
+    cr_assert_eq(eng_ctx_create(f.m, &cp, &gb, &err), KDS_OK, "%s", err.msg);
+    const int V = f.vocab, lens[3] = {6, 3, 9};
+    eng_seq *a[3], *b[3];
+    int32_t ids[9], tok[3];
+    eng_sampler_params sp = eng_sampler_default_params(); /* T 0.8, top-k 40, top-p, min-p */
+    sp.repeat_penalty = 1.3f;
+    for (int i = 0; i < 3; i++) {
+        cr_assert_eq(eng_seq_create(f.m, 21 + (uint64_t)i, &a[i], &err), KDS_OK, "%s", err.msg);
+        cr_assert_eq(eng_seq_create(f.m, 21 + (uint64_t)i, &b[i], &err), KDS_OK, "%s", err.msg);
+        prompt(ids, lens[i], V, 300u + (uint32_t)i);
+        cr_assert_eq(eng_prefill(ga, a[i], ids, lens[i], NULL, NULL, NULL, &err), KDS_OK, "%s", err.msg);
+        cr_assert_eq(eng_prefill(gb, b[i], ids, lens[i], NULL, NULL, NULL, &err), KDS_OK, "%s", err.msg);
+        int32_t tb;
+        cr_assert_eq(eng_sample(ga, a[i], &sp, &tok[i], &err), KDS_OK, "%s", err.msg);
+        cr_assert_eq(eng_sample(gb, b[i], &sp, &tb, &err), KDS_OK, "%s", err.msg);
+        cr_assert_eq(tok[i], tb);
+    }
+    for (int step = 0; step < 6; step++) {
+        const int pick[2][2] = {{0, 1}, {2, 0}};
+        const int *pk = pick[step % 2];
+        eng_seq *sa[2] = {a[pk[0]], a[pk[1]]}, *sb[2] = {b[pk[0]], b[pk[1]]};
+        int32_t in[2] = {tok[pk[0]], tok[pk[1]]}, out_a[2], out_b[2];
+        eng_sampler_params use = sp;
+        if (step >= 4) use.temperature = 0.0f; /* greedy too */
+        cr_assert_eq(eng_decode_batch_sample(ga, sa, in, 2, &use, out_a, &err), KDS_OK, "%s", err.msg);
+        cr_assert_eq(eng_decode_batch(gb, sb, in, 2, &err), KDS_OK, "%s", err.msg);
+        for (int i = 0; i < 2; i++) {
+            cr_assert_eq(eng_sample(gb, sb[i], &use, &out_b[i], &err), KDS_OK, "%s", err.msg);
+            cr_expect_eq(out_a[i], out_b[i], "step %d, sequence %d: device sampled %d, host %d", step,
+                         pk[i], out_a[i], out_b[i]);
+            cr_expect_eq(memcmp(sa[i]->rng, sb[i]->rng, sizeof sa[i]->rng), 0,
+                         "step %d, sequence %d: RNG states differ", step, pk[i]);
+            tok[pk[i]] = out_b[i];
+        }
+    }
+    /* the logits and every state byte read back as the host path has them */
+    for (int i = 0; i < 3; i++) {
+        const float *la = eng_seq_logits(a[i]), *lb = eng_seq_logits(b[i]);
+        cr_assert(la && lb, "sequence %d: no logits", i);
+        cr_expect_eq(memcmp(la, lb, (size_t)V * sizeof(float)), 0, "sequence %d: logits differ", i);
+        size_t n = eng_seq_state_bytes(b[i]);
+        unsigned char *xa = malloc(n), *xb = malloc(n);
+        cr_assert(xa && xb);
+        cr_assert_eq(eng_seq_state_save(a[i], xa, n, &err), KDS_OK, "%s", err.msg);
+        cr_assert_eq(eng_seq_state_save(b[i], xb, n, &err), KDS_OK, "%s", err.msg);
+        cr_expect_eq(memcmp(xa, xb, n), 0, "sequence %d: state bytes differ", i);
+        free(xa);
+        free(xb);
+    }
+    for (int i = 0; i < 3; i++) {
+        eng_seq_free(a[i]);
+        eng_seq_free(b[i]);
+    }
+    eng_ctx_free(ga);
+    eng_ctx_free(gb);
     close_fixture(&f);
 }
 

@@ -133,3 +133,29 @@ extern "C" kds_status kern_cuda_embed(const void *table, kern_dtype dt, int voca
     embed_kernel<<<T, 256, 0, kern_cuda__stream(stream)>>>(table, dt == KERN_BF16, vocab, hidden, ids, x);
     return kern_cuda__status(cudaGetLastError(), err, "embed launch");
 }
+
+namespace {
+
+/* one CTA per row, 16-byte words */
+__global__ void rows_scatter_kernel(const uint4 *src, size_t words, const int32_t *idx, uint4 *dst) {
+    const int r = blockIdx.x;
+    const int32_t to = idx[r];
+    if (to < 0) return;
+    const uint4 *s = src + (size_t)r * words;
+    uint4 *d = dst + (size_t)to * words;
+    for (size_t w = threadIdx.x; w < words; w += blockDim.x) d[w] = s[w];
+}
+
+} /* namespace */
+
+extern "C" kds_status kern_cuda_rows_scatter(const void *src, size_t row_bytes, const int32_t *idx,
+                                             int n, void *dst, void *stream, kds_err *err) {
+    if (n < 0 || row_bytes == 0 || row_bytes % 16 || ((uintptr_t)src | (uintptr_t)dst) % 16)
+        return kern_cuda__err(err, KDS_INVALID_ARG,
+                              "rows scatter: n %d, row_bytes %zu (a multiple of 16, 16-byte aligned "
+                              "rows)", n, row_bytes);
+    if (n == 0) return KDS_OK;
+    if (!src || !idx || !dst) return kern_cuda__err(err, KDS_INVALID_ARG, "rows scatter: NULL pointer");
+    rows_scatter_kernel<<<n, 256, 0, kern_cuda__stream(stream)>>>(static_cast<const uint4 *>(src), row_bytes / 16, idx, static_cast<uint4 *>(dst));
+    return kern_cuda__status(cudaGetLastError(), err, "rows scatter launch");
+}
