@@ -78,6 +78,12 @@ bool eng__cuda_sampler_takes(const eng_cuda *g, const eng_sampler_params *p) {
     return false;
 }
 
+kds_status eng__cuda_sample_one(eng_cuda *g, eng_seq *s, const eng_sampler_params *p, int32_t *token,
+                                kds_err *err) {
+    (void)g, (void)s, (void)p, (void)token;
+    return kds_err_set(err, KDS_UNSUPPORTED, "this kdaserve was built without CUDA");
+}
+
 /* No sequence is ever resident without CUDA. */
 kds_status eng__seq_fetch_slow(const eng_seq *s, kds_err *err) {
     (void)s, (void)err;
@@ -942,7 +948,7 @@ static kds_status dense_ffn(eng_cuda *g, const dlayer *L, int T, kds_err *err) {
  * ids, slots and positions from their pinned buffers (h_ids, h_slots,
  * h_pos: read when the pass runs), the layers, and the logits of rows
  * [first, T) into `dst` (NULL: none for one sequence; for a decode pass,
- * left in g->logits). */
+ * left in g->logits and copied to each row's slot in g->slot_logits). */
 static kds_status run_layers(eng_cuda *g, int T, int multi, int chunked, int slot, int64_t pos0,
                              int max_ctx, float *dst, int first, kds_err *err) {
     kds_status rc;
@@ -973,7 +979,9 @@ static kds_status run_layers(eng_cuda *g, int T, int multi, int chunked, int slo
     const int n = T - first;
     TRY(norm_rows(g, g->x + (size_t)first * hid, g->final_norm, n, hid, eps, g->xn, err));
     TRY(mm(g, &g->lm_head, g->xn, hid, n, g->logits, g->d.vocab, false, err));
-    if (!dst) return KDS_OK; /* decode with the logits left on the device (g->logits) */
+    if (!dst) /* decode with the logits left on the device: each row to its slot's row */
+        return kern_cuda_rows_scatter(g->logits, (size_t)g->d.vocab * sizeof(float), g->slots, n,
+                                      g->slot_logits, g->stream, err);
     return kern_cuda_memcpy_d2h(dst, g->logits, (size_t)n * g->d.vocab * sizeof(float), g->stream,
                                 err);
 }
@@ -986,8 +994,14 @@ int eng__cuda_graph_count(const eng_cuda *g) {
     return n;
 }
 
+/* Decode passes leave their logits on the device (fetched when read, or
+ * sampled there by eng_sample / eng_decode_batch_sample) where rows can be
+ * scattered in 16-byte words. */
+static int lazy_logits(const eng_cuda *g) { return g->d.vocab % 4 == 0; }
+
 bool eng__cuda_sampler_takes(const eng_cuda *g, const eng_sampler_params *p) {
     const int V = g->d.vocab;
+    if (!lazy_logits(g)) return false;
     const int k = p->top_k <= 0 || p->top_k >= V ? V : p->top_k; /* top-k off: every id */
     return V % 4 == 0 && (p->temperature <= 0.0f || k <= KERN_CUDA_SAMPLE_MAX_K);
 }
@@ -1106,24 +1120,19 @@ static kds_status forward_impl(eng_cuda *g, eng_seq *const *seqs, int n_seqs, co
 
 kds_status eng__cuda_forward(eng_cuda *g, eng_seq *const *seqs, int n_seqs, const int32_t *ids,
                              int T, int chunked, float *logits, int want_last, kds_err *err) {
-    return forward_impl(g, seqs, n_seqs, ids, T, chunked, logits, want_last, 0, err);
+    const int decode = n_seqs > 1 || !chunked;
+    return forward_impl(g, seqs, n_seqs, ids, T, chunked, logits, want_last,
+                        decode && !logits && lazy_logits(g), err);
 }
 
-/*
- * The decode pass with its logits left on the device, then the sampler
- * there: the rows go to their slots' logits (where eng__seq_fetch_logits
- * finds them), the sampler works on the pass's copy (its repetition
- * penalty, each row's recent tokens newest first as eng_sample picks them,
- * rewrites entries in place), and only the tokens and the advanced RNG
- * states come back. The caller
- * checked eng__cuda_sampler_takes(g, p).
- */
-kds_status eng__cuda_decode_sample(eng_cuda *g, eng_seq *const *seqs, int n, const int32_t *ids,
-                                   const eng_sampler_params *p, int32_t *next, kds_err *err) {
-    kds_status rc = forward_impl(g, seqs, n, ids, n, 0, NULL, 1, 1, err);
-    if (rc != KDS_OK) return rc;
+/* Sample the n rows now in g->logits (rows of seqs, in order) with p on the
+ * device: the repetition penalty from each sequence's recent tokens, its
+ * RNG state up and back; next[i] out. g->logits is the pass's scratch
+ * copy (the sampler rewrites penalised entries in place). */
+static kds_status sample_rows(eng_cuda *g, eng_seq *const *seqs, int n, const eng_sampler_params *p,
+                              int32_t *next, kds_err *err) {
+    kds_status rc;
     const int V = g->d.vocab;
-    const size_t row_bytes = (size_t)V * sizeof(float);
     int n_pen = 0;
     if (p->repeat_penalty > 0.0f && p->repeat_penalty != 1.0f)
         n_pen = p->repeat_last_n < ENG_RECENT_TOKENS ? p->repeat_last_n : ENG_RECENT_TOKENS;
@@ -1148,10 +1157,6 @@ kds_status eng__cuda_decode_sample(eng_cuda *g, eng_seq *const *seqs, int n, con
                                            .repeat_penalty = p->repeat_penalty},
                                 .penalty_ids = n_pen ? g->d_pen : NULL, .n_penalty = n_pen,
                                 .rng = g->d_rng, .tokens = g->d_tok};
-    /* the rows to their slots first (g->slots holds this pass's slots): the
-     * sampler rewrites penalised entries of g->logits in place, while
-     * eng_sample leaves a sequence's logits as they are */
-    TRY(kern_cuda_rows_scatter(g->logits, row_bytes, g->slots, n, g->slot_logits, g->stream, err));
     TRY(kern_cuda_sample(&sa, g->stream, err));
     TRY(kern_cuda_memcpy_d2h(h_tok, g->d_tok, (size_t)n * sizeof(int32_t), g->stream, err));
     TRY(kern_cuda_memcpy_d2h(h_rng, g->d_rng, (size_t)n * 32, g->stream, err));
@@ -1161,6 +1166,28 @@ kds_status eng__cuda_decode_sample(eng_cuda *g, eng_seq *const *seqs, int n, con
         memcpy(seqs[i]->rng, h_rng + (size_t)i * 4, 32);
     }
     return KDS_OK;
+}
+
+kds_status eng__cuda_sample_one(eng_cuda *g, eng_seq *s, const eng_sampler_params *p, int32_t *token,
+                                kds_err *err) {
+    kds_status rc;
+    /* the slot's row into the scratch the sampler may rewrite */
+    TRY(kern_cuda_memcpy_d2d(g->logits, g->slot_logits + (size_t)s->gpu_slot * g->d.vocab,
+                             (size_t)g->d.vocab * sizeof(float), g->stream, err));
+    return sample_rows(g, &s, 1, p, token, err);
+}
+
+/*
+ * The decode pass with its logits left on the device (copied to the slots'
+ * rows, where eng__seq_fetch_logits finds them), then the sampler on the
+ * pass's copy: only the tokens and the advanced RNG states come back. The
+ * caller checked eng__cuda_sampler_takes(g, p).
+ */
+kds_status eng__cuda_decode_sample(eng_cuda *g, eng_seq *const *seqs, int n, const int32_t *ids,
+                                   const eng_sampler_params *p, int32_t *next, kds_err *err) {
+    /* the pass leaves its rows in g->logits (and copies them to the slots) */
+    kds_status rc = forward_impl(g, seqs, n, ids, n, 0, NULL, 1, 1, err);
+    return rc != KDS_OK ? rc : sample_rows(g, seqs, n, p, next, err);
 }
 
 #endif /* KDS_HAVE_CUDA */

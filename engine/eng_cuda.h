@@ -54,6 +54,10 @@ kds_status eng__cuda_forward(eng_cuda *g, eng_seq *const *seqs, int n_seqs, cons
  * done by the caller, who also checked eng__cuda_sampler_takes(g, p)): the
  * pass with the logits left on the device, the sampler there, next[i] out. */
 bool eng__cuda_sampler_takes(const eng_cuda *g, const eng_sampler_params *p);
+/* eng_sample of a sequence whose logits are on the device (s->gpu == g,
+ * s->logits_on_gpu; eng__cuda_sampler_takes(g, p)): sampled there. */
+kds_status eng__cuda_sample_one(eng_cuda *g, eng_seq *s, const eng_sampler_params *p,
+                                int32_t *token, kds_err *err);
 kds_status eng__cuda_decode_sample(eng_cuda *g, eng_seq *const *seqs, int n, const int32_t *ids,
                                    const eng_sampler_params *p, int32_t *next, kds_err *err);
 

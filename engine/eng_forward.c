@@ -840,6 +840,10 @@ kds_status eng_ctx_attach(eng_ctx *c, eng_seq *s, kds_err *err) {
 
 kds_status eng_sample(eng_ctx *c, eng_seq *s, const eng_sampler_params *p, int32_t *token,
                       kds_err *err) {
+    /* logits a GPU decode left on the device are sampled there */
+    if (c->gpu && s->gpu == c->gpu && s->logits_on_gpu && s->has_logits &&
+        eng__cuda_sampler_takes(c->gpu, p))
+        return eng__cuda_sample_one(c->gpu, s, p, token, err);
     kds_status rc = eng__seq_fetch_logits(s, err);
     if (rc != KDS_OK) return rc;
     if (!s->has_logits)

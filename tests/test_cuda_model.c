@@ -488,7 +488,7 @@ Test(cuda_model, hybrid_follows_the_cpu, .timeout = 3600) {
 
 /* eng_decode_batch_sample on the GPU (sampler on the device, logits left
  * there) against eng_decode_batch + eng_sample on a second GPU context (the
- * same device logits, sampled on the host): the same tokens and RNG
+ * same device logits, fetched and sampled on the host): the same tokens and RNG
  * states, sampled (temperature, top-k, top-p, min-p, repetition penalty)
  * and greedy, through batches that evict (3 sequences, 2 slots); then the
  * logits and the whole state bytes read back equal, bit for bit. */
@@ -530,6 +530,9 @@ Test(cuda_model, device_sampling_equals_host_sampling, .timeout = 3600) {
         cr_assert_eq(eng_decode_batch_sample(ga, sa, in, 2, &use, out_a, &err), KDS_OK, "%s", err.msg);
         cr_assert_eq(eng_decode_batch(gb, sb, in, 2, &err), KDS_OK, "%s", err.msg);
         for (int i = 0; i < 2; i++) {
+            /* the logits to the host, so eng_sample samples there */
+            cr_assert_not_null(eng_seq_logits(sb[i]));
+            cr_assert(!sb[i]->logits_on_gpu);
             cr_assert_eq(eng_sample(gb, sb[i], &use, &out_b[i], &err), KDS_OK, "%s", err.msg);
             cr_expect_eq(out_a[i], out_b[i], "step %d, sequence %d: device sampled %d, host %d", step,
                          pk[i], out_a[i], out_b[i]);
@@ -537,6 +540,16 @@ Test(cuda_model, device_sampling_equals_host_sampling, .timeout = 3600) {
                          "step %d, sequence %d: RNG states differ", step, pk[i]);
             tok[pk[i]] = out_b[i];
         }
+    }
+    /* eng_sample of logits left on the device samples there: the same */
+    for (int i = 0; i < 3; i++) {
+        int32_t ta, tb;
+        cr_assert(a[i]->logits_on_gpu, "sequence %d: logits not on the device", i);
+        cr_assert_not_null(eng_seq_logits(b[i]));
+        cr_assert_eq(eng_sample(ga, a[i], &sp, &ta, &err), KDS_OK, "%s", err.msg);
+        cr_assert_eq(eng_sample(gb, b[i], &sp, &tb, &err), KDS_OK, "%s", err.msg);
+        cr_expect_eq(ta, tb, "sequence %d: eng_sample on the device %d, host %d", i, ta, tb);
+        cr_expect(a[i]->logits_on_gpu, "sequence %d: sampling fetched the logits", i);
     }
     /* the logits and every state byte read back as the host path has them */
     for (int i = 0; i < 3; i++) {
