@@ -3,7 +3,7 @@
  * the layer sequence of forward() in eng_forward.c, op for op, on the
  * kernels of kernels/kern_cuda.h, for KDA and hybrid (MLA) models.
  *
- * Per layer (x, xn, mix: [rows, hidden] fp32 on the device):
+ * Per KDA layer (x, xn, mix: [rows, hidden] fp32 on the device):
  *   xn = rmsnorm(x)                                   kern_cuda_rmsnorm
  *   ext[taps..] = [q | k | v]_proj(xn)                kern_cuda_matmul (ldy = conv_ch)
  *   q, k, v = silu(conv(tail ++ ext))                 kern_cuda_short_conv
@@ -11,16 +11,21 @@
  *   o = KDA core (raw inputs)      prefill: kern_cuda_kda_prefill, decode: kern_cuda_kda_decode
  *   o = rmsnorm(o) * o_norm * sigmoid(gz)             kern_cuda_rmsnorm (gated)
  *   x += o_proj(o)                                    kern_cuda_matmul (accumulate)
+ * per MLA layer: q and kv_a products, kern_cuda_mla_cache_append,
+ * kern_cuda_mla_attention, x += o_proj(o); then for both
  *   xn = rmsnorm(x); x += FFN(xn)                     dense: matmul + kern_cuda_swiglu;
- *                                                     MoE: kern_cuda_moe_route/gather/combine
- * then the final norm and lm_head, and the logits copied back.
+ *                                                     MoE: kern_cuda_moe_route, _gather,
+ *                                                     kern_cuda_moe_experts (grouped, offsets
+ *                                                     read on the device), _combine
+ * then the final norm and lm_head: logits copied back (prefill), or left
+ * on the device in each sequence's slot row (decode; fetched when read,
+ * sampled there by eng_sample / eng_decode_batch_sample).
  *
- * The embedding table lives on the device (kern_cuda_embed). A generated
- * model (eng_model_generate) has its matrices made here by
- * kern_cuda_gen_normal. The MoE's expert products are launched per active
- * expert, which needs the expert offsets on the host: one small
- * device-to-host copy per MoE layer (a sync point; a grouped product
- * reading the offsets on the device removes it).
+ * Products of more than 8 rows run on cuBLAS (the context's GEMM context),
+ * decode passes replay CUDA graphs, states stay resident in slots
+ * (eng_cuda.h). The embedding table lives on the device (kern_cuda_embed).
+ * A generated model (eng_model_generate) has its matrices made here by
+ * kern_cuda_gen_normal.
  */
 #include <stdlib.h>
 #include <string.h>
