@@ -108,7 +108,10 @@ kds_status eng_seq_clone(const eng_seq *s, eng_seq **out, kds_err *err);
 /* Tokens consumed so far. */
 int64_t eng_seq_pos(const eng_seq *s);
 /* Logits after the last consumed token, [vocab]; NULL at position 0.
- * Borrowed: valid until the next call that changes the sequence. */
+ * Borrowed: valid until the next call that changes the sequence. After a
+ * decode on a GPU context the logits are on the device and this copies
+ * them back first (one row); NULL also if that copy fails (a device
+ * error). */
 const float *eng_seq_logits(const eng_seq *s);
 
 /* Bytes eng_seq_state_save will write now (grows with position only for
