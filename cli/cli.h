@@ -49,6 +49,10 @@ int cli_open(const char *cmd, const char *model_dir, int threads, int max_batch,
 /* cli_open on a device: NULL or "cpu", or "cuda" (eng_ctx_params.device). */
 int cli_open_on(const char *cmd, const char *model_dir, int threads, int max_batch,
                 const char *device, eng_model **m, eng_ctx **c);
+/* Benchmark figures: sort ascending in place; the median (sorts too; the
+ * mean of the two middle values for an even count). */
+void cli_sort_doubles(double *v, size_t n);
+double cli_median(double *v, int n);
 /* Median seconds of `reps` copies of `bytes` from pinned host memory to
  * the GPU (the reference a restore onto the device is read against).
  * KDS_UNSUPPORTED without CUDA. */

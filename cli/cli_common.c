@@ -126,13 +126,20 @@ int cli_open_with(const char *cmd, const char *model_dir, const eng_ctx_params *
     return 0;
 }
 
-#ifdef KDS_HAVE_CUDA
-#include "kern_cuda.h"
-
-static int cmp_seconds(const void *a, const void *b) {
+static int cmp_double(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
     return x < y ? -1 : x > y;
 }
+
+void cli_sort_doubles(double *v, size_t n) { qsort(v, n, sizeof *v, cmp_double); }
+
+double cli_median(double *v, int n) {
+    cli_sort_doubles(v, (size_t)n);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+#ifdef KDS_HAVE_CUDA
+#include "kern_cuda.h"
 
 kds_status cli_copy_to_device_s(size_t bytes, int reps, double *median_s, kds_err *err) {
     void *host = NULL, *dev = NULL;
@@ -147,10 +154,7 @@ kds_status cli_copy_to_device_s(size_t bytes, int reps, double *median_s, kds_er
         if (rc == KDS_OK) rc = kern_cuda_sync(NULL, err);
         t[i] = cli_now() - t0;
     }
-    if (rc == KDS_OK) {
-        qsort(t, (size_t)reps, sizeof *t, cmp_seconds);
-        *median_s = reps % 2 ? t[reps / 2] : 0.5 * (t[reps / 2 - 1] + t[reps / 2]);
-    }
+    if (rc == KDS_OK) *median_s = cli_median(t, reps);
     kern_cuda_free(dev);
     kern_cuda_host_free(host);
     free(t);

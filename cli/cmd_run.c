@@ -524,11 +524,6 @@ static void bench_usage(FILE *f) {
                "kimi-linear-48b). Needs --device cuda (implied). Presets: see gen-model.\n");
 }
 
-static int cmp_double(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
 #define MAX_SEQ_COUNTS 16
 #define MAX_BENCH_SEQS 1024
 
@@ -615,8 +610,8 @@ static kds_status bench_seqs(eng_ctx *c, const eng_model *m, int n, int64_t pt, 
             double tps = (double)n * gt / (cli_now() - t0);
             (together ? tog : apart)[r] = tps;
         }
-    qsort(tog, (size_t)reps, sizeof *tog, cmp_double);
-    qsort(apart, (size_t)reps, sizeof *apart, cmp_double);
+    cli_sort_doubles(tog, (size_t)reps);
+    cli_sort_doubles(apart, (size_t)reps);
     out[0] = tog[reps - 1];
     out[1] = tog[reps / 2];
     out[2] = apart[reps - 1];
@@ -756,8 +751,8 @@ int cmd_bench(int argc, char **argv) {
         pre[r] = pt / (t1 - t0);
         dec[r] = gt ? gt / (t2 - t1) : 0.0;
     }
-    qsort(pre, (size_t)reps, sizeof *pre, cmp_double);
-    qsort(dec, (size_t)reps, sizeof *dec, cmp_double);
+    cli_sort_doubles(pre, (size_t)reps);
+    cli_sort_doubles(dec, (size_t)reps);
     eng_state_size z = eng_config_state_size(cfg);
     printf("model        %s\n", dir);
     printf("fingerprint  %s\n", eng_model_fingerprint(m));

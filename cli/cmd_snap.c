@@ -410,16 +410,6 @@ static const char *const BENCH_USAGE =
     "moved onto the device (eng_ctx_attach), next to a plain pinned-memory copy of\n"
     "the same bytes to the device, so restore-to-GPU can be read against the copy.\n";
 
-static int cmp_d(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
-static double median(double *v, int n) {
-    qsort(v, (size_t)n, sizeof *v, cmp_d);
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 static int rm_tree(const char *dir) {
     char cmd[1200];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
@@ -588,7 +578,8 @@ static int snap_bench(sub_opts *o) {
             t_resume[i] = cli_now() - t0;
         }
         size_t bytes = si.record_bytes + si.new_chunk_bytes;
-        double ms = median(t_save, reps), ml = median(t_load, reps), mr = median(t_resume, reps);
+        double ms = cli_median(t_save, reps), ml = cli_median(t_load, reps),
+               mr = cli_median(t_resume, reps);
         char b1[40], b2[40], b3[40], b4[24], b5[24];
         snprintf(b1, sizeof b1, "%.2f ms %6.0f MB/s", ms * 1e3, bytes / ms / 1e6);
         snprintf(b2, sizeof b2, "%.2f ms %6.0f MB/s", ml * 1e3, bytes / ml / 1e6);
@@ -600,7 +591,7 @@ static int snap_bench(sub_opts *o) {
         printf("%10lld %10s %22s %22s %22s %12s %14s %8.0fx", (long long)T, sz, b1, b2, b3, b4,
                b5, replay / mr);
         if (on_gpu) {
-            double copy = 0, mu = median(t_up, reps);
+            double copy = 0, mu = cli_median(t_up, reps);
             if (cli_copy_to_device_s(eng_seq_fixed_bytes(r), reps, &copy, &err) != KDS_OK) goto fail;
             printf("   %8.2f ms %5.1f GB/s   %8.2f ms %5.1f GB/s", mu * 1e3,
                    eng_seq_fixed_bytes(r) / mu / 1e9, copy * 1e3, eng_seq_fixed_bytes(r) / copy / 1e9);

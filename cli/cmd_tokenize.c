@@ -88,11 +88,6 @@ static void print_json_string(FILE *f, const char *s, size_t n) {
     fputs("\"\n", f);
 }
 
-static int cmp_double(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
 static int do_decode(const eng_tokenizer *tok, const char *in, size_t len, bool skip) {
     int rc = 0;
     int64_t cap = 256, n = 0;
@@ -263,7 +258,7 @@ static int do_encode(const eng_tokenizer *tok, const char *in, size_t len, unsig
             double s = cli_now() - t0;
             mbps[r] = (double)len / 1e6 / (s > 0 ? s : 1e-9);
         }
-        qsort(mbps, (size_t)bench, sizeof *mbps, cmp_double);
+        cli_sort_doubles(mbps, (size_t)bench);
         printf(
             "{\"impl\": \"kdaserve\", \"tokenizer\": \"%s\", \"bytes\": %zu, \"tokens\": %lld, "
             "\"repeats\": %lld, \"median_mbps\": %.3f, \"min_mbps\": %.3f, \"max_mbps\": %.3f}\n",
