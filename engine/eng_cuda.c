@@ -703,22 +703,27 @@ void eng__seq_detach(eng_seq *s) {
     s->gpu->owner[s->gpu_slot] = NULL;
     s->gpu = NULL;
     s->gpu_slot = -1;
-    s->gpu_newer = s->host_newer = 0;
+    s->gpu_newer = s->host_newer = s->logits_on_gpu = 0;
 }
 
 /* Give `s` a slot of g with its current state, for a pass at g->clock:
  * its own, else a free one, else the least recently used one that is not
  * part of this pass (whose state goes back to its host buffers first). */
+/* The host copy of s (states, tails, latent rows) into `slot`. */
+static kds_status upload_seq(eng_cuda *g, int slot, eng_seq *s, kds_err *err) {
+    kds_status rc = eng__cuda_state_upload(g, slot, s, err);
+    if (rc == KDS_OK) rc = mla_rows_copy(g, slot, s, 0, 1, err);
+    if (rc == KDS_OK) {
+        s->host_newer = 0;
+        s->gpu_host_rows = s->pos;
+    }
+    return rc;
+}
+
 static kds_status make_resident(eng_cuda *g, eng_seq *s, int *slot, kds_err *err) {
     kds_status rc;
     if (s->gpu == g) {
-        if (s->host_newer) {
-            if ((rc = eng__cuda_state_upload(g, s->gpu_slot, s, err)) != KDS_OK ||
-                (rc = mla_rows_copy(g, s->gpu_slot, s, 0, 1, err)) != KDS_OK)
-                return rc;
-            s->host_newer = 0;
-            s->gpu_host_rows = s->pos;
-        }
+        if (s->host_newer && (rc = upload_seq(g, s->gpu_slot, s, err)) != KDS_OK) return rc;
         g->last_use[s->gpu_slot] = g->clock;
         *slot = s->gpu_slot;
         return KDS_OK;
@@ -741,15 +746,12 @@ static kds_status make_resident(eng_cuda *g, eng_seq *s, int *slot, kds_err *err
         if ((rc = eng__seq_fetch(old, err)) != KDS_OK) return rc;
         eng__seq_detach(old);
     }
-    if ((rc = eng__cuda_state_upload(g, pick, s, err)) != KDS_OK ||
-        (rc = mla_rows_copy(g, pick, s, 0, 1, err)) != KDS_OK)
-        return rc;
-    s->gpu_host_rows = s->pos;
+    if ((rc = upload_seq(g, pick, s, err)) != KDS_OK) return rc;
     g->owner[pick] = s;
     g->last_use[pick] = g->clock;
     s->gpu = g;
     s->gpu_slot = pick;
-    s->gpu_newer = s->host_newer = 0;
+    s->gpu_newer = 0;
     *slot = pick;
     return KDS_OK;
 }
@@ -1138,21 +1140,20 @@ static kds_status sample_rows(eng_cuda *g, eng_seq *const *seqs, int n, const en
                               int32_t *next, kds_err *err) {
     kds_status rc;
     const int V = g->d.vocab;
-    int n_pen = 0;
-    if (p->repeat_penalty > 0.0f && p->repeat_penalty != 1.0f)
-        n_pen = p->repeat_last_n < ENG_RECENT_TOKENS ? p->repeat_last_n : ENG_RECENT_TOKENS;
-    if (n_pen < 0) n_pen = 0;
     int32_t *h_pen = (int32_t *)g->h_samp;
     uint64_t *h_rng = (uint64_t *)(g->h_samp + (size_t)g->max_seqs * ENG_RECENT_TOKENS * 4);
     int32_t *h_tok = (int32_t *)((unsigned char *)h_rng + (size_t)g->max_seqs * 32);
+    /* each row's penalised ids as eng_sample picks them, padded with -1
+     * (ignored by the sampler) to one width */
+    int any = 0;
     for (int i = 0; i < n; i++) {
-        const eng_seq *s = seqs[i];
-        const int have = s->n_recent < ENG_RECENT_TOKENS ? s->n_recent : ENG_RECENT_TOKENS;
-        for (int j = 0; j < n_pen; j++)
-            h_pen[(size_t)i * n_pen + j] =
-                j < have ? s->recent[((uint32_t)s->n_recent - 1 - (uint32_t)j) % ENG_RECENT_TOKENS] : -1;
-        memcpy(h_rng + (size_t)i * 4, s->rng, 32);
+        int32_t *row = h_pen + (size_t)i * ENG_RECENT_TOKENS;
+        int k = eng__seq_penalty_ids(seqs[i], p, row);
+        for (int j = k; j < ENG_RECENT_TOKENS; j++) row[j] = -1;
+        any |= k;
+        memcpy(h_rng + (size_t)i * 4, seqs[i]->rng, 32);
     }
+    const int n_pen = any ? ENG_RECENT_TOKENS : 0;
     if (n_pen)
         TRY(kern_cuda_memcpy_h2d(g->d_pen, h_pen, (size_t)n * n_pen * sizeof(int32_t), g->stream, err));
     TRY(kern_cuda_memcpy_h2d(g->d_rng, h_rng, (size_t)n * 32, g->stream, err));

@@ -850,13 +850,7 @@ kds_status eng_sample(eng_ctx *c, eng_seq *s, const eng_sampler_params *p, int32
         return kds_err_set(err, KDS_INVALID_ARG, "nothing to sample from: the sequence is empty");
     /* the recent tokens, newest first, that the repetition penalty looks at */
     int32_t recent[ENG_RECENT_TOKENS];
-    int n = 0;
-    if (p->repeat_penalty > 0.0f && p->repeat_penalty != 1.0f) {
-        n = s->n_recent < ENG_RECENT_TOKENS ? s->n_recent : ENG_RECENT_TOKENS;
-        if (p->repeat_last_n < n) n = p->repeat_last_n > 0 ? p->repeat_last_n : 0;
-        for (int i = 0; i < n; i++)
-            recent[i] = s->recent[((uint32_t)s->n_recent - 1 - (uint32_t)i) % ENG_RECENT_TOKENS];
-    }
+    const int n = eng__seq_penalty_ids(s, p, recent);
     const kern_sample_params sp = {.temperature = p->temperature, .top_k = p->top_k,
                                    .top_p = p->top_p, .min_p = p->min_p,
                                    .repeat_penalty = p->repeat_penalty};

@@ -77,5 +77,9 @@ static inline void eng__seq_host_written(eng_seq *s) {
 kds_status eng__seq_reserve(eng_seq *s, int64_t tokens, kds_err *err);
 /* Remember a consumed token (for the repetition penalty). */
 void eng__seq_push_recent(eng_seq *s, int32_t id);
+/* The recent tokens p's repetition penalty looks at, newest first, into
+ * out[ENG_RECENT_TOKENS]; returns how many (0 when the penalty is off).
+ * One choice for the host sampler (eng_sample) and the device one. */
+int eng__seq_penalty_ids(const eng_seq *s, const eng_sampler_params *p, int32_t *out);
 
 #endif

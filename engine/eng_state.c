@@ -106,6 +106,15 @@ void eng__seq_push_recent(eng_seq *s, int32_t id) {
     if (s->n_recent < INT32_MAX) s->n_recent++;
 }
 
+int eng__seq_penalty_ids(const eng_seq *s, const eng_sampler_params *p, int32_t *out) {
+    if (!(p->repeat_penalty > 0.0f && p->repeat_penalty != 1.0f)) return 0;
+    int n = s->n_recent < ENG_RECENT_TOKENS ? s->n_recent : ENG_RECENT_TOKENS;
+    if (p->repeat_last_n < n) n = p->repeat_last_n > 0 ? p->repeat_last_n : 0;
+    for (int i = 0; i < n; i++)
+        out[i] = s->recent[((uint32_t)s->n_recent - 1 - (uint32_t)i) % ENG_RECENT_TOKENS];
+    return n;
+}
+
 kds_status eng_seq_create(const eng_model *m, uint64_t seed, eng_seq **out, kds_err *err) {
     *out = NULL;
     eng_seq *s = calloc(1, sizeof *s);
