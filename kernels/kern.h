@@ -26,15 +26,74 @@
 extern "C" {
 #endif
 
-/* Element type of a stored weight. */
+/*
+ * Format of a stored weight. Element formats hold one value per element;
+ * block formats hold codes plus one scale per KERN_BLOCK consecutive
+ * columns of a row (a matrix's input dimension), kept apart from the codes
+ * (compressed-tensors' `weight_packed` / `weight_scale` pair):
+ *   MXFP4  code bytes [rows, cols / 2]: two E2M1 codes per byte, element 2j
+ *          in the low nibble, 2j + 1 in the high one; code bit 3 is the
+ *          sign, bits 0-2 index {0, 0.5, 1, 1.5, 2, 3, 4, 6};
+ *          scale bytes [rows, cols / 32]: E8M0 exponents;
+ *          W[r, c] = e2m1(code[r, c]) * 2^(scale[r, c / 32] - 127)
+ *          (OCP Microscaling MXFP4; Kimi K3's routed experts).
+ *   Q8_0   code bytes [rows, cols]: int8; scales [rows, cols / 32]: f16;
+ *          W[r, c] = code[r, c] * scale[r, c / 32] (ggml's Q8_0 values,
+ *          with the scales in their own array).
+ * Never renumbered: the values appear in no file, but tests name them.
+ */
 typedef enum kern_dtype {
     KERN_F32 = 0,
     KERN_BF16 = 1,
     KERN_F16 = 2,
+    KERN_MXFP4 = 3,
+    KERN_Q8_0 = 4,
 } kern_dtype;
 
-/* Bytes per element of `dt` (4, 2 or 2). */
+/* Columns that share one scale in a block format. */
+#define KERN_BLOCK 32
+
+/* Bytes per element of an element format (4, 2 or 2); 0 for a block
+ * format (use kern_weight_layout). */
 size_t kern_dtype_size(kern_dtype dt);
+/* True for MXFP4 and Q8_0. */
+int kern_dtype_is_block(kern_dtype dt);
+/* "f32", "bf16", "f16", "mxfp4", "q8_0"; "?" for anything else. */
+const char *kern_dtype_name(kern_dtype dt);
+
+/* A weight matrix [rows, cols] (PyTorch Linear: out, in) as stored.
+ * Borrowed pointers; row r of the codes at data + r * row_bytes, of the
+ * scales at scales + r * scale_row_bytes (kern_weight_layout). */
+typedef struct kern_weight {
+    kern_dtype dt;
+    const void *data;   /* elements, or a block format's codes */
+    const void *scales; /* a block format's scales; NULL for element formats */
+    int rows, cols;
+} kern_weight;
+
+/* The byte layout of a weight: the one place the size of a format is
+ * computed. */
+typedef struct kern_layout {
+    size_t row_bytes;       /* one row of data (elements or codes) */
+    size_t scale_row_bytes; /* one row of scales (0 for element formats) */
+    size_t data_bytes;      /* rows * row_bytes */
+    size_t scale_bytes;     /* rows * scale_row_bytes */
+    size_t bytes;           /* data_bytes + scale_bytes */
+} kern_layout;
+
+/* Layout of a [rows, cols] weight of format dt. All zero when it has no
+ * layout: an unknown format, a negative size, or a block format whose cols
+ * is not a multiple of KERN_BLOCK. */
+kern_layout kern_weight_layout(kern_dtype dt, int64_t rows, int64_t cols);
+
+/* E2M1 code (low 4 bits of `code`) and E8M0 scale values, exact in f32
+ * (E8M0 255 is NaN; 0 is 2^-127, a denormal). */
+float kern_e2m1_to_f32(unsigned code);
+float kern_e8m0_to_f32(uint8_t e);
+
+/* Columns [c0, c1) of row r of w as f32 (any format; for block formats c0
+ * and c1 need not be block aligned). out receives c1 - c0 values. */
+void kern_weight_row_f32(const kern_weight *w, int r, int c0, int c1, float *out);
 
 /* Scalar conversions (exact for bf16 -> f32; round-to-nearest-even back). */
 float kern_bf16_to_f32(uint16_t h);
@@ -67,6 +126,20 @@ void kern_to_f32(kern_dtype dt, const void *src, float *dst, size_t n);
 void kern_matmul(kern_dtype dt, const void *W, int in, const float *x, int T,
                  float *y, int ldy, int r0, int r1, float *scratch);
 size_t kern_matmul_scratch_floats(int in);
+
+/*
+ * The same product for a weight of any format (what the engine calls):
+ * element formats are exactly kern_matmul(w->dt, w->data, w->cols, ...),
+ * bit for bit. Block formats (MXFP4, Q8_0) are the CPU reference: blocks
+ * of up to 128 rows are dequantised to f32 in `scratch` and multiplied as
+ * f32 weights (BLAS from 32 tokens, direct dot products below), so the
+ * result is the dequantised matrix's product up to summation order.
+ *   scratch: kern_matmul_scratch_floats(w->cols) floats, required for
+ *   block formats (NULL forces kern_matmul's direct path for element
+ *   formats, as there).
+ */
+void kern_matmul_w(const kern_weight *w, const float *x, int T, float *y, int ldy, int r0, int r1,
+                   float *scratch);
 
 /* ------------------------------------------------------------------------ */
 /* Element-wise and normalisation                                            */

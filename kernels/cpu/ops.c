@@ -25,7 +25,16 @@
 #define KERN_AVX2 1
 #endif
 
-size_t kern_dtype_size(kern_dtype dt) { return dt == KERN_F32 ? 4 : 2; }
+size_t kern_dtype_size(kern_dtype dt) {
+    switch (dt) {
+    case KERN_F32: return 4;
+    case KERN_BF16:
+    case KERN_F16: return 2;
+    case KERN_MXFP4:
+    case KERN_Q8_0: break;
+    }
+    return 0;
+}
 
 float kern_bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;

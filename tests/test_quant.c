@@ -1,0 +1,237 @@
+/*
+ * Block weight formats (kern.h): the byte layout of every format, the MXFP4
+ * and Q8_0 values against the formats' definitions written out here (E2M1
+ * table, nibble order, E8M0 bias; int8 times an f16 scale), and the CPU
+ * reference product kern_matmul_w against a plain dequantise-then-multiply
+ * loop in double, on the direct and the BLAS path, with ragged row ranges.
+ * Element formats through kern_matmul_w are kern_matmul bit for bit.
+ */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kern.h"
+
+static uint64_t next(uint64_t *x) {
+    *x ^= *x << 13, *x ^= *x >> 7, *x ^= *x << 17;
+    return *x;
+}
+
+static float unit(uint64_t *x) { return (float)((next(x) >> 11) * 0x1.0p-53) * 2.0f - 1.0f; }
+
+Test(quant, layout_of_every_format) {
+    kern_layout l = kern_weight_layout(KERN_F32, 3, 10);
+    cr_expect_eq(l.row_bytes, 40);
+    cr_expect_eq(l.bytes, 120);
+    cr_expect_eq(l.scale_bytes, 0);
+    l = kern_weight_layout(KERN_BF16, 3, 10);
+    cr_expect_eq(l.row_bytes, 20);
+    cr_expect_eq(l.bytes, 60);
+    l = kern_weight_layout(KERN_MXFP4, 64, 96);
+    cr_expect_eq(l.row_bytes, 48, "two codes per byte");
+    cr_expect_eq(l.scale_row_bytes, 3, "one scale byte per 32 columns");
+    cr_expect_eq(l.data_bytes, 64 * 48);
+    cr_expect_eq(l.scale_bytes, 64 * 3);
+    cr_expect_eq(l.bytes, 64 * 51);
+    l = kern_weight_layout(KERN_Q8_0, 5, 64);
+    cr_expect_eq(l.row_bytes, 64);
+    cr_expect_eq(l.scale_row_bytes, 4, "one f16 scale per 32 columns");
+    cr_expect_eq(l.bytes, 5 * 68);
+    /* no layout: ragged blocks, negative sizes, unknown formats */
+    cr_expect_eq(kern_weight_layout(KERN_MXFP4, 4, 48).bytes, 0);
+    cr_expect_eq(kern_weight_layout(KERN_Q8_0, 4, 33).bytes, 0);
+    cr_expect_eq(kern_weight_layout(KERN_F32, -1, 4).bytes, 0);
+    cr_expect_eq(kern_weight_layout((kern_dtype)99, 4, 32).bytes, 0);
+    cr_expect(kern_dtype_is_block(KERN_MXFP4) && kern_dtype_is_block(KERN_Q8_0));
+    cr_expect(!kern_dtype_is_block(KERN_BF16));
+    cr_expect_eq(kern_dtype_size(KERN_MXFP4), 0);
+    cr_expect_str_eq(kern_dtype_name(KERN_MXFP4), "mxfp4");
+    cr_expect_str_eq(kern_dtype_name(KERN_Q8_0), "q8_0");
+}
+
+/* The OCP MX spec's E2M1 values and E8M0 bias. */
+Test(quant, e2m1_and_e8m0_values) {
+    const float want[16] = {0, 0.5f, 1, 1.5f, 2, 3, 4, 6, -0.0f, -0.5f, -1, -1.5f, -2, -3, -4, -6};
+    for (unsigned c = 0; c < 16; c++)
+        cr_expect_eq(kern_e2m1_to_f32(c), want[c], "code %u: %g, want %g", c,
+                     (double)kern_e2m1_to_f32(c), (double)want[c]);
+    cr_expect(signbit(kern_e2m1_to_f32(8)), "code 8 is -0");
+    cr_expect_eq(kern_e8m0_to_f32(127), 1.0f);
+    cr_expect_eq(kern_e8m0_to_f32(128), 2.0f);
+    cr_expect_eq(kern_e8m0_to_f32(120), 1.0f / 128.0f);
+    cr_expect_eq(kern_e8m0_to_f32(254), ldexpf(1.0f, 127));
+    cr_expect_eq(kern_e8m0_to_f32(0), ldexpf(1.0f, -127));
+    cr_expect(isnan(kern_e8m0_to_f32(255)));
+}
+
+/* Element 2j in the low nibble, 2j + 1 in the high one; a block's scale
+ * covers its 32 columns only. */
+Test(quant, mxfp4_nibble_order_and_blocks) {
+    unsigned char codes[32] = {0}, scales[2] = {127, 129}; /* x1, then x4 */
+    codes[0] = 0x21;  /* c0 = 0.5, c1 = 1 */
+    codes[1] = 0xF7;  /* c2 = 6, c3 = -6 */
+    codes[16] = 0x9A; /* c32 = -1 (code 10), c33 = -0.5 (code 9), both x4 */
+    const kern_weight w = {KERN_MXFP4, codes, scales, 1, 64};
+    float row[64];
+    kern_weight_row_f32(&w, 0, 0, 64, row);
+    cr_expect_eq(row[0], 0.5f);
+    cr_expect_eq(row[1], 1.0f);
+    cr_expect_eq(row[2], 6.0f);
+    cr_expect_eq(row[3], -6.0f);
+    cr_expect_eq(row[4], 0.0f);
+    cr_expect_eq(row[32], -4.0f);
+    cr_expect_eq(row[33], -2.0f);
+    float part[3];
+    kern_weight_row_f32(&w, 0, 1, 4, part); /* an unaligned range */
+    cr_expect(part[0] == 1.0f && part[1] == 6.0f && part[2] == -6.0f);
+}
+
+Test(quant, q8_0_values) {
+    signed char codes[64];
+    for (int i = 0; i < 64; i++) codes[i] = (signed char)(i - 32);
+    uint16_t scales[2] = {kern_f32_to_f16(0.25f), kern_f32_to_f16(-3.0f)};
+    const kern_weight w = {KERN_Q8_0, codes, scales, 1, 64};
+    float row[64];
+    kern_weight_row_f32(&w, 0, 0, 64, row);
+    for (int i = 0; i < 64; i++) {
+        const float want = (float)(i - 32) * (i < 32 ? 0.25f : -3.0f);
+        cr_expect_eq(row[i], want, "column %d: %g, want %g", i, (double)row[i], (double)want);
+    }
+}
+
+/* A random weight of a block format: codes of every value, a few
+ * exponents; `ref` gets its values [rows, cols] as written in the formats'
+ * definitions (not through the library). */
+static kern_weight make_block(kern_dtype dt, int rows, int cols, double *ref, uint64_t seed) {
+    const kern_layout l = kern_weight_layout(dt, rows, cols);
+    cr_assert(l.bytes > 0);
+    unsigned char *data = malloc(l.data_bytes), *sc = malloc(l.scale_bytes);
+    cr_assert(data && sc);
+    static const double e2m1[8] = {0, 0.5, 1, 1.5, 2, 3, 4, 6};
+    for (int r = 0; r < rows; r++)
+        for (int b = 0; b < cols / 32; b++) {
+            double scale;
+            if (dt == KERN_MXFP4) {
+                const int e = 120 + (int)(next(&seed) % 10); /* 2^-7 .. 2^2 */
+                sc[(size_t)r * l.scale_row_bytes + b] = (unsigned char)e;
+                scale = ldexp(1.0, e - 127);
+            } else {
+                const uint16_t h = kern_f32_to_f16(unit(&seed) * 0.05f);
+                memcpy(sc + (size_t)r * l.scale_row_bytes + 2 * b, &h, 2);
+                scale = kern_f16_to_f32(h); /* the f16 itself is the scale */
+            }
+            for (int j = 0; j < 32; j++) {
+                const int c = b * 32 + j;
+                double v;
+                if (dt == KERN_MXFP4) {
+                    const unsigned code = (unsigned)(next(&seed) % 16);
+                    unsigned char *byte = &data[(size_t)r * l.row_bytes + c / 2];
+                    *byte = c % 2 ? (unsigned char)((*byte & 0x0F) | code << 4)
+                                  : (unsigned char)((*byte & 0xF0) | code);
+                    v = (code & 8 ? -1 : 1) * e2m1[code & 7];
+                } else {
+                    const int q = (int)(next(&seed) % 255) - 127;
+                    data[(size_t)r * l.row_bytes + c] = (unsigned char)(signed char)q;
+                    v = q;
+                }
+                ref[(size_t)r * cols + c] = v * scale;
+            }
+        }
+    return (kern_weight){dt, data, sc, rows, cols};
+}
+
+static void check_product(kern_dtype dt, int rows, int cols) {
+    const int Ts[] = {1, 3, 8, 31, 32, 45};
+    const int maxT = 45, r0 = 2, r1 = rows - 3, ldy = rows + 1;
+    double *ref = malloc((size_t)rows * cols * sizeof(double));
+    float *x = malloc((size_t)maxT * cols * sizeof(float));
+    float *y = malloc((size_t)maxT * ldy * sizeof(float));
+    float *scratch = malloc(kern_matmul_scratch_floats(cols) * sizeof(float));
+    cr_assert(ref && x && y && scratch);
+    kern_weight w = make_block(dt, rows, cols, ref, 0x1234567ull + (uint64_t)rows * cols + dt);
+    uint64_t seed = 99;
+    for (int i = 0; i < maxT * cols; i++) x[i] = unit(&seed);
+    double worst = 0;
+    for (size_t k = 0; k < sizeof Ts / sizeof Ts[0]; k++) {
+        const int T = Ts[k];
+        for (size_t i = 0; i < (size_t)maxT * ldy; i++) y[i] = 1234.5f; /* must stay outside */
+        kern_matmul_w(&w, x, T, y, ldy, r0, r1, scratch);
+        for (int t = 0; t < T; t++)
+            for (int r = 0; r < ldy; r++) {
+                const float got = y[(size_t)t * ldy + r];
+                if (r < r0 || r >= r1) {
+                    cr_assert_eq(got, 1234.5f, "%s T=%d: column %d outside [%d, %d) written",
+                                 kern_dtype_name(dt), T, r, r0, r1);
+                    continue;
+                }
+                double want = 0, mag = 0;
+                for (int c = 0; c < cols; c++) {
+                    want += ref[(size_t)r * cols + c] * x[(size_t)t * cols + c];
+                    mag += fabs(ref[(size_t)r * cols + c] * x[(size_t)t * cols + c]);
+                }
+                const double e = fabs(got - want) / (mag > 0 ? mag : 1);
+                if (e > worst) worst = e;
+                cr_assert(e < 1e-5, "%s [%d, %d] T=%d t=%d r=%d: %.9g, want %.9g", kern_dtype_name(dt),
+                          rows, cols, T, t, r, (double)got, want);
+            }
+    }
+    cr_log_info("quant %s [%d, %d]: worst error / sum |terms| %.2e (limit 1e-5)", kern_dtype_name(dt),
+                rows, cols, worst);
+    free((void *)w.data);
+    free((void *)w.scales);
+    free(ref);
+    free(x);
+    free(y);
+    free(scratch);
+}
+
+/* 141 rows: a 128-row block and a ragged one, 8-row groups with a tail. */
+Test(quant, mxfp4_product_against_dequantised_loop) {
+    check_product(KERN_MXFP4, 141, 96);
+    check_product(KERN_MXFP4, 20, 256);
+}
+
+Test(quant, q8_0_product_against_dequantised_loop) {
+    check_product(KERN_Q8_0, 141, 64);
+    check_product(KERN_Q8_0, 20, 320);
+}
+
+/* A block-format product needs its scratch: without one nothing is written. */
+Test(quant, block_product_needs_scratch) {
+    double ref[4 * 32];
+    kern_weight w = make_block(KERN_MXFP4, 4, 32, ref, 5);
+    float x[32] = {1}, y[4] = {7, 7, 7, 7};
+    kern_matmul_w(&w, x, 1, y, 4, 0, 4, NULL);
+    for (int i = 0; i < 4; i++) cr_expect_eq(y[i], 7.0f);
+    free((void *)w.data);
+    free((void *)w.scales);
+}
+
+/* Element formats go through kern_matmul unchanged. */
+Test(quant, element_formats_are_kern_matmul) {
+    const int rows = 37, cols = 64, T = 5;
+    float *wf = malloc((size_t)rows * cols * sizeof(float));
+    uint16_t *wb = malloc((size_t)rows * cols * sizeof(uint16_t));
+    float x[T * 64], a[T * 37], b[T * 37];
+    float *scratch = malloc(kern_matmul_scratch_floats(cols) * sizeof(float));
+    cr_assert(wf && wb && scratch);
+    uint64_t seed = 3;
+    for (int i = 0; i < rows * cols; i++) {
+        wf[i] = unit(&seed);
+        wb[i] = kern_f32_to_bf16(wf[i]);
+    }
+    for (int i = 0; i < T * cols; i++) x[i] = unit(&seed);
+    const kern_dtype dts[2] = {KERN_F32, KERN_BF16};
+    const void *ws[2] = {wf, wb};
+    for (int k = 0; k < 2; k++) {
+        kern_matmul(dts[k], ws[k], cols, x, T, a, rows, 0, rows, scratch);
+        kern_weight w = {dts[k], ws[k], NULL, rows, cols};
+        kern_matmul_w(&w, x, T, b, rows, 0, rows, scratch);
+        cr_expect_eq(memcmp(a, b, sizeof a), 0, "%s differs", kern_dtype_name(dts[k]));
+    }
+    free(wf);
+    free(wb);
+    free(scratch);
+}
