@@ -22,10 +22,24 @@
 
 #define ENG_MAX_LAYERS 256
 
+/* A layer's token mixer (the layer plan, engine/eng_plan.h, gives every
+ * layer one; which one is this config's layer_kind[]). */
 typedef enum eng_layer_kind {
     ENG_LAYER_KDA = 0,
     ENG_LAYER_MLA = 1,
 } eng_layer_kind;
+
+/* A layer's feed-forward sublayer (layer_is_moe[] below decides). */
+typedef enum eng_ffn_kind {
+    ENG_FFN_DENSE = 0, /* SwiGLU MLP */
+    ENG_FFN_MOE = 1,   /* routed experts + shared experts */
+} eng_ffn_kind;
+
+/* How a layer forms the input of each sublayer: Kimi-Linear adds every
+ * sublayer's output to one running residual stream, x += f(norm(x)). */
+typedef enum eng_input_kind {
+    ENG_INPUT_RESIDUAL = 0,
+} eng_input_kind;
 
 typedef struct eng_config {
     /* global */

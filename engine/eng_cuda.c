@@ -359,8 +359,8 @@ kds_status eng__cuda_create(const eng_model *m, int max_batch, int max_seqs, boo
             (rc = up_f(g, &dl->o_norm, k->o_norm, d->V, err)))
             break;
     ffn:
-        dl->is_moe = f->is_moe;
-        if (!f->is_moe) {
+        dl->is_moe = hw->ffn_kind == ENG_FFN_MOE;
+        if (!dl->is_moe) {
             if ((rc = up_w(g, &dl->gate, &f->gate_proj, err)) ||
                 (rc = up_w(g, &dl->up, &f->up_proj, err)) ||
                 (rc = up_w(g, &dl->down, &f->down_proj, err)))

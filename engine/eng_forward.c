@@ -528,7 +528,7 @@ static void forward(eng_ctx *c, eng_seq *const *seqs, int n_seqs, const int32_t 
         for (int t = 0; t < T; t++)
             kern_rmsnorm(c->x + (size_t)t * hid, L->post_attention_layernorm, KERN_F32, hid,
                          cfg->rms_norm_eps, c->xn + (size_t)t * hid);
-        if (L->ffn.is_moe)
+        if (L->ffn_kind == ENG_FFN_MOE)
             moe_ffn(c, &L->ffn, T);
         else
             dense_ffn(c, &L->ffn.gate_proj, &L->ffn.up_proj, &L->ffn.down_proj, c->xn, T, c->mix);
@@ -676,7 +676,7 @@ static int max_cols(const eng_model *m) {
                                   &L->ffn.sh_down,  &L->kda.q_proj};
         for (size_t i = 0; i < sizeof ws / sizeof ws[0]; i++)
             if (ws[i]->cols > best) best = ws[i]->cols;
-        if (L->ffn.is_moe && L->ffn.w2 && L->ffn.w2[0].cols > best) best = L->ffn.w2[0].cols;
+        if (L->ffn_kind == ENG_FFN_MOE && L->ffn.w2 && L->ffn.w2[0].cols > best) best = L->ffn.w2[0].cols;
     }
     return best;
 }

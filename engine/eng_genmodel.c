@@ -4,6 +4,7 @@
  */
 #include "eng_genmodel.h"
 #include "eng_model.h"
+#include "eng_plan.h"
 
 #include <cJSON.h>
 #include <errno.h>
@@ -182,19 +183,14 @@ kds_status eng_genmodel_preset(const char *name, eng_config *out, kds_err *err) 
 /* ------------------------------------------------------------------------ */
 /* The tensor list                                                           */
 
-typedef enum init_kind {
-    INIT_NORMAL,  /* N(0, a^2)-ish */
-    INIT_UNIFORM, /* U(a, b) */
-    INIT_A_LOG,   /* log U(1, 16) */
-    INIT_DT_BIAS, /* inverse softplus of exp(U(log 1e-3, log 1e-1)) */
-} init_kind;
-
+/* A tensor to write: the plan's listing (eng__plan_tensors) plus its
+ * random stream. */
 typedef struct gen_tensor {
-    char name[96];
+    char name[160];
     int n_dims;
     int64_t shape[4];
     size_t n_elems;
-    init_kind init;
+    eng_init init;
     float a, b;
     uint64_t stream; /* RNG key of this tensor */
 } gen_tensor;
@@ -211,140 +207,26 @@ static uint64_t mix64(uint64_t z) {
     return z ^ (z >> 31);
 }
 
-static void add_tensor(gen_list *g, init_kind k, float a, float b, int nd, const int64_t *shape,
-                       const char *fmt, ...) __attribute__((format(printf, 7, 8)));
-
-static void add_tensor(gen_list *g, init_kind k, float a, float b, int nd, const int64_t *shape,
-                       const char *fmt, ...) {
+/* eng_tensor_fn: one listed tensor, in the shape Hugging Face writes. */
+static void add_tensor(void *user, const eng_tensor_spec *s) {
+    gen_list *g = user;
     if (g->n == g->cap) return; /* sized from eng_config_tensor_count: cannot happen */
     gen_tensor *t = &g->t[g->n++];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(t->name, sizeof t->name, fmt, ap);
-    va_end(ap);
-    t->n_dims = nd;
+    snprintf(t->name, sizeof t->name, "%s", s->name);
+    t->n_dims = s->n_dims;
     t->n_elems = 1;
-    for (int i = 0; i < nd; i++) {
-        t->shape[i] = shape[i];
-        t->n_elems *= (size_t)shape[i];
+    for (int i = 0; i < s->n_dims; i++) {
+        t->shape[i] = s->shape[i];
+        t->n_elems *= (size_t)s->shape[i];
     }
-    t->init = k;
-    t->a = a;
-    t->b = b;
+    t->init = s->init;
+    t->a = s->a;
+    t->b = s->b;
     t->stream = mix64(g->seed ^ XXH3_64bits(t->name, strlen(t->name)));
 }
 
-#define SHAPE(...) ((const int64_t[]){__VA_ARGS__})
-#define SELF_ATTN "model.layers.%d.self_attn.%s"
-#define MOE "model.layers.%d.block_sparse_moe.%s"
-
-/* Standard deviation of a weight with `in` inputs (output projections get
- * `res` on top, so the residual stream stays O(1) through every layer). */
-static float sd(int64_t in, float res) {
-    return res / sqrtf((float)in);
-}
-
-static void list_kda(gen_list *g, const eng_config *c, int l, float res) {
-    int64_t D = c->hidden_size, H = c->kda_num_heads, HV = c->kda_num_v_heads;
-    int64_t K = c->kda_head_dim, V = c->kda_v_head_dim, W = c->short_conv_kernel_size;
-    float x = sd(D, 1);
-    add_tensor(g, INIT_NORMAL, x, 0, 2, SHAPE(H * K, D), SELF_ATTN, l, "q_proj.weight");
-    add_tensor(g, INIT_UNIFORM, -0.5f, 0.5f, 3, SHAPE(H * K, 1, W), SELF_ATTN, l,
-               "q_conv1d.weight");
-    add_tensor(g, INIT_NORMAL, x, 0, 2, SHAPE(H * K, D), SELF_ATTN, l, "k_proj.weight");
-    add_tensor(g, INIT_UNIFORM, -0.5f, 0.5f, 3, SHAPE(H * K, 1, W), SELF_ATTN, l,
-               "k_conv1d.weight");
-    add_tensor(g, INIT_NORMAL, x, 0, 2, SHAPE(HV * V, D), SELF_ATTN, l, "v_proj.weight");
-    add_tensor(g, INIT_UNIFORM, -0.5f, 0.5f, 3, SHAPE(HV * V, 1, W), SELF_ATTN, l,
-               "v_conv1d.weight");
-    add_tensor(g, INIT_NORMAL, x, 0, 2, SHAPE(K, D), SELF_ATTN, l, "f_a_proj.weight");
-    add_tensor(g, INIT_NORMAL, sd(K, 1), 0, 2, SHAPE(HV * K, K), SELF_ATTN, l, "f_b_proj.weight");
-    add_tensor(g, INIT_A_LOG, 0, 0, 4, SHAPE(1, 1, HV, 1), SELF_ATTN, l, "A_log");
-    add_tensor(g, INIT_DT_BIAS, 0, 0, 1, SHAPE(HV * K), SELF_ATTN, l, "dt_bias");
-    add_tensor(g, INIT_NORMAL, x, 0, 2, SHAPE(HV, D), SELF_ATTN, l, "b_proj.weight");
-    add_tensor(g, INIT_NORMAL, x, 0, 2, SHAPE(V, D), SELF_ATTN, l, "g_a_proj.weight");
-    add_tensor(g, INIT_NORMAL, sd(V, 1), 0, 2, SHAPE(HV * V, V), SELF_ATTN, l, "g_b_proj.weight");
-    add_tensor(g, INIT_UNIFORM, 0.8f, 1.2f, 1, SHAPE(V), SELF_ATTN, l, "o_norm.weight");
-    add_tensor(g, INIT_NORMAL, sd(HV * V, res), 0, 2, SHAPE(D, HV * V), SELF_ATTN, l,
-               "o_proj.weight");
-}
-
-static void list_mla(gen_list *g, const eng_config *c, int l, float res) {
-    int64_t D = c->hidden_size, nh = c->num_attention_heads;
-    int64_t dn = c->qk_nope_head_dim, dr = c->qk_rope_head_dim, dv = c->v_head_dim;
-    int64_t R = c->kv_lora_rank, qr = c->q_lora_rank;
-    if (qr > 0) {
-        add_tensor(g, INIT_NORMAL, sd(D, 1), 0, 2, SHAPE(qr, D), SELF_ATTN, l, "q_a_proj.weight");
-        add_tensor(g, INIT_UNIFORM, 0.8f, 1.2f, 1, SHAPE(qr), SELF_ATTN, l, "q_a_layernorm.weight");
-        add_tensor(g, INIT_NORMAL, sd(qr, 1), 0, 2, SHAPE(nh * (dn + dr), qr), SELF_ATTN, l,
-                   "q_b_proj.weight");
-    } else {
-        add_tensor(g, INIT_NORMAL, sd(D, 1), 0, 2, SHAPE(nh * (dn + dr), D), SELF_ATTN, l,
-                   "q_proj.weight");
-    }
-    add_tensor(g, INIT_NORMAL, sd(D, 1), 0, 2, SHAPE(R + dr, D), SELF_ATTN, l,
-               "kv_a_proj_with_mqa.weight");
-    add_tensor(g, INIT_UNIFORM, 0.8f, 1.2f, 1, SHAPE(R), SELF_ATTN, l, "kv_a_layernorm.weight");
-    add_tensor(g, INIT_NORMAL, sd(R, 1), 0, 2, SHAPE(nh * (dn + dv), R), SELF_ATTN, l,
-               "kv_b_proj.weight");
-    add_tensor(g, INIT_NORMAL, sd(nh * dv, res), 0, 2, SHAPE(D, nh * dv), SELF_ATTN, l,
-               "o_proj.weight");
-}
-
-static void list_ffn(gen_list *g, const eng_config *c, int l, float res) {
-    int64_t D = c->hidden_size;
-    if (!c->layer_is_moe[l]) {
-        int64_t F = c->intermediate_size;
-        add_tensor(g, INIT_NORMAL, sd(D, 1), 0, 2, SHAPE(F, D),
-                   "model.layers.%d.mlp.gate_proj.weight", l);
-        add_tensor(g, INIT_NORMAL, sd(D, 1), 0, 2, SHAPE(F, D),
-                   "model.layers.%d.mlp.up_proj.weight", l);
-        add_tensor(g, INIT_NORMAL, sd(F, res), 0, 2, SHAPE(D, F),
-                   "model.layers.%d.mlp.down_proj.weight", l);
-        return;
-    }
-    int64_t E = c->num_experts, I = c->moe_intermediate_size;
-    int64_t Is = I * c->num_shared_experts;
-    add_tensor(g, INIT_NORMAL, sd(D, 1), 0, 2, SHAPE(E, D), MOE, l, "gate.weight");
-    add_tensor(g, INIT_UNIFORM, -0.1f, 0.1f, 1, SHAPE(E), MOE, l, "gate.e_score_correction_bias");
-    for (int e = 0; e < E; e++) {
-        add_tensor(g, INIT_NORMAL, sd(D, 1), 0, 2, SHAPE(I, D),
-                   "model.layers.%d.block_sparse_moe.experts.%d.w1.weight", l, e);
-        add_tensor(g, INIT_NORMAL, sd(I, res), 0, 2, SHAPE(D, I),
-                   "model.layers.%d.block_sparse_moe.experts.%d.w2.weight", l, e);
-        add_tensor(g, INIT_NORMAL, sd(D, 1), 0, 2, SHAPE(I, D),
-                   "model.layers.%d.block_sparse_moe.experts.%d.w3.weight", l, e);
-    }
-    if (Is > 0) {
-        add_tensor(g, INIT_NORMAL, sd(D, 1), 0, 2, SHAPE(Is, D), MOE, l,
-                   "shared_experts.gate_proj.weight");
-        add_tensor(g, INIT_NORMAL, sd(D, 1), 0, 2, SHAPE(Is, D), MOE, l,
-                   "shared_experts.up_proj.weight");
-        add_tensor(g, INIT_NORMAL, sd(Is, res), 0, 2, SHAPE(D, Is), MOE, l,
-                   "shared_experts.down_proj.weight");
-    }
-}
-
 /* Every tensor of the config, in HF's module order. */
-static void list_all(gen_list *g, const eng_config *c) {
-    int64_t D = c->hidden_size, Vb = c->vocab_size;
-    float res = 1.0f / sqrtf((float)c->num_hidden_layers);
-    add_tensor(g, INIT_NORMAL, 1.0f, 0, 2, SHAPE(Vb, D), "model.embed_tokens.weight");
-    for (int l = 0; l < c->num_hidden_layers; l++) {
-        add_tensor(g, INIT_UNIFORM, 0.8f, 1.2f, 1, SHAPE(D),
-                   "model.layers.%d.input_layernorm.weight", l);
-        if (c->layer_kind[l] == ENG_LAYER_KDA)
-            list_kda(g, c, l, res);
-        else
-            list_mla(g, c, l, res);
-        add_tensor(g, INIT_UNIFORM, 0.8f, 1.2f, 1, SHAPE(D),
-                   "model.layers.%d.post_attention_layernorm.weight", l);
-        list_ffn(g, c, l, res);
-    }
-    add_tensor(g, INIT_UNIFORM, 0.8f, 1.2f, 1, SHAPE(D), "model.norm.weight");
-    if (!c->tie_word_embeddings)
-        add_tensor(g, INIT_NORMAL, sd(D, 1), 0, 2, SHAPE(Vb, D), "lm_head.weight");
-}
+static void list_all(gen_list *g, const eng_config *c) { eng__plan_tensors(c, NULL, add_tensor, g); }
 
 /* ------------------------------------------------------------------------ */
 /* Values                                                                    */
@@ -354,10 +236,10 @@ static float sample(const gen_tensor *t, size_t i) {
     uint64_t r = mix64(t->stream + (uint64_t)(i + 1) * 0x9e3779b97f4a7c15ull);
     double u = (double)(r >> 40) * (1.0 / 16777216.0); /* U[0, 1), 24 bits */
     switch (t->init) {
-    case INIT_NORMAL: return kern_gen_normal(t->stream, i, t->a); /* also on the GPU */
-    case INIT_UNIFORM: return (float)(t->a + (t->b - t->a) * u);
-    case INIT_A_LOG: return (float)log(1.0 + 15.0 * u);
-    case INIT_DT_BIAS: {
+    case ENG_INIT_NORMAL: return kern_gen_normal(t->stream, i, t->a); /* also on the GPU */
+    case ENG_INIT_UNIFORM: return (float)(t->a + (t->b - t->a) * u);
+    case ENG_INIT_A_LOG: return (float)log(1.0 + 15.0 * u);
+    case ENG_INIT_DT_BIAS: {
         double dt = exp(log(1e-3) + u * (log(1e-1) - log(1e-3)));
         return (float)(dt + log(-expm1(-dt)));
     }
@@ -792,7 +674,7 @@ kds_status eng__genmodel_tensors(const eng_config *c, uint64_t seed, eng_gen_ten
             goto out;
         }
         /* matrices are left to the device (every one is INIT_NORMAL) */
-        if (s->n_dims == 2 && s->init == INIT_NORMAL) continue;
+        if (s->n_dims == 2 && s->init == ENG_INIT_NORMAL) continue;
         if (!(d->values = malloc(s->n_elems * sizeof(float)))) {
             rc = kds_err_set(err, KDS_NOMEM, "out of memory generating '%s'", s->name);
             goto out;

@@ -29,6 +29,7 @@
 
 #include "eng_genmodel.h"
 #include "eng_model.h"
+#include "eng_plan.h"
 #include "eng_tokenizer.h"
 
 /* JSON files larger than these are damage, not a model (the 48B index is
@@ -354,281 +355,179 @@ out:
 }
 
 /* ------------------------------------------------------------------------ */
-/* Binding tensors. Every binder is a no-op once the loader has failed; the
- * tensor name is printf-formatted into ld->name.                           */
+/* Binding tensors: the plan lists every tensor (eng__plan_tensors), the
+ * loader finds, checks and binds each. Every binder is a no-op once the
+ * loader has failed.                                                       */
 
-static void set_name(loader *ld, const char *fmt, va_list ap) {
-    vsnprintf(ld->name, sizeof ld->name, fmt, ap);
+/* The element format of a stored tensor, for a matrix or vector that must
+ * be F32, BF16 or F16. */
+static bool element_format(eng_st_dtype st, kern_dtype *dt) {
+    switch (st) {
+    case ENG_ST_F32: *dt = KERN_F32; return true;
+    case ENG_ST_BF16: *dt = KERN_BF16; return true;
+    case ENG_ST_F16: *dt = KERN_F16; return true;
+    default: return false;
+    }
 }
 
-/* Find ld->name and check its dtype; NULL (and a failure) otherwise. */
-static const eng_st_tensor *lookup_entry(loader *ld, kern_dtype *dt, bool optional,
-                                         const cat_entry **entry) {
-    const cat_entry *e = cat_find(ld, ld->name);
-    *entry = e;
-    if (!e) {
-        if (!optional) fail(ld, KDS_NOT_FOUND, "tensor '%s' not found in %s", ld->name, ld->where);
-        return NULL;
-    }
-    switch (e->t->dtype) {
-    case ENG_ST_F32: *dt = KERN_F32; break;
-    case ENG_ST_BF16: *dt = KERN_BF16; break;
-    case ENG_ST_F16: *dt = KERN_F16; break;
-    default:
-        fail(ld, KDS_MISMATCH, "tensor '%s' has dtype %s; expected F32, BF16 or F16 (%s)", ld->name,
-             eng_st_dtype_name(e->t->dtype), ld->where);
-        return NULL;
-    }
-    return e->t;
+static bool shape_is(const eng_st_tensor *t, int nd, const int64_t *d) {
+    if (t->n_dims != nd) return false;
+    for (int i = 0; i < nd; i++)
+        if (t->shape[i] != d[i]) return false;
+    return true;
 }
 
-static const eng_st_tensor *lookup(loader *ld, kern_dtype *dt, bool optional) {
-    const cat_entry *e;
-    return lookup_entry(ld, dt, optional, &e);
+static void fail_shape(loader *ld, const char *name, const eng_st_tensor *t, int nd,
+                       const int64_t *want, const char *what) {
+    char got[128], exp[64];
+    fmt_shape(got, sizeof got, t->n_dims, t->shape);
+    fmt_shape(exp, sizeof exp, nd, want);
+    fail(ld, KDS_MISMATCH, "tensor '%s' has shape %s; expected %s%s (%s)", name, got, exp, what,
+         ld->where);
+}
+
+/* A block-format weight stored as a pair (kern.h):
+ *   NAME_packed U8 [rows, cols/2] + NAME_scale U8 [rows, cols/32]  -> MXFP4
+ *     (compressed-tensors' mxfp4-pack-quantized, Kimi K3's experts);
+ *   NAME I8 [rows, cols] + NAME_scale F16 [rows, cols/32]          -> Q8_0.
+ * Returns false (no failure) when neither form is present. */
+static bool bind_block_pair(loader *ld, eng_weight *w, int64_t rows, int64_t cols) {
+    char packed[sizeof ld->name + 8], scale[sizeof ld->name + 8];
+    snprintf(packed, sizeof packed, "%s_packed", ld->name);
+    snprintf(scale, sizeof scale, "%s_scale", ld->name);
+    const cat_entry *codes = cat_find(ld, packed), *scales = cat_find(ld, scale);
+    kern_dtype dt;
+    const char *code_name = packed;
+    if (codes && codes->t->dtype == ENG_ST_U8) {
+        dt = KERN_MXFP4;
+    } else {
+        codes = cat_find(ld, ld->name);
+        if (!codes || codes->t->dtype != ENG_ST_I8 || !scales) return false;
+        dt = KERN_Q8_0;
+        code_name = ld->name;
+    }
+    if (!scales) {
+        fail(ld, KDS_NOT_FOUND, "tensor '%s' has no '%s' beside it (%s)", code_name, scale, ld->where);
+        return true;
+    }
+    const kern_layout lay = kern_weight_layout(dt, rows, cols);
+    if (!lay.bytes && rows * cols > 0) {
+        fail(ld, KDS_MISMATCH,
+             "tensor '%s': %s weights need a multiple of %d input columns (it has %lld) (%s)",
+             code_name, kern_dtype_name(dt), KERN_BLOCK, (long long)cols, ld->where);
+        return true;
+    }
+    const eng_st_dtype scale_dt = dt == KERN_MXFP4 ? ENG_ST_U8 : ENG_ST_F16;
+    if (scales->t->dtype != scale_dt) {
+        fail(ld, KDS_MISMATCH, "tensor '%s' has dtype %s; %s scales are %s (%s)", scale,
+             eng_st_dtype_name(scales->t->dtype), kern_dtype_name(dt), eng_st_dtype_name(scale_dt),
+             ld->where);
+        return true;
+    }
+    const int64_t code_shape[2] = {rows, (int64_t)lay.row_bytes};
+    const int64_t scale_shape[2] = {rows, cols / KERN_BLOCK};
+    if (!shape_is(codes->t, 2, code_shape)) {
+        fail_shape(ld, code_name, codes->t, 2, code_shape,
+                   dt == KERN_MXFP4 ? " (two 4-bit codes per byte)" : "");
+        return true;
+    }
+    if (!shape_is(scales->t, 2, scale_shape)) {
+        fail_shape(ld, scale, scales->t, 2, scale_shape, " (one scale per 32 input columns)");
+        return true;
+    }
+    *w = (eng_weight){.dt = dt, .data = codes->t->data, .scales = scales->t->data,
+                      .rows = (int)rows, .cols = (int)cols};
+    eng__plan_register(ld->m, w);
+    return true;
 }
 
 /* A Linear weight [rows, cols], read in place. */
-static void bind_matrix(loader *ld, eng_weight *w, int64_t rows, int64_t cols, const char *fmt, ...)
-    __attribute__((format(printf, 5, 6)));
-
-static void bind_matrix(loader *ld, eng_weight *w, int64_t rows, int64_t cols, const char *fmt,
-                        ...) {
+static void bind_matrix(loader *ld, eng_weight *w, int64_t rows, int64_t cols) {
     if (ld->rc != KDS_OK) return;
-    va_list ap;
-    va_start(ap, fmt);
-    set_name(ld, fmt, ap);
-    va_end(ap);
+    const cat_entry *e = cat_find(ld, ld->name);
     kern_dtype dt;
-    const cat_entry *e;
-    const eng_st_tensor *t = lookup_entry(ld, &dt, false, &e);
-    if (!t) return;
-    if (t->n_dims != 2 || t->shape[0] != rows || t->shape[1] != cols) {
-        char got[128], want[64];
-        int64_t wd[2] = {rows, cols};
-        fmt_shape(got, sizeof got, t->n_dims, t->shape);
-        fmt_shape(want, sizeof want, 2, wd);
-        fail(ld, KDS_MISMATCH, "tensor '%s' has shape %s; expected %s (%s)", ld->name, got, want,
-             ld->where);
+    if ((!e || e->t->dtype == ENG_ST_I8) && bind_block_pair(ld, w, rows, cols)) return;
+    if (!e) {
+        fail(ld, KDS_NOT_FOUND, "tensor '%s' not found in %s", ld->name, ld->where);
         return;
     }
-    *w = (eng_weight){dt, t->data, (int)rows, (int)cols, e->gen_key, e->gen_sd};
+    if (!element_format(e->t->dtype, &dt)) {
+        fail(ld, KDS_MISMATCH,
+             "tensor '%s' has dtype %s; expected F32, BF16 or F16, or a block-format pair "
+             "(%s_packed + %s_scale U8: MXFP4) (%s)",
+             ld->name, eng_st_dtype_name(e->t->dtype), ld->name, ld->name, ld->where);
+        return;
+    }
+    const int64_t want[2] = {rows, cols};
+    if (!shape_is(e->t, 2, want)) {
+        fail_shape(ld, ld->name, e->t, 2, want, "");
+        return;
+    }
+    *w = (eng_weight){.dt = dt, .data = e->t->data, .rows = (int)rows, .cols = (int)cols,
+                      .gen_key = e->gen_key, .gen_sd = e->gen_sd};
+    eng__plan_register(ld->m, w);
 }
 
-/* Accepted layouts of a small vector: up to 2 shapes of up to 4 dims. */
-typedef struct vshape {
-    int nd;
-    int64_t d[4];
-} vshape;
-
-/* A small vector of `n` floats, converted into the model's arena. Absent
- * and `optional`: *out = NULL. */
-static void bind_vector(loader *ld, const float **out, size_t n, const vshape *shapes, int n_shapes,
-                        bool optional, const char *fmt, ...) __attribute__((format(printf, 7, 8)));
-
-static void bind_vector(loader *ld, const float **out, size_t n, const vshape *shapes, int n_shapes,
-                        bool optional, const char *fmt, ...) {
-    *out = NULL;
+/* A small vector, converted into the model's arena; absent and optional:
+ * *out = NULL. */
+static void bind_vector(loader *ld, const eng_tensor_spec *s) {
+    *s->vector = NULL;
     if (ld->rc != KDS_OK) return;
-    va_list ap;
-    va_start(ap, fmt);
-    set_name(ld, fmt, ap);
-    va_end(ap);
-    kern_dtype dt;
-    const eng_st_tensor *t = lookup(ld, &dt, optional);
-    if (!t) return;
-    bool ok = false;
-    for (int s = 0; s < n_shapes && !ok; s++) {
-        ok = t->n_dims == shapes[s].nd;
-        for (int i = 0; ok && i < shapes[s].nd; i++)
-            ok = t->shape[i] == shapes[s].d[i];
+    const cat_entry *e = cat_find(ld, ld->name);
+    if (!e) {
+        if (!s->optional) fail(ld, KDS_NOT_FOUND, "tensor '%s' not found in %s", ld->name, ld->where);
+        return;
     }
-    if (!ok) {
+    const eng_st_tensor *t = e->t;
+    kern_dtype dt;
+    if (!element_format(t->dtype, &dt)) {
+        fail(ld, KDS_MISMATCH, "tensor '%s' has dtype %s; expected F32, BF16 or F16 (%s)", ld->name,
+             eng_st_dtype_name(t->dtype), ld->where);
+        return;
+    }
+    if (!shape_is(t, s->n_dims, s->shape) &&
+        !(s->n_dims_alt > 0 && shape_is(t, s->n_dims_alt, s->shape_alt))) {
         char got[128], want[128];
         fmt_shape(got, sizeof got, t->n_dims, t->shape);
-        fmt_shape(want, sizeof want, shapes[0].nd, shapes[0].d);
-        if (n_shapes > 1) {
+        fmt_shape(want, sizeof want, s->n_dims, s->shape);
+        if (s->n_dims_alt > 0) {
             size_t o = strlen(want);
             snprintf(want + o, sizeof want - o, " or ");
             o = strlen(want);
-            fmt_shape(want + o, sizeof want - o, shapes[1].nd, shapes[1].d);
+            fmt_shape(want + o, sizeof want - o, s->n_dims_alt, s->shape_alt);
         }
         fail(ld, KDS_MISMATCH, "tensor '%s' has shape %s; expected %s (%s)", ld->name, got, want,
              ld->where);
         return;
     }
     eng_model *m = ld->m;
-    if (t->n_elems != n || m->small_f32_cap - m->small_f32_used < n) {
+    const size_t n = t->n_elems;
+    if (m->small_f32_cap - m->small_f32_used < n) {
         fail(ld, KDS_INTERNAL, "small-vector arena too small for '%s'", ld->name);
         return;
     }
     float *dst = m->small_f32 + m->small_f32_used;
     m->small_f32_used += n;
     kern_to_f32(dt, t->data, dst, n);
-    *out = dst;
+    *s->vector = dst;
 }
 
-/* The common case: a plain [n] vector. */
-static vshape vec1(int64_t n) {
-    return (vshape){1, {n, 0, 0, 0}};
-}
-
-/* Floats the small-vector arena needs for this config. */
-static size_t small_floats(const eng_config *c) {
-    size_t D = (size_t)c->hidden_size, n = D; /* model.norm */
-    size_t H = (size_t)c->kda_num_heads, HV = (size_t)c->kda_num_v_heads;
-    size_t K = (size_t)c->kda_head_dim, V = (size_t)c->kda_v_head_dim;
-    size_t W = (size_t)c->short_conv_kernel_size;
-    for (int l = 0; l < c->num_hidden_layers; l++) {
-        n += 2 * D;
-        if (c->layer_kind[l] == ENG_LAYER_KDA)
-            n += (2 * H * K + HV * V) * W + HV + HV * K + V;
-        else
-            n += (size_t)c->kv_lora_rank + (size_t)c->q_lora_rank;
-        if (c->layer_is_moe[l]) n += (size_t)c->num_experts;
-    }
-    return n;
-}
-
-/* Names of attention tensors: "model.layers.<l>.self_attn.<what>". */
-#define SELF_ATTN "model.layers.%d.self_attn.%s"
-
-static void bind_kda(loader *ld, int l, eng_kda_weights *w) {
-    const eng_config *c = &ld->m->cfg;
-    int64_t D = c->hidden_size, H = c->kda_num_heads, HV = c->kda_num_v_heads;
-    int64_t K = c->kda_head_dim, V = c->kda_v_head_dim, W = c->short_conv_kernel_size;
-    bind_matrix(ld, &w->q_proj, H * K, D, SELF_ATTN, l, "q_proj.weight");  /* [H*K, D] */
-    bind_matrix(ld, &w->k_proj, H * K, D, SELF_ATTN, l, "k_proj.weight");  /* [H*K, D] */
-    bind_matrix(ld, &w->v_proj, HV * V, D, SELF_ATTN, l, "v_proj.weight"); /* [HV*V, D] */
-    /* depthwise conv taps: HF [C, 1, W]; llama.cpp's converter accepts [C, W] */
-    vshape qk_conv[2] = {{3, {H * K, 1, W, 0}}, {2, {H * K, W, 0, 0}}};
-    vshape v_conv[2] = {{3, {HV * V, 1, W, 0}}, {2, {HV * V, W, 0, 0}}};
-    bind_vector(ld, &w->q_conv, (size_t)(H * K * W), qk_conv, 2, false, SELF_ATTN, l,
-                "q_conv1d.weight");
-    bind_vector(ld, &w->k_conv, (size_t)(H * K * W), qk_conv, 2, false, SELF_ATTN, l,
-                "k_conv1d.weight");
-    bind_vector(ld, &w->v_conv, (size_t)(HV * V * W), v_conv, 2, false, SELF_ATTN, l,
-                "v_conv1d.weight");
-    bind_matrix(ld, &w->f_a_proj, K, D, SELF_ATTN, l, "f_a_proj.weight");      /* [K, D] */
-    bind_matrix(ld, &w->f_b_proj, HV * K, K, SELF_ATTN, l, "f_b_proj.weight"); /* [HV*K, K] */
-    /* A_log: HF [1, 1, HV, 1]; fla [HV] */
-    vshape a_log[2] = {{4, {1, 1, HV, 1}}, {1, {HV, 0, 0, 0}}};
-    bind_vector(ld, &w->A_log, (size_t)HV, a_log, 2, false, SELF_ATTN, l, "A_log");
-    vshape dtb = vec1(HV * K); /* index hv*K + d */
-    bind_vector(ld, &w->dt_bias, (size_t)(HV * K), &dtb, 1, false, SELF_ATTN, l, "dt_bias");
-    bind_matrix(ld, &w->b_proj, HV, D, SELF_ATTN, l, "b_proj.weight");         /* [HV, D] */
-    bind_matrix(ld, &w->g_a_proj, V, D, SELF_ATTN, l, "g_a_proj.weight");      /* [V, D] */
-    bind_matrix(ld, &w->g_b_proj, HV * V, V, SELF_ATTN, l, "g_b_proj.weight"); /* [HV*V, V] */
-    vshape on = vec1(V); /* shared by all heads */
-    bind_vector(ld, &w->o_norm, (size_t)V, &on, 1, false, SELF_ATTN, l, "o_norm.weight");
-    bind_matrix(ld, &w->o_proj, D, HV * V, SELF_ATTN, l, "o_proj.weight"); /* [D, HV*V] */
-}
-
-static void bind_mla(loader *ld, int l, eng_mla_weights *w) {
-    const eng_config *c = &ld->m->cfg;
-    int64_t D = c->hidden_size, nh = c->num_attention_heads;
-    int64_t dn = c->qk_nope_head_dim, dr = c->qk_rope_head_dim, dv = c->v_head_dim;
-    int64_t R = c->kv_lora_rank, qr = c->q_lora_rank;
-    if (qr > 0) {
-        vshape qn = vec1(qr);
-        bind_matrix(ld, &w->q_a_proj, qr, D, SELF_ATTN, l, "q_a_proj.weight"); /* [qr, D] */
-        bind_vector(ld, &w->q_a_layernorm, (size_t)qr, &qn, 1, false, SELF_ATTN, l,
-                    "q_a_layernorm.weight");
-        /* [nh*(dn+dr), qr] */
-        bind_matrix(ld, &w->q_b_proj, nh * (dn + dr), qr, SELF_ATTN, l, "q_b_proj.weight");
-    } else {
-        /* [nh*(dn+dr), D]: per head dn "nope" rows then dr "rope" rows */
-        bind_matrix(ld, &w->q_proj, nh * (dn + dr), D, SELF_ATTN, l, "q_proj.weight");
-    }
-    /* [R+dr, D]: rows 0..R-1 -> latent c, rows R..R+dr-1 -> shared k_pe */
-    bind_matrix(ld, &w->kv_a_proj_with_mqa, R + dr, D, SELF_ATTN, l, "kv_a_proj_with_mqa.weight");
-    vshape kn = vec1(R);
-    bind_vector(ld, &w->kv_a_layernorm, (size_t)R, &kn, 1, false, SELF_ATTN, l,
-                "kv_a_layernorm.weight");
-    /* [nh*(dn+dv), R]: per head dn rows of W_UK then dv rows of W_UV */
-    bind_matrix(ld, &w->kv_b_proj, nh * (dn + dv), R, SELF_ATTN, l, "kv_b_proj.weight");
-    bind_matrix(ld, &w->o_proj, D, nh * dv, SELF_ATTN, l, "o_proj.weight"); /* [D, nh*dv] */
-}
-
-static void bind_ffn(loader *ld, int l, eng_ffn_weights *w, eng_weight *experts) {
-    const eng_config *c = &ld->m->cfg;
-    int64_t D = c->hidden_size;
-    w->is_moe = c->layer_is_moe[l];
-    if (!w->is_moe) {
-        int64_t F = c->intermediate_size;
-        bind_matrix(ld, &w->gate_proj, F, D, "model.layers.%d.mlp.gate_proj.weight", l);
-        bind_matrix(ld, &w->up_proj, F, D, "model.layers.%d.mlp.up_proj.weight", l);
-        bind_matrix(ld, &w->down_proj, D, F, "model.layers.%d.mlp.down_proj.weight", l);
-        return;
-    }
-    int64_t E = c->num_experts, I = c->moe_intermediate_size;
-    int64_t Is = I * c->num_shared_experts;
-    bind_matrix(ld, &w->router, E, D, "model.layers.%d.block_sparse_moe.gate.weight", l);
-    vshape eb = vec1(E);
-    bind_vector(ld, &w->router_bias, (size_t)E, &eb, 1, true,
-                "model.layers.%d.block_sparse_moe.gate.e_score_correction_bias", l);
-    w->w1 = experts;
-    w->w3 = experts + E;
-    w->w2 = experts + 2 * E;
-    for (int64_t e = 0; e < E && ld->rc == KDS_OK; e++) {
-        bind_matrix(ld, &w->w1[e], I, D, "model.layers.%d.block_sparse_moe.experts.%d.w1.weight", l,
-                    (int)e); /* gate [I, D] */
-        bind_matrix(ld, &w->w3[e], I, D, "model.layers.%d.block_sparse_moe.experts.%d.w3.weight", l,
-                    (int)e); /* up [I, D] */
-        bind_matrix(ld, &w->w2[e], D, I, "model.layers.%d.block_sparse_moe.experts.%d.w2.weight", l,
-                    (int)e); /* down [D, I] */
-    }
-    if (Is > 0) {
-        bind_matrix(ld, &w->sh_gate, Is, D,
-                    "model.layers.%d.block_sparse_moe.shared_experts.gate_proj.weight", l);
-        bind_matrix(ld, &w->sh_up, Is, D,
-                    "model.layers.%d.block_sparse_moe.shared_experts.up_proj.weight", l);
-        bind_matrix(ld, &w->sh_down, D, Is,
-                    "model.layers.%d.block_sparse_moe.shared_experts.down_proj.weight", l);
-    }
+static void bind_fn(void *user, const eng_tensor_spec *s) {
+    loader *ld = user;
+    if (ld->rc != KDS_OK) return;
+    snprintf(ld->name, sizeof ld->name, "%s", s->name);
+    if (s->matrix)
+        bind_matrix(ld, s->weight, s->shape[0], s->shape[1]);
+    else
+        bind_vector(ld, s);
 }
 
 static kds_status bind_all(loader *ld) {
-    eng_model *m = ld->m;
-    const eng_config *c = &m->cfg;
-    int L = c->num_hidden_layers;
-    int64_t D = c->hidden_size;
-    size_t n_moe = 0;
-    for (int l = 0; l < L; l++)
-        n_moe += c->layer_is_moe[l];
-
-    m->small_f32_cap = small_floats(c);
-    m->small_f32 = malloc((m->small_f32_cap ? m->small_f32_cap : 1) * sizeof(float));
-    m->layers = calloc((size_t)L, sizeof *m->layers);
-    size_t n_exp = n_moe * 3 * (size_t)c->num_experts;
-    m->expert_arena = calloc(n_exp ? n_exp : 1, sizeof *m->expert_arena);
-    if (!m->small_f32 || !m->layers || !m->expert_arena)
-        return kds_err_set(ld->err, KDS_NOMEM, "out of memory loading %s", ld->dir);
-
-    bind_matrix(ld, &m->embed_tokens, c->vocab_size, D, "model.embed_tokens.weight");
-    vshape dn = vec1(D);
-    bind_vector(ld, &m->final_norm, (size_t)D, &dn, 1, false, "model.norm.weight");
-    if (c->tie_word_embeddings)
-        m->lm_head = m->embed_tokens; /* HF ties: any stored lm_head is ignored */
-    else
-        bind_matrix(ld, &m->lm_head, c->vocab_size, D, "lm_head.weight");
-
-    size_t moe_i = 0;
-    for (int l = 0; l < L && ld->rc == KDS_OK; l++) {
-        eng_layer_weights *lw = &m->layers[l];
-        lw->kind = c->layer_kind[l];
-        bind_vector(ld, &lw->input_layernorm, (size_t)D, &dn, 1, false,
-                    "model.layers.%d.input_layernorm.weight", l);
-        bind_vector(ld, &lw->post_attention_layernorm, (size_t)D, &dn, 1, false,
-                    "model.layers.%d.post_attention_layernorm.weight", l);
-        if (lw->kind == ENG_LAYER_KDA)
-            bind_kda(ld, l, &lw->kda);
-        else
-            bind_mla(ld, l, &lw->mla);
-        eng_weight *experts = NULL;
-        if (c->layer_is_moe[l]) experts = m->expert_arena + (moe_i++) * 3 * (size_t)c->num_experts;
-        bind_ffn(ld, l, &lw->ffn, experts);
-    }
-    return ld->rc;
+    kds_status rc = eng__plan_alloc(ld->m, ld->err);
+    if (rc != KDS_OK) return rc;
+    eng__plan_tensors(&ld->m->cfg, ld->m, bind_fn, ld);
+    if (ld->rc != KDS_OK) return ld->rc;
+    return eng__plan_check(ld->m, ld->err);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -893,6 +792,7 @@ void eng_model_free(eng_model *m) {
         eng_st_close(m->shards[s]);
     eng__tok_free(m->tokenizer);
     free(m->layers);
+    free(m->weights);
     free(m->expert_arena);
     free(m->small_f32);
     free(m->dir);

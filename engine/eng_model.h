@@ -1,12 +1,16 @@
 /*
- * eng_model.h - engine-internal view of a loaded model: the config, and for
- * every layer the weights the forward pass reads.
+ * eng_model.h - engine-internal view of a loaded model: the config, and the
+ * layer plan (engine/eng_plan.h): for every layer its kinds and the weights
+ * the forward pass reads.
  *
  * Large matrices stay where they are (an mmap of the safetensors shards, in
- * their stored dtype). Small per-channel vectors (norm weights, A_log,
- * dt_bias, conv taps, router bias) are converted once to float32 into
- * `small_f32`, an arena owned by the model, because the hot path reads them
- * for every token.
+ * their stored format: kern.h's element formats, or a block format with its
+ * scales). Small per-channel vectors (norm weights, A_log, dt_bias, conv
+ * taps, router bias) are converted once to float32 into `small_f32`, an
+ * arena owned by the model, because the hot path reads them for every token.
+ * Every matrix is also listed in `weights` by its id, and every vector lies
+ * in the arena, so a backend copies all of them without knowing the layer
+ * kinds (engine/eng_cuda.c).
  *
  * Not part of the public API (engine/eng.h is); included by the engine sources and
  * by tests that poke at internals.
@@ -20,18 +24,28 @@
 #include "eng_util.h"
 #include "kern.h"
 
-/* A 2-D weight [rows, cols] (PyTorch Linear: out, in) read in place. */
+/* A 2-D weight [rows, cols] (PyTorch Linear: out, in) read in place. An
+ * absent optional weight has rows == 0, data NULL and id 0. */
 typedef struct eng_weight {
-    kern_dtype dt;
+    kern_dtype dt;      /* element or block format (kern.h) */
     const void *data;   /* borrowed from the mapping; NULL in a generated model */
+    const void *scales; /* a block format's scales, borrowed; NULL for element formats */
     int rows, cols;
+    int id;             /* index in eng_model.weights, from 1 (0: no weight) */
     uint64_t gen_key;   /* generated model (data NULL): element i is */
     float gen_sd;       /* kern_gen_normal(gen_key, i, gen_sd), made on the device */
 } eng_weight;
 
+/* The kernels' view of a weight (kern.h). */
+static inline kern_weight eng__kern_weight(const eng_weight *w) {
+    return (kern_weight){w->dt, w->data, w->scales, w->rows, w->cols};
+}
+
 typedef struct eng_kda_weights {
     eng_weight q_proj, k_proj, v_proj;      /* [H*K, hidden], [H*K, hidden], [HV*V, hidden] */
-    const float *q_conv, *k_conv, *v_conv;  /* [C, W] f32 (taps contiguous, last = current) */
+    /* [C, W] f32 (taps contiguous, last = current): q, k, v one after the
+     * other in the arena, so q_conv is also the whole [conv_ch, W] */
+    const float *q_conv, *k_conv, *v_conv;
     eng_weight f_a_proj, f_b_proj;          /* [K, hidden], [HV*K, K] */
     const float *A_log;                     /* [HV] */
     const float *dt_bias;                   /* [HV*K] */
@@ -52,22 +66,28 @@ typedef struct eng_mla_weights {
 } eng_mla_weights;
 
 typedef struct eng_ffn_weights {
-    bool is_moe;
-    /* dense MLP (is_moe == false) */
+    /* dense MLP (ENG_FFN_DENSE) */
     eng_weight gate_proj, up_proj, down_proj;
-    /* MoE */
+    /* MoE (ENG_FFN_MOE) */
     eng_weight router;                    /* [E, hidden] */
     const float *router_bias;             /* [E] e_score_correction_bias, or NULL */
     eng_weight *w1, *w3, *w2;             /* E each: [I, hidden], [I, hidden], [hidden, I] */
+    int bank;                             /* index among the model's MoE layers (a backend
+                                           * keeps each layer's experts together by it) */
     eng_weight sh_gate, sh_up, sh_down;   /* shared experts (rows 0 when none) */
 } eng_ffn_weights;
 
+/* One entry of the layer plan: what the layer is made of, and its
+ * weights. The kinds come from the config (eng__plan_layer). */
 typedef struct eng_layer_weights {
-    eng_layer_kind kind;
+    eng_layer_kind kind;                   /* the token mixer */
+    eng_ffn_kind ffn_kind;                 /* the feed-forward sublayer */
+    eng_input_kind input_kind;             /* how the sublayers' inputs are formed */
+    int slot;                              /* index among the layers of its mixer kind */
     const float *input_layernorm;          /* [hidden] */
     const float *post_attention_layernorm; /* [hidden] */
-    eng_kda_weights kda;
-    eng_mla_weights mla;
+    eng_kda_weights kda;                   /* kind ENG_LAYER_KDA */
+    eng_mla_weights mla;                   /* kind ENG_LAYER_MLA */
     eng_ffn_weights ffn;
 } eng_layer_weights;
 
@@ -81,9 +101,12 @@ struct eng_model {
     int n_shards;
     eng_weight embed_tokens;         /* [vocab, hidden] */
     const float *final_norm;         /* [hidden] */
-    eng_weight lm_head;              /* [vocab, hidden] */
-    eng_layer_weights *layers;       /* [num_hidden_layers] */
+    eng_weight lm_head;              /* [vocab, hidden]; the embedding's twin when tied */
+    eng_layer_weights *layers;       /* [num_hidden_layers]: the layer plan */
+    int n_moe;                       /* MoE layers (expert banks) */
     eng_weight *expert_arena;        /* backing store of the w1/w3/w2 arrays */
+    const eng_weight **weights;      /* [n_weights]: every bound matrix by id ([0] NULL) */
+    int n_weights, cap_weights;
     float *small_f32;                /* arena of converted small vectors */
     size_t small_f32_used, small_f32_cap;
     eng_tokenizer *tokenizer;        /* owned */

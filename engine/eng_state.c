@@ -13,6 +13,7 @@
  *   mla     n_mla * position * (dc+dr) f32  latent cache rows [c | k_pe]
  */
 #include "kds_le.h"
+#include "eng_plan.h"
 #include "eng_seq.h"
 
 #include <limits.h>
@@ -38,8 +39,16 @@ void eng__dims(const eng_config *c, eng_dims *d) {
     d->dc = c->kv_lora_rank;
     d->mla_row = d->dc + d->dr;
     d->n_layers = c->num_hidden_layers;
-    for (int l = 0; l < c->num_hidden_layers; l++)
-        d->layer_slot[l] = c->layer_kind[l] == ENG_LAYER_KDA ? d->n_kda++ : d->n_mla++;
+    /* the plan's state slots: a layer's index among those of its mixer kind */
+    for (int l = 0; l < c->num_hidden_layers; l++) {
+        eng_layer_plan p;
+        eng__plan_layer(c, l, &p);
+        d->layer_slot[l] = p.slot;
+        if (p.mixer == ENG_LAYER_KDA)
+            d->n_kda++;
+        else
+            d->n_mla++;
+    }
 }
 
 static size_t kda_floats(const eng_dims *d) { return (size_t)d->n_kda * d->HV * d->K * d->V; }

@@ -66,7 +66,7 @@ static void check_preset(const char *preset) {
             expect_same_vector(g->mla.kv_a_layernorm, f->mla.kv_a_layernorm,
                                (size_t)c->kv_lora_rank, "kv_a_layernorm");
         }
-        if (g->ffn.is_moe) {
+        if (g->ffn_kind == ENG_FFN_MOE) {
             int last = c->num_experts - 1;
             bad += matrix_mismatches(&g->ffn.router, &f->ffn.router, "router");
             bad += matrix_mismatches(&g->ffn.w1[last], &f->ffn.w1[last], "w1 of the last expert");

@@ -77,7 +77,7 @@ Test(model_load, golden_micro_kda) {
         check_weight(&lw->kda.g_b_proj, 96, 32, "g_b_proj");
         check_weight(&lw->kda.o_proj, 96, 96, "o_proj");
         cr_assert_eq(lw->kda.q_proj.dt, KERN_F32);
-        cr_assert_eq(lw->ffn.is_moe, l > 0);
+        cr_assert_eq(lw->ffn_kind == ENG_FFN_MOE, l > 0);
         if (l == 0) {
             check_weight(&lw->ffn.gate_proj, 192, 96, "gate_proj");
             check_weight(&lw->ffn.down_proj, 96, 192, "down_proj");
