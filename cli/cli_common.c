@@ -100,7 +100,8 @@ int cli_open(const char *cmd, const char *model_dir, int threads, int max_batch,
 }
 
 bool cli_device_valid(const char *device) {
-    return strcmp(device, "cpu") == 0 || strcmp(device, "cuda") == 0;
+    eng_device d;
+    return eng_device_from_name(device, &d);
 }
 
 int cli_open_on(const char *cmd, const char *model_dir, int threads, int max_batch,

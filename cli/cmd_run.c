@@ -687,7 +687,8 @@ int cmd_bench(int argc, char **argv) {
     }
     if (n_counts > 0 && gt == 0) return cli_failf("bench", "--seqs needs --gen-tokens of at least 1");
     if (gen && model) return cli_failf("bench", "--gen and --model exclude each other");
-    if (gen && device && strcmp(device, "cuda") != 0)
+    eng_device dev = ENG_DEVICE_CPU;
+    if (gen && device && !(eng_device_from_name(device, &dev) && dev == ENG_DEVICE_CUDA))
         return cli_failf("bench", "--gen makes the model on the GPU: it runs with --device cuda only");
     eng_model *m = NULL;
     eng_ctx *c = NULL;
@@ -764,7 +765,7 @@ int cmd_bench(int argc, char **argv) {
     printf("state        %zu bytes fixed + %zu bytes/token\n", z.fixed, z.per_token);
     printf("threads      %d\n", eng_ctx_threads(c));
     printf("device       %s%s\n", eng_ctx_device(c),
-           strcmp(eng_ctx_device(c), "cuda") ? ""
+           eng_ctx_device_kind(c) != ENG_DEVICE_CUDA ? ""
            : gpu_bf16 ? " (products above 8 rows: bf16 activations)"
                       : " (products above 8 rows: exact, bf16 hi + lo)");
     printf("prefill      %.1f tokens/s  (%lld tokens, best of %lld; median %.1f)\n",

@@ -123,7 +123,7 @@ int cmd_serve(int argc, char **argv) {
         case OPT_WWW: www = optarg; break;
         case OPT_QUIET: p.quiet = true; break;
         case OPT_DEVICE:
-            if (strcmp(optarg, "cpu") && strcmp(optarg, "cuda"))
+            if (!cli_device_valid(optarg))
                 return cli_failf("serve", "--device wants cpu or cuda, got '%s'", optarg);
             p.ctx.device = optarg;
             break;

@@ -448,7 +448,8 @@ static int snap_bench(sub_opts *o) {
                                                                               sizeof(double));
     double *t_resume = calloc((size_t)reps, sizeof(double));
     kds_err err = {0};
-    const bool on_gpu = o->device && strcmp(o->device, "cuda") == 0;
+    eng_device dev = ENG_DEVICE_CPU;
+    const bool on_gpu = eng_device_from_name(o->device, &dev) && dev == ENG_DEVICE_CUDA;
     double *t_up = calloc((size_t)reps, sizeof(double));
     int rc = cli_open_on(CMD, o->model, (int)o->threads, 0, o->device, &m, &c);
     if (rc) goto out;

@@ -152,6 +152,18 @@ kds_status eng_seq_load_mla(eng_seq *s, int64_t t0, int64_t t1, const void *buf,
 /* ------------------------------------------------------------------------ */
 /* Compute                                                                   */
 
+/* Where a context runs the forward pass. */
+typedef enum eng_device {
+    ENG_DEVICE_CPU = 0,
+    ENG_DEVICE_CUDA = 1,
+} eng_device;
+
+/* The device named `name` ("cpu" or "cuda"; NULL is "cpu"): true and *out
+ * set, or false for any other name. The one place device names are read. */
+bool eng_device_from_name(const char *name, eng_device *out);
+/* "cpu" or "cuda". Static storage. */
+const char *eng_device_name(eng_device d);
+
 typedef struct eng_ctx_params {
     int n_threads;        /* 0 = number of online CPUs */
     int max_batch;        /* tokens per prefill step (scratch is sized for it); 0 = 256 */
@@ -184,7 +196,8 @@ kds_status eng_ctx_create(const eng_model *m, const eng_ctx_params *p, eng_ctx *
                           kds_err *err);
 void eng_ctx_free(eng_ctx *c);
 int eng_ctx_threads(const eng_ctx *c);
-/* "cpu" or "cuda": where this context runs the forward pass. */
+/* Where this context runs the forward pass, and its name ("cpu", "cuda"). */
+eng_device eng_ctx_device_kind(const eng_ctx *c);
 const char *eng_ctx_device(const eng_ctx *c);
 
 /*

@@ -1,91 +1,57 @@
 /*
- * eng_forward.c - compute contexts and the forward pass (spec §3-§7).
+ * eng_forward.c - compute contexts and the forward pass (spec §3-§7),
+ * written once for every backend (eng_backend.h) and layer kind
+ * (eng_plan.h).
  *
- * One function, forward(), runs T rows through every layer, layer by layer
- * over the whole batch, so each weight matrix is streamed once per batch.
- * The rows are either T tokens of one sequence (prefill, decode) or one new
- * token of each of T different sequences (eng_decode_batch: continuous
- * batching). Embedding, norms, projections and FFNs do not care which; only
- * the short conv, the KDA core and MLA attention read per-sequence state.
- * KDA layers take the chunked WY path when prefill is asked for and the
- * token-by-token recurrence otherwise; everything else is the same code for
- * both, so prefill and decode differ only in the KDA core and in the
- * summation order inside BLAS.
+ * One function, layers(), runs T rows through every layer of the plan,
+ * layer by layer over the whole batch, so each weight matrix is read once
+ * per batch. The rows are either T tokens of one sequence (prefill, decode)
+ * or one new token of each of T different sequences (eng_decode_batch:
+ * continuous batching). Embedding, norms, projections and FFNs do not care
+ * which; the ops that read per-sequence state (the KDA mixer, MLA) take the
+ * pass. KDA layers take the chunked WY path when prefill is asked for and
+ * the token-by-token recurrence otherwise; everything else is the same code
+ * for both, so prefill and decode differ only in the KDA core and in the
+ * summation order of the products.
  *
- * Parallelism: every matrix product is cut into row blocks and run on the
- * context's pool (several products that read the same input go out in one
- * dispatch); the KDA core and MLA attention are split by head. OpenBLAS is
- * pinned to one thread so that it never competes with the pool.
+ * layers() is a list of op calls and pointer arithmetic on the context's
+ * activation buffers, a pure function of the plan and the pass's shape:
+ * the CUDA backend captures it into a graph and replays it, and the
+ * context's creation walks it once with every op put to the backend's
+ * supports() (check_plan).
  *
- * Memory: all activations live in scratch buffers sized at eng_ctx_create
- * for max(max_batch, max_seqs) rows; the only allocation on the hot path is
- * the MLA cache growing geometrically (eng__seq_reserve).
+ * Memory: every activation buffer lives in the backend (sized at
+ * eng_ctx_create for max(max_batch, max_seqs) rows); the only allocation
+ * on the hot path is the MLA cache growing geometrically (eng__seq_reserve).
  */
-#include <cblas.h>
-#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
+#include "eng_backend.h"
 #include "eng_cuda.h"
-#include "eng_pool.h"
 #include "eng_seq.h"
-
-#define MAX_MM_JOBS 8
-#define MAX_MM_TASKS 1024
-/* Largest short-conv width eng_config accepts (short_conv_kernel_size). */
-#define MAX_CONV_W 64
-
-typedef struct mm_job {
-    const eng_weight *w;
-    const float *x;    /* [T, w->cols] */
-    int T;
-    float *y;          /* [T, ldy], columns [0, w->rows) written */
-    int ldy;
-} mm_job;
-
-typedef struct mm_task {
-    int job, r0, r1;
-} mm_task;
-
-typedef struct thread_scratch {
-    float *mm;          /* widened weight rows for BLAS */
-    float *kda_ws;      /* chunked KDA workspace */
-    float *mla_w;       /* one head's kv_b rows, widened: [(dn+dv), dc] */
-    float *mla_ws;      /* kern_mla_attend_head workspace for B queries */
-} thread_scratch;
 
 struct eng_ctx {
     const eng_model *m;
     eng_dims d;
-    eng_pool *pool;
-    int n_threads, max_batch, kda_chunk;
-    int max_seqs;         /* sequences one eng_decode_batch may carry */
-    int ffn_width;        /* widest FFN hidden width (dense, shared or routed) */
-    int top_k, n_experts;
-    /* activations, [max_batch, ...] */
-    float *x, *xn, *mix;                 /* [B, hidden] residual, normed, mixer/ffn out */
+    eng_backend *b;
+    int max_batch, max_seqs;
+    int n_threads;        /* the CPU threads the context uses */
+    int top_k;            /* experts per token (1 for dense models) */
+    /* activations in the backend's memory, [rows, ...] */
+    float *x, *xn, *mix;                 /* [B, hidden] residual, normed, FFN out */
     float *ext;                          /* [W-1+B, conv_ch] conv input incl. tail */
     float *q, *k, *v;                    /* [B, H*K], [B, H*K], [B, HV*V] */
-    float *fa, *ga, *g, *beta, *gz, *o;  /* gate/beta/output-gate inputs, core output */
+    float *fa, *ga, *g, *beta, *gz, *o;  /* gate/beta/output-gate inputs, mixer output */
     float *mq, *kva;                     /* MLA: [B, nh*(dn+dr)], [B, dc+dr] */
-    float *fa_buf, *fb_buf, *shared_out; /* FFN: [B*top_k, width] x2, [B, hidden] */
-    float *router;                       /* [B, E] */
-    int32_t *sel;                        /* [B, top_k] chosen experts */
-    float *selw;                         /* [B, top_k] their weights */
-    int32_t *exp_off;                    /* [E+1] first gathered row of each expert */
-    int32_t *exp_fill;                   /* [E] next free row while gathering */
-    int32_t *row_of;                     /* [B, top_k] -> row in gathered buffers */
+    float *fa_buf, *fb_buf, *shared_out; /* FFN: [B*top_k + B, width] x2, [B, hidden] */
+    float *router, *selw;                /* [B, E], [B, top_k] */
+    int32_t *sel, *exp_off, *row_of, *tok_of; /* [B, top_k], [E+1], [B, top_k], [B*top_k] */
     float *xg, *yg;                      /* [B*top_k, hidden] gathered in / expert out */
-    float *logits;                       /* [max_seqs, vocab] lm_head out of a batched decode */
-    /* sampler */
+    /* host sampling (logits on the host, or settings the backend's sampler lacks) */
     float *cand_p;                       /* [vocab] */
     int32_t *cand_id;                    /* [vocab] */
-    thread_scratch *ts;                  /* [n_threads] */
-    mm_job jobs[MAX_MM_JOBS];
-    mm_task tasks[MAX_MM_TASKS];
-    int n_tasks;
-    eng_cuda *gpu;                       /* device "cuda": the forward pass runs there */
 };
 
 eng_ctx_params eng_ctx_default_params(void) {
@@ -97,398 +63,271 @@ eng_sampler_params eng_sampler_default_params(void) {
                                 .repeat_penalty = 1.0f, .repeat_last_n = 64};
 }
 
-/* ------------------------------------------------------------------------ */
-/* Matrix products on the pool                                               */
-
-static void mm_task_fn(void *arg, int t, int thread) {
-    eng_ctx *c = arg;
-    const mm_task *task = &c->tasks[t];
-    const mm_job *j = &c->jobs[task->job];
-    kern_matmul(j->w->dt, j->w->data, j->w->cols, j->x, j->T, j->y, j->ldy, task->r0, task->r1,
-                c->ts[thread].mm);
-}
-
-/* Run up to MAX_MM_JOBS products in one dispatch, cut into row blocks of
- * roughly equal work. Small totals run inline: a dispatch costs more than a
- * few thousand multiply-adds. */
-static void run_mm(eng_ctx *c, int n_jobs) {
-    double total = 0;
-    for (int i = 0; i < n_jobs; i++)
-        total += (double)c->jobs[i].w->rows * c->jobs[i].w->cols * c->jobs[i].T;
-    int n_tasks = 0;
-    if (c->n_threads == 1 || total < 65536.0) {
-        for (int i = 0; i < n_jobs; i++)
-            c->tasks[n_tasks++] = (mm_task){i, 0, c->jobs[i].w->rows};
-        for (int t = 0; t < n_tasks; t++) mm_task_fn(c, t, 0);
-        return;
+bool eng_device_from_name(const char *name, eng_device *out) {
+    if (!name || strcmp(name, "cpu") == 0) {
+        *out = ENG_DEVICE_CPU;
+        return true;
     }
-    double target = total / (c->n_threads * 4.0);
-    if (target < 32768.0) target = 32768.0;
-    for (int i = 0; i < n_jobs; i++) {
-        const mm_job *j = &c->jobs[i];
-        int rows = j->w->rows;
-        double work = (double)rows * j->w->cols * j->T;
-        int nb = (int)ceil(work / target);
-        if (nb > rows) nb = rows;
-        if (nb < 1) nb = 1;
-        int room = MAX_MM_TASKS - n_tasks - (n_jobs - i - 1);
-        if (nb > room) nb = room;
-        for (int b = 0; b < nb; b++) {
-            int r0 = (int)((int64_t)rows * b / nb), r1 = (int)((int64_t)rows * (b + 1) / nb);
-            if (r1 > r0) c->tasks[n_tasks++] = (mm_task){i, r0, r1};
-        }
+    if (strcmp(name, "cuda") == 0) {
+        *out = ENG_DEVICE_CUDA;
+        return true;
     }
-    c->n_tasks = n_tasks;
-    eng_pool_run(c->pool, mm_task_fn, c, n_tasks);
+    return false;
 }
 
-static void job(eng_ctx *c, int i, const eng_weight *w, const float *x, int T, float *y, int ldy) {
-    c->jobs[i] = (mm_job){w, x, T, y, ldy};
-}
+const char *eng_device_name(eng_device d) { return d == ENG_DEVICE_CUDA ? "cuda" : "cpu"; }
 
 /* ------------------------------------------------------------------------ */
-/* KDA layer                                                                 */
+/* The layer sequence                                                        */
 
-typedef struct kda_run {
-    eng_ctx *c;
-    const eng_kda_weights *w;
-    float *state;       /* [HV, K, V] of this layer (one sequence; NULL across sequences) */
-    eng_seq *const *seqs; /* row t belongs to seqs[t] when n_seqs > 1 */
-    int n_seqs, slot;   /* slot: this layer's index among the KDA layers */
-    int T, chunked, n_parts;
-} kda_run;
-
-/*
- * Per-token work between the projections and the core, for tokens of part
- * `part` of n_parts: depthwise causal conv + SiLU, L2 norm of q and k, the
- * decay gate and beta's sigmoid. Tokens are independent here, so parts run
- * in parallel. out_t[ch] = sum_j w[ch, j] * tap_j[ch], j = 0..taps, where
- *   one sequence:   tap_j = ext row t+j (ext holds the tail, then the batch);
- *   across n_seqs:  tap_j = row j of seqs[t]'s tail (j < taps), tap_taps =
- *                   the new row ext[taps+t]; that tail then moves on by one
- *                   row (safe in parallel: each sequence owns one row).
- */
-static void kda_pre_fn(void *arg, int part, int thread) {
-    (void)thread;
-    kda_run *r = arg;
-    eng_ctx *c = r->c;
-    const eng_dims *d = &c->d;
-    const eng_kda_weights *w = r->w;
-    const eng_config *cfg = &c->m->cfg;
-    const int C = d->conv_ch, taps = d->W - 1;
-    int t0 = (int)((int64_t)r->T * part / r->n_parts), t1 = (int)((int64_t)r->T * (part + 1) / r->n_parts);
-    for (int t = t0; t < t1; t++) {
-        const float *tap[MAX_CONV_W];
-        float *tail = NULL; /* [taps, C] of seqs[t], oldest first */
-        if (r->n_seqs > 1) {
-            tail = r->seqs[t]->conv_tail + (size_t)r->slot * taps * C;
-            for (int j = 0; j < taps; j++) tap[j] = tail + (size_t)j * C;
-            tap[taps] = c->ext + (size_t)(taps + t) * C;
-        } else {
-            for (int j = 0; j <= taps; j++) tap[j] = c->ext + (size_t)(t + j) * C;
-        }
-        for (int which = 0; which < 3; which++) {
-            int base = which == 0 ? 0 : which == 1 ? d->kda_qk : 2 * d->kda_qk;
-            int n = which == 2 ? d->kda_v : d->kda_qk;
-            const float *wc = which == 0 ? w->q_conv : which == 1 ? w->k_conv : w->v_conv;
-            float *out = (which == 0 ? c->q : which == 1 ? c->k : c->v) + (size_t)t * n;
-            for (int ch = 0; ch < n; ch++) {
-                float acc = 0.0f;
-                for (int j = 0; j <= taps; j++) acc += wc[(size_t)ch * d->W + j] * tap[j][base + ch];
-                out[ch] = acc;
-            }
-            kern_silu(out, (size_t)n);
-        }
-        if (tail && taps > 0) {
-            memmove(tail, tail + C, (size_t)(taps - 1) * C * sizeof(float));
-            memcpy(tail + (size_t)(taps - 1) * C, tap[taps], (size_t)C * sizeof(float));
-        }
-    }
-    int n = t1 - t0;
-    if (n <= 0) return;
-    kern_l2norm(c->q + (size_t)t0 * d->kda_qk, n * d->H, d->K, 1e-6f);
-    kern_l2norm(c->k + (size_t)t0 * d->kda_qk, n * d->H, d->K, 1e-6f);
-    float *g = c->g + (size_t)t0 * d->HV * d->K;
-    kern_kda_gate(g, w->A_log, w->dt_bias, n, d->HV, d->K,
-                  cfg->has_gate_lower_bound ? cfg->gate_lower_bound : 0.0f, g);
-    kern_sigmoid_inplace(c->beta + (size_t)t0 * d->HV, (size_t)n * d->HV);
+/* One product y (+)= x W^T. */
+static eng_matmul mm(const eng_weight *w, const float *x, int T, float *y, int ldy) {
+    return (eng_matmul){w, x, T, y, ldy, false};
 }
 
-/* Gated output norm of rows [t0, t1), value head hv:
- * o * rsqrt(mean(o^2) + eps) * w * sigmoid(z). */
-static void kda_out_norm(const kda_run *r, int hv, int t0, int t1) {
-    eng_ctx *c = r->c;
-    const eng_dims *d = &c->d;
-    const float eps = c->m->cfg.rms_norm_eps;
-    for (int t = t0; t < t1; t++) {
-        size_t at = ((size_t)t * d->HV + hv) * d->V;
-        float *oh = c->o + at, *z = c->gz + at;
-        kern_rmsnorm(oh, r->w->o_norm, KERN_F32, d->V, eps, oh);
-        kern_sigmoid_inplace(z, (size_t)d->V);
-        for (int e = 0; e < d->V; e++) oh[e] *= z[e];
-    }
+/* The same, added into y: a sublayer's output projection adds into the
+ * residual stream (ENG_INPUT_RESIDUAL). */
+static eng_matmul mm_add(const eng_weight *w, const float *x, int T, float *y, int ldy) {
+    return (eng_matmul){w, x, T, y, ldy, true};
 }
 
-/* One sequence: the core for value head `task` over all T tokens, then that
- * head's output norm. Across sequences: task = t * HV + hv, one decode step
- * of row t's sequence for head hv (the same call eng_decode makes). */
-static void kda_core_fn(void *arg, int task, int thread) {
-    kda_run *r = arg;
-    eng_ctx *c = r->c;
-    const eng_dims *d = &c->d;
-    kern_kda_shape sh = {d->H, d->HV, d->K, d->V, 1.0f / sqrtf((float)d->K)};
-    if (r->n_seqs > 1) {
-        const int t = task / d->HV, hv = task % d->HV;
-        float *state = r->seqs[t]->kda_state + (size_t)r->slot * d->HV * d->K * d->V;
-        kern_kda_recurrent(&sh, 1, c->q + (size_t)t * d->kda_qk, c->k + (size_t)t * d->kda_qk,
-                           c->v + (size_t)t * d->kda_v, c->g + (size_t)t * d->HV * d->K,
-                           c->beta + (size_t)t * d->HV, state, c->o + (size_t)t * d->kda_v, hv,
-                           hv + 1);
-        kda_out_norm(r, hv, t, t + 1);
-        return;
-    }
-    const int hv = task;
-    if (r->chunked)
-        kern_kda_chunked(&sh, r->T, c->kda_chunk, c->q, c->k, c->v, c->g, c->beta, r->state, c->o,
-                         hv, hv + 1, c->ts[thread].kda_ws);
-    else
-        kern_kda_recurrent(&sh, r->T, c->q, c->k, c->v, c->g, c->beta, r->state, c->o, hv, hv + 1);
-    kda_out_norm(r, hv, 0, r->T);
-}
-
-/* seqs[0..n_seqs): one sequence with T tokens, or T sequences with one each
- * (then chunked is 0). */
-static void kda_layer(eng_ctx *c, eng_seq *const *seqs, int n_seqs, const eng_layer_weights *L,
-                      int slot, int T, int chunked) {
+/* KDA mixer (spec §3): one dispatch computes q, k, v, the decay-gate
+ * down-projection, beta and the output-gate down-projection from the same
+ * normed input, a second the two up-projections; the op does the conv,
+ * the delta rule and the gated norm; o_proj adds into the residual. */
+static void kda_mixer(const eng_ctx *c, eng_backend *b, const eng_pass *p,
+                      const eng_layer_weights *L) {
     const eng_dims *d = &c->d;
     const eng_kda_weights *w = &L->kda;
-    const int C = d->conv_ch, taps = d->W - 1;
-    const int multi = n_seqs > 1;
-    float *conv_tail = multi ? NULL : seqs[0]->conv_tail + (size_t)slot * taps * C;
-    float *in = c->ext + (size_t)taps * C; /* projections land after the tail rows */
-    if (!multi) memcpy(c->ext, conv_tail, (size_t)taps * C * sizeof(float));
-
-    job(c, 0, &w->q_proj, c->xn, T, in, C);
-    job(c, 1, &w->k_proj, c->xn, T, in + d->kda_qk, C);
-    job(c, 2, &w->v_proj, c->xn, T, in + 2 * d->kda_qk, C);
-    job(c, 3, &w->f_a_proj, c->xn, T, c->fa, w->f_a_proj.rows);
-    job(c, 4, &w->b_proj, c->xn, T, c->beta, d->HV);
-    job(c, 5, &w->g_a_proj, c->xn, T, c->ga, w->g_a_proj.rows);
-    run_mm(c, 6);
-    job(c, 0, &w->f_b_proj, c->fa, T, c->g, d->HV * d->K);
-    job(c, 1, &w->g_b_proj, c->ga, T, c->gz, d->kda_v);
-    run_mm(c, 2);
-
-    float *state = multi ? NULL : seqs[0]->kda_state + (size_t)slot * d->HV * d->K * d->V;
-    kda_run r = {c, w, state, seqs, n_seqs, slot, T, chunked, 1};
-    /* A part per thread once there is enough per-token work to pay for it. */
-    if (c->n_threads > 1 && (double)T * C >= 16384.0) {
-        r.n_parts = T < c->n_threads * 4 ? T : c->n_threads * 4;
-        eng_pool_run(c->pool, kda_pre_fn, &r, r.n_parts);
-    } else {
-        kda_pre_fn(&r, 0, 0);
-    }
-    if (!multi) memcpy(conv_tail, c->ext + (size_t)T * C, (size_t)taps * C * sizeof(float));
-
-    int n_tasks = multi ? T * d->HV : d->HV;
-    if ((double)T * d->HV * d->K * d->V < 65536.0 || c->n_threads == 1)
-        for (int i = 0; i < n_tasks; i++) kda_core_fn(&r, i, 0);
-    else
-        eng_pool_run(c->pool, kda_core_fn, &r, n_tasks);
-    job(c, 0, &w->o_proj, c->o, T, c->mix, d->hidden);
-    run_mm(c, 1);
+    const int T = p->T, C = d->conv_ch;
+    float *in = c->ext + (size_t)(d->W - 1) * C; /* the projections land after the tail rows */
+    const eng_matmul proj[6] = {
+        mm(&w->q_proj, c->xn, T, in, C),
+        mm(&w->k_proj, c->xn, T, in + d->kda_qk, C),
+        mm(&w->v_proj, c->xn, T, in + 2 * d->kda_qk, C),
+        mm(&w->f_a_proj, c->xn, T, c->fa, w->f_a_proj.rows),
+        mm(&w->b_proj, c->xn, T, c->beta, d->HV),
+        mm(&w->g_a_proj, c->xn, T, c->ga, w->g_a_proj.rows),
+    };
+    b->ops->matmul(b, proj, 6);
+    const eng_matmul up[2] = {
+        mm(&w->f_b_proj, c->fa, T, c->g, d->HV * d->K),
+        mm(&w->g_b_proj, c->ga, T, c->gz, d->kda_v),
+    };
+    b->ops->matmul(b, up, 2);
+    const eng_config *cfg = &c->m->cfg;
+    const eng_kda_args a = {.layer = L->slot, .w = w,
+                            .lower_bound = cfg->has_gate_lower_bound ? cfg->gate_lower_bound : 0.0f,
+                            .eps = cfg->rms_norm_eps, .ext = c->ext, .q = c->q, .k = c->k,
+                            .v = c->v, .g = c->g, .beta = c->beta, .gz = c->gz, .o = c->o};
+    b->ops->kda(b, p, &a);
+    const eng_matmul out = mm_add(&w->o_proj, c->o, T, c->x, d->hidden);
+    b->ops->matmul(b, &out, 1);
 }
 
-/* ------------------------------------------------------------------------ */
-/* MLA layer (absorbed form, spec §5.2; no RoPE)                             */
-
-typedef struct mla_run {
-    eng_ctx *c;
-    eng_seq *const *seqs;   /* row t belongs to seqs[t] when n_seqs > 1, else to seqs[0] */
-    int n_seqs, slot;       /* slot: this layer's index among the MLA layers */
-    const eng_mla_weights *w;
-    int T, n_groups;        /* task = group * heads + head; groups split the rows */
-} mla_run;
-
-/* One head for one group of rows: widen the head's kv_b rows once, then
- * attend the whole batch of one sequence, or each row of the group against
- * its own sequence's cache and position. */
-static void mla_head_fn(void *arg, int task, int thread) {
-    mla_run *r = arg;
-    eng_ctx *c = r->c;
-    const eng_dims *d = &c->d;
-    thread_scratch *ts = &c->ts[thread];
-    const int dc = d->dc, dn = d->dn, dr = d->dr, dv = d->dv;
-    const kern_mla_shape sh = {d->mla_heads, dc, dr, dn, dv};
-    const int h = task % d->mla_heads, group = task / d->mla_heads;
-    const eng_weight *kvb = &r->w->kv_b_proj; /* [nh*(dn+dv), dc] */
-    size_t esz = kern_dtype_size(kvb->dt);
-    /* W_UK_h = rows [h*(dn+dv), +dn), W_UV_h = the next dv rows. */
-    kern_to_f32(kvb->dt, (const char *)kvb->data + (size_t)h * (dn + dv) * dc * esz, ts->mla_w,
-                (size_t)(dn + dv) * dc);
-    const float *wuk = ts->mla_w, *wuv = ts->mla_w + (size_t)dn * dc;
-    const size_t qstride = (size_t)d->mla_heads * (dn + dr), ostride = (size_t)d->mla_heads * dv;
-    const float *qh = c->mq + (size_t)h * (dn + dr);
-    float *oh = c->o + (size_t)h * dv;
-    if (r->n_seqs == 1) {
-        const eng_seq *s = r->seqs[0];
-        kern_mla_attend_head(&sh, wuk, wuv, qh, (int)qstride, r->T, s->pos, s->mla_cache[r->slot],
-                             oh, (int)ostride, ts->mla_ws);
-        return;
-    }
-    int t0 = (int)((int64_t)r->T * group / r->n_groups);
-    int t1 = (int)((int64_t)r->T * (group + 1) / r->n_groups);
-    for (int t = t0; t < t1; t++) {
-        const eng_seq *s = r->seqs[t];
-        kern_mla_attend_head(&sh, wuk, wuv, qh + (size_t)t * qstride, (int)qstride, 1, s->pos,
-                             s->mla_cache[r->slot], oh + (size_t)t * ostride, (int)ostride,
-                             ts->mla_ws);
-    }
-}
-
-/* seqs[0..n_seqs): one sequence with T tokens, or T sequences with one each. */
-static void mla_layer(eng_ctx *c, eng_seq *const *seqs, int n_seqs, const eng_layer_weights *L,
-                      int slot, int T) {
+/* MLA mixer (spec §5, absorbed, no RoPE): the queries (through the q LoRA
+ * when the config has one) and the joint latent, then the op appends the
+ * latents and attends; o_proj adds into the residual. */
+static void mla_mixer(const eng_ctx *c, eng_backend *b, const eng_pass *p,
+                      const eng_layer_weights *L) {
     const eng_dims *d = &c->d;
     const eng_mla_weights *w = &L->mla;
     const eng_config *cfg = &c->m->cfg;
-    if (cfg->q_lora_rank > 0) {
-        job(c, 0, &w->q_a_proj, c->xn, T, c->fa, cfg->q_lora_rank);
-        job(c, 1, &w->kv_a_proj_with_mqa, c->xn, T, c->kva, d->mla_row);
-        run_mm(c, 2);
-        for (int t = 0; t < T; t++) {
-            float *qa = c->fa + (size_t)t * cfg->q_lora_rank;
-            kern_rmsnorm(qa, w->q_a_layernorm, KERN_F32, cfg->q_lora_rank, cfg->rms_norm_eps, qa);
-        }
-        job(c, 0, &w->q_b_proj, c->fa, T, c->mq, d->mla_heads * (d->dn + d->dr));
-        run_mm(c, 1);
+    const int T = p->T, qw = d->mla_heads * (d->dn + d->dr), qr = cfg->q_lora_rank;
+    if (qr > 0) {
+        const eng_matmul down[2] = {mm(&w->q_a_proj, c->xn, T, c->fa, qr),
+                                    mm(&w->kv_a_proj_with_mqa, c->xn, T, c->kva, d->mla_row)};
+        b->ops->matmul(b, down, 2);
+        b->ops->rmsnorm(b, c->fa, w->q_a_layernorm, T, qr, cfg->rms_norm_eps, c->fa);
+        const eng_matmul q = mm(&w->q_b_proj, c->fa, T, c->mq, qw);
+        b->ops->matmul(b, &q, 1);
     } else {
-        job(c, 0, &w->q_proj, c->xn, T, c->mq, d->mla_heads * (d->dn + d->dr));
-        job(c, 1, &w->kv_a_proj_with_mqa, c->xn, T, c->kva, d->mla_row);
-        run_mm(c, 2);
+        const eng_matmul qkv[2] = {mm(&w->q_proj, c->xn, T, c->mq, qw),
+                                   mm(&w->kv_a_proj_with_mqa, c->xn, T, c->kva, d->mla_row)};
+        b->ops->matmul(b, qkv, 2);
     }
-    /* Each row's latent [norm(c) | k_pe] goes to its sequence's cache at
-     * that sequence's position (row t of one sequence: position pos + t). */
-    for (int t = 0; t < T; t++) {
-        const eng_seq *s = seqs[n_seqs > 1 ? t : 0];
-        const float *a = c->kva + (size_t)t * d->mla_row;
-        float *dst = s->mla_cache[slot] + (size_t)(s->pos + (n_seqs > 1 ? 0 : t)) * d->mla_row;
-        kern_rmsnorm(a, w->kv_a_layernorm, KERN_F32, d->dc, cfg->rms_norm_eps, dst);
-        memcpy(dst + d->dc, a + d->dc, (size_t)d->dr * sizeof(float));
+    const eng_mla_args a = {.layer = L->slot, .w = w, .eps = cfg->rms_norm_eps, .kva = c->kva,
+                            .q = c->mq, .o = c->o};
+    b->ops->mla(b, p, &a);
+    const eng_matmul out = mm_add(&w->o_proj, c->o, T, c->x, d->hidden);
+    b->ops->matmul(b, &out, 1);
+}
+
+/* Dense SwiGLU MLP (spec §6.1), added into the residual. */
+static void dense_ffn(const eng_ctx *c, eng_backend *b, const eng_pass *p,
+                      const eng_layer_weights *L) {
+    const eng_ffn_weights *f = &L->ffn;
+    const int T = p->T, inner = f->gate_proj.rows;
+    const eng_matmul gate_up[2] = {mm(&f->gate_proj, c->xn, T, c->fa_buf, inner),
+                                   mm(&f->up_proj, c->xn, T, c->fb_buf, inner)};
+    b->ops->matmul(b, gate_up, 2);
+    b->ops->swiglu(b, c->fa_buf, c->fb_buf, (size_t)T * inner);
+    const eng_matmul down = mm_add(&f->down_proj, c->fa_buf, T, c->x, c->d.hidden);
+    b->ops->matmul(b, &down, 1);
+}
+
+/* MoE (spec §6.2): router, route, experts, combine, added into the
+ * residual. */
+static void moe_ffn(const eng_ctx *c, eng_backend *b, const eng_pass *p,
+                    const eng_layer_weights *L) {
+    const eng_ffn_weights *f = &L->ffn;
+    const int T = p->T;
+    const eng_matmul router = mm(&f->router, c->xn, T, c->router, c->m->cfg.num_experts);
+    b->ops->matmul(b, &router, 1);
+    const eng_moe_args a = {.f = f, .T = T, .x = c->xn, .router = c->router, .sel = c->sel,
+                            .selw = c->selw, .exp_off = c->exp_off, .row_of = c->row_of,
+                            .tok_of = c->tok_of, .xg = c->xg, .yg = c->yg, .act_a = c->fa_buf,
+                            .act_b = c->fb_buf, .shared_out = c->shared_out, .out = c->mix};
+    b->ops->moe_route(b, &a);
+    b->ops->moe_experts(b, &a);
+    b->ops->moe_combine(b, &a);
+    b->ops->add(b, c->x, c->mix, (size_t)T * c->d.hidden);
+}
+
+/*
+ * Run pass p's rows through the model on backend b: the embedding, every
+ * layer of the plan (its input formed as its input kind says, its mixer
+ * and FFN by kind), then the final norm and lm_head for rows [first, T).
+ * A prefill skips the lm_head of all but its final batch: on small models
+ * that matrix is most of the bytes a batch reads.
+ */
+static void layers(const eng_ctx *c, eng_backend *b, const eng_pass *p) {
+    const eng_model *m = c->m;
+    const eng_config *cfg = &m->cfg;
+    const int T = p->T, hid = c->d.hidden;
+    const float eps = cfg->rms_norm_eps;
+    b->ops->embed(b, p, &m->embed_tokens, c->x);
+    for (int l = 0; l < cfg->num_hidden_layers; l++) {
+        const eng_layer_weights *L = &m->layers[l];
+        /* ENG_INPUT_RESIDUAL, the only input kind: each sublayer reads the
+         * normed residual stream c->x and adds its output back into it
+         * (the mixers' and FFNs' last product accumulates) */
+        b->ops->rmsnorm(b, c->x, L->input_layernorm, T, hid, eps, c->xn);
+        switch (L->kind) {
+        case ENG_LAYER_KDA: kda_mixer(c, b, p, L); break;
+        case ENG_LAYER_MLA: mla_mixer(c, b, p, L); break;
+        }
+        b->ops->rmsnorm(b, c->x, L->post_attention_layernorm, T, hid, eps, c->xn);
+        switch (L->ffn_kind) {
+        case ENG_FFN_DENSE: dense_ffn(c, b, p, L); break;
+        case ENG_FFN_MOE: moe_ffn(c, b, p, L); break;
+        }
     }
-    mla_run r = {c, seqs, n_seqs, slot, w, T, 1};
-    /* Across sequences, cut the rows into groups until there are a few
-     * tasks per thread; each task widens its head's weights once. */
-    if (n_seqs > 1) {
-        int want = (c->n_threads * 4 + d->mla_heads - 1) / d->mla_heads;
-        r.n_groups = c->n_threads == 1 ? 1 : want < T ? want : T;
-    }
-    int n_tasks = d->mla_heads * r.n_groups;
-    if (c->n_threads == 1)
-        for (int i = 0; i < n_tasks; i++) mla_head_fn(&r, i, 0);
-    else
-        eng_pool_run(c->pool, mla_head_fn, &r, n_tasks);
-    job(c, 0, &w->o_proj, c->o, T, c->mix, d->hidden);
-    run_mm(c, 1);
+    if (p->first >= T) return;
+    const int n = T - p->first;
+    b->ops->rmsnorm(b, c->x + (size_t)p->first * hid, m->final_norm, n, hid, eps, c->xn);
+    const eng_matmul head = mm(&m->lm_head, c->xn, n, b->ops->logits_rows(b, p), c->d.vocab);
+    b->ops->matmul(b, &head, 1);
+}
+
+static void run_layers(void *arg, const eng_pass *p) {
+    const eng_ctx *c = arg;
+    layers(c, c->b, p);
 }
 
 /* ------------------------------------------------------------------------ */
-/* FFN: dense MLP and MoE (spec §6)                                          */
+/* The plan checked against a backend: layers() walked with every op put to */
+/* ops->supports instead of run.                                             */
 
-static void dense_ffn(eng_ctx *c, const eng_weight *gate, const eng_weight *up,
-                      const eng_weight *down, const float *x, int T, float *out) {
-    int inner = gate->rows;
-    job(c, 0, gate, x, T, c->fa_buf, inner);
-    job(c, 1, up, x, T, c->fb_buf, inner);
-    run_mm(c, 2);
-    kern_swiglu(c->fa_buf, c->fb_buf, (size_t)T * inner);
-    job(c, 0, down, c->fa_buf, T, out, c->d.hidden);
-    run_mm(c, 1);
+typedef struct checker {
+    eng_backend base;            /* ops: CHECK_OPS */
+    const eng_backend_ops *real; /* the backend being asked */
+    const eng_model *m;
+    kds_status rc;               /* the first op it lacks */
+    kds_err why;
+} checker;
+
+static void ask(eng_backend *b, eng_op op, const eng_weight *w, bool chunked) {
+    checker *k = (checker *)b;
+    if (k->rc != KDS_OK) return;
+    const eng_op_query q = {.op = op, .w = w, .chunked = chunked};
+    if (!k->real->supports(k->m, &q, &k->why)) k->rc = k->why.status ? k->why.status : KDS_UNSUPPORTED;
 }
 
-static void moe_ffn(eng_ctx *c, const eng_ffn_weights *f, int T) {
-    const eng_config *cfg = &c->m->cfg;
-    const int E = cfg->num_experts, k = cfg->num_experts_per_token, hid = c->d.hidden;
-    job(c, 0, &f->router, c->xn, T, c->router, E);
-    run_mm(c, 1);
-    memset(c->exp_off, 0, (size_t)(E + 1) * sizeof(int32_t));
-    /* Selection uses score + bias (and the group limit); weights use the
-     * score alone (project decision, spec §10 Q1). kern_moe_route is also
-     * the reference of the CUDA routing kernel. */
-    for (size_t i = 0; i < (size_t)T * E; i++) c->router[i] = kern_sigmoid(c->router[i]);
-    const kern_moe_route_params rp = {
-        .n_experts = E,
-        .top_k = k,
-        .n_group = cfg->use_grouped_topk && cfg->num_expert_group > 1 ? cfg->num_expert_group : 1,
-        .topk_group = cfg->topk_group,
-        .renormalize = cfg->moe_renormalize,
-        .routed_scaling_factor = cfg->routed_scaling_factor};
-    kern_moe_route(&rp, T, c->router, f->router_bias, c->sel, c->selw);
-    for (int i = 0; i < T * k; i++) c->exp_off[c->sel[i] + 1]++;
-    for (int e = 0; e < E; e++) c->exp_off[e + 1] += c->exp_off[e];
-    /* Gather each expert's tokens into a contiguous block of xg. */
-    int32_t *fill = c->exp_fill;
-    memcpy(fill, c->exp_off, (size_t)E * sizeof(int32_t));
-    for (int t = 0; t < T; t++)
-        for (int n = 0; n < k; n++) {
-            int row = fill[c->sel[t * k + n]]++;
-            c->row_of[t * k + n] = row;
-            memcpy(c->xg + (size_t)row * hid, c->xn + (size_t)t * hid, (size_t)hid * sizeof(float));
-        }
-    const int inner = cfg->moe_intermediate_size;
-    const int sh_inner = f->sh_gate.rows; /* 0 without shared experts */
-    /* The shared expert's rows live after the routed ones in the FFN
-     * buffers, so its products join the routed experts' dispatches. */
-    float *sh_a = c->fa_buf + (size_t)T * k * inner, *sh_b = c->fb_buf + (size_t)T * k * inner;
-    /* Up projections of all active experts and the shared expert, in as few
-     * dispatches as the job table allows. */
-    int nj = 0;
-    if (sh_inner > 0) {
-        job(c, nj++, &f->sh_gate, c->xn, T, sh_a, sh_inner);
-        job(c, nj++, &f->sh_up, c->xn, T, sh_b, sh_inner);
-    }
+static void ck_embed(eng_backend *b, const eng_pass *p, const eng_weight *t, float *x) {
+    (void)p, (void)x;
+    ask(b, ENG_OP_EMBED, t, false);
+}
+static void ck_rmsnorm(eng_backend *b, const float *x, const float *w, int r, int n, float e,
+                       float *y) {
+    (void)x, (void)w, (void)r, (void)n, (void)e, (void)y;
+    ask(b, ENG_OP_RMSNORM, NULL, false);
+}
+static void ck_matmul(eng_backend *b, const eng_matmul *j, int n) {
+    for (int i = 0; i < n; i++) ask(b, ENG_OP_MATMUL, j[i].w, false);
+}
+static void ck_swiglu(eng_backend *b, float *a, const float *x, size_t n) {
+    (void)a, (void)x, (void)n;
+    ask(b, ENG_OP_SWIGLU, NULL, false);
+}
+static void ck_add(eng_backend *b, float *y, const float *x, size_t n) {
+    (void)y, (void)x, (void)n;
+    ask(b, ENG_OP_ADD, NULL, false);
+}
+static void ck_kda(eng_backend *b, const eng_pass *p, const eng_kda_args *a) {
+    (void)a;
+    ask(b, ENG_OP_KDA, NULL, p->chunked && p->n_seqs == 1);
+}
+static void ck_mla(eng_backend *b, const eng_pass *p, const eng_mla_args *a) {
+    (void)p;
+    ask(b, ENG_OP_MLA, &a->w->kv_b_proj, false);
+}
+static void ck_route(eng_backend *b, const eng_moe_args *a) {
+    (void)a;
+    ask(b, ENG_OP_MOE_ROUTE, NULL, false);
+}
+static void ck_experts(eng_backend *b, const eng_moe_args *a) {
+    const eng_ffn_weights *f = a->f;
+    const int E = ((checker *)b)->m->cfg.num_experts;
     for (int e = 0; e < E; e++) {
-        int n_e = c->exp_off[e + 1] - c->exp_off[e];
-        if (n_e == 0) continue;
-        if (nj + 2 > MAX_MM_JOBS) {
-            run_mm(c, nj);
-            nj = 0;
-        }
-        size_t off = (size_t)c->exp_off[e];
-        job(c, nj++, &f->w1[e], c->xg + off * hid, n_e, c->fa_buf + off * inner, inner);
-        job(c, nj++, &f->w3[e], c->xg + off * hid, n_e, c->fb_buf + off * inner, inner);
+        ask(b, ENG_OP_MOE_EXPERTS, &f->w1[e], false);
+        ask(b, ENG_OP_MOE_EXPERTS, &f->w3[e], false);
+        ask(b, ENG_OP_MOE_EXPERTS, &f->w2[e], false);
     }
-    if (nj) run_mm(c, nj);
-    kern_swiglu(c->fa_buf, c->fb_buf, (size_t)T * k * inner + (size_t)T * sh_inner);
-    nj = 0;
-    if (sh_inner > 0) job(c, nj++, &f->sh_down, sh_a, T, c->shared_out, hid);
-    for (int e = 0; e < E; e++) {
-        int n_e = c->exp_off[e + 1] - c->exp_off[e];
-        if (n_e == 0) continue;
-        if (nj + 1 > MAX_MM_JOBS) {
-            run_mm(c, nj);
-            nj = 0;
-        }
-        size_t off = (size_t)c->exp_off[e];
-        job(c, nj++, &f->w2[e], c->fa_buf + off * inner, n_e, c->yg + off * hid, hid);
-    }
-    if (nj) run_mm(c, nj);
-    /* Routed sum in selection order (the same order for prefill and decode). */
-    for (int t = 0; t < T; t++) {
-        float *out = c->mix + (size_t)t * hid;
-        memset(out, 0, (size_t)hid * sizeof(float));
-        for (int n = 0; n < k; n++) {
-            const float wgt = c->selw[t * k + n];
-            const float *y = c->yg + (size_t)c->row_of[t * k + n] * hid;
-            for (int i = 0; i < hid; i++) out[i] += wgt * y[i];
-        }
-    }
-    if (sh_inner > 0)
-        for (size_t i = 0; i < (size_t)T * hid; i++) c->mix[i] += c->shared_out[i];
+    const eng_weight *sh[3] = {&f->sh_gate, &f->sh_up, &f->sh_down};
+    for (int i = 0; i < 3; i++)
+        if (sh[i]->rows > 0) ask(b, ENG_OP_MATMUL, sh[i], false);
+}
+static void ck_combine(eng_backend *b, const eng_moe_args *a) {
+    (void)a;
+    ask(b, ENG_OP_MOE_COMBINE, NULL, false);
+}
+static float *ck_logits_rows(eng_backend *b, const eng_pass *p) {
+    (void)b, (void)p;
+    return NULL; /* only handed to the lm_head's product, which is asked, not run */
+}
+
+static const eng_backend_ops CHECK_OPS = {
+    .name = "check",
+    .logits_rows = ck_logits_rows,
+    .embed = ck_embed,
+    .rmsnorm = ck_rmsnorm,
+    .matmul = ck_matmul,
+    .swiglu = ck_swiglu,
+    .add = ck_add,
+    .kda = ck_kda,
+    .mla = ck_mla,
+    .moe_route = ck_route,
+    .moe_experts = ck_experts,
+    .moe_combine = ck_combine,
+};
+
+/* Every op a prefill pass and a decode pass would issue, asked of `ops`. */
+static kds_status check_plan(const eng_ctx *c, const eng_backend_ops *ops, kds_err *err) {
+    checker k = {.base = {.ops = &CHECK_OPS}, .real = ops, .m = c->m, .rc = KDS_OK};
+    kds_err_clear(&k.why);
+    const int32_t id = 0;
+    const eng_pass prefill = {.n_seqs = 1, .ids = &id, .T = 1, .chunked = true, .first = 0};
+    const eng_pass decode = {.n_seqs = 1, .ids = &id, .T = 1, .chunked = false, .first = 0};
+    layers(c, &k.base, &prefill);
+    layers(c, &k.base, &decode);
+    if (k.rc == KDS_OK) return KDS_OK;
+    if (err) *err = k.why;
+    return k.rc;
 }
 
 /* ------------------------------------------------------------------------ */
-/* Whole model                                                               */
+/* Passes                                                                    */
 
 static kds_status check_ids(const eng_ctx *c, const int32_t *ids, int64_t n, kds_err *err) {
     for (int64_t i = 0; i < n; i++)
@@ -499,83 +338,32 @@ static kds_status check_ids(const eng_ctx *c, const int32_t *ids, int64_t n, kds
     return KDS_OK;
 }
 
-/* Run T rows: T <= max_batch tokens of seqs[0] (n_seqs == 1), or one token
- * of each of seqs[0..T) (n_seqs == T, chunked == 0, logits NULL). logits:
+/*
+ * Run T rows: T <= max_batch tokens of seqs[0] (n_seqs == 1), or one token
+ * of each of seqs[0..T) (n_seqs == T, chunked 0, logits NULL). logits:
  * NULL (only each sequence's last logits, computed when want_last) or
  * [T, vocab] (one sequence). Inputs are validated and the MLA caches
- * reserved by the callers. A prefill skips the lm_head of all but its final
- * batch: on small models that matrix is most of the bytes a batch reads. */
-static void forward(eng_ctx *c, eng_seq *const *seqs, int n_seqs, const int32_t *ids, int T,
-                    int chunked, float *logits, int want_last) {
-    const eng_model *m = c->m;
-    const eng_config *cfg = &m->cfg;
-    const int hid = c->d.hidden;
-    const size_t esz = kern_dtype_size(m->embed_tokens.dt);
-    const int multi = n_seqs > 1;
-    for (int t = 0; t < T; t++)
-        kern_to_f32(m->embed_tokens.dt, (const char *)m->embed_tokens.data + (size_t)ids[t] * hid * esz,
-                    c->x + (size_t)t * hid, (size_t)hid);
-    for (int l = 0; l < cfg->num_hidden_layers; l++) {
-        const eng_layer_weights *L = &m->layers[l];
-        for (int t = 0; t < T; t++)
-            kern_rmsnorm(c->x + (size_t)t * hid, L->input_layernorm, KERN_F32, hid,
-                         cfg->rms_norm_eps, c->xn + (size_t)t * hid);
-        if (L->kind == ENG_LAYER_KDA)
-            kda_layer(c, seqs, n_seqs, L, c->d.layer_slot[l], T, chunked);
-        else
-            mla_layer(c, seqs, n_seqs, L, c->d.layer_slot[l], T);
-        for (size_t i = 0; i < (size_t)T * hid; i++) c->x[i] += c->mix[i];
-        for (int t = 0; t < T; t++)
-            kern_rmsnorm(c->x + (size_t)t * hid, L->post_attention_layernorm, KERN_F32, hid,
-                         cfg->rms_norm_eps, c->xn + (size_t)t * hid);
-        if (L->ffn_kind == ENG_FFN_MOE)
-            moe_ffn(c, &L->ffn, T);
-        else
-            dense_ffn(c, &L->ffn.gate_proj, &L->ffn.up_proj, &L->ffn.down_proj, c->xn, T, c->mix);
-        for (size_t i = 0; i < (size_t)T * hid; i++) c->x[i] += c->mix[i];
-    }
+ * reserved by the callers. On success the sequences advance: positions,
+ * recent tokens, logits (the backend put them in place).
+ */
+static kds_status forward(eng_ctx *c, eng_seq *const *seqs, int n_seqs, const int32_t *ids, int T,
+                          bool chunked, float *logits, bool want_last, kds_err *err) {
+    const bool multi = n_seqs > 1;
+    eng_pass p = {.seqs = seqs, .n_seqs = n_seqs, .ids = ids, .T = T, .chunked = chunked,
+                  .logits = logits};
+    /* the final norm and lm_head: every row when asked or across sequences,
+     * else the last row, or none before the last batch of a prefill */
+    p.first = logits || multi ? 0 : T - 1;
+    if (!logits && !want_last) p.first = T;
+    kds_status rc = c->b->ops->run(c->b, &p, run_layers, c, err);
+    if (rc != KDS_OK) return rc;
     for (int t = 0; t < T; t++) eng__seq_push_recent(seqs[multi ? t : 0], ids[t]);
     if (multi)
         for (int t = 0; t < T; t++) seqs[t]->pos++;
     else
         seqs[0]->pos += T;
-    eng_seq *s = seqs[0];
-    if (!logits && !want_last) {
-        s->has_logits = 0; /* stale until the batch that ends the prefill */
-        return;
-    }
-    /* Final norm and lm_head: every row when asked or across sequences,
-     * else the last row only. */
-    int first = logits || multi ? 0 : T - 1, n = T - first;
-    for (int t = first; t < T; t++)
-        kern_rmsnorm(c->x + (size_t)t * hid, m->final_norm, KERN_F32, hid, cfg->rms_norm_eps,
-                     c->xn + (size_t)(t - first) * hid);
-    float *dst = logits ? logits : multi ? c->logits : s->logits;
-    job(c, 0, &m->lm_head, c->xn, n, dst, c->d.vocab);
-    run_mm(c, 1);
-    if (multi) {
-        for (int t = 0; t < T; t++) {
-            memcpy(seqs[t]->logits, c->logits + (size_t)t * c->d.vocab,
-                   (size_t)c->d.vocab * sizeof(float));
-            seqs[t]->has_logits = 1;
-        }
-        return;
-    }
-    if (logits) memcpy(s->logits, logits + (size_t)(T - 1) * c->d.vocab, (size_t)c->d.vocab * sizeof(float));
-    s->has_logits = 1;
-}
-
-/* forward() where the context runs it: the host, or the GPU (eng_cuda.c). */
-static kds_status run_forward(eng_ctx *c, eng_seq *const *seqs, int n_seqs, const int32_t *ids,
-                              int T, int chunked, float *logits, int want_last, kds_err *err) {
-    if (c->gpu) return eng__cuda_forward(c->gpu, seqs, n_seqs, ids, T, chunked, logits, want_last, err);
-    /* a sequence last run on a GPU context continues here from its state */
-    for (int i = 0; i < n_seqs; i++) {
-        kds_status rc = eng__seq_fetch(seqs[i], err);
-        if (rc != KDS_OK) return rc;
-    }
-    forward(c, seqs, n_seqs, ids, T, chunked, logits, want_last);
-    for (int i = 0; i < n_seqs; i++) eng__seq_host_written(seqs[i]);
+    const int has = p.first < T; /* stale until the batch that ends the prefill */
+    for (int i = 0; i < n_seqs; i++) seqs[i]->has_logits = has;
     return KDS_OK;
 }
 
@@ -589,9 +377,8 @@ kds_status eng_prefill(eng_ctx *c, eng_seq *s, const int32_t *ids, int64_t n, fl
     if ((rc = eng__seq_reserve(s, s->pos + n, err)) != KDS_OK) return rc;
     for (int64_t done = 0; done < n;) {
         int T = n - done < c->max_batch ? (int)(n - done) : c->max_batch;
-        rc = run_forward(c, &s, 1, ids + done, T, 1,
-                         logits_all ? logits_all + (size_t)done * c->d.vocab : NULL, done + T == n,
-                         err);
+        rc = forward(c, &s, 1, ids + done, T, true,
+                     logits_all ? logits_all + (size_t)done * c->d.vocab : NULL, done + T == n, err);
         if (rc != KDS_OK) return rc;
         done += T;
         if (progress) progress(user, done, n);
@@ -605,7 +392,7 @@ kds_status eng_decode(eng_ctx *c, eng_seq *s, int32_t id, kds_err *err) {
     kds_status rc = check_ids(c, &id, 1, err);
     if (rc != KDS_OK) return rc;
     if ((rc = eng__seq_reserve(s, s->pos + 1, err)) != KDS_OK) return rc;
-    return run_forward(c, &s, 1, &id, 1, 0, NULL, 1, err);
+    return forward(c, &s, 1, &id, 1, false, NULL, true, err);
 }
 
 /* The checks of eng_decode_batch, and room in the MLA caches. */
@@ -647,7 +434,16 @@ kds_status eng_decode_batch(eng_ctx *c, eng_seq *const *seqs, const int32_t *ids
                             kds_err *err) {
     kds_status rc = decode_batch_prepare(c, seqs, ids, n, err);
     if (rc != KDS_OK || n == 0) return rc;
-    return run_forward(c, seqs, n, ids, n, 0, NULL, 1, err);
+    return forward(c, seqs, n, ids, n, false, NULL, true, err);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Sampling                                                                  */
+
+/* Does the context's backend sample with p where its logits are? */
+static bool backend_samples(const eng_ctx *c, const eng_sampler_params *p) {
+    const eng_op_query q = {.op = ENG_OP_SAMPLE, .sampler = p};
+    return c->b->ops->supports(c->m, &q, NULL);
 }
 
 kds_status eng_decode_batch_sample(eng_ctx *c, eng_seq *const *seqs, const int32_t *ids, int n,
@@ -657,63 +453,45 @@ kds_status eng_decode_batch_sample(eng_ctx *c, eng_seq *const *seqs, const int32
                            !p ? "sampler settings" : "an output array");
     kds_status rc = decode_batch_prepare(c, seqs, ids, n, err);
     if (rc != KDS_OK || n == 0) return rc;
-    if (c->gpu && eng__cuda_sampler_takes(c->gpu, p))
-        return eng__cuda_decode_sample(c->gpu, seqs, n, ids, p, next, err);
-    if ((rc = run_forward(c, seqs, n, ids, n, 0, NULL, 1, err)) != KDS_OK) return rc;
+    if ((rc = forward(c, seqs, n, ids, n, false, NULL, true, err)) != KDS_OK) return rc;
+    /* on a device only the tokens cross the bus; else the host samples */
+    if (backend_samples(c, p)) return c->b->ops->sample(c->b, seqs, n, p, next, err);
     for (int i = 0; i < n && rc == KDS_OK; i++) rc = eng_sample(c, seqs[i], p, &next[i], err);
     return rc;
+}
+
+kds_status eng_sample(eng_ctx *c, eng_seq *s, const eng_sampler_params *p, int32_t *token,
+                      kds_err *err) {
+    /* logits a device decode left on the device are sampled there */
+    if (s->gpu && s->gpu == c->b && s->logits_on_gpu && s->has_logits && backend_samples(c, p))
+        return c->b->ops->sample(c->b, &s, 1, p, token, err);
+    kds_status rc = eng__seq_fetch_logits(s, err);
+    if (rc != KDS_OK) return rc;
+    if (!s->has_logits)
+        return kds_err_set(err, KDS_INVALID_ARG, "nothing to sample from: the sequence is empty");
+    *token = eng__sample_host(s, p, c->cand_p, c->cand_id);
+    return KDS_OK;
 }
 
 /* ------------------------------------------------------------------------ */
 /* Context lifecycle                                                         */
 
-static int max_cols(const eng_model *m) {
-    int best = m->lm_head.cols;
-    for (int l = 0; l < m->cfg.num_hidden_layers; l++) {
-        const eng_layer_weights *L = &m->layers[l];
-        const eng_weight *ws[] = {&L->kda.o_proj,   &L->kda.f_b_proj,  &L->kda.g_b_proj,
-                                  &L->mla.o_proj,   &L->mla.q_b_proj,  &L->ffn.down_proj,
-                                  &L->ffn.sh_down,  &L->kda.q_proj};
-        for (size_t i = 0; i < sizeof ws / sizeof ws[0]; i++)
-            if (ws[i]->cols > best) best = ws[i]->cols;
-        if (L->ffn_kind == ENG_FFN_MOE && L->ffn.w2 && L->ffn.w2[0].cols > best) best = L->ffn.w2[0].cols;
-    }
-    return best;
-}
-
-kds_status eng_ctx_create(const eng_model *m, const eng_ctx_params *p, eng_ctx **out,
-                          kds_err *err) {
-    *out = NULL;
-    eng_ctx_params def = eng_ctx_default_params();
-    if (!p) p = &def;
-    if (m->generated && !(p->device && strcmp(p->device, "cuda") == 0))
-        return kds_err_set(err, KDS_UNSUPPORTED,
-                           "model %s was generated for the GPU: its weights exist only there "
-                           "(use device cuda)", m->dir);
-    eng_ctx *c = calloc(1, sizeof *c);
-    if (!c) return kds_err_set(err, KDS_NOMEM, "out of memory creating a context");
-    c->m = m;
-    eng__dims(&m->cfg, &c->d);
-    const eng_dims *d = &c->d;
+/* The activation buffers of a context, in the backend's memory. */
+static kds_status alloc_activations(eng_ctx *c, kds_err *err) {
+    const eng_model *m = c->m;
     const eng_config *cfg = &m->cfg;
-    long online = sysconf(_SC_NPROCESSORS_ONLN);
-    c->n_threads = p->n_threads > 0 ? p->n_threads : (online > 0 ? (int)online : 1);
-    c->max_batch = p->max_batch > 0 ? p->max_batch : def.max_batch;
-    c->kda_chunk = p->kda_chunk > 0 ? p->kda_chunk : def.kda_chunk;
-    c->max_seqs = p->max_seqs > 0 ? p->max_seqs : def.max_seqs;
-    c->top_k = cfg->num_experts > 0 ? cfg->num_experts_per_token : 1;
-    c->n_experts = cfg->num_experts;
-    int width = cfg->intermediate_size;
+    const eng_dims *d = &c->d;
+    eng_backend *b = c->b;
+    int width = cfg->intermediate_size; /* widest FFN hidden width (dense, shared or routed) */
     if (cfg->num_experts > 0) {
         if (cfg->moe_intermediate_size > width) width = cfg->moe_intermediate_size;
         if (cfg->moe_intermediate_size * cfg->num_shared_experts > width)
             width = cfg->moe_intermediate_size * cfg->num_shared_experts;
     }
-    c->ffn_width = width;
     /* a batched decode runs max_seqs rows through the same buffers */
     const size_t B = (size_t)(c->max_batch > c->max_seqs ? c->max_batch : c->max_seqs);
     const size_t Bk = B * (size_t)c->top_k;
-    int rank = d->K > d->V ? d->K : d->V;
+    int rank = d->K > d->V ? d->K : d->V; /* the gates' and q LoRA's inner widths */
     for (int l = 0; l < cfg->num_hidden_layers; l++) {
         if (m->layers[l].kda.f_a_proj.rows > rank) rank = m->layers[l].kda.f_a_proj.rows;
         if (m->layers[l].kda.g_a_proj.rows > rank) rank = m->layers[l].kda.g_a_proj.rows;
@@ -721,140 +499,119 @@ kds_status eng_ctx_create(const eng_model *m, const eng_ctx_params *p, eng_ctx *
     if (cfg->q_lora_rank > rank) rank = cfg->q_lora_rank;
     size_t o_width = (size_t)d->kda_v;
     if ((size_t)d->mla_heads * d->dv > o_width && d->n_mla) o_width = (size_t)d->mla_heads * d->dv;
-    int taps = d->W > 1 ? d->W - 1 : 0;
-#define ALLOC(ptr, count)                                             \
-    do {                                                              \
-        (ptr) = calloc((size_t)(count) + 1, sizeof *(ptr));           \
-        if (!(ptr)) goto nomem;                                       \
-    } while (0)
-    ALLOC(c->x, B * d->hidden);
-    ALLOC(c->xn, B * d->hidden);
-    ALLOC(c->mix, B * d->hidden);
-    ALLOC(c->ext, (B + taps) * d->conv_ch);
-    ALLOC(c->q, B * d->kda_qk);
-    ALLOC(c->k, B * d->kda_qk);
-    ALLOC(c->v, B * d->kda_v);
-    ALLOC(c->fa, B * rank);
-    ALLOC(c->ga, B * rank);
-    ALLOC(c->g, B * d->HV * d->K);
-    ALLOC(c->beta, B * d->HV);
-    ALLOC(c->gz, B * d->kda_v);
-    ALLOC(c->o, B * o_width);
-    if (d->n_mla) {
-        ALLOC(c->mq, B * d->mla_heads * (d->dn + d->dr));
-        ALLOC(c->kva, B * d->mla_row);
+    const int taps = d->W > 1 ? d->W - 1 : 0;
+    const size_t E = (size_t)(cfg->num_experts > 0 ? cfg->num_experts : 0);
+    struct {
+        void **p;
+        size_t bytes;
+    } want[] = {
+        {(void **)&c->x, B * d->hidden * 4},
+        {(void **)&c->xn, B * d->hidden * 4},
+        {(void **)&c->mix, B * d->hidden * 4},
+        {(void **)&c->ext, (B + taps) * d->conv_ch * 4},
+        {(void **)&c->q, B * d->kda_qk * 4},
+        {(void **)&c->k, B * d->kda_qk * 4},
+        {(void **)&c->v, B * d->kda_v * 4},
+        {(void **)&c->fa, B * rank * 4},
+        {(void **)&c->ga, B * rank * 4},
+        {(void **)&c->g, B * d->HV * d->K * 4},
+        {(void **)&c->beta, B * d->HV * 4},
+        {(void **)&c->gz, B * d->kda_v * 4},
+        {(void **)&c->o, B * o_width * 4},
+        {(void **)&c->mq, d->n_mla ? B * d->mla_heads * (d->dn + d->dr) * 4 : 0},
+        {(void **)&c->kva, d->n_mla ? B * d->mla_row * 4 : 0},
+        /* routed rows [B*top_k, width] followed by the shared expert's [B, width] */
+        {(void **)&c->fa_buf, (Bk + B) * width * 4},
+        {(void **)&c->fb_buf, (Bk + B) * width * 4},
+        {(void **)&c->shared_out, B * d->hidden * 4},
+        {(void **)&c->router, B * E * 4},
+        {(void **)&c->sel, E ? Bk * 4 : 0},
+        {(void **)&c->selw, E ? Bk * 4 : 0},
+        {(void **)&c->exp_off, E ? (E + 1) * 4 : 0},
+        {(void **)&c->row_of, E ? Bk * 4 : 0},
+        {(void **)&c->tok_of, E ? Bk * 4 : 0},
+        {(void **)&c->xg, E ? Bk * d->hidden * 4 : 0},
+        {(void **)&c->yg, E ? Bk * d->hidden * 4 : 0},
+    };
+    for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
+        if (want[i].bytes == 0) continue;
+        if (!(*want[i].p = b->ops->alloc(b, want[i].bytes)))
+            return kds_err_set(err, KDS_NOMEM,
+                               "out of %s memory for a context of %d tokens and %d sequences",
+                               b->ops->name, c->max_batch, c->max_seqs);
     }
-    /* routed rows [B*top_k, width] followed by the shared expert's [B, width] */
-    ALLOC(c->fa_buf, (Bk + B) * width);
-    ALLOC(c->fb_buf, (Bk + B) * width);
-    ALLOC(c->shared_out, B * d->hidden);
-    if (cfg->num_experts > 0) {
-        ALLOC(c->router, B * cfg->num_experts);
-        ALLOC(c->sel, Bk);
-        ALLOC(c->selw, Bk);
-        ALLOC(c->exp_off, cfg->num_experts + 1);
-        ALLOC(c->exp_fill, cfg->num_experts);
-        ALLOC(c->row_of, Bk);
-        ALLOC(c->xg, Bk * d->hidden);
-        ALLOC(c->yg, Bk * d->hidden);
-    }
-    ALLOC(c->logits, (size_t)c->max_seqs * d->vocab);
-    ALLOC(c->cand_p, d->vocab);
-    ALLOC(c->cand_id, d->vocab);
-    ALLOC(c->ts, c->n_threads);
-    kern_kda_shape sh = {d->H, d->HV, d->K, d->V, 1.0f};
-    for (int i = 0; i < c->n_threads; i++) {
-        ALLOC(c->ts[i].mm, kern_matmul_scratch_floats(max_cols(m)));
-        if (d->n_kda) ALLOC(c->ts[i].kda_ws, kern_kda_chunked_workspace_floats(&sh, c->kda_chunk));
-        if (d->n_mla) {
-            ALLOC(c->ts[i].mla_w, (size_t)(d->dn + d->dv) * d->dc);
-            kern_mla_shape msh = {d->mla_heads, d->dc, d->dr, d->dn, d->dv};
-            ALLOC(c->ts[i].mla_ws, kern_mla_attend_head_workspace_floats(&msh, (int)B));
-        }
-    }
-#undef ALLOC
-    kds_status rc = eng_pool_create(c->n_threads, &c->pool, err);
-    if (rc == KDS_OK && p->device && strcmp(p->device, "cpu") != 0) {
-        if (strcmp(p->device, "cuda") == 0)
-            rc = eng__cuda_create(m, c->max_batch, c->max_seqs, p->gpu_bf16, &c->gpu, err);
-        else
-            rc = kds_err_set(err, KDS_INVALID_ARG, "unknown device '%s' (cpu or cuda)", p->device);
-    }
+    c->cand_p = calloc((size_t)d->vocab + 1, sizeof *c->cand_p);
+    c->cand_id = calloc((size_t)d->vocab + 1, sizeof *c->cand_id);
+    if (!c->cand_p || !c->cand_id)
+        return kds_err_set(err, KDS_NOMEM, "out of memory creating a context");
+    return KDS_OK;
+}
+
+kds_status eng_ctx_create(const eng_model *m, const eng_ctx_params *p, eng_ctx **out,
+                          kds_err *err) {
+    *out = NULL;
+    eng_ctx_params def = eng_ctx_default_params();
+    if (!p) p = &def;
+    eng_device device;
+    if (!eng_device_from_name(p->device, &device))
+        return kds_err_set(err, KDS_INVALID_ARG, "unknown device '%s' (cpu or cuda)", p->device);
+    const eng_backend_ops *ops = eng__backend_ops(device);
+    if (!ops)
+        return kds_err_set(err, KDS_UNSUPPORTED,
+                           "device '%s': this kdaserve was built without it (CUDA: configure with "
+                           "nvcc on the PATH or CUDACXX set, and -DKDS_CUDA=ON)",
+                           eng_device_name(device));
+    /* the parameters with their defaults, as the backend sees them */
+    eng_ctx_params q = *p;
+    q.max_batch = p->max_batch > 0 ? p->max_batch : def.max_batch;
+    q.kda_chunk = p->kda_chunk > 0 ? p->kda_chunk : def.kda_chunk;
+    q.max_seqs = p->max_seqs > 0 ? p->max_seqs : def.max_seqs;
+    long online = sysconf(_SC_NPROCESSORS_ONLN);
+    q.n_threads = p->n_threads > 0 ? p->n_threads : (online > 0 ? (int)online : 1);
+    eng_ctx *c = calloc(1, sizeof *c);
+    if (!c) return kds_err_set(err, KDS_NOMEM, "out of memory creating a context");
+    c->m = m;
+    eng__dims(&m->cfg, &c->d);
+    c->max_batch = q.max_batch;
+    c->max_seqs = q.max_seqs;
+    c->n_threads = q.n_threads;
+    c->top_k = m->cfg.num_experts > 0 ? m->cfg.num_experts_per_token : 1;
+    /* the weights are copied (ops->load: gigabytes on a GPU) only once the
+     * plan is known to run there */
+    kds_status rc = ops->create(m, &q, &c->b, err);
+    if (rc == KDS_OK) rc = alloc_activations(c, err);
+    if (rc == KDS_OK) rc = check_plan(c, ops, err);
+    if (rc == KDS_OK) rc = c->b->ops->load(c->b, err);
     if (rc != KDS_OK) {
         eng_ctx_free(c);
         return rc;
     }
-    /* The pool parallelises over row blocks; BLAS threads would only fight it. */
-    openblas_set_num_threads(1);
     *out = c;
     return KDS_OK;
-nomem:
-    eng_ctx_free(c);
-    return kds_err_set(err, KDS_NOMEM,
-                       "out of memory creating a context for %d tokens and %d sequences",
-                       p->max_batch > 0 ? p->max_batch : def.max_batch,
-                       p->max_seqs > 0 ? p->max_seqs : def.max_seqs);
 }
 
 void eng_ctx_free(eng_ctx *c) {
     if (!c) return;
-    eng__cuda_free(c->gpu);
-    eng_pool_free(c->pool);
-    if (c->ts)
-        for (int i = 0; i < c->n_threads; i++) {
-            free(c->ts[i].mm);
-            free(c->ts[i].kda_ws);
-            free(c->ts[i].mla_w);
-            free(c->ts[i].mla_ws);
-        }
-    float *bufs[] = {c->x,  c->xn, c->mix, c->ext, c->q,  c->k,      c->v,      c->fa,
-                     c->ga, c->g,  c->beta, c->gz, c->o,  c->mq,     c->kva,    c->fa_buf,
-                     c->fb_buf, c->shared_out, c->router, c->selw, c->xg, c->yg, c->cand_p,
-                     c->logits};
-    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
-    free(c->sel);
-    free(c->exp_off);
-    free(c->exp_fill);
-    free(c->row_of);
+    if (c->b) c->b->ops->free(c->b); /* the activations with it */
+    free(c->cand_p);
     free(c->cand_id);
-    free(c->ts);
     free(c);
 }
 
 int eng_ctx_threads(const eng_ctx *c) { return c->n_threads; }
 
-const char *eng_ctx_device(const eng_ctx *c) { return c->gpu ? "cuda" : "cpu"; }
+eng_device eng_ctx_device_kind(const eng_ctx *c) { return c->b->ops->device; }
 
-eng_cuda *eng__ctx_gpu(const eng_ctx *c) { return c->gpu; }
+const char *eng_ctx_device(const eng_ctx *c) { return c->b->ops->name; }
+
+eng_cuda *eng__ctx_gpu(const eng_ctx *c) {
+    return c->b->ops->device == ENG_DEVICE_CUDA ? (eng_cuda *)c->b : NULL;
+}
 
 int eng_ctx_max_seqs(const eng_ctx *c) { return c->max_seqs; }
 
 kds_status eng_ctx_attach(eng_ctx *c, eng_seq *s, kds_err *err) {
     if (s->model != c->m)
         return kds_err_set(err, KDS_INVALID_ARG, "sequence and context belong to different models");
-    return c->gpu ? eng__cuda_attach(c->gpu, s, err) : eng__seq_fetch(s, err);
-}
-
-/* ------------------------------------------------------------------------ */
-/* Sampling                                                                  */
-
-kds_status eng_sample(eng_ctx *c, eng_seq *s, const eng_sampler_params *p, int32_t *token,
-                      kds_err *err) {
-    /* logits a GPU decode left on the device are sampled there */
-    if (c->gpu && s->gpu == c->gpu && s->logits_on_gpu && s->has_logits &&
-        eng__cuda_sampler_takes(c->gpu, p))
-        return eng__cuda_sample_one(c->gpu, s, p, token, err);
-    kds_status rc = eng__seq_fetch_logits(s, err);
-    if (rc != KDS_OK) return rc;
-    if (!s->has_logits)
-        return kds_err_set(err, KDS_INVALID_ARG, "nothing to sample from: the sequence is empty");
-    /* the recent tokens, newest first, that the repetition penalty looks at */
-    int32_t recent[ENG_RECENT_TOKENS];
-    const int n = eng__seq_penalty_ids(s, p, recent);
-    const kern_sample_params sp = {.temperature = p->temperature, .top_k = p->top_k,
-                                   .top_p = p->top_p, .min_p = p->min_p,
-                                   .repeat_penalty = p->repeat_penalty};
-    /* kern_sample is also the reference of the CUDA sampler */
-    *token = kern_sample(s->logits, c->d.vocab, &sp, recent, n, s->rng, c->cand_p, c->cand_id);
-    return KDS_OK;
+    return c->b->ops->attach(c->b, s, err);
 }

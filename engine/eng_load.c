@@ -793,6 +793,7 @@ void eng_model_free(eng_model *m) {
     eng__tok_free(m->tokenizer);
     free(m->layers);
     free(m->weights);
+    free(m->banks);
     free(m->expert_arena);
     free(m->small_f32);
     free(m->dir);

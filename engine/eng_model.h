@@ -104,6 +104,7 @@ struct eng_model {
     eng_weight lm_head;              /* [vocab, hidden]; the embedding's twin when tied */
     eng_layer_weights *layers;       /* [num_hidden_layers]: the layer plan */
     int n_moe;                       /* MoE layers (expert banks) */
+    const eng_ffn_weights **banks;   /* [n_moe]: each MoE layer's FFN, by eng_ffn_weights.bank */
     eng_weight *expert_arena;        /* backing store of the w1/w3/w2 arrays */
     const eng_weight **weights;      /* [n_weights]: every bound matrix by id ([0] NULL) */
     int n_weights, cap_weights;

@@ -274,7 +274,8 @@ kds_status eng__plan_alloc(eng_model *m, kds_err *err) {
     for (int l = 0; l < L; l++) m->n_moe += c->layer_is_moe[l];
     const size_t n_exp = (size_t)m->n_moe * 3 * (size_t)c->num_experts;
     m->expert_arena = calloc(n_exp ? n_exp : 1, sizeof *m->expert_arena);
-    if (!m->small_f32 || !m->layers || !m->weights || !m->expert_arena)
+    m->banks = calloc((size_t)m->n_moe + 1, sizeof *m->banks);
+    if (!m->small_f32 || !m->layers || !m->weights || !m->expert_arena || !m->banks)
         return kds_err_set(err, KDS_NOMEM, "out of memory loading %s", m->dir);
     int bank = 0;
     for (int l = 0; l < L; l++) {
@@ -290,6 +291,7 @@ kds_status eng__plan_alloc(eng_model *m, kds_err *err) {
             lw->ffn.w1 = experts;
             lw->ffn.w3 = experts + c->num_experts;
             lw->ffn.w2 = experts + 2 * (size_t)c->num_experts;
+            m->banks[bank] = &lw->ffn;
             lw->ffn.bank = bank++;
         }
     }

@@ -40,25 +40,27 @@ struct eng_seq {
     uint64_t rng[4];             /* xoshiro256** */
     int32_t recent[ENG_RECENT_TOKENS]; /* ring of the last tokens (repetition penalty) */
     int32_t n_recent;            /* tokens ever pushed, saturating at INT32_MAX */
-    /* Device residency (engine/eng_cuda.c). While `gpu` is set, slot
-     * `gpu_slot` of that GPU context holds this sequence's KDA states, conv
-     * tails and MLA rows. gpu_newer: the device copy is ahead of the host
-     * buffers above (a reader of them calls eng__seq_fetch first);
-     * host_newer: the host buffers were written (load, reset) and the
-     * device copy is stale (the next GPU pass uploads them). pos, logits,
-     * rng and recent are host fields and always current. */
-    struct eng_cuda *gpu;
+    /* Device residency (eng_backend.h; the CUDA backend, engine/eng_cuda.c).
+     * While `gpu` is set, that backend holds this sequence's KDA states,
+     * conv tails and MLA rows (in its slot `gpu_slot`). gpu_newer: the
+     * device copy is ahead of the host buffers above (a reader of them calls
+     * eng__seq_fetch first); host_newer: the host buffers were written
+     * (load, reset) and the device copy is stale (the next pass there
+     * uploads them). pos, logits, rng and recent are host fields and always
+     * current, except that logits_on_gpu says the current logits row is in
+     * the backend (a decode there leaves it; eng__seq_fetch_logits). */
+    struct eng_backend *gpu;
     int gpu_slot;
     int gpu_newer, host_newer;
     int64_t gpu_host_rows;       /* MLA rows [0, this) of the host caches are current */
-    int logits_on_gpu;           /* `logits` is stale: the current row is in the slot's device
-                                  * logits (eng_decode_batch_sample) */
+    int logits_on_gpu;
 };
 
-/* Residency hooks (eng_cuda.c; trivial for sequences never run on a GPU):
- * bring the host buffers up to date before reading them (synchronous copy
- * from the device; `s` is logically const: its content does not change),
- * mark them written, and give up the device slot (eng_seq_free). */
+/* Residency hooks (through s->gpu's ops; trivial for sequences never run
+ * on a device): bring the host buffers up to date before reading them
+ * (synchronous copy from the device; `s` is logically const: its content
+ * does not change), mark them written, and give up the device slot
+ * (eng_seq_free). */
 kds_status eng__seq_fetch_slow(const eng_seq *s, kds_err *err);
 kds_status eng__seq_fetch_logits_slow(const eng_seq *s, kds_err *err);
 void eng__seq_detach(eng_seq *s);
@@ -81,5 +83,10 @@ void eng__seq_push_recent(eng_seq *s, int32_t id);
  * out[ENG_RECENT_TOKENS]; returns how many (0 when the penalty is off).
  * One choice for the host sampler (eng_sample) and the device one. */
 int eng__seq_penalty_ids(const eng_seq *s, const eng_sampler_params *p, int32_t *out);
+/* eng_sample's host algorithm on s's (host) logits: the repetition
+ * penalty, then kern_sample with s's RNG. Scratch: vocab floats and ids.
+ * The caller checked that s has logits on the host. */
+int32_t eng__sample_host(eng_seq *s, const eng_sampler_params *p, float *scratch_p,
+                         int32_t *scratch_id);
 
 #endif

@@ -13,6 +13,7 @@
  *   mla     n_mla * position * (dc+dr) f32  latent cache rows [c | k_pe]
  */
 #include "kds_le.h"
+#include "eng_backend.h"
 #include "eng_plan.h"
 #include "eng_seq.h"
 
@@ -122,6 +123,32 @@ int eng__seq_penalty_ids(const eng_seq *s, const eng_sampler_params *p, int32_t 
     for (int i = 0; i < n; i++)
         out[i] = s->recent[((uint32_t)s->n_recent - 1 - (uint32_t)i) % ENG_RECENT_TOKENS];
     return n;
+}
+
+int32_t eng__sample_host(eng_seq *s, const eng_sampler_params *p, float *scratch_p,
+                         int32_t *scratch_id) {
+    /* the recent tokens, newest first, that the repetition penalty looks at */
+    int32_t recent[ENG_RECENT_TOKENS];
+    const int n = eng__seq_penalty_ids(s, p, recent);
+    const kern_sample_params sp = {.temperature = p->temperature, .top_k = p->top_k,
+                                   .top_p = p->top_p, .min_p = p->min_p,
+                                   .repeat_penalty = p->repeat_penalty};
+    /* kern_sample is also the reference of the CUDA sampler */
+    return kern_sample(s->logits, s->d.vocab, &sp, recent, n, s->rng, scratch_p, scratch_id);
+}
+
+/* Residency: the backend holding the state does the copying. */
+kds_status eng__seq_fetch_slow(const eng_seq *s, kds_err *err) {
+    /* logically const: the host buffers get the state the sequence has */
+    return s->gpu->ops->fetch(s->gpu, (eng_seq *)s, false, err);
+}
+
+kds_status eng__seq_fetch_logits_slow(const eng_seq *s, kds_err *err) {
+    return s->gpu->ops->fetch(s->gpu, (eng_seq *)s, true, err);
+}
+
+void eng__seq_detach(eng_seq *s) {
+    if (s->gpu) s->gpu->ops->detach(s->gpu, s);
 }
 
 kds_status eng_seq_create(const eng_model *m, uint64_t seed, eng_seq **out, kds_err *err) {

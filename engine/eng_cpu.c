@@ -1,0 +1,670 @@
+/*
+ * eng_cpu.c - the CPU backend (eng_backend.h): every op on host memory, with
+ * the context's fork-join pool and the kernels of kernels/cpu. It is the
+ * exact reference the other backends are checked against.
+ *
+ * Parallelism: every matrix product is cut into row blocks of roughly equal
+ * work (several products of one call go out in one dispatch); the KDA core
+ * and MLA attention are split by head, the KDA per-token work by token.
+ * OpenBLAS is pinned to one thread so that it never competes with the pool.
+ * The cuts depend only on the shapes and the thread count, so a pass gives
+ * the same bits every time.
+ *
+ * Memory: activations are host buffers (ops->alloc); the backend's own
+ * scratch (per-thread widening and KDA / MLA workspaces, the accumulate
+ * buffer, the batched logits, the sampler's candidates) is made at create,
+ * so a pass allocates nothing.
+ */
+#include <cblas.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "eng_backend.h"
+#include "eng_pool.h"
+
+#define MAX_MM_JOBS 8
+#define MAX_MM_TASKS 1024
+/* Largest short-conv width eng_config accepts (short_conv_kernel_size). */
+#define MAX_CONV_W 64
+
+typedef struct mm_task {
+    int job, r0, r1;
+} mm_task;
+
+typedef struct thread_scratch {
+    float *mm;     /* widened weight rows for BLAS */
+    float *kda_ws; /* chunked KDA workspace */
+    float *mla_w;  /* one head's kv_b rows, widened: [(dn+dv), dc] */
+    float *mla_ws; /* kern_mla_attend_head workspace for B queries */
+} thread_scratch;
+
+typedef struct eng_cpu {
+    eng_backend base;
+    const eng_model *m;
+    eng_dims d;
+    eng_pool *pool;
+    int n_threads, kda_chunk, max_rows, max_seqs;
+    thread_scratch *ts;  /* [n_threads] */
+    eng_matmul jobs[MAX_MM_JOBS];
+    mm_task tasks[MAX_MM_TASKS];
+    float *acc;          /* [max_rows, hidden]: an accumulating product's rows before the add */
+    float *logits;       /* [max_seqs, vocab]: a batched pass's logits before they go to the seqs */
+    float *cand_p;       /* [vocab]: the sampler's candidates */
+    int32_t *cand_id;    /* [vocab] */
+    void **allocs;       /* activation buffers */
+    int n_allocs, cap_allocs;
+} eng_cpu;
+
+static eng_cpu *cpu_of(eng_backend *b) { return (eng_cpu *)b; }
+
+/* An op's contract was broken (a caller bug): recorded like any failure. */
+static void internal(eng_cpu *c, const char *what) {
+    if (c->base.rc != KDS_OK) return;
+    eng__backend_note(&c->base, kds_err_set(&c->base.err, KDS_INTERNAL, "cpu backend: %s", what));
+}
+
+/* ------------------------------------------------------------------------ */
+/* Matrix products on the pool                                               */
+
+static void mm_task_fn(void *arg, int t, int thread) {
+    eng_cpu *c = arg;
+    const mm_task *task = &c->tasks[t];
+    const eng_matmul *j = &c->jobs[task->job];
+    const kern_weight w = eng__kern_weight(j->w);
+    kern_matmul_w(&w, j->x, j->T, j->y, j->ldy, task->r0, task->r1, c->ts[thread].mm);
+}
+
+/* Run the n_jobs products in c->jobs in one dispatch, cut into row blocks
+ * of roughly equal work. Small totals run inline: a dispatch costs more
+ * than a few thousand multiply-adds. */
+static void run_mm(eng_cpu *c, int n_jobs) {
+    double total = 0;
+    for (int i = 0; i < n_jobs; i++)
+        total += (double)c->jobs[i].w->rows * c->jobs[i].w->cols * c->jobs[i].T;
+    int n_tasks = 0;
+    if (c->n_threads == 1 || total < 65536.0) {
+        for (int i = 0; i < n_jobs; i++) c->tasks[n_tasks++] = (mm_task){i, 0, c->jobs[i].w->rows};
+        for (int t = 0; t < n_tasks; t++) mm_task_fn(c, t, 0);
+        return;
+    }
+    double target = total / (c->n_threads * 4.0);
+    if (target < 32768.0) target = 32768.0;
+    for (int i = 0; i < n_jobs; i++) {
+        const eng_matmul *j = &c->jobs[i];
+        int rows = j->w->rows;
+        double work = (double)rows * j->w->cols * j->T;
+        int nb = (int)ceil(work / target);
+        if (nb > rows) nb = rows;
+        if (nb < 1) nb = 1;
+        int room = MAX_MM_TASKS - n_tasks - (n_jobs - i - 1);
+        if (nb > room) nb = room;
+        for (int b = 0; b < nb; b++) {
+            int r0 = (int)((int64_t)rows * b / nb), r1 = (int)((int64_t)rows * (b + 1) / nb);
+            if (r1 > r0) c->tasks[n_tasks++] = (mm_task){i, r0, r1};
+        }
+    }
+    eng_pool_run(c->pool, mm_task_fn, c, n_tasks);
+}
+
+/* An accumulating product runs into c->acc ([T, rows]) and is then added
+ * to its destination: the same sums as a product followed by y += it. */
+static void cpu_matmul(eng_backend *b, const eng_matmul *jobs, int n_jobs) {
+    eng_cpu *c = cpu_of(b);
+    if (b->rc != KDS_OK) return;
+    if (n_jobs > MAX_MM_JOBS) {
+        internal(c, "more than 8 products in one call");
+        return;
+    }
+    int acc = -1;
+    for (int i = 0; i < n_jobs; i++) {
+        c->jobs[i] = jobs[i];
+        if (!jobs[i].accumulate) continue;
+        if (acc >= 0 || (size_t)jobs[i].T * jobs[i].w->rows > (size_t)c->max_rows * c->d.hidden) {
+            internal(c, "an accumulating product it has no room for");
+            return;
+        }
+        acc = i;
+        c->jobs[i].y = c->acc;
+        c->jobs[i].ldy = jobs[i].w->rows;
+    }
+    run_mm(c, n_jobs);
+    if (acc < 0) return;
+    const eng_matmul *j = &jobs[acc];
+    const int rows = j->w->rows;
+    for (int t = 0; t < j->T; t++) {
+        float *y = j->y + (size_t)t * j->ldy;
+        const float *a = c->acc + (size_t)t * rows;
+        for (int r = 0; r < rows; r++) y[r] += a[r];
+    }
+}
+
+/* ------------------------------------------------------------------------ */
+/* Element-wise ops                                                          */
+
+static void cpu_embed(eng_backend *b, const eng_pass *p, const eng_weight *table, float *x) {
+    if (b->rc != KDS_OK) return;
+    const kern_weight w = eng__kern_weight(table);
+    for (int t = 0; t < p->T; t++)
+        kern_weight_row_f32(&w, p->ids[t], 0, w.cols, x + (size_t)t * w.cols);
+}
+
+static void cpu_rmsnorm(eng_backend *b, const float *x, const float *w, int rows, int n, float eps,
+                        float *y) {
+    if (b->rc != KDS_OK) return;
+    for (int r = 0; r < rows; r++)
+        kern_rmsnorm(x + (size_t)r * n, w, KERN_F32, n, eps, y + (size_t)r * n);
+}
+
+static void cpu_swiglu(eng_backend *b, float *a, const float *x, size_t n) {
+    if (b->rc == KDS_OK) kern_swiglu(a, x, n);
+}
+
+static void cpu_add(eng_backend *b, float *y, const float *x, size_t n) {
+    if (b->rc != KDS_OK) return;
+    for (size_t i = 0; i < n; i++) y[i] += x[i];
+}
+
+/* ------------------------------------------------------------------------ */
+/* KDA                                                                       */
+
+typedef struct kda_run {
+    eng_cpu *c;
+    const eng_kda_args *a;
+    float *state;         /* [HV, K, V] of this layer (one sequence; NULL across sequences) */
+    eng_seq *const *seqs; /* row t belongs to seqs[t] when n_seqs > 1 */
+    int n_seqs, T, chunked, n_parts;
+} kda_run;
+
+/*
+ * Per-token work between the projections and the core, for tokens of part
+ * `part` of n_parts: depthwise causal conv + SiLU, L2 norm of q and k, the
+ * decay gate and beta's sigmoid. Tokens are independent here, so parts run
+ * in parallel. out_t[ch] = sum_j w[ch, j] * tap_j[ch], j = 0..taps, where
+ *   one sequence:   tap_j = ext row t+j (ext holds the tail, then the batch);
+ *   across n_seqs:  tap_j = row j of seqs[t]'s tail (j < taps), tap_taps =
+ *                   the new row ext[taps+t]; that tail then moves on by one
+ *                   row (safe in parallel: each sequence owns one row).
+ */
+static void kda_pre_fn(void *arg, int part, int thread) {
+    (void)thread;
+    kda_run *r = arg;
+    const eng_dims *d = &r->c->d;
+    const eng_kda_args *a = r->a;
+    const eng_kda_weights *w = a->w;
+    const int C = d->conv_ch, taps = d->W - 1;
+    int t0 = (int)((int64_t)r->T * part / r->n_parts), t1 = (int)((int64_t)r->T * (part + 1) / r->n_parts);
+    for (int t = t0; t < t1; t++) {
+        const float *tap[MAX_CONV_W];
+        float *tail = NULL; /* [taps, C] of seqs[t], oldest first */
+        if (r->n_seqs > 1) {
+            tail = r->seqs[t]->conv_tail + (size_t)a->layer * taps * C;
+            for (int j = 0; j < taps; j++) tap[j] = tail + (size_t)j * C;
+            tap[taps] = a->ext + (size_t)(taps + t) * C;
+        } else {
+            for (int j = 0; j <= taps; j++) tap[j] = a->ext + (size_t)(t + j) * C;
+        }
+        for (int which = 0; which < 3; which++) {
+            int base = which == 0 ? 0 : which == 1 ? d->kda_qk : 2 * d->kda_qk;
+            int n = which == 2 ? d->kda_v : d->kda_qk;
+            const float *wc = which == 0 ? w->q_conv : which == 1 ? w->k_conv : w->v_conv;
+            float *out = (which == 0 ? a->q : which == 1 ? a->k : a->v) + (size_t)t * n;
+            for (int ch = 0; ch < n; ch++) {
+                float acc = 0.0f;
+                for (int j = 0; j <= taps; j++) acc += wc[(size_t)ch * d->W + j] * tap[j][base + ch];
+                out[ch] = acc;
+            }
+            kern_silu(out, (size_t)n);
+        }
+        if (tail && taps > 0) {
+            memmove(tail, tail + C, (size_t)(taps - 1) * C * sizeof(float));
+            memcpy(tail + (size_t)(taps - 1) * C, tap[taps], (size_t)C * sizeof(float));
+        }
+    }
+    int n = t1 - t0;
+    if (n <= 0) return;
+    kern_l2norm(a->q + (size_t)t0 * d->kda_qk, n * d->H, d->K, 1e-6f);
+    kern_l2norm(a->k + (size_t)t0 * d->kda_qk, n * d->H, d->K, 1e-6f);
+    float *g = a->g + (size_t)t0 * d->HV * d->K;
+    kern_kda_gate(g, w->A_log, w->dt_bias, n, d->HV, d->K, a->lower_bound, g);
+    kern_sigmoid_inplace(a->beta + (size_t)t0 * d->HV, (size_t)n * d->HV);
+}
+
+/* Gated output norm of rows [t0, t1), value head hv:
+ * o * rsqrt(mean(o^2) + eps) * w * sigmoid(z). */
+static void kda_out_norm(const kda_run *r, int hv, int t0, int t1) {
+    const eng_dims *d = &r->c->d;
+    const eng_kda_args *a = r->a;
+    for (int t = t0; t < t1; t++) {
+        size_t at = ((size_t)t * d->HV + hv) * d->V;
+        float *oh = a->o + at, *z = a->gz + at;
+        kern_rmsnorm(oh, a->w->o_norm, KERN_F32, d->V, a->eps, oh);
+        kern_sigmoid_inplace(z, (size_t)d->V);
+        for (int e = 0; e < d->V; e++) oh[e] *= z[e];
+    }
+}
+
+/* One sequence: the core for value head `task` over all T tokens, then that
+ * head's output norm. Across sequences: task = t * HV + hv, one decode step
+ * of row t's sequence for head hv (the same call eng_decode makes). */
+static void kda_core_fn(void *arg, int task, int thread) {
+    kda_run *r = arg;
+    eng_cpu *c = r->c;
+    const eng_dims *d = &c->d;
+    const eng_kda_args *a = r->a;
+    kern_kda_shape sh = {d->H, d->HV, d->K, d->V, 1.0f / sqrtf((float)d->K)};
+    if (r->n_seqs > 1) {
+        const int t = task / d->HV, hv = task % d->HV;
+        float *state = r->seqs[t]->kda_state + (size_t)a->layer * d->HV * d->K * d->V;
+        kern_kda_recurrent(&sh, 1, a->q + (size_t)t * d->kda_qk, a->k + (size_t)t * d->kda_qk,
+                           a->v + (size_t)t * d->kda_v, a->g + (size_t)t * d->HV * d->K,
+                           a->beta + (size_t)t * d->HV, state, a->o + (size_t)t * d->kda_v, hv,
+                           hv + 1);
+        kda_out_norm(r, hv, t, t + 1);
+        return;
+    }
+    const int hv = task;
+    if (r->chunked)
+        kern_kda_chunked(&sh, r->T, c->kda_chunk, a->q, a->k, a->v, a->g, a->beta, r->state, a->o,
+                         hv, hv + 1, c->ts[thread].kda_ws);
+    else
+        kern_kda_recurrent(&sh, r->T, a->q, a->k, a->v, a->g, a->beta, r->state, a->o, hv, hv + 1);
+    kda_out_norm(r, hv, 0, r->T);
+}
+
+/* p->seqs: one sequence with T tokens, or T sequences with one each (then
+ * the recurrence). */
+static void cpu_kda(eng_backend *b, const eng_pass *p, const eng_kda_args *a) {
+    eng_cpu *c = cpu_of(b);
+    if (b->rc != KDS_OK) return;
+    const eng_dims *d = &c->d;
+    const int C = d->conv_ch, taps = d->W - 1, T = p->T;
+    const int multi = p->n_seqs > 1;
+    float *conv_tail = multi ? NULL : p->seqs[0]->conv_tail + (size_t)a->layer * taps * C;
+    if (!multi) memcpy(a->ext, conv_tail, (size_t)taps * C * sizeof(float));
+    float *state = multi ? NULL : p->seqs[0]->kda_state + (size_t)a->layer * d->HV * d->K * d->V;
+    kda_run r = {c, a, state, p->seqs, p->n_seqs, T, p->chunked && !multi, 1};
+    /* A part per thread once there is enough per-token work to pay for it. */
+    if (c->n_threads > 1 && (double)T * C >= 16384.0) {
+        r.n_parts = T < c->n_threads * 4 ? T : c->n_threads * 4;
+        eng_pool_run(c->pool, kda_pre_fn, &r, r.n_parts);
+    } else {
+        kda_pre_fn(&r, 0, 0);
+    }
+    if (!multi) memcpy(conv_tail, a->ext + (size_t)T * C, (size_t)taps * C * sizeof(float));
+    int n_tasks = multi ? T * d->HV : d->HV;
+    if ((double)T * d->HV * d->K * d->V < 65536.0 || c->n_threads == 1)
+        for (int i = 0; i < n_tasks; i++) kda_core_fn(&r, i, 0);
+    else
+        eng_pool_run(c->pool, kda_core_fn, &r, n_tasks);
+}
+
+/* ------------------------------------------------------------------------ */
+/* MLA (absorbed form, spec §5.2; no RoPE)                                   */
+
+typedef struct mla_run {
+    eng_cpu *c;
+    const eng_pass *p;
+    const eng_mla_args *a;
+    int n_groups; /* task = group * heads + head; groups split the rows */
+} mla_run;
+
+/* One head for one group of rows: widen the head's kv_b rows once, then
+ * attend the whole batch of one sequence, or each row of the group against
+ * its own sequence's cache and position. */
+static void mla_head_fn(void *arg, int task, int thread) {
+    mla_run *r = arg;
+    eng_cpu *c = r->c;
+    const eng_dims *d = &c->d;
+    const eng_mla_args *a = r->a;
+    thread_scratch *ts = &c->ts[thread];
+    const int dc = d->dc, dn = d->dn, dr = d->dr, dv = d->dv;
+    const kern_mla_shape sh = {d->mla_heads, dc, dr, dn, dv};
+    const int h = task % d->mla_heads, group = task / d->mla_heads;
+    /* W_UK_h = rows [h*(dn+dv), +dn) of kv_b_proj [nh*(dn+dv), dc], W_UV_h the next dv rows */
+    const kern_weight kvb = eng__kern_weight(&a->w->kv_b_proj);
+    for (int i = 0; i < dn + dv; i++)
+        kern_weight_row_f32(&kvb, h * (dn + dv) + i, 0, dc, ts->mla_w + (size_t)i * dc);
+    const float *wuk = ts->mla_w, *wuv = ts->mla_w + (size_t)dn * dc;
+    const size_t qstride = (size_t)d->mla_heads * (dn + dr), ostride = (size_t)d->mla_heads * dv;
+    const float *qh = a->q + (size_t)h * (dn + dr);
+    float *oh = a->o + (size_t)h * dv;
+    const int T = r->p->T;
+    if (r->p->n_seqs == 1) {
+        const eng_seq *s = r->p->seqs[0];
+        kern_mla_attend_head(&sh, wuk, wuv, qh, (int)qstride, T, s->pos, s->mla_cache[a->layer], oh,
+                             (int)ostride, ts->mla_ws);
+        return;
+    }
+    int t0 = (int)((int64_t)T * group / r->n_groups);
+    int t1 = (int)((int64_t)T * (group + 1) / r->n_groups);
+    for (int t = t0; t < t1; t++) {
+        const eng_seq *s = r->p->seqs[t];
+        kern_mla_attend_head(&sh, wuk, wuv, qh + (size_t)t * qstride, (int)qstride, 1, s->pos,
+                             s->mla_cache[a->layer], oh + (size_t)t * ostride, (int)ostride,
+                             ts->mla_ws);
+    }
+}
+
+static void cpu_mla(eng_backend *b, const eng_pass *p, const eng_mla_args *a) {
+    eng_cpu *c = cpu_of(b);
+    if (b->rc != KDS_OK) return;
+    const eng_dims *d = &c->d;
+    const int T = p->T, multi = p->n_seqs > 1;
+    /* Each row's latent [norm(c) | k_pe] goes to its sequence's cache at
+     * that sequence's position (row t of one sequence: position pos + t). */
+    for (int t = 0; t < T; t++) {
+        const eng_seq *s = p->seqs[multi ? t : 0];
+        const float *kva = a->kva + (size_t)t * d->mla_row;
+        float *dst = s->mla_cache[a->layer] + (size_t)(s->pos + (multi ? 0 : t)) * d->mla_row;
+        kern_rmsnorm(kva, a->w->kv_a_layernorm, KERN_F32, d->dc, a->eps, dst);
+        memcpy(dst + d->dc, kva + d->dc, (size_t)d->dr * sizeof(float));
+    }
+    mla_run r = {c, p, a, 1};
+    /* Across sequences, cut the rows into groups until there are a few
+     * tasks per thread; each task widens its head's weights once. */
+    if (multi) {
+        int want = (c->n_threads * 4 + d->mla_heads - 1) / d->mla_heads;
+        r.n_groups = c->n_threads == 1 ? 1 : want < T ? want : T;
+    }
+    int n_tasks = d->mla_heads * r.n_groups;
+    if (c->n_threads == 1)
+        for (int i = 0; i < n_tasks; i++) mla_head_fn(&r, i, 0);
+    else
+        eng_pool_run(c->pool, mla_head_fn, &r, n_tasks);
+}
+
+/* ------------------------------------------------------------------------ */
+/* MoE (spec §6.2)                                                           */
+
+/* Selection uses score + bias (and the group limit); weights use the score
+ * alone (project decision, spec §10 Q1). kern_moe_route and
+ * kern_moe_permute are also the references of the CUDA routing kernels. */
+static void cpu_moe_route(eng_backend *b, const eng_moe_args *a) {
+    eng_cpu *c = cpu_of(b);
+    if (b->rc != KDS_OK) return;
+    const eng_config *cfg = &c->m->cfg;
+    const int E = cfg->num_experts, k = cfg->num_experts_per_token, hid = c->d.hidden, T = a->T;
+    for (size_t i = 0; i < (size_t)T * E; i++) a->router[i] = kern_sigmoid(a->router[i]);
+    const kern_moe_route_params rp = {
+        .n_experts = E,
+        .top_k = k,
+        .n_group = cfg->use_grouped_topk && cfg->num_expert_group > 1 ? cfg->num_expert_group : 1,
+        .topk_group = cfg->topk_group,
+        .renormalize = cfg->moe_renormalize,
+        .routed_scaling_factor = cfg->routed_scaling_factor};
+    kern_moe_route(&rp, T, a->router, a->f->router_bias, a->sel, a->selw);
+    kern_moe_permute(E, T, k, a->sel, a->exp_off, a->row_of, a->tok_of);
+    /* each expert's tokens into a contiguous block of xg */
+    for (int r = 0; r < T * k; r++)
+        memcpy(a->xg + (size_t)r * hid, a->x + (size_t)a->tok_of[r] * hid, (size_t)hid * sizeof(float));
+}
+
+static void add_job(eng_cpu *c, int *nj, const eng_weight *w, const float *x, int T, float *y,
+                    int ldy) {
+    c->jobs[(*nj)++] = (eng_matmul){w, x, T, y, ldy, false};
+}
+
+/* The routed experts over their gathered rows and the shared expert over
+ * the tokens. The shared expert's rows live after the routed ones in the
+ * scratch, so its products join the routed experts' dispatches and one
+ * SwiGLU covers both; each expert's weights stream once per call. */
+static void cpu_moe_experts(eng_backend *b, const eng_moe_args *a) {
+    eng_cpu *c = cpu_of(b);
+    if (b->rc != KDS_OK) return;
+    const eng_config *cfg = &c->m->cfg;
+    const eng_ffn_weights *f = a->f;
+    const int E = cfg->num_experts, k = cfg->num_experts_per_token, hid = c->d.hidden, T = a->T;
+    const int inner = cfg->moe_intermediate_size;
+    const int sh_inner = f->sh_gate.rows; /* 0 without shared experts */
+    float *sh_a = a->act_a + (size_t)T * k * inner, *sh_b = a->act_b + (size_t)T * k * inner;
+    /* Up projections of all active experts and the shared expert, in as few
+     * dispatches as the job table allows. */
+    int nj = 0;
+    if (sh_inner > 0) {
+        add_job(c, &nj, &f->sh_gate, a->x, T, sh_a, sh_inner);
+        add_job(c, &nj, &f->sh_up, a->x, T, sh_b, sh_inner);
+    }
+    for (int e = 0; e < E; e++) {
+        int n_e = a->exp_off[e + 1] - a->exp_off[e];
+        if (n_e == 0) continue;
+        if (nj + 2 > MAX_MM_JOBS) {
+            run_mm(c, nj);
+            nj = 0;
+        }
+        size_t off = (size_t)a->exp_off[e];
+        add_job(c, &nj, &f->w1[e], a->xg + off * hid, n_e, a->act_a + off * inner, inner);
+        add_job(c, &nj, &f->w3[e], a->xg + off * hid, n_e, a->act_b + off * inner, inner);
+    }
+    if (nj) run_mm(c, nj);
+    kern_swiglu(a->act_a, a->act_b, (size_t)T * k * inner + (size_t)T * sh_inner);
+    nj = 0;
+    if (sh_inner > 0) add_job(c, &nj, &f->sh_down, sh_a, T, a->shared_out, hid);
+    for (int e = 0; e < E; e++) {
+        int n_e = a->exp_off[e + 1] - a->exp_off[e];
+        if (n_e == 0) continue;
+        if (nj + 1 > MAX_MM_JOBS) {
+            run_mm(c, nj);
+            nj = 0;
+        }
+        size_t off = (size_t)a->exp_off[e];
+        add_job(c, &nj, &f->w2[e], a->act_a + off * inner, n_e, a->yg + off * hid, hid);
+    }
+    if (nj) run_mm(c, nj);
+}
+
+/* Routed sum in selection order (the same order for prefill and decode),
+ * then the shared expert's output. */
+static void cpu_moe_combine(eng_backend *b, const eng_moe_args *a) {
+    eng_cpu *c = cpu_of(b);
+    if (b->rc != KDS_OK) return;
+    const int k = c->m->cfg.num_experts_per_token, hid = c->d.hidden, T = a->T;
+    for (int t = 0; t < T; t++) {
+        float *out = a->out + (size_t)t * hid;
+        memset(out, 0, (size_t)hid * sizeof(float));
+        for (int n = 0; n < k; n++) {
+            const float wgt = a->selw[t * k + n];
+            const float *y = a->yg + (size_t)a->row_of[t * k + n] * hid;
+            for (int i = 0; i < hid; i++) out[i] += wgt * y[i];
+        }
+    }
+    if (a->f->sh_gate.rows > 0)
+        for (size_t i = 0; i < (size_t)T * hid; i++) a->out[i] += a->shared_out[i];
+}
+
+/* ------------------------------------------------------------------------ */
+/* Passes, logits, sampling, residency                                       */
+
+/* A sequence last run on a device continues here from its state: its host
+ * copy is brought up to date first, and marked written after. */
+static kds_status cpu_run(eng_backend *b, const eng_pass *p, eng_pass_fn fn, void *arg,
+                          kds_err *err) {
+    eng_cpu *c = cpu_of(b);
+    for (int i = 0; i < p->n_seqs; i++) {
+        kds_status rc = eng__seq_fetch(p->seqs[i], err);
+        if (rc != KDS_OK) return rc;
+    }
+    b->rc = KDS_OK;
+    fn(arg, p);
+    if (b->rc != KDS_OK) {
+        if (err) *err = b->err;
+        return b->rc;
+    }
+    const size_t row = (size_t)c->d.vocab * sizeof(float);
+    if (p->first < p->T) {
+        if (p->n_seqs > 1)
+            for (int t = 0; t < p->T; t++) memcpy(p->seqs[t]->logits, c->logits + (size_t)t * c->d.vocab, row);
+        else if (p->logits)
+            memcpy(p->seqs[0]->logits, p->logits + (size_t)(p->T - 1) * c->d.vocab, row);
+    }
+    for (int i = 0; i < p->n_seqs; i++) eng__seq_host_written(p->seqs[i]);
+    return KDS_OK;
+}
+
+/* Straight into the caller's buffer, else the sequence's own row (one
+ * sequence), else the batched rows (copied to the sequences after). */
+static float *cpu_logits_rows(eng_backend *b, const eng_pass *p) {
+    eng_cpu *c = cpu_of(b);
+    if (p->logits) return p->logits;
+    return p->n_seqs > 1 ? c->logits : p->seqs[0]->logits;
+}
+
+static kds_status cpu_sample(eng_backend *b, eng_seq *const *seqs, int n,
+                             const eng_sampler_params *p, int32_t *tokens, kds_err *err) {
+    eng_cpu *c = cpu_of(b);
+    for (int i = 0; i < n; i++) {
+        if (!seqs[i]->has_logits)
+            return kds_err_set(err, KDS_INVALID_ARG, "nothing to sample from: the sequence is empty");
+        tokens[i] = eng__sample_host(seqs[i], p, c->cand_p, c->cand_id);
+    }
+    return KDS_OK;
+}
+
+static kds_status cpu_attach(eng_backend *b, eng_seq *s, kds_err *err) {
+    (void)b;
+    return eng__seq_fetch(s, err);
+}
+
+/* The CPU never holds a sequence's state: its host buffers are the state. */
+static kds_status cpu_fetch(eng_backend *b, eng_seq *s, bool logits_only, kds_err *err) {
+    (void)b, (void)s, (void)logits_only, (void)err;
+    return KDS_OK;
+}
+
+static void cpu_detach(eng_backend *b, eng_seq *s) { (void)b, (void)s; }
+
+/* ------------------------------------------------------------------------ */
+/* Lifecycle                                                                 */
+
+/* The CPU runs every op on every format; only a model generated for a
+ * device (its matrices exist only there) cannot run here. */
+static bool cpu_supports(const eng_model *m, const eng_op_query *q, kds_err *why) {
+    if (q->w && q->w->rows > 0 && !q->w->data) {
+        kds_err_set(why, KDS_UNSUPPORTED,
+                    "model %s was generated for the GPU: its weights exist only there "
+                    "(use device cuda)", m->dir);
+        return false;
+    }
+    return true;
+}
+
+static void *cpu_alloc(eng_backend *b, size_t bytes) {
+    eng_cpu *c = cpu_of(b);
+    if (c->n_allocs == c->cap_allocs) {
+        int cap = c->cap_allocs ? 2 * c->cap_allocs : 64;
+        void **a = realloc(c->allocs, (size_t)cap * sizeof *a);
+        if (!a) return NULL;
+        c->allocs = a;
+        c->cap_allocs = cap;
+    }
+    /* one element past the end: ops may read a vector's last lane as a whole */
+    void *p = calloc(1, bytes + 16);
+    if (p) c->allocs[c->n_allocs++] = p;
+    return p;
+}
+
+static void cpu_free(eng_backend *b) {
+    eng_cpu *c = cpu_of(b);
+    if (!c) return;
+    eng_pool_free(c->pool);
+    if (c->ts)
+        for (int i = 0; i < c->n_threads; i++) {
+            free(c->ts[i].mm);
+            free(c->ts[i].kda_ws);
+            free(c->ts[i].mla_w);
+            free(c->ts[i].mla_ws);
+        }
+    free(c->ts);
+    for (int i = 0; i < c->n_allocs; i++) free(c->allocs[i]);
+    free(c->allocs);
+    free(c->acc);
+    free(c->logits);
+    free(c->cand_p);
+    free(c->cand_id);
+    free(c);
+}
+
+static kds_status cpu_create(const eng_model *m, const eng_ctx_params *p, eng_backend **out,
+                             kds_err *err) {
+    *out = NULL;
+    eng_cpu *c = calloc(1, sizeof *c);
+    if (!c) return kds_err_set(err, KDS_NOMEM, "out of memory creating a context");
+    c->base.ops = &eng__cpu_ops;
+    c->m = m;
+    eng__dims(&m->cfg, &c->d);
+    const eng_dims *d = &c->d;
+    long online = sysconf(_SC_NPROCESSORS_ONLN);
+    c->n_threads = p->n_threads > 0 ? p->n_threads : (online > 0 ? (int)online : 1);
+    c->kda_chunk = p->kda_chunk;
+    c->max_seqs = p->max_seqs;
+    c->max_rows = p->max_batch > p->max_seqs ? p->max_batch : p->max_seqs;
+    int widest = 1; /* the most inputs of any matrix: the widening scratch */
+    for (int i = 1; i < m->n_weights; i++)
+        if (m->weights[i]->cols > widest) widest = m->weights[i]->cols;
+    c->acc = calloc((size_t)c->max_rows * d->hidden + 1, sizeof *c->acc);
+    c->logits = calloc((size_t)c->max_seqs * d->vocab + 1, sizeof *c->logits);
+    c->cand_p = calloc((size_t)d->vocab + 1, sizeof *c->cand_p);
+    c->cand_id = calloc((size_t)d->vocab + 1, sizeof *c->cand_id);
+    c->ts = calloc((size_t)c->n_threads, sizeof *c->ts);
+    if (!c->acc || !c->logits || !c->cand_p || !c->cand_id || !c->ts) goto nomem;
+    const kern_kda_shape sh = {d->H, d->HV, d->K, d->V, 1.0f};
+    const kern_mla_shape msh = {d->mla_heads, d->dc, d->dr, d->dn, d->dv};
+    for (int i = 0; i < c->n_threads; i++) {
+        thread_scratch *ts = &c->ts[i];
+        if (!(ts->mm = calloc(kern_matmul_scratch_floats(widest) + 1, sizeof(float)))) goto nomem;
+        if (d->n_kda &&
+            !(ts->kda_ws = calloc(kern_kda_chunked_workspace_floats(&sh, c->kda_chunk) + 1, sizeof(float))))
+            goto nomem;
+        if (d->n_mla &&
+            (!(ts->mla_w = calloc((size_t)(d->dn + d->dv) * d->dc + 1, sizeof(float))) ||
+             !(ts->mla_ws = calloc(kern_mla_attend_head_workspace_floats(&msh, c->max_rows) + 1,
+                                   sizeof(float)))))
+            goto nomem;
+    }
+    kds_status rc = eng_pool_create(c->n_threads, &c->pool, err);
+    if (rc != KDS_OK) {
+        cpu_free(&c->base);
+        return rc;
+    }
+    /* The pool parallelises over row blocks; BLAS threads would only fight it. */
+    openblas_set_num_threads(1);
+    *out = &c->base;
+    return KDS_OK;
+nomem:
+    cpu_free(&c->base);
+    return kds_err_set(err, KDS_NOMEM,
+                       "out of memory creating a context for %d tokens and %d sequences",
+                       p->max_batch, p->max_seqs);
+}
+
+static kds_status cpu_load(eng_backend *b, kds_err *err) {
+    (void)b, (void)err;
+    return KDS_OK; /* the weights are read in place from the mapping */
+}
+
+const eng_backend_ops eng__cpu_ops = {
+    .name = "cpu",
+    .device = ENG_DEVICE_CPU,
+    .create = cpu_create,
+    .load = cpu_load,
+    .free = cpu_free,
+    .supports = cpu_supports,
+    .alloc = cpu_alloc,
+    .run = cpu_run,
+    .logits_rows = cpu_logits_rows,
+    .embed = cpu_embed,
+    .rmsnorm = cpu_rmsnorm,
+    .matmul = cpu_matmul,
+    .swiglu = cpu_swiglu,
+    .add = cpu_add,
+    .kda = cpu_kda,
+    .mla = cpu_mla,
+    .moe_route = cpu_moe_route,
+    .moe_experts = cpu_moe_experts,
+    .moe_combine = cpu_moe_combine,
+    .sample = cpu_sample,
+    .attach = cpu_attach,
+    .fetch = cpu_fetch,
+    .detach = cpu_detach,
+};
