@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "cli.h"
+#include "kds_buf.h"
 
 static void tokenize_usage(FILE *f) {
     fprintf(
@@ -44,28 +45,20 @@ static void tokenize_usage(FILE *f) {
 
 /* All of a stream; caller frees. NULL when out of memory or on a read error. */
 static char *read_all(FILE *f, size_t *len) {
-    size_t cap = 1 << 16, n = 0;
-    char *b = malloc(cap);
-    if (!b) return NULL;
+    kds_buf b = {0};
+    char chunk[1 << 14];
+    /* room for a typical input at once, and memory to return for an empty one */
+    if (kds_buf_reserve(&b, 1 << 16, NULL) != KDS_OK) return NULL;
     for (;;) {
-        if (n == cap) {
-            char *g = realloc(b, cap *= 2);
-            if (!g) {
-                free(b);
-                return NULL;
-            }
-            b = g;
-        }
-        size_t r = fread(b + n, 1, cap - n, f);
-        n += r;
+        size_t r = fread(chunk, 1, sizeof chunk, f);
         if (r == 0) break;
+        if (kds_buf_append(&b, chunk, r, NULL) != KDS_OK) goto fail;
     }
-    if (ferror(f)) {
-        free(b);
-        return NULL;
-    }
-    *len = n;
-    return b;
+    if (ferror(f)) goto fail;
+    return kds_buf_detach(&b, len);
+fail:
+    kds_buf_free(&b);
+    return NULL;
 }
 
 static void print_json_string(FILE *f, const char *s, size_t n) {

@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "eng_tokenizer.h"
+#include "kds_buf.h"
 
 #define CHAT_DEFAULT_SYSTEM "You are Kimi, an AI assistant created by Moonshot AI."
 
@@ -61,38 +62,24 @@ typedef struct render {
     int32_t sp[SP_COUNT];
     int32_t *ids;
     int64_t cap, n;
-    char *text; /* the run of text since the last special */
-    size_t len, text_cap;
+    kds_buf text; /* the run of text since the last special */
     kds_status rc;
     kds_err *err;
 } render;
 
 static void text(render *r, const char *s) {
     if (r->rc != KDS_OK || !s) return;
-    size_t l = strlen(s);
-    if (r->len + l > r->text_cap) {
-        size_t nc = r->text_cap ? r->text_cap : 256;
-        while (nc < r->len + l)
-            nc *= 2;
-        char *g = realloc(r->text, nc);
-        if (!g) {
-            r->rc = kds_err_set(r->err, KDS_NOMEM, "out of memory rendering a conversation");
-            return;
-        }
-        r->text = g;
-        r->text_cap = nc;
-    }
-    memcpy(r->text + r->len, s, l);
-    r->len += l;
+    if (kds_buf_append(&r->text, s, strlen(s), NULL) != KDS_OK)
+        r->rc = kds_err_set(r->err, KDS_NOMEM, "out of memory rendering a conversation");
 }
 
 static void flush(render *r) {
-    if (r->rc != KDS_OK || r->len == 0) return;
+    if (r->rc != KDS_OK || r->text.len == 0) return;
     int64_t got = 0, room = r->n < r->cap ? r->cap - r->n : 0;
-    r->rc = eng_tok_encode_ex(r->t, r->text, r->len, 0, room ? r->ids + r->n : NULL, room, &got,
-                              r->err);
+    r->rc = eng_tok_encode_ex(r->t, kds_buf_str(&r->text), r->text.len, 0,
+                              room ? r->ids + r->n : NULL, room, &got, r->err);
     r->n += got;
-    r->len = 0;
+    kds_buf_reset(&r->text);
 }
 
 static void special(render *r, int which) {
@@ -165,7 +152,7 @@ kds_status eng_chat_render(const eng_tokenizer *t, const eng_chat_msg *msgs, int
         special(&r, SP_MIDDLE);
     }
     flush(&r);
-    free(r.text);
+    kds_buf_free(&r.text);
     if (r.rc == KDS_OK && n) *n = r.n;
     return r.rc;
 }

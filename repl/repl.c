@@ -16,6 +16,7 @@
 
 #include <cJSON.h>
 
+#include "kds_buf.h"
 #include "repl_internal.h"
 
 static volatile sig_atomic_t g_interrupt;
@@ -363,20 +364,14 @@ void repl_free(repl *r) {
 /* ------------------------------------------------------------------------ */
 /* One turn                                                                  */
 
-/* Growable NUL-terminated byte buffer (a turn's text for the transcript). */
+/* repl_text is a kds_buf under other field names: only this function
+ * changes one, so the two agree on what cap means. */
 bool repl_text_append(repl_text *t, const char *p, size_t n) {
-    if (t->n + n + 1 > t->cap) {
-        size_t cap = t->cap ? t->cap : 256;
-        while (cap < t->n + n + 1)
-            cap *= 2;
-        char *q = realloc(t->p, cap);
-        if (!q) return false;
-        t->p = q;
-        t->cap = cap;
-    }
-    memcpy(t->p + t->n, p, n);
-    t->n += n;
-    t->p[t->n] = '\0';
+    kds_buf b = {.p = (unsigned char *)t->p, .len = t->n, .cap = t->cap};
+    if (kds_buf_append(&b, p, n, NULL) != KDS_OK) return false;
+    t->p = (char *)b.p;
+    t->n = b.len;
+    t->cap = b.cap;
     return true;
 }
 
@@ -397,7 +392,7 @@ static bool user_turn(repl *r, const char *text) {
     kds_err e = {0};
     int32_t *ids = NULL;
     int64_t n = 0, produced = 0;
-    repl_text reply = {0};
+    kds_buf reply = {0};
     eng_tok_stream *stream = NULL;
     bool ok = false;
     const char *stopped = "length";
@@ -441,7 +436,7 @@ static bool user_turn(repl *r, const char *text) {
             goto out;
         }
         emit_piece(r, piece, len);
-        if (!repl_text_append(&reply, piece, len)) {
+        if (kds_buf_append(&reply, piece, len, NULL) != KDS_OK) {
             repl__error(r, "out of memory keeping the reply");
             goto out;
         }
@@ -451,7 +446,7 @@ static bool user_turn(repl *r, const char *text) {
         size_t len;
         const char *rest = eng_tok_stream_flush(stream, &len);
         emit_piece(r, rest, len);
-        if (!repl_text_append(&reply, rest, len) && len) {
+        if (kds_buf_append(&reply, rest, len, NULL) != KDS_OK && len) {
             repl__error(r, "out of memory keeping the reply");
             goto out;
         }
@@ -477,8 +472,8 @@ static bool user_turn(repl *r, const char *text) {
     r->system = NULL;
     sess_turn turn = {.prompt = text,
                       .prompt_len = strlen(text),
-                      .output = reply.p ? reply.p : "",
-                      .output_len = reply.n,
+                      .output = kds_buf_str(&reply),
+                      .output_len = reply.len,
                       .prompt_tokens = n,
                       .output_tokens = produced,
                       .mode = repl__mode_name(r)};
@@ -494,7 +489,7 @@ static bool user_turn(repl *r, const char *text) {
         cJSON_AddStringToObject(o, "session", r->session);
         cJSON_AddNumberToObject(o, "snapshot", (double)snap);
         cJSON_AddStringToObject(o, "stopped", stopped);
-        cJSON_AddStringToObject(o, "reply", reply.p ? reply.p : "");
+        cJSON_AddStringToObject(o, "reply", kds_buf_str(&reply));
         cJSON_AddNumberToObject(o, "prefill_tok_s", t1 > t0 ? n / (t1 - t0) : 0.0);
         cJSON_AddNumberToObject(o, "decode_tok_s", t2 > t1 ? produced / (t2 - t1) : 0.0);
         repl__emit_json(r, o);
@@ -505,7 +500,7 @@ static bool user_turn(repl *r, const char *text) {
 out:
     repl__clear_interrupt();
     free(ids);
-    free(reply.p);
+    kds_buf_free(&reply);
     eng_tok_stream_free(stream);
     return ok;
 }

@@ -25,6 +25,26 @@ typedef struct xpart {
     size_t n;
 } xpart;
 
+/* The records of one export, in file order. */
+typedef struct xpart_list {
+    xpart *v;
+    size_t n, cap;
+} xpart_list;
+
+static kds_status add_part(xpart_list *l, int type, const void *p, size_t n, kds_err *err) {
+    if (l->n == l->cap) {
+        if (l->cap > SIZE_MAX / 2 / sizeof *l->v)
+            return kds_err_set(err, KDS_NOMEM, "out of memory exporting");
+        size_t cap = l->cap ? 2 * l->cap : 16;
+        xpart *v = realloc(l->v, cap * sizeof *v);
+        if (!v) return kds_err_set(err, KDS_NOMEM, "out of memory exporting");
+        l->v = v;
+        l->cap = cap;
+    }
+    l->v[l->n++] = (xpart){type, p, n};
+    return KDS_OK;
+}
+
 typedef struct export_ctx {
     const char *source;
     const char *path;
@@ -46,8 +66,7 @@ static kds_status write_all(int fd, const void *p, size_t n, const char *path, k
 
 static kds_status export_fn(sess_store *st, MDB_txn *txn, void *ctx, kds_err *err) {
     export_ctx *x = ctx;
-    xpart *parts = NULL;
-    size_t np = 0, cap = 0;
+    xpart_list parts = {0};
     sess__snap_hdr h = {0};
     sess__export_hdr eh = {0};
     unsigned char *head = NULL;
@@ -58,20 +77,6 @@ static kds_status export_fn(sess_store *st, MDB_txn *txn, void *ctx, kds_err *er
     kds_status rc = KDS_OK;
     const void *v;
     size_t n;
-#define PUSH(T, P, N)                                                                  \
-    do {                                                                               \
-        if (np == cap) {                                                               \
-            cap = cap ? 2 * cap : 16;                                                  \
-            xpart *q_ = realloc(parts, cap * sizeof *q_);                              \
-            if (!q_) {                                                                 \
-                rc = kds_err_set(err, KDS_NOMEM, "out of memory exporting");          \
-                goto out;                                                              \
-            }                                                                          \
-            parts = q_;                                                                \
-        }                                                                              \
-        parts[np++] = (xpart){(T), (P), (N)};                                          \
-    } while (0)
-
     /* resolve inside this transaction, so the pieces are one consistent view */
     memset(&ref, 0, sizeof ref);
     uint64_t id;
@@ -83,7 +88,7 @@ static kds_status export_fn(sess_store *st, MDB_txn *txn, void *ctx, kds_err *er
         if ((rc = sess__session_parse(v, n, what, &s, err)) != KDS_OK) goto out;
         ref.is_session = true;
         ref.snapshot = s.head;
-        PUSH(SESS_XREC_SESSION, v, n);
+        if ((rc = add_part(&parts, SESS_XREC_SESSION, v, n, err)) != KDS_OK) goto out;
         unsigned char k0[12];
         sess__turn_key(k0, s.id, 0);
         int m = mdb_cursor_open(txn, st->db_turn, &c);
@@ -95,7 +100,8 @@ static kds_status export_fn(sess_store *st, MDB_txn *txn, void *ctx, kds_err *er
         for (m = mdb_cursor_get(c, &k, &val, MDB_SET_RANGE); m == 0;
              m = mdb_cursor_get(c, &k, &val, MDB_NEXT)) {
             if (k.mv_size != 12 || memcmp(k.mv_data, k0, 8) != 0) break;
-            PUSH(SESS_XREC_TURN, val.mv_data, val.mv_size);
+            if ((rc = add_part(&parts, SESS_XREC_TURN, val.mv_data, val.mv_size, err)) != KDS_OK)
+                goto out;
         }
         mdb_cursor_close(c);
         c = NULL;
@@ -113,21 +119,22 @@ static kds_status export_fn(sess_store *st, MDB_txn *txn, void *ctx, kds_err *er
     sess__key64(k, ref.snapshot);
     if ((rc = sess__get(txn, st->db_snap, k, 8, &v, &n, err)) != KDS_OK) goto out;
     if ((rc = sess__snap_parse(v, n, ref.snapshot, &h, NULL, err)) != KDS_OK) goto out;
-    PUSH(SESS_XREC_SNAPSHOT, v, n);
+    if ((rc = add_part(&parts, SESS_XREC_SNAPSHOT, v, n, err)) != KDS_OK) goto out;
     for (size_t i = 0; i < h.n_chunks; i++) {
         sess__key64(k, h.chunks[i].id);
         if ((rc = sess__get(txn, st->db_chunk, k, 8, &v, &n, err)) != KDS_OK) goto out;
-        PUSH(SESS_XREC_CHUNK, v, n);
+        if ((rc = add_part(&parts, SESS_XREC_CHUNK, v, n, err)) != KDS_OK) goto out;
     }
     snprintf(eh.kind, sizeof eh.kind, "%s", ref.is_session ? "session" : "snapshot");
     snprintf(eh.source, sizeof eh.source, "%s", x->source);
     eh.created_us = (int64_t)sess__now_us();
-    eh.n = np;
-    if (!(eh.recs = calloc(np, sizeof *eh.recs))) {
+    eh.n = parts.n;
+    if (!(eh.recs = calloc(parts.n, sizeof *eh.recs))) {
         rc = kds_err_set(err, KDS_NOMEM, "out of memory exporting");
         goto out;
     }
-    for (size_t i = 0; i < np; i++) eh.recs[i] = (sess__xrec){parts[i].type, parts[i].n};
+    for (size_t i = 0; i < parts.n; i++)
+        eh.recs[i] = (sess__xrec){parts.v[i].type, parts.v[i].n};
     size_t hl;
     if ((rc = sess__export_hdr_encode(&eh, &head, &hl, err)) != KDS_OK) goto out;
     /* temporary name in the same directory, synced, then renamed: a reader
@@ -143,8 +150,8 @@ static kds_status export_fn(sess_store *st, MDB_txn *txn, void *ctx, kds_err *er
         goto out;
     }
     if ((rc = write_all(fd, head, hl, tmp, err)) != KDS_OK) goto out;
-    for (size_t i = 0; i < np; i++)
-        if ((rc = write_all(fd, parts[i].p, parts[i].n, tmp, err)) != KDS_OK) goto out;
+    for (size_t i = 0; i < parts.n; i++)
+        if ((rc = write_all(fd, parts.v[i].p, parts.v[i].n, tmp, err)) != KDS_OK) goto out;
     if (fsync(fd) != 0) {
         rc = kds_err_set(err, KDS_IO, "syncing %s: %s", tmp, strerror(errno));
         goto out;
@@ -162,7 +169,6 @@ static kds_status export_fn(sess_store *st, MDB_txn *txn, void *ctx, kds_err *er
     free(tmp);
     tmp = NULL;
 out:
-#undef PUSH
     if (c) mdb_cursor_close(c);
     if (fd >= 0) close(fd);
     if (tmp) {
@@ -170,7 +176,7 @@ out:
         free(tmp);
     }
     free(head);
-    free(parts);
+    free(parts.v);
     free(eh.recs);
     sess__snap_hdr_free(&h);
     return rc;

@@ -137,29 +137,20 @@ cJSON *web__parse(const void *p, size_t len, bool binary, kds_err *err) {
 /* ------------------------------------------------------------------------ */
 /* Encoding                                                                  */
 
-/* A packer sink that writes after LWS_PRE bytes of headroom. */
+/* A packer sink. The frame starts with LWS_PRE bytes of headroom (counted
+ * in b.len). `failed` sticks: to_msgpack does not check each write, and a
+ * frame with a hole in it must not go out. */
 typedef struct frame_buf {
-    unsigned char *p;
-    size_t len, cap; /* len counts from p (headroom included) */
+    kds_buf b;
     bool failed;
 } frame_buf;
 
 static int frame_write(void *data, const char *buf, size_t len) {
     frame_buf *f = data;
-    if (f->failed) return -1;
-    if (f->len + len > f->cap) {
-        size_t cap = f->cap ? f->cap : 256;
-        while (cap < f->len + len) cap *= 2;
-        unsigned char *n = realloc(f->p, cap);
-        if (!n) {
-            f->failed = true;
-            return -1;
-        }
-        f->p = n;
-        f->cap = cap;
+    if (f->failed || kds_buf_append(&f->b, buf, len, NULL) != KDS_OK) {
+        f->failed = true;
+        return -1;
     }
-    memcpy(f->p + f->len, buf, len);
-    f->len += len;
     return 0;
 }
 
@@ -219,9 +210,11 @@ unsigned char *web__encode(const cJSON *ev, bool msgpack, size_t *len) {
     msgpack_packer_init(&pk, &f, frame_write);
     to_msgpack(&pk, ev);
     if (f.failed) {
-        free(f.p);
+        kds_buf_free(&f.b);
         return NULL;
     }
-    *len = f.len - LWS_PRE;
-    return f.p;
+    size_t n;
+    unsigned char *frame = kds_buf_detach(&f.b, &n);
+    *len = n - LWS_PRE;
+    return frame;
 }

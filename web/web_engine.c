@@ -64,8 +64,7 @@ struct gen {
     int64_t max_tokens, produced, context0;
     eng_sampler_params sp;
     eng_tok_stream *stream;
-    char *reply;
-    size_t reply_len, reply_cap;
+    kds_buf reply;                /* the text streamed so far, for the transcript and `done` */
     gen_phase phase;
     const char *reason;           /* why it ends (set with G_CLOSE / G_FINISH) */
     bool cancel, gone;
@@ -726,24 +725,9 @@ static void gen_free(gen *g) {
     cJSON_Delete(g->id);
     free(g->ids);
     free(g->prompt);
-    free(g->reply);
+    kds_buf_free(&g->reply);
     eng_tok_stream_free(g->stream);
     free(g);
-}
-
-static bool reply_append(gen *g, const char *p, size_t n) {
-    if (g->reply_len + n + 1 > g->reply_cap) {
-        size_t cap = g->reply_cap ? g->reply_cap * 2 : 256;
-        while (cap < g->reply_len + n + 1) cap *= 2;
-        char *t = realloc(g->reply, cap);
-        if (!t) return false;
-        g->reply = t;
-        g->reply_cap = cap;
-    }
-    memcpy(g->reply + g->reply_len, p, n);
-    g->reply_len += n;
-    g->reply[g->reply_len] = '\0';
-    return true;
 }
 
 static void op_generate(web_engine *E, const web_req *r, const cJSON *id) {
@@ -925,7 +909,7 @@ static void emit_text(web_engine *E, gen *g, const char *p, size_t n) {
         g->t_first = web__now_s();
         web__hist_add(&E->s->metrics.ttft_ms, (g->t_first - g->t_arrive) * 1e3);
     }
-    if (!reply_append(g, p, n)) {
+    if (kds_buf_append(&g->reply, p, n, NULL) != KDS_OK) {
         snprintf(g->error, sizeof g->error, "out of memory keeping the reply");
         g->reason = "error";
         g->phase = G_FINISH;
@@ -953,7 +937,7 @@ static void finish(web_engine *E, gen *g) {
     kds_status rc = KDS_OK;
     if (!failed && changed) {
         sess_turn turn = {.prompt = g->prompt, .prompt_len = g->prompt_len,
-                          .output = g->reply ? g->reply : "", .output_len = g->reply_len,
+                          .output = kds_buf_str(&g->reply), .output_len = g->reply.len,
                           .prompt_tokens = g->fed, .output_tokens = g->produced,
                           .mode = h->chat ? "chat" : "plain"};
         double t0 = web__now_s();
@@ -975,7 +959,7 @@ static void finish(web_engine *E, gen *g) {
         cJSON_AddNumberToObject(o, "prompt_tokens", (double)g->n_ids);
         cJSON_AddNumberToObject(o, "context", (double)eng_seq_pos(h->seq));
         cJSON_AddNumberToObject(o, "snapshot", (double)snap);
-        cJSON_AddStringToObject(o, "reply", g->reply ? g->reply : "");
+        cJSON_AddStringToObject(o, "reply", kds_buf_str(&g->reply));
         cJSON_AddNumberToObject(o, "prefill_ms", prefill_s * 1e3);
         cJSON_AddNumberToObject(o, "decode_ms", decode_s * 1e3);
         cJSON_AddNumberToObject(o, "decode_tok_s", h->last_decode_tok_s);

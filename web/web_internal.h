@@ -17,6 +17,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 
+#include "kds_buf.h"
 #include "web.h"
 
 #define WEB_PROTOCOL "kdaserve.v1"
@@ -30,8 +31,7 @@ typedef struct web_event {
     cJSON *ev;          /* owned; for a token event: {"id","event":"token"} without text */
     bool msgpack;       /* encode as a msgpack binary frame */
     uint64_t token_of;  /* generation serial for a token event, else 0 */
-    char *text;         /* token text so far (token events) */
-    size_t len, cap;
+    kds_buf text;       /* token text so far (token events) */
     size_t bytes;       /* counted in the connection's pending bytes */
 } web_event;
 
@@ -41,8 +41,7 @@ typedef struct web_conn {
     uint64_t id;
     struct lws *wsi;
     struct web_conn *next;       /* registry */
-    unsigned char *rx;           /* message being reassembled */
-    size_t rx_len, rx_cap;
+    kds_buf rx;                  /* message being reassembled (at most max_message bytes) */
     bool authed;
     char tenant[WEB_TENANT_MAX + 1];
     int64_t last_seen_us;

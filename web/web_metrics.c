@@ -37,37 +37,20 @@ double web__rate_get(web_metrics *m) {
     return v;
 }
 
+/* The text being built. `failed` sticks, so that the callers need not
+ * check each line and a page with a line missing is never served. */
 typedef struct out_buf {
-    char *p;
-    size_t len, cap;
+    kds_buf b;
     bool failed;
 } out_buf;
 
 static void put(out_buf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static void put(out_buf *b, const char *fmt, ...) {
     if (b->failed) return;
-    for (;;) {
-        va_list ap;
-        va_start(ap, fmt);
-        int n = vsnprintf(b->p + b->len, b->cap - b->len, fmt, ap);
-        va_end(ap);
-        if (n < 0) {
-            b->failed = true;
-            return;
-        }
-        if ((size_t)n < b->cap - b->len) {
-            b->len += (size_t)n;
-            return;
-        }
-        size_t cap = b->cap * 2 + (size_t)n;
-        char *p = realloc(b->p, cap);
-        if (!p) {
-            b->failed = true;
-            return;
-        }
-        b->p = p;
-        b->cap = cap;
-    }
+    va_list ap;
+    va_start(ap, fmt);
+    if (kds_buf_vprintf(&b->b, NULL, fmt, ap) != KDS_OK) b->failed = true;
+    va_end(ap);
 }
 
 static void counter(out_buf *b, const char *name, const char *help, uint64_t v) {
@@ -92,9 +75,9 @@ static void hist(out_buf *b, const char *name, const char *help, web_hist *h) {
 
 char *web__metrics_text(web_server *s, size_t *len) {
     web_metrics *m = &s->metrics;
-    out_buf b = {.p = malloc(4096), .cap = 4096};
-    if (!b.p) return NULL;
-    b.p[0] = '\0';
+    out_buf b = {0};
+    /* the page is a few KiB: room for it at once rather than seven doublings */
+    if (kds_buf_reserve(&b.b, 4096, NULL) != KDS_OK) return NULL;
     double rate = web__rate_get(m);
     gauge(&b, "kdaserve_uptime_seconds", "Seconds since the server started.",
           (double)(web__now_us() - s->started_us) / 1e6);
@@ -140,11 +123,10 @@ char *web__metrics_text(web_server *s, size_t *len) {
         (unsigned long long)atomic_load(&m->closes_auth),
         (unsigned long long)atomic_load(&m->closes_limit));
     if (b.failed) {
-        free(b.p);
+        kds_buf_free(&b.b);
         return NULL;
     }
-    *len = b.len;
-    return b.p;
+    return kds_buf_detach(&b.b, len);
 }
 
 const char *web__code_name(int code) {

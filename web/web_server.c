@@ -104,7 +104,7 @@ static web_conn *find_conn(web_server *s, uint64_t id) {
 
 static void free_event(web_event *e) {
     cJSON_Delete(e->ev);
-    free(e->text);
+    kds_buf_free(&e->text);
     free(e);
 }
 
@@ -160,21 +160,11 @@ void web__send_token(web_server *s, uint64_t conn, const cJSON *id, bool msgpack
         e->token_of = serial;
         e->bytes = 48;
     }
-    if (e->len + len + 1 > e->cap) {
-        size_t cap = e->cap ? e->cap : 64;
-        while (cap < e->len + len + 1) cap *= 2;
-        char *t = realloc(e->text, cap);
-        if (!t) {
-            if (fresh) free_event(e);
-            pthread_mutex_unlock(&s->lock);
-            return;
-        }
-        e->text = t;
-        e->cap = cap;
+    if (kds_buf_append(&e->text, text, len, NULL) != KDS_OK) {
+        if (fresh) free_event(e);
+        pthread_mutex_unlock(&s->lock);
+        return;
     }
-    memcpy(e->text + e->len, text, len);
-    e->len += len;
-    e->text[e->len] = '\0';
     e->bytes += len;
     c->pending += len;
     if (fresh) enqueue(c, e);
@@ -353,7 +343,7 @@ static int write_one(web_server *s, struct lws *wsi, web_conn *c) {
         }
         return 0;
     }
-    if (e->token_of) cJSON_AddStringToObject(e->ev, "text", e->text ? e->text : "");
+    if (e->token_of) cJSON_AddStringToObject(e->ev, "text", kds_buf_str(&e->text));
     size_t len;
     unsigned char *buf = web__encode(e->ev, e->msgpack, &len);
     bool binary = e->msgpack;
@@ -405,28 +395,16 @@ static int ws_cb(struct lws *wsi, enum lws_callback_reasons reason, void *user, 
         web_conn *c = pss ? pss->c : NULL;
         if (!c) return -1;
         if (c->close_code) return 0; /* closing: ignore the rest */
-        if (c->rx_len + len > s->p.max_message) {
+        if (c->rx.len + len > s->p.max_message) {
             atomic_fetch_add(&s->metrics.closes_too_large, 1);
             lws_close_reason(wsi, LWS_CLOSE_STATUS_MESSAGE_TOO_LARGE,
                              (unsigned char *)"message too large", 17);
             return -1;
         }
-        if (c->rx_len + len > c->rx_cap) {
-            size_t cap = c->rx_cap ? c->rx_cap : 4096;
-            while (cap < c->rx_len + len) cap *= 2;
-            if (cap > s->p.max_message) cap = s->p.max_message;
-            unsigned char *n = realloc(c->rx, cap);
-            if (!n) return -1;
-            c->rx = n;
-            c->rx_cap = cap;
-        }
-        if (len) memcpy(c->rx + c->rx_len, in, len);
-        c->rx_len += len;
+        if (kds_buf_append(&c->rx, in, len, NULL) != KDS_OK) return -1;
         if (lws_is_final_fragment(wsi)) {
-            bool binary = lws_frame_is_binary(wsi) != 0;
-            size_t n = c->rx_len;
-            c->rx_len = 0;
-            handle_message(s, c, c->rx, n, binary);
+            handle_message(s, c, c->rx.p, c->rx.len, lws_frame_is_binary(wsi) != 0);
+            kds_buf_reset(&c->rx);
         }
         return 0;
     }
@@ -458,7 +436,7 @@ static int ws_cb(struct lws *wsi, enum lws_callback_reasons reason, void *user, 
             r->conn = c->id;
             web__submit(s, r);
         }
-        free(c->rx);
+        kds_buf_free(&c->rx);
         free(c);
         return 0;
     }
