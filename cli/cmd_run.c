@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "cli.h"
+#include "kds_buf.h"
 #include "eng_config.h"
 #include "eng_genmodel.h"
 #include "eng_safetensors.h"
@@ -180,7 +181,7 @@ int cmd_generate(int argc, char **argv) {
     float *out_logits = NULL;
     sess_store *store = NULL;
     eng_tok_stream *stream = NULL;
-    repl_text text = {0};
+    kds_buf text = {0}; /* the turn's text, for the transcript */
     kds_err err = {0};
     int rc = 0;
     /* The session decides where the model comes from (unless --model says)
@@ -287,7 +288,7 @@ int cmd_generate(int argc, char **argv) {
         }
         print_piece(stdout, piece, len);
         fflush(stdout);
-        if (session && !repl_text_append(&text, piece, len)) {
+        if (session && kds_buf_append(&text, piece, len, NULL) != KDS_OK) {
             rc = cli_failf("generate", "out of memory keeping the turn's text");
             goto out;
         }
@@ -301,7 +302,7 @@ int cmd_generate(int argc, char **argv) {
         size_t len;
         const char *rest = eng_tok_stream_flush(stream, &len);
         print_piece(stdout, rest, len);
-        if (session && !repl_text_append(&text, rest, len)) {
+        if (session && kds_buf_append(&text, rest, len, NULL) != KDS_OK) {
             rc = cli_failf("generate", "out of memory keeping the turn's text");
             goto out;
         }
@@ -338,8 +339,8 @@ int cmd_generate(int argc, char **argv) {
         fprintf(stderr, "[kdaserve] session '%s': nothing new, head stays @%llu\n", session,
                 (unsigned long long)si.head);
     } else if (session) {
-        sess_turn turn = {.prompt = prompt, .prompt_len = plen, .output = text.p ? text.p : "",
-                          .output_len = text.n, .prompt_tokens = n, .output_tokens = produced};
+        sess_turn turn = {.prompt = prompt, .prompt_len = plen, .output = kds_buf_str(&text),
+                          .output_len = text.len, .prompt_tokens = n, .output_tokens = produced};
         uint64_t snap = 0;
         double ts0 = cli_now();
         if (sess_save(store, session, resume ? si.head : 0, m, s, &turn, &snap, &err) != KDS_OK) {
@@ -364,7 +365,7 @@ out:
     free(ids);
     free(out_ids);
     free(out_logits);
-    free(text.p);
+    kds_buf_free(&text);
     eng_tok_stream_free(stream);
     eng_seq_free(s);
     eng_ctx_free(c);

@@ -364,17 +364,6 @@ void repl_free(repl *r) {
 /* ------------------------------------------------------------------------ */
 /* One turn                                                                  */
 
-/* repl_text is a kds_buf under other field names: only this function
- * changes one, so the two agree on what cap means. */
-bool repl_text_append(repl_text *t, const char *p, size_t n) {
-    kds_buf b = {.p = (unsigned char *)t->p, .len = t->n, .cap = t->cap};
-    if (kds_buf_append(&b, p, n, NULL) != KDS_OK) return false;
-    t->p = (char *)b.p;
-    t->n = b.len;
-    t->cap = b.cap;
-    return true;
-}
-
 /* The ids this message adds to the context: a chat turn (with a pending or
  * default system turn first when the conversation starts) ending in the
  * assistant's opener, or the plain text. Caller owns *ids. */

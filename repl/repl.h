@@ -100,15 +100,4 @@ const char *const *repl_commands(void);
  * NULL-terminated array of malloc'd strings (free each and the array). */
 char **repl_session_names(repl *r);
 
-/* A growable, NUL-terminated byte buffer for a turn's streamed text (the
- * transcript keeps it), used by `kdaserve generate --session`. Start from
- * {0}; the caller owns p: free(). Returns false when out of memory (the
- * buffer is unchanged). It grows as a kds_buf (kds_buf.h) and stays only
- * for its existing caller; new code uses kds_buf itself. */
-typedef struct repl_text {
-    char *p;
-    size_t n, cap;
-} repl_text;
-bool repl_text_append(repl_text *t, const char *p, size_t n);
-
 #endif /* REPL_H */
