@@ -1,14 +1,16 @@
 /*
  * eng.h - the kdaserve engine: load a Kimi-Linear-family model (KDA + MoE,
  * optionally MLA full-attention layers) from a Hugging Face directory and run
- * it on the CPU.
+ * it on the CPU or a CUDA GPU (eng_ctx_params.device).
  *
  * Objects
  *   eng_model  immutable weights + config, mmap'd. Shareable by any number of
  *              contexts and sequences on any threads.
- *   eng_ctx    compute context: thread pool + scratch arena sized once at
- *              creation for the largest batch. One thread uses a context at a
- *              time (calls on one context must not overlap).
+ *   eng_ctx    compute context on one device: its backend (the CPU's thread
+ *              pool, or a GPU with the weights, the sequences' states and
+ *              CUDA graphs) and activation buffers sized once at creation for
+ *              the largest batch. One thread uses a context at a time (calls
+ *              on one context must not overlap).
  *   eng_seq    one sequence's whole state (KDA recurrent states and conv
  *              tails, MLA latent cache, position, last logits, sampler RNG and
  *              recent tokens). Plain memory; copy it out and back in with
@@ -57,8 +59,9 @@ eng_model_params eng_model_default_params(void);
 /*
  * Load the model in directory `dir`: config.json plus model.safetensors or
  * model.safetensors.index.json with its shards. Every tensor the config
- * implies is checked for presence, dtype (F32, BF16, F16) and shape before
- * anything runs. With `tiktoken.model` in the directory, its
+ * implies is checked for presence, format (F32, BF16, F16, or a block-format
+ * pair: MXFP4 as NAME_packed + NAME_scale U8, Q8_0 as NAME I8 + NAME_scale F16;
+ * docs/formats.md) and shape before anything runs. With `tiktoken.model` in the directory, its
  * `tokenizer_config.json` is read too and the tokenizer checked against the
  * config's vocab_size. Errors: KDS_NOT_FOUND (missing file or tensor),
  * KDS_BAD_FORMAT (malformed JSON, safetensors or rank file), KDS_MISMATCH
@@ -172,15 +175,18 @@ typedef struct eng_ctx_params {
                            * logits scratch and the row buffers); 0 = 64 */
     /* NULL or "cpu" (default), or "cuda": eng_prefill / eng_decode /
      * eng_decode_batch run the forward pass on the current CUDA device (the
-     * weights are uploaded once at eng_ctx_create; KDA and hybrid models).
-     * Sequence states stay on the device between calls (eng_ctx_attach
-     * below says how they come back for snapshots). Sampling stays on the
-     * host. eng_ctx_create fails with KDS_UNSUPPORTED and a message when
-     * CUDA is not compiled in, no usable device is present, or the model
-     * has something the GPU path lacks (f16 weights, an MLA kv_lora_rank
-     * outside 64/128/256/512); with KDS_INVALID_ARG for another name.
-     * Environment: KDS_CUDA_GRAPHS=0 runs decode passes without CUDA
-     * graphs. */
+     * weights are uploaded once at eng_ctx_create; KDA and hybrid models,
+     * MLA layers included). Sequence states stay on the device between
+     * calls (eng_ctx_attach below says how they come back for snapshots);
+     * decode logits stay there too and are sampled there (eng_sample,
+     * eng_decode_batch_sample) when the GPU sampler takes the settings.
+     * eng_ctx_create fails with KDS_UNSUPPORTED and a message naming what is
+     * missing when CUDA is not compiled in, no usable device is present, or
+     * the model has something the GPU kernels lack (weights other than f32
+     * or bf16, an MLA kv_lora_rank outside 64/128/256/512, KDA head sizes
+     * without a kernel); a CPU context refuses a model generated for the
+     * GPU the same way; KDS_INVALID_ARG for another name. Environment:
+     * KDS_CUDA_GRAPHS=0 runs decode passes without CUDA graphs. */
     const char *device;
     /* device "cuda": matrix products of more than 8 rows round the fp32
      * activations to bf16 once (what vLLM does: about half the tensor-core
