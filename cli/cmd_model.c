@@ -115,7 +115,7 @@ int cmd_info(int argc, char **argv) {
     printf("fingerprint  %s\n", eng_model_fingerprint(m));
     printf("layers       %d:", cfg->num_hidden_layers);
     for (int l = 0; l < cfg->num_hidden_layers; l++)
-        printf(" %s%s", cfg->layer_kind[l] == ENG_LAYER_KDA ? "KDA" : "MLA",
+        printf(" %s%s", eng_layer_kind_name(cfg->layer_kind[l]),
                cfg->layer_is_moe[l] ? "+MoE" : "+MLP");
     printf("\n");
     eng_genmodel_describe(cfg, stdout);

@@ -488,6 +488,14 @@ static void read_layers(reader *r, const cJSON *root, eng_config *c) {
     }
 }
 
+const char *eng_layer_kind_name(eng_layer_kind k) {
+    switch (k) {
+    case ENG_LAYER_KDA: return "KDA";
+    case ENG_LAYER_MLA: return "MLA";
+    }
+    return "?";
+}
+
 kds_status eng_config_parse(const char *json_text, size_t len, const char *origin, eng_config *out,
                             kds_err *err) {
     reader r = {origin ? origin : "config.json", err, KDS_OK};

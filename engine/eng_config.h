@@ -29,6 +29,9 @@ typedef enum eng_layer_kind {
     ENG_LAYER_MLA = 1,
 } eng_layer_kind;
 
+/* "KDA", "MLA": a mixer's name for messages and `info`. */
+const char *eng_layer_kind_name(eng_layer_kind k);
+
 /* A layer's feed-forward sublayer (layer_is_moe[] below decides). */
 typedef enum eng_ffn_kind {
     ENG_FFN_DENSE = 0, /* SwiGLU MLP */

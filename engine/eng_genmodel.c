@@ -603,7 +603,7 @@ void eng_genmodel_describe(const eng_config *c, FILE *f) {
     if (L <= 8) {
         fprintf(f, ":");
         for (int l = 0; l < L; l++)
-            fprintf(f, "%s %s+%s", l ? "," : "", c->layer_kind[l] == ENG_LAYER_KDA ? "KDA" : "MLA",
+            fprintf(f, "%s %s+%s", l ? "," : "", eng_layer_kind_name(c->layer_kind[l]),
                     c->layer_is_moe[l] ? "MoE" : "dense");
     }
     fprintf(f, "\nwidths:      hidden %d, vocab %d, dense FFN %d\n", c->hidden_size, c->vocab_size,

@@ -45,10 +45,10 @@ void eng__dims(const eng_config *c, eng_dims *d) {
         eng_layer_plan p;
         eng__plan_layer(c, l, &p);
         d->layer_slot[l] = p.slot;
-        if (p.mixer == ENG_LAYER_KDA)
-            d->n_kda++;
-        else
-            d->n_mla++;
+        switch (p.mixer) { /* a new mixer kind with state gets its count here */
+        case ENG_LAYER_KDA: d->n_kda++; break;
+        case ENG_LAYER_MLA: d->n_mla++; break;
+        }
     }
 }
 
