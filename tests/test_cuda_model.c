@@ -25,20 +25,6 @@
 #include "kern_cuda.h"
 #endif
 
-/* Decode passes run as CUDA graphs unless KDS_CUDA_GRAPHS=0 (gpu_check.sh
- * runs these tests both ways); the emulation records and replays graphs
- * too, so a value baked into a graph at capture fails the logits there. */
-static void expect_graphs(eng_ctx *gc, const char *what) {
-    const char *env = getenv("KDS_CUDA_GRAPHS");
-    int n = eng__cuda_graph_count(eng__ctx_gpu(gc));
-    cr_log_info("%s: %d decode graphs captured", what, n);
-    if (env && strcmp(env, "0") == 0)
-        cr_expect_eq(n, -1, "%s: KDS_CUDA_GRAPHS=0 but graphs were used", what);
-    else
-        cr_expect_gt(n, 0, "%s: no decode graph was captured (capture failed; passes ran without "
-                     "graphs)", what);
-}
-
 /* fp32 accumulation in another order through 4 layers and an lm_head */
 #define LOGIT_TOL 1e-4
 #define STATE_TOL 1e-4
@@ -143,6 +129,20 @@ Test(cuda_model, decode_batch_sample_on_the_cpu) {
 }
 
 #ifdef KDS_HAVE_CUDA
+
+/* Decode passes run as CUDA graphs unless KDS_CUDA_GRAPHS=0 (gpu_check.sh
+ * runs these tests both ways); the emulation records and replays graphs
+ * too, so a value baked into a graph at capture fails the logits there. */
+static void expect_graphs(eng_ctx *gc, const char *what) {
+    const char *env = getenv("KDS_CUDA_GRAPHS");
+    int n = eng__cuda_graph_count(eng__ctx_gpu(gc));
+    cr_log_info("%s: %d decode graphs captured", what, n);
+    if (env && strcmp(env, "0") == 0)
+        cr_expect_eq(n, -1, "%s: KDS_CUDA_GRAPHS=0 but graphs were used", what);
+    else
+        cr_expect_gt(n, 0, "%s: no decode graph was captured (capture failed; passes ran without "
+                     "graphs)", what);
+}
 
 static void require_device(void) {
     kds_err err = {0};
