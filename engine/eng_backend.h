@@ -194,8 +194,9 @@ typedef struct eng_backend_ops {
     void (*rmsnorm)(eng_backend *b, const float *x, const float *w, int rows, int n, float eps,
                     float *y);
     void (*matmul)(eng_backend *b, const eng_matmul *jobs, int n_jobs);
-    /* a = silu(a) * x; y += x (n values). */
+    /* a[i] = silu(a[i]) * x[i] for i < n (kern_swiglu). */
     void (*swiglu)(eng_backend *b, float *a, const float *x, size_t n);
+    /* y[i] += x[i] for i < n. */
     void (*add)(eng_backend *b, float *y, const float *x, size_t n);
     void (*kda)(eng_backend *b, const eng_pass *p, const eng_kda_args *a);
     void (*mla)(eng_backend *b, const eng_pass *p, const eng_mla_args *a);

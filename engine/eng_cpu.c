@@ -558,9 +558,14 @@ static void *cpu_alloc(eng_backend *b, size_t bytes) {
         c->allocs = a;
         c->cap_allocs = cap;
     }
-    /* one element past the end: ops may read a vector's last lane as a whole */
-    void *p = calloc(1, bytes + 16);
-    if (p) c->allocs[c->n_allocs++] = p;
+    /* On a cache line, so the vector kernels' loads of a row never straddle
+     * two (a buffer's placement would otherwise vary with the heap), and
+     * cleared; the extra line: ops may read a vector's last lane whole. */
+    const size_t n = (bytes + 64 + 63) & ~(size_t)63;
+    void *p = aligned_alloc(64, n);
+    if (!p) return NULL;
+    memset(p, 0, n);
+    c->allocs[c->n_allocs++] = p;
     return p;
 }
 
