@@ -162,6 +162,31 @@ void kern_sigmoid_inplace(float *x, size_t n);
 /* softplus with PyTorch's threshold 20: x > 20 ? x : log1p(exp(x)). */
 float kern_softplus(float x);
 
+/*
+ * SiTU (Kimi K3's gated activation, reference/kimi-k3.md §4.6), in place
+ * into a, in fp32 (tanhf, the engine's sigmoid):
+ *   a[i] = [beta * tanh(a[i] / beta) * sigmoid(a[i])] * [beta_l * tanh(b[i] / beta_l)]
+ * the gate soft-capped at beta (K3: 4), the up branch at +-beta_l (25). */
+void kern_situ(float *a, const float *b, size_t n, float beta, float beta_l);
+
+/* x[i] *= sigmoid(g[i]) (MLA's output gate), n values. */
+void kern_sigmoid_mul(float *x, const float *g, size_t n);
+
+/*
+ * Block Attention Residuals' mix (reference/kimi-k3.md §4.2), per token t
+ * of T, over the candidates c_0..c_{n-1} = the n_blocks frozen snapshots
+ * (snapshot j's row t at blocks + j * block_stride + t * D) and, when
+ * `partial` is not NULL, the running partial (row t at partial + t * D):
+ *   z_j = (sum_d c_j[d] * u[d]) / sqrt(mean_d c_j[d]^2 + eps)
+ *   out[t] = sum_j softmax(z)_j * c_j          (the raw candidates)
+ * u = the sublayer's res_norm weight times its res_proj (fused once, fp32
+ * [D]). Sums in double, the softmax's weights rounded to f32, the mix
+ * summed in candidate order in f32. 1 to 64 candidates. out [T, D] may not
+ * alias a candidate.
+ */
+void kern_attn_res_mix(int T, int D, const float *blocks, size_t block_stride, int n_blocks,
+                       const float *partial, const float *u, float eps, float *out);
+
 /* ------------------------------------------------------------------------ */
 /* KDA (Kimi Delta Attention) core                                           */
 
