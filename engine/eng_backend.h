@@ -58,8 +58,10 @@ typedef enum eng_op {
     ENG_OP_EMBED,
     ENG_OP_RMSNORM,
     ENG_OP_MATMUL,
-    ENG_OP_SWIGLU,
+    ENG_OP_GLU,
     ENG_OP_ADD,
+    ENG_OP_SIGMOID_MUL,
+    ENG_OP_ATTN_RES,
     ENG_OP_KDA,
     ENG_OP_MLA,
     ENG_OP_MOE_ROUTE,
@@ -145,18 +147,36 @@ typedef struct eng_mla_args {
 typedef struct eng_moe_args {
     const eng_ffn_weights *f; /* router_bias, experts (w1, w3, w2, bank), shared experts */
     int T;
-    const float *x;           /* [T, hidden]: the FFN's input */
+    const float *x;           /* [T, hidden]: the FFN's input (the shared experts read it) */
+    const float *xs;          /* [T, X]: the rows the routed experts read: x, or its
+                               * projection into the latent (ENG_FFN_LATENT_MOE, X = L) */
+    int X;                    /* their width; the experts' outputs are as wide */
     float *router;            /* [T, E]: the router's logits in, scores after */
     int32_t *sel;             /* [T, k] chosen experts, selection order */
     float *selw;              /* [T, k] their weights */
     int32_t *exp_off;         /* [E + 1]: expert e's gathered rows [exp_off[e], exp_off[e+1]) */
     int32_t *row_of;          /* [T, k]: the gathered row of each choice */
     int32_t *tok_of;          /* [T * k]: the token of each gathered row */
-    float *xg, *yg;           /* [T * k, hidden]: gathered inputs, expert outputs */
+    float *xg, *yg;           /* [T * k, X]: gathered inputs, expert outputs */
     float *act_a, *act_b;     /* [T * k + T, width]: the gate and up products, routed then shared */
-    float *shared_out;        /* [T, hidden] */
-    float *out;               /* [T, hidden]: the FFN's output */
+    float *shared_out;        /* [T, hidden]: the shared experts' output (when there are some) */
+    float *out;               /* [T, X]: the weighted sum of the routed experts' outputs per
+                               * token, plus shared_out when add_shared */
+    bool add_shared;          /* combine adds shared_out (X == hidden) */
 } eng_moe_args;
+
+/* Block Attention Residuals' mix (kern_attn_res_mix): per token, a softmax
+ * over the n_blocks snapshots (snapshot j's rows at blocks + j *
+ * block_stride) and the partial (NULL: none), scored by the fused query u. */
+typedef struct eng_attn_res_args {
+    int T;
+    const float *blocks;
+    size_t block_stride;      /* floats from one snapshot to the next */
+    int n_blocks;
+    const float *partial;     /* [T, hidden] or NULL */
+    const float *u;           /* [hidden]: a model vector (the fused query) */
+    float *out;               /* [T, hidden] */
+} eng_attn_res_args;
 
 typedef struct eng_backend_ops {
     const char *name;   /* "cpu", "cuda": as eng_ctx_params.device names it */
@@ -194,10 +214,16 @@ typedef struct eng_backend_ops {
     void (*rmsnorm)(eng_backend *b, const float *x, const float *w, int rows, int n, float eps,
                     float *y);
     void (*matmul)(eng_backend *b, const eng_matmul *jobs, int n_jobs);
-    /* a[i] = silu(a[i]) * x[i] for i < n (kern_swiglu). */
-    void (*swiglu)(eng_backend *b, float *a, const float *x, size_t n);
+    /* The model's gated activation, a[i] = act(a[i], x[i]) for i < n:
+     * SwiGLU silu(a) * x (kern_swiglu), or SiTU (kern_situ, the config's
+     * betas). */
+    void (*glu)(eng_backend *b, float *a, const float *x, size_t n);
     /* y[i] += x[i] for i < n. */
     void (*add)(eng_backend *b, float *y, const float *x, size_t n);
+    /* x[i] *= sigmoid(g[i]) (MLA's output gate). */
+    void (*sigmoid_mul)(eng_backend *b, float *x, const float *g, size_t n);
+    /* The AttnRes mix (eps: rms_norm_eps). */
+    void (*attn_res)(eng_backend *b, const eng_attn_res_args *a);
     void (*kda)(eng_backend *b, const eng_pass *p, const eng_kda_args *a);
     void (*mla)(eng_backend *b, const eng_pass *p, const eng_mla_args *a);
     void (*moe_route)(eng_backend *b, const eng_moe_args *a);

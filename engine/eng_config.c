@@ -346,6 +346,25 @@ static void validate(reader *r, const eng_config *c) {
     if (c->num_experts < 0)
         fail(r, KDS_INVALID_ARG, "num_experts must not be negative (got %d)", c->num_experts);
     if (c->num_experts > 0) validate_moe(r, c);
+    if (c->hidden_act == ENG_ACT_SITU && (!(c->situ_beta > 0.0f) || !(c->situ_linear_beta > 0.0f)))
+        fail(r, KDS_INVALID_ARG,
+             "activation_situ_beta and activation_situ_linear_beta must be positive (got %g, %g)",
+             (double)c->situ_beta, (double)c->situ_linear_beta);
+    need_nonneg(r, "attn_res_block_size", c->attn_res_block_size);
+    /* the mix takes at most 64 candidates: 63 snapshots and the partial */
+    if (r->rc == KDS_OK && c->attn_res_block_size > 0 &&
+        (c->num_hidden_layers + c->attn_res_block_size - 1) / c->attn_res_block_size > 63)
+        fail(r, KDS_UNSUPPORTED,
+             "attn_res_block_size %d makes %d blocks of num_hidden_layers %d (at most 63 supported)",
+             c->attn_res_block_size,
+             (c->num_hidden_layers + c->attn_res_block_size - 1) / c->attn_res_block_size,
+             c->num_hidden_layers);
+    need_nonneg(r, "routed_expert_hidden_size", c->latent_size);
+    if (r->rc == KDS_OK && c->latent_size > 0 && c->num_experts == 0)
+        fail(r, KDS_INVALID_ARG, "routed_expert_hidden_size %d without routed experts (num_experts)",
+             c->latent_size);
+    if (r->rc == KDS_OK && c->latent_moe_use_norm && c->latent_size == 0)
+        fail(r, KDS_INVALID_ARG, "latent_moe_use_norm without routed_expert_hidden_size");
     if (r->rc != KDS_OK) return;
 
     /* Keep every later size computation (size_t) far from overflow. */
@@ -474,17 +493,136 @@ static void read_layers(reader *r, const cJSON *root, eng_config *c) {
              4, &c->short_conv_kernel_size);
     read_float(r, lac, "gate_lower_bound", "linear_attn_config.gate_lower_bound", 0.0f,
                &c->gate_lower_bound, &c->has_gate_lower_bound);
-    bool full_rank_gate = false;
     read_bool(r, lac, "use_full_rank_gate", "linear_attn_config.use_full_rank_gate", false,
-              &full_rank_gate);
-    if (full_rank_gate && kda)
-        fail(r, KDS_UNSUPPORTED,
-             "linear_attn_config.use_full_rank_gate is not supported "
-             "(Kimi-Linear uses the low-rank f_a_proj/f_b_proj gate)");
+              &c->use_full_rank_gate);
     if (c->n_mla_layers > 0) {
         const char *need[] = {"kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"};
         for (size_t i = 0; i < sizeof need / sizeof need[0]; i++)
             if (absent(cJSON_GetObjectItemCaseSensitive(root, need[i]))) missing(r, need[i]);
+    }
+}
+
+/* quantization_config (compressed-tensors, kimi-k3.md §2, §4.9): only
+ * MXFP4 weights in groups of 32 with E8M0 scales and no activation
+ * quantization; which tensors it covers the checkpoint's tensors say (a
+ * quantised weight is a NAME_packed + NAME_scale pair), so `ignore` is read
+ * for its type only. */
+static void read_quantization(reader *r, const cJSON *q, eng_config *c) {
+    if (r->rc != KDS_OK || absent(q)) return;
+    if (!cJSON_IsObject(q)) {
+        bad_type(r, "quantization_config", "an object");
+        return;
+    }
+    char s[64];
+    read_str(r, q, "quant_method", "", s, sizeof s);
+    if (r->rc == KDS_OK && strcmp(s, "compressed-tensors") != 0) {
+        fail(r, KDS_UNSUPPORTED,
+             "quantization_config.quant_method '%s' is not supported (only compressed-tensors)", s);
+        return;
+    }
+    read_str(r, q, "format", "", s, sizeof s);
+    if (r->rc == KDS_OK && strcmp(s, "mxfp4-pack-quantized") != 0) {
+        fail(r, KDS_UNSUPPORTED,
+             "quantization_config.format '%s' is not supported (only mxfp4-pack-quantized)", s);
+        return;
+    }
+    const cJSON *ign = cJSON_GetObjectItemCaseSensitive(q, "ignore");
+    if (!absent(ign) && !cJSON_IsArray(ign)) bad_type(r, "quantization_config.ignore", "a list");
+    const cJSON *groups = cJSON_GetObjectItemCaseSensitive(q, "config_groups");
+    if (absent(groups)) {
+        missing(r, "quantization_config.config_groups");
+        return;
+    }
+    if (!cJSON_IsObject(groups)) {
+        bad_type(r, "quantization_config.config_groups", "an object");
+        return;
+    }
+    const cJSON *g;
+    cJSON_ArrayForEach(g, groups) {
+        char path[160];
+        snprintf(path, sizeof path, "quantization_config.config_groups.%.40s", g->string);
+        if (!cJSON_IsObject(g)) {
+            bad_type(r, path, "an object");
+            return;
+        }
+        read_str(r, g, "format", "mxfp4-pack-quantized", s, sizeof s);
+        if (r->rc == KDS_OK && strcmp(s, "mxfp4-pack-quantized") != 0)
+            fail(r, KDS_UNSUPPORTED, "%s.format '%s' is not supported (only mxfp4-pack-quantized)",
+                 path, s);
+        const char *acts[2] = {"input_activations", "output_activations"};
+        for (int i = 0; i < 2; i++)
+            if (!absent(cJSON_GetObjectItemCaseSensitive(g, acts[i])))
+                fail(r, KDS_UNSUPPORTED, "%s.%s: quantised activations are not supported", path,
+                     acts[i]);
+        const cJSON *w = cJSON_GetObjectItemCaseSensitive(g, "weights");
+        char wp[192];
+        snprintf(wp, sizeof wp, "%s.weights", path);
+        if (absent(w)) {
+            missing(r, wp);
+            return;
+        }
+        if (!cJSON_IsObject(w)) {
+            bad_type(r, wp, "an object");
+            return;
+        }
+        int bits = 0, group = 0;
+        bool sym = true;
+        char type[32], strategy[32], scale[32];
+        read_int(r, w, "num_bits", "num_bits", true, 0, &bits);
+        read_int(r, w, "group_size", "group_size", true, 0, &group);
+        read_str(r, w, "type", "float", type, sizeof type);
+        read_str(r, w, "strategy", "group", strategy, sizeof strategy);
+        read_bool(r, w, "symmetric", "symmetric", true, &sym);
+        read_str(r, w, "scale_dtype", "torch.uint8", scale, sizeof scale);
+        if (r->rc != KDS_OK) return;
+        if (bits != 4 || strcmp(type, "float") != 0 || group != 32 || strcmp(strategy, "group") != 0 ||
+            !sym || strcmp(scale, "torch.uint8") != 0)
+            fail(r, KDS_UNSUPPORTED,
+                 "%s: only MXFP4 is supported (num_bits 4, type float, strategy group, group_size "
+                 "32, symmetric, scale_dtype torch.uint8); got num_bits %d, type %s, strategy %s, "
+                 "group_size %d, %s, scale_dtype %s",
+                 wp, bits, type, strategy, group, sym ? "symmetric" : "asymmetric", scale);
+    }
+    c->experts_mxfp4 = r->rc == KDS_OK;
+}
+
+/* The fields Kimi K3 added (kimi-k3.md §2); absent in a Kimi-Linear config,
+ * which then keeps its meaning. */
+static void read_k3_fields(reader *r, const cJSON *root, eng_config *c) {
+    read_bool(r, root, "mla_use_output_gate", "mla_use_output_gate", false, &c->mla_use_output_gate);
+    read_int(r, root, "attn_res_block_size", "attn_res_block_size", false, 0,
+             &c->attn_res_block_size);
+    read_int(r, root, "routed_expert_hidden_size", "routed_expert_hidden_size", false, 0,
+             &c->latent_size);
+    read_bool(r, root, "latent_moe_use_norm", "latent_moe_use_norm", false,
+              &c->latent_moe_use_norm);
+    int mtp = 0;
+    read_int(r, root, "num_nextn_predict_layers", "num_nextn_predict_layers", false, 0, &mtp);
+    if (mtp != 0)
+        fail(r, KDS_UNSUPPORTED,
+             "num_nextn_predict_layers %d: multi-token prediction layers are not supported", mtp);
+    char method[32];
+    read_str(r, root, "topk_method", "noaux_tc", method, sizeof method);
+    if (r->rc == KDS_OK && strcmp(method, "noaux_tc") != 0)
+        fail(r, KDS_UNSUPPORTED, "topk_method '%s' is not supported (only noaux_tc)", method);
+    read_quantization(r, cJSON_GetObjectItemCaseSensitive(root, "quantization_config"), c);
+    c->mla_lora_norm_eps = c->family == ENG_FAMILY_KIMI_K3 ? 1e-6f : c->rms_norm_eps;
+}
+
+/* hidden_act: SwiGLU's silu, or K3's situ with its two caps. */
+static void read_act(reader *r, const cJSON *root, eng_config *c) {
+    char act[32];
+    read_str(r, root, "hidden_act", "silu", act, sizeof act);
+    if (r->rc != KDS_OK) return;
+    if (strcmp(act, "silu") == 0) {
+        c->hidden_act = ENG_ACT_SILU;
+    } else if (strcmp(act, "situ") == 0) {
+        c->hidden_act = ENG_ACT_SITU;
+        read_float(r, root, "activation_situ_beta", "activation_situ_beta", 4.0f, &c->situ_beta, NULL);
+        read_float(r, root, "activation_situ_linear_beta", "activation_situ_linear_beta", 25.0f,
+                   &c->situ_linear_beta, NULL);
+    } else {
+        fail(r, KDS_UNSUPPORTED, "hidden_act '%s' is not supported (silu or situ)", act);
     }
 }
 
@@ -509,16 +647,33 @@ kds_status eng_config_parse(const char *json_text, size_t len, const char *origi
         fail(&r, KDS_BAD_FORMAT, "not a JSON object");
         goto out;
     }
-    /* Other architectures name their tensors differently: refuse early. */
-    char model_type[64], act[32];
+    /* Other architectures name their tensors differently: refuse early. A
+     * kimi_k3 config holds the text model (a kimi_linear config) in
+     * text_config, beside a vision tower this engine does not load. */
+    char model_type[64], origin_k3[600];
+    const cJSON *text = root;
     read_str(&r, root, "model_type", "kimi_linear", model_type, sizeof model_type);
-    if (r.rc == KDS_OK && strcmp(model_type, "kimi_linear") != 0)
-        fail(&r, KDS_UNSUPPORTED, "model_type '%s' is not 'kimi_linear'", model_type);
-    read_str(&r, root, "hidden_act", "silu", act, sizeof act);
-    if (r.rc == KDS_OK && strcmp(act, "silu") != 0)
-        fail(&r, KDS_UNSUPPORTED, "hidden_act '%s' is not supported (only 'silu')", act);
-    read_fields(&r, root, &c);
-    read_layers(&r, root, &c);
+    if (r.rc == KDS_OK && strcmp(model_type, "kimi_k3") == 0) {
+        c.family = ENG_FAMILY_KIMI_K3;
+        text = cJSON_GetObjectItemCaseSensitive(root, "text_config");
+        if (absent(text))
+            missing(&r, "text_config");
+        else if (!cJSON_IsObject(text))
+            bad_type(&r, "text_config", "an object");
+        c.has_vision = cJSON_IsObject(cJSON_GetObjectItemCaseSensitive(root, "vision_config"));
+        if (r.rc != KDS_OK) goto out;
+        snprintf(origin_k3, sizeof origin_k3, "%s (text_config)", r.origin);
+        r.origin = origin_k3;
+        read_str(&r, text, "model_type", "kimi_linear", model_type, sizeof model_type);
+        if (r.rc == KDS_OK && strcmp(model_type, "kimi_linear") != 0)
+            fail(&r, KDS_UNSUPPORTED, "model_type '%s' is not 'kimi_linear'", model_type);
+    } else if (r.rc == KDS_OK && strcmp(model_type, "kimi_linear") != 0) {
+        fail(&r, KDS_UNSUPPORTED, "model_type '%s' is not 'kimi_linear' or 'kimi_k3'", model_type);
+    }
+    read_act(&r, text, &c);
+    read_fields(&r, text, &c);
+    read_layers(&r, text, &c);
+    read_k3_fields(&r, text, &c);
     if (r.rc == KDS_OK) validate(&r, &c);
     if (r.rc == KDS_OK) *out = c;
 out:
@@ -599,6 +754,57 @@ static cJSON *layer_list(const eng_config *c, eng_layer_kind kind) {
     return a;
 }
 
+/* compressed-tensors' MXFP4 for the routed experts, as K3 ships it
+ * (kimi-k3.md §2): everything but the experts in `ignore`. */
+static void add_quantization(cJSON *o) {
+    cJSON *q = cJSON_AddObjectToObject(o, "quantization_config");
+    if (!q) return;
+    cJSON_AddStringToObject(q, "quant_method", "compressed-tensors");
+    cJSON_AddStringToObject(q, "format", "mxfp4-pack-quantized");
+    cJSON_AddStringToObject(q, "quantization_status", "compressed");
+    cJSON *g = cJSON_AddObjectToObject(cJSON_AddObjectToObject(q, "config_groups"), "group_0");
+    if (g) {
+        cJSON_AddStringToObject(g, "format", "mxfp4-pack-quantized");
+        cJSON_AddNullToObject(g, "input_activations");
+        cJSON_AddNullToObject(g, "output_activations");
+        cJSON_AddItemToObject(g, "targets", cJSON_CreateStringArray((const char *[]){"Linear"}, 1));
+        cJSON *w = cJSON_AddObjectToObject(g, "weights");
+        if (w) {
+            add_num(w, "num_bits", 4);
+            cJSON_AddStringToObject(w, "type", "float");
+            cJSON_AddStringToObject(w, "strategy", "group");
+            add_num(w, "group_size", 32);
+            cJSON_AddBoolToObject(w, "symmetric", true);
+            cJSON_AddBoolToObject(w, "dynamic", false);
+            cJSON_AddStringToObject(w, "scale_dtype", "torch.uint8");
+        }
+    }
+    const char *ignore[] = {"re:.*self_attn.*", "re:.*shared_experts.*",
+                            "re:.*mlp\\.(gate|up|gate_up|down)_proj.*", "re:.*lm_head.*",
+                            "re:.*vision_tower.*", "re:.*mm_projector.*"};
+    cJSON_AddItemToObject(q, "ignore", cJSON_CreateStringArray(ignore, 6));
+}
+
+/* A K3 checkpoint's config: the text model in text_config (no vision
+ * config: a generated model has no vision tower). Takes `text`. */
+static cJSON *wrap_k3(const eng_config *c, cJSON *text) {
+    cJSON *o = cJSON_CreateObject();
+    if (!o) {
+        cJSON_Delete(text);
+        return NULL;
+    }
+    cJSON *arch = cJSON_AddArrayToObject(o, "architectures");
+    if (arch) cJSON_AddItemToArray(arch, cJSON_CreateString("KimiK3ForConditionalGeneration"));
+    cJSON_AddStringToObject(o, "model_type", "kimi_k3");
+    add_opt(o, "bos_token_id", c->bos_token_id >= 0, c->bos_token_id);
+    add_opt(o, "eos_token_id", c->eos_token_id >= 0, c->eos_token_id);
+    add_opt(o, "pad_token_id", c->pad_token_id >= 0, c->pad_token_id);
+    if (c->torch_dtype[0]) cJSON_AddStringToObject(o, "dtype", c->torch_dtype);
+    cJSON_AddBoolToObject(o, "tie_word_embeddings", c->tie_word_embeddings);
+    cJSON_AddItemToObject(o, "text_config", text);
+    return o;
+}
+
 char *eng_config_to_json(const eng_config *c) {
     char *text = NULL;
     cJSON *o = cJSON_CreateObject();
@@ -620,7 +826,11 @@ char *eng_config_to_json(const eng_config *c) {
     add_num(o, "num_key_value_heads", c->num_key_value_heads);
     add_num(o, "head_dim", c->head_dim);
     add_opt(o, "intermediate_size", c->intermediate_size > 0, c->intermediate_size);
-    cJSON_AddStringToObject(o, "hidden_act", "silu");
+    cJSON_AddStringToObject(o, "hidden_act", c->hidden_act == ENG_ACT_SITU ? "situ" : "silu");
+    if (c->hidden_act == ENG_ACT_SITU) {
+        add_num(o, "activation_situ_beta", short_float(c->situ_beta));
+        add_num(o, "activation_situ_linear_beta", short_float(c->situ_linear_beta));
+    }
     add_num(o, "rms_norm_eps", short_float(c->rms_norm_eps));
     add_num(o, "rope_theta", 10000.0);
     cJSON_AddNullToObject(o, "rope_scaling");
@@ -641,7 +851,17 @@ char *eng_config_to_json(const eng_config *c) {
         if (c->kda_num_v_heads != c->kda_num_heads) add_num(lac, "num_v_heads", c->kda_num_v_heads);
         if (c->has_gate_lower_bound)
             add_num(lac, "gate_lower_bound", short_float(c->gate_lower_bound));
+        if (c->use_full_rank_gate) cJSON_AddBoolToObject(lac, "use_full_rank_gate", true);
     }
+    /* K3's fields, only where they are set (a Kimi-Linear config is written
+     * as before, byte for byte) */
+    if (c->mla_use_output_gate) cJSON_AddBoolToObject(o, "mla_use_output_gate", true);
+    if (c->attn_res_block_size > 0) add_num(o, "attn_res_block_size", c->attn_res_block_size);
+    if (c->latent_size > 0) {
+        add_num(o, "routed_expert_hidden_size", c->latent_size);
+        cJSON_AddBoolToObject(o, "latent_moe_use_norm", c->latent_moe_use_norm);
+    }
+    if (c->experts_mxfp4) add_quantization(o);
     add_opt(o, "num_experts", c->num_experts > 0, c->num_experts);
     add_opt(o, "num_experts_per_token", c->num_experts_per_token > 0, c->num_experts_per_token);
     add_num(o, "num_shared_experts", c->num_shared_experts);
@@ -668,7 +888,8 @@ char *eng_config_to_json(const eng_config *c) {
     add_opt(o, "pad_token_id", c->pad_token_id >= 0, c->pad_token_id);
     add_num(o, "initializer_range", 0.02);
     cJSON_AddBoolToObject(o, "use_cache", true);
-    text = cJSON_Print(o);
+    if (c->family == ENG_FAMILY_KIMI_K3) o = wrap_k3(c, o);
+    text = o ? cJSON_Print(o) : NULL;
     cJSON_Delete(o);
     return text;
 }

@@ -157,8 +157,27 @@ static void cpu_rmsnorm(eng_backend *b, const float *x, const float *w, int rows
         kern_rmsnorm(x + (size_t)r * n, w, KERN_F32, n, eps, y + (size_t)r * n);
 }
 
-static void cpu_swiglu(eng_backend *b, float *a, const float *x, size_t n) {
-    if (b->rc == KDS_OK) kern_swiglu(a, x, n);
+/* The model's gated activation: SwiGLU, or K3's SiTU. */
+static void act(const eng_config *cfg, float *a, const float *x, size_t n) {
+    if (cfg->hidden_act == ENG_ACT_SITU)
+        kern_situ(a, x, n, cfg->situ_beta, cfg->situ_linear_beta);
+    else
+        kern_swiglu(a, x, n);
+}
+
+static void cpu_glu(eng_backend *b, float *a, const float *x, size_t n) {
+    if (b->rc == KDS_OK) act(&cpu_of(b)->m->cfg, a, x, n);
+}
+
+static void cpu_sigmoid_mul(eng_backend *b, float *x, const float *g, size_t n) {
+    if (b->rc == KDS_OK) kern_sigmoid_mul(x, g, n);
+}
+
+static void cpu_attn_res(eng_backend *b, const eng_attn_res_args *a) {
+    eng_cpu *c = cpu_of(b);
+    if (b->rc != KDS_OK) return;
+    kern_attn_res_mix(a->T, c->d.hidden, a->blocks, a->block_stride, a->n_blocks, a->partial, a->u,
+                      c->m->cfg.rms_norm_eps, a->out);
 }
 
 static void cpu_add(eng_backend *b, float *y, const float *x, size_t n) {
@@ -385,7 +404,7 @@ static void cpu_moe_route(eng_backend *b, const eng_moe_args *a) {
     eng_cpu *c = cpu_of(b);
     if (b->rc != KDS_OK) return;
     const eng_config *cfg = &c->m->cfg;
-    const int E = cfg->num_experts, k = cfg->num_experts_per_token, hid = c->d.hidden, T = a->T;
+    const int E = cfg->num_experts, k = cfg->num_experts_per_token, T = a->T, X = a->X;
     for (size_t i = 0; i < (size_t)T * E; i++) a->router[i] = kern_sigmoid(a->router[i]);
     const kern_moe_route_params rp = {
         .n_experts = E,
@@ -398,7 +417,7 @@ static void cpu_moe_route(eng_backend *b, const eng_moe_args *a) {
     kern_moe_permute(E, T, k, a->sel, a->exp_off, a->row_of, a->tok_of);
     /* each expert's tokens into a contiguous block of xg */
     for (int r = 0; r < T * k; r++)
-        memcpy(a->xg + (size_t)r * hid, a->x + (size_t)a->tok_of[r] * hid, (size_t)hid * sizeof(float));
+        memcpy(a->xg + (size_t)r * X, a->xs + (size_t)a->tok_of[r] * X, (size_t)X * sizeof(float));
 }
 
 static void add_job(eng_cpu *c, int *nj, const eng_weight *w, const float *x, int T, float *y,
@@ -416,7 +435,7 @@ static void cpu_moe_experts(eng_backend *b, const eng_moe_args *a) {
     const eng_config *cfg = &c->m->cfg;
     const eng_ffn_weights *f = a->f;
     const int E = cfg->num_experts, k = cfg->num_experts_per_token, hid = c->d.hidden, T = a->T;
-    const int inner = cfg->moe_intermediate_size;
+    const int inner = cfg->moe_intermediate_size, X = a->X;
     const int sh_inner = f->sh_gate.rows; /* 0 without shared experts */
     float *sh_a = a->act_a + (size_t)T * k * inner, *sh_b = a->act_b + (size_t)T * k * inner;
     /* Up projections of all active experts and the shared expert, in as few
@@ -434,11 +453,11 @@ static void cpu_moe_experts(eng_backend *b, const eng_moe_args *a) {
             nj = 0;
         }
         size_t off = (size_t)a->exp_off[e];
-        add_job(c, &nj, &f->w1[e], a->xg + off * hid, n_e, a->act_a + off * inner, inner);
-        add_job(c, &nj, &f->w3[e], a->xg + off * hid, n_e, a->act_b + off * inner, inner);
+        add_job(c, &nj, &f->w1[e], a->xg + off * X, n_e, a->act_a + off * inner, inner);
+        add_job(c, &nj, &f->w3[e], a->xg + off * X, n_e, a->act_b + off * inner, inner);
     }
     if (nj) run_mm(c, nj);
-    kern_swiglu(a->act_a, a->act_b, (size_t)T * k * inner + (size_t)T * sh_inner);
+    act(cfg, a->act_a, a->act_b, (size_t)T * k * inner + (size_t)T * sh_inner);
     nj = 0;
     if (sh_inner > 0) add_job(c, &nj, &f->sh_down, sh_a, T, a->shared_out, hid);
     for (int e = 0; e < E; e++) {
@@ -449,7 +468,7 @@ static void cpu_moe_experts(eng_backend *b, const eng_moe_args *a) {
             nj = 0;
         }
         size_t off = (size_t)a->exp_off[e];
-        add_job(c, &nj, &f->w2[e], a->act_a + off * inner, n_e, a->yg + off * hid, hid);
+        add_job(c, &nj, &f->w2[e], a->act_a + off * inner, n_e, a->yg + off * X, X);
     }
     if (nj) run_mm(c, nj);
 }
@@ -459,18 +478,18 @@ static void cpu_moe_experts(eng_backend *b, const eng_moe_args *a) {
 static void cpu_moe_combine(eng_backend *b, const eng_moe_args *a) {
     eng_cpu *c = cpu_of(b);
     if (b->rc != KDS_OK) return;
-    const int k = c->m->cfg.num_experts_per_token, hid = c->d.hidden, T = a->T;
+    const int k = c->m->cfg.num_experts_per_token, X = a->X, T = a->T;
     for (int t = 0; t < T; t++) {
-        float *out = a->out + (size_t)t * hid;
-        memset(out, 0, (size_t)hid * sizeof(float));
+        float *out = a->out + (size_t)t * X;
+        memset(out, 0, (size_t)X * sizeof(float));
         for (int n = 0; n < k; n++) {
             const float wgt = a->selw[t * k + n];
-            const float *y = a->yg + (size_t)a->row_of[t * k + n] * hid;
-            for (int i = 0; i < hid; i++) out[i] += wgt * y[i];
+            const float *y = a->yg + (size_t)a->row_of[t * k + n] * X;
+            for (int i = 0; i < X; i++) out[i] += wgt * y[i];
         }
     }
-    if (a->f->sh_gate.rows > 0)
-        for (size_t i = 0; i < (size_t)T * hid; i++) a->out[i] += a->shared_out[i];
+    if (a->add_shared)
+        for (size_t i = 0; i < (size_t)T * X; i++) a->out[i] += a->shared_out[i];
 }
 
 /* ------------------------------------------------------------------------ */
@@ -661,7 +680,9 @@ const eng_backend_ops eng__cpu_ops = {
     .embed = cpu_embed,
     .rmsnorm = cpu_rmsnorm,
     .matmul = cpu_matmul,
-    .swiglu = cpu_swiglu,
+    .glu = cpu_glu,
+    .sigmoid_mul = cpu_sigmoid_mul,
+    .attn_res = cpu_attn_res,
     .add = cpu_add,
     .kda = cpu_kda,
     .mla = cpu_mla,

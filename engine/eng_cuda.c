@@ -184,6 +184,19 @@ static bool cuda_supports(const eng_model *m, const eng_op_query *q, kds_err *wh
                     "(at most 32 of 1024; use --device cpu)", k, E);
         return false;
     }
+    case ENG_OP_GLU:
+    case ENG_OP_MOE_EXPERTS:
+        if (m->cfg.hidden_act == ENG_ACT_SILU) return true;
+        kds_err_set(why, KDS_UNSUPPORTED,
+                    "device 'cuda': the SiTU activation (Kimi K3) has no GPU kernel yet (use "
+                    "--device cpu)");
+        return false;
+    case ENG_OP_SIGMOID_MUL:
+    case ENG_OP_ATTN_RES:
+        kds_err_set(why, KDS_UNSUPPORTED,
+                    "device 'cuda': %s (Kimi K3) has no GPU kernel yet (use --device cpu)",
+                    q->op == ENG_OP_ATTN_RES ? "Block Attention Residuals" : "MLA's output gate");
+        return false;
     case ENG_OP_SAMPLE: {
         const eng_sampler_params *p = q->sampler;
         const int V = m->cfg.vocab_size;
@@ -690,9 +703,22 @@ static void cuda_matmul(eng_backend *b, const eng_matmul *jobs, int n_jobs) {
     for (int i = 0; i < n_jobs && live(g); i++) note(g, product(g, &jobs[i], &b->err));
 }
 
-static void cuda_swiglu(eng_backend *b, float *a, const float *x, size_t n) {
+/* SwiGLU (SiTU models are refused by cuda_supports until it has a kernel). */
+static void cuda_glu(eng_backend *b, float *a, const float *x, size_t n) {
     eng_cuda *g = cuda_of(b);
     if (live(g)) note(g, kern_cuda_swiglu(a, x, n, g->stream, &b->err));
+}
+
+/* Not yet on the GPU: cuda_supports refuses the models that need them, so
+ * these only keep the table complete. */
+static void cuda_sigmoid_mul(eng_backend *b, float *x, const float *gt, size_t n) {
+    (void)x, (void)gt, (void)n;
+    note(cuda_of(b), kds_err_set(&b->err, KDS_UNSUPPORTED, "device 'cuda': no sigmoid gate kernel"));
+}
+
+static void cuda_attn_res(eng_backend *b, const eng_attn_res_args *a) {
+    (void)a;
+    note(cuda_of(b), kds_err_set(&b->err, KDS_UNSUPPORTED, "device 'cuda': no AttnRes kernel"));
 }
 
 static void cuda_add(eng_backend *b, float *y, const float *x, size_t n) {
@@ -809,7 +835,7 @@ static void cuda_moe_route(eng_backend *b, const eng_moe_args *a) {
         .exp_off = a->exp_off, .row_of = a->row_of, .tok_of = a->tok_of};
     note(g, kern_cuda_moe_route(&ra, g->stream, &b->err));
     if (live(g))
-        note(g, kern_cuda_moe_gather(a->x, (size_t)g->d.hidden * sizeof(float), a->tok_of, a->T * k,
+        note(g, kern_cuda_moe_gather(a->xs, (size_t)a->X * sizeof(float), a->tok_of, a->T * k,
                                      a->xg, g->stream, &b->err));
 }
 
@@ -833,17 +859,17 @@ static kds_status moe_experts(eng_cuda *g, const eng_moe_args *a, kds_err *err) 
             return rc;
     }
     const dbank *bk = &g->banks[f->bank];
-    kern_cuda_moe_experts_args ea = {.E = E, .rows = inner, .cols = hid, .w_dtype = f->w1[0].dt,
+    kern_cuda_moe_experts_args ea = {.E = E, .rows = inner, .cols = a->X, .w_dtype = f->w1[0].dt,
                                      .W_base = bk->base, .W3_base = (const char *)bk->base + bk->w3_off,
                                      .w_stride = bk->stride, .exp_off = a->exp_off,
-                                     .n_rows = T * k, .x = a->xg, .ldx = hid, .y = a->act_a,
+                                     .n_rows = T * k, .x = a->xg, .ldx = a->X, .y = a->act_a,
                                      .ldy = inner, .mode = g->mode};
     if ((rc = kern_cuda_moe_experts(&ea, g->stream, err))) return rc;
-    kern_cuda_moe_experts_args da = {.E = E, .rows = hid, .cols = inner, .w_dtype = f->w2[0].dt,
+    kern_cuda_moe_experts_args da = {.E = E, .rows = a->X, .cols = inner, .w_dtype = f->w2[0].dt,
                                      .W_base = (const char *)bk->base + bk->w2_off,
                                      .w_stride = bk->stride, .exp_off = a->exp_off,
                                      .n_rows = T * k, .x = a->act_a, .ldx = inner, .y = a->yg,
-                                     .ldy = hid, .mode = g->mode};
+                                     .ldy = a->X, .mode = g->mode};
     return kern_cuda_moe_experts(&da, g->stream, err);
 }
 
@@ -856,8 +882,8 @@ static void cuda_moe_combine(eng_backend *b, const eng_moe_args *a) {
     eng_cuda *g = cuda_of(b);
     if (!live(g)) return;
     note(g, kern_cuda_moe_combine(a->yg, a->row_of, a->selw, a->T, g->m->cfg.num_experts_per_token,
-                                  g->d.hidden, a->f->sh_gate.rows > 0 ? a->shared_out : NULL, a->out,
-                                  g->stream, &b->err));
+                                  a->X, a->add_shared ? a->shared_out : NULL, a->out, g->stream,
+                                  &b->err));
 }
 
 static float *cuda_logits_rows(eng_backend *b, const eng_pass *p) {
@@ -1110,7 +1136,9 @@ const eng_backend_ops eng__cuda_ops = {
     .embed = cuda_embed,
     .rmsnorm = cuda_rmsnorm,
     .matmul = cuda_matmul,
-    .swiglu = cuda_swiglu,
+    .glu = cuda_glu,
+    .sigmoid_mul = cuda_sigmoid_mul,
+    .attn_res = cuda_attn_res,
     .add = cuda_add,
     .kda = cuda_kda,
     .mla = cuda_mla,

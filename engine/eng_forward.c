@@ -48,7 +48,14 @@ struct eng_ctx {
     float *fa_buf, *fb_buf, *shared_out; /* FFN: [B*top_k + B, width] x2, [B, hidden] */
     float *router, *selw;                /* [B, E], [B, top_k] */
     int32_t *sel, *exp_off, *row_of, *tok_of; /* [B, top_k], [E+1], [B, top_k], [B*top_k] */
-    float *xg, *yg;                      /* [B*top_k, hidden] gathered in / expert out */
+    float *xg, *yg;                      /* [B*top_k, max(hidden, L)] gathered in / expert out */
+    float *lat_in, *lat_out;             /* latent MoE: [B, L] the input's projection, the
+                                          * experts' combined output */
+    /* Block Attention Residuals: the slabs of the stream, [n_slabs, B, hidden]
+     * (the snapshots, then the current partial; stream in layers()), and a
+     * mix's output [B, hidden] */
+    float *blocks, *mixed;
+    size_t block_stride;                 /* B * hidden */
     /* host sampling (logits on the host, or settings the backend's sampler lacks) */
     float *cand_p;                       /* [vocab] */
     int32_t *cand_id;                    /* [vocab] */
@@ -80,26 +87,60 @@ const char *eng_device_name(eng_device d) { return d == ENG_DEVICE_CUDA ? "cuda"
 /* ------------------------------------------------------------------------ */
 /* The layer sequence                                                        */
 
-/* One product y (+)= x W^T. */
+/* One product y = x W^T. */
 static eng_matmul mm(const eng_weight *w, const float *x, int T, float *y, int ldy) {
     return (eng_matmul){w, x, T, y, ldy, false};
 }
 
-/* The same, added into y: a sublayer's output projection adds into the
- * residual stream (ENG_INPUT_RESIDUAL). */
-static eng_matmul mm_add(const eng_weight *w, const float *x, int T, float *y, int ldy) {
-    return (eng_matmul){w, x, T, y, ldy, true};
+/*
+ * The residual stream of a pass, as the plan's input kind forms it:
+ *   ENG_INPUT_RESIDUAL  p is the whole stream (c->x); every sublayer reads
+ *                       norm(p) and adds its output into p;
+ *   ENG_INPUT_ATTN_RES  p is the current block's partial sum, one slab of
+ *                       c->blocks; the n_blocks slabs before it are the
+ *                       frozen snapshots (the first is the embedding); a
+ *                       sublayer reads norm(mix(snapshots, p)) and adds its
+ *                       output into p; a new block starts with p empty.
+ * A sublayer's last product writes its output there (eng_matmul.accumulate
+ * = !fresh): adding into an empty partial is writing it.
+ */
+typedef struct stream {
+    float *p;
+    bool fresh;   /* p is empty: the next output writes it instead of adding */
+    int n_blocks; /* frozen snapshots (ENG_INPUT_ATTN_RES) */
+} stream;
+
+/* The product that ends a sublayer: its output into the stream. */
+static eng_matmul mm_out(stream *s, const eng_weight *w, const float *x, int T, int hidden) {
+    const eng_matmul j = {w, x, T, s->p, hidden, !s->fresh};
+    s->fresh = false;
+    return j;
+}
+
+/* The input of a sublayer whose mix query is u (NULL: the plain residual),
+ * for rows [first, first + n): the stream itself, or the AttnRes mix over
+ * the snapshots and the partial into c->mixed. */
+static const float *sublayer_input(const eng_ctx *c, eng_backend *b, const stream *s,
+                                   const float *u, int first, int n) {
+    const size_t hid = (size_t)c->d.hidden, off = (size_t)first * hid;
+    if (!u || s->n_blocks == 0) return s->p + off; /* layer 0: the embedding alone */
+    const eng_attn_res_args a = {.T = n, .blocks = c->blocks + off, .block_stride = c->block_stride,
+                                 .n_blocks = s->n_blocks, .partial = s->p + off, .u = u,
+                                 .out = c->mixed + off};
+    b->ops->attn_res(b, &a);
+    return c->mixed + off;
 }
 
 /* KDA mixer (spec §3): one dispatch computes q, k, v, the decay-gate
- * down-projection, beta and the output-gate down-projection from the same
- * normed input, a second the two up-projections; the op does the conv,
- * the delta rule and the gated norm; o_proj adds into the residual. */
+ * down-projection, beta and the output gate's (low-rank down, or K3's full
+ * rank) from the same normed input, a second the up-projections; the op
+ * does the conv, the delta rule and the gated norm; o_proj ends it. */
 static void kda_mixer(const eng_ctx *c, eng_backend *b, const eng_pass *p,
-                      const eng_layer_weights *L) {
+                      const eng_layer_weights *L, stream *s) {
     const eng_dims *d = &c->d;
     const eng_kda_weights *w = &L->kda;
     const int T = p->T, C = d->conv_ch;
+    const bool full_rank = w->g_proj.rows > 0;
     float *in = c->ext + (size_t)(d->W - 1) * C; /* the projections land after the tail rows */
     const eng_matmul proj[6] = {
         mm(&w->q_proj, c->xn, T, in, C),
@@ -107,115 +148,148 @@ static void kda_mixer(const eng_ctx *c, eng_backend *b, const eng_pass *p,
         mm(&w->v_proj, c->xn, T, in + 2 * d->kda_qk, C),
         mm(&w->f_a_proj, c->xn, T, c->fa, w->f_a_proj.rows),
         mm(&w->b_proj, c->xn, T, c->beta, d->HV),
-        mm(&w->g_a_proj, c->xn, T, c->ga, w->g_a_proj.rows),
+        full_rank ? mm(&w->g_proj, c->xn, T, c->gz, d->kda_v)
+                  : mm(&w->g_a_proj, c->xn, T, c->ga, w->g_a_proj.rows),
     };
     b->ops->matmul(b, proj, 6);
     const eng_matmul up[2] = {
         mm(&w->f_b_proj, c->fa, T, c->g, d->HV * d->K),
         mm(&w->g_b_proj, c->ga, T, c->gz, d->kda_v),
     };
-    b->ops->matmul(b, up, 2);
+    b->ops->matmul(b, up, full_rank ? 1 : 2);
     const eng_config *cfg = &c->m->cfg;
     const eng_kda_args a = {.layer = L->slot, .w = w,
                             .lower_bound = cfg->has_gate_lower_bound ? cfg->gate_lower_bound : 0.0f,
                             .eps = cfg->rms_norm_eps, .ext = c->ext, .q = c->q, .k = c->k,
                             .v = c->v, .g = c->g, .beta = c->beta, .gz = c->gz, .o = c->o};
     b->ops->kda(b, p, &a);
-    const eng_matmul out = mm_add(&w->o_proj, c->o, T, c->x, d->hidden);
+    const eng_matmul out = mm_out(s, &w->o_proj, c->o, T, d->hidden);
     b->ops->matmul(b, &out, 1);
 }
 
 /* MLA mixer (spec §5, absorbed, no RoPE): the queries (through the q LoRA
- * when the config has one) and the joint latent, then the op appends the
- * latents and attends; o_proj adds into the residual. */
+ * when the config has one), the joint latent and, in K3, the output gate;
+ * the op appends the latents and attends; the gate, then o_proj ends it. */
 static void mla_mixer(const eng_ctx *c, eng_backend *b, const eng_pass *p,
-                      const eng_layer_weights *L) {
+                      const eng_layer_weights *L, stream *s) {
     const eng_dims *d = &c->d;
     const eng_mla_weights *w = &L->mla;
     const eng_config *cfg = &c->m->cfg;
     const int T = p->T, qw = d->mla_heads * (d->dn + d->dr), qr = cfg->q_lora_rank;
+    const int gated = w->g_proj.rows > 0, ow = d->mla_heads * d->dv;
+    const eng_matmul gate = mm(&w->g_proj, c->xn, T, c->gz, ow);
     if (qr > 0) {
-        const eng_matmul down[2] = {mm(&w->q_a_proj, c->xn, T, c->fa, qr),
-                                    mm(&w->kv_a_proj_with_mqa, c->xn, T, c->kva, d->mla_row)};
-        b->ops->matmul(b, down, 2);
-        b->ops->rmsnorm(b, c->fa, w->q_a_layernorm, T, qr, cfg->rms_norm_eps, c->fa);
+        const eng_matmul down[3] = {mm(&w->q_a_proj, c->xn, T, c->fa, qr),
+                                    mm(&w->kv_a_proj_with_mqa, c->xn, T, c->kva, d->mla_row), gate};
+        b->ops->matmul(b, down, 2 + gated);
+        b->ops->rmsnorm(b, c->fa, w->q_a_layernorm, T, qr, cfg->mla_lora_norm_eps, c->fa);
         const eng_matmul q = mm(&w->q_b_proj, c->fa, T, c->mq, qw);
         b->ops->matmul(b, &q, 1);
     } else {
-        const eng_matmul qkv[2] = {mm(&w->q_proj, c->xn, T, c->mq, qw),
-                                   mm(&w->kv_a_proj_with_mqa, c->xn, T, c->kva, d->mla_row)};
-        b->ops->matmul(b, qkv, 2);
+        const eng_matmul qkv[3] = {mm(&w->q_proj, c->xn, T, c->mq, qw),
+                                   mm(&w->kv_a_proj_with_mqa, c->xn, T, c->kva, d->mla_row), gate};
+        b->ops->matmul(b, qkv, 2 + gated);
     }
-    const eng_mla_args a = {.layer = L->slot, .w = w, .eps = cfg->rms_norm_eps, .kva = c->kva,
+    const eng_mla_args a = {.layer = L->slot, .w = w, .eps = cfg->mla_lora_norm_eps, .kva = c->kva,
                             .q = c->mq, .o = c->o};
     b->ops->mla(b, p, &a);
-    const eng_matmul out = mm_add(&w->o_proj, c->o, T, c->x, d->hidden);
+    if (gated) b->ops->sigmoid_mul(b, c->o, c->gz, (size_t)T * ow);
+    const eng_matmul out = mm_out(s, &w->o_proj, c->o, T, d->hidden);
     b->ops->matmul(b, &out, 1);
 }
 
-/* Dense SwiGLU MLP (spec §6.1), added into the residual. */
+/* Dense gated MLP (spec §6.1; SiTU in K3). */
 static void dense_ffn(const eng_ctx *c, eng_backend *b, const eng_pass *p,
-                      const eng_layer_weights *L) {
+                      const eng_layer_weights *L, stream *s) {
     const eng_ffn_weights *f = &L->ffn;
     const int T = p->T, inner = f->gate_proj.rows;
     const eng_matmul gate_up[2] = {mm(&f->gate_proj, c->xn, T, c->fa_buf, inner),
                                    mm(&f->up_proj, c->xn, T, c->fb_buf, inner)};
     b->ops->matmul(b, gate_up, 2);
-    b->ops->swiglu(b, c->fa_buf, c->fb_buf, (size_t)T * inner);
-    const eng_matmul down = mm_add(&f->down_proj, c->fa_buf, T, c->x, c->d.hidden);
+    b->ops->glu(b, c->fa_buf, c->fb_buf, (size_t)T * inner);
+    const eng_matmul down = mm_out(s, &f->down_proj, c->fa_buf, T, c->d.hidden);
     b->ops->matmul(b, &down, 1);
 }
 
-/* MoE (spec §6.2): router, route, experts, combine, added into the
- * residual. */
+/* MoE (spec §6.2): router, route, experts, combine, into the stream. The
+ * latent MoE (K3, kimi-k3.md §4.5) routes on the full input but runs the
+ * routed experts on its projection into the latent, combines there, norms
+ * and projects back; the shared experts read the full input. */
 static void moe_ffn(const eng_ctx *c, eng_backend *b, const eng_pass *p,
-                    const eng_layer_weights *L) {
+                    const eng_layer_weights *L, stream *s, bool latent) {
     const eng_ffn_weights *f = &L->ffn;
-    const int T = p->T;
-    const eng_matmul router = mm(&f->router, c->xn, T, c->router, c->m->cfg.num_experts);
+    const eng_config *cfg = &c->m->cfg;
+    const int T = p->T, hid = c->d.hidden, X = latent ? cfg->latent_size : hid;
+    const eng_matmul router = mm(&f->router, c->xn, T, c->router, cfg->num_experts);
     b->ops->matmul(b, &router, 1);
-    const eng_moe_args a = {.f = f, .T = T, .x = c->xn, .router = c->router, .sel = c->sel,
-                            .selw = c->selw, .exp_off = c->exp_off, .row_of = c->row_of,
-                            .tok_of = c->tok_of, .xg = c->xg, .yg = c->yg, .act_a = c->fa_buf,
-                            .act_b = c->fb_buf, .shared_out = c->shared_out, .out = c->mix};
+    if (latent) {
+        const eng_matmul down = mm(&f->latent_down, c->xn, T, c->lat_in, X);
+        b->ops->matmul(b, &down, 1);
+    }
+    const bool shared = f->sh_gate.rows > 0;
+    const eng_moe_args a = {.f = f, .T = T, .x = c->xn, .xs = latent ? c->lat_in : c->xn, .X = X,
+                            .router = c->router, .sel = c->sel, .selw = c->selw,
+                            .exp_off = c->exp_off, .row_of = c->row_of, .tok_of = c->tok_of,
+                            .xg = c->xg, .yg = c->yg, .act_a = c->fa_buf, .act_b = c->fb_buf,
+                            .shared_out = c->shared_out, .out = latent ? c->lat_out : c->mix,
+                            .add_shared = shared && !latent};
     b->ops->moe_route(b, &a);
     b->ops->moe_experts(b, &a);
     b->ops->moe_combine(b, &a);
-    b->ops->add(b, c->x, c->mix, (size_t)T * c->d.hidden);
+    if (!latent) {
+        /* s is never fresh here: a block starts before its layer's mixer */
+        b->ops->add(b, s->p, c->mix, (size_t)T * hid);
+        return;
+    }
+    if (f->latent_norm) b->ops->rmsnorm(b, c->lat_out, f->latent_norm, T, X, cfg->rms_norm_eps, c->lat_out);
+    const eng_matmul up = mm_out(s, &f->latent_up, c->lat_out, T, hid);
+    b->ops->matmul(b, &up, 1);
+    if (shared) b->ops->add(b, s->p, c->shared_out, (size_t)T * hid);
 }
 
 /*
  * Run pass p's rows through the model on backend b: the embedding, every
- * layer of the plan (its input formed as its input kind says, its mixer
- * and FFN by kind), then the final norm and lm_head for rows [first, T).
- * A prefill skips the lm_head of all but its final batch: on small models
- * that matrix is most of the bytes a batch reads.
+ * layer of the plan (each sublayer's input formed as the input kind says,
+ * its mixer and FFN by kind), then the final norm and lm_head for rows
+ * [first, T). A prefill skips the lm_head of all but its final batch: on
+ * small models that matrix is most of the bytes a batch reads.
  */
 static void layers(const eng_ctx *c, eng_backend *b, const eng_pass *p) {
     const eng_model *m = c->m;
     const eng_config *cfg = &m->cfg;
-    const int T = p->T, hid = c->d.hidden;
+    const int T = p->T, hid = c->d.hidden, bs = cfg->attn_res_block_size;
     const float eps = cfg->rms_norm_eps;
-    b->ops->embed(b, p, &m->embed_tokens, c->x);
+    /* the embedding is the stream's start: the residual, or the first
+     * block's partial (banked as snapshot 0 by layer 0) */
+    stream s = {.p = bs > 0 ? c->blocks : c->x, .fresh = false, .n_blocks = 0};
+    b->ops->embed(b, p, &m->embed_tokens, s.p);
     for (int l = 0; l < cfg->num_hidden_layers; l++) {
         const eng_layer_weights *L = &m->layers[l];
-        /* ENG_INPUT_RESIDUAL, the only input kind: each sublayer reads the
-         * normed residual stream c->x and adds its output back into it
-         * (the mixers' and FFNs' last product accumulates) */
-        b->ops->rmsnorm(b, c->x, L->input_layernorm, T, hid, eps, c->xn);
-        switch (L->kind) {
-        case ENG_LAYER_KDA: kda_mixer(c, b, p, L); break;
-        case ENG_LAYER_MLA: mla_mixer(c, b, p, L); break;
+        const float *in = sublayer_input(c, b, &s, L->attn_res_u, 0, T);
+        if (L->input_kind == ENG_INPUT_ATTN_RES && l % bs == 0) {
+            /* a block starts (after its first mix: kimi-k3.md §4.2): the
+             * partial becomes a snapshot, the next slab the new partial */
+            s.n_blocks++;
+            s.p += c->block_stride;
+            s.fresh = true;
         }
-        b->ops->rmsnorm(b, c->x, L->post_attention_layernorm, T, hid, eps, c->xn);
+        b->ops->rmsnorm(b, in, L->input_layernorm, T, hid, eps, c->xn);
+        switch (L->kind) {
+        case ENG_LAYER_KDA: kda_mixer(c, b, p, L, &s); break;
+        case ENG_LAYER_MLA: mla_mixer(c, b, p, L, &s); break;
+        }
+        in = sublayer_input(c, b, &s, L->mlp_res_u, 0, T);
+        b->ops->rmsnorm(b, in, L->post_attention_layernorm, T, hid, eps, c->xn);
         switch (L->ffn_kind) {
-        case ENG_FFN_DENSE: dense_ffn(c, b, p, L); break;
-        case ENG_FFN_MOE: moe_ffn(c, b, p, L); break;
+        case ENG_FFN_DENSE: dense_ffn(c, b, p, L, &s); break;
+        case ENG_FFN_MOE: moe_ffn(c, b, p, L, &s, false); break;
+        case ENG_FFN_LATENT_MOE: moe_ffn(c, b, p, L, &s, true); break;
         }
     }
     if (p->first >= T) return;
     const int n = T - p->first;
-    b->ops->rmsnorm(b, c->x + (size_t)p->first * hid, m->final_norm, n, hid, eps, c->xn);
+    const float *h = sublayer_input(c, b, &s, m->out_res_u, p->first, n);
+    b->ops->rmsnorm(b, h, m->final_norm, n, hid, eps, c->xn);
     const eng_matmul head = mm(&m->lm_head, c->xn, n, b->ops->logits_rows(b, p), c->d.vocab);
     b->ops->matmul(b, &head, 1);
 }
@@ -256,9 +330,17 @@ static void ck_rmsnorm(eng_backend *b, const float *x, const float *w, int r, in
 static void ck_matmul(eng_backend *b, const eng_matmul *j, int n) {
     for (int i = 0; i < n; i++) ask(b, ENG_OP_MATMUL, j[i].w, false);
 }
-static void ck_swiglu(eng_backend *b, float *a, const float *x, size_t n) {
+static void ck_glu(eng_backend *b, float *a, const float *x, size_t n) {
     (void)a, (void)x, (void)n;
-    ask(b, ENG_OP_SWIGLU, NULL, false);
+    ask(b, ENG_OP_GLU, NULL, false);
+}
+static void ck_sigmoid_mul(eng_backend *b, float *x, const float *g, size_t n) {
+    (void)x, (void)g, (void)n;
+    ask(b, ENG_OP_SIGMOID_MUL, NULL, false);
+}
+static void ck_attn_res(eng_backend *b, const eng_attn_res_args *a) {
+    (void)a;
+    ask(b, ENG_OP_ATTN_RES, NULL, false);
 }
 static void ck_add(eng_backend *b, float *y, const float *x, size_t n) {
     (void)y, (void)x, (void)n;
@@ -303,7 +385,9 @@ static const eng_backend_ops CHECK_OPS = {
     .embed = ck_embed,
     .rmsnorm = ck_rmsnorm,
     .matmul = ck_matmul,
-    .swiglu = ck_swiglu,
+    .glu = ck_glu,
+    .sigmoid_mul = ck_sigmoid_mul,
+    .attn_res = ck_attn_res,
     .add = ck_add,
     .kda = ck_kda,
     .mla = ck_mla,
@@ -501,6 +585,12 @@ static kds_status alloc_activations(eng_ctx *c, kds_err *err) {
     if ((size_t)d->mla_heads * d->dv > o_width && d->n_mla) o_width = (size_t)d->mla_heads * d->dv;
     const int taps = d->W > 1 ? d->W - 1 : 0;
     const size_t E = (size_t)(cfg->num_experts > 0 ? cfg->num_experts : 0);
+    const size_t L = (size_t)cfg->latent_size;
+    const size_t X = L > (size_t)d->hidden ? L : (size_t)d->hidden; /* the routed experts' width */
+    /* AttnRes: the snapshots (a block starts at every bs-th layer) and the partial */
+    const size_t bs = (size_t)cfg->attn_res_block_size;
+    const size_t n_slabs = bs ? ((size_t)cfg->num_hidden_layers + bs - 1) / bs + 1 : 0;
+    c->block_stride = B * d->hidden;
     struct {
         void **p;
         size_t bytes;
@@ -516,7 +606,7 @@ static kds_status alloc_activations(eng_ctx *c, kds_err *err) {
         {(void **)&c->ga, B * rank * 4},
         {(void **)&c->g, B * d->HV * d->K * 4},
         {(void **)&c->beta, B * d->HV * 4},
-        {(void **)&c->gz, B * d->kda_v * 4},
+        {(void **)&c->gz, B * o_width * 4}, /* KDA's output gate, or MLA's */
         {(void **)&c->o, B * o_width * 4},
         {(void **)&c->mq, d->n_mla ? B * d->mla_heads * (d->dn + d->dr) * 4 : 0},
         {(void **)&c->kva, d->n_mla ? B * d->mla_row * 4 : 0},
@@ -530,8 +620,12 @@ static kds_status alloc_activations(eng_ctx *c, kds_err *err) {
         {(void **)&c->exp_off, E ? (E + 1) * 4 : 0},
         {(void **)&c->row_of, E ? Bk * 4 : 0},
         {(void **)&c->tok_of, E ? Bk * 4 : 0},
-        {(void **)&c->xg, E ? Bk * d->hidden * 4 : 0},
-        {(void **)&c->yg, E ? Bk * d->hidden * 4 : 0},
+        {(void **)&c->xg, E ? Bk * X * 4 : 0},
+        {(void **)&c->yg, E ? Bk * X * 4 : 0},
+        {(void **)&c->lat_in, B * L * 4},
+        {(void **)&c->lat_out, B * L * 4},
+        {(void **)&c->blocks, n_slabs * B * d->hidden * 4},
+        {(void **)&c->mixed, n_slabs ? B * d->hidden * 4 : 0},
     };
     for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
         if (want[i].bytes == 0) continue;

@@ -50,7 +50,8 @@ typedef struct eng_kda_weights {
     const float *A_log;                     /* [HV] */
     const float *dt_bias;                   /* [HV*K] */
     eng_weight b_proj;                      /* [HV, hidden] */
-    eng_weight g_a_proj, g_b_proj;          /* [V, hidden], [HV*V, V] */
+    eng_weight g_a_proj, g_b_proj;          /* [V, hidden], [HV*V, V] (the low-rank output gate) */
+    eng_weight g_proj;                      /* [HV*V, hidden]: the full-rank one (K3) */
     const float *o_norm;                    /* [V] */
     eng_weight o_proj;                      /* [hidden, HV*V] */
 } eng_kda_weights;
@@ -62,19 +63,24 @@ typedef struct eng_mla_weights {
     eng_weight kv_a_proj_with_mqa;     /* [kv_lora_rank + dr, hidden] */
     const float *kv_a_layernorm;       /* [kv_lora_rank] */
     eng_weight kv_b_proj;              /* [nh*(dn+dv), kv_lora_rank] */
+    eng_weight g_proj;                 /* [nh*dv, hidden]: the sigmoid output gate (K3), or none */
     eng_weight o_proj;                 /* [hidden, nh*dv] */
 } eng_mla_weights;
 
 typedef struct eng_ffn_weights {
     /* dense MLP (ENG_FFN_DENSE) */
     eng_weight gate_proj, up_proj, down_proj;
-    /* MoE (ENG_FFN_MOE) */
+    /* MoE (ENG_FFN_MOE, ENG_FFN_LATENT_MOE) */
     eng_weight router;                    /* [E, hidden] */
     const float *router_bias;             /* [E] e_score_correction_bias, or NULL */
-    eng_weight *w1, *w3, *w2;             /* E each: [I, hidden], [I, hidden], [hidden, I] */
+    eng_weight *w1, *w3, *w2;             /* E each: [I, in], [I, in], [in, I]; in = hidden, or
+                                           * the latent width L (ENG_FFN_LATENT_MOE) */
     int bank;                             /* index among the model's MoE layers (a backend
                                            * keeps each layer's experts together by it) */
-    eng_weight sh_gate, sh_up, sh_down;   /* shared experts (rows 0 when none) */
+    eng_weight sh_gate, sh_up, sh_down;   /* shared experts (rows 0 when none), on the full width */
+    /* latent MoE (K3): x -> latent_down -> experts -> combine -> norm -> latent_up */
+    eng_weight latent_down, latent_up;    /* [L, hidden], [hidden, L] */
+    const float *latent_norm;             /* [L] routed_expert_norm, or NULL (no norm) */
 } eng_ffn_weights;
 
 /* One entry of the layer plan: what the layer is made of, and its
@@ -86,6 +92,11 @@ typedef struct eng_layer_weights {
     int slot;                              /* index among the layers of its mixer kind */
     const float *input_layernorm;          /* [hidden] */
     const float *post_attention_layernorm; /* [hidden] */
+    /* Block Attention Residuals (ENG_INPUT_ATTN_RES): each sublayer's key
+     * norm weight [hidden] and pseudo-query [1, hidden] as stored, and
+     * their product, the fused query u = norm * proj the mix reads */
+    const float *attn_res_norm, *attn_res_proj, *attn_res_u;
+    const float *mlp_res_norm, *mlp_res_proj, *mlp_res_u;
     eng_kda_weights kda;                   /* kind ENG_LAYER_KDA */
     eng_mla_weights mla;                   /* kind ENG_LAYER_MLA */
     eng_ffn_weights ffn;
@@ -101,6 +112,7 @@ struct eng_model {
     int n_shards;
     eng_weight embed_tokens;         /* [vocab, hidden] */
     const float *final_norm;         /* [hidden] */
+    const float *out_res_norm, *out_res_proj, *out_res_u; /* the output mix (ENG_INPUT_ATTN_RES) */
     eng_weight lm_head;              /* [vocab, hidden]; the embedding's twin when tied */
     eng_layer_weights *layers;       /* [num_hidden_layers]: the layer plan */
     int n_moe;                       /* MoE layers (expert banks) */

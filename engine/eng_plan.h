@@ -86,8 +86,10 @@ kds_status eng__plan_alloc(eng_model *m, kds_err *err);
 /* After binding: a matrix bound by the loader gets the next id. */
 void eng__plan_register(eng_model *m, eng_weight *w);
 
-/* After binding: the layout the forward pass relies on (a KDA layer's q, k
- * and v conv taps one after another). Errors: KDS_INTERNAL. */
-kds_status eng__plan_check(const eng_model *m, kds_err *err);
+/* After binding: what the forward pass reads that no file holds (the fused
+ * AttnRes queries u = res_norm * res_proj, into the arena), and the layout
+ * it relies on (a KDA layer's q, k and v conv taps one after another).
+ * Errors: KDS_INTERNAL. */
+kds_status eng__plan_check(eng_model *m, kds_err *err);
 
 #endif /* ENG_PLAN_H */

@@ -238,7 +238,7 @@ Test(config, refusals) {
     refused("linear_attn_config.num_heads", "0", KDS_INVALID_ARG, "num_heads");
     refused("linear_attn_config.num_v_heads", "6", KDS_INVALID_ARG, "num_v_heads");
     refused("linear_attn_config.gate_lower_bound", "1.0", KDS_INVALID_ARG, "gate_lower_bound");
-    refused("linear_attn_config.use_full_rank_gate", "true", KDS_UNSUPPORTED, "use_full_rank_gate");
+    refused("num_nextn_predict_layers", "1", KDS_UNSUPPORTED, "num_nextn_predict_layers");
     refused("num_hidden_layers", "300", KDS_INVALID_ARG, "num_hidden_layers");
     refused("num_experts_per_token", "9", KDS_INVALID_ARG, "num_experts_per_token");
     refused("num_experts_per_token", NULL, KDS_BAD_FORMAT, "num_experts_per_token");
