@@ -36,7 +36,7 @@
 
 static const char *const PRESET_NAMES[] = {
     "tiny", "tiny-hybrid", "llamacpp-tiny", "kimi-linear-48b", "wide", "full27", "state48b",
-    NULL};
+    "k3-micro", "k3", NULL};
 
 const char *const *eng_genmodel_preset_names(void) {
     return PRESET_NAMES;
@@ -126,6 +126,75 @@ static void preset_48b(eng_config *c, const char *layers, int experts) {
     c->moe_intermediate_size = 1024;
 }
 
+/* Kimi K3's text model (reference/kimi-k3.md §2), at its real sizes or
+ * scaled down: everything K3 switches on (SiTU, Block AttnRes, latent MoE,
+ * the bounded and full-rank KDA gates, MLA's q-LoRA and output gate, MXFP4
+ * routed experts). */
+static void preset_k3_common(eng_config *c) {
+    preset_common(c);
+    c->family = ENG_FAMILY_KIMI_K3;
+    c->hidden_act = ENG_ACT_SITU;
+    c->situ_beta = 4.0f;
+    c->situ_linear_beta = 25.0f;
+    c->mla_use_output_gate = true;
+    c->use_full_rank_gate = true;
+    c->has_gate_lower_bound = true;
+    c->gate_lower_bound = -5.0f;
+    c->latent_moe_use_norm = true;
+    c->routed_scaling_factor = 1.0f;
+    c->experts_mxfp4 = true;
+}
+
+static void preset_k3(eng_config *c) {
+    preset_k3_common(c);
+    /* MLA at 1-based layers 4, 8, ..., 92 and 93: 0-based 3, 7, ..., 91, 92 */
+    char kinds[94];
+    for (int l = 0; l < 93; l++) kinds[l] = (l % 4 == 3 || l == 92) ? 'M' : 'K';
+    kinds[93] = '\0';
+    preset_layers(c, kinds);
+    c->vocab_size = 163840;
+    c->hidden_size = 7168;
+    c->intermediate_size = 33792;
+    c->kda_num_heads = c->kda_num_v_heads = 96;
+    c->kda_head_dim = c->kda_v_head_dim = 128;
+    c->num_attention_heads = 96;
+    c->q_lora_rank = 1536;
+    c->kv_lora_rank = 512;
+    c->qk_nope_head_dim = 128;
+    c->qk_rope_head_dim = 64;
+    c->v_head_dim = 128;
+    c->attn_res_block_size = 12;
+    c->num_experts = 896;
+    c->num_experts_per_token = 16;
+    c->num_shared_experts = 2;
+    c->moe_intermediate_size = 3072;
+    c->latent_size = 3584;
+}
+
+/* Small widths, 6 layers in blocks of 2 (three snapshots roll over), one
+ * MLA layer, shapes the GPU kernels take (K = 64, kv_lora_rank 64). */
+static void preset_k3_micro(eng_config *c) {
+    preset_k3_common(c);
+    preset_layers(c, "KKKMKK");
+    c->vocab_size = 512;
+    c->hidden_size = 256;
+    c->intermediate_size = 512;
+    c->kda_num_heads = c->kda_num_v_heads = 4;
+    c->kda_head_dim = c->kda_v_head_dim = 64;
+    c->num_attention_heads = 4;
+    c->q_lora_rank = 64;
+    c->kv_lora_rank = 64;
+    c->qk_nope_head_dim = 32;
+    c->qk_rope_head_dim = 16;
+    c->v_head_dim = 32;
+    c->attn_res_block_size = 2;
+    c->num_experts = 16;
+    c->num_experts_per_token = 4;
+    c->num_shared_experts = 2;
+    c->moe_intermediate_size = 64;
+    c->latent_size = 128;
+}
+
 kds_status eng_genmodel_preset(const char *name, eng_config *out, kds_err *err) {
     eng_config c;
     /* 48B layout: MLA at 1-based layers 4, 8, ..., 24 and 27 */
@@ -148,6 +217,10 @@ kds_status eng_genmodel_preset(const char *name, eng_config *out, kds_err *err) 
         preset_48b(&c, "KKKM", 32);
     } else if (strcmp(name, "full27") == 0) {
         preset_48b(&c, layout27, 16);
+    } else if (strcmp(name, "k3") == 0) {
+        preset_k3(&c);
+    } else if (strcmp(name, "k3-micro") == 0) {
+        preset_k3_micro(&c);
     } else if (strcmp(name, "state48b") == 0) {
         /* The 48B's recurrent state (20 KDA layers of 32 x 128 x 128, conv
          * width 4: the same fixed state bytes) behind small everything else,
@@ -183,16 +256,28 @@ kds_status eng_genmodel_preset(const char *name, eng_config *out, kds_err *err) 
 /* ------------------------------------------------------------------------ */
 /* The tensor list                                                           */
 
+/* Which part of a weight a written tensor is: the whole (its elements in
+ * the writer's dtype), or a block-format weight's codes or scales (two
+ * tensors NAME_packed / NAME_scale, or NAME / NAME_scale for Q8_0). */
+typedef enum gen_part {
+    GEN_WHOLE = 0,
+    GEN_CODES = 1,
+    GEN_SCALES = 2,
+} gen_part;
+
 /* A tensor to write: the plan's listing (eng__plan_tensors) plus its
  * random stream. */
 typedef struct gen_tensor {
-    char name[160];
+    char name[172];
     int n_dims;
-    int64_t shape[4];
+    int64_t shape[4];     /* as written (a part: [rows, its bytes per row]) */
     size_t n_elems;
     eng_init init;
     float a, b;
-    uint64_t stream; /* RNG key of this tensor */
+    uint64_t stream;      /* RNG key of the weight (a part shares its weight's) */
+    gen_part part;
+    kern_dtype fmt;       /* a part's block format */
+    int64_t rows, cols;   /* a part's weight */
 } gen_tensor;
 
 typedef struct gen_list {
@@ -207,10 +292,13 @@ static uint64_t mix64(uint64_t z) {
     return z ^ (z >> 31);
 }
 
-/* eng_tensor_fn: one listed tensor, in the shape Hugging Face writes. */
+/* eng_tensor_fn: one listed tensor, in the shape Hugging Face writes; a
+ * block-format weight as its two tensors (the values are those the plain
+ * weight would have, quantised: one stream, keyed by the weight's name). */
 static void add_tensor(void *user, const eng_tensor_spec *s) {
     gen_list *g = user;
-    if (g->n == g->cap) return; /* sized from eng_config_tensor_count: cannot happen */
+    const bool block = s->matrix && kern_dtype_is_block(s->quant);
+    if (g->n + (block ? 2 : 1) > g->cap) return; /* sized from the same list: cannot happen */
     gen_tensor *t = &g->t[g->n++];
     snprintf(t->name, sizeof t->name, "%s", s->name);
     t->n_dims = s->n_dims;
@@ -223,6 +311,33 @@ static void add_tensor(void *user, const eng_tensor_spec *s) {
     t->a = s->a;
     t->b = s->b;
     t->stream = mix64(g->seed ^ XXH3_64bits(t->name, strlen(t->name)));
+    if (!block) return;
+    const kern_layout l = kern_weight_layout(s->quant, s->shape[0], s->shape[1]);
+    gen_tensor *sc = &g->t[g->n++];
+    *sc = *t;
+    t->part = GEN_CODES;
+    sc->part = GEN_SCALES;
+    t->fmt = sc->fmt = s->quant;
+    t->rows = sc->rows = s->shape[0];
+    t->cols = sc->cols = s->shape[1];
+    t->shape[1] = (int64_t)l.row_bytes;
+    t->n_elems = l.data_bytes;
+    sc->shape[1] = s->shape[1] / KERN_BLOCK;
+    sc->n_elems = (size_t)sc->shape[0] * sc->shape[1];
+    if (s->quant == KERN_MXFP4) snprintf(t->name, sizeof t->name, "%s_packed", s->name);
+    snprintf(sc->name, sizeof sc->name, "%s_scale", s->name);
+}
+
+/* Block pairs count twice among the written tensors. */
+static void count_written(void *user, const eng_tensor_spec *s) {
+    *(size_t *)user += s->matrix && kern_dtype_is_block(s->quant) ? 2 : 1;
+}
+
+/* Bytes of a written tensor (a part's are single bytes, or f16 scales). */
+static uint64_t gen_bytes(const gen_tensor *t, kern_dtype dt) {
+    if (t->part == GEN_WHOLE) return (uint64_t)t->n_elems * kern_dtype_size(dt);
+    const kern_layout l = kern_weight_layout(t->fmt, t->rows, t->cols);
+    return t->part == GEN_CODES ? l.data_bytes : l.scale_bytes;
 }
 
 /* Every tensor of the config, in HF's module order. */
@@ -247,8 +362,31 @@ static float sample(const gen_tensor *t, size_t i) {
     return 0.0f;
 }
 
+/* Rows [r0, r1) of a block-format weight's codes or scales: each row's
+ * values made as the plain weight's, then quantised (kern_quantize_row). */
+static void fill_part(const gen_tensor *t, void *buf, size_t r0, size_t r1) {
+    const kern_layout l = kern_weight_layout(t->fmt, t->rows, t->cols);
+    float *row = malloc((size_t)t->cols * sizeof *row);
+    unsigned char *codes = malloc(l.row_bytes + 1), *scales = malloc(l.scale_row_bytes + 1);
+    if (row && codes && scales)
+        for (size_t r = r0; r < r1; r++) {
+            for (int64_t c = 0; c < t->cols; c++)
+                row[c] = sample(t, (size_t)r * (size_t)t->cols + (size_t)c);
+            kern_quantize_row(t->fmt, row, (int)t->cols, codes, scales);
+            if (t->part == GEN_CODES)
+                memcpy((unsigned char *)buf + r * l.row_bytes, codes, l.row_bytes);
+            else
+                memcpy((unsigned char *)buf + r * l.scale_row_bytes, scales, l.scale_row_bytes);
+        }
+    free(row);
+    free(codes);
+    free(scales);
+}
+
 static void fill_range(const gen_tensor *t, kern_dtype dt, void *buf, size_t i0, size_t i1) {
-    if (dt == KERN_F32) {
+    if (t->part != GEN_WHOLE) {
+        fill_part(t, buf, i0, i1);
+    } else if (dt == KERN_F32) {
         float *o = buf;
         for (size_t i = i0; i < i1; i++)
             o[i] = sample(t, i);
@@ -296,7 +434,7 @@ static double now_s(void) {
 static kds_status fill(void *user, size_t index, void *buf, size_t n_bytes, kds_err *err) {
     writer *w = user;
     const gen_tensor *t = &w->first[index];
-    size_t n = t->n_elems;
+    size_t n = t->part == GEN_WHOLE ? t->n_elems : (size_t)t->rows; /* a part: by rows */
     int nt = n >= GEN_PARALLEL_MIN ? w->n_threads : 1;
     pthread_t th[GEN_MAX_THREADS];
     fill_job jobs[GEN_MAX_THREADS];
@@ -409,7 +547,9 @@ static kds_status write_shard(writer *w, const gen_tensor *t, size_t begin, size
     for (size_t i = 0; i < n; i++) {
         const gen_tensor *g = &t[begin + i];
         out[i].name = g->name;
-        out[i].dtype = st_dtype(w->dt);
+        out[i].dtype = g->part == GEN_WHOLE ? st_dtype(w->dt)
+                       : g->fmt == KERN_Q8_0 ? (g->part == GEN_CODES ? ENG_ST_I8 : ENG_ST_F16)
+                                             : ENG_ST_U8;
         out[i].n_dims = g->n_dims;
         for (int d = 0; d < g->n_dims; d++)
             out[i].shape[d] = g->shape[d];
@@ -485,7 +625,8 @@ kds_status eng__genmodel_write_sharded(const eng_config *c, uint64_t seed, kern_
     if ((rc = eng_config_parse(json, strlen(json), "generated config", &cfg, err)) != KDS_OK)
         goto out;
 
-    size_t n = eng_config_tensor_count(&cfg);
+    size_t n = 0;
+    eng__plan_tensors(&cfg, NULL, count_written, &n);
     if (n > GEN_MAX_TENSORS) {
         rc = kds_err_set(err, KDS_TOO_LARGE, "%zu tensors is too many to generate (max %zu)", n,
                          GEN_MAX_TENSORS);
@@ -504,10 +645,8 @@ kds_status eng__genmodel_write_sharded(const eng_config *c, uint64_t seed, kern_
     }
 
     /* Plan the shards: greedy, in order, at most shard_bytes each. */
-    size_t esz = kern_dtype_size(dtype);
     uint64_t total = 0;
-    for (size_t i = 0; i < n; i++)
-        total += (uint64_t)g.t[i].n_elems * esz;
+    for (size_t i = 0; i < n; i++) total += gen_bytes(&g.t[i], dtype);
     cuts = calloc(n + 2, sizeof *cuts);
     if (!cuts) {
         rc = kds_err_set(err, KDS_NOMEM, "out of memory planning shards");
@@ -518,7 +657,7 @@ kds_status eng__genmodel_write_sharded(const eng_config *c, uint64_t seed, kern_
         uint64_t cur = 0;
         n_shards = 0;
         for (size_t i = 0; i < n; i++) {
-            uint64_t b = (uint64_t)g.t[i].n_elems * esz;
+            uint64_t b = gen_bytes(&g.t[i], dtype);
             if (i == 0 || (cur > 0 && cur + b > shard_bytes)) {
                 cuts[n_shards++] = i;
                 cur = 0;
@@ -618,16 +757,40 @@ void eng_genmodel_describe(const eng_config *c, FILE *f) {
                 "v %d\n",
                 c->num_attention_heads, c->kv_lora_rank, c->q_lora_rank, c->qk_nope_head_dim,
                 c->qk_rope_head_dim, c->v_head_dim);
-    if (c->num_experts)
-        fprintf(f, "MoE:         %d experts, top-%d, %d shared, width %d\n", c->num_experts,
+    if (c->num_experts) {
+        fprintf(f, "MoE:         %d experts, top-%d, %d shared, width %d", c->num_experts,
                 c->num_experts_per_token, c->num_shared_experts, c->moe_intermediate_size);
-    size_t params = eng_config_param_count(c);
-    size_t esz = strcmp(c->torch_dtype, "float32") == 0 ? 4 : 2;
+        if (c->latent_size)
+            fprintf(f, ", routed in a %d-wide latent%s", c->latent_size,
+                    c->latent_moe_use_norm ? " (normed)" : "");
+        fprintf(f, "%s\n", c->experts_mxfp4 ? ", MXFP4 experts" : "");
+    }
+    if (c->family == ENG_FAMILY_KIMI_K3)
+        fprintf(f, "checkpoint:  Kimi K3 (kimi_k3: text model from text_config, tensors under "
+                   "language_model.)%s\n",
+                c->has_vision ? "; the vision tower is not loaded (text only)" : "");
+    if (c->hidden_act == ENG_ACT_SITU)
+        fprintf(f, "activation:  SiTU (beta %g, linear beta %g)\n", (double)c->situ_beta,
+                (double)c->situ_linear_beta);
+    if (c->attn_res_block_size)
+        fprintf(f, "residuals:   Block Attention Residuals, blocks of %d layers (%d snapshots + the "
+                   "partial)\n",
+                c->attn_res_block_size,
+                (c->num_hidden_layers + c->attn_res_block_size - 1) / c->attn_res_block_size);
+    if (c->use_full_rank_gate || c->mla_use_output_gate)
+        fprintf(f, "gates:       %s%s%s\n", c->use_full_rank_gate ? "KDA full-rank output gate" : "",
+                c->use_full_rank_gate && c->mla_use_output_gate ? ", " : "",
+                c->mla_use_output_gate ? "MLA sigmoid output gate" : "");
+    const bool f32 = strcmp(c->torch_dtype, "float32") == 0;
+    const eng_plan_sizes z = eng__plan_sizes(c, f32 ? KERN_F32 : KERN_BF16);
     fprintf(f, "tensors:     %s\n", grouped(eng_config_tensor_count(c), a, sizeof a));
-    fprintf(f, "parameters:  %s\n", grouped(params, a, sizeof a));
-    fprintf(f, "bytes:       %s (%s as %s)\n", grouped(params * esz, a, sizeof a),
-            human((double)params * (double)esz, b, sizeof b),
-            c->torch_dtype[0] ? c->torch_dtype : "bfloat16");
+    fprintf(f, "parameters:  %s (%s active per token)\n", grouped(z.params, a, sizeof a),
+            grouped(z.active, b, sizeof b));
+    fprintf(f, "bytes:       %s (%s as %s", grouped(z.bytes, a, sizeof a),
+            human((double)z.bytes, b, sizeof b), c->torch_dtype[0] ? c->torch_dtype : "bfloat16");
+    if (c->experts_mxfp4)
+        fprintf(f, ", routed experts MXFP4: %s", human((double)z.expert_bytes, d, sizeof d));
+    fprintf(f, ")\n");
     eng_state_size s = eng_config_state_size(c);
     fprintf(f, "state/seq:   %s fixed (KDA state %s, conv %s)", human((double)s.fixed, a, sizeof a),
             human((double)s.kda_state, b, sizeof b), human((double)s.conv_state, d, sizeof d));
@@ -644,6 +807,10 @@ kds_status eng__genmodel_tensors(const eng_config *c, uint64_t seed, eng_gen_ten
                                  size_t *n_out, kds_err *err) {
     *out = NULL;
     *n_out = 0;
+    if (c->experts_mxfp4)
+        return kds_err_set(err, KDS_UNSUPPORTED,
+                           "a model with MXFP4 experts cannot be made on the device yet (write it "
+                           "with kdaserve gen-model)");
     size_t n = eng_config_tensor_count(c);
     if (n > GEN_MAX_TENSORS)
         return kds_err_set(err, KDS_TOO_LARGE, "%zu tensors is too many to generate (max %zu)", n,

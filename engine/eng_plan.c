@@ -51,7 +51,23 @@ static void matrix(lister *ls, eng_weight *w, int64_t rows, int64_t cols, float 
 static void matrix(lister *ls, eng_weight *w, int64_t rows, int64_t cols, float sdev,
                    const char *fmt, ...) {
     eng_tensor_spec t = {.matrix = true, .n_dims = 2, .shape = {rows, cols},
-                         .init = ENG_INIT_NORMAL, .a = sdev, .weight = w};
+                         .init = ENG_INIT_NORMAL, .a = sdev, .weight = w, .expert = -1,
+                         .quant = KERN_F32};
+    va_list ap;
+    va_start(ap, fmt);
+    emit(ls, &t, fmt, ap);
+    va_end(ap);
+}
+
+/* A routed expert's matrix: marked with its index, and written in the
+ * config's expert format by the generator. */
+static void expert_matrix(lister *ls, eng_weight *w, int e, int64_t rows, int64_t cols, float sdev,
+                          const char *fmt, ...) __attribute__((format(printf, 7, 8)));
+static void expert_matrix(lister *ls, eng_weight *w, int e, int64_t rows, int64_t cols, float sdev,
+                          const char *fmt, ...) {
+    eng_tensor_spec t = {.matrix = true, .n_dims = 2, .shape = {rows, cols},
+                         .init = ENG_INIT_NORMAL, .a = sdev, .weight = w, .expert = e,
+                         .quant = ls->c->experts_mxfp4 ? KERN_MXFP4 : KERN_F32};
     va_list ap;
     va_start(ap, fmt);
     emit(ls, &t, fmt, ap);
@@ -70,7 +86,8 @@ static void vector(lister *ls, const float **v, vshape shape, vshape alt, bool o
 static void vector(lister *ls, const float **v, vshape shape, vshape alt, bool optional,
                    eng_init init, float a, float b, const char *fmt, ...) {
     eng_tensor_spec t = {.matrix = false, .n_dims = shape.n_dims, .n_dims_alt = alt.n_dims,
-                         .optional = optional, .init = init, .a = a, .b = b, .vector = v};
+                         .optional = optional, .init = init, .a = a, .b = b, .vector = v,
+                         .expert = -1, .quant = KERN_F32};
     memcpy(t.shape, shape.d, sizeof t.shape);
     memcpy(t.shape_alt, alt.d, sizeof t.shape_alt);
     va_list ap;
@@ -87,7 +104,7 @@ static void norm(lister *ls, const float **v, int64_t n, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 static void norm(lister *ls, const float **v, int64_t n, const char *fmt, ...) {
     eng_tensor_spec t = {.matrix = false, .n_dims = 1, .shape = {n}, .init = ENG_INIT_UNIFORM,
-                         .a = 0.8f, .b = 1.2f, .vector = v};
+                         .a = 0.8f, .b = 1.2f, .vector = v, .expert = -1, .quant = KERN_F32};
     va_list ap;
     va_start(ap, fmt);
     emit(ls, &t, fmt, ap);
@@ -206,12 +223,15 @@ static void moe_tensors(lister *ls, int l, eng_ffn_weights *w, bool latent) {
         /* without a model the expert arrays do not exist: list into scratch */
         eng_weight *w1 = w->w1 ? &w->w1[e] : &scratch, *w2 = w->w2 ? &w->w2[e] : &scratch;
         eng_weight *w3 = w->w3 ? &w->w3[e] : &scratch;
-        matrix(ls, w1, I, X, sd(X, 1), "model.layers.%d.block_sparse_moe.experts.%d.w1.weight", l,
-               (int)e); /* gate [I, X] */
-        matrix(ls, w2, X, I, sd(I, ls->res),
-               "model.layers.%d.block_sparse_moe.experts.%d.w2.weight", l, (int)e); /* down [X, I] */
-        matrix(ls, w3, I, X, sd(X, 1), "model.layers.%d.block_sparse_moe.experts.%d.w3.weight", l,
-               (int)e); /* up [I, X] */
+        expert_matrix(ls, w1, (int)e, I, X, sd(X, 1),
+                      "model.layers.%d.block_sparse_moe.experts.%d.w1.weight", l,
+                      (int)e); /* gate [I, X] */
+        expert_matrix(ls, w2, (int)e, X, I, sd(I, ls->res),
+                      "model.layers.%d.block_sparse_moe.experts.%d.w2.weight", l,
+                      (int)e); /* down [X, I] */
+        expert_matrix(ls, w3, (int)e, I, X, sd(X, 1),
+                      "model.layers.%d.block_sparse_moe.experts.%d.w3.weight", l,
+                      (int)e); /* up [I, X] */
     }
     if (Is > 0) {
         matrix(ls, &w->sh_gate, Is, D, sd(D, 1), MOE, l, "shared_experts.gate_proj.weight");
@@ -310,6 +330,36 @@ static counts count_all(const eng_config *c) {
     counts k = {0, 0, 0, 0};
     eng__plan_tensors(c, NULL, count_fn, &k);
     return k;
+}
+
+typedef struct sizer {
+    const eng_config *c;
+    kern_dtype dt;
+    eng_plan_sizes s;
+} sizer;
+
+static void size_fn(void *user, const eng_tensor_spec *t) {
+    sizer *z = user;
+    size_t n = 1;
+    for (int i = 0; i < t->n_dims; i++) n *= (size_t)t->shape[i];
+    z->s.params += n;
+    const size_t bytes = t->matrix && kern_dtype_is_block(t->quant)
+                             ? kern_weight_layout(t->quant, t->shape[0], t->shape[1]).bytes
+                             : n * kern_dtype_size(z->dt);
+    z->s.bytes += bytes;
+    if (t->expert >= 0) {
+        z->s.expert_bytes += bytes;
+        /* a token runs top_k of the E experts of each MoE layer */
+        z->s.active += n * (size_t)z->c->num_experts_per_token / (size_t)z->c->num_experts;
+    } else if (!strstr(t->name, "embed_tokens")) {
+        z->s.active += n;
+    }
+}
+
+eng_plan_sizes eng__plan_sizes(const eng_config *c, kern_dtype dt) {
+    sizer z = {c, dt, {0, 0, 0, 0}};
+    eng__plan_tensors(c, NULL, size_fn, &z);
+    return z.s;
 }
 
 size_t eng_config_param_count(const eng_config *c) { return count_all(c).params; }

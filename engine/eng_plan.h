@@ -26,6 +26,7 @@
 
 #include "eng_config.h"
 #include "kds_status.h"
+#include "kern.h"
 
 typedef struct eng_model eng_model;
 typedef struct eng_weight eng_weight;
@@ -60,6 +61,10 @@ typedef struct eng_tensor_spec {
     bool optional;        /* may be absent (then the loader leaves it NULL) */
     eng_init init;        /* the generator's values */
     float a, b;
+    int expert;           /* a routed expert's matrix: its index in its layer; else -1 */
+    kern_dtype quant;     /* a block format the generator writes this matrix in (the
+                           * config's experts_mxfp4: KERN_MXFP4); KERN_F32: none, the
+                           * writer's element dtype */
     /* Where the loader puts it (NULL when listing without a model). */
     eng_weight *weight;   /* matrix */
     const float **vector; /* vector */
@@ -75,6 +80,16 @@ typedef void (*eng_tensor_fn)(void *user, const eng_tensor_spec *t);
  * its layers, and a tied lm_head is set to the embedding at the end.
  */
 void eng__plan_tensors(const eng_config *c, eng_model *m, eng_tensor_fn fn, void *user);
+
+/* Sizes of config c: parameters (a block-format element counts as one),
+ * those one token uses (the top-k of the routed experts; the embedding
+ * lookup not counted), and the checkpoint's bytes with the non-block
+ * tensors stored as `dt`. */
+typedef struct eng_plan_sizes {
+    size_t params, active, bytes, expert_bytes;
+} eng_plan_sizes;
+
+eng_plan_sizes eng__plan_sizes(const eng_config *c, kern_dtype dt);
 
 /*
  * The plan of m->cfg in m: the layers with their kinds and slots, the

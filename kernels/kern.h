@@ -187,6 +187,21 @@ void kern_sigmoid_mul(float *x, const float *g, size_t n);
 void kern_attn_res_mix(int T, int D, const float *blocks, size_t block_stride, int n_blocks,
                        const float *partial, const float *u, float eps, float *out);
 
+/*
+ * Quantise one row of `cols` values (a multiple of KERN_BLOCK) into a block
+ * format's codes and scales (kern_weight_layout's row_bytes and
+ * scale_row_bytes of them):
+ *   MXFP4  the OCP Microscaling rule: per block of 32 the shared exponent
+ *          e = floor(log2(max |x|)) - 2 (E2M1's largest exponent), clamped to
+ *          E8M0's range; each x / 2^e rounded to the nearest E2M1 value (ties
+ *          to the even code), saturating at +-6; an all-zero block gets e =
+ *          -127;
+ *   Q8_0   per block the f16 scale max |x| / 127 (1 for an all-zero block),
+ *          each x / scale rounded to the nearest integer in [-127, 127].
+ * Reentrant; used by the random-model generator and `kdaserve quantize`.
+ */
+void kern_quantize_row(kern_dtype dt, const float *x, int cols, void *codes, void *scales);
+
 /* ------------------------------------------------------------------------ */
 /* KDA (Kimi Delta Attention) core                                           */
 

@@ -235,3 +235,48 @@ Test(quant, element_formats_are_kern_matmul) {
     free(wb);
     free(scratch);
 }
+
+/* Quantising: MXFP4 by the OCP rule (the block's largest value lands in
+ * [4, 8) x 2^e, codes round to nearest, ties to even, saturate at 6); Q8_0
+ * to max / 127. Dequantised, every value is within half a step of its
+ * input (a quarter of its block's largest for MXFP4, where E2M1's steps
+ * are 0.5, 1 and 2 of 2^e). */
+Test(quant, quantize_rows) {
+    enum { C = 256 };
+    float x[C], back[C];
+    uint64_t s = 77;
+    for (int i = 0; i < C; i++) x[i] = unit(&s) * (i < 32 ? 1e-3f : i < 64 ? 0.0f : 40.0f);
+    x[70] = 6.0f * 8.0f; /* a block whose largest is exactly 6 * 2^3 */
+    const kern_dtype dts[2] = {KERN_MXFP4, KERN_Q8_0};
+    for (int k = 0; k < 2; k++) {
+        const kern_layout l = kern_weight_layout(dts[k], 1, C);
+        unsigned char codes[256], scales[32];
+        kern_quantize_row(dts[k], x, C, codes, scales);
+        const kern_weight w = {dts[k], codes, scales, 1, C};
+        kern_weight_row_f32(&w, 0, 0, C, back);
+        for (int b = 0; b < C / 32; b++) {
+            float amax = 0;
+            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(x[b * 32 + i]));
+            const float step = dts[k] == KERN_MXFP4 ? amax / 4 : amax / 254;
+            for (int i = 0; i < 32; i++) {
+                const float e = fabsf(back[b * 32 + i] - x[b * 32 + i]);
+                cr_expect(e <= step * 1.0001f + 1e-30f, "%s block %d value %d: %g back as %g",
+                          kern_dtype_name(dts[k]), b, i, (double)x[b * 32 + i],
+                          (double)back[b * 32 + i]);
+            }
+        }
+        if (dts[k] == KERN_MXFP4) {
+            cr_expect_eq(scales[1], 0, "an all-zero block: E8M0 0");
+            cr_expect_eq(back[70], 48.0f, "6 x 2^3 is exact");
+            cr_expect_eq(scales[2], 127 + 3, "its block's exponent is floor(log2 48) - 2 = 3");
+        }
+        (void)l;
+    }
+    /* ties to even: 2.5 lies between 2 (code 4) and 3 (code 5): code 4 */
+    float tie[32] = {4.0f, 2.5f, 1.25f};
+    unsigned char c[16], sc[1];
+    kern_quantize_row(KERN_MXFP4, tie, 32, c, sc);
+    cr_expect_eq(sc[0], 127, "largest 4: exponent 0");
+    cr_expect_eq(c[0] >> 4, 4, "2.5 -> 2 (even code 4), got code %d", c[0] >> 4);
+    cr_expect_eq(c[1] & 15, 2, "1.25 -> 1 (even code 2), got code %d", c[1] & 15);
+}

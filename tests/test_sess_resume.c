@@ -5,7 +5,7 @@
  * process (resumed from the snapshot, nothing replayed), print the same
  * text, sample from bit-identical logits (--logits-out), and leave
  * bit-identical states behind; greedy and seeded sampling (the RNG lives in
- * the state). Also: stdout of generate with --session is that of plain
+ * the state); also a Kimi K3 model (k3-micro). Also: stdout of generate with --session is that of plain
  * generate, and a multi-turn conversation with prompts in between matches
  * the same calls made on one in-process sequence.
  */
@@ -138,6 +138,17 @@ Test(sess_resume, greedy_hybrid, .timeout = 60) {
 Test(sess_resume, sampled_hybrid, .timeout = 60) {
     resume_across_processes("tiny-hybrid", "--temperature 0.9 --top-k 40 --repeat-penalty 1.1",
                             SPLIT3, 3);
+}
+
+/* Kimi K3 (AttnRes, latent MoE with MXFP4 experts, SiTU, the gates): its
+ * session state is the same kind (KDA states, conv tails, MLA rows; the
+ * AttnRes snapshots are per pass), so resume is exact the same way. */
+Test(sess_resume, greedy_k3, .timeout = 120) {
+    resume_across_processes("k3-micro", "--temperature 0", SPLIT3, 3);
+}
+Test(sess_resume, sampled_k3, .timeout = 120) {
+    resume_across_processes("k3-micro", "--temperature 0.9 --top-k 40 --repeat-penalty 1.1",
+                            SPLIT2, 2);
 }
 
 /* Turns with prompts in between: the session's snapshots reproduce one
