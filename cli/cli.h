@@ -13,6 +13,7 @@
 #include "eng.h"
 
 int cmd_gen_model(int argc, char **argv);
+int cmd_quantize(int argc, char **argv);
 int cmd_info(int argc, char **argv);
 int cmd_generate(int argc, char **argv);
 int cmd_logits(int argc, char **argv);

@@ -16,7 +16,7 @@ static void gen_usage(FILE *f) {
             "Writes a complete Hugging Face Kimi-Linear model (config.json + safetensors)\n"
             "with seeded random weights, for tests and benchmarks.\n\n"
             "  --preset NAME   tiny, tiny-hybrid, llamacpp-tiny, wide, full27, kimi-linear-48b,\n"
-            "                  state48b\n"
+            "                  state48b, k3-micro, k3 (Kimi K3: MXFP4 experts)\n"
             "  --config FILE   any Kimi-Linear config.json instead of a preset\n"
             "  --out DIR       output directory (created if missing)\n"
             "  --seed S        weight seed (default 0): same seed, same bytes\n"
@@ -78,6 +78,59 @@ int cmd_gen_model(int argc, char **argv) {
     if (eng_genmodel_write(&cfg, (uint64_t)seed, dt, out, true, &err) != KDS_OK)
         return cli_fail("gen-model", &err);
     fprintf(stderr, "[kdaserve] wrote %s model to %s\n", preset ? preset : config, out);
+    return 0;
+}
+
+static void quantize_usage(FILE *f) {
+    fprintf(f,
+            "usage: kdaserve quantize [--model DIR] --experts mxfp4|q8_0 --out DIR\n\n"
+            "Writes the model with its routed experts quantised, everything else as it is:\n"
+            "  mxfp4   4-bit E2M1 codes with one E8M0 scale per 32 inputs, as compressed-\n"
+            "          tensors stores them (Kimi K3's experts): 4.25 bits a weight\n"
+            "  q8_0    int8 with one f16 scale per 32 inputs: 8.5 bits a weight\n"
+            "The new directory loads as any model; it has its own fingerprint, so sessions\n"
+            "saved with the original model do not resume on it (start new ones).\n\n"
+            "  --model DIR      the model (default $KDASERVE_MODEL, else ./models/default)\n"
+            "  --experts FMT    mxfp4 or q8_0\n"
+            "  --out DIR        where to write it (created if missing; not the model's own)\n");
+}
+
+int cmd_quantize(int argc, char **argv) {
+    static const struct option opts[] = {{"model", required_argument, 0, 'm'},
+                                         {"experts", required_argument, 0, 'e'},
+                                         {"out", required_argument, 0, 'o'},
+                                         {"help", no_argument, 0, 'h'},
+                                         {0, 0, 0, 0}};
+    const char *model = NULL, *experts = NULL, *out = NULL;
+    optind = 1;
+    for (int o; (o = getopt_long(argc, argv, "h", opts, NULL)) != -1;) {
+        switch (o) {
+        case 'm': model = optarg; break;
+        case 'e': experts = optarg; break;
+        case 'o': out = optarg; break;
+        case 'h': quantize_usage(stdout); return 0;
+        default: quantize_usage(stderr); return 2;
+        }
+    }
+    if (!experts || !out) {
+        quantize_usage(stderr);
+        return cli_failf("quantize", "--experts and --out are required");
+    }
+    kern_dtype fmt;
+    if (!strcmp(experts, "mxfp4"))
+        fmt = KERN_MXFP4;
+    else if (!strcmp(experts, "q8_0"))
+        fmt = KERN_Q8_0;
+    else
+        return cli_failf("quantize", "--experts wants mxfp4 or q8_0, got '%s'", experts);
+    const char *dir = cli_model_dir("quantize", model);
+    if (!dir) return 1;
+    if (!strcmp(dir, out)) return cli_failf("quantize", "--out must not be the model's own directory");
+    kds_err err = {0};
+    char fp[33] = "";
+    if (eng_model_quantize(dir, fmt, out, true, fp, &err) != KDS_OK) return cli_fail("quantize", &err);
+    fprintf(stderr, "[kdaserve] wrote %s with %s experts to %s (fingerprint %s)\n", dir, experts,
+            out, fp);
     return 0;
 }
 

@@ -20,6 +20,7 @@ static const command COMMANDS[] = {
     {"tokenize", cmd_tokenize, "text on stdin to token ids (or --decode ids to text)"},
     {"gen-model", cmd_gen_model, "write a Kimi-Linear model with seeded random weights"},
     {"info", cmd_info, "show a model's config, size, state size and fingerprint"},
+    {"quantize", cmd_quantize, "write a model with its routed experts in MXFP4 or Q8_0"},
 };
 
 static void usage(FILE *f) {

@@ -756,7 +756,8 @@ static cJSON *layer_list(const eng_config *c, eng_layer_kind kind) {
 
 /* compressed-tensors' MXFP4 for the routed experts, as K3 ships it
  * (kimi-k3.md §2): everything but the experts in `ignore`. */
-static void add_quantization(cJSON *o) {
+void eng__config_add_mxfp4(void *text_object) {
+    cJSON *o = text_object;
     cJSON *q = cJSON_AddObjectToObject(o, "quantization_config");
     if (!q) return;
     cJSON_AddStringToObject(q, "quant_method", "compressed-tensors");
@@ -861,7 +862,7 @@ char *eng_config_to_json(const eng_config *c) {
         add_num(o, "routed_expert_hidden_size", c->latent_size);
         cJSON_AddBoolToObject(o, "latent_moe_use_norm", c->latent_moe_use_norm);
     }
-    if (c->experts_mxfp4) add_quantization(o);
+    if (c->experts_mxfp4) eng__config_add_mxfp4(o);
     add_opt(o, "num_experts", c->num_experts > 0, c->num_experts);
     add_opt(o, "num_experts_per_token", c->num_experts_per_token > 0, c->num_experts_per_token);
     add_num(o, "num_shared_experts", c->num_shared_experts);

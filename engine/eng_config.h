@@ -145,6 +145,10 @@ kds_status eng_config_load(const char *path, eng_config *out, kds_err *err);
  * as the real K3 has it). Caller owns the string: free(). */
 char *eng_config_to_json(const eng_config *c);
 
+/* Engine-internal: add K3's compressed-tensors MXFP4 quantization_config
+ * (routed experts only) to a config's text object (a cJSON *). */
+void eng__config_add_mxfp4(void *text_object);
+
 /* Derived sizes. Per-sequence state layout: see docs/formats.md. */
 size_t eng_config_param_count(const eng_config *c);
 size_t eng_config_tensor_count(const eng_config *c);

@@ -1,0 +1,147 @@
+/*
+ * `kdaserve quantize` (eng_model_quantize): a generated model's routed
+ * experts rewritten as MXFP4 or Q8_0 pairs, bit for bit the rows'
+ * kern_quantize_row, everything else copied byte for byte; the directory
+ * loads back, runs, has its own fingerprint, and refuses the source's
+ * sessions with a message that says so; nothing to quantise (no experts,
+ * experts already in a block format) is refused naming why.
+ */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "eng.h"
+#include "eng_config.h"
+#include "eng_genmodel.h"
+#include "eng_model.h"
+#include "test_helpers.h"
+#include "test_model_util.h"
+#include "test_sess_util.h"
+
+static eng_model *load(const char *dir) {
+    eng_model_params mp = eng_model_default_params();
+    mp.no_fingerprint_cache = true;
+    eng_model *m = NULL;
+    kds_err err = {0};
+    cr_assert_eq(eng_model_load(dir, &mp, &m, &err), KDS_OK, "%s: %s", dir, err.msg);
+    return m;
+}
+
+static void check_format(kern_dtype fmt) {
+    char *src = NULL, *out = tmu_mkdtemp();
+    kds_err err = {0};
+    eng_model *ms = tmu_gen_load("tiny-hybrid", 3, &src, &err);
+    cr_assert(ms, "%s", err.msg);
+    char fp[33];
+    cr_assert_eq(eng_model_quantize(src, fmt, out, false, fp, &err), KDS_OK, "%s", err.msg);
+    eng_model *mq = load(out);
+    cr_expect_str_eq(fp, eng_model_fingerprint(mq));
+    cr_expect_str_neq(fp, eng_model_fingerprint(ms), "a quantised model is another model");
+    int rows_checked = 0;
+    for (int l = 0; l < ms->cfg.num_hidden_layers; l++) {
+        if (ms->layers[l].ffn_kind != ENG_FFN_MOE) continue;
+        for (int e = 0; e < ms->cfg.num_experts; e++) {
+            const eng_weight *ws[3][2] = {{&ms->layers[l].ffn.w1[e], &mq->layers[l].ffn.w1[e]},
+                                          {&ms->layers[l].ffn.w2[e], &mq->layers[l].ffn.w2[e]},
+                                          {&ms->layers[l].ffn.w3[e], &mq->layers[l].ffn.w3[e]}};
+            for (int k = 0; k < 3; k++) {
+                const eng_weight *a = ws[k][0], *b = ws[k][1];
+                cr_assert_eq(b->dt, fmt, "layer %d expert %d: %s", l, e, kern_dtype_name(b->dt));
+                const kern_layout lay = kern_weight_layout(fmt, a->rows, a->cols);
+                float row[256];
+                unsigned char codes[256], scales[16];
+                const kern_weight ka = eng__kern_weight(a);
+                for (int r = 0; r < a->rows; r++) {
+                    kern_weight_row_f32(&ka, r, 0, a->cols, row);
+                    kern_quantize_row(fmt, row, a->cols, codes, scales);
+                    cr_assert_eq(memcmp(codes, (const char *)b->data + r * lay.row_bytes, lay.row_bytes),
+                                 0, "layer %d expert %d matrix %d row %d", l, e, k, r);
+                    cr_assert_eq(memcmp(scales, (const char *)b->scales + r * lay.scale_row_bytes,
+                                        lay.scale_row_bytes), 0, "scales of row %d", r);
+                    rows_checked++;
+                }
+            }
+        }
+        /* the rest is the same bytes */
+        const eng_weight *a = &ms->layers[l].ffn.router, *b = &mq->layers[l].ffn.router;
+        cr_expect_eq(memcmp(a->data, b->data, (size_t)a->rows * a->cols * 2), 0, "router of layer %d", l);
+    }
+    cr_expect_gt(rows_checked, 0);
+    cr_expect_eq(memcmp(ms->embed_tokens.data, mq->embed_tokens.data,
+                        (size_t)ms->cfg.vocab_size * ms->cfg.hidden_size * 2), 0);
+    /* it runs, and its logits are those of a model near the source */
+    eng_ctx *c = NULL;
+    cr_assert_eq(eng_ctx_create(mq, NULL, &c, &err), KDS_OK, "%s", err.msg);
+    eng_seq *s = NULL;
+    cr_assert_eq(eng_seq_create(mq, 0, &s, &err), KDS_OK);
+    const int32_t ids[5] = {1, 20, 300, 4, 50};
+    cr_assert_eq(eng_prefill(c, s, ids, 5, NULL, NULL, NULL, &err), KDS_OK, "%s", err.msg);
+    for (int i = 0; i < ms->cfg.vocab_size; i++) cr_assert(isfinite(eng_seq_logits(s)[i]));
+    eng_seq_free(s);
+    eng_ctx_free(c);
+    eng_model_free(mq);
+    eng_model_free(ms);
+    tmu_rmtree(src);
+    tmu_rmtree(out);
+    free(src);
+    free(out);
+}
+
+Test(quantize, mxfp4_experts, .timeout = 60) { check_format(KERN_MXFP4); }
+Test(quantize, q8_0_experts, .timeout = 60) { check_format(KERN_Q8_0); }
+
+Test(quantize, refusals, .timeout = 60) {
+    char *tmp = tmu_mkdtemp();
+    kds_err err = {0};
+    /* a dense model has nothing to quantise */
+    eng_config c;
+    cr_assert_eq(eng_genmodel_preset("tiny", &c, &err), KDS_OK);
+    c.num_experts = 0;
+    for (int l = 0; l < c.num_hidden_layers; l++) c.layer_is_moe[l] = false;
+    char *dense = tmu_path(tmp, "dense"), *out = tmu_path(tmp, "out");
+    cr_assert_eq(eng_genmodel_write(&c, 1, KERN_BF16, dense, false, &err), KDS_OK, "%s", err.msg);
+    cr_expect_eq(eng_model_quantize(dense, KERN_MXFP4, out, false, NULL, &err), KDS_INVALID_ARG);
+    cr_expect(strstr(err.msg, "no routed experts"), "%s", err.msg);
+    /* K3's experts are MXFP4 already */
+    char *k3 = tsu_gen_model(tmp, "k3", "k3-micro", 2);
+    cr_expect_eq(eng_model_quantize(k3, KERN_Q8_0, out, false, NULL, &err), KDS_INVALID_ARG);
+    cr_expect(strstr(err.msg, "mxfp4 already"), "%s", err.msg);
+    cr_expect_eq(eng_model_quantize(k3, KERN_BF16, out, false, NULL, &err), KDS_INVALID_ARG);
+    /* the command refuses its own directory as the output */
+    char msg[4096];
+    cr_expect_neq(tsu_run(msg, sizeof msg, NULL,
+                          TSU_KDASERVE " quantize --model %s --experts mxfp4 --out %s 2>&1", k3, k3),
+                  0);
+    cr_expect(strstr(msg, "own directory"), "%s", msg);
+    free(dense);
+    free(out);
+    free(k3);
+    tmu_rmtree(tmp);
+    free(tmp);
+}
+
+/* A session of the source model does not resume on the quantised one. */
+Test(quantize, source_sessions_are_refused, .timeout = 60) {
+    char *tmp = tmu_mkdtemp();
+    char *model = tsu_gen_model(tmp, "m", "tiny", 4);
+    char out[4096], q[600];
+    snprintf(q, sizeof q, "%s/q", tmp);
+    cr_assert_eq(tsu_run(out, sizeof out, NULL,
+                         TSU_KDASERVE " quantize --model %s --experts mxfp4 --out %s 2>&1", model, q),
+                 0, "%s", out);
+    cr_assert_eq(tsu_run(out, sizeof out, NULL,
+                         TSU_KDASERVE " generate --model %s --db %s/db --session s --prompt hi "
+                                      "--max-tokens 3 2>&1",
+                         model, tmp),
+                 0, "%s", out);
+    cr_expect_neq(tsu_run(out, sizeof out, NULL,
+                          TSU_KDASERVE " generate --model %s --db %s/db --session s --prompt more "
+                                       "--max-tokens 3 2>&1",
+                          q, tmp),
+                  0, "the quantised model resumed the source's session");
+    cr_expect(strstr(out, "another model"), "the refusal does not say why: %s", out);
+    free(model);
+    tmu_rmtree(tmp);
+    free(tmp);
+}
