@@ -15,8 +15,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "eng_tokenizer.h"
+#include "eng_util.h"
 #include "kds_buf.h"
 
 #define CHAT_DEFAULT_SYSTEM "You are Kimi, an AI assistant created by Moonshot AI."
@@ -206,13 +208,18 @@ kds_status eng_chat_turn(const eng_tokenizer *t, bool chat, int64_t pos, const c
 static bool dir_has_chat_template(const char *dir) {
     char path[4200];
     snprintf(path, sizeof path, "%s/chat_template.jinja", dir);
-    FILE *f = fopen(path, "rb");
-    if (f) {
-        fclose(f);
+    /* only its presence matters: never opened, so a FIFO cannot block */
+    if (eng__path_state(path) == ENG_PATH_PRESENT) return true;
+    snprintf(path, sizeof path, "%s/tokenizer_config.json", dir);
+    int fd;
+    size_t size;
+    kds_err ignored = {0};
+    if (eng__open_regular(path, &fd, &size, &ignored) != KDS_OK) return true;
+    FILE *f = fdopen(fd, "rb");
+    if (!f) {
+        close(fd);
         return true;
     }
-    snprintf(path, sizeof path, "%s/tokenizer_config.json", dir);
-    if (!(f = fopen(path, "rb"))) return true;
     bool found = false;
     char buf[8192];
     size_t n, keep = 0;

@@ -9,6 +9,7 @@
  * activation) is KDS_UNSUPPORTED. Every message names the file and the field.
  */
 #include "eng_config.h"
+#include "eng_util.h"
 
 #include <cJSON.h>
 #include <errno.h>
@@ -20,7 +21,7 @@
 #include <string.h>
 
 /* A config.json larger than this is not a config. */
-#define CFG_MAX_FILE_BYTES ((long)16 << 20)
+#define CFG_MAX_FILE_BYTES ((size_t)16 << 20)
 
 /* Largest single dimension (rows or columns of any weight) we accept: keeps
  * every shape inside an int and every byte count far from overflow. */
@@ -682,41 +683,13 @@ out:
 }
 
 kds_status eng_config_load(const char *path, eng_config *out, kds_err *err) {
-    kds_status rc = KDS_OK;
     char *buf = NULL;
-    FILE *f = fopen(path, "rb");
-    if (!f)
-        return kds_err_set(err, errno == ENOENT ? KDS_NOT_FOUND : KDS_IO, "%s: %s", path,
-                           strerror(errno));
-    if (fseek(f, 0, SEEK_END) != 0) {
-        rc = kds_err_set(err, KDS_IO, "%s: %s", path, strerror(errno));
-        goto out_close;
-    }
-    long n = ftell(f);
-    if (n < 0) {
-        rc = kds_err_set(err, KDS_IO, "%s: %s", path, strerror(errno));
-        goto out_close;
-    }
-    if (n > CFG_MAX_FILE_BYTES) {
-        rc = kds_err_set(err, KDS_TOO_LARGE, "%s: %ld bytes is too large for a config", path, n);
-        goto out_close;
-    }
-    rewind(f);
-    buf = malloc((size_t)n + 1);
-    if (!buf) {
-        rc = kds_err_set(err, KDS_NOMEM, "out of memory reading %s", path);
-        goto out_close;
-    }
-    if (fread(buf, 1, (size_t)n, f) != (size_t)n) {
-        rc = kds_err_set(err, KDS_IO, "%s: short read", path);
-        goto out_free;
-    }
-    buf[n] = '\0';
-    rc = eng_config_parse(buf, (size_t)n, path, out, err);
-out_free:
+    size_t n = 0;
+    /* eng__read_file refuses a FIFO or directory without blocking on it */
+    kds_status rc = eng__read_file(path, CFG_MAX_FILE_BYTES, &buf, &n, err);
+    if (rc != KDS_OK) return rc;
+    rc = eng_config_parse(buf, n, path, out, err);
     free(buf);
-out_close:
-    fclose(f);
     return rc;
 }
 
@@ -839,8 +812,11 @@ char *eng_config_to_json(const eng_config *c) {
     /* HF's Optional[int] fields: null when unset (0 here) */
     add_opt(o, "q_lora_rank", c->q_lora_rank > 0, c->q_lora_rank);
     add_opt(o, "kv_lora_rank", c->kv_lora_rank > 0, c->kv_lora_rank);
-    add_opt(o, "qk_nope_head_dim", c->qk_nope_head_dim > 0, c->qk_nope_head_dim);
-    add_opt(o, "qk_rope_head_dim", c->qk_rope_head_dim > 0, c->qk_rope_head_dim);
+    /* with MLA layers these are required, and 0 is a valid width (no rope
+     * or no nope part): written as 0 then, not null, so they read back */
+    const bool mla = c->n_mla_layers > 0;
+    add_opt(o, "qk_nope_head_dim", mla || c->qk_nope_head_dim > 0, c->qk_nope_head_dim);
+    add_opt(o, "qk_rope_head_dim", mla || c->qk_rope_head_dim > 0, c->qk_rope_head_dim);
     add_opt(o, "v_head_dim", c->v_head_dim > 0, c->v_head_dim);
     cJSON *lac = cJSON_AddObjectToObject(o, "linear_attn_config");
     if (lac) {

@@ -63,34 +63,58 @@ char *eng__path_join(const char *a, const char *b) {
     return p;
 }
 
-static bool file_exists(const char *path) {
+eng_path_state eng__path_state(const char *path) {
     struct stat st;
-    return stat(path, &st) == 0;
+    if (stat(path, &st) == 0) return ENG_PATH_PRESENT;
+    return errno == ENOENT || errno == ENOTDIR ? ENG_PATH_ABSENT : ENG_PATH_ERROR;
+}
+
+static const char *file_kind(mode_t m) {
+    return S_ISDIR(m) ? "a directory" : S_ISFIFO(m) ? "a FIFO" : S_ISSOCK(m) ? "a socket"
+         : S_ISCHR(m) || S_ISBLK(m) ? "a device" : "not a regular file";
+}
+
+kds_status eng__open_regular(const char *path, int *fd_out, size_t *size, kds_err *err) {
+    *fd_out = -1;
+    /* O_NONBLOCK: opening a FIFO for reading would otherwise wait for a
+     * writer forever */
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+    if (fd < 0) {
+        const int e = errno;
+        if (e == ELOOP)
+            return kds_err_set(err, KDS_IO, "%s: too many levels of symbolic links (a symlink "
+                                            "loop?)", path);
+        return kds_err_set(err, e == ENOENT ? KDS_NOT_FOUND : KDS_IO, "%s: %s", path, strerror(e));
+    }
+    struct stat st;
+    if (fstat(fd, &st) != 0) {
+        kds_status rc = kds_err_set(err, KDS_IO, "%s: %s", path, strerror(errno));
+        close(fd);
+        return rc;
+    }
+    if (!S_ISREG(st.st_mode)) {
+        close(fd);
+        return kds_err_set(err, KDS_IO, "%s: is %s, not a regular file", path,
+                           file_kind(st.st_mode));
+    }
+    const int flags = fcntl(fd, F_GETFL);
+    if (flags >= 0) (void)fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
+    *fd_out = fd;
+    *size = (size_t)st.st_size;
+    return KDS_OK;
 }
 
 kds_status eng__read_file(const char *path, size_t cap, char **buf, size_t *len, kds_err *err) {
     kds_status rc = KDS_OK;
     *buf = NULL;
     *len = 0;
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0)
-        return kds_err_set(err, errno == ENOENT ? KDS_NOT_FOUND : KDS_IO, "%s: %s", path,
-                           strerror(errno));
-    struct stat st;
-    if (fstat(fd, &st) != 0) {
-        rc = kds_err_set(err, KDS_IO, "%s: %s", path, strerror(errno));
+    int fd;
+    size_t n;
+    if ((rc = eng__open_regular(path, &fd, &n, err)) != KDS_OK) return rc;
+    if (n > cap) {
+        rc = kds_err_set(err, KDS_TOO_LARGE, "%s: %zu bytes is too large (limit %zu)", path, n, cap);
         goto out_close;
     }
-    if (!S_ISREG(st.st_mode)) {
-        rc = kds_err_set(err, KDS_IO, "%s: not a regular file", path);
-        goto out_close;
-    }
-    if ((uint64_t)st.st_size > cap) {
-        rc = kds_err_set(err, KDS_TOO_LARGE, "%s: %lld bytes is too large (limit %zu)", path,
-                         (long long)st.st_size, cap);
-        goto out_close;
-    }
-    size_t n = (size_t)st.st_size;
     char *b = malloc(n + 1);
     if (!b) {
         rc = kds_err_set(err, KDS_NOMEM, "out of memory reading %s", path);
@@ -333,12 +357,24 @@ static kds_status open_weights(loader *ld) {
         rc = kds_err_set(ld->err, KDS_NOMEM, "out of memory loading %s", ld->dir);
         goto out;
     }
-    /* Like transformers: a single model.safetensors wins over an index. */
-    if (file_exists(single)) {
+    /* Like transformers: a single model.safetensors wins over an index. A
+     * path that cannot be resolved (a symlink loop) is an error, not an
+     * absent file. */
+    eng_path_state ss = eng__path_state(single), is = ENG_PATH_ABSENT;
+    int path_errno = errno;
+    if (ss == ENG_PATH_ABSENT) {
+        is = eng__path_state(index);
+        path_errno = errno;
+    }
+    if (ss == ENG_PATH_ERROR || is == ENG_PATH_ERROR) {
+        rc = kds_err_set(ld->err, KDS_IO, "%s: %s", ss == ENG_PATH_ERROR ? single : index,
+                         path_errno == ELOOP ? "too many levels of symbolic links (a symlink loop?)"
+                                             : strerror(path_errno));
+    } else if (ss == ENG_PATH_PRESENT) {
         ld->where = single;
         single = NULL;
         rc = open_single(ld, ld->where);
-    } else if (file_exists(index)) {
+    } else if (is == ENG_PATH_PRESENT) {
         ld->where = strdup(index);
         ld->index_path = index;
         index = NULL;

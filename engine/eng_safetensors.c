@@ -1,6 +1,7 @@
 /* eng_safetensors.c - validated mmap reader and atomic writer for safetensors. */
 #define _GNU_SOURCE
 #include "eng_safetensors.h"
+#include "eng_util.h"
 
 #include <cJSON.h>
 #include <errno.h>
@@ -133,23 +134,16 @@ kds_status eng_st_open(const char *path, eng_st_file **out, kds_err *err) {
         rc = kds_err_set(err, KDS_NOMEM, "out of memory opening %s", path);
         goto fail;
     }
-    fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) {
-        rc = kds_err_set(err, errno == ENOENT ? KDS_NOT_FOUND : KDS_IO, "%s: %s", path,
-                         strerror(errno));
+    /* a FIFO, directory or device in a checkpoint's place is refused
+     * without blocking or mapping it */
+    size_t file_size = 0;
+    if ((rc = eng__open_regular(path, &fd, &file_size, err)) != KDS_OK) goto fail;
+    if (file_size < 8) {
+        rc = kds_err_set(err, KDS_BAD_FORMAT, "%s: file of %zu bytes is too short for a "
+                         "safetensors header", path, file_size);
         goto fail;
     }
-    struct stat st;
-    if (fstat(fd, &st) != 0) {
-        rc = kds_err_set(err, KDS_IO, "%s: %s", path, strerror(errno));
-        goto fail;
-    }
-    if (st.st_size < 8) {
-        rc = kds_err_set(err, KDS_BAD_FORMAT, "%s: file of %lld bytes is too short for a "
-                         "safetensors header", path, (long long)st.st_size);
-        goto fail;
-    }
-    f->map_len = (size_t)st.st_size;
+    f->map_len = file_size;
     f->map = mmap(NULL, f->map_len, PROT_READ, MAP_PRIVATE, fd, 0);
     if (f->map == MAP_FAILED) {
         f->map = NULL;
@@ -159,9 +153,16 @@ kds_status eng_st_open(const char *path, eng_st_file **out, kds_err *err) {
     const unsigned char *base = f->map;
     uint64_t hlen = 0;
     for (int i = 7; i >= 0; i--) hlen = (hlen << 8) | base[i];
-    if (hlen > f->map_len - 8 || hlen > ST_MAX_HEADER_BYTES) {
+    if (hlen > f->map_len - 8) {
         rc = kds_err_set(err, KDS_BAD_FORMAT, "%s: header length %" PRIu64
-                         " runs past the end of the %zu-byte file", path, hlen, f->map_len);
+                         " runs past the end of the %zu-byte file (truncated?)", path, hlen,
+                         f->map_len);
+        goto fail;
+    }
+    if (hlen > ST_MAX_HEADER_BYTES) {
+        rc = kds_err_set(err, KDS_TOO_LARGE, "%s: header of %" PRIu64 " bytes is larger than "
+                         "the %" PRIu64 " MiB safetensors allows", path, hlen,
+                         ST_MAX_HEADER_BYTES >> 20);
         goto fail;
     }
     f->json = cJSON_ParseWithLength((const char *)base + 8, (size_t)hlen);

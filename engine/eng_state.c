@@ -196,7 +196,7 @@ kds_status eng_seq_clone(const eng_seq *s, eng_seq **out, kds_err *err) {
     memcpy(c->kda_state, s->kda_state, kda_floats(&s->d) * sizeof(float));
     memcpy(c->conv_tail, s->conv_tail, conv_floats(&s->d) * sizeof(float));
     memcpy(c->logits, s->logits, (size_t)s->d.vocab * sizeof(float));
-    for (int i = 0; i < s->d.n_mla; i++)
+    for (int i = 0; i < s->d.n_mla && s->pos; i++)
         memcpy(c->mla_cache[i], s->mla_cache[i], (size_t)s->pos * s->d.mla_row * sizeof(float));
     c->has_logits = s->has_logits;
     memcpy(c->rng, s->rng, sizeof c->rng);
@@ -276,8 +276,9 @@ static kds_status save_state(const eng_seq *s, void *buf, size_t len, int with_m
     for (int i = 0; i < ENG_RECENT_TOKENS; i++) kds_put32(p + 4 * i, (uint32_t)s->recent[i]);
     p += ENG_RECENT_TOKENS * 4;
     if (!with_mla) return KDS_OK;
+    /* at position 0 a hybrid model's caches are not even allocated */
     n = (size_t)s->pos * s->d.mla_row * sizeof(float);
-    for (int i = 0; i < s->d.n_mla; i++) {
+    for (int i = 0; i < s->d.n_mla && n; i++) {
         memcpy(p, s->mla_cache[i], n);
         p += n;
     }
@@ -385,8 +386,9 @@ static kds_status load_state(eng_seq *s, const void *buf, size_t len, int with_m
     p += n;
     for (int i = 0; i < ENG_RECENT_TOKENS; i++) s->recent[i] = (int32_t)kds_get32(p + 4 * i);
     p += ENG_RECENT_TOKENS * 4;
+    /* a 0-token state: no rows, and caches that were never allocated */
     n = (size_t)pos * s->d.mla_row * sizeof(float);
-    for (int i = 0; i < s->d.n_mla; i++) {
+    for (int i = 0; i < s->d.n_mla && n; i++) {
         if (with_mla)
             memcpy(s->mla_cache[i], p, n);
         else

@@ -4,6 +4,7 @@
  * accessors of eng.h. Building and encoding live in eng_tiktoken.c.
  */
 #include <cJSON.h>
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -87,11 +88,6 @@ static char *join(const char *dir, const char *name) {
     return p;
 }
 
-static bool exists(const char *path) {
-    struct stat st;
-    return stat(path, &st) == 0;
-}
-
 static int find_id(const eng__tok_special *sp, int n, const char *name) {
     for (int i = 0; i < n; i++)
         if (!strcmp(sp[i].name, name)) return sp[i].id;
@@ -111,9 +107,20 @@ kds_status eng__tok_create_model(const char *dir, const eng_config *c, eng_token
     eng_tokenizer *t = NULL;
     *out = NULL;
     if (!rank_path || !cfg_path) goto nomem;
-    if (!exists(rank_path)) {
+    switch (eng__path_state(rank_path)) {
+    case ENG_PATH_ABSENT:
         rc = eng__tok_create_bytes(c, out, err);
         goto out;
+    case ENG_PATH_ERROR:
+        /* a rank file that cannot be reached (a symlink loop, no permission)
+         * is not a model without one: falling back to bytes would give
+         * garbage ids */
+        rc = kds_err_set(err, KDS_IO, "%s: %s", rank_path,
+                         errno == ELOOP ? "too many levels of symbolic links (a symlink loop?)"
+                                        : strerror(errno));
+        goto out;
+    case ENG_PATH_PRESENT:
+        break;
     }
     /* A rank file without its config is a half-copied tokenizer: refuse it
      * rather than fall back to bytes and produce garbage ids. */

@@ -11,6 +11,23 @@
 /* "a/b" (caller owns: free()), or NULL when out of memory. */
 char *eng__path_join(const char *a, const char *b);
 
+/* What is at `path`: nothing (ENOENT, ENOTDIR), something, or a path that
+ * cannot be resolved (a symlink loop, no permission: errno kept, and the
+ * caller reports it rather than treating the file as absent). */
+typedef enum eng_path_state {
+    ENG_PATH_ABSENT = 0,
+    ENG_PATH_PRESENT = 1,
+    ENG_PATH_ERROR = 2,
+} eng_path_state;
+eng_path_state eng__path_state(const char *path);
+
+/* Open `path` for reading if it is a regular file (after symlinks),
+ * without ever blocking on a FIFO or a device: opened non-blocking, checked
+ * with fstat, then made blocking. *fd and *size on success. Errors:
+ * KDS_NOT_FOUND, KDS_IO (naming a FIFO, directory or device, a symlink
+ * loop, a permission); the message names the path. */
+kds_status eng__open_regular(const char *path, int *fd, size_t *size, kds_err *err);
+
 /* Read a whole regular file of at most `cap` bytes. On success *buf is
  * NUL-terminated (caller owns: free()) and *len its length. Errors:
  * KDS_NOT_FOUND, KDS_IO (also "not a regular file"), KDS_TOO_LARGE,

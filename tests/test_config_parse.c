@@ -304,7 +304,10 @@ Test(config, round_trip) {
                               {"tie_word_embeddings", "true"},
                               {"rms_norm_eps", "3.3e-7"},
                               {"num_experts", "null"},
-                              {"bos_token_id", "null"}};
+                              {"bos_token_id", "null"},
+                              /* 0 is a valid rope width with MLA layers:
+                               * written as 0, not null */
+                              {"qk_rope_head_dim", "0"}};
     for (size_t i = 0; i < sizeof edits / sizeof edits[0]; i++) {
         cr_assert_eq(parse_edited(edits[i][0], edits[i][1], &c, &err), KDS_OK, "%s", err.msg);
         round_trip(&c, edits[i][0]);

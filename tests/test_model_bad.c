@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "eng.h"
@@ -293,6 +294,69 @@ Test(model_bad, no_weights) {
     case_dir c = make_case();
     unlink(c.st);
     expect_refusal(c.dir, KDS_NOT_FOUND, "no model.safetensors", NULL, NULL);
+    drop_case(&c);
+}
+
+/* What is in a checkpoint file's place is not always a file: a FIFO (which
+ * an open for reading would wait on forever), a directory, a symlink loop.
+ * Each is refused at once, naming the path and what is wrong with it. */
+Test(model_bad, not_regular_files, .timeout = 20) {
+    case_dir c = make_case();
+    unlink(c.cfg);
+    cr_assert_eq(mkfifo(c.cfg, 0600), 0);
+    expect_refusal(c.dir, KDS_IO, "config.json", "a FIFO", "not a regular file");
+    unlink(c.cfg);
+    cr_assert_eq(mkdir(c.cfg, 0700), 0);
+    expect_refusal(c.dir, KDS_IO, "config.json", "a directory", NULL);
+    rmdir(c.cfg);
+    cr_assert_eq(symlink("config.json", c.cfg), 0); /* points at itself */
+    expect_refusal(c.dir, KDS_IO, "config.json", "symbolic links", NULL);
+    unlink(c.cfg);
+    drop_case(&c);
+
+    c = make_case();
+    unlink(c.st);
+    cr_assert_eq(mkfifo(c.st, 0600), 0);
+    expect_refusal(c.dir, KDS_IO, "model.safetensors", "a FIFO", NULL);
+    unlink(c.st);
+    cr_assert_eq(mkdir(c.st, 0700), 0);
+    expect_refusal(c.dir, KDS_IO, "model.safetensors", "a directory", NULL);
+    rmdir(c.st);
+    /* a loop is an error, not "no weights" */
+    cr_assert_eq(symlink("model.safetensors", c.st), 0);
+    expect_refusal(c.dir, KDS_IO, "model.safetensors", "symbolic links", NULL);
+    unlink(c.st);
+    drop_case(&c);
+
+    /* a tokenizer that cannot be reached is not a model without one */
+    c = make_case();
+    char *tok = tmu_path(c.dir, "tiktoken.model");
+    cr_assert_eq(symlink("tiktoken.model", tok), 0);
+    expect_refusal(c.dir, KDS_IO, "tiktoken.model", "symbolic links", NULL);
+    unlink(tok);
+    cr_assert_eq(mkfifo(tok, 0600), 0);
+    char *tcfg = tmu_path(c.dir, "tokenizer_config.json");
+    cr_assert_eq(mkfifo(tcfg, 0600), 0);
+    expect_refusal(c.dir, KDS_IO, "tokenizer_config.json", "a FIFO", NULL);
+    unlink(tcfg);
+    cr_assert(tmu_write(tcfg, "{}", 2));
+    expect_refusal(c.dir, KDS_IO, "tiktoken.model", "a FIFO", NULL);
+    free(tok);
+    free(tcfg);
+    drop_case(&c);
+}
+
+/* A header longer than safetensors allows is named as such, not as a
+ * truncated file (a sparse file: no 100 MiB written). */
+Test(model_bad, header_larger_than_the_format_allows) {
+    case_dir c = make_case();
+    unsigned char buf[8];
+    uint64_t hlen = (uint64_t)101 << 20;
+    for (int i = 0; i < 8; i++)
+        buf[i] = (unsigned char)(hlen >> (8 * i));
+    cr_assert(tmu_write(c.st, buf, sizeof buf));
+    cr_assert_eq(truncate(c.st, (off_t)102 << 20), 0);
+    expect_refusal(c.dir, KDS_TOO_LARGE, "header of", "MiB", "model.safetensors");
     drop_case(&c);
 }
 
