@@ -28,6 +28,10 @@ int cmd_serve(int argc, char **argv);
 /* Print "kdaserve <cmd>: <msg>" to stderr; returns 1. */
 int cli_fail(const char *cmd, const kds_err *err);
 int cli_failf(const char *cmd, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* A usage error: "kdaserve CMD: MESSAGE" (none when fmt is NULL: getopt has
+ * already named the option) and where the options are described, not the
+ * whole help; returns 2, the exit status of a usage error. */
+int cli_usage_error(const char *cmd, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
 /* Resolve the model directory: the --model value, else $KDASERVE_MODEL, else
  * ./models/default. Returns NULL (with a message) when none exists. */

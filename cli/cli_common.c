@@ -28,6 +28,19 @@ int cli_failf(const char *cmd, const char *fmt, ...) {
     return 1;
 }
 
+int cli_usage_error(const char *cmd, const char *fmt, ...) {
+    if (fmt) {
+        va_list ap;
+        va_start(ap, fmt);
+        fprintf(stderr, "kdaserve %s: ", cmd);
+        vfprintf(stderr, fmt, ap);
+        fputc('\n', stderr);
+        va_end(ap);
+    }
+    fprintf(stderr, "Try 'kdaserve %s --help' for its options.\n", cmd);
+    return 2;
+}
+
 static bool is_dir(const char *p) {
     struct stat st;
     return p && stat(p, &st) == 0 && S_ISDIR(st.st_mode);

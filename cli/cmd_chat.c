@@ -147,7 +147,7 @@ int cmd_chat(int argc, char **argv) {
             if (!cli_parse_f32(optarg, 0.0f, 1.0f, &p.sampler.min_p))
                 return cli_failf("chat", "bad value '%s' for --min-p", optarg);
             break;
-        default: chat_usage(stderr); return 2;
+        default: return cli_usage_error("chat", NULL);
         }
     }
     if (optind < argc) return cli_failf("chat", "unexpected argument '%s'", argv[optind]);

@@ -47,13 +47,11 @@ int cmd_gen_model(int argc, char **argv) {
                 return cli_failf("gen-model", "--seed wants a number >= 0, got '%s'", optarg);
             break;
         case 'h': gen_usage(stdout); return 0;
-        default: gen_usage(stderr); return 2;
+        default: return cli_usage_error("gen-model", NULL);
         }
     }
-    if (!!preset == !!config) {
-        gen_usage(stderr);
-        return cli_failf("gen-model", "give exactly one of --preset or --config");
-    }
+    if (!!preset == !!config)
+        return cli_usage_error("gen-model", "give exactly one of --preset or --config");
     kern_dtype dt;
     if (!strcmp(dtype_s, "bf16"))
         dt = KERN_BF16;
@@ -109,13 +107,10 @@ int cmd_quantize(int argc, char **argv) {
         case 'e': experts = optarg; break;
         case 'o': out = optarg; break;
         case 'h': quantize_usage(stdout); return 0;
-        default: quantize_usage(stderr); return 2;
+        default: return cli_usage_error("quantize", NULL);
         }
     }
-    if (!experts || !out) {
-        quantize_usage(stderr);
-        return cli_failf("quantize", "--experts and --out are required");
-    }
+    if (!experts || !out) return cli_usage_error("quantize", "--experts and --out are required");
     kern_dtype fmt;
     if (!strcmp(experts, "mxfp4"))
         fmt = KERN_MXFP4;
@@ -152,8 +147,7 @@ int cmd_info(int argc, char **argv) {
             info_usage(stdout);
             return 0;
         } else {
-            info_usage(stderr);
-            return 2;
+            return cli_usage_error("info", NULL);
         }
     }
     const char *dir = cli_model_dir("info", model);

@@ -165,7 +165,7 @@ int cmd_generate(int argc, char **argv) {
                 return cli_failf("generate", "bad value '%s' for --%s", optarg,
                                  option_name(opts, o));
             break;
-        default: generate_usage(stderr); return 2;
+        default: return cli_usage_error("generate", NULL);
         }
     }
     if (optind < argc) return cli_failf("generate", "unexpected argument '%s'", argv[optind]);
@@ -435,13 +435,10 @@ int cmd_logits(int argc, char **argv) {
                 return cli_failf("logits", "--threads wants 1..1024, got '%s'", optarg);
             break;
         case 'h': logits_usage(stdout); return 0;
-        default: logits_usage(stderr); return 2;
+        default: return cli_usage_error("logits", NULL);
         }
     }
-    if (!ids_arg || !out_path) {
-        logits_usage(stderr);
-        return 2;
-    }
+    if (!ids_arg || !out_path) return cli_usage_error("logits", "--ids and --out are required");
     int32_t *ids = NULL;
     int64_t n = parse_ids(ids_arg, &ids);
     if (n < 0) return 1;
@@ -682,8 +679,7 @@ int cmd_bench(int argc, char **argv) {
                                1 << 24, dst))
                 return cli_failf("bench", "bad number '%s'", optarg);
         } else {
-            bench_usage(stderr);
-            return 2;
+            return cli_usage_error("bench", NULL);
         }
     }
     if (n_counts > 0 && gt == 0) return cli_failf("bench", "--seqs needs --gen-tokens of at least 1");

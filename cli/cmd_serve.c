@@ -153,13 +153,10 @@ int cmd_serve(int argc, char **argv) {
             if (c == OPT_IDLE) p.idle_timeout_s = (int)v;
             if (c == OPT_THREADS) p.ctx.n_threads = (int)v;
             break;
-        default: serve_usage(stderr); return 2;
+        default: return cli_usage_error("serve", NULL);
         }
     }
-    if (optind < argc) {
-        serve_usage(stderr);
-        return 2;
-    }
+    if (optind < argc) return cli_usage_error("serve", "unexpected argument '%s'", argv[optind]);
     if (p.max_generations > 256) return cli_failf("serve", "--max-generations is at most 256");
     char www_buf[4200];
     if (!www) {

@@ -314,20 +314,14 @@ int cmd_tokenize(int argc, char **argv) {
                                  optarg);
             break;
         case 'h': tokenize_usage(stdout); return 0;
-        default: tokenize_usage(stderr); return 2;
+        default: return cli_usage_error("tokenize", NULL);
         }
     }
     if (optind < argc) return cli_failf("tokenize", "unexpected argument '%s'", argv[optind]);
-    if (!!vocab == !!model) {
-        tokenize_usage(stderr);
-        cli_failf("tokenize", "give exactly one of --vocab FILE or --model DIR");
-        return 2;
-    }
-    if (vocab && !pattern) {
-        tokenize_usage(stderr);
-        cli_failf("tokenize", "--vocab needs --pattern (cl100k, o200k, kimi or none)");
-        return 2;
-    }
+    if (!!vocab == !!model)
+        return cli_usage_error("tokenize", "give exactly one of --vocab FILE or --model DIR");
+    if (vocab && !pattern)
+        return cli_usage_error("tokenize", "--vocab needs --pattern (cl100k, o200k, kimi or none)");
     if (model && (pattern || specials))
         return cli_failf("tokenize", "--pattern and --specials go with --vocab, not --model");
     if (decode + split + chat + (bench > 0) > 1)

@@ -53,8 +53,15 @@ int main(int argc, char **argv) {
         return 0;
     }
     for (size_t i = 0; i < sizeof COMMANDS / sizeof COMMANDS[0]; i++)
-        if (!strcmp(argv[1], COMMANDS[i].name)) return COMMANDS[i].run(argc - 1, argv + 1);
-    fprintf(stderr, "kdaserve: unknown command '%s'\n\n", argv[1]);
-    usage(stderr);
+        if (!strcmp(argv[1], COMMANDS[i].name)) {
+            /* getopt names the program in its messages: "kdaserve generate:
+             * unrecognized option", like every other message of a command */
+            char name[64];
+            snprintf(name, sizeof name, "kdaserve %s", COMMANDS[i].name);
+            argv[1] = name;
+            return COMMANDS[i].run(argc - 1, argv + 1);
+        }
+    fprintf(stderr, "kdaserve: unknown command '%s'\nTry 'kdaserve --help' for the commands.\n",
+            argv[1]);
     return 2;
 }

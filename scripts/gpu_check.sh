@@ -168,7 +168,7 @@ if [ -z "$cublas_dir" ]; then
     [ -n "$f" ] && cublas_dir=$(dirname "$f")
 fi
 if [ -n "$cublas_dir" ]; then BIN_LD="${BIN_LD:+$BIN_LD:}$cublas_dir"; else
-    echo "(no libcublas.so.13 found on this machine: the bundle's programs will not load)"
+    echo "(no libcublas.so.13 found on this machine: cuBLAS, opened at the first GEMM context, will not load)"
 fi
 run_bin() { env LD_LIBRARY_PATH="$BIN_LD" "$@"; }
 

@@ -9,6 +9,7 @@
 #ifdef KDS_HAVE_CUDA
 #include "kern_cuda.h"
 #endif
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -113,6 +114,45 @@ Test(cli, help_lists_commands) {
         cr_expect(strstr(out, cmds[i]), "--help lacks %s", cmds[i]);
     cr_expect_eq(run(out, sizeof out, KDASERVE " frobnicate 2>&1"), 2);
     cr_expect(strstr(out, "unknown command 'frobnicate'"), "%s", out);
+    cr_expect_null(strstr(out, "commands:"), "a usage error is not the whole help: %s", out);
+}
+
+/* A usage error is the problem in one line and where the options are, not
+ * the whole help (issue 16), and exits 2. */
+Test(cli, usage_errors_point_at_help) {
+    char out[4096];
+    const char *cases[][2] = {
+        {"generate --bogus", "kdaserve generate: unrecognized option '--bogus'"},
+        {"serve --listen", "kdaserve serve: option '--listen' requires an argument"},
+        {"logits", "kdaserve logits: --ids and --out are required"},
+        {"gen-model", "kdaserve gen-model: give exactly one of --preset or --config"},
+        {"quantize --out /tmp/x", "kdaserve quantize: --experts and --out are required"},
+        {"serve extra", "kdaserve serve: unexpected argument 'extra'"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        cr_expect_eq(run(out, sizeof out, KDASERVE " %s 2>&1", cases[i][0]), 2, "%s", cases[i][0]);
+        cr_expect(strstr(out, cases[i][1]), "%s: %s", cases[i][0], out);
+        cr_expect(strstr(out, "--help' for its options."), "%s: %s", cases[i][0], out);
+        cr_expect_null(strstr(out, "usage:"), "%s printed the whole help: %s", cases[i][0], out);
+    }
+}
+
+/* Nothing of CUDA is linked into the program (the static cudart opens the
+ * driver, and cuBLAS is opened, only when a GPU is used): a CPU run or
+ * --help neither needs the CUDA libraries nor maps their ~700 MB (it took
+ * 0.3 s and 220 MB resident when they were linked; issue 16). */
+Test(cli, cuda_libraries_are_not_linked) {
+    char out[16384];
+    cr_assert_eq(run(out, sizeof out, "readelf -d " KDASERVE " 2>&1"), 0, "%s", out);
+    cr_assert(strstr(out, "(NEEDED)"), "readelf lists no NEEDED entries: %s", out);
+    cr_expect_null(strstr(out, "libcublas"), "%s", out);
+    cr_expect_null(strstr(out, "libcudart"), "%s", out);
+    cr_expect_null(strstr(out, "libcuda."), "%s", out);
+    /* this test's only child: its peak resident set is --help's */
+    cr_assert_eq(run(NULL, 0, KDASERVE " --help"), 0);
+    struct rusage ru;
+    cr_assert_eq(getrusage(RUSAGE_CHILDREN, &ru), 0);
+    cr_expect_lt(ru.ru_maxrss, 64 * 1024, "--help peaked at %ld KiB resident", ru.ru_maxrss);
 }
 
 Test(cli, refusals_are_one_clear_line) {

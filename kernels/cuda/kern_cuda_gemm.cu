@@ -25,10 +25,35 @@
 #include "kern_cuda_dev.cuh"
 #include "kern_cuda_impl.cuh"
 
+#ifndef KDS_EMU_CUBLAS_V2_H
+#include <dlfcn.h>
+#endif
+
 /* cuBLAS's recommended workspace for Hopper (cuBLAS docs, cublasSetWorkspace). */
 #define KDS_CUBLAS_WORKSPACE ((size_t)32 << 20)
 
+/* The cuBLAS entry points used here. cuBLAS is opened with dlopen when the
+ * first GEMM context is made rather than linked: its libraries are ~700 MB,
+ * and mapping them cost every run of kdaserve, --help and CPU runs
+ * included, ~0.3 s and 220 MB resident (issue 16). Under the CPU emulation
+ * (kernels/cuda/emu) the stand-ins are called directly. */
+struct cublas_api {
+    void *lib; /* dlopen handle; NULL under the emulation */
+    decltype(&cublasCreate) create;
+    decltype(&cublasDestroy) destroy;
+    decltype(&cublasSetStream) set_stream;
+    decltype(&cublasSetWorkspace) set_workspace;
+    decltype(&cublasSetMathMode) set_math_mode;
+    decltype(&cublasGetStatusString) status_string;
+    /* spelled out: C++ sees cublasGemmEx overloaded (a cudaDataType wrapper) */
+    cublasStatus_t (*gemm_ex)(cublasHandle_t, cublasOperation_t, cublasOperation_t, int m, int n, int k,
+                              const void *alpha, const void *A, cudaDataType, int lda, const void *B,
+                              cudaDataType, int ldb, const void *beta, void *C, cudaDataType, int ldc,
+                              cublasComputeType_t, cublasGemmAlgo_t);
+};
+
 struct kern_cuda_gemm_ctx {
+    cublas_api api;
     cublasHandle_t h;
     void *ws;            /* cuBLAS workspace, KDS_CUBLAS_WORKSPACE bytes */
     uint16_t *scratch;   /* [2, max_elems] bf16: x's hi then lo halves */
@@ -545,19 +570,78 @@ void launch_gemv(const kern_cuda_matmul_args *a, cudaStream_t st) {
         gemv_kernel<8, BF16, VEC><<<grid, kGemvWarps * 32, 0, st>>>(a->W, a->rows, a->cols, a->x, a->ldx, a->T, a->y, a->ldy, acc);
 }
 
-kds_status blas_status(cublasStatus_t s, kds_err *err, const char *what) {
+kds_status blas_status(const cublas_api *api, cublasStatus_t s, kds_err *err, const char *what) {
     if (s == CUBLAS_STATUS_SUCCESS) return KDS_OK;
     return kern_cuda__err(err, s == CUBLAS_STATUS_ALLOC_FAILED ? KDS_NOMEM : KDS_CUDA, "%s: %s (cuBLAS status %d)",
-                          what, cublasGetStatusString(s), (int)s);
+                          what, api->status_string(s), (int)s);
+}
+
+#define KDS_STR2(x) #x
+#define KDS_STR(x) KDS_STR2(x) /* expands cublas_v2.h's macros: cublasCreate -> "cublasCreate_v2" */
+
+/* Fill *api: the emulation's functions, or the symbols of the cuBLAS of
+ * the CUDA major version this was compiled against. */
+kds_status cublas_api_open(cublas_api *api, kds_err *err) {
+    *api = cublas_api{};
+#ifdef KDS_EMU_CUBLAS_V2_H
+    api->create = cublasCreate;
+    api->destroy = cublasDestroy;
+    api->set_stream = cublasSetStream;
+    api->set_workspace = cublasSetWorkspace;
+    api->set_math_mode = cublasSetMathMode;
+    api->status_string = cublasGetStatusString;
+    api->gemm_ex = cublasGemmEx;
+    (void)err;
+    return KDS_OK;
+#else
+    const char *soname = "libcublas.so." KDS_STR(CUBLAS_VER_MAJOR);
+    api->lib = dlopen(soname, RTLD_NOW | RTLD_LOCAL);
+    if (!api->lib)
+        return kern_cuda__err(err, KDS_CUDA,
+                              "gemm ctx: cannot load cuBLAS (%s): %s; install CUDA %d's cuBLAS "
+                              "(or put it on LD_LIBRARY_PATH), or run with --device cpu",
+                              soname, dlerror(), CUBLAS_VER_MAJOR);
+    struct {
+        void **slot;
+        const char *name;
+    } syms[] = {
+        {(void **)&api->create, KDS_STR(cublasCreate)},
+        {(void **)&api->destroy, KDS_STR(cublasDestroy)},
+        {(void **)&api->set_stream, KDS_STR(cublasSetStream)},
+        {(void **)&api->set_workspace, KDS_STR(cublasSetWorkspace)},
+        {(void **)&api->set_math_mode, KDS_STR(cublasSetMathMode)},
+        {(void **)&api->status_string, KDS_STR(cublasGetStatusString)},
+        {(void **)&api->gemm_ex, KDS_STR(cublasGemmEx)},
+    };
+    for (auto &sym : syms) {
+        *sym.slot = dlsym(api->lib, sym.name);
+        if (!*sym.slot) {
+            kds_status rc = kern_cuda__err(err, KDS_CUDA, "gemm ctx: %s has no %s (a cuBLAS older than CUDA %d?)",
+                                           soname, sym.name, CUBLAS_VER_MAJOR);
+            dlclose(api->lib);
+            *api = cublas_api{};
+            return rc;
+        }
+    }
+    return KDS_OK;
+#endif
+}
+
+void cublas_api_close(cublas_api *api) {
+#ifndef KDS_EMU_CUBLAS_V2_H
+    if (api->lib) dlclose(api->lib);
+#endif
+    *api = cublas_api{};
 }
 
 /* Bind the handle to `st` (cublasSetStream resets the workspace to cuBLAS's
  * own pool, so ours is set again after it). */
 kds_status bind_stream(kern_cuda_gemm_ctx *c, cudaStream_t st, kds_err *err) {
     if (st == c->bound) return KDS_OK;
-    kds_status rc = blas_status(cublasSetStream(c->h, st), err, "cublasSetStream");
+    kds_status rc = blas_status(&c->api, c->api.set_stream(c->h, st), err, "cublasSetStream");
     if (rc == KDS_OK)
-        rc = blas_status(cublasSetWorkspace(c->h, c->ws, KDS_CUBLAS_WORKSPACE), err, "cublasSetWorkspace");
+        rc = blas_status(&c->api, c->api.set_workspace(c->h, c->ws, KDS_CUBLAS_WORKSPACE), err,
+                         "cublasSetWorkspace");
     if (rc == KDS_OK) c->bound = st;
     return rc;
 }
@@ -571,7 +655,7 @@ kds_status matmul_cublas(const kern_cuda_matmul_args *a, cudaStream_t st, kds_er
     const float one = 1.0f, zero = 0.0f;
     const float *beta = a->accumulate ? &one : &zero;
     if (a->w_dtype == KERN_F32) /* fp32 on CUDA cores: math mode DEFAULT_MATH (no TF32) */
-        return blas_status(cublasGemmEx(c->h, CUBLAS_OP_T, CUBLAS_OP_N, a->rows, a->T, a->cols, &one, a->W,
+        return blas_status(&c->api, c->api.gemm_ex(c->h, CUBLAS_OP_T, CUBLAS_OP_N, a->rows, a->T, a->cols, &one, a->W,
                                         CUDA_R_32F, a->cols, a->x, CUDA_R_32F, a->ldx, beta, a->y, CUDA_R_32F,
                                         a->ldy, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
                            err, "matmul: cublasGemmEx (fp32)");
@@ -591,12 +675,12 @@ kds_status matmul_cublas(const kern_cuda_matmul_args *a, cudaStream_t st, kds_er
         rc = kern_cuda__status(cudaGetLastError(), err, "matmul: bf16 split launch");
         if (rc != KDS_OK) return rc;
         float *y = a->y + (size_t)t0 * a->ldy;
-        rc = blas_status(cublasGemmEx(c->h, CUBLAS_OP_T, CUBLAS_OP_N, a->rows, n, a->cols, &one, a->W, CUDA_R_16BF,
+        rc = blas_status(&c->api, c->api.gemm_ex(c->h, CUBLAS_OP_T, CUBLAS_OP_N, a->rows, n, a->cols, &one, a->W, CUDA_R_16BF,
                                       a->cols, hi, CUDA_R_16BF, a->cols, beta, y, CUDA_R_32F, a->ldy,
                                       CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
                          err, "matmul: cublasGemmEx (bf16, hi)");
         if (rc == KDS_OK && exact)
-            rc = blas_status(cublasGemmEx(c->h, CUBLAS_OP_T, CUBLAS_OP_N, a->rows, n, a->cols, &one, a->W,
+            rc = blas_status(&c->api, c->api.gemm_ex(c->h, CUBLAS_OP_T, CUBLAS_OP_N, a->rows, n, a->cols, &one, a->W,
                                           CUDA_R_16BF, a->cols, lo, CUDA_R_16BF, a->cols, &one, y, CUDA_R_32F,
                                           a->ldy, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
                              err, "matmul: cublasGemmEx (bf16, lo)");
@@ -618,13 +702,16 @@ extern "C" kds_status kern_cuda_gemm_ctx_create(size_t max_act_elems, kern_cuda_
                               max_act_elems);
     kern_cuda_gemm_ctx *c = static_cast<kern_cuda_gemm_ctx *>(calloc(1, sizeof *c));
     if (!c) return kern_cuda__err(err, KDS_NOMEM, "gemm ctx: out of host memory");
-    kds_status rc = blas_status(cublasCreate(&c->h), err, "gemm ctx: cublasCreate");
+    kds_status rc = cublas_api_open(&c->api, err);
+    if (rc != KDS_OK) goto fail;
+    rc = blas_status(&c->api, c->api.create(&c->h), err, "gemm ctx: cublasCreate");
     if (rc != KDS_OK) {
         c->h = NULL;
         goto fail;
     }
     /* DEFAULT_MATH: fp32 products stay fp32 (no TF32 tensor ops) */
-    if ((rc = blas_status(cublasSetMathMode(c->h, CUBLAS_DEFAULT_MATH), err, "gemm ctx: cublasSetMathMode")) !=
+    if ((rc = blas_status(&c->api, c->api.set_math_mode(c->h, CUBLAS_DEFAULT_MATH), err,
+                          "gemm ctx: cublasSetMathMode")) !=
         KDS_OK)
         goto fail;
     if ((rc = kern_cuda__status(cudaMalloc(&c->ws, KDS_CUBLAS_WORKSPACE), err, "gemm ctx: workspace")) != KDS_OK) {
@@ -649,9 +736,10 @@ fail:
 
 extern "C" void kern_cuda_gemm_ctx_free(kern_cuda_gemm_ctx *c) {
     if (!c) return;
-    if (c->h) (void)cublasDestroy(c->h);
+    if (c->h) (void)c->api.destroy(c->h);
     if (c->ws) (void)cudaFree(c->ws);
     if (c->scratch) (void)cudaFree(c->scratch);
+    cublas_api_close(&c->api);
     free(c);
 }
 
