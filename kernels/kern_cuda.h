@@ -153,6 +153,64 @@ kds_status kern_cuda_kda_gate(const float *g_raw, const float *A_log, const floa
                               kds_err *err);
 
 /* ------------------------------------------------------------------------ */
+/* Kimi K3's operators (kern_cuda_k3.cu; CPU: kernels/cpu/k3.c)              */
+
+/*
+ * SiTU (kern_situ, reference/kimi-k3.md §4.6), in place into a, n fp32
+ * device values:
+ *   a[i] = [beta tanh(a[i] / beta) sigmoid(a[i])] * [beta_l tanh(b[i] / beta_l)]
+ * (K3: beta 4, beta_l 25), and MLA's output gate (kern_sigmoid_mul, §4.4):
+ *   x[i] *= sigmoid(g[i])
+ * fp32 with tanhf, expf and the CPU's order of operations, sigmoid =
+ * 1 / (1 + expf(-x)); the CPU's sigmoid uses its own exp (within 1 ulp), so
+ * the two agree to a few ulp per element (tested: |gpu - cpu| <= 4e-6 |cpu|
+ * + 1e-6 max|cpu|). a and b (x and g) may not overlap unless equal. 16-byte
+ * aligned buffers take 16-byte loads, others element loads.
+ * Errors: KDS_INVALID_ARG (NULL with n > 0; beta or beta_l not a positive
+ * finite number), KDS_CUDA.
+ */
+kds_status kern_cuda_situ(float *a, const float *b, size_t n, float beta, float beta_l,
+                          void *stream, kds_err *err);
+kds_status kern_cuda_sigmoid_mul(float *x, const float *g, size_t n, void *stream, kds_err *err);
+
+/*
+ * Block Attention Residuals' depth mix (kern_attn_res_mix, kimi-k3.md §4.2),
+ * per token t of T, over the candidates c_0..c_{n-1}: the n_blocks frozen
+ * snapshots (snapshot j's row t at blocks + j * block_stride + t * D) and,
+ * when `partial` is not NULL, the running partial (row t at partial + t * D):
+ *   z_j    = (sum_d c_j[d] u[d]) / sqrt(mean_d c_j[d]^2 + eps)
+ *   out[t] = sum_j softmax(z)_j c_j              (the raw candidates)
+ * Device pointers, fp32: blocks (NULL when n_blocks == 0), partial [T, D] or
+ * NULL, u [D] (res_norm weight times res_proj, fused once), out [T, D], which
+ * may not alias a candidate. block_stride is in floats (>= T * D for
+ * snapshots that do not overlap; not checked).
+ * One CTA of 512 threads per token reads every candidate once (the group of
+ * candidates being scored stays in registers while its weights are found,
+ * online softmax across groups). Numerics: per-thread and warp sums in fp32,
+ * the sum over warps, z and the softmax in double, the mix in fp32: within
+ * ~1e-6 of the largest |out| of the CPU's (double sums, then an f32 mix).
+ * Shapes: 1 <= n_blocks + (partial != NULL) <= 64 (K3: 9), 1 <= D <= 8192
+ * (K3: 7168), T >= 0 (0 is a no-op). 16-byte loads when D % 4 == 0,
+ * block_stride % 4 == 0 and every pointer is 16-byte aligned.
+ * Errors: KDS_INVALID_ARG (NULL, T < 0, candidates outside 1..64),
+ * KDS_UNSUPPORTED (D outside 1..8192), KDS_CUDA.
+ */
+#define KERN_CUDA_ATTN_RES_MAX_D 8192
+
+typedef struct kern_cuda_attn_res_args {
+    int T, D;
+    const float *blocks;
+    size_t block_stride; /* floats from one snapshot to the next */
+    int n_blocks;
+    const float *partial;
+    const float *u;
+    float eps;
+    float *out;
+} kern_cuda_attn_res_args;
+
+kds_status kern_cuda_attn_res_mix(const kern_cuda_attn_res_args *a, void *stream, kds_err *err);
+
+/* ------------------------------------------------------------------------ */
 /* Fused KDA decode step                                                     */
 
 /*
