@@ -153,6 +153,64 @@ kds_status kern_cuda_kda_gate(const float *g_raw, const float *A_log, const floa
                               kds_err *err);
 
 /* ------------------------------------------------------------------------ */
+/* Kimi K3's operators (kern_cuda_k3.cu; CPU: kernels/cpu/k3.c)              */
+
+/*
+ * SiTU (kern_situ, reference/kimi-k3.md §4.6), in place into a, n fp32
+ * device values:
+ *   a[i] = [beta tanh(a[i] / beta) sigmoid(a[i])] * [beta_l tanh(b[i] / beta_l)]
+ * (K3: beta 4, beta_l 25), and MLA's output gate (kern_sigmoid_mul, §4.4):
+ *   x[i] *= sigmoid(g[i])
+ * fp32 with tanhf, expf and the CPU's order of operations, sigmoid =
+ * 1 / (1 + expf(-x)); the CPU's sigmoid uses its own exp (within 1 ulp), so
+ * the two agree to a few ulp per element (tested: |gpu - cpu| <= 4e-6 |cpu|
+ * + 1e-6 max|cpu|). a and b (x and g) may not overlap unless equal. 16-byte
+ * aligned buffers take 16-byte loads, others element loads.
+ * Errors: KDS_INVALID_ARG (NULL with n > 0; beta or beta_l not a positive
+ * finite number), KDS_CUDA.
+ */
+kds_status kern_cuda_situ(float *a, const float *b, size_t n, float beta, float beta_l,
+                          void *stream, kds_err *err);
+kds_status kern_cuda_sigmoid_mul(float *x, const float *g, size_t n, void *stream, kds_err *err);
+
+/*
+ * Block Attention Residuals' depth mix (kern_attn_res_mix, kimi-k3.md §4.2),
+ * per token t of T, over the candidates c_0..c_{n-1}: the n_blocks frozen
+ * snapshots (snapshot j's row t at blocks + j * block_stride + t * D) and,
+ * when `partial` is not NULL, the running partial (row t at partial + t * D):
+ *   z_j    = (sum_d c_j[d] u[d]) / sqrt(mean_d c_j[d]^2 + eps)
+ *   out[t] = sum_j softmax(z)_j c_j              (the raw candidates)
+ * Device pointers, fp32: blocks (NULL when n_blocks == 0), partial [T, D] or
+ * NULL, u [D] (res_norm weight times res_proj, fused once), out [T, D], which
+ * may not alias a candidate. block_stride is in floats (>= T * D for
+ * snapshots that do not overlap; not checked).
+ * One CTA of 512 threads per token reads every candidate once (the group of
+ * candidates being scored stays in registers while its weights are found,
+ * online softmax across groups). Numerics: per-thread and warp sums in fp32,
+ * the sum over warps, z and the softmax in double, the mix in fp32: within
+ * ~1e-6 of the largest |out| of the CPU's (double sums, then an f32 mix).
+ * Shapes: 1 <= n_blocks + (partial != NULL) <= 64 (K3: 9), 1 <= D <= 8192
+ * (K3: 7168), T >= 0 (0 is a no-op). 16-byte loads when D % 4 == 0,
+ * block_stride % 4 == 0 and every pointer is 16-byte aligned.
+ * Errors: KDS_INVALID_ARG (NULL, T < 0, candidates outside 1..64),
+ * KDS_UNSUPPORTED (D outside 1..8192), KDS_CUDA.
+ */
+#define KERN_CUDA_ATTN_RES_MAX_D 8192
+
+typedef struct kern_cuda_attn_res_args {
+    int T, D;
+    const float *blocks;
+    size_t block_stride; /* floats from one snapshot to the next */
+    int n_blocks;
+    const float *partial;
+    const float *u;
+    float eps;
+    float *out;
+} kern_cuda_attn_res_args;
+
+kds_status kern_cuda_attn_res_mix(const kern_cuda_attn_res_args *a, void *stream, kds_err *err);
+
+/* ------------------------------------------------------------------------ */
 /* Fused KDA decode step                                                     */
 
 /*
@@ -599,11 +657,14 @@ kds_status kern_cuda_matmul(const kern_cuda_matmul_args *a, void *stream, kds_er
  * device (no host sync): rows [exp_off[e], exp_off[e+1]) of x belong to
  * expert e (kern_cuda_moe_route's exp_off, after kern_cuda_moe_gather):
  *   no W3:    y[i, r] = sum_c x[i, c] * W_e[r, c]
- *   with W3:  y[i, r] = silu(x[i] . W_e[r]) * (x[i] . W3_e[r])
- *                (gate and up projections fused: kern_swiglu of the two)
+ *   with W3:  y[i, r] = act(x[i] . W_e[r], x[i] . W3_e[r])
+ *                (gate and up projections fused), act by `act`:
+ *                SWIGLU (0, the default): silu(a) * b          (kern_swiglu)
+ *                SITU: [situ_beta tanh(a / situ_beta) sigmoid(a)]
+ *                      * [situ_beta_l tanh(b / situ_beta_l)]   (kern_situ; K3)
  * for every row i of expert e, r < rows. Device pointers:
- *   the experts' matrices, each [rows, cols] row-major in w_dtype (BF16 or
- *             F32), given either way:
+ *   the experts' matrices, each [rows, cols] row-major in w_dtype (BF16,
+ *             F32 or MXFP4), given either way:
  *     W, W3   [E] device arrays of device pointers, one matrix per expert,
  *             each 16-byte aligned (cudaMalloc'd bases qualify; build the
  *             tables once at load time: kern_cuda_malloc + memcpy_h2d), or,
@@ -611,25 +672,43 @@ kds_status kern_cuda_matmul(const kern_cuda_matmul_args *a, void *stream, kds_er
  *     W_base, W3_base, w_stride: expert e's matrix at W_base + e * w_stride
  *             bytes (one buffer per layer, e.g. [E][w1 | w3 | w2] gives
  *             W_base = w1 of expert 0, W3_base = W_base + |w1|, w_stride =
- *             |w1| + |w3| + |w2|); w_stride >= rows * cols * dtype size.
+ *             |w1| + |w3| + |w2|); w_stride >= one matrix's bytes.
  *             16-byte loads need the bases and w_stride 16-byte aligned
  *             (checked here; otherwise element loads, or KDS_UNSUPPORTED
- *             for TENSOR).
+ *             for TENSOR and MXFP4).
+ *   MXFP4 (kern.h's KERN_MXFP4, K3's routed experts): W / W3 / W_base /
+ *             W3_base hold the codes [rows, cols / 2] (two E2M1 per byte,
+ *             16-byte aligned as above); the E8M0 scales [rows, cols / 32]
+ *             (any alignment) come, with the tables, from S and S3 ([E]
+ *             device arrays of device pointers), with the stacked form from
+ *             S_base, S3_base: expert e's scales at S_base + e * s_stride
+ *             bytes, s_stride >= rows * cols / 32. cols % 32 == 0. The
+ *             product is that of the dequantised matrix (kern_matmul_w):
+ *             GEMV exact in fp32 for activations of magnitude in
+ *             [2^-60, 2^60] (see README); TENSOR dequantises to bf16
+ *             exactly (every MXFP4 value is a bf16 value).
  *   exp_off   [E + 1] int32, non-decreasing from 0 (bad offsets are clamped
  *             to [0, n_rows], never read or written out of bounds)
  *   x         [n_rows, ldx] fp32, y [n_rows, ldy] fp32 (ldy >= rows);
  *             n_rows is what the host knows: the allocated rows (T * k).
  *             Rows of y outside every group and columns >= rows untouched.
+ *             MXFP4 needs x 16-byte aligned and ldx % 4 == 0.
  * The grid is sized from n_rows; CTAs without work exit at once.
  * Algorithms (`algo`, KERN_CUDA_MOE_AUTO picks GEMV when n_rows <= 2 * E,
  * i.e. about two rows per expert or fewer, or for f32 weights):
  *   GEMV: per expert, chunks of up to 8 rows, each streaming the expert's
- *     weights once (CUDA cores, exact fp32 whatever `mode`);
+ *     weights once (CUDA cores, exact fp32 whatever `mode`; MXFP4 codes
+ *     dequantised in registers, one 16-byte load = one 32-column block);
  *   TENSOR: WMMA tiles of 64 rows x 64 weight rows, bf16 operands, fp32
- *     accumulation, x split by `mode` (BF16 weights only; needs cols % 8 ==
- *     0, ldx % 4 == 0, x 16-byte aligned, else KDS_UNSUPPORTED).
- * Errors: KDS_INVALID_ARG (shape, dtype, NULL), KDS_UNSUPPORTED (TENSOR
- * asked for what it cannot do), KDS_CUDA (launch). Nothing may alias y.
+ *     accumulation, x split by `mode` (BF16 or MXFP4 weights, the latter
+ *     dequantised to bf16 in shared memory; needs cols % 8 == 0, ldx % 4 ==
+ *     0, x 16-byte aligned, else KDS_UNSUPPORTED).
+ * A zero-initialised act / S / S3 / S_base / S3_base / s_stride / situ_*
+ * keeps the bf16 / f32 behaviour of before they existed, bit for bit.
+ * Errors: KDS_INVALID_ARG (shape, dtype, NULL, missing scales, act without
+ * W3 or with betas that are not positive and finite), KDS_UNSUPPORTED
+ * (TENSOR or MXFP4 asked for what it cannot do), KDS_CUDA (launch).
+ * Nothing may alias y.
  */
 typedef enum kern_cuda_moe_algo {
     KERN_CUDA_MOE_AUTO = 0,
@@ -637,15 +716,21 @@ typedef enum kern_cuda_moe_algo {
     KERN_CUDA_MOE_TENSOR = 2,
 } kern_cuda_moe_algo;
 
+/* The activation of the fused gate/up form. */
+typedef enum kern_cuda_moe_act {
+    KERN_CUDA_MOE_SWIGLU = 0,
+    KERN_CUDA_MOE_SITU = 1,
+} kern_cuda_moe_act;
+
 typedef struct kern_cuda_moe_experts_args {
     int E;                  /* experts */
     int rows, cols;         /* each expert's matrix [rows, cols] */
-    kern_dtype w_dtype;     /* BF16 or F32 */
+    kern_dtype w_dtype;     /* BF16, F32 or MXFP4 */
     const void *const *W;   /* device [E] of device pointers, or NULL: W_base */
-    const void *const *W3;  /* NULL, or device [E]: fused silu(x W^T) * (x W3^T) */
+    const void *const *W3;  /* NULL, or device [E]: fused act(x W^T, x W3^T) */
     const void *W_base;     /* with W == NULL: expert e at W_base + e * w_stride */
     const void *W3_base;    /* NULL, or the fused up projection likewise */
-    size_t w_stride;        /* bytes from one expert's matrix to the next */
+    size_t w_stride;        /* bytes from one expert's matrix (codes) to the next */
     const int32_t *exp_off; /* device [E + 1] */
     int n_rows;             /* rows of x and y (upper bound of exp_off[E]) */
     const float *x;
@@ -654,6 +739,13 @@ typedef struct kern_cuda_moe_experts_args {
     int ldy;
     kern_cuda_gemm_mode mode;
     kern_cuda_moe_algo algo;
+    /* MXFP4 only: the scales, as the codes are given (tables or stacked) */
+    const void *const *S, *const *S3; /* with W / W3: device [E] of device pointers */
+    const void *S_base, *S3_base;     /* with W_base / W3_base */
+    size_t s_stride;                  /* bytes from one expert's scales to the next */
+    /* fused form only */
+    kern_cuda_moe_act act;             /* SWIGLU (0) or SITU */
+    float situ_beta, situ_beta_l;      /* SITU: K3's 4 and 25 */
 } kern_cuda_moe_experts_args;
 
 kds_status kern_cuda_moe_experts(const kern_cuda_moe_experts_args *a, void *stream, kds_err *err);

@@ -11,12 +11,18 @@
  *   kern_cuda_gemm_ctx   the cuBLAS handle, its workspace, the bf16 scratch.
  *   kern_cuda_moe_experts  the routed experts grouped by exp_off, read on the
  *                        device: moe_gemv_kernel (chunks of <= 8 rows per
- *                        expert, CUDA cores) or moe_tc_kernel (WMMA tiles of
- *                        64 x 64, bf16 operands, fp32 accumulation), both
- *                        with a device-side tile schedule (find_tile).
+ *                        expert, CUDA cores; moe_gemv_fp4_kernel for MXFP4
+ *                        codes, dequantised in registers) or moe_tc_kernel
+ *                        (WMMA tiles of 64 x 64, bf16 operands, fp32
+ *                        accumulation; MXFP4 dequantised to bf16 on the way
+ *                        into shared memory), both with a device-side tile
+ *                        schedule (find_tile); the fused gate/up form ends
+ *                        in SwiGLU or K3's SiTU.
  *
- * CPU reference: kern_matmul (and kern_swiglu for the fused gate/up form).
+ * CPU reference: kern_matmul / kern_matmul_w (MXFP4), and kern_swiglu or
+ * kern_situ for the fused gate/up form.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -99,6 +105,12 @@ __device__ __forceinline__ float sigm(float x) {
     return 1.0f / (1.0f + expf(-x));
 }
 
+/* kern_situ's expression, in its order of operations */
+__device__ __forceinline__ float situ1(float g, float u, float beta, float beta_l) {
+    const float gate = beta * tanhf(g / beta) * sigm(g);
+    return gate * (beta_l * tanhf(u / beta_l));
+}
+
 /* 16 bytes of weights, streamed: not kept in L1 (x is, and is reused). */
 __device__ __forceinline__ uint4 ld_stream16(const void *p) {
 #ifdef KDS_EMU
@@ -111,6 +123,55 @@ __device__ __forceinline__ uint4 ld_stream16(const void *p) {
     return v;
 #endif
 }
+
+/* 8 bytes, streamed (the tensor-core MXFP4 tile: 16 codes per thread). */
+__device__ __forceinline__ uint2 ld_stream8(const void *p) {
+#ifdef KDS_EMU
+    return *static_cast<const uint2 *>(p);
+#else
+    uint2 v;
+    asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
+#endif
+}
+
+/* ---- MXFP4 (kern.h: E2M1 codes, E8M0 scales per 32 columns) ------------------ */
+
+/*
+ * The 8 E2M1 codes of a 32-bit word (code k in bits 4k..4k+3: bit 3 the
+ * sign, bits 0-2 [e1 e0 m]) as fp32 values times 2^-126, exactly: with the
+ * sign in bit 31 and [e1 e0 m] in bits 24..22 (the exponent's two low bits
+ * and the mantissa's top bit) a code reads 2^(e - 127) (1 + m/2) = value *
+ * 2^-126 for e >= 1 and, as a denormal, m * 2^-127 = value * 2^-126 for
+ * e = 0. No table; ~2.9 integer operations per code: u (one per r < 4)
+ * holds code r + 4 in place (22..24, 31) and code r 16 bits lower (6..8,
+ * 15), so code r + 4 is one AND away and code r a shift and an AND (the
+ * other bits of u are don't-care).
+ */
+__device__ __forceinline__ void e2m1x8_tiny(unsigned w, float (&v)[8]) {
+    constexpr unsigned kMag = 0x01c001c0u;  /* bits 6..8, 22..24: from a[r] */
+    constexpr unsigned kVal = 0x81c00000u;  /* sign and [e1 e0 m] of an fp32 */
+    const unsigned a[4] = {w << 6, w << 2, w >> 2, w >> 6};  /* magnitudes of codes r + 4, r */
+    const unsigned b[4] = {w << 12, w << 8, w << 4, w};      /* their signs to 31, 15 */
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+        const unsigned u = (a[r] & kMag) | (b[r] & ~kMag);
+        v[r + 4] = __uint_as_float(u & kVal);
+        v[r] = __uint_as_float((u << 16) & kVal);
+    }
+}
+
+/* E8M0 scale 2^(s - 127) as kern_e8m0_to_f32: 255 NaN, 0 the denormal 2^-127. */
+__device__ __forceinline__ float e8m0(unsigned s) {
+    return __uint_as_float(s == 255u ? 0x7fc00000u : s ? s << 23 : 0x00400000u);
+}
+
+/* Powers of two as bit patterns (exact): 2^64 scales x in the MXFP4 GEMV
+ * so the products of the 2^-126-scaled codes stay normal; 2^62 and the
+ * block's scale undo it; 2^126 undoes the codes' factor in the tile. */
+__device__ __forceinline__ float pow2_64() { return __uint_as_float(0x5f800000u); }
+__device__ __forceinline__ float pow2_62() { return __uint_as_float(0x5e800000u); }
+__device__ __forceinline__ float pow2_126() { return __uint_as_float(0x7e800000u); }
 
 /* Chunk j (16 bytes: 8 bf16 or 4 fp32 elements) of a weight row, as raw
  * bits; VEC = false loads element by element with bounds (any cols). */
@@ -286,6 +347,24 @@ struct moe_params {
     int ldy;
 };
 
+/* What the MXFP4 weights and the K3 activation add, as a second kernel
+ * argument: growing moe_params changed ptxas's register allocation of the
+ * bf16 kernels (the w2 GEMV's spill doubled), a separate struct does not. */
+struct moe_ext {
+    const void *const *S, *const *S3; /* MXFP4 scales: tables, or NULL: */
+    const char *sbase1, *sbase3;      /* expert e's at sbase + e * sstride */
+    size_t sstride;
+    int situ;                         /* fused form: SiTU (else SwiGLU) */
+    float beta, beta_l;
+};
+
+/* The fused form's activation of gate a and up b. SwiGLU is the expression
+ * this file always had (the default stays bit for bit what it was). */
+__device__ __forceinline__ float gate_act(const moe_ext &q, float a, float b) {
+    if (q.situ) return situ1(a, b, q.beta, q.beta_l);
+    return a * sigm(a) * b;
+}
+
 /* Expert e's matrix: from the table, or base + e * stride. */
 __device__ __forceinline__ const char *expert_w(const void *const *tab, const char *base, size_t stride,
                                                 int e) {
@@ -349,31 +428,40 @@ __device__ tile_t find_tile(const int32_t *exp_off, int E, int n_rows, int BM) {
  * kGemvRows rows of W_e from r0. FUSED: rows r0, r0 + 1 of W_e (slots 0, 1)
  * and of W3_e (slots 2, 3); after the reduce-scatter the W3 sum of a value
  * sits 16 lanes above its W sum. */
-template <int NT, bool BF16, bool VEC, bool FUSED>
-__device__ __forceinline__ void moe_gemv_body(const moe_params &p, const void *const (&wrow)[kGemvRows],
-                                              int r0, const float *x, float *y, int nt) {
+/* The end of a grouped GEMV chunk: reduce-scatter the warp's partial sums,
+ * apply the fused activation, store. */
+template <int NT, bool FUSED>
+__device__ __forceinline__ void moe_gemv_store(const moe_params &p, const moe_ext &q,
+                                               float (&acc)[kGemvRows * NT], int r0, float *y, int nt) {
     const int lane = threadIdx.x & 31;
-    float acc[kGemvRows * NT];
-#pragma unroll
-    for (int i = 0; i < kGemvRows * NT; i++) acc[i] = 0.0f;
-    gemv_accumulate<NT, BF16, VEC>(wrow, p.cols, x, p.ldx, nt, acc);
     constexpr int N = kGemvRows * NT, S = 5 - ilog2(N);
     rscat<N, 16>::run(acc, lane);
     float v = acc[0];
     if (FUSED) {
         const float b = __shfl_down_sync(kFull, v, 16);
         if (lane >= 16) return;
-        v = v * sigm(v) * b;
+        v = gate_act(q, v, b);
     }
     if (lane & ((1 << S) - 1)) return;
     const int k = lane >> S, i = k / NT, t = k % NT;
     if (t < nt && r0 + i < p.rows) y[(size_t)t * p.ldy + r0 + i] = v;
 }
 
+template <int NT, bool BF16, bool VEC, bool FUSED>
+__device__ __forceinline__ void moe_gemv_body(const moe_params &p, const moe_ext &q,
+                                              const void *const (&wrow)[kGemvRows], int r0, const float *x,
+                                              float *y, int nt) {
+    float acc[kGemvRows * NT];
+#pragma unroll
+    for (int i = 0; i < kGemvRows * NT; i++) acc[i] = 0.0f;
+    gemv_accumulate<NT, BF16, VEC>(wrow, p.cols, x, p.ldx, nt, acc);
+    moe_gemv_store<NT, FUSED>(p, q, acc, r0, y, nt);
+}
+
 /* Grid (chunk tiles, weight-row blocks); block kGemvWarps warps. A chunk is
  * up to kGemvMaxT rows of one expert; its weights are streamed once. */
 template <bool BF16, bool VEC, bool FUSED>
-__global__ void __launch_bounds__(kGemvWarps * 32) moe_gemv_kernel(const moe_params p) {
+__global__ void __launch_bounds__(kGemvWarps * 32) moe_gemv_kernel(const moe_params p, const moe_ext q) {
     const tile_t tl = find_tile(p.exp_off, p.E, p.n_rows, kGemvMaxT);
     if (tl.e < 0) return;
     constexpr int RPW = FUSED ? kGemvRows / 2 : kGemvRows; /* output rows per warp */
@@ -392,13 +480,149 @@ __global__ void __launch_bounds__(kGemvWarps * 32) moe_gemv_kernel(const moe_par
     const float *x = p.x + (size_t)tl.m0 * p.ldx;
     float *y = p.y + (size_t)tl.m0 * p.ldy;
     if (tl.cnt == 1)
-        moe_gemv_body<1, BF16, VEC, FUSED>(p, wrow, r0, x, y, 1);
+        moe_gemv_body<1, BF16, VEC, FUSED>(p, q, wrow, r0, x, y, 1);
     else if (tl.cnt == 2)
-        moe_gemv_body<2, BF16, VEC, FUSED>(p, wrow, r0, x, y, 2);
+        moe_gemv_body<2, BF16, VEC, FUSED>(p, q, wrow, r0, x, y, 2);
     else if (tl.cnt <= 4)
-        moe_gemv_body<4, BF16, VEC, FUSED>(p, wrow, r0, x, y, tl.cnt);
+        moe_gemv_body<4, BF16, VEC, FUSED>(p, q, wrow, r0, x, y, tl.cnt);
     else
-        moe_gemv_body<8, BF16, VEC, FUSED>(p, wrow, r0, x, y, tl.cnt);
+        moe_gemv_body<8, BF16, VEC, FUSED>(p, q, wrow, r0, x, y, tl.cnt);
+}
+
+/*
+ * The MXFP4 grouped GEMV's inner loop: as gemv_accumulate, lane l takes
+ * 16-byte chunks l, l + 32, ... of each of its kGemvRows rows (a chunk is
+ * 32 codes: exactly one scale block, whose E8M0 byte is the lane's too),
+ * kGemvDepth chunks per row in flight. Per chunk and row the 32 codes are
+ * decoded once (e2m1x8_tiny, value * 2^-126) for all nt rows of x, which
+ * are read scaled by 2^64 so every product stays a normal fp32; the
+ * block's sum is then multiplied by 2^62 and by the scale, both exact: the
+ * dequantised matrix's product up to summation order.
+ */
+template <int NT>
+__device__ __forceinline__ void gemv_fp4_accumulate(const char *const (&wrow)[kGemvRows],
+                                                    const unsigned char *const (&srow)[kGemvRows], int cols,
+                                                    const float *x, int ldx, int nt,
+                                                    float (&acc)[kGemvRows * NT]) {
+    const int lane = threadIdx.x & 31;
+    const int nchunk = cols / KERN_BLOCK;
+    const float xs = pow2_64(), ps = pow2_62();
+    for (int base = 0; base < nchunk; base += 32 * kGemvDepth) {
+        uint4 w[kGemvDepth][kGemvRows];
+        unsigned sc[kGemvDepth][kGemvRows];
+#pragma unroll
+        for (int u = 0; u < kGemvDepth; u++) {
+            const int j = base + u * 32 + lane;
+#pragma unroll
+            for (int i = 0; i < kGemvRows; i++) {
+                const bool ok = j < nchunk && wrow[i];
+                w[u][i] = ok ? ld_stream16(wrow[i] + (size_t)j * 16) : make_uint4(0u, 0u, 0u, 0u);
+                sc[u][i] = ok ? (unsigned)__ldg(srow[i] + j) : 0u;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < kGemvDepth; u++) {
+            const int j = base + u * 32 + lane;
+            if (j >= nchunk) break;
+            float part[kGemvRows * NT];
+#pragma unroll
+            for (int i = 0; i < kGemvRows * NT; i++) part[i] = 0.0f;
+#pragma unroll
+            for (int q = 0; q < 4; q++) { /* word q: columns 32 j + 8 q .. + 8 */
+                float v[kGemvRows][8];
+#pragma unroll
+                for (int i = 0; i < kGemvRows; i++) {
+                    const uint4 c = w[u][i];
+                    e2m1x8_tiny(q == 0 ? c.x : q == 1 ? c.y : q == 2 ? c.z : c.w, v[i]);
+                }
+#pragma unroll
+                for (int t = 0; t < NT; t++) {
+                    if (t >= nt) break;
+                    const float4 *xp = reinterpret_cast<const float4 *>(x + (size_t)t * ldx + (size_t)j * 32 + 8 * q);
+                    const float4 x0 = __ldg(xp), x1 = __ldg(xp + 1);
+                    const float xf[8] = {x0.x * xs, x0.y * xs, x0.z * xs, x0.w * xs,
+                                         x1.x * xs, x1.y * xs, x1.z * xs, x1.w * xs};
+#pragma unroll
+                    for (int i = 0; i < kGemvRows; i++)
+#pragma unroll
+                        for (int e = 0; e < 8; e++) part[i * NT + t] = fmaf(v[i][e], xf[e], part[i * NT + t]);
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < kGemvRows; i++) {
+                const float f = e8m0(sc[u][i]);
+#pragma unroll
+                for (int t = 0; t < NT; t++) acc[i * NT + t] = fmaf(part[i * NT + t] * ps, f, acc[i * NT + t]);
+            }
+        }
+    }
+}
+
+template <int NT, bool FUSED>
+__device__ __forceinline__ void moe_gemv_fp4_body(const moe_params &p, const moe_ext &q,
+                                                  const char *const (&wrow)[kGemvRows],
+                                                  const unsigned char *const (&srow)[kGemvRows], int r0,
+                                                  const float *x, float *y, int nt) {
+    float acc[kGemvRows * NT];
+#pragma unroll
+    for (int i = 0; i < kGemvRows * NT; i++) acc[i] = 0.0f;
+    gemv_fp4_accumulate<NT>(wrow, srow, p.cols, x, p.ldx, nt, acc);
+    moe_gemv_store<NT, FUSED>(p, q, acc, r0, y, nt);
+}
+
+/* moe_gemv_kernel for MXFP4 codes [rows, cols / 2] and scales [rows,
+ * cols / 32] (cols % 32 == 0, codes and x 16-byte aligned: host-checked). */
+template <bool FUSED>
+__global__ void __launch_bounds__(kGemvWarps * 32) moe_gemv_fp4_kernel(const moe_params p, const moe_ext q) {
+    const tile_t tl = find_tile(p.exp_off, p.E, p.n_rows, kGemvMaxT);
+    if (tl.e < 0) return;
+    constexpr int RPW = FUSED ? kGemvRows / 2 : kGemvRows;
+    const int r0 = (blockIdx.y * kGemvWarps + (threadIdx.x >> 5)) * RPW;
+    if (r0 >= p.rows) return;
+    const size_t rb = (size_t)p.cols / 2, srb = (size_t)p.cols / KERN_BLOCK;
+    const char *w1 = expert_w(p.W, p.base1, p.stride, tl.e);
+    const char *w3 = FUSED ? expert_w(p.W3, p.base3, p.stride, tl.e) : nullptr;
+    const char *s1 = expert_w(q.S, q.sbase1, q.sstride, tl.e);
+    const char *s3 = FUSED ? expert_w(q.S3, q.sbase3, q.sstride, tl.e) : nullptr;
+    const char *wrow[kGemvRows];
+    const unsigned char *srow[kGemvRows];
+#pragma unroll
+    for (int i = 0; i < kGemvRows; i++) {
+        const int r = r0 + (FUSED ? i % 2 : i);
+        const bool up = FUSED && i >= 2;
+        wrow[i] = r < p.rows ? (up ? w3 : w1) + (size_t)r * rb : nullptr;
+        srow[i] = reinterpret_cast<const unsigned char *>((up ? s3 : s1) + (size_t)(r < p.rows ? r : 0) * srb);
+    }
+    const float *x = p.x + (size_t)tl.m0 * p.ldx;
+    float *y = p.y + (size_t)tl.m0 * p.ldy;
+    if (tl.cnt == 1)
+        moe_gemv_fp4_body<1, FUSED>(p, q, wrow, srow, r0, x, y, 1);
+    else if (tl.cnt == 2)
+        moe_gemv_fp4_body<2, FUSED>(p, q, wrow, srow, r0, x, y, 2);
+    else if (tl.cnt <= 4)
+        moe_gemv_fp4_body<4, FUSED>(p, q, wrow, srow, r0, x, y, tl.cnt);
+    else
+        moe_gemv_fp4_body<8, FUSED>(p, q, wrow, srow, r0, x, y, tl.cnt);
+}
+
+/* 16 MXFP4 codes (8 bytes) and their block's E8M0 scale as 16 bf16 values
+ * at dst (16-byte aligned): (value * 2^-126) * 2^126 * scale is the
+ * CPU's e2m1 * e8m0 product bit for bit, and has at most two significant
+ * bits, so its top 16 bits are its bf16 value exactly. */
+__device__ __forceinline__ void fp4_to_bf16x16(uint2 q, unsigned s, uint16_t *dst) {
+    const float sc = e8m0(s), k = pow2_126();
+    unsigned o[8];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        float v[8];
+        e2m1x8_tiny(h ? q.y : q.x, v);
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+            o[4 * h + e] = __float_as_uint(v[2 * e] * k * sc) >> 16 |
+                           (__float_as_uint(v[2 * e + 1] * k * sc) & 0xffff0000u);
+    }
+    *reinterpret_cast<uint4 *>(dst) = make_uint4(o[0], o[1], o[2], o[3]);
+    *reinterpret_cast<uint4 *>(dst + 8) = make_uint4(o[4], o[5], o[6], o[7]);
 }
 
 /*
@@ -410,9 +634,13 @@ __global__ void __launch_bounds__(kGemvWarps * 32) moe_gemv_kernel(const moe_par
  * in). Warp w owns the 32 x 32 quarter (w / 2, w % 2): 2 x 2 WMMA 16x16x16
  * accumulators per weight matrix. Needs cols % 8 == 0, ldx % 4 == 0, x and
  * every W_e 16-byte aligned (checked on the host, W_e by contract).
+ * FP4: the weights are MXFP4 codes (cols % 32 == 0, so a k step is one
+ * scale block): thread tid fetches 8 bytes (16 codes) of row tid / 2 and
+ * that row's scale byte, and dequantises them exactly to bf16 on the way
+ * into shared memory; the rest is the bf16 kernel.
  */
-template <bool EXACT, bool FUSED>
-__global__ void __launch_bounds__(kTcThreads) moe_tc_kernel(const moe_params p) {
+template <bool EXACT, bool FUSED, bool FP4>
+__global__ void __launch_bounds__(kTcThreads) moe_tc_kernel(const moe_params p, const moe_ext q) {
     using namespace nvcuda;
     const tile_t tl = find_tile(p.exp_off, p.E, p.n_rows, kTcM);
     if (tl.e < 0) return; /* CTA-uniform */
@@ -424,14 +652,20 @@ __global__ void __launch_bounds__(kTcThreads) moe_tc_kernel(const moe_params p) 
     uint16_t *w1s = xl + kTile, *w3s = w1s + kTile;
     const int tid = threadIdx.x, warp = tid >> 5, wm = warp >> 1, wn = warp & 1;
     const int n0 = blockIdx.y * kTcN;
-    const size_t rb = (size_t)p.cols * 2;
+    const size_t rb = FP4 ? (size_t)p.cols / 2 : (size_t)p.cols * 2;
     const char *W1 = expert_w(p.W, p.base1, p.stride, tl.e);
     const char *W3 = FUSED ? expert_w(p.W3, p.base3, p.stride, tl.e) : nullptr;
+    const char *S1 = FP4 ? expert_w(q.S, q.sbase1, q.sstride, tl.e) : nullptr;
+    const char *S3 = FP4 && FUSED ? expert_w(q.S3, q.sbase3, q.sstride, tl.e) : nullptr;
+    const size_t srb = (size_t)p.cols / KERN_BLOCK;
 
     /* per thread: 4 float4 of x (row idx / 8, column 4 (idx % 8)) and 2
-     * 16-byte chunks of each weight (row idx / 4, column 8 (idx % 4)) */
+     * 16-byte chunks of each weight (row idx / 4, column 8 (idx % 4)); FP4:
+     * 8 bytes of codes (row tid / 2, columns 16 (tid % 2)) and a scale */
     float4 xr[4];
     uint4 w1r[2], w3r[2];
+    uint2 q1r, q3r;
+    unsigned s1r = 0, s3r = 0;
     auto fetch = [&](int k0) {
 #pragma unroll
         for (int q = 0; q < 4; q++) {
@@ -440,13 +674,26 @@ __global__ void __launch_bounds__(kTcThreads) moe_tc_kernel(const moe_params p) 
                         ? __ldg(reinterpret_cast<const float4 *>(p.x + (size_t)(tl.m0 + r) * p.ldx + c))
                         : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         }
+        if constexpr (FP4) {
+            const int r = tid >> 1;
+            const bool ok = n0 + r < p.rows; /* k0 < cols and cols % 32 == 0 */
+            const size_t off = (size_t)(n0 + r) * rb + (size_t)k0 / 2 + 8 * (tid & 1);
+            const size_t soff = (size_t)(n0 + r) * srb + (size_t)k0 / KERN_BLOCK;
+            q1r = ok ? ld_stream8(W1 + off) : make_uint2(0u, 0u);
+            s1r = ok ? (unsigned)__ldg(reinterpret_cast<const unsigned char *>(S1) + soff) : 0u;
+            if (FUSED) {
+                q3r = ok ? ld_stream8(W3 + off) : make_uint2(0u, 0u);
+                s3r = ok ? (unsigned)__ldg(reinterpret_cast<const unsigned char *>(S3) + soff) : 0u;
+            }
+        } else {
 #pragma unroll
-        for (int q = 0; q < 2; q++) {
-            const int idx = tid + q * kTcThreads, r = idx >> 2, c = k0 + 8 * (idx & 3);
-            const bool ok = n0 + r < p.rows && c < p.cols;
-            const size_t off = (size_t)(n0 + r) * rb + (size_t)c * 2;
-            w1r[q] = ok ? ld_stream16(W1 + off) : make_uint4(0u, 0u, 0u, 0u);
-            if (FUSED) w3r[q] = ok ? ld_stream16(W3 + off) : make_uint4(0u, 0u, 0u, 0u);
+            for (int q = 0; q < 2; q++) {
+                const int idx = tid + q * kTcThreads, r = idx >> 2, c = k0 + 8 * (idx & 3);
+                const bool ok = n0 + r < p.rows && c < p.cols;
+                const size_t off = (size_t)(n0 + r) * rb + (size_t)c * 2;
+                w1r[q] = ok ? ld_stream16(W1 + off) : make_uint4(0u, 0u, 0u, 0u);
+                if (FUSED) w3r[q] = ok ? ld_stream16(W3 + off) : make_uint4(0u, 0u, 0u, 0u);
+            }
         }
     };
     auto stash = [&]() {
@@ -464,11 +711,17 @@ __global__ void __launch_bounds__(kTcThreads) moe_tc_kernel(const moe_params p) 
             if (EXACT)
                 *reinterpret_cast<uint2 *>(xl + r * kTcLd + c) = make_uint2(l[0] | l[1] << 16, l[2] | l[3] << 16);
         }
+        if constexpr (FP4) {
+            const int off = (tid >> 1) * kTcLd + 16 * (tid & 1);
+            fp4_to_bf16x16(q1r, s1r, w1s + off);
+            if (FUSED) fp4_to_bf16x16(q3r, s3r, w3s + off);
+        } else {
 #pragma unroll
-        for (int q = 0; q < 2; q++) {
-            const int idx = tid + q * kTcThreads, r = idx >> 2, c = 8 * (idx & 3);
-            *reinterpret_cast<uint4 *>(w1s + r * kTcLd + c) = w1r[q];
-            if (FUSED) *reinterpret_cast<uint4 *>(w3s + r * kTcLd + c) = w3r[q];
+            for (int q = 0; q < 2; q++) {
+                const int idx = tid + q * kTcThreads, r = idx >> 2, c = 8 * (idx & 3);
+                *reinterpret_cast<uint4 *>(w1s + r * kTcLd + c) = w1r[q];
+                if (FUSED) *reinterpret_cast<uint4 *>(w3s + r * kTcLd + c) = w3r[q];
+            }
         }
     };
 
@@ -532,7 +785,7 @@ __global__ void __launch_bounds__(kTcThreads) moe_tc_kernel(const moe_params p) 
         const int m = idx / kTcN, n = idx % kTcN;
         if (m >= tl.cnt || n0 + n >= p.rows) continue;
         float v = o1[m * kTcOutLd + n];
-        if (FUSED) v = v * sigm(v) * o3[m * kTcOutLd + n];
+        if (FUSED) v = gate_act(q, v, o3[m * kTcOutLd + n]);
         p.y[(size_t)(tl.m0 + m) * p.ldy + n0 + n] = v;
     }
 }
@@ -788,36 +1041,69 @@ extern "C" kds_status kern_cuda_moe_experts(const kern_cuda_moe_experts_args *a,
     if (a->E < 1 || a->rows < 1 || a->cols < 1 || a->n_rows < 0 || a->ldx < a->cols || a->ldy < a->rows)
         return kern_cuda__err(err, KDS_INVALID_ARG, "moe experts: E=%d rows=%d cols=%d n_rows=%d ldx=%d ldy=%d",
                               a->E, a->rows, a->cols, a->n_rows, a->ldx, a->ldy);
-    if (a->w_dtype != KERN_F32 && a->w_dtype != KERN_BF16)
-        return kern_cuda__err(err, KDS_INVALID_ARG, "moe experts: weight dtype %d (need F32 or BF16)",
+    if (a->w_dtype != KERN_F32 && a->w_dtype != KERN_BF16 && a->w_dtype != KERN_MXFP4)
+        return kern_cuda__err(err, KDS_INVALID_ARG, "moe experts: weight dtype %d (need F32, BF16 or MXFP4)",
                               (int)a->w_dtype);
     if (a->mode != KERN_CUDA_GEMM_EXACT && a->mode != KERN_CUDA_GEMM_BF16)
         return kern_cuda__err(err, KDS_INVALID_ARG, "moe experts: mode %d (need EXACT or BF16)", (int)a->mode);
     if (a->algo != KERN_CUDA_MOE_AUTO && a->algo != KERN_CUDA_MOE_GEMV && a->algo != KERN_CUDA_MOE_TENSOR)
         return kern_cuda__err(err, KDS_INVALID_ARG, "moe experts: algo %d", (int)a->algo);
+    if (a->act != KERN_CUDA_MOE_SWIGLU && a->act != KERN_CUDA_MOE_SITU)
+        return kern_cuda__err(err, KDS_INVALID_ARG, "moe experts: act %d (need SWIGLU or SITU)", (int)a->act);
+    const bool fp4 = a->w_dtype == KERN_MXFP4;
+    if (fp4 && a->cols % KERN_BLOCK)
+        return kern_cuda__err(err, KDS_INVALID_ARG, "moe experts: MXFP4 needs cols %% %d == 0 (cols %d)",
+                              KERN_BLOCK, a->cols);
+    const bool table = a->W != NULL;
+    const bool fused = table ? a->W3 != NULL : a->W3_base != NULL;
+    if (a->act == KERN_CUDA_MOE_SITU) {
+        if (!fused)
+            return kern_cuda__err(err, KDS_INVALID_ARG, "moe experts: act SITU needs the fused form (W3 or W3_base)");
+        if (!(a->situ_beta > 0.0f && a->situ_beta < INFINITY) || !(a->situ_beta_l > 0.0f && a->situ_beta_l < INFINITY))
+            return kern_cuda__err(err, KDS_INVALID_ARG, "moe experts: situ_beta=%g situ_beta_l=%g (need positive, finite)",
+                                  (double)a->situ_beta, (double)a->situ_beta_l);
+    }
     if (a->n_rows == 0) return KDS_OK;
     if ((!a->W && !a->W_base) || !a->exp_off || !a->x || !a->y)
         return kern_cuda__err(err, KDS_INVALID_ARG, "moe experts: NULL W (and W_base), exp_off, x or y device pointer");
-    const bool table = a->W != NULL;
-    const bool fused = table ? a->W3 != NULL : a->W3_base != NULL;
-    const size_t mat_bytes = (size_t)a->rows * a->cols * (a->w_dtype == KERN_BF16 ? 2 : 4);
+    const size_t scale_bytes = (size_t)a->rows * (size_t)(a->cols / KERN_BLOCK);
+    if (fp4 && (table ? !a->S || (fused && !a->S3) : !a->S_base || (fused && !a->S3_base)))
+        return kern_cuda__err(err, KDS_INVALID_ARG, "moe experts: MXFP4 without its scales (%s)",
+                              table ? "S / S3 tables for W / W3" : "S_base / S3_base for W_base / W3_base");
+    if (fp4 && !table && a->s_stride < scale_bytes)
+        return kern_cuda__err(err, KDS_INVALID_ARG, "moe experts: s_stride %zu below one matrix's scales (%zu bytes)",
+                              a->s_stride, scale_bytes);
+    const size_t mat_bytes = fp4 ? (size_t)a->rows * (a->cols / 2)
+                                 : (size_t)a->rows * a->cols * (a->w_dtype == KERN_BF16 ? 2 : 4);
     if (!table && a->w_stride < mat_bytes)
         return kern_cuda__err(err, KDS_INVALID_ARG, "moe experts: w_stride %zu below one matrix (%zu bytes)",
                               a->w_stride, mat_bytes);
     const bool bf16 = a->w_dtype == KERN_BF16;
-    const bool vec = aligned16(a->x) && a->ldx % 4 == 0 && a->cols % (bf16 ? 8 : 4) == 0 &&
+    const bool vec = aligned16(a->x) && a->ldx % 4 == 0 && a->cols % (fp4 ? KERN_BLOCK : bf16 ? 8 : 4) == 0 &&
                      (table || (aligned16(a->W_base) && aligned16(a->W3_base) && a->w_stride % 16 == 0));
-    const bool tc_ok = bf16 && vec;
+    if (fp4 && !vec)
+        return kern_cuda__err(err, KDS_UNSUPPORTED,
+                              "moe experts: MXFP4 needs 16-byte aligned x (ldx %% 4 == 0), code bases and w_stride "
+                              "(ldx %d, w_stride %zu)",
+                              a->ldx, a->w_stride);
+    const bool tc_ok = (bf16 || fp4) && vec;
     bool tc = a->algo == KERN_CUDA_MOE_TENSOR;
     if (tc && !tc_ok)
         return kern_cuda__err(err, KDS_UNSUPPORTED,
-                              "moe experts: tensor-core path needs bf16 weights, cols %% 8 == 0, ldx %% 4 == 0 "
+                              "moe experts: tensor-core path needs bf16 or MXFP4 weights, cols %% 8 == 0, ldx %% 4 == 0 "
                               "and 16-byte aligned x, bases and stride (dtype %d, cols %d, ldx %d, stride %zu)",
                               (int)a->w_dtype, a->cols, a->ldx, a->w_stride);
     if (a->algo == KERN_CUDA_MOE_AUTO) tc = tc_ok && a->n_rows > 2 * a->E;
     const moe_params p = {table ? a->W : nullptr, table ? a->W3 : nullptr,
                           static_cast<const char *>(a->W_base), static_cast<const char *>(a->W3_base),
                           a->w_stride, a->exp_off, a->E, a->rows, a->cols, a->n_rows, a->x, a->ldx, a->y, a->ldy};
+    moe_ext q = {nullptr, nullptr, nullptr, nullptr, 0, a->act == KERN_CUDA_MOE_SITU ? 1 : 0, a->situ_beta,
+                 a->situ_beta_l};
+    if (fp4) {
+        q.S = table ? a->S : nullptr, q.S3 = table ? a->S3 : nullptr;
+        q.sbase1 = static_cast<const char *>(a->S_base), q.sbase3 = static_cast<const char *>(a->S3_base);
+        q.sstride = a->s_stride;
+    }
     const cudaStream_t st = kern_cuda__stream(stream);
     /* tiles: sum_e ceil(n_e / BM) <= n_rows / BM + (experts with rows), and <= n_rows */
     const int active = a->E < a->n_rows ? a->E : a->n_rows;
@@ -827,14 +1113,25 @@ extern "C" kds_status kern_cuda_moe_experts(const kern_cuda_moe_experts_args *a,
         if (grid.y > 65535)
             return kern_cuda__err(err, KDS_UNSUPPORTED, "moe experts: rows=%d exceed one launch", a->rows);
         const bool exact = a->mode == KERN_CUDA_GEMM_EXACT;
-        if (exact && fused)
-            moe_tc_kernel<true, true><<<grid, kTcThreads, 0, st>>>(p);
-        else if (exact)
-            moe_tc_kernel<true, false><<<grid, kTcThreads, 0, st>>>(p);
-        else if (fused)
-            moe_tc_kernel<false, true><<<grid, kTcThreads, 0, st>>>(p);
-        else
-            moe_tc_kernel<false, false><<<grid, kTcThreads, 0, st>>>(p);
+        if (fp4) {
+            if (exact && fused)
+                moe_tc_kernel<true, true, true><<<grid, kTcThreads, 0, st>>>(p, q);
+            else if (exact)
+                moe_tc_kernel<true, false, true><<<grid, kTcThreads, 0, st>>>(p, q);
+            else if (fused)
+                moe_tc_kernel<false, true, true><<<grid, kTcThreads, 0, st>>>(p, q);
+            else
+                moe_tc_kernel<false, false, true><<<grid, kTcThreads, 0, st>>>(p, q);
+        } else {
+            if (exact && fused)
+                moe_tc_kernel<true, true, false><<<grid, kTcThreads, 0, st>>>(p, q);
+            else if (exact)
+                moe_tc_kernel<true, false, false><<<grid, kTcThreads, 0, st>>>(p, q);
+            else if (fused)
+                moe_tc_kernel<false, true, false><<<grid, kTcThreads, 0, st>>>(p, q);
+            else
+                moe_tc_kernel<false, false, false><<<grid, kTcThreads, 0, st>>>(p, q);
+        }
         return kern_cuda__status(cudaGetLastError(), err, "moe experts: tensor-core launch");
     }
     const int rpw = fused ? kGemvRows / 2 : kGemvRows;
@@ -843,21 +1140,25 @@ extern "C" kds_status kern_cuda_moe_experts(const kern_cuda_moe_experts_args *a,
                     (unsigned)((a->rows + kGemvWarps * rpw - 1) / (kGemvWarps * rpw)));
     if (grid.y > 65535)
         return kern_cuda__err(err, KDS_UNSUPPORTED, "moe experts: rows=%d exceed one launch", a->rows);
-    if (bf16 && vec && fused)
-        moe_gemv_kernel<true, true, true><<<grid, kGemvWarps * 32, 0, st>>>(p);
+    if (fp4 && fused)
+        moe_gemv_fp4_kernel<true><<<grid, kGemvWarps * 32, 0, st>>>(p, q);
+    else if (fp4)
+        moe_gemv_fp4_kernel<false><<<grid, kGemvWarps * 32, 0, st>>>(p, q);
+    else if (bf16 && vec && fused)
+        moe_gemv_kernel<true, true, true><<<grid, kGemvWarps * 32, 0, st>>>(p, q);
     else if (bf16 && vec)
-        moe_gemv_kernel<true, true, false><<<grid, kGemvWarps * 32, 0, st>>>(p);
+        moe_gemv_kernel<true, true, false><<<grid, kGemvWarps * 32, 0, st>>>(p, q);
     else if (bf16 && fused)
-        moe_gemv_kernel<true, false, true><<<grid, kGemvWarps * 32, 0, st>>>(p);
+        moe_gemv_kernel<true, false, true><<<grid, kGemvWarps * 32, 0, st>>>(p, q);
     else if (bf16)
-        moe_gemv_kernel<true, false, false><<<grid, kGemvWarps * 32, 0, st>>>(p);
+        moe_gemv_kernel<true, false, false><<<grid, kGemvWarps * 32, 0, st>>>(p, q);
     else if (vec && fused)
-        moe_gemv_kernel<false, true, true><<<grid, kGemvWarps * 32, 0, st>>>(p);
+        moe_gemv_kernel<false, true, true><<<grid, kGemvWarps * 32, 0, st>>>(p, q);
     else if (vec)
-        moe_gemv_kernel<false, true, false><<<grid, kGemvWarps * 32, 0, st>>>(p);
+        moe_gemv_kernel<false, true, false><<<grid, kGemvWarps * 32, 0, st>>>(p, q);
     else if (fused)
-        moe_gemv_kernel<false, false, true><<<grid, kGemvWarps * 32, 0, st>>>(p);
+        moe_gemv_kernel<false, false, true><<<grid, kGemvWarps * 32, 0, st>>>(p, q);
     else
-        moe_gemv_kernel<false, false, false><<<grid, kGemvWarps * 32, 0, st>>>(p);
+        moe_gemv_kernel<false, false, false><<<grid, kGemvWarps * 32, 0, st>>>(p, q);
     return kern_cuda__status(cudaGetLastError(), err, "moe experts: GEMV launch");
 }

@@ -23,7 +23,10 @@
  *   - the smaller kernels: gated RMSNorm, MoE routing, sampling;
  *   - the matrix products (--gemm): kern_cuda_matmul at Kimi's q_proj,
  *     o_proj, lm_head for T = 1, 8, 64, 4096 and the grouped experts
- *     (top-8 of 256) at T = 1, 64, 4096, GB/s and TFLOP/s, both modes.
+ *     (top-8 of 256) at T = 1, 64, 4096, GB/s and TFLOP/s, both modes;
+ *     Kimi K3's MXFP4 routed experts (top-16 of 896, w1 | w3 [3072, 3584]
+ *     fused with SiTU, w2 [3584, 3072]; 15.7 GB of codes and scales) at
+ *     T = 1, 8, 64 (GEMV) and 4096 (tensor cores).
  * Method: inputs filled on the GPU with random values (never zeros), a
  * warm-up, then repeats; before each timed run a 2 GiB fill is queued so the
  * host enqueues the timed launches while the GPU is still busy (no host gaps
@@ -417,6 +420,8 @@ static void run_experts(void *ctx) {
     KS(kern_cuda_moe_experts(&((gemm_run *)ctx)->m, NULL, ERR));
 }
 
+static void bench_mxfp4_experts(int quick);
+
 /* GB/s of weights + activations and TFLOP/s (2 per multiply-add) of
  * kern_cuda_matmul at Kimi-48B's projections and of the grouped experts
  * (top-8 of 256, random routing), in both precision modes where it matters. */
@@ -527,6 +532,85 @@ static void bench_gemm(int quick) {
     void *f[] = {wexp, lg, selw, sel, row, tok, off, xg, hb, yg};
     for (size_t i = 0; i < sizeof f / sizeof f[0]; i++) CK(cudaFree(f[i]));
     kern_cuda_gemm_ctx_free(ctx);
+    bench_mxfp4_experts(quick);
+}
+
+/* Kimi K3's routed experts: MXFP4 codes [E][w1 | w3 | w2] and their
+ * E8M0 scales [E][s1 | s3 | s2] stacked, top-16 of 896 by random routing,
+ * the gate/up product fused with SiTU. All 896 experts are resident
+ * (15.7 GB), so the active ones come from HBM as in serving. GB/s counts
+ * the active experts' codes + scales once per call. */
+static void bench_mxfp4_experts(int quick) {
+    const int reps = g_tiny ? 1 : quick ? 5 : 15;
+    const int E = g_tiny ? 8 : 896, k = g_tiny ? 2 : 16;
+    const int inner = g_tiny ? 64 : 3072, hid = g_tiny ? 96 : 3584; /* moe_intermediate, latent */
+    const int Te[] = {1, 8, 64, 4096}, Tetiny[] = {1, 4, 8, 32};
+    const size_t mat = (size_t)inner * (hid / 2), mat2 = (size_t)hid * (inner / 2); /* code bytes */
+    const size_t sc = (size_t)inner * (hid / 32), sc2 = (size_t)hid * (inner / 32);  /* scale bytes */
+    const size_t stride = 2 * mat + mat2, sstride = 2 * sc + sc2;
+    char *codes = dalloc(stride * E), *scales = dalloc(sstride * E);
+    fill(codes, KERN_BF16, stride / 2 * E, -1, 1, 91); /* any bytes are valid E2M1 codes */
+    CK(cudaMemset(scales, 127, sstride * E));         /* 2^0: finite products */
+    const int Tmax = g_tiny ? 32 : 4096;
+    float *lg = dalloc((size_t)Tmax * E * 4), *selw = dalloc((size_t)Tmax * k * 4);
+    int32_t *sel = dalloc((size_t)Tmax * k * 4), *row = dalloc((size_t)Tmax * k * 4);
+    int32_t *tok = dalloc((size_t)Tmax * k * 4), *off = dalloc((size_t)(E + 1) * 4);
+    float *xg = dalloc((size_t)Tmax * k * hid * 4), *hb = dalloc((size_t)Tmax * k * inner * 4);
+    float *yg = dalloc((size_t)Tmax * k * hid * 4);
+    fill(lg, KERN_F32, (size_t)Tmax * E, -4, 4, 92);
+    fill(xg, KERN_F32, (size_t)Tmax * k * hid, -1, 1, 93);
+    int32_t *h_off = malloc((size_t)(E + 1) * 4);
+    printf("### Kimi K3 routed experts (kern_cuda_moe_experts: MXFP4, top-%d of %d, random routing, "
+           "w1 | w3 [%d x %d] + SiTU, w2 [%d x %d], stacked)\n\n",
+           k, E, inner, hid, hid, inner);
+    printf("| T | rows (T*k) | active experts | product | path | µs (median) | GB/s (active codes + "
+           "scales) | TFLOP/s |\n|---|---|---|---|---|---|---|---|\n");
+    for (int ti = 0; ti < 4; ti++) {
+        const int T = g_tiny ? Tetiny[ti] : Te[ti], n = T * k;
+        kern_cuda_moe_route_args ra = {
+            .p = {.n_experts = E, .top_k = k, .n_group = 1, .topk_group = 1, .renormalize = 1,
+                  .routed_scaling_factor = 1.0f},
+            .T = T, .logits = lg, .apply_sigmoid = true, .sel = sel, .w = selw, .exp_off = off,
+            .row_of = row, .tok_of = tok};
+        KS(kern_cuda_moe_route(&ra, NULL, ERR));
+        CK(cudaMemcpy(h_off, off, (size_t)(E + 1) * 4, cudaMemcpyDeviceToHost));
+        int active = 0;
+        for (int e = 0; e < E; e++) active += h_off[e + 1] > h_off[e];
+        const int tc = n > 2 * E; /* what KERN_CUDA_MOE_AUTO picks */
+        for (int mode = 0; mode < 2; mode++) {
+            if (!tc && mode) continue;
+            for (int prod = 0; prod < 2; prod++) {
+                gemm_run g = {.m = {.E = E, .w_dtype = KERN_MXFP4, .w_stride = stride,
+                                    .exp_off = off, .n_rows = n, .mode = mode,
+                                    .algo = KERN_CUDA_MOE_AUTO, .s_stride = sstride}};
+                if (prod == 0) { /* w1 | w3 fused with SiTU: [inner, hid] each */
+                    g.m.rows = inner, g.m.cols = hid;
+                    g.m.W_base = codes, g.m.W3_base = codes + mat;
+                    g.m.S_base = scales, g.m.S3_base = scales + sc;
+                    g.m.act = KERN_CUDA_MOE_SITU, g.m.situ_beta = 4.0f, g.m.situ_beta_l = 25.0f;
+                    g.m.x = xg, g.m.ldx = hid, g.m.y = hb, g.m.ldy = inner;
+                } else { /* w2: [hid, inner] */
+                    g.m.rows = hid, g.m.cols = inner;
+                    g.m.W_base = codes + 2 * mat, g.m.S_base = scales + 2 * sc;
+                    g.m.x = hb, g.m.ldx = inner, g.m.y = yg, g.m.ldy = hid;
+                }
+                const double us = time_us(run_experts, &g, reps);
+                const double wbytes = (double)active * (prod == 0 ? 2.0 * (mat + sc) : (double)(mat2 + sc2));
+                const double flop = 2.0 * n * (double)inner * hid * (prod == 0 ? 2 : 1);
+                printf("| %d | %d | %d | %s | %s | %.2f | %.0f | %.2f |\n", T, n, active,
+                       prod == 0 ? "w1+w3 fused (SiTU)" : "w2",
+                       tc ? (mode ? "tensor BF16" : "tensor EXACT") : "GEMV", us,
+                       wbytes / (us * 1e-6) / 1e9, flop / (us * 1e-6) / 1e12);
+                fflush(stdout);
+            }
+        }
+    }
+    printf("\nTargets: the MXFP4 GEMV at T = 1 near 4.3 TB/s of codes + scales (~0.53 bytes per "
+           "weight: 16 experts are 280 MB, ~65 µs per layer); it decodes each code once for all "
+           "the chunk's rows, so it turns issue-bound as rows per expert grow (README).\n\n");
+    free(h_off);
+    void *f[] = {codes, scales, lg, selw, sel, row, tok, off, xg, hb, yg};
+    for (size_t i = 0; i < sizeof f / sizeof f[0]; i++) CK(cudaFree(f[i]));
 }
 
 /* --once T: one run of each kernel of interest, for ncu. */
