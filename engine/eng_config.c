@@ -347,9 +347,13 @@ static void validate(reader *r, const eng_config *c) {
     if (c->num_experts < 0)
         fail(r, KDS_INVALID_ARG, "num_experts must not be negative (got %d)", c->num_experts);
     if (c->num_experts > 0) validate_moe(r, c);
-    if (c->hidden_act == ENG_ACT_SITU && (!(c->situ_beta > 0.0f) || !(c->situ_linear_beta > 0.0f)))
+    /* the kernels divide by them (CPU and GPU): finite and positive */
+    if (c->hidden_act == ENG_ACT_SITU &&
+        (!(c->situ_beta > 0.0f && isfinite(c->situ_beta)) ||
+         !(c->situ_linear_beta > 0.0f && isfinite(c->situ_linear_beta))))
         fail(r, KDS_INVALID_ARG,
-             "activation_situ_beta and activation_situ_linear_beta must be positive (got %g, %g)",
+             "activation_situ_beta and activation_situ_linear_beta must be positive and finite "
+             "(got %g, %g)",
              (double)c->situ_beta, (double)c->situ_linear_beta);
     need_nonneg(r, "attn_res_block_size", c->attn_res_block_size);
     /* the mix takes at most 64 candidates: 63 snapshots and the partial */

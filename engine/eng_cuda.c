@@ -50,10 +50,15 @@
 #define ENG_CUDA_CTX_BUCKETS 32
 
 /* An MoE layer's routed experts on the device: expert e's w1 at
- * base + e * stride, its w3 at + w3_off, its w2 at + w2_off. */
+ * base + e * stride, its w3 at + w3_off, its w2 at + w2_off. Block formats
+ * (MXFP4) keep their scales apart, likewise: expert e's w1 scales at
+ * sbase + e * s_stride, w3's at + s3_off, w2's at + s2_off (sbase NULL for
+ * element formats). */
 typedef struct dbank {
     const void *base;
     size_t stride, w3_off, w2_off;
+    const void *sbase;
+    size_t s_stride, s3_off, s2_off;
 } dbank;
 
 struct eng_cuda {
@@ -149,10 +154,15 @@ static int lazy_logits(const eng_model *m) { return m->cfg.vocab_size % 4 == 0; 
 static bool cuda_supports(const eng_model *m, const eng_op_query *q, kds_err *why) {
     eng_dims d;
     eng__dims(&m->cfg, &d);
-    if (q->w && q->w->rows > 0 && q->w->dt != KERN_F32 && q->w->dt != KERN_BF16) {
+    /* bf16 and f32 everywhere; MXFP4 for the routed experts (the grouped
+     * products read its codes and scales) */
+    const bool mxfp4_experts = q->op == ENG_OP_MOE_EXPERTS && q->w && q->w->dt == KERN_MXFP4;
+    if (q->w && q->w->rows > 0 && q->w->dt != KERN_F32 && q->w->dt != KERN_BF16 && !mxfp4_experts) {
         kds_err_set(why, KDS_UNSUPPORTED,
-                    "device 'cuda': %s weights are not supported yet (bf16 or f32 only; use "
-                    "--device cpu)", kern_dtype_name(q->w->dt));
+                    "device 'cuda': %s weights (%s) are not supported on the GPU (bf16 or f32, "
+                    "and MXFP4 for routed experts; use --device cpu, or `kdaserve quantize "
+                    "--experts mxfp4`)", kern_dtype_name(q->w->dt),
+                    q->op == ENG_OP_MOE_EXPERTS ? "routed experts" : "a dense product");
         return false;
     }
     switch (q->op) {
@@ -184,19 +194,17 @@ static bool cuda_supports(const eng_model *m, const eng_op_query *q, kds_err *wh
                     "(at most 32 of 1024; use --device cpu)", k, E);
         return false;
     }
-    case ENG_OP_GLU:
-    case ENG_OP_MOE_EXPERTS:
-        if (m->cfg.hidden_act == ENG_ACT_SILU) return true;
+    case ENG_OP_ATTN_RES: {
+        /* the mix's candidates: every block's snapshot and the partial */
+        const int bs = m->cfg.attn_res_block_size, L = m->cfg.num_hidden_layers;
+        const int slabs = bs > 0 ? (L + bs - 1) / bs + 1 : 0;
+        if (d.hidden <= KERN_CUDA_ATTN_RES_MAX_D && slabs <= 64) return true;
         kds_err_set(why, KDS_UNSUPPORTED,
-                    "device 'cuda': the SiTU activation (Kimi K3) has no GPU kernel yet (use "
-                    "--device cpu)");
+                    "device 'cuda': Block Attention Residuals over %d candidates of width %d are "
+                    "beyond the GPU kernel (at most 64 of width %d; use --device cpu)", slabs,
+                    d.hidden, KERN_CUDA_ATTN_RES_MAX_D);
         return false;
-    case ENG_OP_SIGMOID_MUL:
-    case ENG_OP_ATTN_RES:
-        kds_err_set(why, KDS_UNSUPPORTED,
-                    "device 'cuda': %s (Kimi K3) has no GPU kernel yet (use --device cpu)",
-                    q->op == ENG_OP_ATTN_RES ? "Block Attention Residuals" : "MLA's output gate");
-        return false;
+    }
     case ENG_OP_SAMPLE: {
         const eng_sampler_params *p = q->sampler;
         const int V = m->cfg.vocab_size;
@@ -330,39 +338,62 @@ fail:
 /* A matrix onto the device at `at`: copied as stored, or made there for a
  * generated model (w->data NULL: kern_cuda_gen_normal, the values gen-model
  * writes). */
-static kds_status put_w(eng_cuda *g, const eng_weight *w, void *at, kds_err *err) {
+static kds_status put_w(eng_cuda *g, const eng_weight *w, void *at, void *scales_at,
+                        kds_err *err) {
     const kern_layout l = kern_weight_layout(w->dt, w->rows, w->cols);
-    if (!w->data)
+    if (!w->data) {
+        if (kern_dtype_is_block(w->dt))
+            return kds_err_set(err, KDS_UNSUPPORTED,
+                               "device 'cuda': a generated %s weight cannot be made on the GPU",
+                               kern_dtype_name(w->dt));
         return kern_cuda_gen_normal(at, w->dt, (size_t)w->rows * w->cols, w->gen_key, w->gen_sd,
                                     g->stream, err);
-    return kern_cuda_memcpy_h2d(at, w->data, l.data_bytes, g->stream, err);
+    }
+    kds_status rc = kern_cuda_memcpy_h2d(at, w->data, l.data_bytes, g->stream, err);
+    if (rc == KDS_OK && l.scale_bytes)
+        rc = kern_cuda_memcpy_h2d(scales_at, w->scales, l.scale_bytes, g->stream, err);
+    return rc;
 }
+
+/* Bytes rounded up to 16: block-format codes are read 16 bytes at a time. */
+static size_t align16(size_t n) { return (n + 15) & ~(size_t)15; }
 
 /* The routed experts of one MoE layer, [E][w1 | w3 | w2] in one buffer:
  * few allocations for the 48B's 20,736 expert matrices, and one base +
  * stride for the grouped products. */
 static kds_status load_bank(eng_cuda *g, const eng_ffn_weights *f, kds_err *err) {
     const int E = g->m->cfg.num_experts;
-    const size_t b1 = kern_weight_layout(f->w1[0].dt, f->w1[0].rows, f->w1[0].cols).data_bytes;
-    const size_t b3 = kern_weight_layout(f->w3[0].dt, f->w3[0].rows, f->w3[0].cols).data_bytes;
-    const size_t b2 = kern_weight_layout(f->w2[0].dt, f->w2[0].rows, f->w2[0].cols).data_bytes;
-    for (int e = 1; e < E; e++)
-        if (f->w1[e].dt != f->w1[0].dt || f->w3[e].dt != f->w3[0].dt || f->w2[e].dt != f->w2[0].dt)
+    const kern_dtype dt = f->w1[0].dt;
+    for (int e = 0; e < E; e++)
+        if (f->w1[e].dt != dt || f->w3[e].dt != dt || f->w2[e].dt != dt)
             return kds_err_set(err, KDS_UNSUPPORTED,
                                "device 'cuda': the experts of MoE layer %d are stored in "
                                "different formats", f->bank);
-    void *arena;
+    const kern_layout l1 = kern_weight_layout(dt, f->w1[0].rows, f->w1[0].cols);
+    const kern_layout l3 = kern_weight_layout(dt, f->w3[0].rows, f->w3[0].cols);
+    const kern_layout l2 = kern_weight_layout(dt, f->w2[0].rows, f->w2[0].cols);
+    const bool block = kern_dtype_is_block(dt);
+    /* element formats keep their packed layout of before (bit-identical
+     * banks); block codes start on 16 bytes */
+    const size_t b1 = block ? align16(l1.data_bytes) : l1.data_bytes;
+    const size_t b3 = block ? align16(l3.data_bytes) : l3.data_bytes;
+    const size_t b2 = block ? align16(l2.data_bytes) : l2.data_bytes;
+    const size_t s1 = l1.scale_bytes, s3 = l3.scale_bytes, s2 = l2.scale_bytes;
+    void *arena, *sarena = NULL;
     kds_status rc = dalloc(g, &arena, (size_t)E * (b1 + b3 + b2), err);
+    if (rc == KDS_OK && block) rc = dalloc(g, &sarena, (size_t)E * (s1 + s3 + s2), err);
     if (rc != KDS_OK) return rc;
-    g->banks[f->bank] = (dbank){arena, b1 + b3 + b2, b1, b1 + b3};
+    g->banks[f->bank] = (dbank){arena, b1 + b3 + b2, b1, b1 + b3,
+                                sarena, s1 + s3 + s2, s1, s1 + s3};
     for (int e = 0; e < E && rc == KDS_OK; e++) {
         char *at = (char *)arena + (size_t)e * (b1 + b3 + b2);
+        char *sat = sarena ? (char *)sarena + (size_t)e * (s1 + s3 + s2) : NULL;
         g->dev_w[f->w1[e].id] = at;
         g->dev_w[f->w3[e].id] = at + b1;
         g->dev_w[f->w2[e].id] = at + b1 + b3;
-        if ((rc = put_w(g, &f->w1[e], at, err)) == KDS_OK &&
-            (rc = put_w(g, &f->w3[e], at + b1, err)) == KDS_OK)
-            rc = put_w(g, &f->w2[e], at + b1 + b3, err);
+        if ((rc = put_w(g, &f->w1[e], at, sat, err)) == KDS_OK &&
+            (rc = put_w(g, &f->w3[e], at + b1, sat ? sat + s1 : NULL, err)) == KDS_OK)
+            rc = put_w(g, &f->w2[e], at + b1 + b3, sat ? sat + s1 + s3 : NULL, err);
     }
     return rc;
 }
@@ -382,7 +413,7 @@ static kds_status cuda_load(eng_backend *b, kds_err *err) {
         const eng_weight *w = m->weights[id];
         void *p;
         if ((rc = dalloc(g, &p, kern_weight_layout(w->dt, w->rows, w->cols).data_bytes, err)) == KDS_OK &&
-            (rc = put_w(g, w, p, err)) == KDS_OK)
+            (rc = put_w(g, w, p, NULL, err)) == KDS_OK)
             g->dev_w[id] = p;
     }
     if (rc == KDS_OK && (rc = dalloc(g, (void **)&g->dev_small, m->small_f32_used * sizeof(float), err)) == KDS_OK)
@@ -703,22 +734,34 @@ static void cuda_matmul(eng_backend *b, const eng_matmul *jobs, int n_jobs) {
     for (int i = 0; i < n_jobs && live(g); i++) note(g, product(g, &jobs[i], &b->err));
 }
 
-/* SwiGLU (SiTU models are refused by cuda_supports until it has a kernel). */
+/* a = act(a, x): SwiGLU, or SiTU with the model's two soft caps (K3) */
+static kds_status glu_rows(eng_cuda *g, float *a, const float *x, size_t n, kds_err *err) {
+    const eng_config *cfg = &g->m->cfg;
+    if (cfg->hidden_act == ENG_ACT_SITU)
+        return kern_cuda_situ(a, x, n, cfg->situ_beta, cfg->situ_linear_beta, g->stream, err);
+    return kern_cuda_swiglu(a, x, n, g->stream, err);
+}
+
 static void cuda_glu(eng_backend *b, float *a, const float *x, size_t n) {
     eng_cuda *g = cuda_of(b);
-    if (live(g)) note(g, kern_cuda_swiglu(a, x, n, g->stream, &b->err));
+    if (live(g)) note(g, glu_rows(g, a, x, n, &b->err));
 }
 
-/* Not yet on the GPU: cuda_supports refuses the models that need them, so
- * these only keep the table complete. */
+/* MLA's output gate (K3): x *= sigmoid(g) */
 static void cuda_sigmoid_mul(eng_backend *b, float *x, const float *gt, size_t n) {
-    (void)x, (void)gt, (void)n;
-    note(cuda_of(b), kds_err_set(&b->err, KDS_UNSUPPORTED, "device 'cuda': no sigmoid gate kernel"));
+    eng_cuda *g = cuda_of(b);
+    if (live(g)) note(g, kern_cuda_sigmoid_mul(x, gt, n, g->stream, &b->err));
 }
 
+/* Block Attention Residuals' depth mix, the eps the CPU's uses */
 static void cuda_attn_res(eng_backend *b, const eng_attn_res_args *a) {
-    (void)a;
-    note(cuda_of(b), kds_err_set(&b->err, KDS_UNSUPPORTED, "device 'cuda': no AttnRes kernel"));
+    eng_cuda *g = cuda_of(b);
+    if (!live(g)) return;
+    const kern_cuda_attn_res_args ra = {.T = a->T, .D = g->d.hidden, .blocks = a->blocks,
+                                        .block_stride = a->block_stride, .n_blocks = a->n_blocks,
+                                        .partial = a->partial, .u = dev_vector(g, a->u),
+                                        .eps = g->m->cfg.rms_norm_eps, .out = a->out};
+    note(g, kern_cuda_attn_res_mix(&ra, g->stream, &b->err));
 }
 
 static void cuda_add(eng_backend *b, float *y, const float *x, size_t n) {
@@ -841,7 +884,7 @@ static void cuda_moe_route(eng_backend *b, const eng_moe_args *a) {
 
 /* The shared expert (its own products), then the routed experts, grouped
  * by kern_cuda_moe_experts reading the offsets on the device (no host
- * sync): gate and up fused into silu(x W1^T) * (x W3^T), then W2. */
+ * sync): gate and up fused into act(x W1^T, x W3^T) (SwiGLU or SiTU), then W2. */
 static kds_status moe_experts(eng_cuda *g, const eng_moe_args *a, kds_err *err) {
     kds_status rc;
     const eng_config *cfg = &g->m->cfg;
@@ -854,22 +897,31 @@ static kds_status moe_experts(eng_cuda *g, const eng_moe_args *a, kds_err *err) 
         const eng_matmul up = {&f->sh_up, a->x, T, sh_b, sh_inner, false};
         const eng_matmul down = {&f->sh_down, sh_a, T, a->shared_out, hid, false};
         if ((rc = product(g, &gate, err)) || (rc = product(g, &up, err)) ||
-            (rc = kern_cuda_swiglu(sh_a, sh_b, (size_t)T * sh_inner, g->stream, err)) ||
+            (rc = glu_rows(g, sh_a, sh_b, (size_t)T * sh_inner, err)) ||
             (rc = product(g, &down, err)))
             return rc;
     }
     const dbank *bk = &g->banks[f->bank];
+    const bool situ = cfg->hidden_act == ENG_ACT_SITU;
+    const char *sb = bk->sbase; /* MXFP4 scales, or NULL */
     kern_cuda_moe_experts_args ea = {.E = E, .rows = inner, .cols = a->X, .w_dtype = f->w1[0].dt,
                                      .W_base = bk->base, .W3_base = (const char *)bk->base + bk->w3_off,
                                      .w_stride = bk->stride, .exp_off = a->exp_off,
                                      .n_rows = T * k, .x = a->xg, .ldx = a->X, .y = a->act_a,
-                                     .ldy = inner, .mode = g->mode};
+                                     .ldy = inner, .mode = g->mode,
+                                     .S_base = sb, .S3_base = sb ? sb + bk->s3_off : NULL,
+                                     .s_stride = bk->s_stride,
+                                     .act = situ ? KERN_CUDA_MOE_SITU : KERN_CUDA_MOE_SWIGLU,
+                                     .situ_beta = situ ? cfg->situ_beta : 0.0f,
+                                     .situ_beta_l = situ ? cfg->situ_linear_beta : 0.0f};
     if ((rc = kern_cuda_moe_experts(&ea, g->stream, err))) return rc;
     kern_cuda_moe_experts_args da = {.E = E, .rows = a->X, .cols = inner, .w_dtype = f->w2[0].dt,
                                      .W_base = (const char *)bk->base + bk->w2_off,
                                      .w_stride = bk->stride, .exp_off = a->exp_off,
                                      .n_rows = T * k, .x = a->act_a, .ldx = inner, .y = a->yg,
-                                     .ldy = a->X, .mode = g->mode};
+                                     .ldy = a->X, .mode = g->mode,
+                                     .S_base = sb ? sb + bk->s2_off : NULL,
+                                     .s_stride = bk->s_stride};
     return kern_cuda_moe_experts(&da, g->stream, err);
 }
 

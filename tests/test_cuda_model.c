@@ -486,6 +486,57 @@ Test(cuda_model, hybrid_follows_the_cpu, .timeout = 3600) {
     close_fixture(&f);
 }
 
+/* Kimi K3's parts on the GPU (k3-micro: SiTU, Block AttnRes with blocks
+ * of 2 layers, latent MoE with MXFP4 routed experts and 2 shared experts,
+ * the bounded and full-rank KDA gates, an MLA layer with q-LoRA and the
+ * output gate): prefill, batched and single decode follow the CPU. */
+Test(cuda_model, k3_follows_the_cpu, .timeout = 3600) {
+    require_device();
+    fixture f = open_preset("k3-micro");
+    pair p = pair_open(&f, 1, 16, 2, 2);
+    const int lens[2] = {11, 2};
+    worst_ratio = 0;
+    pair_prefill(&p, lens, 130u, LOGIT_TOL, true, "k3 prefill");
+    pair_decode(&p, 2, 3, LOGIT_TOL, "k3 batched decode");
+    pair_decode_one(&p, p.cs[0], p.gs[0], LOGIT_TOL, "k3 single decode");
+    cr_log_info("cuda_model k3-micro: largest GPU-CPU error / largest magnitude %g", worst_ratio);
+    expect_graphs(p.gc, "k3-micro");
+    kds_err err = {0};
+    for (int i = 0; i < 2; i++) {
+        cr_assert_eq(eng_ctx_attach(p.cc, p.gs[i], &err), KDS_OK, "%s", err.msg);
+        expect_same_state(p.gs[i], p.cs[i], "k3 KDA state");
+    }
+    pair_close(&p);
+    close_fixture(&f);
+}
+
+/* What the GPU cannot run is refused when the context is made, by name. */
+Test(cuda_model, q8_0_experts_refused_by_name) {
+    require_device();
+    char *dir = NULL, *qdir = NULL;
+    kds_err err = {0};
+    eng_model *m = tmu_gen_load("tiny", 7, &dir, &err);
+    cr_assert(m, "%s", err.msg);
+    qdir = tmu_mkdtemp();
+    cr_assert_eq(eng_model_quantize(dir, KERN_Q8_0, qdir, false, NULL, &err), KDS_OK, "%s", err.msg);
+    eng_model *q = NULL;
+    eng_model_params mp = eng_model_default_params();
+    mp.no_fingerprint_cache = true;
+    cr_assert_eq(eng_model_load(qdir, &mp, &q, &err), KDS_OK, "%s", err.msg);
+    eng_ctx_params cp = eng_ctx_default_params();
+    cp.device = "cuda";
+    eng_ctx *ctx = NULL;
+    cr_expect_eq(eng_ctx_create(q, &cp, &ctx, &err), KDS_UNSUPPORTED);
+    cr_expect(strstr(err.msg, "q8_0") && strstr(err.msg, "routed experts"), "%s", err.msg);
+    cr_expect_null(ctx);
+    eng_model_free(q);
+    eng_model_free(m);
+    tmu_rmtree(dir);
+    tmu_rmtree(qdir);
+    free(dir);
+    free(qdir);
+}
+
 /* eng_decode_batch_sample on the GPU (sampler on the device, logits left
  * there) against eng_decode_batch + eng_sample on a second GPU context (the
  * same device logits, fetched and sampled on the host): the same tokens and RNG

@@ -97,6 +97,7 @@ Test(k3_config, refusals) {
     refused("text_config.model_type", "\"deepseek_v3\"", KDS_UNSUPPORTED, "model_type");
     refused("text_config.hidden_act", "\"gelu\"", KDS_UNSUPPORTED, "hidden_act");
     refused("text_config.activation_situ_beta", "0", KDS_INVALID_ARG, "activation_situ_beta");
+    refused("text_config.activation_situ_linear_beta", "-2", KDS_INVALID_ARG, "finite");
     refused("text_config.attn_res_block_size", "-1", KDS_INVALID_ARG, "attn_res_block_size");
     refused("text_config.attn_res_block_size", "\"2\"", KDS_BAD_FORMAT, "attn_res_block_size");
     refused("text_config.routed_expert_hidden_size", "-64", KDS_INVALID_ARG,
