@@ -896,8 +896,8 @@ static void handle(web_engine *E, web_req *r) {
             return;
         }
     fail(E, r, id, WEB_ERR_UNKNOWN_OP,
-         "unknown op '%.64s' (info, list, create, open, fork, rename, delete, history, snapshots, "
-         "restore, generate, cancel, stats, auth, ping)", op);
+         "unknown op '%.*s' (info, list, create, open, fork, rename, delete, history, snapshots, "
+         "restore, generate, cancel, stats, auth, ping)", (int)web__utf8_prefix(op, 64), op);
 }
 
 /* ------------------------------------------------------------------------ */

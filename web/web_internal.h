@@ -134,12 +134,23 @@ double web__now_s(void);
 int64_t web__now_us(void);
 
 /* -- codec (web_codec.c) -------------------------------------------------- */
-/* Parse one message: JSON text or msgpack map, into a cJSON object. NULL
- * with a message in err on anything else. */
+/* Parse one message: JSON text or msgpack map, into a cJSON object whose
+ * keys and strings are all valid UTF-8 without NUL. NULL with a message in
+ * err on anything else (the message never repeats the request's bytes). */
 cJSON *web__parse(const void *p, size_t len, bool binary, kds_err *err);
 /* Encode an event into a new buffer with LWS_PRE bytes of headroom.
- * *len is the payload length (after the headroom). NULL on out-of-memory. */
+ * *len is the payload length (after the headroom). NULL on out-of-memory.
+ * Numbers with no fraction below 2^63 become integers (JSON literals without
+ * exponent, msgpack ints); text that is not UTF-8 gets U+FFFD per bad byte. */
 unsigned char *web__encode(const cJSON *ev, bool msgpack, size_t *len);
+/* Is p[0 .. n) well-formed UTF-8 (no overlongs, surrogates or code points
+ * above U+10FFFF)? *bad_at (may be NULL) receives the first bad offset. */
+bool web__utf8_valid(const void *p, size_t n, size_t *bad_at);
+/* The length of the longest prefix of string s of at most max bytes that
+ * does not end inside a UTF-8 character (for "%.*s" in messages). */
+size_t web__utf8_prefix(const char *s, size_t max);
+/* Cut a character that a byte limit left incomplete at the end of s. */
+void web__utf8_trim(char *s);
 
 /* -- events (web_server.c) ------------------------------------------------ */
 /* Queue `ev` (ownership taken) for connection `conn`; dropped if it is gone.

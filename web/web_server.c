@@ -73,6 +73,7 @@ cJSON *web__error(web_server *s, const cJSON *id, int code, const char *fmt, ...
     va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
+    web__utf8_trim(msg); /* the size limit cuts at a byte */
     if (code < 0 || code >= WEB_ERR_COUNT) code = WEB_ERR_INTERNAL;
     atomic_fetch_add(&s->metrics.errors[code], 1);
     cJSON *o = web__event(id, "error");

@@ -257,6 +257,24 @@ async function waitListed(c, name, pred, ms, what) {
   }
 }
 
+// The text of every JSON frame c receives from now on, as sent (numbers as
+// the server wrote them, before JSON.parse rounds or reformats them).
+function rawFrames(c) {
+  const frames = [];
+  c.ws.on("message", (data, isBinary) => { if (!isBinary) frames.push(data.toString("utf8")); });
+  return frames;
+}
+
+// A msgpack request whose string `placeholder` (4 ASCII bytes, present once)
+// is replaced by 4 other bytes, e.g. ones that are not UTF-8.
+function msgpackWithBytes(obj, placeholder, bytes) {
+  const b = Buffer.from(encode(obj));
+  const at = b.indexOf(Buffer.from([0xa4, ...Buffer.from(placeholder)]));
+  ok(at >= 0 && bytes.length === 4, "msgpackWithBytes: placeholder not found");
+  Buffer.from(bytes).copy(b, at + 1);
+  return b;
+}
+
 // ======================================================================
 // basic
 // ======================================================================
@@ -293,6 +311,25 @@ async function groupBasic() {
     // ws itself fails a 101 that names no or another subprotocol: that is the
     // server accepting the upgrade, not refusing it.
     ok(!/subprotocol/i.test(refused), `the server accepted the upgrade: ${refused}`);
+  });
+
+  await check("integer ids up to 2^53-1 come back exactly, written as integers", async () => {
+    const d = await connect();
+    const raw = rawFrames(d);
+    for (const id of [9000000000000001, 9007199254740991, -9007199254740991, 4503599627370497, 0]) {
+      const r = isResult(await d.request({ id, op: "ping" }), `ping id ${id}`);
+      eq(r.id, id, "id");
+      const text = raw.find((t) => t.includes('"result"') && JSON.parse(t).id === r.id);
+      ok(text && (text.includes(`"id":${id},`) || text.includes(`"id":${id}}`)),
+         `id ${id} written as ${JSON.stringify(text)}`);
+      raw.length = 0;
+    }
+    for (const id of [9007199254740992, 1e300]) {
+      d.sendRaw(`{"id":${id === 1e300 ? "1e300" : "9007199254740992"},"op":"ping"}`);
+      isError(await d.next((e) => e.event === "error" || e.event === "result", 10000, `the answer to id ${id}`),
+              "bad_request", `id ${id}`);
+    }
+    await d.close();
   });
 
   await check("ping", async () => {
@@ -360,6 +397,18 @@ async function groupBasic() {
     eq([s.tokens, s.turns, s.parent, s.mode], [0, 0, "", mode], "tokens, turns, parent, mode");
     ok(["cold", "hot"].includes(s.state), `state ${s.state}`);
     eq(s.head, created.snapshot, "head vs the snapshot create reported");
+  });
+
+  await check("list and snapshots write created, updated, head, id as integers (no exponent)", async () => {
+    const d = await connect();
+    const raw = rawFrames(d);
+    isResult(await d.request({ op: "list" }), "list");
+    isResult(await d.request({ op: "snapshots", session: s1 }), "snapshots");
+    const text = raw.join("\n");
+    const nums = [...text.matchAll(/"(created|updated|head|id|tokens|parent)":(-?[0-9][^,}\]]*)/g)];
+    ok(nums.length >= 4, `no such fields in ${text.slice(0, 200)}`);
+    for (const [, k, v] of nums) ok(/^-?[0-9]+$/.test(v), `${k} written as ${v}`);
+    await d.close();
   });
 
   await check("open: result fields; the session becomes hot", async () => {
@@ -801,6 +850,32 @@ async function groupMsgpack() {
     const g = checkStream(await c.generate({ id: "mp-gen", session: s, text: " and", max_tokens: 3, temperature: 0.5, top_p: 0.9, seed: 3 }, bin), "generate");
     eq(g.done.id, "mp-gen", "done id");
   });
+  const u = nm("mp-utf8");
+  const d = await connect();
+  await check("msgpack text that is not UTF-8 is refused with bad_request, in generate and create", async () => {
+    isResult(await d.request({ op: "create", session: u }), "create");
+    const answer = (what) => d.next((e) => (e.id === null || e.id === 61 || e.id === 62) &&
+                                           e.event !== "hello", 10000, what);
+    d.sendRaw(msgpackWithBytes({ id: 61, op: "generate", session: u, text: "QQQQ", max_tokens: 2 },
+                               "QQQQ", [0x66, 0xff, 0xfe, 0x67]), { binary: true });
+    const g = await answer("the answer to a generate with bytes ff fe");
+    if (g.event === "started") {
+      await d.next((e) => e.id === 61 && e.event === "done", 30000, "its done");
+      throw new CheckError("a generate whose text has the bytes ff fe was accepted and saved");
+    }
+    isError(g, "bad_request", "generate");
+    ok(!/\ufffd/.test(g.message), `the message repeats the bad bytes: ${JSON.stringify(g.message)}`);
+    d.sendRaw(msgpackWithBytes({ id: 62, op: "create", session: nm("mp-utf8-b"), system: "QQQQ" },
+                               "QQQQ", [0xed, 0xa0, 0x80, 0x21]), { binary: true });
+    isError(await answer("the answer to a create with a surrogate"), "bad_request", "create");
+    ok(!(await listed(d, nm("mp-utf8-b"))), "the refused create made a session");
+  });
+  await check("after that the session is still readable as JSON (history, list)", async () => {
+    const h = isResult(await d.request({ op: "history", session: u }), "history as JSON");
+    eq(h.turns.length, 0, "turns of the session after the refused generate");
+    ok(await listed(d, u), "the session is not listed");
+    ok(!d.closeInfo, `the connection was closed (${JSON.stringify(d.closeInfo)})`);
+  });
   await check("a JSON request right after a msgpack one is answered in JSON", async () => {
     const p = c.request({ op: "ping" }, bin);
     const q = c.request({ op: "ping" });
@@ -1125,6 +1200,25 @@ async function groupMalformed() {
       eq(isResult(await c.request({ op: "create", session: name }), `create ${name}`).session, name, "name");
       isResult(await c.request({ op: "delete", session: name }), "delete");
     }
+  });
+
+  await check("\\u0000 in a session name, an op or a text -> bad_request (nothing is cut at the NUL)", async () => {
+    const nul = nm("nul");
+    const answer = (id, what) => c.next((e) => (e.id === id || e.id === null) && e.event !== "hello" &&
+                                               e.event !== "started", 10000, what);
+    c.send({ id: 301, op: "create", session: `${nul}\u0000evil` });
+    isError(await answer(301, "the answer to a create of 'nul\\u0000evil'"), "bad_request", "create");
+    ok(!(await listed(c, nul)), `create of '${nul}\\u0000evil' made the session '${nul}'`);
+    c.send({ id: 302, op: "ping\u0000junk" });
+    isError(await answer(302, "the answer to op 'ping\\u0000junk'"), "bad_request", "op");
+    c.send({ id: 303, op: "generate", session: ms, text: "a\u0000b", max_tokens: 1 });
+    const g = await answer(303, "the answer to a generate of 'a\\u0000b'");
+    if (g.event === "result" || g.event === "done")
+      throw new CheckError(`a text with \\u0000 was accepted: ${describe(g)}`);
+    isError(g, "bad_request", "generate");
+    c.sendRaw('{"id":304,"op":"ping","t":"a\\\\u0000b"}'); // an escaped backslash: six plain characters
+    isResult(await answer(304, "the answer to a ping with an escaped backslash"), "ping");
+    await stillOpen();
   });
 
   await check("a message in several fragments is handled when the last arrives", async () => {
