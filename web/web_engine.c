@@ -368,12 +368,13 @@ static void op_list(web_engine *E, const web_req *r, const cJSON *id) {
     send_ev(E, r, o);
 }
 
-/* The first free session name of BASE, BASE-2, BASE-3 ... (as the client
- * sees it), as a store name; false (error sent) when the first 999 are taken. */
+/* The first free session name (as the client sees it) of BASE, BASE-2,
+ * BASE-3 ..., or of BASE-2, BASE-3 ... when `suffixed`, as a store name;
+ * false (error sent) when the first 999 are taken. */
 static bool free_name(web_engine *E, const web_req *r, const cJSON *id, const char *base,
-                      char store[SESS_NAME_MAX + 1]) {
+                      bool suffixed, char store[SESS_NAME_MAX + 1]) {
     char client[SESS_NAME_MAX + 1];
-    for (int k = 1; k < 1000; k++) {
+    for (int k = suffixed ? 2 : 1; k < 1000; k++) {
         if (k == 1)
             snprintf(client, sizeof client, "%.40s", base);
         else
@@ -413,7 +414,7 @@ static void op_create(web_engine *E, const web_req *r, const cJSON *id) {
         gmtime_r(&now, &tmv);
         char stamp[32];
         strftime(stamp, sizeof stamp, "s-%Y%m%d-%H%M%S", &tmv);
-        if (!free_name(E, r, id, stamp, store)) return;
+        if (!free_name(E, r, id, stamp, false, store)) return;
     }
     const char *mode = get_str(r->msg, "mode");
     const cJSON *mv = cJSON_GetObjectItemCaseSensitive(r->msg, "mode");
@@ -661,9 +662,11 @@ static void op_restore(web_engine *E, const web_req *r, const cJSON *id) {
         return;
     }
     if (!named) {
+        /* "snapN-K", the first free K from 2: the name the store gives a fork
+         * of "@N" (kdaserve snap fork @N, the REPL's restore) */
         char base[32];
         snprintf(base, sizeof base, "snap%" PRIu64, sid);
-        if (!free_name(E, r, id, base, dst)) return;
+        if (!free_name(E, r, id, base, true, dst)) return;
     }
     snprintf(src, sizeof src, "@%" PRIu64, sid);
     if (sess_fork(E->s->st, src, dst, made, &e) != KDS_OK) {

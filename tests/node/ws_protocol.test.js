@@ -535,6 +535,20 @@ async function groupBasic() {
     eq(a.done.reply, b.done.reply, "greedy continuation of the restored snapshot vs the fork");
   });
 
+  await check("restore without a name: snap<id>-K with the first free K >= 2", async () => {
+    const names = [];
+    for (let i = 0; i < 3; i++)
+      names.push(isResult(await c.request({ op: "restore", snapshot: created.snapshot }), "restore").session);
+    const taken = (await isResult(await c.request({ op: "list" }), "list")).sessions.map((x) => x.name);
+    const base = `snap${created.snapshot}`;
+    let k = 2;
+    for (const n of names) {
+      while (taken.includes(`${base}-${k}`) && !names.includes(`${base}-${k}`)) k++;
+      eq(n, `${base}-${k}`, "default restore name");
+      k++;
+    }
+  });
+
   await check("restore accepts the string forms \"@N\" and \"N\"", async () => {
     for (const form of [`@${created.snapshot}`, `${created.snapshot}`]) {
       const r = isResult(await c.request({ op: "restore", snapshot: form }), `restore ${form}`);
