@@ -15,6 +15,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <time.h>
 
 #include "web_internal.h"
@@ -301,6 +302,54 @@ static void hello(web_server *s, web_conn *c) {
     reply_now(s, c, h, false);
 }
 
+/* Does a Sec-WebSocket-Protocol list ("a, b,c") name `want`? */
+static bool offers(const char *list, const char *want) {
+    size_t wn = strlen(want);
+    for (const char *p = list; *p;) {
+        while (*p == ' ' || *p == '\t' || *p == ',') p++;
+        const char *q = p;
+        while (*q && *q != ',' && *q != ' ' && *q != '\t') q++;
+        if ((size_t)(q - p) == wn && !memcmp(p, want, wn)) return true;
+        p = q;
+    }
+    return false;
+}
+
+/* A plain-text HTTP answer on a connection that asked to upgrade (h1:
+ * headers and body in one write, as lws_return_http_status does). */
+static int http_answer(struct lws *wsi, unsigned status, const char *text) {
+    unsigned char buf[LWS_PRE + 1024], *start = buf + LWS_PRE, *p = start, *end = buf + sizeof buf;
+    size_t n = strlen(text);
+    if (lws_add_http_common_headers(wsi, status, "text/plain; charset=utf-8", (lws_filepos_t)n, &p,
+                                    end) ||
+        lws_finalize_http_header(wsi, &p, end) || (size_t)(end - p) < n)
+        return -1;
+    memcpy(p, text, n);
+    p += n;
+    int len = lws_ptr_diff(p, start);
+    return lws_write(wsi, start, (size_t)len, LWS_WRITE_HTTP) == len ? 1 : -1;
+}
+
+/* LWS_CALLBACK_HTTP_CONFIRM_UPGRADE: an upgrade that offers subprotocols but
+ * not ours would get no HTTP answer at all from lws (it drops the TCP
+ * connection), so it is answered here: 400 naming the one we speak. lws
+ * reads the list into 127 bytes and drops longer ones too. Returns the
+ * callback's value: 0 goes on with the upgrade, 1 after an answer. */
+static int confirm_upgrade(struct lws *wsi, const char *upgrade) {
+    if (!upgrade || strcasecmp(upgrade, "websocket")) return 0;
+    char list[128];
+    int n = lws_hdr_total_length(wsi, WSI_TOKEN_PROTOCOL);
+    if (n == 0) return 0; /* none offered: served version 1 */
+    if (n < (int)sizeof list - 1 && lws_hdr_copy(wsi, list, sizeof list, WSI_TOKEN_PROTOCOL) > 0 &&
+        offers(list, WEB_PROTOCOL))
+        return 0;
+    return http_answer(wsi, HTTP_STATUS_BAD_REQUEST,
+                       n >= (int)sizeof list - 1
+                           ? "Sec-WebSocket-Protocol is longer than 126 bytes; offer kdaserve.v1\n"
+                           : "none of the offered WebSocket subprotocols is supported; this server "
+                             "speaks kdaserve.v1 (docs/protocol.md)\n");
+}
+
 /* Auth by header at the upgrade: "Authorization: Bearer TOKEN". */
 static int header_auth(web_server *s, struct lws *wsi, web_conn *c) {
     char buf[512];
@@ -373,13 +422,7 @@ static int ws_cb(struct lws *wsi, enum lws_callback_reasons reason, void *user, 
         if (!c) return -1;
         c->wsi = wsi;
         c->last_seen_us = web__now_us();
-        if (s->n_tenants && header_auth(s, wsi, c) != 0) {
-            free(c);
-            atomic_fetch_add(&s->metrics.closes_auth, 1);
-            lws_close_reason(wsi, LWS_CLOSE_STATUS_POLICY_VIOLATION, (unsigned char *)"wrong token",
-                             11);
-            return -1;
-        }
+        bool wrong_token = s->n_tenants && header_auth(s, wsi, c) != 0;
         pthread_mutex_lock(&s->lock);
         c->id = ++s->next_conn_id;
         c->next = s->conns;
@@ -390,13 +433,30 @@ static int ws_cb(struct lws *wsi, enum lws_callback_reasons reason, void *user, 
         atomic_fetch_add(&s->metrics.connections, 1);
         atomic_fetch_add(&s->metrics.connections_total, 1);
         hello(s, c);
+        if (wrong_token) {
+            /* as for a wrong token of the auth op: the error, then close 1008 */
+            reply_now(s, c,
+                      web__error(s, NULL, WEB_ERR_UNAUTHENTICATED,
+                                 "wrong token in the Authorization header (expected 'Bearer "
+                                 "TOKEN' with a token of the auth file)"),
+                      false);
+            pthread_mutex_lock(&s->lock);
+            c->close_code = LWS_CLOSE_STATUS_POLICY_VIOLATION;
+            pthread_mutex_unlock(&s->lock);
+            atomic_fetch_add(&s->metrics.closes_auth, 1);
+        }
         return 0;
     }
     case LWS_CALLBACK_RECEIVE: {
         web_conn *c = pss ? pss->c : NULL;
         if (!c) return -1;
         if (c->close_code) return 0; /* closing: ignore the rest */
-        if (c->rx.len + len > s->p.max_message) {
+        /* The frame's header declared how much more is coming: judge that
+         * now rather than after max_message bytes have arrived (lws calls
+         * here from the frame's first payload bytes on, never for a header
+         * alone). */
+        size_t have = c->rx.len + len;
+        if (have > s->p.max_message || lws_remaining_packet_payload(wsi) > s->p.max_message - have) {
             atomic_fetch_add(&s->metrics.closes_too_large, 1);
             lws_close_reason(wsi, LWS_CLOSE_STATUS_MESSAGE_TOO_LARGE,
                              (unsigned char *)"message too large", 17);
@@ -441,6 +501,8 @@ static int ws_cb(struct lws *wsi, enum lws_callback_reasons reason, void *user, 
         free(c);
         return 0;
     }
+    case LWS_CALLBACK_HTTP_CONFIRM_UPGRADE:
+        return confirm_upgrade(wsi, in);
     case LWS_CALLBACK_EVENT_WAIT_CANCELLED:
         /* several cancels may collapse into one: serve every queue */
         pthread_mutex_lock(&s->lock);
@@ -510,6 +572,9 @@ static int http_cb(struct lws *wsi, enum lws_callback_reasons reason, void *user
         if (lws_http_transaction_completed(wsi)) return -1;
         return 0;
     }
+    case LWS_CALLBACK_HTTP_CONFIRM_UPGRADE:
+        /* a kept-alive connection whose last request was /metrics */
+        return confirm_upgrade(wsi, in);
     case LWS_CALLBACK_CLOSED_HTTP:
         free(pss->body);
         pss->body = NULL;
