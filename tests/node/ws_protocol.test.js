@@ -25,6 +25,10 @@
 //               --max-tokens), and --max-connections N given to this script too
 //   maxtokens   a small --max-tokens caps max_tokens
 //   idle        --idle-timeout of a few seconds: a client answering no ping is dropped
+//   flood       one connection floods the server: its extra requests are refused
+//               (limit), another connection's stats is not starved, a closing
+//               connection's queued requests are dropped; with --server-pid, SIGTERM
+//               during a flood (the C test checks the server then exits promptly)
 //   restart     --phase save before a restart, --phase check after it (--state FILE)
 //   shutdown    --phase save: a generation is running when the script sends
 //               SIGTERM to --server-pid (close 1001 expected); --phase check after
@@ -41,7 +45,7 @@ const { KdsClient, PROTOCOL, describe, encode, nowMs } = require("./ws_client.js
 const ALL_DEFAULT = ["basic", "generate", "resume", "msgpack", "cancel", "concurrent",
                      "disconnect", "malformed"];
 const ALL_GROUPS = [...ALL_DEFAULT, "auth", "limits", "maxtokens", "idle", "backpressure", "corrupt",
-                    "restart", "shutdown"];
+                    "flood", "restart", "shutdown"];
 
 function usage(msg) {
   if (msg) console.error(`ws_protocol.test.js: ${msg}`);
@@ -1569,6 +1573,39 @@ async function groupLimits() {
     }
   });
 
+  // --max-queue / --max-queue-total (the server of this group has 4 and 6)
+  await check(`--max-queue ${L.max_queue}, --max-queue-total ${L.max_queue_total}: requests beyond ` +
+              "either get error limit at once; a connection with none waiting is always served", async () => {
+    ok(isInt(L.max_queue) && isInt(L.max_queue_total), `info.limits: ${JSON.stringify(L)}`);
+    ok(L.max_queue <= 8 && L.max_queue_total > L.max_queue && L.max_queue_total <= 2 * L.max_queue,
+       "start the server with --max-queue 4 --max-queue-total 6 for this group");
+    const z = await connect(), a = await connect(), b = await connect(), d = await connect();
+    // z's long create keeps the engine busy (and counts as one waiting) while the others send
+    const long = z.request({ op: "create", session: nm("q-busy"), mode: "plain", system: BUSY_SYSTEM },
+                           { timeoutMs: 300000 });
+    let longDone = false;
+    long.then(() => (longDone = true), () => {});
+    await sleep(300);
+    const burst = (x, base) => Array.from({ length: 10 }, (_, i) => x.request({ id: base + i, op: "info" }));
+    const pa = burst(a, 100);
+    await sleep(200);
+    const pb = burst(b, 200);
+    await sleep(200);
+    const pd = d.request({ id: 300, op: "stats" });
+    await sleep(200);
+    ok(!longDone, "the long create ended before the bursts were read: make BUSY_SYSTEM longer");
+    const tally = (rs) => ({ ok: rs.filter((r) => r.event === "result").length,
+                             limit: rs.filter((r) => r.event === "error" && r.code === "limit").length });
+    const ta = tally(await Promise.all(pa)), tb = tally(await Promise.all(pb));
+    // a: its own bound; b: what is left of the total after z and a, but at least one
+    const bOk = Math.max(1, L.max_queue_total - 1 - L.max_queue);
+    eq([ta.ok, ta.limit], [L.max_queue, 10 - L.max_queue], "a: results, limit errors");
+    eq([tb.ok, tb.limit], [bOk, 10 - bOk], "b: results, limit errors");
+    isResult(await pd, "d's stats, sent while the total was full");
+    isResult(await long, "z's create");
+    for (const x of [z, a, b, d]) await x.close();
+  });
+
   if (opt.maxConnections) {
     await check(`--max-connections ${opt.maxConnections}: one more connection is closed with 1013`, async () => {
       await closeAll();
@@ -1683,6 +1720,127 @@ async function groupBackpressure() {
 }
 
 // ======================================================================
+// flood (a server with its default limits; --server-pid for the last check)
+// ======================================================================
+const FLOOD_SESSIONS = 300, FLOOD_N = 3000;
+// The engine thread is busy with one long request while the checks act:
+// a create whose system text is prefilled before the answer.
+const BUSY_SYSTEM = "It is a truth universally acknowledged, that a single man. ".repeat(100);
+
+// Send n copies of `req` (ids base..base+n-1) on c without waiting. Returns
+// {results, errors: {code: count}, answers: id -> count, firstLimit, all}
+// as they grow; `all` resolves when every request has an answer. c is
+// given over to the flood (its answers are counted, not queued).
+function flood(c, req, n, base) {
+  const st = { results: 0, errors: {}, answers: new Map(), firstLimit: null, all: null };
+  c.ws.removeAllListeners("message"); // c's answers are counted here, not kept
+  st.all = new Promise((resolve, reject) => {
+    c.ws.on("message", (data, isBinary) => {
+      if (isBinary) return;
+      const ev = JSON.parse(data.toString("utf8"));
+      if (typeof ev.id !== "number" || ev.id < base || ev.id >= base + n) return;
+      st.answers.set(ev.id, (st.answers.get(ev.id) || 0) + 1);
+      if (ev.event === "result") st.results++;
+      else if (ev.event === "error") {
+        st.errors[ev.code] = (st.errors[ev.code] || 0) + 1;
+        if (ev.code === "limit" && !st.firstLimit) {
+          st.firstLimit = ev;
+          if (st.onLimit) st.onLimit(ev);
+        }
+      }
+      if (st.answers.size === n) resolve(st);
+    });
+    c.ws.on("close", (code) => reject(new Error(`the flood connection closed (${code})`)));
+  });
+  st.all.catch(() => {});
+  for (let i = 0; i < n; i++) c.send({ id: base + i, ...req });
+  return st;
+}
+
+async function groupFlood() {
+  const c = await connect();
+  await info(c);
+  await check(`setup: ${FLOOD_SESSIONS} sessions, so that each list costs something`, async () => {
+    for (let i = 0; i < FLOOD_SESSIONS; i += 30) {
+      const rs = [];
+      for (let k = i; k < Math.min(FLOOD_SESSIONS, i + 30); k++)
+        rs.push(c.request({ op: "create", session: nm(`fl${k}`) }));
+      for (const r of await Promise.all(rs)) isResult(r, "create");
+    }
+  });
+
+  let st = null, statsAt = null;
+  await check(`${FLOOD_N} lists sent at once on one connection: the ones beyond its queue get error limit at once`, async () => {
+    const f = await connect();
+    st = flood(f, { op: "list" }, FLOOD_N, 1);
+    const limited = new Promise((resolve) => (st.onLimit = resolve));
+    const first = await Promise.race([limited.then(() => "limit"), st.all.then(() => "all")]);
+    ok(first === "limit", `all ${FLOOD_N} requests were queued and answered (${st.results} results): ` +
+                          "the request queue has no bound");
+    ok(/queue|waiting/.test(st.firstLimit.message), `the limit error does not say why: ${st.firstLimit.message}`);
+    // stats from another connection, sent while the flood fills its queue
+    const o = await connect();
+    const before = st.results;
+    const r = isResult(await o.request({ op: "stats" }, { timeoutMs: 120000 }), "stats");
+    statsAt = { before, after: st.results, server: r.server };
+    await o.close();
+  });
+
+  await check("stats of another connection is answered while the flood still has requests queued", async () => {
+    ok(st && statsAt, "no flood");
+    await st.all;
+    const later = st.results - statsAt.after;
+    console.log(`# flood: ${st.results} results, errors ${JSON.stringify(st.errors)}; ` +
+                `${statsAt.after - statsAt.before} flood results while stats waited, ${later} after it`);
+    ok(later >= 1, "stats was answered only after every queued request of the flood: it waited for all of them");
+    ok(isInt(statsAt.server.requests_queued), `stats.server.requests_queued: ${describe(statsAt.server)}`);
+  });
+
+  await check("every request of the flood is answered exactly once: a result or error limit", async () => {
+    ok(st, "no flood");
+    await st.all;
+    ok([...st.answers.values()].every((k) => k === 1), "a request was answered twice");
+    eq(Object.keys(st.errors).filter((k) => k !== "limit"), [], `error codes ${JSON.stringify(st.errors)}`);
+    eq(st.results + (st.errors.limit || 0), FLOOD_N, "results + limit errors");
+  });
+
+  await check("the queued requests of a connection that closes are dropped, not run", async () => {
+    const busy = await connect();
+    const long = busy.request({ op: "create", session: nm("fl-busy"), mode: "plain", system: BUSY_SYSTEM },
+                              { timeoutMs: 300000 });
+    let longDone = false;
+    long.then(() => (longDone = true), () => {});
+    await sleep(300); // the engine has taken the long create
+    const f = await connect();
+    for (let i = 0; i < 20; i++) f.send({ id: 900 + i, op: "create", session: nm(`fl-drop${i}`) });
+    await sleep(100);
+    await f.close();
+    ok(!longDone, "the long create ended before the other connection closed: make BUSY_SYSTEM longer");
+    isResult(await long, "the long create");
+    const l = isResult(await c.request({ op: "list" }), "list").sessions.map((x) => x.name);
+    const ran = l.filter((n) => n.startsWith(nm("fl-drop")));
+    eq(ran, [], "sessions created by the requests of the closed connection");
+  });
+
+  if (opt.serverPid) {
+    await check("SIGTERM during a flood: the connections are closed with 1001 within 30 s", async () => {
+      // creates that each prefill a system text: seconds of queued work per few requests
+      const f = await connect(), o = await connect();
+      const fl = flood(f, { op: "create", mode: "plain", system: BUSY_SYSTEM.slice(0, 1200) }, 200, 100000);
+      await sleep(500);
+      const t0 = nowMs();
+      process.kill(opt.serverPid, "SIGTERM");
+      const cl = await o.waitClose(30000);
+      console.log(`# closed ${Math.round(nowMs() - t0)} ms after SIGTERM; ${fl.results} flood results before`);
+      eq(cl.code, 1001, "close code");
+    });
+    openClients = [];
+    return;
+  }
+  await closeAll();
+}
+
+// ======================================================================
 // idle (server started with a short --idle-timeout)
 // ======================================================================
 async function groupIdle() {
@@ -1771,7 +1929,7 @@ const GROUPS = { basic: groupBasic, generate: groupGenerate, resume: groupResume
                  cancel: groupCancel, concurrent: groupConcurrent, disconnect: groupDisconnect,
                  malformed: groupMalformed, auth: groupAuth, limits: groupLimits,
                  maxtokens: groupMaxTokens, idle: groupIdle, backpressure: groupBackpressure,
-                 corrupt: groupCorrupt,
+                 corrupt: groupCorrupt, flood: groupFlood,
                  restart: groupRestart, shutdown: groupShutdown };
 
 (async () => {
