@@ -42,7 +42,11 @@ static void serve_usage(FILE *f) {
             "  --max-generations N    concurrent generations (default 32; more: error limit)\n"
             "  --max-tokens N         cap of a generate's max_tokens (default 4096)\n"
             "  --max-pending BYTES    unsent output per connection before its streams pause\n"
-            "                         (default 262144)\n"
+            "                         and its requests are no longer read (default 262144)\n"
+            "  --max-queue N          requests of one connection waiting to be handled\n"
+            "                         (default 64; more: error limit at once)\n"
+            "  --max-queue-total N    requests of all connections waiting (default 1024;\n"
+            "                         more: error limit, except for a connection with none)\n"
             "  --idle-timeout S       ping a silent connection after S s, drop it when it\n"
             "                         does not answer (default 300)\n"
             "  --threads N            compute threads (default: all CPUs)\n"
@@ -52,7 +56,8 @@ static void serve_usage(FILE *f) {
 }
 
 enum { OPT_DB = 1000, OPT_LISTEN, OPT_AUTH, OPT_WWW, OPT_MAXMSG, OPT_MAXCONN, OPT_MAXSESS,
-       OPT_MAXGEN, OPT_MAXTOK, OPT_MAXPEND, OPT_IDLE, OPT_THREADS, OPT_QUIET, OPT_DEVICE };
+       OPT_MAXGEN, OPT_MAXTOK, OPT_MAXPEND, OPT_IDLE, OPT_THREADS, OPT_QUIET, OPT_DEVICE,
+       OPT_MAXQUEUE, OPT_MAXQUEUE_TOTAL };
 
 /* Signals reach the process in any thread (OpenBLAS starts threads before
  * main, so blocking them everywhere is not possible): the handler only
@@ -103,6 +108,8 @@ int cmd_serve(int argc, char **argv) {
         {"max-generations", required_argument, 0, OPT_MAXGEN},
         {"max-tokens", required_argument, 0, OPT_MAXTOK},
         {"max-pending", required_argument, 0, OPT_MAXPEND},
+        {"max-queue", required_argument, 0, OPT_MAXQUEUE},
+        {"max-queue-total", required_argument, 0, OPT_MAXQUEUE_TOTAL},
         {"idle-timeout", required_argument, 0, OPT_IDLE},
         {"threads", required_argument, 0, OPT_THREADS},
         {"quiet", no_argument, 0, OPT_QUIET},
@@ -144,6 +151,8 @@ int cmd_serve(int argc, char **argv) {
         case OPT_MAXTOK:
         case OPT_IDLE:
         case OPT_THREADS:
+        case OPT_MAXQUEUE:
+        case OPT_MAXQUEUE_TOTAL:
             if (!cli_parse_i64(optarg, 1, c == OPT_MAXTOK ? (int64_t)1 << 40 : 1 << 20, &v))
                 return cli_failf("serve", "--%s wants a positive number", opt_name(opts, c));
             if (c == OPT_MAXCONN) p.max_connections = (int)v;
@@ -152,6 +161,8 @@ int cmd_serve(int argc, char **argv) {
             if (c == OPT_MAXTOK) p.max_tokens = v;
             if (c == OPT_IDLE) p.idle_timeout_s = (int)v;
             if (c == OPT_THREADS) p.ctx.n_threads = (int)v;
+            if (c == OPT_MAXQUEUE) p.max_queue = (int)v;
+            if (c == OPT_MAXQUEUE_TOTAL) p.max_queue_total = (int)v;
             break;
         default: return cli_usage_error("serve", NULL);
         }

@@ -225,10 +225,11 @@ Test(serve, auth_two_tenants) {
 }
 
 /* Small limits: concurrent generations, message size, sessions in memory
- * (LRU eviction is invisible), connections. */
+ * (LRU eviction is invisible), requests waiting, connections. */
 Test(serve, limits) {
     groups_on_server("limits", "--max-connections 6", "--max-generations", "2", "--max-message",
-                     "65536", "--max-sessions", "3", "--max-connections", "6", NULL);
+                     "65536", "--max-sessions", "3", "--max-queue", "4", "--max-queue-total", "6",
+                     "--max-connections", "6", NULL);
 }
 
 /* A short idle timeout and a small --max-tokens. */
@@ -277,5 +278,25 @@ Test(serve, load_test_smoke) {
     snprintf(cmd, sizeof cmd, "node '" LOAD_JS "' --url '%s' --conns 2 --tokens 16 1>&2", s.url);
     cr_expect_eq(th_system(cmd), 0, "%s failed", cmd);
     stop_clean(&s);
+    rm_tmp(dir);
+}
+
+/* A flood of requests on one connection (default limits): the extra ones are
+ * refused at once, another connection's stats is not starved, a closing
+ * connection's queued requests are dropped; SIGTERM (sent by the script)
+ * during a flood: the server exits 0 within 30 s, not after the flood. */
+Test(serve, flood_is_bounded_and_stops_quickly) {
+    need_node();
+    char dir[64], extra[128];
+    make_tmp(dir, sizeof dir);
+    ts_server s;
+    start(&s, dir, NULL);
+    snprintf(extra, sizeof extra, "--server-pid %d", (int)s.pid);
+    expect_groups(&s, "flood", extra);
+    double t0 = ts_now();
+    int st = ts_wait(&s, 30);
+    cr_expect_eq(st, 0,
+                 "after SIGTERM during a flood the server exited with %d after %.0f s; log:\n%s",
+                 st, ts_now() - t0, s.log_tail);
     rm_tmp(dir);
 }

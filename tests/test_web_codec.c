@@ -141,3 +141,254 @@ Test(web_codec, auth_file) {
     unlink(path);
     free(path);
 }
+
+/* ------------------------------------------------------------------------ */
+/* Text and numbers on the wire (issue 16)                                   */
+
+/* Strict UTF-8 (RFC 3629, table 3-7 of Unicode): no overlong forms, no
+ * surrogates, nothing above U+10FFFF. Written here from the table, not taken
+ * from the code under test. */
+static bool utf8_ok(const unsigned char *p, size_t n) {
+    size_t i = 0;
+    while (i < n) {
+        unsigned char c = p[i];
+        size_t k;
+        unsigned char lo = 0x80, hi = 0xbf;
+        if (c < 0x80) {
+            i++;
+            continue;
+        } else if (c >= 0xc2 && c <= 0xdf) {
+            k = 1;
+        } else if (c >= 0xe0 && c <= 0xef) {
+            k = 2;
+            if (c == 0xe0) lo = 0xa0;
+            if (c == 0xed) hi = 0x9f;
+        } else if (c >= 0xf0 && c <= 0xf4) {
+            k = 3;
+            if (c == 0xf0) lo = 0x90;
+            if (c == 0xf4) hi = 0x8f;
+        } else {
+            return false;
+        }
+        if (i + k >= n) return false; /* the sequence is cut off */
+        if (p[i + 1] < lo || p[i + 1] > hi) return false;
+        for (size_t j = 2; j <= k; j++)
+            if (p[i + j] < 0x80 || p[i + j] > 0xbf) return false;
+        i += k + 1;
+    }
+    return true;
+}
+
+/* {"op": "generate", KEY: <str of len bytes>} as msgpack. */
+static size_t mp_map_with_str(unsigned char *out, const char *key, const void *s, size_t len) {
+    size_t n = 0, kl = strlen(key);
+    out[n++] = 0x82;
+    out[n++] = 0xa2, out[n++] = 'o', out[n++] = 'p';
+    out[n++] = 0xa8;
+    memcpy(out + n, "generate", 8), n += 8;
+    out[n++] = (unsigned char)(0xa0 | kl);
+    memcpy(out + n, key, kl), n += kl;
+    out[n++] = 0xd9, out[n++] = (unsigned char)len; /* str8 */
+    memcpy(out + n, s, len), n += len;
+    return n;
+}
+
+Test(web_codec, msgpack_strings_must_be_utf8) {
+    struct {
+        const char *bytes;
+        const char *what;
+    } bad[] = {
+        {"f\xff\xfeg", "0xff 0xfe"},
+        {"caf\xc3", "a sequence cut at the end"},
+        {"\xc0\xaf", "an overlong '/'"},
+        {"\xe0\x80\xaf", "a 3-byte overlong"},
+        {"\xed\xa0\x80", "a UTF-16 surrogate (U+D800)"},
+        {"\xf4\x90\x80\x80", "above U+10FFFF"},
+        {"a\x80z", "a lone continuation byte"},
+    };
+    unsigned char buf[300];
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        kds_err e;
+        size_t n = mp_map_with_str(buf, "text", bad[i].bytes, strlen(bad[i].bytes));
+        cJSON *o = parse(buf, n, true, &e);
+        cr_expect_null(o, "accepted a string with %s", bad[i].what);
+        cJSON_Delete(o);
+        cr_expect(e.status == KDS_INVALID_ARG && strlen(e.msg) > 0, "%s: %s", bad[i].what, e.msg);
+        cr_expect(utf8_ok((const unsigned char *)e.msg, strlen(e.msg)),
+                  "%s: the error message is not UTF-8 itself", bad[i].what);
+        /* a key that is not UTF-8 is refused too */
+        n = 0;
+        buf[n++] = 0x81;
+        buf[n++] = (unsigned char)(0xa0 | strlen(bad[i].bytes));
+        memcpy(buf + n, bad[i].bytes, strlen(bad[i].bytes)), n += strlen(bad[i].bytes);
+        buf[n++] = 0x01;
+        o = parse(buf, n, true, &e);
+        cr_expect_null(o, "accepted a key with %s", bad[i].what);
+        cJSON_Delete(o);
+    }
+    /* every form of valid text passes unchanged: 2, 3 and 4-byte characters,
+     * the largest code point, the ones around the surrogates */
+    const char *good =
+        "h\xc3\xa9llo \xe2\x82\xac \xf0\x9f\x98\x80 \xf4\x8f\xbf\xbf \xed\x9f\xbf \xee\x80\x80";
+    kds_err e;
+    size_t n = mp_map_with_str(buf, "text", good, strlen(good));
+    cJSON *o = parse(buf, n, true, &e);
+    cr_assert_not_null(o, "valid UTF-8 refused: %s", e.msg);
+    cr_expect_str_eq(cJSON_GetObjectItem(o, "text")->valuestring, good);
+    cJSON_Delete(o);
+}
+
+Test(web_codec, json_strings_with_nul_refused) {
+    const char *bad[] = {
+        "{\"op\":\"ping\\u0000junk\"}",
+        "{\"op\":\"create\",\"session\":\"nul\\u0000evil\"}",
+        "{\"op\":\"generate\",\"session\":\"s\",\"text\":\"a\\u0000b\"}",
+        "{\"op\":\"ping\",\"o\\u0000p\":1}",
+        "{\"op\":\"ping\",\"x\":[\"\\u0000\"]}",
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        kds_err e;
+        cJSON *o = parse(bad[i], strlen(bad[i]), false, &e);
+        cr_expect_null(o, "accepted %s", bad[i]);
+        cJSON_Delete(o);
+        cr_expect(e.status == KDS_INVALID_ARG && strstr(e.msg, "NUL"), "%s: '%s'", bad[i], e.msg);
+    }
+    /* a raw NUL byte inside a string (JSON does not allow it, cJSON would cut there) */
+    const char raw[] = "{\"op\":\"ping\",\"t\":\"a\0b\"}";
+    kds_err e;
+    cJSON *o = parse(raw, sizeof raw - 1, false, &e);
+    cr_expect_null(o, "accepted a raw NUL byte in a string");
+    cJSON_Delete(o);
+    /* an escaped backslash followed by "u0000" is six plain characters */
+    const char *fine = "{\"op\":\"ping\",\"t\":\"a\\\\u0000b\"}";
+    o = parse(fine, strlen(fine), false, &e);
+    cr_assert_not_null(o, "refused %s: %s", fine, e.msg);
+    cr_expect_str_eq(cJSON_GetObjectItem(o, "t")->valuestring, "a\\u0000b");
+    cJSON_Delete(o);
+}
+
+/* An empty msgpack string (a0) alone and as a value: UBSan's nonnull check
+ * (KDS_SANITIZE=ON, UBSAN_OPTIONS=halt_on_error=1) catches memchr(NULL, 0, 0). */
+Test(web_codec, empty_msgpack_string) {
+    kds_err e;
+    const unsigned char alone[] = {0xa0};
+    cJSON *o = parse(alone, sizeof alone, true, &e);
+    cr_expect_null(o, "a bare string is not a request");
+    cr_expect(e.status == KDS_INVALID_ARG);
+    const unsigned char in_map[] = {0x82, 0xa2, 'o', 'p',  0xa4, 'p',
+                                    'i',  'n',  'g', 0xa1, 'x',  0xa0};
+    o = parse(in_map, sizeof in_map, true, &e);
+    cr_assert_not_null(o, "%s", e.msg);
+    cr_expect_str_eq(cJSON_GetObjectItem(o, "x")->valuestring, "");
+    cJSON_Delete(o);
+}
+
+/* The JSON text of a one-field event {"v": x}. */
+static char *json_of_number(const char *key, double v) {
+    cJSON *ev = cJSON_CreateObject();
+    cJSON_AddNumberToObject(ev, key, v);
+    size_t len;
+    unsigned char *buf = web__encode(ev, false, &len);
+    cJSON_Delete(ev);
+    cr_assert_not_null(buf);
+    char *t = malloc(len + 1);
+    memcpy(t, buf + LWS_PRE, len);
+    t[len] = '\0';
+    free(buf);
+    return t;
+}
+
+Test(web_codec, integers_are_printed_as_integers) {
+    struct {
+        double v;
+        const char *want;
+    } ints[] = {
+        {9000000000000001.0, "{\"id\":9000000000000001}"},
+        {9007199254740991.0, "{\"id\":9007199254740991}"},
+        {-9007199254740991.0, "{\"id\":-9007199254740991}"},
+        {4503599627370497.0, "{\"id\":4503599627370497}"},
+        {1796133594401300.0, "{\"id\":1796133594401300}"},
+        {1e15, "{\"id\":1000000000000000}"},
+        {0.0, "{\"id\":0}"},
+        {-1.0, "{\"id\":-1}"},
+        {2147483648.0, "{\"id\":2147483648}"},
+    };
+    for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++) {
+        char *t = json_of_number("id", ints[i].v);
+        cr_expect_str_eq(t, ints[i].want, "%.17g", ints[i].v);
+        free(t);
+    }
+    /* fractions keep every digit that the double holds, in the shortest form */
+    struct {
+        double v;
+    } fl[] = {{816.3}, {0.1}, {-2.5e-7}, {1.0 / 3.0}, {6.02214076e23}};
+    for (size_t i = 0; i < sizeof fl / sizeof fl[0]; i++) {
+        char *t = json_of_number("x", fl[i].v);
+        cJSON *back = cJSON_Parse(t);
+        cr_assert_not_null(back, "%s", t);
+        cr_expect(cJSON_GetObjectItem(back, "x")->valuedouble == fl[i].v, "%s vs %.17g", t,
+                  fl[i].v);
+        cJSON_Delete(back);
+        free(t);
+    }
+    /* msgpack: the same integers as msgpack integers (int64 / uint64 forms) */
+    cJSON *ev = cJSON_CreateObject();
+    cJSON_AddNumberToObject(ev, "id", 9000000000000001.0);
+    size_t len;
+    unsigned char *buf = web__encode(ev, true, &len);
+    cJSON_Delete(ev);
+    const unsigned char want[] = {0x81, 0xa2, 'i',  'd',  0xcf, 0x00, 0x1f,
+                                  0xf9, 0x73, 0xca, 0xfa, 0x80, 0x01};
+    const unsigned char want_signed[] = {0x81, 0xa2, 'i',  'd',  0xd3, 0x00, 0x1f,
+                                         0xf9, 0x73, 0xca, 0xfa, 0x80, 0x01};
+    cr_assert_eq(len, sizeof want);
+    cr_expect(!memcmp(buf + LWS_PRE, want, len) || !memcmp(buf + LWS_PRE, want_signed, len),
+              "9000000000000001 is not a msgpack integer");
+    free(buf);
+}
+
+/* Text that is not UTF-8 (a store written before the check, say) goes out
+ * as UTF-8 with U+FFFD in place of each bad sequence, in both forms. */
+Test(web_codec, events_are_always_utf8) {
+    cJSON *ev = cJSON_CreateObject();
+    cJSON_AddStringToObject(ev, "event", "result");
+    cJSON_AddStringToObject(ev, "reply", "ok \xff\xfe and caf\xc3");
+    cJSON *a = cJSON_AddArrayToObject(ev, "turns");
+    cJSON_AddItemToArray(a, cJSON_CreateString("\xed\xa0\x80 x"));
+    for (int form = 0; form < 2; form++) {
+        size_t len;
+        unsigned char *buf = web__encode(ev, form == 1, &len);
+        cr_assert_not_null(buf);
+        kds_err e;
+        cJSON *back = parse(buf + LWS_PRE, len, form == 1, &e);
+        cr_assert_not_null(back, "form %d: %s", form, e.msg);
+        const char *r = cJSON_GetObjectItem(back, "reply")->valuestring;
+        cr_expect(utf8_ok((const unsigned char *)r, strlen(r)), "form %d: reply not UTF-8", form);
+        cr_expect(strstr(r, "ok \xef\xbf\xbd") == r, "form %d: '%s'", form, r);
+        const char *t = cJSON_GetArrayItem(cJSON_GetObjectItem(back, "turns"), 0)->valuestring;
+        cr_expect(utf8_ok((const unsigned char *)t, strlen(t)), "form %d: turn not UTF-8", form);
+        if (form == 0) cr_expect(utf8_ok(buf + LWS_PRE, len), "the JSON frame is not UTF-8");
+        cJSON_Delete(back);
+        free(buf);
+    }
+    cJSON_Delete(ev);
+}
+
+/* An error message cut at its size limit does not end in half a character. */
+Test(web_codec, error_messages_stay_utf8) {
+    web_server *s = calloc(1, sizeof *s);
+    cr_assert_not_null(s);
+    char big[2048] = "";
+    for (int i = 0; i < 600; i++)
+        strcat(big, "\xc3\xa9"); /* é: 1200 bytes */
+    for (int shift = 0; shift < 2; shift++) {
+        cJSON *ev = web__error(s, NULL, WEB_ERR_BAD_REQUEST, "%s%s", shift ? "x" : "", big);
+        cr_assert_not_null(ev);
+        const char *m = cJSON_GetObjectItem(ev, "message")->valuestring;
+        cr_expect(strlen(m) > 100, "message too short: %zu bytes", strlen(m));
+        cr_expect(utf8_ok((const unsigned char *)m, strlen(m)),
+                  "shift %d: the message ends in half a character", shift);
+        cJSON_Delete(ev);
+    }
+    free(s);
+}

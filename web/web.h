@@ -17,6 +17,10 @@
  *   The two talk through a request queue (service -> engine) and a
  *   per-connection event queue (engine -> service, woken with
  *   lws_cancel_service, the one lws call allowed from another thread).
+ *   The request queue is bounded per connection and in all (max_queue,
+ *   max_queue_total: the service thread answers the excess with error
+ *   `limit`); the engine takes one request of each connection in turn, and
+ *   drops the waiting requests of a connection that closed.
  *
  * Ownership: web_server_create borrows the model (it must outlive the
  * server) and owns everything else it creates. web_server_stop may be called
@@ -43,7 +47,11 @@ typedef struct web_params {
     const char *auth_file;     /* NULL = no auth (one anonymous tenant) */
     const char *www_dir;       /* static files served at / (NULL = none) */
     size_t max_message;        /* bytes per incoming message (1 MiB) */
-    size_t max_pending;        /* unsent output bytes per connection before its streams pause */
+    size_t max_pending;        /* unsent output bytes per connection before its streams pause
+                                  and its requests are no longer read (256 KiB) */
+    int max_queue;             /* requests of one connection waiting for the engine (64) */
+    int max_queue_total;       /* requests of all connections waiting; a connection with none
+                                  waiting may still add one (1024) */
     int max_connections;       /* 256 */
     int max_sessions;          /* sessions kept in memory (64) */
     int max_generations;       /* concurrent generations (32) */

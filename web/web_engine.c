@@ -3,8 +3,14 @@
  * continuous-batching generation loop.
  *
  * Every turn of the loop:
- *   1. take every queued request and answer it (store operations run here,
- *      so the store and the sessions in memory have one owner);
+ *   1. take every queued request into its connection's queue, and answer
+ *      them in rounds of one request per connection (store operations run
+ *      here, so the store and the sessions in memory have one owner); a
+ *      connection with many requests waiting delays the others by one of
+ *      its requests per round, not by all of them. Rounds go on while
+ *      requests wait, for at most REQUEST_BUDGET_S of the turn, so that
+ *      generations still advance every few milliseconds. A connection that
+ *      closed has its waiting requests dropped unanswered;
  *   2. advance prefills: each generation still feeding its prompt gets one
  *      slice of at most max_batch tokens (so a long prompt never stalls the
  *      other streams for more than one slice);
@@ -35,6 +41,9 @@
 
 #define LAST_TURNS 4
 #define LINEAGE_MAX 100000
+/* Time a turn of the engine loop spends answering requests before it
+ * advances the generations again (a request that has started finishes). */
+#define REQUEST_BUDGET_S 0.005
 
 typedef struct gen gen;
 
@@ -75,8 +84,17 @@ struct gen {
     double t_arrive, t_start, t_first, t_prefill_end, t_decode0;
 };
 
+/* The requests of one connection that the engine took and has not answered
+ * yet, oldest first. */
+typedef struct conn_queue {
+    struct conn_queue *next;
+    uint64_t conn;
+    web_req *head, *tail;
+} conn_queue;
+
 struct web_engine {
     web_server *s;
+    conn_queue *queues;           /* connections with requests waiting, in turn order */
     eng_ctx *c;
     hot *hots;
     int n_hot_max;
@@ -332,6 +350,8 @@ static void op_info(web_engine *E, const web_req *r, const cJSON *id) {
     cJSON_AddNumberToObject(l, "max_generations", p->max_generations);
     cJSON_AddNumberToObject(l, "max_tokens", (double)p->max_tokens);
     cJSON_AddNumberToObject(l, "idle_timeout_s", p->idle_timeout_s);
+    cJSON_AddNumberToObject(l, "max_queue", p->max_queue);
+    cJSON_AddNumberToObject(l, "max_queue_total", p->max_queue_total);
     send_ev(E, r, o);
 }
 
@@ -368,12 +388,13 @@ static void op_list(web_engine *E, const web_req *r, const cJSON *id) {
     send_ev(E, r, o);
 }
 
-/* The first free session name of BASE, BASE-2, BASE-3 ... (as the client
- * sees it), as a store name; false (error sent) when the first 999 are taken. */
+/* The first free session name (as the client sees it) of BASE, BASE-2,
+ * BASE-3 ..., or of BASE-2, BASE-3 ... when `suffixed`, as a store name;
+ * false (error sent) when the first 999 are taken. */
 static bool free_name(web_engine *E, const web_req *r, const cJSON *id, const char *base,
-                      char store[SESS_NAME_MAX + 1]) {
+                      bool suffixed, char store[SESS_NAME_MAX + 1]) {
     char client[SESS_NAME_MAX + 1];
-    for (int k = 1; k < 1000; k++) {
+    for (int k = suffixed ? 2 : 1; k < 1000; k++) {
         if (k == 1)
             snprintf(client, sizeof client, "%.40s", base);
         else
@@ -413,7 +434,7 @@ static void op_create(web_engine *E, const web_req *r, const cJSON *id) {
         gmtime_r(&now, &tmv);
         char stamp[32];
         strftime(stamp, sizeof stamp, "s-%Y%m%d-%H%M%S", &tmv);
-        if (!free_name(E, r, id, stamp, store)) return;
+        if (!free_name(E, r, id, stamp, false, store)) return;
     }
     const char *mode = get_str(r->msg, "mode");
     const cJSON *mv = cJSON_GetObjectItemCaseSensitive(r->msg, "mode");
@@ -661,9 +682,11 @@ static void op_restore(web_engine *E, const web_req *r, const cJSON *id) {
         return;
     }
     if (!named) {
+        /* "snapN-K", the first free K from 2: the name the store gives a fork
+         * of "@N" (kdaserve snap fork @N, the REPL's restore) */
         char base[32];
         snprintf(base, sizeof base, "snap%" PRIu64, sid);
-        if (!free_name(E, r, id, base, dst)) return;
+        if (!free_name(E, r, id, base, true, dst)) return;
     }
     snprintf(src, sizeof src, "@%" PRIu64, sid);
     if (sess_fork(E->s->st, src, dst, made, &e) != KDS_OK) {
@@ -690,6 +713,10 @@ static void op_stats(web_engine *E, const web_req *r, const cJSON *id) {
     cJSON_AddNumberToObject(sv, "decode_tok_s", web__rate_get(&E->s->metrics));
     uint64_t steps = atomic_load(&m->decode_steps), rows = atomic_load(&m->decode_rows);
     cJSON_AddNumberToObject(sv, "batch_mean", steps ? (double)rows / (double)steps : 0.0);
+    pthread_mutex_lock(&E->s->lock);
+    int queued = E->s->n_queued;
+    pthread_mutex_unlock(&E->s->lock);
+    cJSON_AddNumberToObject(sv, "requests_queued", queued);
     if (cJSON_GetObjectItemCaseSensitive(r->msg, "session")) {
         char store[SESS_NAME_MAX + 1];
         if (!arg_session(E, r, id, "session", store)) {
@@ -875,15 +902,6 @@ static const op_entry OPS[] = {
 };
 
 static void handle(web_engine *E, web_req *r) {
-    if (r->kind == WEB_REQ_CLOSED) {
-        for (gen *g = E->gens; g; g = g->next)
-            if (g->conn == r->conn) g->gone = true;
-        return;
-    }
-    if (r->kind == WEB_REQ_STOP) {
-        E->stopping = true;
-        return;
-    }
     const cJSON *id = cJSON_GetObjectItemCaseSensitive(r->msg, "id");
     const char *op = get_str(r->msg, "op");
     if (E->stopping) {
@@ -896,8 +914,8 @@ static void handle(web_engine *E, web_req *r) {
             return;
         }
     fail(E, r, id, WEB_ERR_UNKNOWN_OP,
-         "unknown op '%.64s' (info, list, create, open, fork, rename, delete, history, snapshots, "
-         "restore, generate, cancel, stats, auth, ping)", op);
+         "unknown op '%.*s' (info, list, create, open, fork, rename, delete, history, snapshots, "
+         "restore, generate, cancel, stats, auth, ping)", (int)web__utf8_prefix(op, 64), op);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -1119,6 +1137,95 @@ static bool runnable(web_engine *E) {
     return false;
 }
 
+/* ------------------------------------------------------------------------ */
+/* Requests                                                                  */
+
+/* A request of a connection is answered (or dropped): it no longer counts
+ * against the connection's and the server's bounds. */
+static void req_done(web_engine *E, web_req *r) {
+    web_server *s = E->s;
+    pthread_mutex_lock(&s->lock);
+    s->n_queued--;
+    web_conn *c = web__conn_find(s, r->conn);
+    if (c) c->queued--;
+    pthread_mutex_unlock(&s->lock);
+    cJSON_Delete(r->msg);
+    free(r);
+}
+
+static void drop_queue(web_engine *E, conn_queue **pp) {
+    conn_queue *q = *pp;
+    *pp = q->next;
+    while (q->head) {
+        web_req *r = q->head;
+        q->head = r->next;
+        req_done(E, r);
+    }
+    free(q);
+}
+
+/* A request taken from the shared list: queued under its connection, or
+ * (closed, stop) acted on at once. */
+static void take(web_engine *E, web_req *r) {
+    if (r->kind == WEB_REQ_STOP) {
+        E->stopping = true;
+        free(r);
+        return;
+    }
+    if (r->kind == WEB_REQ_CLOSED) {
+        /* nobody reads the answers: drop what still waits */
+        for (gen *g = E->gens; g; g = g->next)
+            if (g->conn == r->conn) g->gone = true;
+        for (conn_queue **pp = &E->queues; *pp; pp = &(*pp)->next)
+            if ((*pp)->conn == r->conn) {
+                drop_queue(E, pp);
+                break;
+            }
+        free(r);
+        return;
+    }
+    conn_queue **pp = &E->queues;
+    while (*pp && (*pp)->conn != r->conn)
+        pp = &(*pp)->next;
+    if (!*pp && !(*pp = calloc(1, sizeof **pp))) {
+        fail(E, r, cJSON_GetObjectItemCaseSensitive(r->msg, "id"), WEB_ERR_INTERNAL,
+             "out of memory");
+        req_done(E, r);
+        return;
+    }
+    conn_queue *q = *pp;
+    q->conn = r->conn;
+    r->next = NULL;
+    if (q->tail)
+        q->tail->next = r;
+    else
+        q->head = r;
+    q->tail = r;
+}
+
+/* Rounds of one request per connection, until none waits or the turn's
+ * budget is spent. While stopping, everything waiting is refused at once. */
+static void answer_requests(web_engine *E) {
+    double t0 = web__now_s();
+    while (E->queues) {
+        for (conn_queue **pp = &E->queues; *pp;) {
+            conn_queue *q = *pp;
+            web_req *r = q->head;
+            q->head = r->next;
+            if (!q->head) q->tail = NULL;
+            handle(E, r);
+            req_done(E, r);
+            if (!q->head) {
+                *pp = q->next;
+                free(q);
+            } else {
+                pp = &q->next;
+            }
+        }
+        if (!E->stopping && web__now_s() - t0 > REQUEST_BUDGET_S) break;
+    }
+}
+
 static void *engine_main(void *arg) {
     web_server *s = arg;
     web_engine *E = s->eng;
@@ -1130,10 +1237,9 @@ static void *engine_main(void *arg) {
         while (list) {
             web_req *r = list;
             list = r->next;
-            handle(E, r);
-            cJSON_Delete(r->msg);
-            free(r);
+            take(E, r);
         }
+        answer_requests(E);
         if (E->stopping)
             for (gen *g = E->gens; g; g = g->next) g->cancel = true;
         prefill_step(E);
@@ -1142,10 +1248,10 @@ static void *engine_main(void *arg) {
         update_rate(E);
         if (E->stopping && !E->gens) break;
         pthread_mutex_lock(&s->lock);
-        bool idle = !s->req_head && !E->gens;
+        bool idle = !s->req_head && !E->gens && !E->queues;
         if (idle) {
             pthread_cond_wait(&s->wake, &s->lock);
-        } else if (!s->req_head) {
+        } else if (!s->req_head && !E->queues) {
             pthread_mutex_unlock(&s->lock);
             bool run = runnable(E);
             pthread_mutex_lock(&s->lock);
@@ -1163,8 +1269,8 @@ static void *engine_main(void *arg) {
     return NULL;
 }
 
-void web__submit(web_server *s, web_req *r) {
-    pthread_mutex_lock(&s->lock);
+/* Append r to the shared list; the lock is held. */
+static void append_locked(web_server *s, web_req *r) {
     r->next = NULL;
     if (s->req_tail)
         s->req_tail->next = r;
@@ -1172,7 +1278,59 @@ void web__submit(web_server *s, web_req *r) {
         s->req_head = r;
     s->req_tail = r;
     pthread_cond_signal(&s->wake);
+}
+
+void web__submit(web_server *s, web_req *r) {
+    pthread_mutex_lock(&s->lock);
+    append_locked(s, r);
     pthread_mutex_unlock(&s->lock);
+}
+
+bool web__submit_op(web_server *s, web_conn *c, web_req *r) {
+    pthread_mutex_lock(&s->lock);
+    bool full =
+        c->queued >= s->p.max_queue || (c->queued > 0 && s->n_queued >= s->p.max_queue_total);
+    if (!full) {
+        c->queued++;
+        s->n_queued++;
+        append_locked(s, r);
+    }
+    pthread_mutex_unlock(&s->lock);
+    return !full;
+}
+
+void web__submit_closed(web_server *s, uint64_t conn) {
+    web_req *r = calloc(1, sizeof *r);
+    web_req *gone = NULL;
+    pthread_mutex_lock(&s->lock);
+    /* the requests the engine has not taken yet go now, under the same lock
+     * that queues the marker, so none of them can come after it */
+    web_req **pp = &s->req_head;
+    s->req_tail = NULL;
+    while (*pp) {
+        web_req *q = *pp;
+        if (q->kind == WEB_REQ_OP && q->conn == conn) {
+            *pp = q->next;
+            q->next = gone;
+            gone = q;
+            s->n_queued--;
+        } else {
+            s->req_tail = q;
+            pp = &q->next;
+        }
+    }
+    if (r) { /* without it (out of memory) what the engine took still runs, unread */
+        r->kind = WEB_REQ_CLOSED;
+        r->conn = conn;
+        append_locked(s, r);
+    }
+    pthread_mutex_unlock(&s->lock);
+    while (gone) {
+        web_req *q = gone;
+        gone = q->next;
+        cJSON_Delete(q->msg);
+        free(q);
+    }
 }
 
 kds_status web__engine_start(web_server *s, kds_err *err) {
@@ -1236,6 +1394,8 @@ void web__engine_stop(web_server *s) {
     pthread_join(s->engine_thread, NULL);
     s->engine_started = false;
     web_engine *E = s->eng;
+    /* none are left (stopping answers all that wait), but free what is */
+    while (E->queues) drop_queue(E, &E->queues);
     for (int i = 0; i < E->n_hot_max; i++)
         if (E->hots[i].used) eng_seq_free(E->hots[i].seq);
     eng_ctx_free(E->c);

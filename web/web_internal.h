@@ -24,12 +24,16 @@
 #define WEB_TENANT_MAX 16
 #define WEB_ID_MAX 64
 
-/* One event waiting to be written. Token events keep their text apart so
- * that tokens produced before the next write join one frame. */
+/* One event waiting to be written. Other events are encoded when queued
+ * (so that the pending bytes are what will be written); token events keep
+ * their text apart so that tokens produced before the next write join one
+ * frame, and are encoded when written. */
 typedef struct web_event {
     struct web_event *next;
-    cJSON *ev;          /* owned; for a token event: {"id","event":"token"} without text */
-    bool msgpack;       /* encode as a msgpack binary frame */
+    unsigned char *frame; /* owned: the encoded frame after LWS_PRE bytes (not for tokens) */
+    size_t frame_len;
+    cJSON *ev;          /* owned, token events only: {"id","event":"token"} without text */
+    bool msgpack;       /* a msgpack binary frame */
     uint64_t token_of;  /* generation serial for a token event, else 0 */
     kds_buf text;       /* token text so far (token events) */
     size_t bytes;       /* counted in the connection's pending bytes */
@@ -45,9 +49,11 @@ typedef struct web_conn {
     bool authed;
     char tenant[WEB_TENANT_MAX + 1];
     int64_t last_seen_us;
+    bool rx_paused;              /* reading stopped: too much output is waiting */
     /* shared */
     web_event *head, *tail;
     size_t pending;              /* bytes queued and not yet written */
+    int queued;                  /* requests waiting for the engine or being handled */
     int close_code;              /* close after the queue drains (0 = no) */
 } web_conn;
 
@@ -118,6 +124,7 @@ struct web_server {
     pthread_mutex_t lock;
     pthread_cond_t wake;         /* engine thread waits here for requests */
     web_req *req_head, *req_tail;
+    int n_queued;                /* requests of every connection waiting or being handled */
     web_conn *conns;
     uint64_t next_conn_id;
     int n_conns;
@@ -134,12 +141,23 @@ double web__now_s(void);
 int64_t web__now_us(void);
 
 /* -- codec (web_codec.c) -------------------------------------------------- */
-/* Parse one message: JSON text or msgpack map, into a cJSON object. NULL
- * with a message in err on anything else. */
+/* Parse one message: JSON text or msgpack map, into a cJSON object whose
+ * keys and strings are all valid UTF-8 without NUL. NULL with a message in
+ * err on anything else (the message never repeats the request's bytes). */
 cJSON *web__parse(const void *p, size_t len, bool binary, kds_err *err);
 /* Encode an event into a new buffer with LWS_PRE bytes of headroom.
- * *len is the payload length (after the headroom). NULL on out-of-memory. */
+ * *len is the payload length (after the headroom). NULL on out-of-memory.
+ * Numbers with no fraction below 2^63 become integers (JSON literals without
+ * exponent, msgpack ints); text that is not UTF-8 gets U+FFFD per bad byte. */
 unsigned char *web__encode(const cJSON *ev, bool msgpack, size_t *len);
+/* Is p[0 .. n) well-formed UTF-8 (no overlongs, surrogates or code points
+ * above U+10FFFF)? *bad_at (may be NULL) receives the first bad offset. */
+bool web__utf8_valid(const void *p, size_t n, size_t *bad_at);
+/* The length of the longest prefix of string s of at most max bytes that
+ * does not end inside a UTF-8 character (for "%.*s" in messages). */
+size_t web__utf8_prefix(const char *s, size_t max);
+/* Cut a character that a byte limit left incomplete at the end of s. */
+void web__utf8_trim(char *s);
 
 /* -- events (web_server.c) ------------------------------------------------ */
 /* Queue `ev` (ownership taken) for connection `conn`; dropped if it is gone.
@@ -151,6 +169,8 @@ void web__send_token(web_server *s, uint64_t conn, const cJSON *id, bool msgpack
                      uint64_t serial, const char *text, size_t len);
 /* Bytes queued for `conn` (0 when it is gone); *gone tells which. */
 size_t web__pending(web_server *s, uint64_t conn, bool *gone);
+/* The connection of id `conn`, or NULL; the caller holds the lock. */
+web_conn *web__conn_find(web_server *s, uint64_t conn);
 /* An event {"id": id, "event": name}; id is copied (NULL = null). */
 cJSON *web__event(const cJSON *id, const char *name);
 /* An error event with a stable code (WEB_ERR_*) and a message. Counts it. */
@@ -163,6 +183,14 @@ int web__code_of(kds_status st);
 kds_status web__engine_start(web_server *s, kds_err *err);
 /* Queue a request for the engine thread (ownership of r taken). */
 void web__submit(web_server *s, web_req *r);
+/* Queue request r of connection c (service thread; ownership taken on
+ * success). False, and nothing queued, when c has max_queue requests
+ * waiting, or when max_queue_total wait in all and c has one at least (so
+ * that others' floods never shut out a connection that waits for nothing). */
+bool web__submit_op(web_server *s, web_conn *c, web_req *r);
+/* Connection `conn` closed (service thread): its requests not yet taken by
+ * the engine are freed, and the engine is told to drop the rest. */
+void web__submit_closed(web_server *s, uint64_t conn);
 /* Stop: cancel generations, save their sessions, join. */
 void web__engine_stop(web_server *s);
 

@@ -90,6 +90,12 @@ char *web__metrics_text(web_server *s, size_t *len) {
     gauge(&b, "kdaserve_generations_active", "Generations in progress.",
           (double)atomic_load(&m->generations_active));
     counter(&b, "kdaserve_requests_total", "Requests received.", atomic_load(&m->requests_total));
+    pthread_mutex_lock(&s->lock);
+    int queued = s->n_queued;
+    pthread_mutex_unlock(&s->lock);
+    gauge(&b, "kdaserve_requests_queued",
+          "Requests waiting for the engine thread or being handled (--max-queue-total).",
+          (double)queued);
     counter(&b, "kdaserve_generations_total", "Generations started.",
             atomic_load(&m->generations_total));
     counter(&b, "kdaserve_tokens_generated_total", "Tokens generated.",

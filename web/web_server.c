@@ -15,6 +15,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <time.h>
 
 #include "web_internal.h"
@@ -36,6 +37,8 @@ web_params web_default_params(void) {
     p.listen = "127.0.0.1:8080";
     p.max_message = 1u << 20;
     p.max_pending = 256u << 10;
+    p.max_queue = 64;
+    p.max_queue_total = 1024;
     p.max_connections = 256;
     p.max_sessions = 64;
     p.max_generations = 32;
@@ -73,6 +76,7 @@ cJSON *web__error(web_server *s, const cJSON *id, int code, const char *fmt, ...
     va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
+    web__utf8_trim(msg); /* the size limit cuts at a byte */
     if (code < 0 || code >= WEB_ERR_COUNT) code = WEB_ERR_INTERNAL;
     atomic_fetch_add(&s->metrics.errors[code], 1);
     cJSON *o = web__event(id, "error");
@@ -96,13 +100,14 @@ int web__code_of(kds_status st) {
     }
 }
 
-static web_conn *find_conn(web_server *s, uint64_t id) {
+web_conn *web__conn_find(web_server *s, uint64_t id) {
     for (web_conn *c = s->conns; c; c = c->next)
         if (c->id == id) return c;
     return NULL;
 }
 
 static void free_event(web_event *e) {
+    free(e->frame);
     cJSON_Delete(e->ev);
     kds_buf_free(&e->text);
     free(e);
@@ -119,29 +124,33 @@ static void enqueue(web_conn *c, web_event *e) {
 
 void web__send(web_server *s, uint64_t conn, cJSON *ev, bool msgpack) {
     if (!ev) return;
+    /* encoded here, by the sender's thread, so that the connection's pending
+     * bytes are the frame's and the service thread only writes */
     web_event *e = calloc(1, sizeof *e);
-    if (!e) {
-        cJSON_Delete(ev);
-        return;
-    }
-    e->ev = ev;
-    e->msgpack = msgpack;
-    e->bytes = 64; /* an estimate: the frame is encoded when written */
+    if (e) e->frame = web__encode(ev, msgpack, &e->frame_len);
+    cJSON_Delete(ev);
     pthread_mutex_lock(&s->lock);
-    web_conn *c = find_conn(s, conn);
-    if (c) enqueue(c, e);
+    web_conn *c = web__conn_find(s, conn);
+    if (c && e && e->frame) {
+        e->msgpack = msgpack;
+        e->bytes = e->frame_len;
+        enqueue(c, e);
+        e = NULL;
+    } else if (c) {
+        /* out of memory: an answer would be missing, so the client is told
+         * by the close instead */
+        c->close_code = LWS_CLOSE_STATUS_UNEXPECTED_CONDITION;
+    }
     pthread_mutex_unlock(&s->lock);
-    if (!c)
-        free_event(e);
-    else
-        lws_cancel_service(s->lws);
+    if (e) free_event(e);
+    if (c) lws_cancel_service(s->lws);
 }
 
 void web__send_token(web_server *s, uint64_t conn, const cJSON *id, bool msgpack,
                      uint64_t serial, const char *text, size_t len) {
     if (!len) return;
     pthread_mutex_lock(&s->lock);
-    web_conn *c = find_conn(s, conn);
+    web_conn *c = web__conn_find(s, conn);
     if (!c) {
         pthread_mutex_unlock(&s->lock);
         return;
@@ -176,7 +185,7 @@ void web__send_token(web_server *s, uint64_t conn, const cJSON *id, bool msgpack
 
 size_t web__pending(web_server *s, uint64_t conn, bool *gone) {
     pthread_mutex_lock(&s->lock);
-    web_conn *c = find_conn(s, conn);
+    web_conn *c = web__conn_find(s, conn);
     size_t n = c ? c->pending : 0;
     if (gone) *gone = c == NULL;
     pthread_mutex_unlock(&s->lock);
@@ -279,7 +288,17 @@ static void handle_message(web_server *s, web_conn *c, const unsigned char *p, s
     r->auth = auth;
     snprintf(r->tenant, sizeof r->tenant, "%s", c->tenant);
     r->t_arrive = web__now_s();
-    web__submit(s, r);
+    if (!web__submit_op(s, c, r)) {
+        /* refused here, at once: a flood costs the engine nothing */
+        reply_now(s, c,
+                  web__error(s, id, WEB_ERR_LIMIT,
+                             "too many requests waiting (%d of this connection, --max-queue; %d "
+                             "in all, --max-queue-total); wait for answers before sending more",
+                             s->p.max_queue, s->p.max_queue_total),
+                  binary);
+        cJSON_Delete(msg);
+        free(r);
+    }
 }
 
 /* ------------------------------------------------------------------------ */
@@ -298,6 +317,54 @@ static void hello(web_server *s, web_conn *c) {
     cJSON_AddStringToObject(h, "model", base && base[1] ? base + 1 : dir);
     cJSON_AddBoolToObject(h, "auth_required", s->n_tenants > 0 && !c->authed);
     reply_now(s, c, h, false);
+}
+
+/* Does a Sec-WebSocket-Protocol list ("a, b,c") name `want`? */
+static bool offers(const char *list, const char *want) {
+    size_t wn = strlen(want);
+    for (const char *p = list; *p;) {
+        while (*p == ' ' || *p == '\t' || *p == ',') p++;
+        const char *q = p;
+        while (*q && *q != ',' && *q != ' ' && *q != '\t') q++;
+        if ((size_t)(q - p) == wn && !memcmp(p, want, wn)) return true;
+        p = q;
+    }
+    return false;
+}
+
+/* A plain-text HTTP answer on a connection that asked to upgrade (h1:
+ * headers and body in one write, as lws_return_http_status does). */
+static int http_answer(struct lws *wsi, unsigned status, const char *text) {
+    unsigned char buf[LWS_PRE + 1024], *start = buf + LWS_PRE, *p = start, *end = buf + sizeof buf;
+    size_t n = strlen(text);
+    if (lws_add_http_common_headers(wsi, status, "text/plain; charset=utf-8", (lws_filepos_t)n, &p,
+                                    end) ||
+        lws_finalize_http_header(wsi, &p, end) || (size_t)(end - p) < n)
+        return -1;
+    memcpy(p, text, n);
+    p += n;
+    int len = lws_ptr_diff(p, start);
+    return lws_write(wsi, start, (size_t)len, LWS_WRITE_HTTP) == len ? 1 : -1;
+}
+
+/* LWS_CALLBACK_HTTP_CONFIRM_UPGRADE: an upgrade that offers subprotocols but
+ * not ours would get no HTTP answer at all from lws (it drops the TCP
+ * connection), so it is answered here: 400 naming the one we speak. lws
+ * reads the list into 127 bytes and drops longer ones too. Returns the
+ * callback's value: 0 goes on with the upgrade, 1 after an answer. */
+static int confirm_upgrade(struct lws *wsi, const char *upgrade) {
+    if (!upgrade || strcasecmp(upgrade, "websocket")) return 0;
+    char list[128];
+    int n = lws_hdr_total_length(wsi, WSI_TOKEN_PROTOCOL);
+    if (n == 0) return 0; /* none offered: served version 1 */
+    if (n < (int)sizeof list - 1 && lws_hdr_copy(wsi, list, sizeof list, WSI_TOKEN_PROTOCOL) > 0 &&
+        offers(list, WEB_PROTOCOL))
+        return 0;
+    return http_answer(wsi, HTTP_STATUS_BAD_REQUEST,
+                       n >= (int)sizeof list - 1
+                           ? "Sec-WebSocket-Protocol is longer than 126 bytes; offer kdaserve.v1\n"
+                           : "none of the offered WebSocket subprotocols is supported; this server "
+                             "speaks kdaserve.v1 (docs/protocol.md)\n");
 }
 
 /* Auth by header at the upgrade: "Authorization: Bearer TOKEN". */
@@ -330,27 +397,37 @@ static int write_one(web_server *s, struct lws *wsi, web_conn *c) {
         c->pending -= e->bytes;
     }
     bool more = c->head != NULL;
+    bool drained = c->pending <= s->p.max_pending / 2;
     int close_code = c->close_code;
     pthread_mutex_unlock(&s->lock);
+    if (c->rx_paused && drained) {
+        /* the client reads again: read its requests again */
+        c->rx_paused = false;
+        lws_rx_flow_control(wsi, 1);
+    }
     if (!e) {
         if (close_code) {
             const char *why = close_code == LWS_CLOSE_STATUS_POLICY_VIOLATION ? "wrong token"
                               : close_code == LWS_CLOSE_STATUS_GOINGAWAY    ? "server shutting down"
-                                                                            : "closing";
+                              : close_code == LWS_CLOSE_STATUS_UNEXPECTED_CONDITION
+                                  ? "server out of memory"
+                                  : "closing";
             lws_close_reason(wsi, (enum lws_close_status)close_code, (unsigned char *)why,
                              strlen(why));
             return -1;
         }
         return 0;
     }
-    if (e->token_of) cJSON_AddStringToObject(e->ev, "text", kds_buf_str(&e->text));
-    size_t len;
-    unsigned char *buf = web__encode(e->ev, e->msgpack, &len);
+    if (e->token_of) {
+        cJSON_AddStringToObject(e->ev, "text", kds_buf_str(&e->text));
+        e->frame = web__encode(e->ev, e->msgpack, &e->frame_len);
+    }
     bool binary = e->msgpack;
+    unsigned char *buf = e->frame;
+    size_t len = e->frame_len;
+    int n = buf ? lws_write(wsi, buf + LWS_PRE, len, binary ? LWS_WRITE_BINARY : LWS_WRITE_TEXT)
+                : -1;
     free_event(e);
-    if (!buf) return -1;
-    int n = lws_write(wsi, buf + LWS_PRE, len, binary ? LWS_WRITE_BINARY : LWS_WRITE_TEXT);
-    free(buf);
     if (n < (int)len) return -1;
     if (more || close_code) lws_callback_on_writable(wsi);
     return 0;
@@ -372,13 +449,7 @@ static int ws_cb(struct lws *wsi, enum lws_callback_reasons reason, void *user, 
         if (!c) return -1;
         c->wsi = wsi;
         c->last_seen_us = web__now_us();
-        if (s->n_tenants && header_auth(s, wsi, c) != 0) {
-            free(c);
-            atomic_fetch_add(&s->metrics.closes_auth, 1);
-            lws_close_reason(wsi, LWS_CLOSE_STATUS_POLICY_VIOLATION, (unsigned char *)"wrong token",
-                             11);
-            return -1;
-        }
+        bool wrong_token = s->n_tenants && header_auth(s, wsi, c) != 0;
         pthread_mutex_lock(&s->lock);
         c->id = ++s->next_conn_id;
         c->next = s->conns;
@@ -389,13 +460,30 @@ static int ws_cb(struct lws *wsi, enum lws_callback_reasons reason, void *user, 
         atomic_fetch_add(&s->metrics.connections, 1);
         atomic_fetch_add(&s->metrics.connections_total, 1);
         hello(s, c);
+        if (wrong_token) {
+            /* as for a wrong token of the auth op: the error, then close 1008 */
+            reply_now(s, c,
+                      web__error(s, NULL, WEB_ERR_UNAUTHENTICATED,
+                                 "wrong token in the Authorization header (expected 'Bearer "
+                                 "TOKEN' with a token of the auth file)"),
+                      false);
+            pthread_mutex_lock(&s->lock);
+            c->close_code = LWS_CLOSE_STATUS_POLICY_VIOLATION;
+            pthread_mutex_unlock(&s->lock);
+            atomic_fetch_add(&s->metrics.closes_auth, 1);
+        }
         return 0;
     }
     case LWS_CALLBACK_RECEIVE: {
         web_conn *c = pss ? pss->c : NULL;
         if (!c) return -1;
         if (c->close_code) return 0; /* closing: ignore the rest */
-        if (c->rx.len + len > s->p.max_message) {
+        /* The frame's header declared how much more is coming: judge that
+         * now rather than after max_message bytes have arrived (lws calls
+         * here from the frame's first payload bytes on, never for a header
+         * alone). */
+        size_t have = c->rx.len + len;
+        if (have > s->p.max_message || lws_remaining_packet_payload(wsi) > s->p.max_message - have) {
             atomic_fetch_add(&s->metrics.closes_too_large, 1);
             lws_close_reason(wsi, LWS_CLOSE_STATUS_MESSAGE_TOO_LARGE,
                              (unsigned char *)"message too large", 17);
@@ -405,6 +493,16 @@ static int ws_cb(struct lws *wsi, enum lws_callback_reasons reason, void *user, 
         if (lws_is_final_fragment(wsi)) {
             handle_message(s, c, c->rx.p, c->rx.len, lws_frame_is_binary(wsi) != 0);
             kds_buf_reset(&c->rx);
+            /* A client that does not read its answers stops being read: what
+             * waits for it stays near max_pending however fast it sends
+             * (write_one reads it again once half of that is gone). */
+            pthread_mutex_lock(&s->lock);
+            bool behind = c->pending > s->p.max_pending;
+            pthread_mutex_unlock(&s->lock);
+            if (behind && !c->rx_paused) {
+                c->rx_paused = true;
+                lws_rx_flow_control(wsi, 0);
+            }
         }
         return 0;
     }
@@ -430,16 +528,13 @@ static int ws_cb(struct lws *wsi, enum lws_callback_reasons reason, void *user, 
             e = next;
         }
         atomic_fetch_sub(&s->metrics.connections, 1);
-        web_req *r = calloc(1, sizeof *r);
-        if (r) {
-            r->kind = WEB_REQ_CLOSED;
-            r->conn = c->id;
-            web__submit(s, r);
-        }
+        web__submit_closed(s, c->id);
         kds_buf_free(&c->rx);
         free(c);
         return 0;
     }
+    case LWS_CALLBACK_HTTP_CONFIRM_UPGRADE:
+        return confirm_upgrade(wsi, in);
     case LWS_CALLBACK_EVENT_WAIT_CANCELLED:
         /* several cancels may collapse into one: serve every queue */
         pthread_mutex_lock(&s->lock);
@@ -509,6 +604,9 @@ static int http_cb(struct lws *wsi, enum lws_callback_reasons reason, void *user
         if (lws_http_transaction_completed(wsi)) return -1;
         return 0;
     }
+    case LWS_CALLBACK_HTTP_CONFIRM_UPGRADE:
+        /* a kept-alive connection whose last request was /metrics */
+        return confirm_upgrade(wsi, in);
     case LWS_CALLBACK_CLOSED_HTTP:
         free(pss->body);
         pss->body = NULL;
@@ -551,6 +649,8 @@ kds_status web_server_create(const web_params *p, eng_model *m, sess_store *st,
     if (!s->p.listen) s->p.listen = d.listen;
     if (!s->p.max_message) s->p.max_message = d.max_message;
     if (!s->p.max_pending) s->p.max_pending = d.max_pending;
+    if (s->p.max_queue <= 0) s->p.max_queue = d.max_queue;
+    if (s->p.max_queue_total <= 0) s->p.max_queue_total = d.max_queue_total;
     if (s->p.max_connections <= 0) s->p.max_connections = d.max_connections;
     if (s->p.max_sessions <= 0) s->p.max_sessions = d.max_sessions;
     if (s->p.max_generations <= 0) s->p.max_generations = d.max_generations;
