@@ -19,6 +19,7 @@
 
 #include "eng_tokenizer.h"
 #include "eng_util.h"
+#include "kds_file.h"
 #include "kds_buf.h"
 
 #define CHAT_DEFAULT_SYSTEM "You are Kimi, an AI assistant created by Moonshot AI."
@@ -214,7 +215,7 @@ static bool dir_has_chat_template(const char *dir) {
     int fd;
     size_t size;
     kds_err ignored = {0};
-    if (eng__open_regular(path, &fd, &size, &ignored) != KDS_OK) return true;
+    if (kds_open_regular(path, &fd, &size, &ignored) != KDS_OK) return true;
     FILE *f = fdopen(fd, "rb");
     if (!f) {
         close(fd);

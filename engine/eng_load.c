@@ -31,6 +31,7 @@
 #include "eng_model.h"
 #include "eng_plan.h"
 #include "eng_tokenizer.h"
+#include "kds_file.h"
 
 /* JSON files larger than these are damage, not a model (the 48B index is
  * about 2 MB, its config 2 KB). */
@@ -69,48 +70,13 @@ eng_path_state eng__path_state(const char *path) {
     return errno == ENOENT || errno == ENOTDIR ? ENG_PATH_ABSENT : ENG_PATH_ERROR;
 }
 
-static const char *file_kind(mode_t m) {
-    return S_ISDIR(m) ? "a directory" : S_ISFIFO(m) ? "a FIFO" : S_ISSOCK(m) ? "a socket"
-         : S_ISCHR(m) || S_ISBLK(m) ? "a device" : "not a regular file";
-}
-
-kds_status eng__open_regular(const char *path, int *fd_out, size_t *size, kds_err *err) {
-    *fd_out = -1;
-    /* O_NONBLOCK: opening a FIFO for reading would otherwise wait for a
-     * writer forever */
-    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-    if (fd < 0) {
-        const int e = errno;
-        if (e == ELOOP)
-            return kds_err_set(err, KDS_IO, "%s: too many levels of symbolic links (a symlink "
-                                            "loop?)", path);
-        return kds_err_set(err, e == ENOENT ? KDS_NOT_FOUND : KDS_IO, "%s: %s", path, strerror(e));
-    }
-    struct stat st;
-    if (fstat(fd, &st) != 0) {
-        kds_status rc = kds_err_set(err, KDS_IO, "%s: %s", path, strerror(errno));
-        close(fd);
-        return rc;
-    }
-    if (!S_ISREG(st.st_mode)) {
-        close(fd);
-        return kds_err_set(err, KDS_IO, "%s: is %s, not a regular file", path,
-                           file_kind(st.st_mode));
-    }
-    const int flags = fcntl(fd, F_GETFL);
-    if (flags >= 0) (void)fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
-    *fd_out = fd;
-    *size = (size_t)st.st_size;
-    return KDS_OK;
-}
-
 kds_status eng__read_file(const char *path, size_t cap, char **buf, size_t *len, kds_err *err) {
     kds_status rc = KDS_OK;
     *buf = NULL;
     *len = 0;
     int fd;
     size_t n;
-    if ((rc = eng__open_regular(path, &fd, &n, err)) != KDS_OK) return rc;
+    if ((rc = kds_open_regular(path, &fd, &n, err)) != KDS_OK) return rc;
     if (n > cap) {
         rc = kds_err_set(err, KDS_TOO_LARGE, "%s: %zu bytes is too large (limit %zu)", path, n, cap);
         goto out_close;

@@ -2,6 +2,7 @@
 #define _GNU_SOURCE
 #include "eng_safetensors.h"
 #include "eng_util.h"
+#include "kds_file.h"
 
 #include <cJSON.h>
 #include <errno.h>
@@ -137,7 +138,7 @@ kds_status eng_st_open(const char *path, eng_st_file **out, kds_err *err) {
     /* a FIFO, directory or device in a checkpoint's place is refused
      * without blocking or mapping it */
     size_t file_size = 0;
-    if ((rc = eng__open_regular(path, &fd, &file_size, err)) != KDS_OK) goto fail;
+    if ((rc = kds_open_regular(path, &fd, &file_size, err)) != KDS_OK) goto fail;
     if (file_size < 8) {
         rc = kds_err_set(err, KDS_BAD_FORMAT, "%s: file of %zu bytes is too short for a "
                          "safetensors header", path, file_size);

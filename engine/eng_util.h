@@ -21,13 +21,6 @@ typedef enum eng_path_state {
 } eng_path_state;
 eng_path_state eng__path_state(const char *path);
 
-/* Open `path` for reading if it is a regular file (after symlinks),
- * without ever blocking on a FIFO or a device: opened non-blocking, checked
- * with fstat, then made blocking. *fd and *size on success. Errors:
- * KDS_NOT_FOUND, KDS_IO (naming a FIFO, directory or device, a symlink
- * loop, a permission); the message names the path. */
-kds_status eng__open_regular(const char *path, int *fd, size_t *size, kds_err *err);
-
 /* Read a whole regular file of at most `cap` bytes. On success *buf is
  * NUL-terminated (caller owns: free()) and *len its length. Errors:
  * KDS_NOT_FOUND, KDS_IO (also "not a regular file"), KDS_TOO_LARGE,

@@ -10,6 +10,7 @@
 #include "kern_cuda.h"
 #endif
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -153,6 +154,24 @@ Test(cli, cuda_libraries_are_not_linked) {
     struct rusage ru;
     cr_assert_eq(getrusage(RUSAGE_CHILDREN, &ru), 0);
     cr_expect_lt(ru.ru_maxrss, 64 * 1024, "--help peaked at %ld KiB resident", ru.ru_maxrss);
+}
+
+/* An auth file that is a FIFO or a directory is refused at once (an open
+ * for reading would wait on a FIFO forever). */
+Test(cli, auth_file_must_be_a_regular_file, .timeout = 60) {
+    make_tmp();
+    char out[4096], fifo[300], dir[300];
+    snprintf(fifo, sizeof fifo, "%s/auth.fifo", tmpdir);
+    snprintf(dir, sizeof dir, "%s/auth.dir", tmpdir);
+    cr_assert_eq(mkfifo(fifo, 0600), 0);
+    cr_assert_eq(mkdir(dir, 0700), 0);
+    cr_expect_eq(run(out, sizeof out, "timeout 20 " KDASERVE " serve --auth-file %s --listen "
+                     "127.0.0.1:0 --db %s/db 2>&1", fifo, tmpdir), 1, "%s", out);
+    cr_expect(strstr(out, "auth.fifo: is a FIFO, not a regular file"), "%s", out);
+    cr_expect_eq(run(out, sizeof out, "timeout 20 " KDASERVE " serve --auth-file %s --listen "
+                     "127.0.0.1:0 --db %s/db 2>&1", dir, tmpdir), 1, "%s", out);
+    cr_expect(strstr(out, "auth.dir: is a directory"), "%s", out);
+    rm_tmp();
 }
 
 Test(cli, refusals_are_one_clear_line) {

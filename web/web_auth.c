@@ -9,7 +9,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
+#include "kds_file.h"
 #include "web_internal.h"
 
 #define TOKEN_MIN 16
@@ -23,8 +25,17 @@ static bool tenant_valid(const char *t, size_t n) {
 }
 
 kds_status web__auth_load(web_server *s, const char *path, kds_err *err) {
-    FILE *f = fopen(path, "r");
-    if (!f) return kds_err_set(err, KDS_IO, "cannot read the auth file %s", path);
+    /* a FIFO or directory in the file's place is refused, never waited on */
+    int fd;
+    size_t size;
+    kds_err why = {0};
+    if (kds_open_regular(path, &fd, &size, &why) != KDS_OK)
+        return kds_err_set(err, KDS_IO, "cannot read the auth file: %s", why.msg);
+    FILE *f = fdopen(fd, "r");
+    if (!f) {
+        close(fd);
+        return kds_err_set(err, KDS_IO, "cannot read the auth file %s", path);
+    }
     char line[1024];
     int lineno = 0;
     kds_status rc = KDS_OK;
