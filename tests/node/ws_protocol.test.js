@@ -1725,7 +1725,7 @@ async function groupBackpressure() {
 const FLOOD_SESSIONS = 300, FLOOD_N = 3000;
 // The engine thread is busy with one long request while the checks act:
 // a create whose system text is prefilled before the answer.
-const BUSY_SYSTEM = "It is a truth universally acknowledged, that a single man. ".repeat(100);
+const BUSY_SYSTEM = "It is a truth universally acknowledged, that a single man. ".repeat(800);
 
 // Send n copies of `req` (ids base..base+n-1) on c without waiting. Returns
 // {results, errors: {code: count}, answers: id -> count, firstLimit, all}
