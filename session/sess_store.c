@@ -295,6 +295,50 @@ kds_status sess__get(MDB_txn *txn, MDB_dbi dbi, const void *key, size_t key_len,
 /* ------------------------------------------------------------------------ */
 /* Open / close                                                              */
 
+/* LMDB maps data.mdb and reads pages straight from the map, so a file cut
+ * short (a copy that stopped, a disk that filled during a backup) would
+ * raise SIGBUS at the first page past its end, in whatever command touched
+ * it first. Its meta pages (the first two, read with pread by
+ * mdb_env_open) record the last page in use: a sound file always reaches
+ * past it. Checked before any transaction touches a page. */
+static kds_status check_data_file(sess_store *st, kds_err *err) {
+    MDB_envinfo info;
+    MDB_stat ms;
+    int fd;
+    struct stat sb;
+    if (mdb_env_info(st->env, &info) || mdb_env_stat(st->env, &ms) ||
+        mdb_env_get_fd(st->env, &fd) || fstat(fd, &sb) != 0)
+        return kds_err_set(err, KDS_IO, "store %s: cannot read the size of data.mdb: %s",
+                           st->dir, strerror(errno));
+    uint64_t need = ((uint64_t)info.me_last_pgno + 1) * ms.ms_psize;
+    if ((uint64_t)sb.st_size < need)
+        return kds_err_set(err, KDS_CORRUPT,
+                           "store %s: data.mdb is truncated: %lld bytes, but its pages in use "
+                           "reach %llu bytes (page %zu of %u bytes); nothing was read from it: "
+                           "restore the file from a backup",
+                           st->dir, (long long)sb.st_size, (unsigned long long)need,
+                           (size_t)info.me_last_pgno, ms.ms_psize);
+    return KDS_OK;
+}
+
+/* mdb_env_open refused the data file: shorter than its two meta pages is a
+ * truncated store, not "not an LMDB file". */
+static kds_status open_refused(const char *dir, int m, kds_err *err) {
+    char path[1100];
+    struct stat sb;
+    snprintf(path, sizeof path, "%s/data.mdb", dir);
+    long page = sysconf(_SC_PAGESIZE);
+    if (m == MDB_INVALID && stat(path, &sb) == 0 && sb.st_size > 0 &&
+        sb.st_size < 2 * (page > 0 ? page : 4096))
+        return kds_err_set(err, KDS_CORRUPT,
+                           "store %s: data.mdb is truncated: %lld bytes, less than LMDB's two "
+                           "meta pages; restore the file from a backup",
+                           dir, (long long)sb.st_size);
+    kds_status rc = sess__mdb_err(m, "opening", err);
+    kds_err_prefix(err, "store %s", dir);
+    return rc;
+}
+
 /* Store record: written once when the store is created; a later build that
  * changes the store's layout bumps SESS_VERSION_STORE, and this build then
  * refuses the store instead of misreading it. */
@@ -410,10 +454,10 @@ kds_status sess_open(const char *dir, const sess_params *p, sess_store **out, kd
         goto fail;
     }
     if (m) {
-        rc = sess__mdb_err(m, "opening", err);
-        kds_err_prefix(err, "store %s", dir);
+        rc = open_refused(dir, m, err);
         goto fail;
     }
+    if ((rc = check_data_file(st, err)) != KDS_OK) goto fail;
     /* Reader slots of processes that died inside a read would pin pages
      * forever (the store would only grow). */
     int dead = 0;
