@@ -200,6 +200,9 @@ typedef struct sess__wtxn {
     sess_store *st;
     MDB_txn *txn;
     bool map_full;
+    bool disk_full;   /* a write failed for room on the disk (sess__write_err) */
+    bool freed;       /* records were deleted: pages went to LMDB's free list */
+    size_t bytes;     /* value bytes put so far (how much room the commit needs) */
     uint64_t next_id; /* id counter, loaded lazily */
     bool id_loaded;
 } sess__wtxn;
@@ -209,7 +212,12 @@ typedef kds_status (*sess__read_fn)(sess_store *st, MDB_txn *txn, void *ctx, kds
 
 /* Run fn in a write transaction and commit; on MDB_MAP_FULL abort, grow the
  * map and run fn again from the start (fn must not keep state between
- * attempts other than through ctx, which it must reset itself). */
+ * attempts other than through ctx, which it must reset itself). A commit
+ * that fails for room on the disk is run again once, after a commit that
+ * lets LMDB reuse what the last transactions freed; a transaction that
+ * deleted records (w->freed) is followed by that commit too, so that the
+ * space it freed serves the very next write (LMDB hands out pages freed by
+ * transaction T only from transaction T + 2 on). */
 kds_status sess__write(sess_store *st, sess__write_fn fn, void *ctx, kds_err *err);
 /* Run fn in a read-only transaction. */
 kds_status sess__read(sess_store *st, sess__read_fn fn, void *ctx, kds_err *err);
@@ -227,6 +235,12 @@ kds_status sess__del(sess__wtxn *w, MDB_dbi dbi, const void *key, size_t key_len
 kds_status sess__get(MDB_txn *txn, MDB_dbi dbi, const void *key, size_t key_len,
                      const void **val, size_t *val_len, kds_err *err);
 kds_status sess__mdb_err(int rc, const char *what, kds_err *err);
+/* An LMDB error of a write (put, delete, commit): MDB_MAP_FULL flagged for
+ * sess__write to grow the map; a full disk (ENOSPC, EDQUOT, or the EIO LMDB
+ * returns for a short write when the disk has no room left for this
+ * transaction) said as such, naming the store and its filesystem, and
+ * flagged for the one retry. */
+kds_status sess__write_err(sess__wtxn *w, int rc, const char *what, kds_err *err);
 
 /* Next fresh id (the store-wide counter shared by snapshots, chunks and
  * sessions); the counter is written back by sess__write before commit. */

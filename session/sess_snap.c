@@ -820,11 +820,11 @@ static kds_status del_turns(sess__wtxn *w, uint64_t id, kds_err *err) {
          m = mdb_cursor_get(c, &k, &v, MDB_NEXT)) {
         if (k.mv_size != 12 || memcmp(k.mv_data, k0, 8) != 0) break;
         if ((m = mdb_cursor_del(c, 0)) != 0) break;
+        w->freed = true;
     }
     mdb_cursor_close(c);
     if (m == 0 || m == MDB_NOTFOUND) return KDS_OK;
-    if (m == MDB_MAP_FULL) w->map_full = true;
-    return sess__mdb_err(m, "deleting a transcript", err);
+    return sess__write_err(w, m, "deleting a transcript", err);
 }
 
 static kds_status sess_del_fn(sess__wtxn *w, void *ctx, kds_err *err) {
@@ -1065,6 +1065,7 @@ static kds_status gc_fn(sess__wtxn *w, void *ctx, kds_err *err) {
         if (!unknown_heads && !has_id(live, n_live, id)) {
             size_t bytes = v.mv_size;
             if ((m = mdb_cursor_del(c, 0)) != 0) break;
+            w->freed = true;
             g->snapshots_freed++;
             g->bytes_freed += bytes;
             continue;
@@ -1095,8 +1096,7 @@ static kds_status gc_fn(sess__wtxn *w, void *ctx, kds_err *err) {
     mdb_cursor_close(c);
     c = NULL;
     if (m != MDB_NOTFOUND) {
-        if (m == MDB_MAP_FULL) w->map_full = true;
-        rc = sess__mdb_err(m, "gc", err);
+        rc = sess__write_err(w, m, "gc", err);
         goto out;
     }
     if (n_used) qsort(used, n_used, sizeof *used, cmp_u64);
@@ -1113,13 +1113,11 @@ static kds_status gc_fn(sess__wtxn *w, void *ctx, kds_err *err) {
         }
         size_t bytes = v.mv_size;
         if ((m = mdb_cursor_del(c, 0)) != 0) break;
+        w->freed = true;
         g->chunks_freed++;
         g->bytes_freed += bytes;
     }
-    if (m != MDB_NOTFOUND) {
-        if (m == MDB_MAP_FULL) w->map_full = true;
-        rc = sess__mdb_err(m, "gc", err);
-    }
+    if (m != MDB_NOTFOUND) rc = sess__write_err(w, m, "gc", err);
 out:
     if (c) mdb_cursor_close(c);
     free(live);
