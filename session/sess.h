@@ -248,9 +248,73 @@ typedef struct sess_turn {
  * KDS_MISMATCH). *snapshot (may be NULL) receives the new id.
  * Errors: KDS_INVALID_ARG (name, turn->mode), KDS_BUSY, KDS_MISMATCH (another model's
  * session or base), KDS_NOT_FOUND (base), KDS_TOO_LARGE (map_max), KDS_IO.
+ * sess_save_ex can save a conflicting turn as a fork instead of KDS_BUSY.
  */
 kds_status sess_save(sess_store *st, const char *session, uint64_t base, const eng_model *m,
                      const eng_seq *s, const sess_turn *turn, uint64_t *snapshot, kds_err *err);
+
+/* What a save does when the session's head is no longer `base` (another
+ * writer, e.g. the server or a second REPL, saved a turn meanwhile). */
+typedef enum sess_conflict {
+    SESS_CONFLICT_REFUSE = 0, /* KDS_BUSY, nothing written (sess_save) */
+    /* Save anyway, as a new session "<session>-K" (the first free K >= 2)
+     * forked at `base`: parent `session`, fork point `base`, the transcript
+     * of `session` up to `base`, then this turn. `session` keeps the other
+     * writer's head. Nothing is lost and nothing is overwritten. */
+    SESS_CONFLICT_FORK = 1,
+} sess_conflict;
+
+typedef struct sess_save_result {
+    uint64_t snapshot;               /* the new snapshot */
+    char session[SESS_NAME_MAX + 1]; /* the session saved: `session`, or the fork */
+    bool forked;                     /* the head had moved: saved as the fork above */
+    uint64_t other_head;             /* when forked: the head the other writer left */
+} sess_save_result;
+
+/*
+ * sess_save, choosing what a moved head does (`on_conflict`); `res` (may be
+ * NULL) says what was saved where. With SESS_CONFLICT_FORK a moved head is
+ * not an error: the turn is saved as a fork and res->forked is set (tell
+ * the user res->session; continue there, with res->snapshot as the base).
+ * A session deleted meanwhile is created again under its name. Errors as
+ * sess_save, and KDS_EXISTS only if no fork name is free.
+ */
+kds_status sess_save_ex(sess_store *st, const char *session, uint64_t base, const eng_model *m,
+                        const eng_seq *s, const sess_turn *turn, sess_conflict on_conflict,
+                        sess_save_result *res, kds_err *err);
+
+/* ------------------------------------------------------------------------ */
+/* Writers                                                                   */
+
+/* A process that has a session open for writing, as it declared itself. */
+typedef struct sess_writer {
+    int64_t pid;
+    char host[64];
+    char program[32];  /* "chat", "generate", "serve", ... */
+    int64_t since_us;  /* when it claimed the session */
+} sess_writer;
+
+/*
+ * Declare that this process writes session `name` (which need not exist
+ * yet), as `program`; front ends do it whenever they take up a session (the
+ * REPL at open, generate --session, the server when it loads one). Records
+ * of writers that are gone (same host, process dead or its pid reused) are
+ * dropped on the way. *busy is set when another live writer holds the
+ * session, and `other` (may be NULL) receives the earliest of them: say so
+ * at once ("open for writing in pid N"), since whoever saves second will
+ * have its turn saved as a fork (SESS_CONFLICT_FORK). Claiming twice is a
+ * no-op; a read-only store records nothing and only reports. The claim is
+ * advisory: it never blocks a save. Errors: KDS_INVALID_ARG (name), KDS_IO.
+ */
+kds_status sess_writer_claim(sess_store *st, const char *name, const char *program,
+                             sess_writer *other, bool *busy, kds_err *err);
+
+/* Withdraw this process's claim on `name` (no-op if it had none). */
+kds_status sess_writer_release(sess_store *st, const char *name, kds_err *err);
+
+/* "pid 4242 (kdaserve serve, since 14:03:12)", with " on HOST" for
+ * another host: the writer as a message names it. */
+void sess_writer_describe(const sess_writer *w, char *buf, size_t cap);
 
 /*
  * Fork: a new session `name` (NULL = "<source>-K" for a session, "snapN-K"

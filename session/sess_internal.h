@@ -30,6 +30,7 @@
 #define SESS_MAGIC_TURN "KDSTURN\0"
 #define SESS_MAGIC_STORE "KDSSTORE"
 #define SESS_MAGIC_EXPORT "KDSXPORT"
+#define SESS_MAGIC_WRITER "KDSWRITR"
 
 /* Format versions this build writes and reads (one per record kind, so a
  * kind can change without touching the others). */
@@ -39,6 +40,7 @@
 #define SESS_VERSION_TURN 1u
 #define SESS_VERSION_STORE 1u
 #define SESS_VERSION_EXPORT 1u
+#define SESS_VERSION_WRITER 1u
 
 /* A chunk holds at most this many payload bytes (more tokens are split
  * over several chunks), so no single LMDB value gets huge. */
@@ -156,6 +158,14 @@ kds_status sess__check_state_bytes(const sess__frame *f, const sess__snap_hdr *h
                                    const char *what, kds_err *err);
 /* sess_verify without a model, inside a caller's transaction (sess_snap.c). */
 kds_status sess__verify_in(sess_store *st, MDB_txn *txn, uint64_t id, kds_err *err);
+
+/* Writer record (meta "writer/<session>/<host>/<pid>"): who declared it
+ * writes a session; `start` is the process's start time in clock ticks
+ * after boot (/proc/PID/stat), so a reused pid is not taken for it. */
+kds_status sess__writer_encode(const sess_writer *w, uint64_t start, unsigned char **out,
+                               size_t *len, kds_err *err);
+kds_status sess__writer_parse(const void *rec, size_t len, const char *what, sess_writer *w,
+                              uint64_t *start, kds_err *err);
 
 /* Export file header (sess_record.c). */
 enum { SESS_XREC_SESSION = 0, SESS_XREC_TURN = 1, SESS_XREC_SNAPSHOT = 2, SESS_XREC_CHUNK = 3 };

@@ -414,6 +414,10 @@ kds_status sess_verify(sess_store *st, uint64_t id, const eng_model *m, kds_err 
 
 typedef struct save_ctx {
     const char *name;
+    sess_conflict on_conflict;
+    char target[SESS_NAME_MAX + 1]; /* the session written: name, or the conflict's fork */
+    bool forked;
+    uint64_t other_head;
     uint64_t base;
     const eng_model *m;
     const eng_seq *s;
@@ -487,6 +491,65 @@ static kds_status check_continues(sess__wtxn *w, save_ctx *c, const sess__snap_h
     return KDS_OK;
 }
 
+/* A record copied out of a transaction (transcript turns, put again under
+ * another key). */
+typedef struct kv {
+    unsigned char key[12];
+    void *val;
+    size_t len;
+} kv;
+static kds_status collect_turns(sess_store *st, MDB_txn *txn, uint64_t id, kv **out, size_t *n,
+                                kds_err *err);
+static void free_kv(kv *a, size_t n);
+static kds_status free_fork_name(sess__wtxn *w, const char *base, char out[SESS_NAME_MAX + 1],
+                                 kds_err *err);
+
+/* The head of `se` moved past c->base: turn `se` into a new session, the
+ * fork "<name>-K" at c->base (not yet written: save_fn writes it with the
+ * new head), with the transcript entries of `se` up to c->base copied. An
+ * entry names the snapshot saved after it; ids grow with time, so the
+ * entries up to the base are the prefix whose snapshots are <= base. */
+static kds_status conflict_fork(sess__wtxn *w, save_ctx *c, sess_session_info *se,
+                                kds_err *err) {
+    sess_store *st = w->st;
+    kv *turns = NULL;
+    size_t n = 0, keep = 0;
+    kds_status rc = collect_turns(st, w->txn, se->id, &turns, &n, err);
+    if (rc != KDS_OK) return rc;
+    for (; keep < n; keep++) {
+        char what[96];
+        snprintf(what, sizeof what, "session '%s' turn %zu", c->name, keep + 1);
+        sess__turn_hdr t;
+        if ((rc = sess__turn_parse(turns[keep].val, turns[keep].len, what, &t, err)) != KDS_OK)
+            goto out;
+        if (t.snapshot > c->base) break;
+    }
+    if ((rc = free_fork_name(w, c->name, c->target, err)) != KDS_OK) goto out;
+    c->forked = true;
+    c->other_head = se->head;
+    sess_session_info ne;
+    memset(&ne, 0, sizeof ne);
+    snprintf(ne.name, sizeof ne.name, "%s", c->target);
+    if ((rc = sess__new_id(w, &ne.id, err)) != KDS_OK) goto out;
+    snprintf(ne.parent, sizeof ne.parent, "%s", se->name);
+    ne.fork_point = c->base;
+    ne.created_us = c->now;
+    snprintf(ne.owner, sizeof ne.owner, "%s", c->owner);
+    snprintf(ne.mode, sizeof ne.mode, "%s", se->mode);
+    ne.turns = (uint32_t)keep;
+    for (size_t i = 0; i < keep; i++) {
+        unsigned char k[12];
+        memcpy(k, turns[i].key, 12);
+        sess__key64(k, ne.id); /* same turn number, new session */
+        if ((rc = sess__put(w, st->db_turn, k, 12, turns[i].val, turns[i].len, 0, err)) != KDS_OK)
+            goto out;
+    }
+    *se = ne;
+out:
+    free_kv(turns, n);
+    return rc;
+}
+
 static kds_status save_fn(sess__wtxn *w, void *ctx, kds_err *err) {
     save_ctx *c = ctx;
     sess_store *st = w->st;
@@ -494,21 +557,25 @@ static kds_status save_fn(sess__wtxn *w, void *ctx, kds_err *err) {
     bool exists = false;
     sess__snap_hdr base = {0}, h = {0};
     unsigned char *head = NULL, *head2 = NULL, *srec = NULL, *trec = NULL;
+    snprintf(c->target, sizeof c->target, "%s", c->name);
+    c->forked = false;
+    c->other_head = 0;
     kds_status rc = get_session(st, w->txn, c->name, &se, err);
     if (rc == KDS_OK) {
         exists = true;
-        if (se.head != c->base) {
-            rc = kds_err_set(err, KDS_BUSY, "session '%s' moved to @%llu while this turn ran "
-                             "from @%llu (another writer saved it); nothing was saved", c->name,
-                             (unsigned long long)se.head, (unsigned long long)c->base);
-            goto out;
-        }
         if (strcmp(se.fingerprint, c->fp) != 0) {
             rc = kds_err_set(err, KDS_MISMATCH, "session '%s' belongs to another model "
                              "(fingerprint %s), not %s (fingerprint %s)", c->name, se.fingerprint,
                              eng_model_dir(c->m), c->fp);
             goto out;
         }
+        if (se.head != c->base && c->on_conflict != SESS_CONFLICT_FORK) {
+            rc = kds_err_set(err, KDS_BUSY, "session '%s' moved to @%llu while this turn ran "
+                             "from @%llu (another writer saved it); nothing was saved", c->name,
+                             (unsigned long long)se.head, (unsigned long long)c->base);
+            goto out;
+        }
+        if (se.head != c->base && (rc = conflict_fork(w, c, &se, err)) != KDS_OK) goto out;
     } else if (rc != KDS_NOT_FOUND) {
         goto out;
     }
@@ -538,7 +605,7 @@ static kds_status save_fn(sess__wtxn *w, void *ctx, kds_err *err) {
     h.parent = c->base;
     h.created_us = c->now;
     h.payload_bytes = c->layout.fixed_bytes;
-    snprintf(h.origin, sizeof h.origin, "%s", c->name);
+    snprintf(h.origin, sizeof h.origin, "%s", c->target);
     int64_t from = c->base ? base.tokens : 0;
     size_t tb = (size_t)c->layout.token_bytes;
     size_t n_new = 0;
@@ -581,7 +648,7 @@ static kds_status save_fn(sess__wtxn *w, void *ctx, kds_err *err) {
     /* The session now points at it. */
     if (!exists) {
         memset(&se, 0, sizeof se);
-        snprintf(se.name, sizeof se.name, "%s", c->name);
+        snprintf(se.name, sizeof se.name, "%s", c->target);
         if ((rc = sess__new_id(w, &se.id, err)) != KDS_OK) goto out;
         se.created_us = c->now;
         snprintf(se.owner, sizeof se.owner, "%s", c->owner);
@@ -599,7 +666,8 @@ static kds_status save_fn(sess__wtxn *w, void *ctx, kds_err *err) {
     if (entry) se.turns++;
     size_t sl;
     if ((rc = sess__session_encode(&se, &srec, &sl, err)) != KDS_OK) goto out;
-    if ((rc = sess__put(w, st->db_sess, c->name, strlen(c->name), srec, sl, 0, err)) != KDS_OK)
+    if ((rc = sess__put(w, st->db_sess, c->target, strlen(c->target), srec, sl, 0, err)) !=
+        KDS_OK)
         goto out;
     if (entry) {
         sess__turn_hdr t = {.prompt = c->turn->prompt ? c->turn->prompt : "",
@@ -628,6 +696,16 @@ out:
 
 kds_status sess_save(sess_store *st, const char *session, uint64_t base, const eng_model *m,
                      const eng_seq *s, const sess_turn *turn, uint64_t *snapshot, kds_err *err) {
+    sess_save_result r;
+    kds_status rc = sess_save_ex(st, session, base, m, s, turn, SESS_CONFLICT_REFUSE, &r, err);
+    if (rc == KDS_OK && snapshot) *snapshot = r.snapshot;
+    return rc;
+}
+
+kds_status sess_save_ex(sess_store *st, const char *session, uint64_t base, const eng_model *m,
+                        const eng_seq *s, const sess_turn *turn, sess_conflict on_conflict,
+                        sess_save_result *res, kds_err *err) {
+    if (res) memset(res, 0, sizeof *res);
     if (!sess_name_valid(session))
         return kds_err_set(err, KDS_INVALID_ARG, "invalid session name '%s' (1-%d of A-Z a-z "
                            "0-9 . _ -, starting with a letter or digit)", session ? session : "",
@@ -640,7 +718,8 @@ kds_status sess_save(sess_store *st, const char *session, uint64_t base, const e
             return kds_err_set(err, KDS_INVALID_ARG, "invalid session mode '%.32s' (1-%d of a-z)",
                                turn->mode, SESS_MODE_MAX);
     }
-    save_ctx c = {.name = session, .base = base, .m = m, .s = s, .turn = turn,
+    save_ctx c = {.name = session, .on_conflict = on_conflict, .base = base, .m = m, .s = s,
+                  .turn = turn,
                   .fp = eng_model_fingerprint(m), .pos = eng_seq_pos(s),
                   .now = (int64_t)sess__now_us()};
     sess__layout_of(eng_model_config(m), &c.layout);
@@ -657,18 +736,17 @@ kds_status sess_save(sess_store *st, const char *session, uint64_t base, const e
         return kds_err_set(err, KDS_NOMEM, "out of memory saving a snapshot");
     kds_status rc = sess__write(st, save_fn, &c, err);
     free(c.row);
-    if (rc == KDS_OK && snapshot) *snapshot = c.out_id;
+    if (rc == KDS_OK && res) {
+        res->snapshot = c.out_id;
+        memcpy(res->session, c.target, sizeof res->session);
+        res->forked = c.forked;
+        res->other_head = c.other_head;
+    }
     return rc;
 }
 
 /* ------------------------------------------------------------------------ */
 /* Fork                                                                      */
-
-typedef struct kv {
-    unsigned char key[12];
-    void *val;
-    size_t len;
-} kv;
 
 /* Copies of the transcript records of session `id` (the records are put
  * again under another key, so they are collected before any write). */
@@ -712,6 +790,20 @@ static void free_kv(kv *a, size_t n) {
     free(a);
 }
 
+/* "<base>-K" with the first K >= 2 that names no session. */
+static kds_status free_fork_name(sess__wtxn *w, const char *base, char out[SESS_NAME_MAX + 1],
+                                 kds_err *err) {
+    for (unsigned i = 2; i < 1000000; i++) {
+        const void *v;
+        size_t n;
+        snprintf(out, SESS_NAME_MAX + 1, "%.54s-%u", base, i);
+        kds_status rc = sess__get(w->txn, w->st->db_sess, out, strlen(out), &v, &n, err);
+        if (rc == KDS_NOT_FOUND) return KDS_OK;
+        if (rc != KDS_OK) return rc;
+    }
+    return kds_err_set(err, KDS_EXISTS, "no free name '%.54s-K' for a fork", base);
+}
+
 typedef struct fork_ctx {
     const char *source;
     const char *name;
@@ -748,18 +840,12 @@ static kds_status fork_fn(sess__wtxn *w, void *ctx, kds_err *err) {
         }
         snprintf(f->out, sizeof f->out, "%s", f->name);
     } else {
-        /* "<source>-N": the first free N from 2 */
         char base[SESS_NAME_MAX + 1];
         if (ref.is_session)
-            snprintf(base, sizeof base, "%.54s", ref.name);
+            snprintf(base, sizeof base, "%s", ref.name);
         else
             snprintf(base, sizeof base, "snap%llu", (unsigned long long)ref.snapshot);
-        for (unsigned i = 2;; i++) {
-            snprintf(f->out, sizeof f->out, "%.54s-%u", base, i);
-            rc = sess__get(w->txn, st->db_sess, f->out, strlen(f->out), &v, &n, err);
-            if (rc == KDS_NOT_FOUND) break;
-            if (rc != KDS_OK) goto out;
-        }
+        if ((rc = free_fork_name(w, base, f->out, err)) != KDS_OK) goto out;
     }
     rc = sess__get(w->txn, st->db_sess, f->out, strlen(f->out), &v, &n, err);
     if (rc == KDS_OK) {
