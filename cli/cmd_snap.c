@@ -32,7 +32,10 @@ static const char *const SNAP_USAGE =
     "  rm ID                   delete a session (its snapshots stay until gc) or a\n"
     "                          snapshot that is no session's head\n"
     "  verify [ID] [--model DIR]  check checksums (and with --model, fingerprints and\n"
-    "                          layout) of one snapshot or of all\n"
+    "                          layout) of one snapshot or of all; names the sessions a\n"
+    "                          damaged snapshot leaves unresumable and their way back\n"
+    "  recover NAME [--model DIR]  take session NAME, whose head is damaged, back to\n"
+    "                          the last snapshot of its history that verifies\n"
     "  export ID FILE          write a session or snapshot to one portable file\n"
     "  import FILE [--name N]  add an exported file as a new session\n"
     "  gc                      delete snapshots that are no session's head and chunks\n"
@@ -304,52 +307,108 @@ static int snap_show(sess_store *st, const char *id) {
 /* ------------------------------------------------------------------------ */
 /* verify                                                                    */
 
+/* A session its head leaves unresumable: why, and the way back (the
+ * newest snapshot of its history that verifies, and the command). */
+static void session_failed(sess_store *st, const sess_session_info *s, const eng_model *m,
+                           const char *model_dir, const char *why) {
+    sess_recovery r;
+    kds_err e = {0};
+    printf("FAILED  session '%s' cannot be resumed: its head @%llu %s", s->name,
+           (unsigned long long)s->head, why);
+    if (sess_session_last_good(st, s->name, m, &r, &e) != KDS_OK)
+        printf("; %s\n", e.msg);
+    else if (r.to)
+        printf("; last good snapshot of its history: @%llu (%lld tokens, %u of its %u turns): "
+               "`kdaserve snap recover %s%s%s` goes back to it (keeping what it is now as "
+               "session '%s-damaged')\n", (unsigned long long)r.to, (long long)r.tokens, r.turns,
+               r.turns + r.turns_after, s->name, model_dir ? " --model " : "",
+               model_dir ? model_dir : "", s->name);
+    else
+        printf("; no earlier snapshot of its history verifies (its transcript is intact: "
+               "`kdaserve snap show %s`)\n", s->name);
+}
+
+static void print_heads_of(const sess_session_info *ss, size_t ns, uint64_t id) {
+    bool any = false;
+    for (size_t j = 0; j < ns; j++)
+        if (ss[j].tokens >= 0 && ss[j].head == id) {
+            printf("%s%s", any ? ", " : "  (head of: ", ss[j].name);
+            any = true;
+        }
+    if (any) printf(")");
+}
+
 static int snap_verify(sess_store *st, const char *id, const char *model_dir) {
     kds_err err = {0};
     eng_model *m = NULL;
     int rc = 0;
+    sess_snapshot_info *sn = NULL;
+    sess_session_info *ss = NULL;
+    uint64_t *failed = NULL;
+    size_t nn = 0, ns = 0, bad = 0, n_failed = 0;
     if (model_dir && (rc = load_model(model_dir, &m))) return rc;
+    if (sess_session_list(st, &ss, &ns, &err) != KDS_OK) {
+        rc = cli_fail(CMD, &err);
+        goto out;
+    }
     if (id) {
         sess_ref ref;
         if (sess_resolve(st, id, &ref, &err) != KDS_OK) {
             rc = cli_fail(CMD, &err);
         } else if (sess_verify(st, ref.snapshot, m, &err) != KDS_OK) {
-            printf("FAILED  @%llu  %s\n", (unsigned long long)ref.snapshot, err.msg);
+            printf("FAILED  @%llu  %s", (unsigned long long)ref.snapshot, err.msg);
+            print_heads_of(ss, ns, ref.snapshot);
+            printf("\n");
+            char why[600];
+            snprintf(why, sizeof why, "does not verify (%s)", err.msg);
+            for (size_t j = 0; j < ns; j++)
+                if (ss[j].tokens >= 0 && ss[j].head == ref.snapshot &&
+                    (!ref.is_session || !strcmp(ss[j].name, ref.name)))
+                    session_failed(st, &ss[j], m, model_dir, why);
             rc = 1;
         } else {
             printf("ok      @%llu%s\n", (unsigned long long)ref.snapshot,
                    m ? "" : "  (fingerprint not checked: no --model)");
         }
-        eng_model_free(m);
-        return rc;
+        goto out;
     }
-    sess_snapshot_info *sn = NULL;
-    sess_session_info *ss = NULL;
-    size_t nn = 0, ns = 0, bad = 0;
-    if (sess_snapshot_list(st, &sn, &nn, &err) != KDS_OK ||
-        sess_session_list(st, &ss, &ns, &err) != KDS_OK) {
+    if (sess_snapshot_list(st, &sn, &nn, &err) != KDS_OK) {
         rc = cli_fail(CMD, &err);
+        goto out;
+    }
+    if (nn && !(failed = calloc(nn, sizeof *failed))) {
+        rc = cli_failf(CMD, "out of memory");
         goto out;
     }
     for (size_t i = 0; i < nn; i++) {
         if (sess_verify(st, sn[i].id, m, &err) != KDS_OK) {
-            printf("FAILED  @%llu  %s\n", (unsigned long long)sn[i].id, err.msg);
+            printf("FAILED  @%llu  %s", (unsigned long long)sn[i].id, err.msg);
+            print_heads_of(ss, ns, sn[i].id);
+            printf("\n");
+            failed[n_failed++] = sn[i].id;
             bad++;
         } else {
             printf("ok      @%llu  %lld tokens\n", (unsigned long long)sn[i].id,
                    (long long)sn[i].tokens);
         }
     }
+    /* the sessions those failures leave unresumable, each with its way back */
     for (size_t i = 0; i < ns; i++) {
         sess_snapshot_info si;
+        bool head_failed = false;
+        for (size_t j = 0; j < n_failed; j++) head_failed |= failed[j] == ss[i].head;
         if (ss[i].tokens < 0) {
             sess_session_info one;
             sess_session_get(st, ss[i].name, &one, &err);
             printf("FAILED  session '%s': %s\n", ss[i].name, err.msg);
             bad++;
+        } else if (head_failed) {
+            session_failed(st, &ss[i], m, model_dir, "does not verify (above)");
+            bad++;
         } else if (sess_snapshot_get(st, ss[i].head, &si, &err) != KDS_OK) {
-            printf("FAILED  session '%s': head @%llu: %s\n", ss[i].name,
-                   (unsigned long long)ss[i].head, err.msg);
+            char why[600];
+            snprintf(why, sizeof why, "cannot be read: %s", err.msg);
+            session_failed(st, &ss[i], m, model_dir, why);
             bad++;
         }
     }
@@ -359,6 +418,28 @@ static int snap_verify(sess_store *st, const char *id, const char *model_dir) {
 out:
     free(sn);
     free(ss);
+    free(failed);
+    eng_model_free(m);
+    return rc;
+}
+
+/* ------------------------------------------------------------------------ */
+/* recover                                                                   */
+
+static int snap_recover(sess_store *st, const char *name, const char *model_dir) {
+    kds_err err = {0};
+    eng_model *m = NULL;
+    int rc = 0;
+    if (model_dir && (rc = load_model(model_dir, &m))) return rc;
+    sess_recovery r;
+    if (sess_session_recover(st, name, m, &r, &err) != KDS_OK) {
+        rc = cli_fail(CMD, &err);
+    } else {
+        printf("session '%s' went back from @%llu (damaged) to @%llu (%lld tokens, %u turns); "
+               "what it was, @%llu with all %u turns, is kept as session '%s'\n", name,
+               (unsigned long long)r.head, (unsigned long long)r.to, (long long)r.tokens, r.turns,
+               (unsigned long long)r.head, r.turns + r.turns_after, r.kept);
+    }
     eng_model_free(m);
     return rc;
 }
@@ -653,7 +734,18 @@ static const char *const VERIFY_USAGE =
     "Checks one snapshot (or every snapshot and session head): magic, format version,\n"
     "header and payload checksums (XXH3-64), every MLA chunk and its coverage. With\n"
     "--model also the model fingerprint and the state layout. Exit status 1 if any\n"
-    "check fails; each failure is one line naming the reason.\n";
+    "check fails; each failure is one line naming the reason. A damaged snapshot is\n"
+    "followed by one line for every session it leaves unresumable (the session whose\n"
+    "head it is, and every fork sharing that head): the last snapshot of that\n"
+    "session's history that still verifies, and the `snap recover` that goes back.\n";
+static const char *const RECOVER_USAGE =
+    "usage: kdaserve snap recover NAME [--model DIR] [--db DIR]\n\n"
+    "Session NAME's head does not verify (see `snap verify`): NAME goes back to the\n"
+    "newest snapshot of its history that does (its parents, the snapshots its turns\n"
+    "saved, its fork point), with its transcript up to there. What it was, the\n"
+    "damaged head with the whole transcript, is kept as session NAME-damaged (a\n"
+    "fork of NAME), so nothing is deleted. With --model the snapshot gone back to\n"
+    "must also be that model's. Refused when NAME's head verifies.\n";
 static const char *const EXPORT_USAGE =
     "usage: kdaserve snap export ID FILE [--db DIR]\n\n"
     "Writes session ID (record, transcript, snapshot, MLA chunks) or snapshot \"@N\" to\n"
@@ -686,9 +778,10 @@ int cmd_snap(int argc, char **argv) {
         int min_args, max_args;
     } SUBS[] = {{"ls", 0, 0},     {"show", 1, 1}, {"fork", 1, 1},   {"rm", 1, 1},
                 {"verify", 0, 1}, {"export", 2, 2}, {"import", 1, 1}, {"gc", 0, 0},
-                {"size", 0, 0},   {"bench", 0, 0}};
+                {"size", 0, 0},   {"bench", 0, 0}, {"recover", 1, 1}};
     const char *helps[] = {LS_USAGE,     SHOW_USAGE,   FORK_USAGE, RM_USAGE,   VERIFY_USAGE,
-                           EXPORT_USAGE, IMPORT_USAGE, GC_USAGE,   SIZE_USAGE, BENCH_USAGE};
+                           EXPORT_USAGE, IMPORT_USAGE, GC_USAGE,   SIZE_USAGE, BENCH_USAGE,
+                           RECOVER_USAGE};
     int k = -1;
     for (int i = 0; i < (int)(sizeof SUBS / sizeof SUBS[0]); i++)
         if (!strcmp(sub, SUBS[i].name)) k = i;
@@ -746,6 +839,8 @@ int cmd_snap(int argc, char **argv) {
         }
     } else if (!strcmp(sub, "verify")) {
         rc = snap_verify(st, o.n_args ? o.args[0] : NULL, o.model);
+    } else if (!strcmp(sub, "recover")) {
+        rc = snap_recover(st, o.args[0], o.model);
     } else if (!strcmp(sub, "export")) {
         if (sess_export(st, o.args[0], o.args[1], &err) != KDS_OK)
             rc = cli_fail(CMD, &err);

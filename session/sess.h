@@ -174,6 +174,42 @@ kds_status sess_load(sess_store *st, uint64_t id, const eng_model *m, eng_seq *s
  * layout against that model. Reads only; KDS_OK when sound. */
 kds_status sess_verify(sess_store *st, uint64_t id, const eng_model *m, kds_err *err);
 
+/* Where a session can go back to when its head does not verify. */
+typedef struct sess_recovery {
+    uint64_t head;                 /* the session's head */
+    bool head_ok;                  /* the head verifies: nothing to recover */
+    uint64_t to;                   /* newest sound snapshot of its history (0 = none) */
+    int64_t tokens;                /* tokens of `to` */
+    uint32_t turns;                /* transcript turns up to `to` */
+    uint32_t turns_after;          /* transcript turns after it (kept in `kept`) */
+    char kept[SESS_NAME_MAX + 1];  /* sess_session_recover: the session keeping what was */
+} sess_recovery;
+
+/*
+ * The newest snapshot of session `name`'s history that verifies
+ * completely (with `m`, may be NULL, also fingerprint and layout): its head
+ * if sound, else the snapshots before it, newest first: its chain of
+ * parents (as far as they remain), the snapshots its transcript names and
+ * its fork point. Reads only. One damaged snapshot (or, for hybrid models,
+ * one damaged MLA chunk, which every later snapshot shares) leaves the
+ * session, and every fork whose head it is, unresumable; this is the way
+ * back. Errors: KDS_NOT_FOUND (no session), KDS_CORRUPT (its record).
+ */
+kds_status sess_session_last_good(sess_store *st, const char *name, const eng_model *m,
+                                  sess_recovery *out, kds_err *err);
+
+/*
+ * Recover session `name` whose head does not verify: it goes back to
+ * sess_session_last_good's snapshot with its transcript up to it, and
+ * what it was (the damaged head and the whole transcript) is kept as
+ * session "<name>-damaged" (or "-damaged-K"), fork of `name` at that
+ * snapshot, so nothing is deleted. One transaction. Errors:
+ * KDS_INVALID_ARG (the head verifies: nothing to recover), KDS_NOT_FOUND
+ * (no session, or no snapshot of its history verifies), KDS_CORRUPT.
+ */
+kds_status sess_session_recover(sess_store *st, const char *name, const eng_model *m,
+                                sess_recovery *out, kds_err *err);
+
 /* Delete one snapshot. Refused with KDS_BUSY while it is a session's head.
  * Chunks it shared stay until sess_gc. */
 kds_status sess_snapshot_delete(sess_store *st, uint64_t id, kds_err *err);

@@ -158,6 +158,46 @@ kds_status sess__check_state_bytes(const sess__frame *f, const sess__snap_hdr *h
                                    const char *what, kds_err *err);
 /* sess_verify without a model, inside a caller's transaction (sess_snap.c). */
 kds_status sess__verify_in(sess_store *st, MDB_txn *txn, uint64_t id, kds_err *err);
+/* sess_verify with model `m` (may be NULL) inside a caller's transaction. */
+kds_status sess__verify_model_in(sess_store *st, MDB_txn *txn, uint64_t id, const eng_model *m,
+                                 kds_err *err);
+
+/* Lookups inside a caller's transaction (sess_snap.c): KDS_NOT_FOUND names
+ * the snapshot or session and the store. The record points into the map. */
+kds_status sess__get_snap(sess_store *st, MDB_txn *txn, uint64_t id, const void **rec,
+                          size_t *len, kds_err *err);
+kds_status sess__get_session(sess_store *st, MDB_txn *txn, const char *name,
+                             sess_session_info *out, kds_err *err);
+/* sess_session_list inside a caller's transaction; caller frees *out. */
+kds_status sess__list_sessions(sess_store *st, MDB_txn *txn, sess_session_info **out, size_t *n,
+                               kds_err *err);
+
+/* One snapshot of a session's history (sess_history.c). */
+typedef struct sess__hist {
+    uint64_t id;
+    int64_t tokens;  /* -1: header unreadable */
+    int chain;       /* steps from the head along parent links (0 = head), -1 = not on it */
+    uint32_t turn;   /* 1-based transcript turn that saved it, 0 = none */
+    bool fork_point; /* the snapshot the session was forked at */
+} sess__hist;
+/* The snapshots of session `s`'s history present in the store: its head,
+ * its chain of parents as far as they remain, the snapshots its transcript
+ * names (matched on token count) and its fork point; deduplicated, newest
+ * (largest id) first. Caller frees *out. */
+kds_status sess__history(sess_store *st, MDB_txn *txn, const sess_session_info *s,
+                         sess__hist **out, size_t *n, kds_err *err);
+
+/* A record copied out of a transaction (transcript turns, put again under
+ * another key). */
+typedef struct sess__kv {
+    unsigned char key[12];
+    void *val;
+    size_t len;
+} sess__kv;
+/* Copies of the transcript records of session id `id`, in turn order. */
+kds_status sess__collect_turns(sess_store *st, MDB_txn *txn, uint64_t id, sess__kv **out,
+                               size_t *n, kds_err *err);
+void sess__free_kv(sess__kv *a, size_t n);
 
 /* Writer record (meta "writer/<session>/<host>/<pid>"): who declared it
  * writes a session; `start` is the process's start time in clock ticks
@@ -255,6 +295,10 @@ kds_status sess__write_err(sess__wtxn *w, int rc, const char *what, kds_err *err
 /* Next fresh id (the store-wide counter shared by snapshots, chunks and
  * sessions); the counter is written back by sess__write before commit. */
 kds_status sess__new_id(sess__wtxn *w, uint64_t *id, kds_err *err);
+
+/* "<base>-K" with the first K >= 2 that names no session. */
+kds_status sess__free_fork_name(sess__wtxn *w, const char *base, char out[SESS_NAME_MAX + 1],
+                                kds_err *err);
 
 /* 8-byte big-endian key, so LMDB's byte order is id order. */
 void sess__key64(unsigned char k[8], uint64_t id);

@@ -17,7 +17,7 @@ static void snap_what(char *buf, size_t cap, uint64_t id) {
     snprintf(buf, cap, "snapshot @%llu", (unsigned long long)id);
 }
 
-static kds_status get_snap(sess_store *st, MDB_txn *txn, uint64_t id, const void **rec,
+kds_status sess__get_snap(sess_store *st, MDB_txn *txn, uint64_t id, const void **rec,
                            size_t *len, kds_err *err) {
     unsigned char k[8];
     sess__key64(k, id);
@@ -28,7 +28,7 @@ static kds_status get_snap(sess_store *st, MDB_txn *txn, uint64_t id, const void
     return rc;
 }
 
-static kds_status get_session(sess_store *st, MDB_txn *txn, const char *name,
+kds_status sess__get_session(sess_store *st, MDB_txn *txn, const char *name,
                               sess_session_info *out, kds_err *err) {
     const void *v;
     size_t n;
@@ -167,7 +167,7 @@ static kds_status resolve_in(sess_store *st, MDB_txn *txn, const char *text, ses
         if (rc != KDS_NOT_FOUND) return rc;
     }
     if (sess_parse_snapshot_id(text, &id)) {
-        kds_status rc = get_snap(st, txn, id, &v, &n, err);
+        kds_status rc = sess__get_snap(st, txn, id, &v, &n, err);
         if (rc == KDS_NOT_FOUND && text[0] != '@')
             return kds_err_set(err, KDS_NOT_FOUND, "no session or snapshot '%s' in %s", text,
                                st->dir);
@@ -198,7 +198,7 @@ static kds_status snap_get_fn(sess_store *st, MDB_txn *txn, void *ctx, kds_err *
     snap_get_ctx *g = ctx;
     const void *rec;
     size_t len;
-    kds_status rc = get_snap(st, txn, g->id, &rec, &len, err);
+    kds_status rc = sess__get_snap(st, txn, g->id, &rec, &len, err);
     if (rc != KDS_OK) return rc;
     sess__snap_hdr h;
     if ((rc = sess__snap_parse(rec, len, g->id, &h, NULL, err)) != KDS_OK) return rc;
@@ -280,7 +280,7 @@ typedef struct sess_get_ctx {
 
 static kds_status sess_get_fn(sess_store *st, MDB_txn *txn, void *ctx, kds_err *err) {
     sess_get_ctx *g = ctx;
-    return get_session(st, txn, g->name, g->out, err);
+    return sess__get_session(st, txn, g->name, g->out, err);
 }
 
 kds_status sess_session_get(sess_store *st, const char *name, sess_session_info *out,
@@ -324,6 +324,20 @@ static kds_status sess_list_fn(sess_store *st, MDB_txn *txn, void *ctx, kds_err 
     return rc;
 }
 
+kds_status sess__list_sessions(sess_store *st, MDB_txn *txn, sess_session_info **out, size_t *n,
+                               kds_err *err) {
+    list_ctx l = {.size = sizeof(sess_session_info)};
+    kds_status rc = sess_list_fn(st, txn, &l, err);
+    if (rc != KDS_OK) {
+        free(l.items);
+        l.items = NULL;
+        l.n = 0;
+    }
+    *out = l.items;
+    *n = l.n;
+    return rc;
+}
+
 kds_status sess_session_list(sess_store *st, sess_session_info **out, size_t *n, kds_err *err) {
     list_ctx l = {.size = sizeof(sess_session_info)};
     kds_status rc = sess__read(st, sess_list_fn, &l, err);
@@ -353,7 +367,7 @@ static kds_status load_fn(sess_store *st, MDB_txn *txn, void *ctx, kds_err *err)
     snap_what(what, sizeof what, L->id);
     const void *rec;
     size_t len;
-    kds_status rc = get_snap(st, txn, L->id, &rec, &len, err);
+    kds_status rc = sess__get_snap(st, txn, L->id, &rec, &len, err);
     if (rc != KDS_OK) return rc;
     sess__snap_hdr h;
     sess__frame f;
@@ -401,6 +415,12 @@ kds_status sess_load(sess_store *st, uint64_t id, const eng_model *m, eng_seq *s
 
 kds_status sess__verify_in(sess_store *st, MDB_txn *txn, uint64_t id, kds_err *err) {
     load_ctx L = {id, NULL, NULL, NULL};
+    return load_fn(st, txn, &L, err);
+}
+
+kds_status sess__verify_model_in(sess_store *st, MDB_txn *txn, uint64_t id, const eng_model *m,
+                                 kds_err *err) {
+    load_ctx L = {id, m, NULL, NULL};
     return load_fn(st, txn, &L, err);
 }
 
@@ -491,18 +511,6 @@ static kds_status check_continues(sess__wtxn *w, save_ctx *c, const sess__snap_h
     return KDS_OK;
 }
 
-/* A record copied out of a transaction (transcript turns, put again under
- * another key). */
-typedef struct kv {
-    unsigned char key[12];
-    void *val;
-    size_t len;
-} kv;
-static kds_status collect_turns(sess_store *st, MDB_txn *txn, uint64_t id, kv **out, size_t *n,
-                                kds_err *err);
-static void free_kv(kv *a, size_t n);
-static kds_status free_fork_name(sess__wtxn *w, const char *base, char out[SESS_NAME_MAX + 1],
-                                 kds_err *err);
 
 /* The head of `se` moved past c->base: turn `se` into a new session, the
  * fork "<name>-K" at c->base (not yet written: save_fn writes it with the
@@ -512,9 +520,9 @@ static kds_status free_fork_name(sess__wtxn *w, const char *base, char out[SESS_
 static kds_status conflict_fork(sess__wtxn *w, save_ctx *c, sess_session_info *se,
                                 kds_err *err) {
     sess_store *st = w->st;
-    kv *turns = NULL;
+    sess__kv *turns = NULL;
     size_t n = 0, keep = 0;
-    kds_status rc = collect_turns(st, w->txn, se->id, &turns, &n, err);
+    kds_status rc = sess__collect_turns(st, w->txn, se->id, &turns, &n, err);
     if (rc != KDS_OK) return rc;
     for (; keep < n; keep++) {
         char what[96];
@@ -524,7 +532,7 @@ static kds_status conflict_fork(sess__wtxn *w, save_ctx *c, sess_session_info *s
             goto out;
         if (t.snapshot > c->base) break;
     }
-    if ((rc = free_fork_name(w, c->name, c->target, err)) != KDS_OK) goto out;
+    if ((rc = sess__free_fork_name(w, c->name, c->target, err)) != KDS_OK) goto out;
     c->forked = true;
     c->other_head = se->head;
     sess_session_info ne;
@@ -546,7 +554,7 @@ static kds_status conflict_fork(sess__wtxn *w, save_ctx *c, sess_session_info *s
     }
     *se = ne;
 out:
-    free_kv(turns, n);
+    sess__free_kv(turns, n);
     return rc;
 }
 
@@ -560,7 +568,7 @@ static kds_status save_fn(sess__wtxn *w, void *ctx, kds_err *err) {
     snprintf(c->target, sizeof c->target, "%s", c->name);
     c->forked = false;
     c->other_head = 0;
-    kds_status rc = get_session(st, w->txn, c->name, &se, err);
+    kds_status rc = sess__get_session(st, w->txn, c->name, &se, err);
     if (rc == KDS_OK) {
         exists = true;
         if (strcmp(se.fingerprint, c->fp) != 0) {
@@ -585,7 +593,7 @@ static kds_status save_fn(sess__wtxn *w, void *ctx, kds_err *err) {
     if (c->base) {
         const void *rec;
         size_t len;
-        if ((rc = get_snap(st, w->txn, c->base, &rec, &len, err)) != KDS_OK) goto out;
+        if ((rc = sess__get_snap(st, w->txn, c->base, &rec, &len, err)) != KDS_OK) goto out;
         if ((rc = sess__snap_parse(rec, len, c->base, &base, NULL, err)) != KDS_OK) goto out;
         if ((rc = check_model(&base, c->m, bw, err)) != KDS_OK) goto out;
         if (base.tokens > c->pos) {
@@ -750,7 +758,7 @@ kds_status sess_save_ex(sess_store *st, const char *session, uint64_t base, cons
 
 /* Copies of the transcript records of session `id` (the records are put
  * again under another key, so they are collected before any write). */
-static kds_status collect_turns(sess_store *st, MDB_txn *txn, uint64_t id, kv **out, size_t *n,
+kds_status sess__collect_turns(sess_store *st, MDB_txn *txn, uint64_t id, sess__kv **out, size_t *n,
                                 kds_err *err) {
     *out = NULL;
     *n = 0;
@@ -767,11 +775,11 @@ static kds_status collect_turns(sess_store *st, MDB_txn *txn, uint64_t id, kv **
         if (k.mv_size != 12 || memcmp(k.mv_data, k0, 8) != 0) break;
         if (*n == cap) {
             cap = cap ? 2 * cap : 16;
-            kv *p = realloc(*out, cap * sizeof *p);
+            sess__kv *p = realloc(*out, cap * sizeof *p);
             if (!p) goto nomem;
             *out = p;
         }
-        kv *e = &(*out)[*n];
+        sess__kv *e = &(*out)[*n];
         memcpy(e->key, k.mv_data, 12);
         if (!(e->val = malloc(v.mv_size ? v.mv_size : 1))) goto nomem;
         memcpy(e->val, v.mv_data, v.mv_size);
@@ -785,13 +793,13 @@ nomem:
     return kds_err_set(err, KDS_NOMEM, "out of memory copying a transcript");
 }
 
-static void free_kv(kv *a, size_t n) {
+void sess__free_kv(sess__kv *a, size_t n) {
     for (size_t i = 0; i < n; i++) free(a[i].val);
     free(a);
 }
 
 /* "<base>-K" with the first K >= 2 that names no session. */
-static kds_status free_fork_name(sess__wtxn *w, const char *base, char out[SESS_NAME_MAX + 1],
+kds_status sess__free_fork_name(sess__wtxn *w, const char *base, char out[SESS_NAME_MAX + 1],
                                  kds_err *err) {
     for (unsigned i = 2; i < 1000000; i++) {
         const void *v;
@@ -814,7 +822,7 @@ static kds_status fork_fn(sess__wtxn *w, void *ctx, kds_err *err) {
     fork_ctx *f = ctx;
     sess_store *st = w->st;
     sess_ref ref;
-    kv *turns = NULL;
+    sess__kv *turns = NULL;
     size_t n_turns = 0;
     unsigned char *rec = NULL;
     kds_status rc = resolve_in(st, w->txn, f->source, &ref, err);
@@ -825,13 +833,13 @@ static kds_status fork_fn(sess__wtxn *w, void *ctx, kds_err *err) {
     const void *v;
     size_t n;
     if (ref.is_session) {
-        if ((rc = get_session(st, w->txn, ref.name, &src, err)) != KDS_OK) goto out;
-        if ((rc = collect_turns(st, w->txn, src.id, &turns, &n_turns, err)) != KDS_OK) goto out;
+        if ((rc = sess__get_session(st, w->txn, ref.name, &src, err)) != KDS_OK) goto out;
+        if ((rc = sess__collect_turns(st, w->txn, src.id, &turns, &n_turns, err)) != KDS_OK) goto out;
         snprintf(ne.parent, sizeof ne.parent, "%s", src.name);
         snprintf(ne.model_dir, sizeof ne.model_dir, "%s", src.model_dir);
         snprintf(ne.mode, sizeof ne.mode, "%s", src.mode);
     }
-    if ((rc = get_snap(st, w->txn, ref.snapshot, &v, &n, err)) != KDS_OK) goto out;
+    if ((rc = sess__get_snap(st, w->txn, ref.snapshot, &v, &n, err)) != KDS_OK) goto out;
     if ((rc = sess__snap_parse(v, n, ref.snapshot, &h, NULL, err)) != KDS_OK) goto out;
     if (f->name) {
         if (!sess_name_valid(f->name)) {
@@ -845,7 +853,7 @@ static kds_status fork_fn(sess__wtxn *w, void *ctx, kds_err *err) {
             snprintf(base, sizeof base, "%s", ref.name);
         else
             snprintf(base, sizeof base, "snap%llu", (unsigned long long)ref.snapshot);
-        if ((rc = free_fork_name(w, base, f->out, err)) != KDS_OK) goto out;
+        if ((rc = sess__free_fork_name(w, base, f->out, err)) != KDS_OK) goto out;
     }
     rc = sess__get(w->txn, st->db_sess, f->out, strlen(f->out), &v, &n, err);
     if (rc == KDS_OK) {
@@ -877,7 +885,7 @@ static kds_status fork_fn(sess__wtxn *w, void *ctx, kds_err *err) {
     }
 out:
     free(rec);
-    free_kv(turns, n_turns);
+    sess__free_kv(turns, n_turns);
     sess__snap_hdr_free(&h);
     return rc;
 }
@@ -916,7 +924,7 @@ static kds_status del_turns(sess__wtxn *w, uint64_t id, kds_err *err) {
 static kds_status sess_del_fn(sess__wtxn *w, void *ctx, kds_err *err) {
     const char *name = ctx;
     sess_session_info s;
-    kds_status rc = get_session(w->st, w->txn, name, &s, err);
+    kds_status rc = sess__get_session(w->st, w->txn, name, &s, err);
     if (rc != KDS_OK) return rc;
     if ((rc = sess__del(w, w->st->db_sess, name, strlen(name), err)) != KDS_OK) return rc;
     return del_turns(w, s.id, err);
@@ -942,7 +950,7 @@ static kds_status rename_fn(sess__wtxn *w, void *ctx, kds_err *err) {
     sess_session_info s;
     unsigned char *rec = NULL;
     size_t len;
-    kds_status rc = get_session(w->st, w->txn, r->from, &s, err);
+    kds_status rc = sess__get_session(w->st, w->txn, r->from, &s, err);
     if (rc != KDS_OK) return rc;
     const void *v;
     size_t n;
@@ -1012,7 +1020,7 @@ static kds_status snap_del_fn(sess__wtxn *w, void *ctx, kds_err *err) {
     uint64_t id = *(uint64_t *)ctx;
     const void *v;
     size_t n;
-    kds_status rc = get_snap(w->st, w->txn, id, &v, &n, err);
+    kds_status rc = sess__get_snap(w->st, w->txn, id, &v, &n, err);
     if (rc != KDS_OK) return rc;
     sess_session_info *all = NULL;
     list_ctx l = {.size = sizeof(sess_session_info)};
@@ -1060,11 +1068,11 @@ static char *dup_bytes(const char *p, size_t n) {
 static kds_status transcript_fn(sess_store *st, MDB_txn *txn, void *ctx, kds_err *err) {
     transcript_ctx *T = ctx;
     sess_session_info s;
-    kds_status rc = get_session(st, txn, T->name, &s, err);
+    kds_status rc = sess__get_session(st, txn, T->name, &s, err);
     if (rc != KDS_OK) return rc;
-    kv *recs = NULL;
+    sess__kv *recs = NULL;
     size_t n = 0;
-    if ((rc = collect_turns(st, txn, s.id, &recs, &n, err)) != KDS_OK) return rc;
+    if ((rc = sess__collect_turns(st, txn, s.id, &recs, &n, err)) != KDS_OK) return rc;
     if (n && !(T->t = calloc(n, sizeof *T->t))) {
         rc = kds_err_set(err, KDS_NOMEM, "out of memory reading a transcript");
         goto out;
@@ -1091,7 +1099,7 @@ static kds_status transcript_fn(sess_store *st, MDB_txn *txn, void *ctx, kds_err
         r->time_us = h.time_us;
     }
 out:
-    free_kv(recs, n);
+    sess__free_kv(recs, n);
     return rc;
 }
 
