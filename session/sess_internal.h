@@ -31,6 +31,7 @@
 #define SESS_MAGIC_STORE "KDSSTORE"
 #define SESS_MAGIC_EXPORT "KDSXPORT"
 #define SESS_MAGIC_WRITER "KDSWRITR"
+#define SESS_MAGIC_RETENTION "KDSRETN\0"
 
 /* Format versions this build writes and reads (one per record kind, so a
  * kind can change without touching the others). */
@@ -41,6 +42,7 @@
 #define SESS_VERSION_STORE 1u
 #define SESS_VERSION_EXPORT 1u
 #define SESS_VERSION_WRITER 1u
+#define SESS_VERSION_RETENTION 1u
 
 /* A chunk holds at most this many payload bytes (more tokens are split
  * over several chunks), so no single LMDB value gets huge. */
@@ -206,6 +208,12 @@ kds_status sess__writer_encode(const sess_writer *w, uint64_t start, unsigned ch
                                size_t *len, kds_err *err);
 kds_status sess__writer_parse(const void *rec, size_t len, const char *what, sess_writer *w,
                               uint64_t *start, kds_err *err);
+
+/* Retention record (meta "retention"). */
+kds_status sess__retention_encode(const sess_retention *r, unsigned char **out, size_t *len,
+                                  kds_err *err);
+kds_status sess__retention_parse(const void *rec, size_t len, const char *what,
+                                 sess_retention *r, kds_err *err);
 
 /* Export file header (sess_record.c). */
 enum { SESS_XREC_SESSION = 0, SESS_XREC_TURN = 1, SESS_XREC_SNAPSHOT = 2, SESS_XREC_CHUNK = 3 };

@@ -12,6 +12,7 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <msgpack.h>
 #include <pwd.h>
@@ -20,6 +21,7 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "sess_internal.h"
@@ -419,6 +421,20 @@ static kds_status check_data_file(sess_store *st, kds_err *err) {
     return KDS_OK;
 }
 
+/* lock.mdb's lock region has no magic: sess_compact cleared it (see
+ * sess_compact.c). Read with a descriptor of its own: this process holds no
+ * lock on the file here (its open just failed), so closing it drops none. */
+static bool lock_reset(const char *dir) {
+    char path[1100];
+    unsigned char b[4];
+    snprintf(path, sizeof path, "%s/lock.mdb", dir);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return false;
+    bool zero = pread(fd, b, 4, 0) == 4 && !b[0] && !b[1] && !b[2] && !b[3];
+    close(fd);
+    return zero;
+}
+
 /* mdb_env_open refused the data file: shorter than its two meta pages is a
  * truncated store, not "not an LMDB file". */
 static kds_status open_refused(const char *dir, int m, kds_err *err) {
@@ -536,17 +552,29 @@ kds_status sess_open(const char *dir, const sess_params *p, sess_store **out, kd
     size_t map = p->map_size ? p->map_size : DEFAULT_MAP;
     if (map < MIN_MAP) map = MIN_MAP;
     if (map > st->map_max) map = st->map_max;
-    int m = mdb_env_create(&st->env);
-    if (m) {
-        rc = sess__mdb_err(m, "creating the LMDB environment", err);
-        goto fail;
+    int m;
+    for (int tries = 0;; tries++) {
+        if ((m = mdb_env_create(&st->env)) != 0) {
+            rc = sess__mdb_err(m, "creating the LMDB environment", err);
+            goto fail;
+        }
+        mdb_env_set_maxdbs(st->env, 8);
+        mdb_env_set_mapsize(st->env, map);
+        /* NOTLS: read transactions belong to the call, not the thread, so
+         * a pool of threads can share the store without each holding a
+         * slot. */
+        unsigned flags =
+            MDB_NOTLS | (p->no_sync ? MDB_NOSYNC : 0) | (p->read_only ? MDB_RDONLY : 0);
+        m = mdb_env_open(st->env, dir, flags, 0600);
+        if (m != MDB_INVALID || tries >= 200 || !lock_reset(dir)) break;
+        /* opened while sess_compact swapped data.mdb: it cleared the lock
+         * region's magic; once it is done, the next opener starts the
+         * region afresh */
+        mdb_env_close(st->env);
+        st->env = NULL;
+        struct timespec ts = {0, 10 * 1000 * 1000};
+        nanosleep(&ts, NULL);
     }
-    mdb_env_set_maxdbs(st->env, 8);
-    mdb_env_set_mapsize(st->env, map);
-    /* NOTLS: read transactions belong to the call, not the thread, so a
-     * pool of threads can share the store without each holding a slot. */
-    unsigned flags = MDB_NOTLS | (p->no_sync ? MDB_NOSYNC : 0) | (p->read_only ? MDB_RDONLY : 0);
-    m = mdb_env_open(st->env, dir, flags, 0600);
     if (m == ENOENT && p->read_only) {
         rc = kds_err_set(err, KDS_NOT_FOUND, "no kdaserve store in %s", dir);
         goto fail;
