@@ -119,7 +119,9 @@ kds_status sess_compact(const char *dir, sess_compact_stats *out, kds_err *err) 
     int lfd = -1;
     char data[1100], lock[1100], tmp[1100], copy[1200]; /* dir is at most 1000 bytes */
     bool made_tmp = false;
-    kds_status rc = sess_open(dir, NULL, &st, err);
+    sess_params p = sess_default_params();
+    p.read_only = true; /* the copy only reads; and no store is created */
+    kds_status rc = sess_open(dir, &p, &st, err);
     if (rc != KDS_OK) return rc;
     dir = sess_store_dir(st);
     snprintf(data, sizeof data, "%s/data.mdb", dir);

@@ -423,7 +423,8 @@ static kds_status check_data_file(sess_store *st, kds_err *err) {
 
 /* lock.mdb's lock region has no magic: sess_compact cleared it (see
  * sess_compact.c). Read with a descriptor of its own: this process holds no
- * lock on the file here (its open just failed), so closing it drops none. */
+ * lock on the file here (its environment is closed), so closing the
+ * descriptor drops none. */
 static bool lock_reset(const char *dir) {
     char path[1100];
     unsigned char b[4];
@@ -566,12 +567,13 @@ kds_status sess_open(const char *dir, const sess_params *p, sess_store **out, kd
         unsigned flags =
             MDB_NOTLS | (p->no_sync ? MDB_NOSYNC : 0) | (p->read_only ? MDB_RDONLY : 0);
         m = mdb_env_open(st->env, dir, flags, 0600);
-        if (m != MDB_INVALID || tries >= 200 || !lock_reset(dir)) break;
+        if (m != MDB_INVALID || tries >= 200) break;
+        mdb_env_close(st->env);
+        st->env = NULL;
         /* opened while sess_compact swapped data.mdb: it cleared the lock
          * region's magic; once it is done, the next opener starts the
          * region afresh */
-        mdb_env_close(st->env);
-        st->env = NULL;
+        if (!lock_reset(dir)) break;
         struct timespec ts = {0, 10 * 1000 * 1000};
         nanosleep(&ts, NULL);
     }
