@@ -93,9 +93,10 @@ static kds_status check_copy(const char *tmp, const census *want, kds_err *err) 
     const char *names[5] = {"meta", "snapshots", "chunks", "sessions", "transcripts"};
     for (int i = 0; i < 5; i++)
         if (got.entries[i] != want->entries[i])
-            return kds_err_set(err, KDS_INTERNAL, "the compacted copy holds %zu %s records, the "
-                               "store %zu; nothing was changed", got.entries[i], names[i],
-                               want->entries[i]);
+            return kds_err_set(err, KDS_INTERNAL,
+                               "the compacted copy holds %zu %s records, the "
+                               "store %zu; nothing was changed",
+                               got.entries[i], names[i], want->entries[i]);
     return KDS_OK;
 }
 
@@ -145,9 +146,11 @@ kds_status sess_compact(const char *dir, sess_compact_stats *out, kds_err *err) 
             describe_pid(q.l_pid, d, sizeof d);
             snprintf(who, sizeof who, "another process (%s)", d);
         }
-        rc = kds_err_set(err, KDS_BUSY, "store %s is open in %s: compacting needs it to itself "
+        rc = kds_err_set(err, KDS_BUSY,
+                         "store %s is open in %s: compacting needs it to itself "
                          "(stop `kdaserve serve`, leave `kdaserve chat`) and run compact again; "
-                         "nothing was changed", dir, who);
+                         "nothing was changed",
+                         dir, who);
         goto out;
     }
     struct stat sb;

@@ -48,8 +48,8 @@ static bool snap_header(sess_store *st, MDB_txn *txn, uint64_t id, sess__snap_hd
     return sess__snap_parse(rec, len, id, h, NULL, NULL) == KDS_OK;
 }
 
-kds_status sess__history(sess_store *st, MDB_txn *txn, const sess_session_info *s,
-                         sess__hist **out, size_t *n, kds_err *err) {
+kds_status sess__history(sess_store *st, MDB_txn *txn, const sess_session_info *s, sess__hist **out,
+                         size_t *n, kds_err *err) {
     *out = NULL;
     *n = 0;
     hist_list l = {0};
@@ -105,8 +105,7 @@ kds_status sess__history(sess_store *st, MDB_txn *txn, const sess_session_info *
     l.v = NULL;
     goto out;
 nomem:
-    rc = kds_err_set(err, KDS_NOMEM, "out of memory reading the history of session '%s'",
-                     s->name);
+    rc = kds_err_set(err, KDS_NOMEM, "out of memory reading the history of session '%s'", s->name);
 out:
     free(l.v);
     sess__free_kv(turns, n_turns);
@@ -123,8 +122,7 @@ static void turns_upto(sess__kv *turns, size_t n, uint64_t to, size_t *keep) {
     *keep = 0;
     for (; *keep < n; (*keep)++) {
         sess__turn_hdr t;
-        if (sess__turn_parse(turns[*keep].val, turns[*keep].len, "turn", &t, NULL) != KDS_OK)
-            break;
+        if (sess__turn_parse(turns[*keep].val, turns[*keep].len, "turn", &t, NULL) != KDS_OK) break;
         if (t.snapshot > to) break;
     }
 }
@@ -192,14 +190,18 @@ static kds_status recover_fn(sess__wtxn *w, void *ctx, kds_err *err) {
     kds_status rc = find_good(st, w->txn, g, &s, &turns, &n_turns, err);
     if (rc != KDS_OK) goto out;
     if (o->head_ok) {
-        rc = kds_err_set(err, KDS_INVALID_ARG, "session '%s' is sound (its head @%llu "
-                         "verifies): nothing to recover", g->name, (unsigned long long)s.head);
+        rc = kds_err_set(err, KDS_INVALID_ARG,
+                         "session '%s' is sound (its head @%llu "
+                         "verifies): nothing to recover",
+                         g->name, (unsigned long long)s.head);
         goto out;
     }
     if (!o->to) {
-        rc = kds_err_set(err, KDS_NOT_FOUND, "no snapshot of session '%s''s history verifies: "
+        rc = kds_err_set(err, KDS_NOT_FOUND,
+                         "no snapshot of session '%s''s history verifies: "
                          "nothing to go back to (its transcript is intact: `kdaserve snap show "
-                         "%s`)", g->name, g->name);
+                         "%s`)",
+                         g->name, g->name);
         goto out;
     }
     if (!(have_to = snap_header(st, w->txn, o->to, &to))) {
@@ -288,8 +290,10 @@ static kds_status retention_read(sess_store *st, MDB_txn *txn, retention_ctx *c,
     if (rc == KDS_NOT_FOUND) return KDS_OK;
     if (rc != KDS_OK) return rc;
     char what[1100];
-    snprintf(what, sizeof what, "retention policy of store %s (reset it with `kdaserve snap "
-             "retention --default`)", st->dir);
+    snprintf(what, sizeof what,
+             "retention policy of store %s (reset it with `kdaserve snap "
+             "retention --default`)",
+             st->dir);
     if ((rc = sess__retention_parse(v, n, what, &c->r, err)) != KDS_OK) return rc;
     c->set = true;
     return KDS_OK;
@@ -373,8 +377,8 @@ typedef struct prune_ctx {
 } prune_ctx;
 
 /* Heads; every snapshot of some history; those the policy keeps. */
-static kds_status plan(sess_store *st, MDB_txn *txn, const prune_ctx *p, idset *heads,
-                       idset *hist, idset *keep, bool *unknown, kds_err *err) {
+static kds_status plan(sess_store *st, MDB_txn *txn, const prune_ctx *p, idset *heads, idset *hist,
+                       idset *keep, bool *unknown, kds_err *err) {
     sess_session_info *ss = NULL;
     size_t ns = 0;
     *unknown = false;
@@ -413,8 +417,7 @@ nomem:
 
 /* Mark and sweep: snapshots the plan (or their age) keeps stay and mark
  * their chunks; the rest go, then unmarked chunks. `w` NULL: count only. */
-static kds_status sweep(sess_store *st, MDB_txn *txn, sess__wtxn *w, prune_ctx *p,
-                        kds_err *err) {
+static kds_status sweep(sess_store *st, MDB_txn *txn, sess__wtxn *w, prune_ctx *p, kds_err *err) {
     sess_gc_stats *g = p->g;
     memset(g, 0, sizeof *g);
     idset heads = {0}, hist = {0}, keep = {0}, used = {0};
@@ -437,8 +440,8 @@ static kds_status sweep(sess_store *st, MDB_txn *txn, sess__wtxn *w, prune_ctx *
         bool readable = sess__snap_parse(v.mv_data, v.mv_size, id, &h, NULL, NULL) == KDS_OK;
         /* with an unreadable session record any snapshot may be its head:
          * then none is deleted */
-        bool kept = unknown || idset_has(&keep, id) ||
-                    (cutoff && readable && h.created_us >= cutoff);
+        bool kept =
+            unknown || idset_has(&keep, id) || (cutoff && readable && h.created_us >= cutoff);
         if (!kept) {
             if (readable) sess__snap_hdr_free(&h);
             size_t bytes = v.mv_size;
@@ -459,7 +462,8 @@ static kds_status sweep(sess_store *st, MDB_txn *txn, sess__wtxn *w, prune_ctx *
             continue;
         }
         bool ok = true;
-        for (size_t i = 0; i < h.n_chunks && ok; i++) ok = idset_add(&used, h.chunks[i].id);
+        for (size_t i = 0; i < h.n_chunks && ok; i++)
+            ok = idset_add(&used, h.chunks[i].id);
         sess__snap_hdr_free(&h);
         if (!ok) {
             rc = kds_err_set(err, KDS_NOMEM, "out of memory in gc");

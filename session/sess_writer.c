@@ -88,8 +88,7 @@ static kds_status scan(sess_store *st, MDB_txn *txn, sess__wtxn *w, claim_ctx *c
         uint64_t start;
         char what[96];
         snprintf(what, sizeof what, "writer record of session '%s'", c->name);
-        bool readable = sess__writer_parse(v.mv_data, v.mv_size, what, &wr, &start, NULL) ==
-                        KDS_OK;
+        bool readable = sess__writer_parse(v.mv_data, v.mv_size, what, &wr, &start, NULL) == KDS_OK;
         if (readable && wr.pid == me && !strcmp(wr.host, c->host)) {
             *mine = true;
             continue;
@@ -151,8 +150,8 @@ kds_status sess_writer_claim(sess_store *st, const char *name, const char *progr
         return kds_err_set(err, KDS_INVALID_ARG, "invalid session name '%s'", name ? name : "");
     claim_ctx c = {.name = name, .program = program && *program ? program : "kdaserve"};
     host_name(c.host, sizeof c.host);
-    kds_status rc = st->read_only ? sess__read(st, report_fn, &c, err)
-                                  : sess__write(st, claim_fn, &c, err);
+    kds_status rc =
+        st->read_only ? sess__read(st, report_fn, &c, err) : sess__write(st, claim_fn, &c, err);
     if (rc != KDS_OK) return rc;
     if (busy) *busy = c.busy;
     if (other && c.busy) *other = c.other;
@@ -175,6 +174,6 @@ void sess_writer_describe(const sess_writer *w, char *buf, size_t cap) {
     struct tm tm;
     if (w->since_us > 0 && localtime_r(&t, &tm)) strftime(when, sizeof when, "%H:%M:%S", &tm);
     snprintf(buf, cap, "pid %lld%s%s (kdaserve %s, since %s)", (long long)w->pid,
-             strcmp(w->host, host) ? " on " : "", strcmp(w->host, host) ? w->host : "",
-             w->program, when);
+             strcmp(w->host, host) ? " on " : "", strcmp(w->host, host) ? w->host : "", w->program,
+             when);
 }

@@ -101,7 +101,9 @@ Test(sess_disk, full_disk_said_and_recovered, .timeout = 120) {
     char out[4096];
     cr_expect_eq(tsu_run(out, sizeof out, NULL,
                          TSU_KDASERVE " generate --model %s --db %s --session cli --prompt x "
-                                      "--max-tokens 2 2>&1", MICRO_KDA, db), 1, "%s", out);
+                                      "--max-tokens 2 2>&1",
+                         MICRO_KDA, db),
+                 1, "%s", out);
     cr_expect(strstr(out, "disk is full"), "%s", out);
 
     /* space freed in the store (sessions deleted, gc): the next save works */

@@ -38,13 +38,15 @@ static void empty_session_reopens(const char *model) {
     char out[16384];
     int rc = tsu_run(out, sizeof out, NULL,
                      "UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 " TSU_KDASERVE
-                     " chat --db %s --session empty --plain </dev/null 2>&1", db);
+                     " chat --db %s --session empty --plain </dev/null 2>&1",
+                     db);
     cr_expect_eq(rc, 0, "chat --session empty: exit %d: %s", rc, out);
     cr_expect_null(strstr(out, "runtime error"), "undefined behaviour opening it:\n%s", out);
     cr_expect(strstr(out, "session 'empty'"), "%s", out);
     rc = tsu_run(out, sizeof out, NULL,
                  "UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 " TSU_KDASERVE
-                 " generate --db %s --session empty --prompt 'a' --max-tokens 2 2>&1", db);
+                 " generate --db %s --session empty --prompt 'a' --max-tokens 2 2>&1",
+                 db);
     cr_expect_eq(rc, 0, "generate --session empty: exit %d: %s", rc, out);
     cr_expect_null(strstr(out, "runtime error"), "undefined behaviour resuming it:\n%s", out);
     tsu_close_model(&f);

@@ -23,8 +23,8 @@ static size_t make_store(const char *db, tsu_model *f) {
         snprintf(name, sizeof name, "s%d", k);
         for (int t = 0; t < 3; t++) {
             tsu_feed(f, s, 4, (uint32_t)(k * 10 + t));
-            sess_turn turn = {.prompt = "p", .prompt_len = 1, .output = "o", .output_len = 1,
-                              .prompt_tokens = 4};
+            sess_turn turn = {
+                .prompt = "p", .prompt_len = 1, .output = "o", .output_len = 1, .prompt_tokens = 4};
             cr_assert_eq(sess_save(st, name, head, f->m, s, &turn, &head, &err), KDS_OK, "%s",
                          err.msg);
         }
@@ -70,7 +70,8 @@ Test(sess_open, truncated_data_file_refused, .timeout = 120) {
             sess_session_info *ss = NULL;
             size_t ns = 0;
             sess_session_list(st, &ss, &ns, &err);
-            for (size_t i = 0; i < ns; i++) sess_verify(st, ss[i].head, NULL, &err);
+            for (size_t i = 0; i < ns; i++)
+                sess_verify(st, ss[i].head, NULL, &err);
             free(ss);
             sess_close(st);
         }

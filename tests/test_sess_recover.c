@@ -31,13 +31,17 @@ Test(sess_recover, verify_names_the_sessions_and_recover_goes_back, .timeout = 1
     for (int i = 0; i < 3; i++)
         cr_assert_eq(tsu_run(out, sizeof out, NULL,
                              TSU_KDASERVE " generate --model %s --db %s --session A --prompt "
-                                          "' turn %d' --max-tokens 2 2>&1", MICRO_KDA, db, i),
+                                          "' turn %d' --max-tokens 2 2>&1",
+                             MICRO_KDA, db, i),
                      0, "%s", out);
     cr_assert_eq(tsu_run(out, sizeof out, NULL,
                          TSU_KDASERVE " generate --model %s --db %s --session C --prompt 'c' "
-                                      "--max-tokens 2 2>&1", MICRO_KDA, db), 0, "%s", out);
-    cr_assert_eq(tsu_run(out, sizeof out, NULL, TSU_KDASERVE " snap fork A --name B --db %s 2>&1",
-                         db), 0, "%s", out);
+                                      "--max-tokens 2 2>&1",
+                         MICRO_KDA, db),
+                 0, "%s", out);
+    cr_assert_eq(
+        tsu_run(out, sizeof out, NULL, TSU_KDASERVE " snap fork A --name B --db %s 2>&1", db), 0,
+        "%s", out);
     sess_store *st = tsu_open_store(db);
     kds_err err = {0};
     sess_turn_record *t = NULL;
@@ -68,13 +72,15 @@ Test(sess_recover, verify_names_the_sessions_and_recover_goes_back, .timeout = 1
     expect_line(out, "session 'B'", g);
 
     /* recover goes back to it and keeps what was there */
-    cr_expect_eq(tsu_run(out, sizeof out, NULL, TSU_KDASERVE " snap recover A --db %s 2>&1", db),
-                 0, "%s", out);
+    cr_expect_eq(tsu_run(out, sizeof out, NULL, TSU_KDASERVE " snap recover A --db %s 2>&1", db), 0,
+                 "%s", out);
     expect_line(out, "'A'", g);
     expect_line(out, "A-damaged", NULL);
     cr_expect_eq(tsu_run(out, sizeof out, NULL,
                          TSU_KDASERVE " generate --db %s --session A --prompt ' again' "
-                                      "--max-tokens 2 2>&1", db), 0, "A does not resume: %s", out);
+                                      "--max-tokens 2 2>&1",
+                         db),
+                 0, "A does not resume: %s", out);
     st = tsu_open_store(db);
     sess_session_info ra, rd;
     cr_assert_eq(sess_session_get(st, "A", &ra, &err), KDS_OK, "%s", err.msg);
@@ -94,11 +100,11 @@ Test(sess_recover, verify_names_the_sessions_and_recover_goes_back, .timeout = 1
     cr_expect_eq(tsu_run(out, sizeof out, NULL, TSU_KDASERVE " snap recover C --db %s 2>&1", db),
                  1);
     cr_expect(strstr(out, "nothing to recover"), "%s", out);
-    cr_expect_eq(tsu_run(out, sizeof out, NULL, TSU_KDASERVE " snap recover B --db %s 2>&1", db),
-                 0, "%s", out);
+    cr_expect_eq(tsu_run(out, sizeof out, NULL, TSU_KDASERVE " snap recover B --db %s 2>&1", db), 0,
+                 "%s", out);
     cr_expect_eq(tsu_run(out, sizeof out, NULL,
-                         TSU_KDASERVE " generate --db %s --session B --max-tokens 2 2>&1", db), 0,
-                 "B does not resume: %s", out);
+                         TSU_KDASERVE " generate --db %s --session B --max-tokens 2 2>&1", db),
+                 0, "B does not resume: %s", out);
     free(db);
     tmu_rmtree(tmp);
     free(tmp);
@@ -118,8 +124,8 @@ Test(sess_recover, damaged_chunk_goes_back_past_its_sharers, .timeout = 60) {
     for (int i = 0; i < 3; i++) {
         /* 30 tokens of 160 bytes: a chunk in overflow pages, stored once */
         tsu_feed(&f, s, 30, (uint32_t)(i + 5));
-        sess_turn t = {.prompt = "p", .prompt_len = 1, .output = "o", .output_len = 1,
-                       .prompt_tokens = 30};
+        sess_turn t = {
+            .prompt = "p", .prompt_len = 1, .output = "o", .output_len = 1, .prompt_tokens = 30};
         cr_assert_eq(sess_save(st, "h", head, f.m, s, &t, &ids[i], &err), KDS_OK, "%s", err.msg);
         head = ids[i];
     }

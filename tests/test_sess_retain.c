@@ -19,8 +19,7 @@
 
 /* Session `name` of `turns` turns (one snapshot each, in the transcript);
  * ids[i] = the snapshot of turn i + 1. */
-static void make_session(sess_store *st, tsu_model *f, const char *name, int turns,
-                         uint64_t *ids) {
+static void make_session(sess_store *st, tsu_model *f, const char *name, int turns, uint64_t *ids) {
     kds_err err = {0};
     eng_seq *s = NULL;
     cr_assert_eq(eng_seq_create(f->m, 1, &s, &err), KDS_OK);
@@ -29,8 +28,12 @@ static void make_session(sess_store *st, tsu_model *f, const char *name, int tur
         tsu_feed(f, s, 2, (uint32_t)(i + 1));
         char p[32];
         snprintf(p, sizeof p, "turn %d", i + 1);
-        sess_turn t = {.prompt = p, .prompt_len = strlen(p), .output = "o", .output_len = 1,
-                       .prompt_tokens = 2, .mode = "plain"};
+        sess_turn t = {.prompt = p,
+                       .prompt_len = strlen(p),
+                       .output = "o",
+                       .output_len = 1,
+                       .prompt_tokens = 2,
+                       .mode = "plain"};
         cr_assert_eq(sess_save(st, name, head, f->m, s, &t, &head, &err), KDS_OK, "%s", err.msg);
         ids[i] = head;
     }
@@ -67,18 +70,22 @@ Test(sess_retain, gc_keeps_what_the_policy_keeps, .timeout = 120) {
     sess_close(st);
 
     char out[8192];
-    cr_assert_eq(tsu_run(out, sizeof out, NULL, TSU_KDASERVE " snap retention --db %s "
-                         "--keep-last 5 --keep-every 10 2>&1", db), 0, "%s", out);
+    cr_assert_eq(tsu_run(out, sizeof out, NULL,
+                         TSU_KDASERVE " snap retention --db %s "
+                                      "--keep-last 5 --keep-every 10 2>&1",
+                         db),
+                 0, "%s", out);
     cr_expect(strstr(out, "last 5") && strstr(out, "every 10th"), "%s", out);
     /* a dry run says what would go and deletes nothing */
-    cr_assert_eq(tsu_run(out, sizeof out, NULL, TSU_KDASERVE " snap gc --dry-run --db %s 2>&1",
-                         db), 0, "%s", out);
+    cr_assert_eq(tsu_run(out, sizeof out, NULL, TSU_KDASERVE " snap gc --dry-run --db %s 2>&1", db),
+                 0, "%s", out);
     /* long: keeps turns 26-30, 10, 20; f: its head, and the last 5 of its
      * line (head, turn 7 = its fork point, turns 6, 5, 4); gone: nothing.
      * 30 - 11 + 3 go. */
     cr_expect(strstr(out, "would free 22 snapshots"), "%s", out);
     st = tsu_open_store(db);
-    for (int i = 0; i < 30; i++) cr_expect(exists(st, ids[i]), "dry run deleted turn %d", i + 1);
+    for (int i = 0; i < 30; i++)
+        cr_expect(exists(st, ids[i]), "dry run deleted turn %d", i + 1);
     sess_close(st);
 
     cr_assert_eq(tsu_run(out, sizeof out, NULL, TSU_KDASERVE " snap gc --db %s 2>&1", db), 0, "%s",
@@ -91,7 +98,8 @@ Test(sess_retain, gc_keeps_what_the_policy_keeps, .timeout = 120) {
                      want ? "was deleted" : "was kept");
     }
     cr_expect(exists(st, fids[0]), "the fork's head");
-    for (int i = 0; i < 3; i++) cr_expect(!exists(st, gone[i]), "a deleted session's snapshot");
+    for (int i = 0; i < 3; i++)
+        cr_expect(!exists(st, gone[i]), "a deleted session's snapshot");
     /* a second gc with the same policy has nothing more to take */
     sess_close(st);
     cr_assert_eq(tsu_run(out, sizeof out, NULL, TSU_KDASERVE " snap gc --db %s 2>&1", db), 0, "%s",
@@ -135,7 +143,8 @@ Test(sess_retain, default_policy_and_age, .timeout = 60) {
     sess_gc_stats g;
     cr_assert_eq(sess_prune(st, &young, 0, &g, &err), KDS_OK, "%s", err.msg);
     cr_expect_eq(g.snapshots_freed, 0);
-    for (int i = 0; i < 12; i++) cr_expect(exists(st, ids[i]));
+    for (int i = 0; i < 12; i++)
+        cr_expect(exists(st, ids[i]));
     /* head only: the old gc */
     sess_retention head = {.keep_last = 1};
     cr_assert_eq(sess_prune(st, &head, SESS_PRUNE_DRY_RUN, &g, &err), KDS_OK);
@@ -144,9 +153,11 @@ Test(sess_retain, default_policy_and_age, .timeout = 60) {
     cr_expect(exists(st, ids[0]), "a dry run deletes nothing");
     cr_assert_eq(sess_prune(st, NULL, 0, &g, &err), KDS_OK, "%s", err.msg);
     int kept = 0;
-    for (int i = 0; i < 12; i++) kept += exists(st, ids[i]);
-    cr_expect_eq(kept, (int)(d.keep_last < 12 ? d.keep_last : 12) +
-                           (d.keep_every && 12 >= d.keep_every && 12 - d.keep_every >= d.keep_last),
+    for (int i = 0; i < 12; i++)
+        kept += exists(st, ids[i]);
+    cr_expect_eq(kept,
+                 (int)(d.keep_last < 12 ? d.keep_last : 12) +
+                     (d.keep_every && 12 >= d.keep_every && 12 - d.keep_every >= d.keep_last),
                  "default policy kept %d", kept);
     /* set, reopened, back to the default */
     sess_retention mine = {.keep_last = 3, .keep_every = 4, .keep_days = 9};
@@ -178,33 +189,48 @@ Test(sess_retain, cutting_history_wants_force, .timeout = 60) {
     sess_close(st);
     char out[8192];
     /* a restore point in the middle of conv's history */
-    cr_expect_eq(tsu_run(out, sizeof out, NULL, TSU_KDASERVE " snap rm @%llu --db %s 2>&1 "
-                         "</dev/null", (unsigned long long)ids[3], db), 1, "%s", out);
+    cr_expect_eq(tsu_run(out, sizeof out, NULL,
+                         TSU_KDASERVE " snap rm @%llu --db %s 2>&1 "
+                                      "</dev/null",
+                         (unsigned long long)ids[3], db),
+                 1, "%s", out);
     cr_expect(strstr(out, "session 'conv'") && strstr(out, "turn 4") && strstr(out, "--force"),
               "%s", out);
     st = tsu_open_store(db);
     cr_expect(exists(st, ids[3]), "refused, yet deleted");
     sess_close(st);
     cr_expect_eq(tsu_run(out, sizeof out, NULL, TSU_KDASERVE " snap rm @%llu --force --db %s 2>&1",
-                         (unsigned long long)ids[3], db), 0, "%s", out);
+                         (unsigned long long)ids[3], db),
+                 0, "%s", out);
     /* a snapshot of no session's history goes without asking */
     cr_expect_eq(tsu_run(out, sizeof out, NULL, TSU_KDASERVE " snap rm @%llu --db %s 2>&1",
-                         (unsigned long long)other[0], db), 0, "%s", out);
+                         (unsigned long long)other[0], db),
+                 0, "%s", out);
     /* gc --all-history drops every restore point: only with --force */
-    cr_expect_eq(tsu_run(out, sizeof out, NULL, TSU_KDASERVE " snap gc --all-history --db %s 2>&1 "
-                         "</dev/null", db), 1, "%s", out);
+    cr_expect_eq(tsu_run(out, sizeof out, NULL,
+                         TSU_KDASERVE " snap gc --all-history --db %s 2>&1 "
+                                      "</dev/null",
+                         db),
+                 1, "%s", out);
     cr_expect(strstr(out, "--force") && strstr(out, "restore point"), "%s", out);
     st = tsu_open_store(db);
     cr_expect(exists(st, ids[0]));
     sess_close(st);
-    cr_expect_eq(tsu_run(out, sizeof out, NULL, TSU_KDASERVE " snap gc --all-history --force "
-                         "--db %s 2>&1", db), 0, "%s", out);
+    cr_expect_eq(tsu_run(out, sizeof out, NULL,
+                         TSU_KDASERVE " snap gc --all-history --force "
+                                      "--db %s 2>&1",
+                         db),
+                 0, "%s", out);
     st = tsu_open_store(db);
-    for (int i = 0; i < 5; i++) cr_expect(!exists(st, ids[i]));
+    for (int i = 0; i < 5; i++)
+        cr_expect(!exists(st, ids[i]));
     cr_expect(exists(st, ids[5]), "the head stays");
     sess_close(st);
-    cr_expect_eq(tsu_run(out, sizeof out, NULL, TSU_KDASERVE " generate --db %s --session conv "
-                         "--max-tokens 2 2>&1", db), 0, "%s", out);
+    cr_expect_eq(tsu_run(out, sizeof out, NULL,
+                         TSU_KDASERVE " generate --db %s --session conv "
+                                      "--max-tokens 2 2>&1",
+                         db),
+                 0, "%s", out);
     tsu_close_model(&f);
     free(db);
     tmu_rmtree(tmp);

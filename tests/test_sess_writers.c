@@ -74,7 +74,9 @@ Test(sess_writers, repl_turn_after_another_writer_is_forked, .timeout = 120) {
     char buf[16384];
     cr_assert_eq(tsu_run(buf, sizeof buf, NULL,
                          TSU_KDASERVE " generate --model %s --db %s --session s --prompt 'one' "
-                                      "--max-tokens 3 2>&1", MICRO_KDA, db), 0, "%s", buf);
+                                      "--max-tokens 3 2>&1",
+                         MICRO_KDA, db),
+                 0, "%s", buf);
     sess_store *st = tsu_open_store(db);
     kds_err err = {0};
     sess_session_info s0;
@@ -83,15 +85,17 @@ Test(sess_writers, repl_turn_after_another_writer_is_forked, .timeout = 120) {
 
     /* the REPL opens s and waits for its input */
     int in;
-    char *argv[] = {"kdaserve", "chat", "--db", db, "--session", "s", "--plain",
-                    "--max-tokens", "3", NULL};
+    char *argv[] = {"kdaserve", "chat",    "--db",         db,  "--session",
+                    "s",        "--plain", "--max-tokens", "3", NULL};
     pid_t repl = spawn(argv, &in, out, errf);
     cr_assert(wait_for(errf, "session 's'"), "the REPL did not open s");
 
     /* another writer saves a turn meanwhile: it is told at once */
     cr_assert_eq(tsu_run(buf, sizeof buf, NULL,
                          TSU_KDASERVE " generate --db %s --session s --prompt ' two' "
-                                      "--max-tokens 3 2>&1", db), 0, "%s", buf);
+                                      "--max-tokens 3 2>&1",
+                         db),
+                 0, "%s", buf);
     char pidtext[32];
     snprintf(pidtext, sizeof pidtext, "pid %d", (int)repl);
     cr_expect(strstr(buf, "open for writing") && strstr(buf, pidtext),
@@ -152,22 +156,32 @@ Test(sess_writers, save_ex_forks_a_moved_head, .timeout = 60) {
     eng_seq *s = NULL;
     cr_assert_eq(eng_seq_create(f.m, 2, &s, &err), KDS_OK);
     tsu_feed(&f, s, 9, 1);
-    sess_turn t1 = {.prompt = "first", .prompt_len = 5, .output = "a", .output_len = 1,
-                    .prompt_tokens = 9, .mode = "plain"};
+    sess_turn t1 = {.prompt = "first",
+                    .prompt_len = 5,
+                    .output = "a",
+                    .output_len = 1,
+                    .prompt_tokens = 9,
+                    .mode = "plain"};
     uint64_t base;
     cr_assert_eq(sess_save(st, "h", 0, f.m, s, &t1, &base, &err), KDS_OK, "%s", err.msg);
     /* another process saves a turn on h */
     char buf[8192];
     cr_assert_eq(tsu_run(buf, sizeof buf, NULL,
                          TSU_KDASERVE " generate --db %s --session h --prompt ' x' "
-                                      "--max-tokens 2 2>&1", db), 0, "%s", buf);
+                                      "--max-tokens 2 2>&1",
+                         db),
+                 0, "%s", buf);
     sess_session_info moved;
     cr_assert_eq(sess_session_get(st, "h", &moved, &err), KDS_OK);
     cr_assert_neq(moved.head, base);
 
     tsu_feed(&f, s, 5, 2);
-    sess_turn t2 = {.prompt = "mine", .prompt_len = 4, .output = "b", .output_len = 1,
-                    .prompt_tokens = 5, .mode = "plain"};
+    sess_turn t2 = {.prompt = "mine",
+                    .prompt_len = 4,
+                    .output = "b",
+                    .output_len = 1,
+                    .prompt_tokens = 5,
+                    .mode = "plain"};
     cr_expect_eq(sess_save(st, "h", base, f.m, s, &t2, NULL, &err), KDS_BUSY);
     cr_expect(strstr(err.msg, "moved"), "%s", err.msg);
     sess_save_result r;
