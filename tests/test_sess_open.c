@@ -97,6 +97,12 @@ Test(sess_open, truncated_data_file_refused, .timeout = 120) {
         cr_expect_eq(rc, 1, "`%s` on a truncated store: exit %d: %s", cmds[i], rc, out);
         cr_expect(strstr(out, "truncated"), "`%s`: %s", cmds[i], out);
     }
+    char out[4096];
+    int rc = tsu_run(out, sizeof out, NULL,
+                     "timeout 60 " TSU_KDASERVE " serve --model %s --db %s --listen 127.0.0.1:0 "
+                     "--quiet 2>&1", MICRO_KDA, cut);
+    cr_expect_eq(rc, 1, "serve on a truncated store: exit %d: %s", rc, out);
+    cr_expect(strstr(out, "truncated"), "serve: %s", out);
 
     /* shorter than LMDB's two meta pages: named as truncated too */
     copy_head(db, tiny, 5000);
