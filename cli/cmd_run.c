@@ -67,7 +67,10 @@ static void generate_usage(FILE *f) {
             "(no replay) and the prompt, if any, is fed after it; an empty prompt just\n"
             "continues. After the turn the state is saved as a new snapshot and becomes the\n"
             "session's head. Generating N tokens in one turn prints the same text as\n"
-            "k tokens and then N-k in a later process.\n\n"
+            "k tokens and then N-k in a later process. If another process (the server, a\n"
+            "chat) has the session open for writing, that is said at once; if it saved a\n"
+            "turn while this one ran, this turn is saved as a fork NAME-K (said on stderr)\n"
+            "rather than lost.\n\n"
             "  --model DIR          model directory (default: the session's model, else\n"
             "                       $KDASERVE_MODEL, else ./models/default)\n"
             "  --prompt TEXT        the text to continue (may be empty)\n"
@@ -180,6 +183,7 @@ int cmd_generate(int argc, char **argv) {
     int32_t *ids = NULL, *out_ids = NULL;
     float *out_logits = NULL;
     sess_store *store = NULL;
+    bool claimed = false;
     eng_tok_stream *stream = NULL;
     kds_buf text = {0}; /* the turn's text, for the transcript */
     kds_err err = {0};
@@ -197,6 +201,20 @@ int cmd_generate(int argc, char **argv) {
         else if (st != KDS_NOT_FOUND) {
             rc = cli_fail("generate", &err);
             goto out;
+        }
+        /* say at once that another process writes it: whoever saves second
+         * has its turn saved as a fork (advisory; a failed claim is no
+         * reason not to generate) */
+        sess_writer other;
+        bool busy = false;
+        if (sess_writer_claim(store, session, "generate", &other, &busy, NULL) == KDS_OK) {
+            claimed = true;
+            if (busy) {
+                char who[200];
+                sess_writer_describe(&other, who, sizeof who);
+                fprintf(stderr, "[kdaserve] session '%s' is also open for writing in %s: if it "
+                        "saves a turn first, this one is saved as a fork\n", session, who);
+            }
         }
     }
     const char *dir = model ? model : resume && si.model_dir[0] ? si.model_dir
@@ -341,13 +359,21 @@ int cmd_generate(int argc, char **argv) {
     } else if (session) {
         sess_turn turn = {.prompt = prompt, .prompt_len = plen, .output = kds_buf_str(&text),
                           .output_len = text.len, .prompt_tokens = n, .output_tokens = produced};
-        uint64_t snap = 0;
         double ts0 = cli_now();
-        if (sess_save(store, session, resume ? si.head : 0, m, s, &turn, &snap, &err) != KDS_OK) {
+        sess_save_result res;
+        if (sess_save_ex(store, session, resume ? si.head : 0, m, s, &turn, SESS_CONFLICT_FORK,
+                         &res, &err) != KDS_OK) {
             rc = cli_failf("generate", "session '%s' not saved: %s", session, err.msg);
             goto out;
         }
+        uint64_t snap = res.snapshot;
         double ts1 = cli_now();
+        if (res.forked)
+            fprintf(stderr, "[kdaserve] session '%s' was moved on to @%llu by another writer "
+                    "while this turn ran from @%llu: this turn was saved as session '%s' (a "
+                    "fork at @%llu); '%s' keeps the other writer's turns\n", session,
+                    (unsigned long long)res.other_head, (unsigned long long)(resume ? si.head : 0),
+                    res.session, (unsigned long long)(resume ? si.head : 0), session);
         size_t saved = eng_seq_fixed_bytes(s) +
                        eng_seq_mla_token_bytes(s) * (size_t)(eng_seq_pos(s) - head.tokens);
         if (resume)
@@ -370,6 +396,7 @@ out:
     eng_seq_free(s);
     eng_ctx_free(c);
     eng_model_free(m);
+    if (claimed) sess_writer_release(store, session, NULL);
     sess_close(store);
     return rc;
 }

@@ -17,7 +17,8 @@
 #define CMD "snap"
 
 enum { OPT_DB = 2000, OPT_NAME, OPT_MODEL, OPT_TOKENS, OPT_REPEATS, OPT_THREADS, OPT_REPLAY_MAX,
-       OPT_NO_SYNC, OPT_DEVICE };
+       OPT_NO_SYNC, OPT_DEVICE, OPT_FORCE, OPT_DRY_RUN, OPT_ALL_HISTORY, OPT_KEEP_LAST,
+       OPT_KEEP_EVERY, OPT_KEEP_DAYS, OPT_DEFAULT };
 
 static const char *const SNAP_USAGE =
     "usage: kdaserve snap <command> [--db DIR] [options]\n\n"
@@ -29,14 +30,22 @@ static const char *const SNAP_USAGE =
     "  ls                      sessions and snapshots: ids, tokens, sizes, times\n"
     "  show ID                 one session (with its transcript) or snapshot\n"
     "  fork ID [--name N]      new session at ID's snapshot (no state is copied)\n"
-    "  rm ID                   delete a session (its snapshots stay until gc) or a\n"
-    "                          snapshot that is no session's head\n"
+    "  rm ID [--force]         delete a session (its snapshots stay until gc) or a\n"
+    "                          snapshot that is no session's head (a restore point in\n"
+    "                          a session's history only with --force or a yes)\n"
     "  verify [ID] [--model DIR]  check checksums (and with --model, fingerprints and\n"
-    "                          layout) of one snapshot or of all\n"
+    "                          layout) of one snapshot or of all; names the sessions a\n"
+    "                          damaged snapshot leaves unresumable and their way back\n"
+    "  recover NAME [--model DIR]  take session NAME, whose head is damaged, back to\n"
+    "                          the last snapshot of its history that verifies\n"
     "  export ID FILE          write a session or snapshot to one portable file\n"
     "  import FILE [--name N]  add an exported file as a new session\n"
-    "  gc                      delete snapshots that are no session's head and chunks\n"
-    "                          no snapshot references\n"
+    "  gc [--dry-run]          delete the snapshots the retention policy lets go and\n"
+    "                          the chunks no snapshot references (--all-history: every\n"
+    "                          snapshot that is no head, with --force or a yes)\n"
+    "  retention [--keep-last N] [--keep-every K] [--keep-days D] [--default]\n"
+    "                          show or set what gc keeps of each session's history\n"
+    "  compact                 shrink data.mdb to its live pages (store not in use)\n"
     "  size --model DIR [--tokens N]  bytes of one snapshot of that model at N tokens\n"
     "  bench --model DIR       save / restore latency and throughput, resume vs replay\n\n"
     "kdaserve snap <command> --help shows the command's options.\n";
@@ -80,6 +89,46 @@ static void print_text(const char *p, size_t n, const char *indent) {
     putchar('\n');
 }
 
+/* At a terminal, ask; in a script (stdin or stderr not a terminal) the
+ * answer is no: --force says yes. */
+static bool confirm(const char *question) {
+    if (!isatty(0) || !isatty(2)) return false;
+    fprintf(stderr, "%s [y/N] ", question);
+    fflush(stderr);
+    char line[16];
+    if (!fgets(line, sizeof line, stdin)) return false;
+    return line[0] == 'y' || line[0] == 'Y';
+}
+
+static const char *ordinal(uint32_t n, char *buf, size_t cap) {
+    const char *suf = n % 100 >= 11 && n % 100 <= 13 ? "th"
+                      : n % 10 == 1                  ? "st"
+                      : n % 10 == 2                  ? "nd"
+                      : n % 10 == 3                  ? "rd"
+                                                     : "th";
+    snprintf(buf, cap, "%u%s", n, suf);
+    return buf;
+}
+
+/* "the last 10 snapshots of each session's line, the snapshot of every
+ * 25th turn, ..." */
+static void describe_retention(const sess_retention *r, char *buf, size_t cap) {
+    char k[24];
+    int n = r->keep_last > 1
+                ? snprintf(buf, cap, "the last %u snapshots of each session's line", r->keep_last)
+                : snprintf(buf, cap, "each session's head");
+    if (n < 0 || (size_t)n >= cap) return;
+    if (r->keep_every)
+        n += snprintf(buf + n, cap - (size_t)n, ", the snapshot of every %s turn",
+                      ordinal(r->keep_every, k, sizeof k));
+    if (n < 0 || (size_t)n >= cap) return;
+    if (r->keep_days)
+        n += snprintf(buf + n, cap - (size_t)n, ", every snapshot younger than %u day%s",
+                      r->keep_days, r->keep_days == 1 ? "" : "s");
+    if (n < 0 || (size_t)n >= cap) return;
+    snprintf(buf + n, cap - (size_t)n, ", and each fork's base");
+}
+
 /* Open the store (--db or the default). Commands that only read open it
  * read-only, so that a mistyped --db is an error, not a new empty store. */
 static int open_store(const char *db, bool read_only, sess_store **st) {
@@ -103,6 +152,8 @@ typedef struct sub_opts {
     const char *db, *name, *model, *device;
     int64_t tokens, repeats, threads, replay_max;
     bool tokens_set, no_sync;
+    bool force, dry_run, all_history, default_policy;
+    int64_t keep[3]; /* --keep-last, --keep-every, --keep-days; -1 = not given */
     const char *tokens_list;
     char **args;
     int n_args;
@@ -116,15 +167,36 @@ static int parse_sub(int argc, char **argv, const char *help, sub_opts *o) {
         {"threads", required_argument, 0, OPT_THREADS},
         {"replay-max", required_argument, 0, OPT_REPLAY_MAX},
         {"no-sync", no_argument, 0, OPT_NO_SYNC},     {"device", required_argument, 0, OPT_DEVICE},
+        {"force", no_argument, 0, OPT_FORCE},         {"dry-run", no_argument, 0, OPT_DRY_RUN},
+        {"all-history", no_argument, 0, OPT_ALL_HISTORY},
+        {"keep-last", required_argument, 0, OPT_KEEP_LAST},
+        {"keep-every", required_argument, 0, OPT_KEEP_EVERY},
+        {"keep-days", required_argument, 0, OPT_KEEP_DAYS},
+        {"default", no_argument, 0, OPT_DEFAULT},
         {"help", no_argument, 0, 'h'},
         {0, 0, 0, 0}};
     optind = 1;
+    o->keep[0] = o->keep[1] = o->keep[2] = -1;
     for (int c; (c = getopt_long(argc, argv, "h", opts, NULL)) != -1;) {
         switch (c) {
         case OPT_DB: o->db = optarg; break;
         case OPT_NAME: o->name = optarg; break;
         case OPT_MODEL: o->model = optarg; break;
         case OPT_NO_SYNC: o->no_sync = true; break;
+        case OPT_FORCE: o->force = true; break;
+        case OPT_DRY_RUN: o->dry_run = true; break;
+        case OPT_ALL_HISTORY: o->all_history = true; break;
+        case OPT_DEFAULT: o->default_policy = true; break;
+        case OPT_KEEP_LAST:
+        case OPT_KEEP_EVERY:
+        case OPT_KEEP_DAYS: {
+            int i = c == OPT_KEEP_LAST ? 0 : c == OPT_KEEP_EVERY ? 1 : 2;
+            if (!cli_parse_i64(optarg, 0, UINT32_MAX, &o->keep[i]))
+                return cli_failf(CMD, "--%s wants a count >= 0, got '%s'",
+                                 i == 0 ? "keep-last" : i == 1 ? "keep-every" : "keep-days",
+                                 optarg);
+            break;
+        }
         case OPT_DEVICE:
             if (!cli_device_valid(optarg))
                 return cli_failf(CMD, "--device wants cpu or cuda, got '%s'", optarg);
@@ -304,52 +376,108 @@ static int snap_show(sess_store *st, const char *id) {
 /* ------------------------------------------------------------------------ */
 /* verify                                                                    */
 
+/* A session its head leaves unresumable: why, and the way back (the
+ * newest snapshot of its history that verifies, and the command). */
+static void session_failed(sess_store *st, const sess_session_info *s, const eng_model *m,
+                           const char *model_dir, const char *why) {
+    sess_recovery r;
+    kds_err e = {0};
+    printf("FAILED  session '%s' cannot be resumed: its head @%llu %s", s->name,
+           (unsigned long long)s->head, why);
+    if (sess_session_last_good(st, s->name, m, &r, &e) != KDS_OK)
+        printf("; %s\n", e.msg);
+    else if (r.to)
+        printf("; last good snapshot of its history: @%llu (%lld tokens, %u of its %u turns): "
+               "`kdaserve snap recover %s%s%s` goes back to it (keeping what it is now as "
+               "session '%s-damaged')\n", (unsigned long long)r.to, (long long)r.tokens, r.turns,
+               r.turns + r.turns_after, s->name, model_dir ? " --model " : "",
+               model_dir ? model_dir : "", s->name);
+    else
+        printf("; no earlier snapshot of its history verifies (its transcript is intact: "
+               "`kdaserve snap show %s`)\n", s->name);
+}
+
+static void print_heads_of(const sess_session_info *ss, size_t ns, uint64_t id) {
+    bool any = false;
+    for (size_t j = 0; j < ns; j++)
+        if (ss[j].tokens >= 0 && ss[j].head == id) {
+            printf("%s%s", any ? ", " : "  (head of: ", ss[j].name);
+            any = true;
+        }
+    if (any) printf(")");
+}
+
 static int snap_verify(sess_store *st, const char *id, const char *model_dir) {
     kds_err err = {0};
     eng_model *m = NULL;
     int rc = 0;
+    sess_snapshot_info *sn = NULL;
+    sess_session_info *ss = NULL;
+    uint64_t *failed = NULL;
+    size_t nn = 0, ns = 0, bad = 0, n_failed = 0;
     if (model_dir && (rc = load_model(model_dir, &m))) return rc;
+    if (sess_session_list(st, &ss, &ns, &err) != KDS_OK) {
+        rc = cli_fail(CMD, &err);
+        goto out;
+    }
     if (id) {
         sess_ref ref;
         if (sess_resolve(st, id, &ref, &err) != KDS_OK) {
             rc = cli_fail(CMD, &err);
         } else if (sess_verify(st, ref.snapshot, m, &err) != KDS_OK) {
-            printf("FAILED  @%llu  %s\n", (unsigned long long)ref.snapshot, err.msg);
+            printf("FAILED  @%llu  %s", (unsigned long long)ref.snapshot, err.msg);
+            print_heads_of(ss, ns, ref.snapshot);
+            printf("\n");
+            char why[600];
+            snprintf(why, sizeof why, "does not verify (%s)", err.msg);
+            for (size_t j = 0; j < ns; j++)
+                if (ss[j].tokens >= 0 && ss[j].head == ref.snapshot &&
+                    (!ref.is_session || !strcmp(ss[j].name, ref.name)))
+                    session_failed(st, &ss[j], m, model_dir, why);
             rc = 1;
         } else {
             printf("ok      @%llu%s\n", (unsigned long long)ref.snapshot,
                    m ? "" : "  (fingerprint not checked: no --model)");
         }
-        eng_model_free(m);
-        return rc;
+        goto out;
     }
-    sess_snapshot_info *sn = NULL;
-    sess_session_info *ss = NULL;
-    size_t nn = 0, ns = 0, bad = 0;
-    if (sess_snapshot_list(st, &sn, &nn, &err) != KDS_OK ||
-        sess_session_list(st, &ss, &ns, &err) != KDS_OK) {
+    if (sess_snapshot_list(st, &sn, &nn, &err) != KDS_OK) {
         rc = cli_fail(CMD, &err);
+        goto out;
+    }
+    if (nn && !(failed = calloc(nn, sizeof *failed))) {
+        rc = cli_failf(CMD, "out of memory");
         goto out;
     }
     for (size_t i = 0; i < nn; i++) {
         if (sess_verify(st, sn[i].id, m, &err) != KDS_OK) {
-            printf("FAILED  @%llu  %s\n", (unsigned long long)sn[i].id, err.msg);
+            printf("FAILED  @%llu  %s", (unsigned long long)sn[i].id, err.msg);
+            print_heads_of(ss, ns, sn[i].id);
+            printf("\n");
+            failed[n_failed++] = sn[i].id;
             bad++;
         } else {
             printf("ok      @%llu  %lld tokens\n", (unsigned long long)sn[i].id,
                    (long long)sn[i].tokens);
         }
     }
+    /* the sessions those failures leave unresumable, each with its way back */
     for (size_t i = 0; i < ns; i++) {
         sess_snapshot_info si;
+        bool head_failed = false;
+        for (size_t j = 0; j < n_failed; j++) head_failed |= failed[j] == ss[i].head;
         if (ss[i].tokens < 0) {
             sess_session_info one;
             sess_session_get(st, ss[i].name, &one, &err);
             printf("FAILED  session '%s': %s\n", ss[i].name, err.msg);
             bad++;
+        } else if (head_failed) {
+            session_failed(st, &ss[i], m, model_dir, "does not verify (above)");
+            bad++;
         } else if (sess_snapshot_get(st, ss[i].head, &si, &err) != KDS_OK) {
-            printf("FAILED  session '%s': head @%llu: %s\n", ss[i].name,
-                   (unsigned long long)ss[i].head, err.msg);
+            char why[600];
+            snprintf(why, sizeof why, "cannot be read: %s", err.msg);
+            session_failed(st, &ss[i], m, model_dir, why);
             bad++;
         }
     }
@@ -359,8 +487,179 @@ static int snap_verify(sess_store *st, const char *id, const char *model_dir) {
 out:
     free(sn);
     free(ss);
+    free(failed);
     eng_model_free(m);
     return rc;
+}
+
+/* ------------------------------------------------------------------------ */
+/* recover                                                                   */
+
+static int snap_recover(sess_store *st, const char *name, const char *model_dir) {
+    kds_err err = {0};
+    eng_model *m = NULL;
+    int rc = 0;
+    if (model_dir && (rc = load_model(model_dir, &m))) return rc;
+    sess_recovery r;
+    if (sess_session_recover(st, name, m, &r, &err) != KDS_OK) {
+        rc = cli_fail(CMD, &err);
+    } else {
+        printf("session '%s' went back from @%llu (damaged) to @%llu (%lld tokens, %u turns); "
+               "what it was, @%llu with all %u turns, is kept as session '%s'\n", name,
+               (unsigned long long)r.head, (unsigned long long)r.to, (long long)r.tokens, r.turns,
+               (unsigned long long)r.head, r.turns + r.turns_after, r.kept);
+    }
+    eng_model_free(m);
+    return rc;
+}
+
+/* ------------------------------------------------------------------------ */
+/* gc, rm, retention, compact                                                */
+
+static void print_gc(const sess_gc_stats *g, bool dry) {
+    char b[32];
+    fmt_bytes((double)g->bytes_freed, b, sizeof b);
+    printf("%s %llu snapshots (%llu of them restore points) and %llu chunks (%s); kept %llu "
+           "snapshots (%llu restore points) and %llu chunks%s\n", dry ? "would free" : "freed",
+           (unsigned long long)g->snapshots_freed, (unsigned long long)g->restore_points_freed,
+           (unsigned long long)g->chunks_freed, b, (unsigned long long)g->snapshots_kept,
+           (unsigned long long)g->restore_points_kept, (unsigned long long)g->chunks_kept,
+           g->unreadable ? " (unreadable records: kept all they might reference)" : "");
+}
+
+static int snap_gc(sess_store *st, const sub_opts *o) {
+    kds_err err = {0};
+    sess_gc_stats g;
+    if (o->all_history) {
+        /* every restore point goes: say how many, and want a yes */
+        if (sess_prune(st, NULL, SESS_PRUNE_HEADS_ONLY | SESS_PRUNE_DRY_RUN, &g, &err) != KDS_OK)
+            return cli_fail(CMD, &err);
+        if (o->dry_run) {
+            print_gc(&g, true);
+            return 0;
+        }
+        if (g.restore_points_freed && !o->force) {
+            char q[200];
+            snprintf(q, sizeof q, "gc --all-history deletes %llu restore points (every snapshot "
+                     "of the sessions' histories but their heads): go on?",
+                     (unsigned long long)g.restore_points_freed);
+            if (!confirm(q))
+                return cli_failf(CMD, "gc --all-history would delete %llu restore points (every "
+                                 "snapshot of the sessions' histories but their heads; `snap gc` "
+                                 "keeps what the retention policy keeps): pass --force to delete "
+                                 "them", (unsigned long long)g.restore_points_freed);
+        }
+        if (sess_gc(st, &g, &err) != KDS_OK) return cli_fail(CMD, &err);
+        print_gc(&g, false);
+        return 0;
+    }
+    sess_retention r;
+    if (sess_retention_get(st, &r, NULL, &err) != KDS_OK) return cli_fail(CMD, &err);
+    if (o->keep[0] >= 0) r.keep_last = (uint32_t)o->keep[0];
+    if (o->keep[1] >= 0) r.keep_every = (uint32_t)o->keep[1];
+    if (o->keep[2] >= 0) r.keep_days = (uint32_t)o->keep[2];
+    if (sess_prune(st, &r, o->dry_run ? SESS_PRUNE_DRY_RUN : 0, &g, &err) != KDS_OK)
+        return cli_fail(CMD, &err);
+    print_gc(&g, o->dry_run);
+    char d[300];
+    describe_retention(&r, d, sizeof d);
+    printf("kept: %s (`kdaserve snap retention` sets the policy)\n", d);
+    if (!o->dry_run && g.bytes_freed)
+        printf("data.mdb keeps its size (LMDB reuses the pages): `kdaserve snap compact` shrinks "
+               "it\n");
+    return 0;
+}
+
+static int snap_rm(sess_store *st, const char *id, bool force) {
+    kds_err err = {0};
+    sess_ref ref;
+    if (sess_resolve(st, id, &ref, &err) != KDS_OK) return cli_fail(CMD, &err);
+    if (ref.is_session) {
+        if (sess_session_delete(st, ref.name, &err) != KDS_OK) return cli_fail(CMD, &err);
+        printf("deleted session '%s' (its snapshots stay until `snap gc`)\n", ref.name);
+        return 0;
+    }
+    sess_snapshot_use uses[8];
+    size_t n = 0;
+    if (sess_snapshot_uses(st, ref.snapshot, uses, 8, &n, &err) != KDS_OK)
+        return cli_fail(CMD, &err);
+    size_t restore = 0, first = n;
+    for (size_t i = 0; i < n && i < 8; i++)
+        if (!uses[i].head) {
+            restore++;
+            if (first == n) first = i;
+        }
+    if (restore && !force) {
+        const sess_snapshot_use *u = &uses[first];
+        char where[96];
+        if (u->turn)
+            snprintf(where, sizeof where, "turn %u of %u", u->turn, u->turns);
+        else if (u->fork_point)
+            snprintf(where, sizeof where, "the snapshot it was forked at");
+        else
+            snprintf(where, sizeof where, "%d snapshots back from its head", u->chain);
+        char more[48] = "";
+        if (n > 1) snprintf(more, sizeof more, ", and of %zu more sessions", n - 1);
+        char q[400];
+        snprintf(q, sizeof q, "snapshot @%llu is a restore point of session '%s' (%s)%s: delete "
+                 "it?", (unsigned long long)ref.snapshot, u->session, where, more);
+        if (!confirm(q))
+            return cli_failf(CMD, "snapshot @%llu is a restore point of session '%s' (%s)%s: "
+                             "deleting it cuts that history (the session stays resumable); pass "
+                             "--force to delete it", (unsigned long long)ref.snapshot,
+                             u->session, where, more);
+    }
+    if (sess_snapshot_delete(st, ref.snapshot, &err) != KDS_OK) return cli_fail(CMD, &err);
+    printf("deleted snapshot @%llu%s\n", (unsigned long long)ref.snapshot,
+           restore ? " (a restore point)" : "");
+    return 0;
+}
+
+static int snap_retention(sess_store *st, const sub_opts *o) {
+    kds_err err = {0};
+    sess_retention r;
+    bool set;
+    /* a damaged policy record can still be reset */
+    if (sess_retention_get(st, &r, &set, &err) != KDS_OK && !o->default_policy)
+        return cli_fail(CMD, &err);
+    bool change = o->default_policy || o->keep[0] >= 0 || o->keep[1] >= 0 || o->keep[2] >= 0;
+    if (o->default_policy) {
+        if (sess_retention_set(st, NULL, &err) != KDS_OK) return cli_fail(CMD, &err);
+        r = sess_default_retention();
+        set = false;
+    }
+    if (o->keep[0] >= 0) r.keep_last = (uint32_t)o->keep[0];
+    if (o->keep[1] >= 0) r.keep_every = (uint32_t)o->keep[1];
+    if (o->keep[2] >= 0) r.keep_days = (uint32_t)o->keep[2];
+    if (o->keep[0] >= 0 || o->keep[1] >= 0 || o->keep[2] >= 0) {
+        if (sess_retention_set(st, &r, &err) != KDS_OK) return cli_fail(CMD, &err);
+        set = true;
+    }
+    char d[300];
+    describe_retention(&r, d, sizeof d);
+    printf("retention of store %s%s: %s\n", sess_store_dir(st), set ? "" : " (the default)", d);
+    sess_gc_stats g;
+    if (sess_prune(st, &r, SESS_PRUNE_DRY_RUN, &g, &err) == KDS_OK) {
+        printf("`kdaserve snap gc` %s: ", change ? "would now" : "would");
+        print_gc(&g, true);
+    }
+    return 0;
+}
+
+static int snap_compact(const char *db) {
+    kds_err err = {0};
+    sess_compact_stats z;
+    if (sess_compact(db, &z, &err) != KDS_OK) return cli_fail(CMD, &err);
+    char a[32], b[32];
+    fmt_bytes((double)z.bytes_before, a, sizeof a);
+    fmt_bytes((double)z.bytes_after, b, sizeof b);
+    if (z.bytes_after == z.bytes_before)
+        printf("data.mdb is already compact: %llu bytes (%s)\n",
+               (unsigned long long)z.bytes_before, a);
+    else
+        printf("compacted data.mdb from %llu bytes (%s) to %llu bytes (%s)\n",
+               (unsigned long long)z.bytes_before, a, (unsigned long long)z.bytes_after, b);
+    return 0;
 }
 
 /* ------------------------------------------------------------------------ */
@@ -645,15 +944,30 @@ static const char *const FORK_USAGE =
     "with a copy of the session's transcript. No state bytes are copied: both\n"
     "sessions share the snapshot, and each moves on with its own next save.\n";
 static const char *const RM_USAGE =
-    "usage: kdaserve snap rm ID [--db DIR]\n\n"
+    "usage: kdaserve snap rm ID [--force] [--db DIR]\n\n"
     "Deletes a session and its transcript (its snapshots stay until `snap gc`), or a\n"
-    "snapshot \"@N\" that is no session's head.\n";
+    "snapshot \"@N\" that is no session's head. A snapshot in the middle of a\n"
+    "session's history (a restore point: a turn its transcript names, a parent on its\n"
+    "line, its fork point) is deleted only with --force, or when you say yes at a\n"
+    "terminal: the refusal names the session and the turn. The session stays\n"
+    "resumable either way; only that restore point is gone.\n";
 static const char *const VERIFY_USAGE =
     "usage: kdaserve snap verify [ID] [--model DIR] [--db DIR]\n\n"
     "Checks one snapshot (or every snapshot and session head): magic, format version,\n"
     "header and payload checksums (XXH3-64), every MLA chunk and its coverage. With\n"
     "--model also the model fingerprint and the state layout. Exit status 1 if any\n"
-    "check fails; each failure is one line naming the reason.\n";
+    "check fails; each failure is one line naming the reason. A damaged snapshot is\n"
+    "followed by one line for every session it leaves unresumable (the session whose\n"
+    "head it is, and every fork sharing that head): the last snapshot of that\n"
+    "session's history that still verifies, and the `snap recover` that goes back.\n";
+static const char *const RECOVER_USAGE =
+    "usage: kdaserve snap recover NAME [--model DIR] [--db DIR]\n\n"
+    "Session NAME's head does not verify (see `snap verify`): NAME goes back to the\n"
+    "newest snapshot of its history that does (its parents, the snapshots its turns\n"
+    "saved, its fork point), with its transcript up to there. What it was, the\n"
+    "damaged head with the whole transcript, is kept as session NAME-damaged (a\n"
+    "fork of NAME), so nothing is deleted. With --model the snapshot gone back to\n"
+    "must also be that model's. Refused when NAME's head verifies.\n";
 static const char *const EXPORT_USAGE =
     "usage: kdaserve snap export ID FILE [--db DIR]\n\n"
     "Writes session ID (record, transcript, snapshot, MLA chunks) or snapshot \"@N\" to\n"
@@ -663,9 +977,35 @@ static const char *const IMPORT_USAGE =
     "Adds an exported file as a new session (NAME, else the exported name, else\n"
     "\"import-N\"). Every record is checked before anything is written.\n";
 static const char *const GC_USAGE =
-    "usage: kdaserve snap gc [--db DIR]\n\n"
-    "Deletes snapshots that are no session's head and MLA chunks that no remaining\n"
-    "snapshot references. The file keeps its size; LMDB reuses the pages.\n";
+    "usage: kdaserve snap gc [--dry-run] [--keep-last N] [--keep-every K] [--keep-days D]\n"
+    "                        [--all-history [--force]] [--db DIR]\n\n"
+    "Deletes the snapshots the store's retention policy does not keep (`snap\n"
+    "retention`; the default keeps the last 10 snapshots of each session's line and\n"
+    "the snapshot of every 25th turn), snapshots of no session's history, and then\n"
+    "the MLA chunks no remaining snapshot references. Heads and each fork's base are\n"
+    "always kept. --keep-last/--keep-every/--keep-days override the policy for this\n"
+    "run. --dry-run counts what would go and deletes nothing. --all-history keeps\n"
+    "only the heads, deleting every restore point: it wants --force (or a yes at a\n"
+    "terminal). data.mdb keeps its size (LMDB reuses the pages): `snap compact`\n"
+    "shrinks it.\n";
+static const char *const RETENTION_USAGE =
+    "usage: kdaserve snap retention [--keep-last N] [--keep-every K] [--keep-days D]\n"
+    "                               [--default] [--db DIR]\n\n"
+    "Shows, or sets (options given), what `snap gc` keeps of each session's history\n"
+    "besides its head: the last N snapshots of its line (head included), the\n"
+    "snapshot of every Kth turn of its transcript, and every snapshot younger than D\n"
+    "days (0 turns a rule off); each fork's base is always kept. Stored in the store\n"
+    "(options not given keep their values); --default goes back to the default (the\n"
+    "last 10, every 25th turn, no age). Deletes nothing itself: it says what `snap\n"
+    "gc` would delete now.\n";
+static const char *const COMPACT_USAGE =
+    "usage: kdaserve snap compact [--db DIR]\n\n"
+    "Shrinks data.mdb to its live pages: LMDB's compacting copy into DIR/compact.tmp,\n"
+    "checked (it opens and holds as many records as the store), synced and renamed\n"
+    "over data.mdb. Needs the store to itself: refused, naming the process, while\n"
+    "another process has it open (stop `kdaserve serve`, leave `kdaserve chat`).\n"
+    "Needs free space for the copy; on any failure data.mdb is untouched. Run it\n"
+    "after `snap gc`.\n";
 static const char *const SIZE_USAGE =
     "usage: kdaserve snap size --model DIR [--tokens N]\n\n"
     "Bytes one snapshot of that model takes at N tokens (default 1024), and what a\n"
@@ -686,9 +1026,12 @@ int cmd_snap(int argc, char **argv) {
         int min_args, max_args;
     } SUBS[] = {{"ls", 0, 0},     {"show", 1, 1}, {"fork", 1, 1},   {"rm", 1, 1},
                 {"verify", 0, 1}, {"export", 2, 2}, {"import", 1, 1}, {"gc", 0, 0},
-                {"size", 0, 0},   {"bench", 0, 0}};
-    const char *helps[] = {LS_USAGE,     SHOW_USAGE,   FORK_USAGE, RM_USAGE,   VERIFY_USAGE,
-                           EXPORT_USAGE, IMPORT_USAGE, GC_USAGE,   SIZE_USAGE, BENCH_USAGE};
+                {"size", 0, 0},   {"bench", 0, 0}, {"recover", 1, 1}, {"retention", 0, 0},
+                {"compact", 0, 0}};
+    const char *helps[] = {LS_USAGE,     SHOW_USAGE,   FORK_USAGE,      RM_USAGE,
+                           VERIFY_USAGE, EXPORT_USAGE, IMPORT_USAGE,    GC_USAGE,
+                           SIZE_USAGE,   BENCH_USAGE,  RECOVER_USAGE,   RETENTION_USAGE,
+                           COMPACT_USAGE};
     int k = -1;
     for (int i = 0; i < (int)(sizeof SUBS / sizeof SUBS[0]); i++)
         if (!strcmp(sub, SUBS[i].name)) k = i;
@@ -710,6 +1053,7 @@ int cmd_snap(int argc, char **argv) {
         return snap_size(o.model, o.tokens_set ? o.tokens : 1024);
     }
     if (!strcmp(sub, "bench")) return snap_bench(&o);
+    if (!strcmp(sub, "compact")) return snap_compact(o.db);
     sess_store *st = NULL;
     bool reads = !strcmp(sub, "ls") || !strcmp(sub, "show") || !strcmp(sub, "verify") ||
                  !strcmp(sub, "export");
@@ -731,21 +1075,11 @@ int cmd_snap(int argc, char **argv) {
                        (unsigned long long)s.head, (long long)s.tokens);
         }
     } else if (!strcmp(sub, "rm")) {
-        sess_ref ref;
-        if (sess_resolve(st, o.args[0], &ref, &err) != KDS_OK) {
-            rc = cli_fail(CMD, &err);
-        } else if (ref.is_session) {
-            if (sess_session_delete(st, ref.name, &err) != KDS_OK)
-                rc = cli_fail(CMD, &err);
-            else
-                printf("deleted session '%s' (its snapshots stay until `snap gc`)\n", ref.name);
-        } else if (sess_snapshot_delete(st, ref.snapshot, &err) != KDS_OK) {
-            rc = cli_fail(CMD, &err);
-        } else {
-            printf("deleted snapshot @%llu\n", (unsigned long long)ref.snapshot);
-        }
+        rc = snap_rm(st, o.args[0], o.force);
     } else if (!strcmp(sub, "verify")) {
         rc = snap_verify(st, o.n_args ? o.args[0] : NULL, o.model);
+    } else if (!strcmp(sub, "recover")) {
+        rc = snap_recover(st, o.args[0], o.model);
     } else if (!strcmp(sub, "export")) {
         if (sess_export(st, o.args[0], o.args[1], &err) != KDS_OK)
             rc = cli_fail(CMD, &err);
@@ -760,18 +1094,9 @@ int cmd_snap(int argc, char **argv) {
             printf("imported %s as session '%s' at @%llu\n", o.args[0], name,
                    (unsigned long long)snap);
     } else if (!strcmp(sub, "gc")) {
-        sess_gc_stats g;
-        if (sess_gc(st, &g, &err) != KDS_OK) {
-            rc = cli_fail(CMD, &err);
-        } else {
-            char b[32];
-            fmt_bytes((double)g.bytes_freed, b, sizeof b);
-            printf("freed %llu snapshots and %llu chunks (%s); kept %llu snapshots, %llu chunks"
-                   "%s\n", (unsigned long long)g.snapshots_freed,
-                   (unsigned long long)g.chunks_freed, b, (unsigned long long)g.snapshots_kept,
-                   (unsigned long long)g.chunks_kept,
-                   g.unreadable ? " (unreadable records: kept all they might reference)" : "");
-        }
+        rc = snap_gc(st, &o);
+    } else if (!strcmp(sub, "retention")) {
+        rc = snap_retention(st, &o);
     }
     sess_close(st);
     return rc;

@@ -224,7 +224,28 @@ kds_status repl__open(repl *r, const char *name, kds_err *e) {
     snprintf(r->session, sizeof r->session, "%s", name);
     free(r->system);
     r->system = NULL;
+    repl__claim(r);
     return KDS_OK;
+}
+
+void repl__claim(repl *r) {
+    if (r->claimed[0] && strcmp(r->claimed, r->session)) {
+        sess_writer_release(r->st, r->claimed, NULL);
+        r->claimed[0] = '\0';
+    }
+    if (!strcmp(r->claimed, r->session)) return;
+    sess_writer other;
+    bool busy = false;
+    /* advisory: a claim that cannot be written (read-only disk, full
+     * disk) must not stop the conversation */
+    if (sess_writer_claim(r->st, r->session, "chat", &other, &busy, NULL) != KDS_OK) return;
+    snprintf(r->claimed, sizeof r->claimed, "%s", r->session);
+    if (busy) {
+        char who[200];
+        sess_writer_describe(&other, who, sizeof who);
+        repl__info(r, "session '%s' is also open for writing in %s: if it saves a turn first, "
+                   "yours is saved as a fork", r->session, who);
+    }
 }
 
 /* Notice after opening: size, resume time, the last few turns. */
@@ -249,10 +270,22 @@ void repl__opened_notice(repl *r) {
 /* Save the sequence as the session's new head. */
 bool repl__save(repl *r, const sess_turn *turn, uint64_t *snap) {
     kds_err e = {0};
-    if (sess_save(r->st, r->session, r->base, r->m, r->s, turn, snap, &e) != KDS_OK) {
+    sess_save_result res;
+    if (sess_save_ex(r->st, r->session, r->base, r->m, r->s, turn, SESS_CONFLICT_FORK, &res,
+                     &e) != KDS_OK) {
         repl__error(r, "session '%s' not saved: %s", r->session, e.msg);
         return false;
     }
+    if (res.forked) {
+        repl__info(r, "session '%s' was moved on to @%llu by another writer while this turn ran "
+                   "from @%llu: this turn was saved as session '%s' (a fork at @%llu), and you "
+                   "are now in '%s'; '%s' keeps the other writer's turns",
+                   r->session, (unsigned long long)res.other_head, (unsigned long long)r->base,
+                   res.session, (unsigned long long)r->base, res.session, r->session);
+        snprintf(r->session, sizeof r->session, "%s", res.session);
+        repl__claim(r);
+    }
+    *snap = res.snapshot;
     r->base = *snap;
     r->base_tokens = eng_seq_pos(r->s);
     return true;
@@ -342,6 +375,7 @@ kds_status repl_create(const repl_params *p, FILE *out, FILE *errf, repl **out_r
     }
     repl__info(r, "new session '%s' (%s mode, model %s)", r->session, repl__mode_name(r),
                r->model_path);
+    repl__claim(r);
 done:
     *out_repl = r;
     return KDS_OK;
@@ -352,6 +386,7 @@ fail:
 
 void repl_free(repl *r) {
     if (!r) return;
+    if (r->st && r->claimed[0]) sess_writer_release(r->st, r->claimed, NULL);
     eng_seq_free(r->s);
     eng_ctx_free(r->c);
     eng_model_free(r->m);

@@ -162,6 +162,7 @@ static bool c_new(repl *r, char *arg) {
     eng_seq_reset(r->s, r->seed);
     r->chat = r->new_chat;
     snprintf(r->session, sizeof r->session, "%s", fresh);
+    repl__claim(r);
     r->base = 0;
     r->base_tokens = 0;
     r->dirty = false;
@@ -215,6 +216,7 @@ static bool c_fork(repl *r, char *arg) {
     repl__info(r, "forked '%s' at @%llu as '%s'; now in '%s' ('%s' is untouched)", r->session,
                (unsigned long long)r->base, out, out, r->session);
     snprintf(r->session, sizeof r->session, "%s", out);
+    repl__claim(r);
     return true;
 }
 

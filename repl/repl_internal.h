@@ -17,6 +17,7 @@ struct repl {
     const eng_tokenizer *tok;
     sess_store *st;
     char session[SESS_NAME_MAX + 1]; /* current session (may not be saved yet) */
+    char claimed[SESS_NAME_MAX + 1]; /* the session this process declared it writes ("" none) */
     uint64_t base;             /* snapshot the sequence continues (0 = fresh) */
     int64_t base_tokens;
     bool dirty;                /* the sequence holds tokens not yet saved */
@@ -41,7 +42,13 @@ void repl__clear_interrupt(void);
 kds_status repl__open(repl *r, const char *name, kds_err *e);
 void repl__opened_notice(repl *r);
 void repl__auto_name(repl *r, char name[SESS_NAME_MAX + 1]);
+/* Save the sequence as the current session's new head. A head another
+ * writer moved meanwhile is not lost over: the turn is saved as a fork
+ * (SESS_CONFLICT_FORK), said so, and the repl continues there. */
 bool repl__save(repl *r, const sess_turn *turn, uint64_t *snap);
+/* Declare r->session as written by this process (releasing the previous
+ * one) and say so when another process has it open for writing too. */
+void repl__claim(repl *r);
 /* Print the last `last` turns of a transcript (0 = all); clip > 0 shows at
  * most that many bytes of each prompt (its start) and reply (its end). */
 void repl__print_transcript(FILE *f, const sess_turn_record *t, size_t count, size_t last,

@@ -15,9 +15,10 @@
  *             (parent session, created/updated, token count, owner, model)
  *             and a transcript (prompt and generated text of every turn).
  *             Forking copies the pointer and the transcript, never state
- *             bytes. Deleting a session leaves its snapshots; sess_gc
- *             reclaims snapshots that are no session's head and chunks that
- *             no snapshot references.
+ *             bytes. Deleting a session leaves its snapshots; sess_prune
+ *             deletes the snapshots the store's retention policy does not
+ *             keep (sess_gc: every one that is no head) and chunks that no
+ *             snapshot references; sess_compact shrinks the file.
  *   store     sess_store, the open LMDB environment of a data directory.
  *
  * Ownership: a sess_store is owned by the caller of sess_open (free with
@@ -35,7 +36,10 @@
  * Durability: every write is one LMDB transaction, committed with a sync
  * unless sess_params.no_sync; a process killed at any moment loses nothing
  * committed before. When the map fills, the transaction is redone in a
- * larger map (nothing is lost).
+ * larger map (nothing is lost). A full disk refuses the write whole, saying
+ * so; space freed (in the store or elsewhere) serves the next write.
+ * Opening refuses a data.mdb shorter than its pages in use (KDS_CORRUPT)
+ * before reading one.
  *
  * Errors: commands return kds_status and fill the optional kds_err with one
  * line naming the snapshot, session, file or field. A snapshot whose
@@ -174,8 +178,45 @@ kds_status sess_load(sess_store *st, uint64_t id, const eng_model *m, eng_seq *s
  * layout against that model. Reads only; KDS_OK when sound. */
 kds_status sess_verify(sess_store *st, uint64_t id, const eng_model *m, kds_err *err);
 
+/* Where a session can go back to when its head does not verify. */
+typedef struct sess_recovery {
+    uint64_t head;                 /* the session's head */
+    bool head_ok;                  /* the head verifies: nothing to recover */
+    uint64_t to;                   /* newest sound snapshot of its history (0 = none) */
+    int64_t tokens;                /* tokens of `to` */
+    uint32_t turns;                /* transcript turns up to `to` */
+    uint32_t turns_after;          /* transcript turns after it (kept in `kept`) */
+    char kept[SESS_NAME_MAX + 1];  /* sess_session_recover: the session keeping what was */
+} sess_recovery;
+
+/*
+ * The newest snapshot of session `name`'s history that verifies
+ * completely (with `m`, may be NULL, also fingerprint and layout): its head
+ * if sound, else the snapshots before it, newest first: its chain of
+ * parents (as far as they remain), the snapshots its transcript names and
+ * its fork point. Reads only. One damaged snapshot (or, for hybrid models,
+ * one damaged MLA chunk, which every later snapshot shares) leaves the
+ * session, and every fork whose head it is, unresumable; this is the way
+ * back. Errors: KDS_NOT_FOUND (no session), KDS_CORRUPT (its record).
+ */
+kds_status sess_session_last_good(sess_store *st, const char *name, const eng_model *m,
+                                  sess_recovery *out, kds_err *err);
+
+/*
+ * Recover session `name` whose head does not verify: it goes back to
+ * sess_session_last_good's snapshot with its transcript up to it, and
+ * what it was (the damaged head and the whole transcript) is kept as
+ * session "<name>-damaged" (or "-damaged-K"), fork of `name` at that
+ * snapshot, so nothing is deleted. One transaction. Errors:
+ * KDS_INVALID_ARG (the head verifies: nothing to recover), KDS_NOT_FOUND
+ * (no session, or no snapshot of its history verifies), KDS_CORRUPT.
+ */
+kds_status sess_session_recover(sess_store *st, const char *name, const eng_model *m,
+                                sess_recovery *out, kds_err *err);
+
 /* Delete one snapshot. Refused with KDS_BUSY while it is a session's head.
- * Chunks it shared stay until sess_gc. */
+ * A restore point (sess_snapshot_uses) is deleted too: front ends ask
+ * first. Chunks it shared stay until sess_gc. */
 kds_status sess_snapshot_delete(sess_store *st, uint64_t id, kds_err *err);
 
 /* ------------------------------------------------------------------------ */
@@ -248,9 +289,73 @@ typedef struct sess_turn {
  * KDS_MISMATCH). *snapshot (may be NULL) receives the new id.
  * Errors: KDS_INVALID_ARG (name, turn->mode), KDS_BUSY, KDS_MISMATCH (another model's
  * session or base), KDS_NOT_FOUND (base), KDS_TOO_LARGE (map_max), KDS_IO.
+ * sess_save_ex can save a conflicting turn as a fork instead of KDS_BUSY.
  */
 kds_status sess_save(sess_store *st, const char *session, uint64_t base, const eng_model *m,
                      const eng_seq *s, const sess_turn *turn, uint64_t *snapshot, kds_err *err);
+
+/* What a save does when the session's head is no longer `base` (another
+ * writer, e.g. the server or a second REPL, saved a turn meanwhile). */
+typedef enum sess_conflict {
+    SESS_CONFLICT_REFUSE = 0, /* KDS_BUSY, nothing written (sess_save) */
+    /* Save anyway, as a new session "<session>-K" (the first free K >= 2)
+     * forked at `base`: parent `session`, fork point `base`, the transcript
+     * of `session` up to `base`, then this turn. `session` keeps the other
+     * writer's head. Nothing is lost and nothing is overwritten. */
+    SESS_CONFLICT_FORK = 1,
+} sess_conflict;
+
+typedef struct sess_save_result {
+    uint64_t snapshot;               /* the new snapshot */
+    char session[SESS_NAME_MAX + 1]; /* the session saved: `session`, or the fork */
+    bool forked;                     /* the head had moved: saved as the fork above */
+    uint64_t other_head;             /* when forked: the head the other writer left */
+} sess_save_result;
+
+/*
+ * sess_save, choosing what a moved head does (`on_conflict`); `res` (may be
+ * NULL) says what was saved where. With SESS_CONFLICT_FORK a moved head is
+ * not an error: the turn is saved as a fork and res->forked is set (tell
+ * the user res->session; continue there, with res->snapshot as the base).
+ * A session deleted meanwhile is created again under its name. Errors as
+ * sess_save, and KDS_EXISTS only if no fork name is free.
+ */
+kds_status sess_save_ex(sess_store *st, const char *session, uint64_t base, const eng_model *m,
+                        const eng_seq *s, const sess_turn *turn, sess_conflict on_conflict,
+                        sess_save_result *res, kds_err *err);
+
+/* ------------------------------------------------------------------------ */
+/* Writers                                                                   */
+
+/* A process that has a session open for writing, as it declared itself. */
+typedef struct sess_writer {
+    int64_t pid;
+    char host[64];
+    char program[32];  /* "chat", "generate", "serve", ... */
+    int64_t since_us;  /* when it claimed the session */
+} sess_writer;
+
+/*
+ * Declare that this process writes session `name` (which need not exist
+ * yet), as `program`; front ends do it whenever they take up a session (the
+ * REPL at open, generate --session, the server when it loads one). Records
+ * of writers that are gone (same host, process dead or its pid reused) are
+ * dropped on the way. *busy is set when another live writer holds the
+ * session, and `other` (may be NULL) receives the earliest of them: say so
+ * at once ("open for writing in pid N"), since whoever saves second will
+ * have its turn saved as a fork (SESS_CONFLICT_FORK). Claiming twice is a
+ * no-op; a read-only store records nothing and only reports. The claim is
+ * advisory: it never blocks a save. Errors: KDS_INVALID_ARG (name), KDS_IO.
+ */
+kds_status sess_writer_claim(sess_store *st, const char *name, const char *program,
+                             sess_writer *other, bool *busy, kds_err *err);
+
+/* Withdraw this process's claim on `name` (no-op if it had none). */
+kds_status sess_writer_release(sess_store *st, const char *name, kds_err *err);
+
+/* "pid 4242 (kdaserve serve, since 14:03:12)", with " on HOST" for
+ * another host: the writer as a message names it. */
+void sess_writer_describe(const sess_writer *w, char *buf, size_t cap);
 
 /*
  * Fork: a new session `name` (NULL = "<source>-K" for a session, "snapN-K"
@@ -294,15 +399,94 @@ void sess_transcript_free(sess_turn_record *t, size_t n);
 typedef struct sess_gc_stats {
     uint64_t snapshots_freed, chunks_freed;
     size_t bytes_freed;          /* record bytes deleted (LMDB reuses the pages; the file
-                                    keeps its size) */
+                                    keeps its size until sess_compact) */
     uint64_t snapshots_kept, chunks_kept;
     uint64_t unreadable;         /* kept snapshots whose header could not be read (every chunk is
                                     then kept; an unreadable session record keeps every snapshot) */
+    /* Restore points: snapshots of a session's history that are not its
+     * head (of snapshots_freed / snapshots_kept). */
+    uint64_t restore_points_freed, restore_points_kept;
 } sess_gc_stats;
 
 /* Delete every snapshot that is no session's head, then every chunk that
- * no remaining snapshot references. One transaction. */
+ * no remaining snapshot references: every restore point goes (the same as
+ * sess_prune with SESS_PRUNE_HEADS_ONLY). One transaction. */
 kds_status sess_gc(sess_store *st, sess_gc_stats *out, kds_err *err);
+
+/*
+ * Retention: what sess_prune keeps of each session's history besides its
+ * head. A session's line is its head and the chain of parents from it; a
+ * turn is an entry of its transcript (which names the snapshot saved after
+ * it). Kept: the last `keep_last` snapshots of its line (head included; 0
+ * or 1 = the head alone), the snapshot of every `keep_every`th turn (turns
+ * K, 2K, ...; 0 = none), every snapshot younger than `keep_days` days (0 =
+ * none; this one also keeps snapshots of no session), and always each
+ * session's fork point (the snapshot it was forked at). Snapshots of no
+ * session's history go. Stored per store (sess_retention_set); a store
+ * without one has sess_default_retention.
+ */
+typedef struct sess_retention {
+    uint32_t keep_last;
+    uint32_t keep_every;
+    uint32_t keep_days;
+} sess_retention;
+
+/* The last 10 snapshots of each line and every 25th turn: a 1,000-turn
+ * chat keeps 50 snapshots, not 1,000. */
+sess_retention sess_default_retention(void);
+
+/* The store's policy (*is_set false: none stored, the default). */
+kds_status sess_retention_get(sess_store *st, sess_retention *out, bool *is_set, kds_err *err);
+/* Store `r` as the store's policy (NULL: back to the default). Deletes
+ * nothing by itself: sess_prune applies it. */
+kds_status sess_retention_set(sess_store *st, const sess_retention *r, kds_err *err);
+
+enum {
+    SESS_PRUNE_DRY_RUN = 1,    /* count what would go, delete nothing (a read) */
+    SESS_PRUNE_HEADS_ONLY = 2, /* keep only heads (and young snapshots by `r`): sess_gc */
+};
+
+/*
+ * Delete the snapshots retention `r` (NULL: the store's) does not keep,
+ * then the chunks no remaining snapshot references; `flags` as above.
+ * With an unreadable session record every snapshot is kept (any might be
+ * its head). One transaction; the freed pages serve the next write.
+ */
+kds_status sess_prune(sess_store *st, const sess_retention *r, unsigned flags, sess_gc_stats *out,
+                      kds_err *err);
+
+/* One session whose history holds a snapshot (sess_snapshot_uses). */
+typedef struct sess_snapshot_use {
+    char session[SESS_NAME_MAX + 1];
+    bool head;       /* the session's head */
+    bool fork_point; /* the snapshot the session was forked at */
+    int chain;       /* steps back from its head along its line (-1: not on it) */
+    uint32_t turn;   /* the transcript turn that saved it (0: none) */
+    uint32_t turns;  /* the session's transcript turns */
+} sess_snapshot_use;
+
+/* The sessions whose history holds snapshot `id`: up to `cap` in `uses`,
+ * *n = how many there are. A snapshot no session uses can go without
+ * cutting any history; one in the middle of a history is a restore point
+ * (front ends ask before deleting it). */
+kds_status sess_snapshot_uses(sess_store *st, uint64_t id, sess_snapshot_use *uses, size_t cap,
+                              size_t *n, kds_err *err);
+
+typedef struct sess_compact_stats {
+    uint64_t bytes_before, bytes_after; /* size of data.mdb */
+} sess_compact_stats;
+
+/*
+ * Shrink the store in directory `dir` (which this process must not have
+ * open): LMDB's compacting copy (mdb_env_copy2, MDB_CP_COMPACT) of the
+ * live pages into DIR/compact.tmp, checked (it opens, and every database
+ * holds as many records as the original), synced, and renamed over
+ * data.mdb. Needs the store to itself: refused (KDS_BUSY, naming the pid)
+ * while another process has it open; one that opens it meanwhile waits for
+ * the swap and then opens the compacted file. Needs free disk space for
+ * the copy. On any failure data.mdb is untouched.
+ */
+kds_status sess_compact(const char *dir, sess_compact_stats *out, kds_err *err);
 
 /*
  * Write session `source` (or snapshot "@N") to one portable file `path`

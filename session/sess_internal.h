@@ -30,6 +30,8 @@
 #define SESS_MAGIC_TURN "KDSTURN\0"
 #define SESS_MAGIC_STORE "KDSSTORE"
 #define SESS_MAGIC_EXPORT "KDSXPORT"
+#define SESS_MAGIC_WRITER "KDSWRITR"
+#define SESS_MAGIC_RETENTION "KDSRETN\0"
 
 /* Format versions this build writes and reads (one per record kind, so a
  * kind can change without touching the others). */
@@ -39,6 +41,8 @@
 #define SESS_VERSION_TURN 1u
 #define SESS_VERSION_STORE 1u
 #define SESS_VERSION_EXPORT 1u
+#define SESS_VERSION_WRITER 1u
+#define SESS_VERSION_RETENTION 1u
 
 /* A chunk holds at most this many payload bytes (more tokens are split
  * over several chunks), so no single LMDB value gets huge. */
@@ -156,6 +160,60 @@ kds_status sess__check_state_bytes(const sess__frame *f, const sess__snap_hdr *h
                                    const char *what, kds_err *err);
 /* sess_verify without a model, inside a caller's transaction (sess_snap.c). */
 kds_status sess__verify_in(sess_store *st, MDB_txn *txn, uint64_t id, kds_err *err);
+/* sess_verify with model `m` (may be NULL) inside a caller's transaction. */
+kds_status sess__verify_model_in(sess_store *st, MDB_txn *txn, uint64_t id, const eng_model *m,
+                                 kds_err *err);
+
+/* Lookups inside a caller's transaction (sess_snap.c): KDS_NOT_FOUND names
+ * the snapshot or session and the store. The record points into the map. */
+kds_status sess__get_snap(sess_store *st, MDB_txn *txn, uint64_t id, const void **rec,
+                          size_t *len, kds_err *err);
+kds_status sess__get_session(sess_store *st, MDB_txn *txn, const char *name,
+                             sess_session_info *out, kds_err *err);
+/* sess_session_list inside a caller's transaction; caller frees *out. */
+kds_status sess__list_sessions(sess_store *st, MDB_txn *txn, sess_session_info **out, size_t *n,
+                               kds_err *err);
+
+/* One snapshot of a session's history (sess_history.c). */
+typedef struct sess__hist {
+    uint64_t id;
+    int64_t tokens;  /* -1: header unreadable */
+    int chain;       /* steps from the head along parent links (0 = head), -1 = not on it */
+    uint32_t turn;   /* 1-based transcript turn that saved it, 0 = none */
+    bool fork_point; /* the snapshot the session was forked at */
+} sess__hist;
+/* The snapshots of session `s`'s history present in the store: its head,
+ * its chain of parents as far as they remain, the snapshots its transcript
+ * names (matched on token count) and its fork point; deduplicated, newest
+ * (largest id) first. Caller frees *out. */
+kds_status sess__history(sess_store *st, MDB_txn *txn, const sess_session_info *s,
+                         sess__hist **out, size_t *n, kds_err *err);
+
+/* A record copied out of a transaction (transcript turns, put again under
+ * another key). */
+typedef struct sess__kv {
+    unsigned char key[12];
+    void *val;
+    size_t len;
+} sess__kv;
+/* Copies of the transcript records of session id `id`, in turn order. */
+kds_status sess__collect_turns(sess_store *st, MDB_txn *txn, uint64_t id, sess__kv **out,
+                               size_t *n, kds_err *err);
+void sess__free_kv(sess__kv *a, size_t n);
+
+/* Writer record (meta "writer/<session>/<host>/<pid>"): who declared it
+ * writes a session; `start` is the process's start time in clock ticks
+ * after boot (/proc/PID/stat), so a reused pid is not taken for it. */
+kds_status sess__writer_encode(const sess_writer *w, uint64_t start, unsigned char **out,
+                               size_t *len, kds_err *err);
+kds_status sess__writer_parse(const void *rec, size_t len, const char *what, sess_writer *w,
+                              uint64_t *start, kds_err *err);
+
+/* Retention record (meta "retention"). */
+kds_status sess__retention_encode(const sess_retention *r, unsigned char **out, size_t *len,
+                                  kds_err *err);
+kds_status sess__retention_parse(const void *rec, size_t len, const char *what,
+                                 sess_retention *r, kds_err *err);
 
 /* Export file header (sess_record.c). */
 enum { SESS_XREC_SESSION = 0, SESS_XREC_TURN = 1, SESS_XREC_SNAPSHOT = 2, SESS_XREC_CHUNK = 3 };
@@ -200,6 +258,9 @@ typedef struct sess__wtxn {
     sess_store *st;
     MDB_txn *txn;
     bool map_full;
+    bool disk_full;   /* a write failed for room on the disk (sess__write_err) */
+    bool freed;       /* records were deleted: pages went to LMDB's free list */
+    size_t bytes;     /* value bytes put so far (how much room the commit needs) */
     uint64_t next_id; /* id counter, loaded lazily */
     bool id_loaded;
 } sess__wtxn;
@@ -209,7 +270,12 @@ typedef kds_status (*sess__read_fn)(sess_store *st, MDB_txn *txn, void *ctx, kds
 
 /* Run fn in a write transaction and commit; on MDB_MAP_FULL abort, grow the
  * map and run fn again from the start (fn must not keep state between
- * attempts other than through ctx, which it must reset itself). */
+ * attempts other than through ctx, which it must reset itself). A commit
+ * that fails for room on the disk is run again once, after a commit that
+ * lets LMDB reuse what the last transactions freed; a transaction that
+ * deleted records (w->freed) is followed by that commit too, so that the
+ * space it freed serves the very next write (LMDB hands out pages freed by
+ * transaction T only from transaction T + 2 on). */
 kds_status sess__write(sess_store *st, sess__write_fn fn, void *ctx, kds_err *err);
 /* Run fn in a read-only transaction. */
 kds_status sess__read(sess_store *st, sess__read_fn fn, void *ctx, kds_err *err);
@@ -227,10 +293,20 @@ kds_status sess__del(sess__wtxn *w, MDB_dbi dbi, const void *key, size_t key_len
 kds_status sess__get(MDB_txn *txn, MDB_dbi dbi, const void *key, size_t key_len,
                      const void **val, size_t *val_len, kds_err *err);
 kds_status sess__mdb_err(int rc, const char *what, kds_err *err);
+/* An LMDB error of a write (put, delete, commit): MDB_MAP_FULL flagged for
+ * sess__write to grow the map; a full disk (ENOSPC, EDQUOT, or the EIO LMDB
+ * returns for a short write when the disk has no room left for this
+ * transaction) said as such, naming the store and its filesystem, and
+ * flagged for the one retry. */
+kds_status sess__write_err(sess__wtxn *w, int rc, const char *what, kds_err *err);
 
 /* Next fresh id (the store-wide counter shared by snapshots, chunks and
  * sessions); the counter is written back by sess__write before commit. */
 kds_status sess__new_id(sess__wtxn *w, uint64_t *id, kds_err *err);
+
+/* "<base>-K" with the first K >= 2 that names no session. */
+kds_status sess__free_fork_name(sess__wtxn *w, const char *base, char out[SESS_NAME_MAX + 1],
+                                kds_err *err);
 
 /* 8-byte big-endian key, so LMDB's byte order is id order. */
 void sess__key64(unsigned char k[8], uint64_t id);

@@ -685,6 +685,76 @@ kds_status sess__turn_parse(const void *rec, size_t len, const char *what, sess_
 }
 
 /* ------------------------------------------------------------------------ */
+/* Writer                                                                    */
+
+kds_status sess__writer_encode(const sess_writer *w, uint64_t start, unsigned char **out,
+                               size_t *len, kds_err *err) {
+    msgpack_sbuffer sb;
+    msgpack_packer pk;
+    msgpack_sbuffer_init(&sb);
+    msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+    msgpack_pack_map(&pk, 5);
+    pk_i64(&pk, "pid", w->pid);
+    pk_str(&pk, "host", w->host);
+    pk_str(&pk, "program", w->program);
+    pk_i64(&pk, "since_us", w->since_us);
+    pk_u64(&pk, "start", start);
+    return finish(&sb, SESS_MAGIC_WRITER, SESS_VERSION_WRITER, out, len, err);
+}
+
+kds_status sess__writer_parse(const void *rec, size_t len, const char *what, sess_writer *w,
+                              uint64_t *start, kds_err *err) {
+    memset(w, 0, sizeof *w);
+    sess__frame f;
+    kds_status rc =
+        sess__frame_parse(rec, len, SESS_MAGIC_WRITER, SESS_VERSION_WRITER, what, &f, err);
+    if (rc != KDS_OK) return rc;
+    dec d;
+    if ((rc = dec_open(&d, &f, what, err)) != KDS_OK) return rc;
+    w->pid = get_i64(&d, "pid");
+    get_str(&d, "host", w->host, sizeof w->host, true);
+    get_str(&d, "program", w->program, sizeof w->program, true);
+    w->since_us = get_i64(&d, "since_us");
+    *start = get_u64(&d, "start", UINT64_MAX);
+    rc = d.rc;
+    dec_close(&d);
+    return rc;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Retention                                                                 */
+
+kds_status sess__retention_encode(const sess_retention *r, unsigned char **out, size_t *len,
+                                  kds_err *err) {
+    msgpack_sbuffer sb;
+    msgpack_packer pk;
+    msgpack_sbuffer_init(&sb);
+    msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+    msgpack_pack_map(&pk, 3);
+    pk_u64(&pk, "keep_last", r->keep_last);
+    pk_u64(&pk, "keep_every", r->keep_every);
+    pk_u64(&pk, "keep_days", r->keep_days);
+    return finish(&sb, SESS_MAGIC_RETENTION, SESS_VERSION_RETENTION, out, len, err);
+}
+
+kds_status sess__retention_parse(const void *rec, size_t len, const char *what,
+                                 sess_retention *r, kds_err *err) {
+    memset(r, 0, sizeof *r);
+    sess__frame f;
+    kds_status rc = sess__frame_parse(rec, len, SESS_MAGIC_RETENTION, SESS_VERSION_RETENTION,
+                                      what, &f, err);
+    if (rc != KDS_OK) return rc;
+    dec d;
+    if ((rc = dec_open(&d, &f, what, err)) != KDS_OK) return rc;
+    r->keep_last = (uint32_t)get_u64(&d, "keep_last", UINT32_MAX);
+    r->keep_every = (uint32_t)get_u64(&d, "keep_every", UINT32_MAX);
+    r->keep_days = (uint32_t)get_u64(&d, "keep_days", UINT32_MAX);
+    rc = d.rc;
+    dec_close(&d);
+    return rc;
+}
+
+/* ------------------------------------------------------------------------ */
 /* Export file header                                                        */
 
 static const char *const XREC_NAMES[] = {"session", "turn", "snapshot", "chunk"};

@@ -17,7 +17,7 @@ static void snap_what(char *buf, size_t cap, uint64_t id) {
     snprintf(buf, cap, "snapshot @%llu", (unsigned long long)id);
 }
 
-static kds_status get_snap(sess_store *st, MDB_txn *txn, uint64_t id, const void **rec,
+kds_status sess__get_snap(sess_store *st, MDB_txn *txn, uint64_t id, const void **rec,
                            size_t *len, kds_err *err) {
     unsigned char k[8];
     sess__key64(k, id);
@@ -28,7 +28,7 @@ static kds_status get_snap(sess_store *st, MDB_txn *txn, uint64_t id, const void
     return rc;
 }
 
-static kds_status get_session(sess_store *st, MDB_txn *txn, const char *name,
+kds_status sess__get_session(sess_store *st, MDB_txn *txn, const char *name,
                               sess_session_info *out, kds_err *err) {
     const void *v;
     size_t n;
@@ -167,7 +167,7 @@ static kds_status resolve_in(sess_store *st, MDB_txn *txn, const char *text, ses
         if (rc != KDS_NOT_FOUND) return rc;
     }
     if (sess_parse_snapshot_id(text, &id)) {
-        kds_status rc = get_snap(st, txn, id, &v, &n, err);
+        kds_status rc = sess__get_snap(st, txn, id, &v, &n, err);
         if (rc == KDS_NOT_FOUND && text[0] != '@')
             return kds_err_set(err, KDS_NOT_FOUND, "no session or snapshot '%s' in %s", text,
                                st->dir);
@@ -198,7 +198,7 @@ static kds_status snap_get_fn(sess_store *st, MDB_txn *txn, void *ctx, kds_err *
     snap_get_ctx *g = ctx;
     const void *rec;
     size_t len;
-    kds_status rc = get_snap(st, txn, g->id, &rec, &len, err);
+    kds_status rc = sess__get_snap(st, txn, g->id, &rec, &len, err);
     if (rc != KDS_OK) return rc;
     sess__snap_hdr h;
     if ((rc = sess__snap_parse(rec, len, g->id, &h, NULL, err)) != KDS_OK) return rc;
@@ -280,7 +280,7 @@ typedef struct sess_get_ctx {
 
 static kds_status sess_get_fn(sess_store *st, MDB_txn *txn, void *ctx, kds_err *err) {
     sess_get_ctx *g = ctx;
-    return get_session(st, txn, g->name, g->out, err);
+    return sess__get_session(st, txn, g->name, g->out, err);
 }
 
 kds_status sess_session_get(sess_store *st, const char *name, sess_session_info *out,
@@ -324,6 +324,20 @@ static kds_status sess_list_fn(sess_store *st, MDB_txn *txn, void *ctx, kds_err 
     return rc;
 }
 
+kds_status sess__list_sessions(sess_store *st, MDB_txn *txn, sess_session_info **out, size_t *n,
+                               kds_err *err) {
+    list_ctx l = {.size = sizeof(sess_session_info)};
+    kds_status rc = sess_list_fn(st, txn, &l, err);
+    if (rc != KDS_OK) {
+        free(l.items);
+        l.items = NULL;
+        l.n = 0;
+    }
+    *out = l.items;
+    *n = l.n;
+    return rc;
+}
+
 kds_status sess_session_list(sess_store *st, sess_session_info **out, size_t *n, kds_err *err) {
     list_ctx l = {.size = sizeof(sess_session_info)};
     kds_status rc = sess__read(st, sess_list_fn, &l, err);
@@ -353,7 +367,7 @@ static kds_status load_fn(sess_store *st, MDB_txn *txn, void *ctx, kds_err *err)
     snap_what(what, sizeof what, L->id);
     const void *rec;
     size_t len;
-    kds_status rc = get_snap(st, txn, L->id, &rec, &len, err);
+    kds_status rc = sess__get_snap(st, txn, L->id, &rec, &len, err);
     if (rc != KDS_OK) return rc;
     sess__snap_hdr h;
     sess__frame f;
@@ -404,6 +418,12 @@ kds_status sess__verify_in(sess_store *st, MDB_txn *txn, uint64_t id, kds_err *e
     return load_fn(st, txn, &L, err);
 }
 
+kds_status sess__verify_model_in(sess_store *st, MDB_txn *txn, uint64_t id, const eng_model *m,
+                                 kds_err *err) {
+    load_ctx L = {id, m, NULL, NULL};
+    return load_fn(st, txn, &L, err);
+}
+
 kds_status sess_verify(sess_store *st, uint64_t id, const eng_model *m, kds_err *err) {
     load_ctx L = {id, m, NULL, NULL};
     return sess__read(st, load_fn, &L, err);
@@ -414,6 +434,10 @@ kds_status sess_verify(sess_store *st, uint64_t id, const eng_model *m, kds_err 
 
 typedef struct save_ctx {
     const char *name;
+    sess_conflict on_conflict;
+    char target[SESS_NAME_MAX + 1]; /* the session written: name, or the conflict's fork */
+    bool forked;
+    uint64_t other_head;
     uint64_t base;
     const eng_model *m;
     const eng_seq *s;
@@ -487,6 +511,53 @@ static kds_status check_continues(sess__wtxn *w, save_ctx *c, const sess__snap_h
     return KDS_OK;
 }
 
+
+/* The head of `se` moved past c->base: turn `se` into a new session, the
+ * fork "<name>-K" at c->base (not yet written: save_fn writes it with the
+ * new head), with the transcript entries of `se` up to c->base copied. An
+ * entry names the snapshot saved after it; ids grow with time, so the
+ * entries up to the base are the prefix whose snapshots are <= base. */
+static kds_status conflict_fork(sess__wtxn *w, save_ctx *c, sess_session_info *se,
+                                kds_err *err) {
+    sess_store *st = w->st;
+    sess__kv *turns = NULL;
+    size_t n = 0, keep = 0;
+    kds_status rc = sess__collect_turns(st, w->txn, se->id, &turns, &n, err);
+    if (rc != KDS_OK) return rc;
+    for (; keep < n; keep++) {
+        char what[96];
+        snprintf(what, sizeof what, "session '%s' turn %zu", c->name, keep + 1);
+        sess__turn_hdr t;
+        if ((rc = sess__turn_parse(turns[keep].val, turns[keep].len, what, &t, err)) != KDS_OK)
+            goto out;
+        if (t.snapshot > c->base) break;
+    }
+    if ((rc = sess__free_fork_name(w, c->name, c->target, err)) != KDS_OK) goto out;
+    c->forked = true;
+    c->other_head = se->head;
+    sess_session_info ne;
+    memset(&ne, 0, sizeof ne);
+    snprintf(ne.name, sizeof ne.name, "%s", c->target);
+    if ((rc = sess__new_id(w, &ne.id, err)) != KDS_OK) goto out;
+    snprintf(ne.parent, sizeof ne.parent, "%s", se->name);
+    ne.fork_point = c->base;
+    ne.created_us = c->now;
+    snprintf(ne.owner, sizeof ne.owner, "%s", c->owner);
+    snprintf(ne.mode, sizeof ne.mode, "%s", se->mode);
+    ne.turns = (uint32_t)keep;
+    for (size_t i = 0; i < keep; i++) {
+        unsigned char k[12];
+        memcpy(k, turns[i].key, 12);
+        sess__key64(k, ne.id); /* same turn number, new session */
+        if ((rc = sess__put(w, st->db_turn, k, 12, turns[i].val, turns[i].len, 0, err)) != KDS_OK)
+            goto out;
+    }
+    *se = ne;
+out:
+    sess__free_kv(turns, n);
+    return rc;
+}
+
 static kds_status save_fn(sess__wtxn *w, void *ctx, kds_err *err) {
     save_ctx *c = ctx;
     sess_store *st = w->st;
@@ -494,21 +565,25 @@ static kds_status save_fn(sess__wtxn *w, void *ctx, kds_err *err) {
     bool exists = false;
     sess__snap_hdr base = {0}, h = {0};
     unsigned char *head = NULL, *head2 = NULL, *srec = NULL, *trec = NULL;
-    kds_status rc = get_session(st, w->txn, c->name, &se, err);
+    snprintf(c->target, sizeof c->target, "%s", c->name);
+    c->forked = false;
+    c->other_head = 0;
+    kds_status rc = sess__get_session(st, w->txn, c->name, &se, err);
     if (rc == KDS_OK) {
         exists = true;
-        if (se.head != c->base) {
-            rc = kds_err_set(err, KDS_BUSY, "session '%s' moved to @%llu while this turn ran "
-                             "from @%llu (another writer saved it); nothing was saved", c->name,
-                             (unsigned long long)se.head, (unsigned long long)c->base);
-            goto out;
-        }
         if (strcmp(se.fingerprint, c->fp) != 0) {
             rc = kds_err_set(err, KDS_MISMATCH, "session '%s' belongs to another model "
                              "(fingerprint %s), not %s (fingerprint %s)", c->name, se.fingerprint,
                              eng_model_dir(c->m), c->fp);
             goto out;
         }
+        if (se.head != c->base && c->on_conflict != SESS_CONFLICT_FORK) {
+            rc = kds_err_set(err, KDS_BUSY, "session '%s' moved to @%llu while this turn ran "
+                             "from @%llu (another writer saved it); nothing was saved", c->name,
+                             (unsigned long long)se.head, (unsigned long long)c->base);
+            goto out;
+        }
+        if (se.head != c->base && (rc = conflict_fork(w, c, &se, err)) != KDS_OK) goto out;
     } else if (rc != KDS_NOT_FOUND) {
         goto out;
     }
@@ -518,7 +593,7 @@ static kds_status save_fn(sess__wtxn *w, void *ctx, kds_err *err) {
     if (c->base) {
         const void *rec;
         size_t len;
-        if ((rc = get_snap(st, w->txn, c->base, &rec, &len, err)) != KDS_OK) goto out;
+        if ((rc = sess__get_snap(st, w->txn, c->base, &rec, &len, err)) != KDS_OK) goto out;
         if ((rc = sess__snap_parse(rec, len, c->base, &base, NULL, err)) != KDS_OK) goto out;
         if ((rc = check_model(&base, c->m, bw, err)) != KDS_OK) goto out;
         if (base.tokens > c->pos) {
@@ -538,7 +613,7 @@ static kds_status save_fn(sess__wtxn *w, void *ctx, kds_err *err) {
     h.parent = c->base;
     h.created_us = c->now;
     h.payload_bytes = c->layout.fixed_bytes;
-    snprintf(h.origin, sizeof h.origin, "%s", c->name);
+    snprintf(h.origin, sizeof h.origin, "%s", c->target);
     int64_t from = c->base ? base.tokens : 0;
     size_t tb = (size_t)c->layout.token_bytes;
     size_t n_new = 0;
@@ -581,7 +656,7 @@ static kds_status save_fn(sess__wtxn *w, void *ctx, kds_err *err) {
     /* The session now points at it. */
     if (!exists) {
         memset(&se, 0, sizeof se);
-        snprintf(se.name, sizeof se.name, "%s", c->name);
+        snprintf(se.name, sizeof se.name, "%s", c->target);
         if ((rc = sess__new_id(w, &se.id, err)) != KDS_OK) goto out;
         se.created_us = c->now;
         snprintf(se.owner, sizeof se.owner, "%s", c->owner);
@@ -599,7 +674,8 @@ static kds_status save_fn(sess__wtxn *w, void *ctx, kds_err *err) {
     if (entry) se.turns++;
     size_t sl;
     if ((rc = sess__session_encode(&se, &srec, &sl, err)) != KDS_OK) goto out;
-    if ((rc = sess__put(w, st->db_sess, c->name, strlen(c->name), srec, sl, 0, err)) != KDS_OK)
+    if ((rc = sess__put(w, st->db_sess, c->target, strlen(c->target), srec, sl, 0, err)) !=
+        KDS_OK)
         goto out;
     if (entry) {
         sess__turn_hdr t = {.prompt = c->turn->prompt ? c->turn->prompt : "",
@@ -628,6 +704,16 @@ out:
 
 kds_status sess_save(sess_store *st, const char *session, uint64_t base, const eng_model *m,
                      const eng_seq *s, const sess_turn *turn, uint64_t *snapshot, kds_err *err) {
+    sess_save_result r;
+    kds_status rc = sess_save_ex(st, session, base, m, s, turn, SESS_CONFLICT_REFUSE, &r, err);
+    if (rc == KDS_OK && snapshot) *snapshot = r.snapshot;
+    return rc;
+}
+
+kds_status sess_save_ex(sess_store *st, const char *session, uint64_t base, const eng_model *m,
+                        const eng_seq *s, const sess_turn *turn, sess_conflict on_conflict,
+                        sess_save_result *res, kds_err *err) {
+    if (res) memset(res, 0, sizeof *res);
     if (!sess_name_valid(session))
         return kds_err_set(err, KDS_INVALID_ARG, "invalid session name '%s' (1-%d of A-Z a-z "
                            "0-9 . _ -, starting with a letter or digit)", session ? session : "",
@@ -640,7 +726,8 @@ kds_status sess_save(sess_store *st, const char *session, uint64_t base, const e
             return kds_err_set(err, KDS_INVALID_ARG, "invalid session mode '%.32s' (1-%d of a-z)",
                                turn->mode, SESS_MODE_MAX);
     }
-    save_ctx c = {.name = session, .base = base, .m = m, .s = s, .turn = turn,
+    save_ctx c = {.name = session, .on_conflict = on_conflict, .base = base, .m = m, .s = s,
+                  .turn = turn,
                   .fp = eng_model_fingerprint(m), .pos = eng_seq_pos(s),
                   .now = (int64_t)sess__now_us()};
     sess__layout_of(eng_model_config(m), &c.layout);
@@ -657,22 +744,21 @@ kds_status sess_save(sess_store *st, const char *session, uint64_t base, const e
         return kds_err_set(err, KDS_NOMEM, "out of memory saving a snapshot");
     kds_status rc = sess__write(st, save_fn, &c, err);
     free(c.row);
-    if (rc == KDS_OK && snapshot) *snapshot = c.out_id;
+    if (rc == KDS_OK && res) {
+        res->snapshot = c.out_id;
+        memcpy(res->session, c.target, sizeof res->session);
+        res->forked = c.forked;
+        res->other_head = c.other_head;
+    }
     return rc;
 }
 
 /* ------------------------------------------------------------------------ */
 /* Fork                                                                      */
 
-typedef struct kv {
-    unsigned char key[12];
-    void *val;
-    size_t len;
-} kv;
-
 /* Copies of the transcript records of session `id` (the records are put
  * again under another key, so they are collected before any write). */
-static kds_status collect_turns(sess_store *st, MDB_txn *txn, uint64_t id, kv **out, size_t *n,
+kds_status sess__collect_turns(sess_store *st, MDB_txn *txn, uint64_t id, sess__kv **out, size_t *n,
                                 kds_err *err) {
     *out = NULL;
     *n = 0;
@@ -689,11 +775,11 @@ static kds_status collect_turns(sess_store *st, MDB_txn *txn, uint64_t id, kv **
         if (k.mv_size != 12 || memcmp(k.mv_data, k0, 8) != 0) break;
         if (*n == cap) {
             cap = cap ? 2 * cap : 16;
-            kv *p = realloc(*out, cap * sizeof *p);
+            sess__kv *p = realloc(*out, cap * sizeof *p);
             if (!p) goto nomem;
             *out = p;
         }
-        kv *e = &(*out)[*n];
+        sess__kv *e = &(*out)[*n];
         memcpy(e->key, k.mv_data, 12);
         if (!(e->val = malloc(v.mv_size ? v.mv_size : 1))) goto nomem;
         memcpy(e->val, v.mv_data, v.mv_size);
@@ -707,9 +793,23 @@ nomem:
     return kds_err_set(err, KDS_NOMEM, "out of memory copying a transcript");
 }
 
-static void free_kv(kv *a, size_t n) {
+void sess__free_kv(sess__kv *a, size_t n) {
     for (size_t i = 0; i < n; i++) free(a[i].val);
     free(a);
+}
+
+/* "<base>-K" with the first K >= 2 that names no session. */
+kds_status sess__free_fork_name(sess__wtxn *w, const char *base, char out[SESS_NAME_MAX + 1],
+                                 kds_err *err) {
+    for (unsigned i = 2; i < 1000000; i++) {
+        const void *v;
+        size_t n;
+        snprintf(out, SESS_NAME_MAX + 1, "%.54s-%u", base, i);
+        kds_status rc = sess__get(w->txn, w->st->db_sess, out, strlen(out), &v, &n, err);
+        if (rc == KDS_NOT_FOUND) return KDS_OK;
+        if (rc != KDS_OK) return rc;
+    }
+    return kds_err_set(err, KDS_EXISTS, "no free name '%.54s-K' for a fork", base);
 }
 
 typedef struct fork_ctx {
@@ -722,7 +822,7 @@ static kds_status fork_fn(sess__wtxn *w, void *ctx, kds_err *err) {
     fork_ctx *f = ctx;
     sess_store *st = w->st;
     sess_ref ref;
-    kv *turns = NULL;
+    sess__kv *turns = NULL;
     size_t n_turns = 0;
     unsigned char *rec = NULL;
     kds_status rc = resolve_in(st, w->txn, f->source, &ref, err);
@@ -733,13 +833,13 @@ static kds_status fork_fn(sess__wtxn *w, void *ctx, kds_err *err) {
     const void *v;
     size_t n;
     if (ref.is_session) {
-        if ((rc = get_session(st, w->txn, ref.name, &src, err)) != KDS_OK) goto out;
-        if ((rc = collect_turns(st, w->txn, src.id, &turns, &n_turns, err)) != KDS_OK) goto out;
+        if ((rc = sess__get_session(st, w->txn, ref.name, &src, err)) != KDS_OK) goto out;
+        if ((rc = sess__collect_turns(st, w->txn, src.id, &turns, &n_turns, err)) != KDS_OK) goto out;
         snprintf(ne.parent, sizeof ne.parent, "%s", src.name);
         snprintf(ne.model_dir, sizeof ne.model_dir, "%s", src.model_dir);
         snprintf(ne.mode, sizeof ne.mode, "%s", src.mode);
     }
-    if ((rc = get_snap(st, w->txn, ref.snapshot, &v, &n, err)) != KDS_OK) goto out;
+    if ((rc = sess__get_snap(st, w->txn, ref.snapshot, &v, &n, err)) != KDS_OK) goto out;
     if ((rc = sess__snap_parse(v, n, ref.snapshot, &h, NULL, err)) != KDS_OK) goto out;
     if (f->name) {
         if (!sess_name_valid(f->name)) {
@@ -748,18 +848,12 @@ static kds_status fork_fn(sess__wtxn *w, void *ctx, kds_err *err) {
         }
         snprintf(f->out, sizeof f->out, "%s", f->name);
     } else {
-        /* "<source>-N": the first free N from 2 */
         char base[SESS_NAME_MAX + 1];
         if (ref.is_session)
-            snprintf(base, sizeof base, "%.54s", ref.name);
+            snprintf(base, sizeof base, "%s", ref.name);
         else
             snprintf(base, sizeof base, "snap%llu", (unsigned long long)ref.snapshot);
-        for (unsigned i = 2;; i++) {
-            snprintf(f->out, sizeof f->out, "%.54s-%u", base, i);
-            rc = sess__get(w->txn, st->db_sess, f->out, strlen(f->out), &v, &n, err);
-            if (rc == KDS_NOT_FOUND) break;
-            if (rc != KDS_OK) goto out;
-        }
+        if ((rc = sess__free_fork_name(w, base, f->out, err)) != KDS_OK) goto out;
     }
     rc = sess__get(w->txn, st->db_sess, f->out, strlen(f->out), &v, &n, err);
     if (rc == KDS_OK) {
@@ -791,7 +885,7 @@ static kds_status fork_fn(sess__wtxn *w, void *ctx, kds_err *err) {
     }
 out:
     free(rec);
-    free_kv(turns, n_turns);
+    sess__free_kv(turns, n_turns);
     sess__snap_hdr_free(&h);
     return rc;
 }
@@ -820,17 +914,17 @@ static kds_status del_turns(sess__wtxn *w, uint64_t id, kds_err *err) {
          m = mdb_cursor_get(c, &k, &v, MDB_NEXT)) {
         if (k.mv_size != 12 || memcmp(k.mv_data, k0, 8) != 0) break;
         if ((m = mdb_cursor_del(c, 0)) != 0) break;
+        w->freed = true;
     }
     mdb_cursor_close(c);
     if (m == 0 || m == MDB_NOTFOUND) return KDS_OK;
-    if (m == MDB_MAP_FULL) w->map_full = true;
-    return sess__mdb_err(m, "deleting a transcript", err);
+    return sess__write_err(w, m, "deleting a transcript", err);
 }
 
 static kds_status sess_del_fn(sess__wtxn *w, void *ctx, kds_err *err) {
     const char *name = ctx;
     sess_session_info s;
-    kds_status rc = get_session(w->st, w->txn, name, &s, err);
+    kds_status rc = sess__get_session(w->st, w->txn, name, &s, err);
     if (rc != KDS_OK) return rc;
     if ((rc = sess__del(w, w->st->db_sess, name, strlen(name), err)) != KDS_OK) return rc;
     return del_turns(w, s.id, err);
@@ -856,7 +950,7 @@ static kds_status rename_fn(sess__wtxn *w, void *ctx, kds_err *err) {
     sess_session_info s;
     unsigned char *rec = NULL;
     size_t len;
-    kds_status rc = get_session(w->st, w->txn, r->from, &s, err);
+    kds_status rc = sess__get_session(w->st, w->txn, r->from, &s, err);
     if (rc != KDS_OK) return rc;
     const void *v;
     size_t n;
@@ -883,50 +977,11 @@ kds_status sess_session_rename(sess_store *st, const char *from, const char *to,
     return sess__write(st, rename_fn, &r, err);
 }
 
-/* Sorted ids of every session's head; *unknown when a session record could
- * not be read (its head is then unknown). */
-static kds_status heads(sess_store *st, MDB_txn *txn, uint64_t **out, size_t *n, bool *unknown,
-                        kds_err *err);
-
-static int cmp_u64(const void *a, const void *b) {
-    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-    return x < y ? -1 : x > y;
-}
-
-static bool has_id(const uint64_t *ids, size_t n, uint64_t id) {
-    return n && bsearch(&id, ids, n, sizeof *ids, cmp_u64) != NULL;
-}
-
-static kds_status heads(sess_store *st, MDB_txn *txn, uint64_t **out, size_t *n, bool *unknown,
-                        kds_err *err) {
-    sess_session_info *all = NULL;
-    list_ctx l = {.size = sizeof(sess_session_info)};
-    kds_status rc = sess_list_fn(st, txn, &l, err);
-    all = l.items;
-    *out = NULL;
-    *n = 0;
-    *unknown = false;
-    if (rc == KDS_OK && l.n) {
-        if (!(*out = malloc(l.n * sizeof **out))) {
-            rc = kds_err_set(err, KDS_NOMEM, "out of memory");
-        } else {
-            for (size_t i = 0; i < l.n; i++) {
-                (*out)[i] = all[i].head;
-                *unknown |= all[i].tokens < 0; /* a session record we cannot read */
-            }
-            qsort(*out, l.n, sizeof **out, cmp_u64);
-            *n = l.n;
-        }
-    }
-    free(all);
-    return rc;
-}
-
 static kds_status snap_del_fn(sess__wtxn *w, void *ctx, kds_err *err) {
     uint64_t id = *(uint64_t *)ctx;
     const void *v;
     size_t n;
-    kds_status rc = get_snap(w->st, w->txn, id, &v, &n, err);
+    kds_status rc = sess__get_snap(w->st, w->txn, id, &v, &n, err);
     if (rc != KDS_OK) return rc;
     sess_session_info *all = NULL;
     list_ctx l = {.size = sizeof(sess_session_info)};
@@ -974,11 +1029,11 @@ static char *dup_bytes(const char *p, size_t n) {
 static kds_status transcript_fn(sess_store *st, MDB_txn *txn, void *ctx, kds_err *err) {
     transcript_ctx *T = ctx;
     sess_session_info s;
-    kds_status rc = get_session(st, txn, T->name, &s, err);
+    kds_status rc = sess__get_session(st, txn, T->name, &s, err);
     if (rc != KDS_OK) return rc;
-    kv *recs = NULL;
+    sess__kv *recs = NULL;
     size_t n = 0;
-    if ((rc = collect_turns(st, txn, s.id, &recs, &n, err)) != KDS_OK) return rc;
+    if ((rc = sess__collect_turns(st, txn, s.id, &recs, &n, err)) != KDS_OK) return rc;
     if (n && !(T->t = calloc(n, sizeof *T->t))) {
         rc = kds_err_set(err, KDS_NOMEM, "out of memory reading a transcript");
         goto out;
@@ -1005,7 +1060,7 @@ static kds_status transcript_fn(sess_store *st, MDB_txn *txn, void *ctx, kds_err
         r->time_us = h.time_us;
     }
 out:
-    free_kv(recs, n);
+    sess__free_kv(recs, n);
     return rc;
 }
 
@@ -1033,105 +1088,6 @@ void sess_transcript_free(sess_turn_record *t, size_t n) {
         free(t[i].output);
     }
     free(t);
-}
-
-/* ------------------------------------------------------------------------ */
-/* Garbage collection                                                        */
-
-static kds_status gc_fn(sess__wtxn *w, void *ctx, kds_err *err) {
-    sess_gc_stats *g = ctx;
-    memset(g, 0, sizeof *g);
-    sess_store *st = w->st;
-    uint64_t *live = NULL, *used = NULL;
-    size_t n_live = 0, n_used = 0, cap_used = 0;
-    bool keep_chunks = false;
-    MDB_cursor *c = NULL;
-    bool unknown_heads;
-    kds_status rc = heads(st, w->txn, &live, &n_live, &unknown_heads, err);
-    if (rc != KDS_OK) goto out;
-    /* Mark and sweep: snapshots that are no head go; the chunks of the
-     * rest are marked; unmarked chunks go. */
-    int m = mdb_cursor_open(w->txn, st->db_snap, &c);
-    if (m) {
-        rc = sess__mdb_err(m, "gc", err);
-        goto out;
-    }
-    MDB_val k, v;
-    for (m = mdb_cursor_get(c, &k, &v, MDB_FIRST); m == 0;
-         m = mdb_cursor_get(c, &k, &v, MDB_NEXT)) {
-        uint64_t id = k.mv_size == 8 ? sess__key64_get(k.mv_data) : 0;
-        /* with an unreadable session record any snapshot may be its head:
-         * then none is deleted */
-        if (!unknown_heads && !has_id(live, n_live, id)) {
-            size_t bytes = v.mv_size;
-            if ((m = mdb_cursor_del(c, 0)) != 0) break;
-            g->snapshots_freed++;
-            g->bytes_freed += bytes;
-            continue;
-        }
-        g->snapshots_kept++;
-        sess__snap_hdr h;
-        if (sess__snap_parse(v.mv_data, v.mv_size, id, &h, NULL, NULL) != KDS_OK) {
-            /* A snapshot we cannot read: its chunks are unknown, so none
-             * may go. */
-            g->unreadable++;
-            keep_chunks = true;
-            continue;
-        }
-        if (n_used + h.n_chunks > cap_used) {
-            size_t cap = (n_used + h.n_chunks) * 2 + 16;
-            uint64_t *p = realloc(used, cap * sizeof *p);
-            if (!p) {
-                sess__snap_hdr_free(&h);
-                rc = kds_err_set(err, KDS_NOMEM, "out of memory in gc");
-                goto out;
-            }
-            used = p;
-            cap_used = cap;
-        }
-        for (size_t i = 0; i < h.n_chunks; i++) used[n_used++] = h.chunks[i].id;
-        sess__snap_hdr_free(&h);
-    }
-    mdb_cursor_close(c);
-    c = NULL;
-    if (m != MDB_NOTFOUND) {
-        if (m == MDB_MAP_FULL) w->map_full = true;
-        rc = sess__mdb_err(m, "gc", err);
-        goto out;
-    }
-    if (n_used) qsort(used, n_used, sizeof *used, cmp_u64);
-    if ((m = mdb_cursor_open(w->txn, st->db_chunk, &c)) != 0) {
-        rc = sess__mdb_err(m, "gc", err);
-        goto out;
-    }
-    for (m = mdb_cursor_get(c, &k, &v, MDB_FIRST); m == 0;
-         m = mdb_cursor_get(c, &k, &v, MDB_NEXT)) {
-        uint64_t id = k.mv_size == 8 ? sess__key64_get(k.mv_data) : 0;
-        if (keep_chunks || has_id(used, n_used, id)) {
-            g->chunks_kept++;
-            continue;
-        }
-        size_t bytes = v.mv_size;
-        if ((m = mdb_cursor_del(c, 0)) != 0) break;
-        g->chunks_freed++;
-        g->bytes_freed += bytes;
-    }
-    if (m != MDB_NOTFOUND) {
-        if (m == MDB_MAP_FULL) w->map_full = true;
-        rc = sess__mdb_err(m, "gc", err);
-    }
-out:
-    if (c) mdb_cursor_close(c);
-    free(live);
-    free(used);
-    return rc;
-}
-
-kds_status sess_gc(sess_store *st, sess_gc_stats *out, kds_err *err) {
-    sess_gc_stats g;
-    kds_status rc = sess__write(st, gc_fn, &g, err);
-    if (out) *out = g;
-    return rc;
 }
 
 /* ------------------------------------------------------------------------ */

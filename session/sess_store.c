@@ -12,12 +12,16 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
 #include <msgpack.h>
 #include <pwd.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "sess_internal.h"
@@ -40,6 +44,71 @@ kds_status sess__mdb_err(int rc, const char *what, kds_err *err) {
                    : rc == EACCES || rc == EROFS ? KDS_UNSUPPORTED
                                              : KDS_IO;
     return kds_err_set(err, s, "%s: %s", what, mdb_strerror(rc));
+}
+
+static void human_bytes(uint64_t b, char *buf, size_t cap) {
+    const char *u[] = {"bytes", "KiB", "MiB", "GiB", "TiB"};
+    double v = (double)b;
+    int i = 0;
+    while (v >= 1024 && i < 4) v /= 1024, i++;
+    if (i)
+        snprintf(buf, cap, "%.1f %s", v, u[i]);
+    else
+        snprintf(buf, cap, "%llu bytes", (unsigned long long)b);
+}
+
+/* The directory the filesystem holding `dir` is mounted on: the highest
+ * ancestor of its real path on the same device. */
+static void mount_point(const char *dir, char *out, size_t cap) {
+    char p[PATH_MAX];
+    struct stat d, a;
+    if (!realpath(dir, p) || stat(p, &d) != 0) {
+        snprintf(out, cap, "%s", dir);
+        return;
+    }
+    for (;;) {
+        char *slash = strrchr(p, '/');
+        if (!slash || slash == p) {
+            /* parent is "/" */
+            if (stat("/", &a) == 0 && a.st_dev == d.st_dev) snprintf(p, sizeof p, "/");
+            break;
+        }
+        *slash = '\0';
+        if (stat(p, &a) != 0 || a.st_dev != d.st_dev) {
+            *slash = '/';
+            break;
+        }
+    }
+    snprintf(out, cap, "%s", p);
+}
+
+kds_status sess__write_err(sess__wtxn *w, int rc, const char *what, kds_err *err) {
+    if (rc == MDB_MAP_FULL) w->map_full = true;
+    if (rc != ENOSPC && rc != EDQUOT && rc != EIO && rc != EFBIG)
+        return sess__mdb_err(rc, what, err);
+    const char *dir = w->st->dir;
+    if (rc == EFBIG)
+        return kds_err_set(err, KDS_IO, "%s: %s/data.mdb reached the largest file this process "
+                           "may write (ulimit -f); nothing was saved", what, dir);
+    struct statvfs vf;
+    bool known = statvfs(dir, &vf) == 0;
+    uint64_t avail = known ? (uint64_t)vf.f_bavail * vf.f_frsize : 0;
+    uint64_t total = known ? (uint64_t)vf.f_blocks * vf.f_frsize : 0;
+    char mnt[PATH_MAX], a[32], t[32];
+    mount_point(dir, mnt, sizeof mnt);
+    human_bytes(avail, a, sizeof a);
+    human_bytes(total, t, sizeof t);
+    /* LMDB turns a short write into EIO ("filesystem full?"): with less room
+     * left than this transaction writes, that is what it was. */
+    bool full = rc != EIO || (known && avail < w->bytes + ((uint64_t)4 << 20));
+    if (!full)
+        return kds_err_set(err, KDS_IO, "%s: input/output error writing %s/data.mdb (the "
+                           "filesystem on %s has %s free): check the disk", what, dir, mnt, a);
+    w->disk_full = true;
+    return kds_err_set(err, KDS_IO, "the disk is full%s: the filesystem on %s, which holds store "
+                       "%s, has %s free of %s; nothing was written. Free space there (or delete "
+                       "sessions with `kdaserve snap rm` and run `kdaserve snap gc`) and save "
+                       "again", rc == EDQUOT ? " (disk quota)" : "", mnt, dir, a, t);
 }
 
 void sess__key64(unsigned char k[8], uint64_t id) {
@@ -211,28 +280,57 @@ kds_status sess__new_id(sess__wtxn *w, uint64_t *id, kds_err *err) {
     return KDS_OK;
 }
 
+/* A commit that changes nothing but the id counter's page: it makes what
+ * the transactions before it freed reusable by the next one (LMDB reuses
+ * pages freed by transaction T only from T + 2 on, and a failed write does
+ * not advance the transaction id, so without it a store whose deletes
+ * freed space would keep failing saves for want of it). */
+static kds_status touch_fn(sess__wtxn *w, void *ctx, kds_err *err) {
+    (void)ctx;
+    return load_counter(w, err);
+}
+
+static kds_status write_once(sess_store *st, sess__write_fn fn, void *ctx, sess__wtxn *w,
+                             kds_err *err) {
+    kds_status rc = txn_begin(st, true, &w->txn, err);
+    if (rc != KDS_OK) return rc;
+    rc = fn(w, ctx, err);
+    if (rc == KDS_OK && w->id_loaded) {
+        unsigned char v[8];
+        for (int i = 0; i < 8; i++) v[i] = (unsigned char)(w->next_id >> (8 * i));
+        rc = sess__put(w, st->db_meta, "next_id", 7, v, 8, 0, err);
+    }
+    if (rc == KDS_OK) {
+        int mrc = mdb_txn_commit(w->txn);
+        if (mrc) rc = sess__write_err(w, mrc, "committing", err);
+    } else {
+        mdb_txn_abort(w->txn);
+    }
+    pthread_rwlock_unlock(&st->lock);
+    return rc;
+}
+
 kds_status sess__write(sess_store *st, sess__write_fn fn, void *ctx, kds_err *err) {
     if (st->read_only)
         return kds_err_set(err, KDS_UNSUPPORTED, "store %s is open read-only", st->dir);
+    bool retried = false;
     for (;;) {
         sess__wtxn w = {.st = st};
-        kds_status rc = txn_begin(st, true, &w.txn, err);
-        if (rc != KDS_OK) return rc;
-        rc = fn(&w, ctx, err);
-        if (rc == KDS_OK && w.id_loaded) {
-            unsigned char v[8];
-            for (int i = 0; i < 8; i++) v[i] = (unsigned char)(w.next_id >> (8 * i));
-            rc = sess__put(&w, st->db_meta, "next_id", 7, v, 8, 0, err);
+        kds_status rc = write_once(st, fn, ctx, &w, err);
+        if (rc == KDS_OK && w.freed && fn != touch_fn) {
+            sess__wtxn t = {.st = st};
+            (void)write_once(st, touch_fn, NULL, &t, NULL); /* best effort */
         }
-        int mrc = 0;
-        if (rc == KDS_OK) {
-            mrc = mdb_txn_commit(w.txn);
-            if (mrc == MDB_MAP_FULL) w.map_full = true;
-            else if (mrc) rc = sess__mdb_err(mrc, "committing", err);
-        } else {
-            mdb_txn_abort(w.txn);
+        if (w.disk_full && !retried && fn != touch_fn) {
+            /* Space freed since (by this process or another) may only be
+             * waiting for a later commit: make one and try once more. */
+            retried = true;
+            sess__wtxn t = {.st = st};
+            if (write_once(st, touch_fn, NULL, &t, NULL) == KDS_OK) {
+                kds_err_clear(err);
+                continue;
+            }
         }
-        pthread_rwlock_unlock(&st->lock);
         if (!w.map_full) return rc;
         /* The aborted transaction wrote nothing; redo it in a larger map. */
         kds_err_clear(err);
@@ -252,20 +350,21 @@ kds_status sess__read(sess_store *st, sess__read_fn fn, void *ctx, kds_err *err)
 
 static kds_status put_result(sess__wtxn *w, int rc, kds_err *err) {
     if (rc == 0) return KDS_OK;
-    if (rc == MDB_MAP_FULL) w->map_full = true;
     if (rc == MDB_KEYEXIST) return kds_err_set(err, KDS_EXISTS, "record already exists");
-    return sess__mdb_err(rc, "writing", err);
+    return sess__write_err(w, rc, "writing", err);
 }
 
 kds_status sess__put(sess__wtxn *w, MDB_dbi dbi, const void *key, size_t key_len,
                      const void *val, size_t val_len, unsigned flags, kds_err *err) {
     MDB_val k = {key_len, (void *)key}, v = {val_len, (void *)val};
+    w->bytes += val_len;
     return put_result(w, mdb_put(w->txn, dbi, &k, &v, flags), err);
 }
 
 kds_status sess__reserve(sess__wtxn *w, MDB_dbi dbi, const void *key, size_t key_len,
                          size_t val_len, void **space, kds_err *err) {
     MDB_val k = {key_len, (void *)key}, v = {val_len, NULL};
+    w->bytes += val_len;
     kds_status rc = put_result(w, mdb_put(w->txn, dbi, &k, &v, MDB_RESERVE | MDB_NOOVERWRITE),
                                err);
     *space = rc == KDS_OK ? v.mv_data : NULL;
@@ -276,6 +375,7 @@ kds_status sess__del(sess__wtxn *w, MDB_dbi dbi, const void *key, size_t key_len
     MDB_val k = {key_len, (void *)key};
     int rc = mdb_del(w->txn, dbi, &k, NULL);
     if (rc == MDB_NOTFOUND) return KDS_NOT_FOUND;
+    if (rc == 0) w->freed = true;
     return put_result(w, rc, err);
 }
 
@@ -294,6 +394,65 @@ kds_status sess__get(MDB_txn *txn, MDB_dbi dbi, const void *key, size_t key_len,
 
 /* ------------------------------------------------------------------------ */
 /* Open / close                                                              */
+
+/* LMDB maps data.mdb and reads pages straight from the map, so a file cut
+ * short (a copy that stopped, a disk that filled during a backup) would
+ * raise SIGBUS at the first page past its end, in whatever command touched
+ * it first. Its meta pages (the first two, read with pread by
+ * mdb_env_open) record the last page in use: a sound file always reaches
+ * past it. Checked before any transaction touches a page. */
+static kds_status check_data_file(sess_store *st, kds_err *err) {
+    MDB_envinfo info;
+    MDB_stat ms;
+    int fd;
+    struct stat sb;
+    if (mdb_env_info(st->env, &info) || mdb_env_stat(st->env, &ms) ||
+        mdb_env_get_fd(st->env, &fd) || fstat(fd, &sb) != 0)
+        return kds_err_set(err, KDS_IO, "store %s: cannot read the size of data.mdb: %s",
+                           st->dir, strerror(errno));
+    uint64_t need = ((uint64_t)info.me_last_pgno + 1) * ms.ms_psize;
+    if ((uint64_t)sb.st_size < need)
+        return kds_err_set(err, KDS_CORRUPT,
+                           "store %s: data.mdb is truncated: %lld bytes, but its pages in use "
+                           "reach %llu bytes (page %zu of %u bytes); nothing was read from it: "
+                           "restore the file from a backup",
+                           st->dir, (long long)sb.st_size, (unsigned long long)need,
+                           (size_t)info.me_last_pgno, ms.ms_psize);
+    return KDS_OK;
+}
+
+/* lock.mdb's lock region has no magic: sess_compact cleared it (see
+ * sess_compact.c). Read with a descriptor of its own: this process holds no
+ * lock on the file here (its environment is closed), so closing the
+ * descriptor drops none. */
+static bool lock_reset(const char *dir) {
+    char path[1100];
+    unsigned char b[4];
+    snprintf(path, sizeof path, "%s/lock.mdb", dir);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return false;
+    bool zero = pread(fd, b, 4, 0) == 4 && !b[0] && !b[1] && !b[2] && !b[3];
+    close(fd);
+    return zero;
+}
+
+/* mdb_env_open refused the data file: shorter than its two meta pages is a
+ * truncated store, not "not an LMDB file". */
+static kds_status open_refused(const char *dir, int m, kds_err *err) {
+    char path[1100];
+    struct stat sb;
+    snprintf(path, sizeof path, "%s/data.mdb", dir);
+    long page = sysconf(_SC_PAGESIZE);
+    if (m == MDB_INVALID && stat(path, &sb) == 0 && sb.st_size > 0 &&
+        sb.st_size < 2 * (page > 0 ? page : 4096))
+        return kds_err_set(err, KDS_CORRUPT,
+                           "store %s: data.mdb is truncated: %lld bytes, less than LMDB's two "
+                           "meta pages; restore the file from a backup",
+                           dir, (long long)sb.st_size);
+    kds_status rc = sess__mdb_err(m, "opening", err);
+    kds_err_prefix(err, "store %s", dir);
+    return rc;
+}
 
 /* Store record: written once when the store is created; a later build that
  * changes the store's layout bumps SESS_VERSION_STORE, and this build then
@@ -394,26 +553,39 @@ kds_status sess_open(const char *dir, const sess_params *p, sess_store **out, kd
     size_t map = p->map_size ? p->map_size : DEFAULT_MAP;
     if (map < MIN_MAP) map = MIN_MAP;
     if (map > st->map_max) map = st->map_max;
-    int m = mdb_env_create(&st->env);
-    if (m) {
-        rc = sess__mdb_err(m, "creating the LMDB environment", err);
-        goto fail;
+    int m;
+    for (int tries = 0;; tries++) {
+        if ((m = mdb_env_create(&st->env)) != 0) {
+            rc = sess__mdb_err(m, "creating the LMDB environment", err);
+            goto fail;
+        }
+        mdb_env_set_maxdbs(st->env, 8);
+        mdb_env_set_mapsize(st->env, map);
+        /* NOTLS: read transactions belong to the call, not the thread, so
+         * a pool of threads can share the store without each holding a
+         * slot. */
+        unsigned flags =
+            MDB_NOTLS | (p->no_sync ? MDB_NOSYNC : 0) | (p->read_only ? MDB_RDONLY : 0);
+        m = mdb_env_open(st->env, dir, flags, 0600);
+        if (m != MDB_INVALID || tries >= 200) break;
+        mdb_env_close(st->env);
+        st->env = NULL;
+        /* opened while sess_compact swapped data.mdb: it cleared the lock
+         * region's magic; once it is done, the next opener starts the
+         * region afresh */
+        if (!lock_reset(dir)) break;
+        struct timespec ts = {0, 10 * 1000 * 1000};
+        nanosleep(&ts, NULL);
     }
-    mdb_env_set_maxdbs(st->env, 8);
-    mdb_env_set_mapsize(st->env, map);
-    /* NOTLS: read transactions belong to the call, not the thread, so a
-     * pool of threads can share the store without each holding a slot. */
-    unsigned flags = MDB_NOTLS | (p->no_sync ? MDB_NOSYNC : 0) | (p->read_only ? MDB_RDONLY : 0);
-    m = mdb_env_open(st->env, dir, flags, 0600);
     if (m == ENOENT && p->read_only) {
         rc = kds_err_set(err, KDS_NOT_FOUND, "no kdaserve store in %s", dir);
         goto fail;
     }
     if (m) {
-        rc = sess__mdb_err(m, "opening", err);
-        kds_err_prefix(err, "store %s", dir);
+        rc = open_refused(dir, m, err);
         goto fail;
     }
+    if ((rc = check_data_file(st, err)) != KDS_OK) goto fail;
     /* Reader slots of processes that died inside a read would pin pages
      * forever (the store would only grow). */
     int dead = 0;
