@@ -11,9 +11,10 @@
  *   - Decode, T < 32 tokens, is bound by the code bytes streamed per token.
  *     The codes and scales are read in place, eight rows per pass. An E2M1
  *     nibble becomes f32 through a 16-entry table held in a register
- *     (vpermps indexes it with the nibble), the table multiplied by the
- *     block's power-of-two scale once per block and row; an int8 becomes
- *     f32 by a sign-extending widen and a convert, times its f16 scale.
+ *     (vpermps indexes it with the nibble): the row of E8M0_E2M1 for the
+ *     block's exponent, the codes' values already times 2^(e - 127); an
+ *     int8 becomes f32 by a sign-extending widen and a convert, times its
+ *     f16 scale.
  *     One token decodes in registers, one FMA per 16 values; several tokens
  *     decode each 8-row x 128-column tile once into L1 and run every token
  *     over it with the same FMAs in the same order, so row t of a T-token
@@ -123,7 +124,7 @@ void kern_weight_row_f32(const kern_weight *w, int r, int c0, int c1, float *out
 #define QUANT_GEMM_MIN_T 32
 
 /* The f32 scales of rows [r, r + nr), one per block: sg [nr, ld] (the
- * first nb of each row of ld). Row r's scales start at scales + r *
+ * first nb of each row of ld; ld is unused when nr is 1). Row r's scales start at scales + r *
  * scale_row_bytes; f16 scales are read with memcpy, as they need not be
  * 2-byte aligned. */
 static void row_scales(const kern_weight *w, const kern_layout *l, int r, int nr, float *sg,
@@ -203,9 +204,40 @@ static void gemm_scalar(const kern_weight *w, const float *x, int T, float *y, i
 }
 
 #if KERN_AVX512
-/* The E2M1 values by code (kern_e2m1_to_f32), the table vpermps reads. */
-static const float E2M1[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
-                               -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+/* E8M0_E2M1[e][c] = kern_e2m1_to_f32(c) * kern_e8m0_to_f32(e): the f32
+ * values of the dequantised weights (exact; denormal for the smallest e;
+ * +-inf where 2^(e - 127) times the code passes f32's range; NaN for e =
+ * 255), written out by the compiler. Row e is the table vpermps reads for
+ * a block of scale e: loading it costs no multiply (one uop less per block
+ * and row than scaling E2M1 by 2^(e - 127)) and no microcode assist (a
+ * multiply with denormal results takes one, ~150 cycles on Intel cores,
+ * and the quantiser gives all-zero blocks e = 0). 16 KiB, a 64-byte line per
+ * exponent: the few exponents a weight uses stay in L1. Row 127 is E2M1
+ * itself. */
+#define E2M1_ROW(s)                                                                                \
+    {                                                                                              \
+        0.0f * (s), 0.5f * (s), 1.0f * (s), 1.5f * (s), 2.0f * (s), 3.0f * (s), 4.0f * (s),        \
+            6.0f * (s), -0.0f * (s), -0.5f * (s), -1.0f * (s), -1.5f * (s), -2.0f * (s),           \
+            -3.0f * (s), -4.0f * (s), -6.0f * (s)                                                  \
+    }
+/* The rows of 15 (16) consecutive exponents from scale s = 2^(e0 - 127),
+ * each scale twice the one before (exact: powers of two). */
+#define E2M1_ROWS15(s)                                                                             \
+    E2M1_ROW(s), E2M1_ROW((s)*0x1p1f), E2M1_ROW((s)*0x1p2f), E2M1_ROW((s)*0x1p3f),                 \
+        E2M1_ROW((s)*0x1p4f), E2M1_ROW((s)*0x1p5f), E2M1_ROW((s)*0x1p6f), E2M1_ROW((s)*0x1p7f),    \
+        E2M1_ROW((s)*0x1p8f), E2M1_ROW((s)*0x1p9f), E2M1_ROW((s)*0x1p10f), E2M1_ROW((s)*0x1p11f),  \
+        E2M1_ROW((s)*0x1p12f), E2M1_ROW((s)*0x1p13f), E2M1_ROW((s)*0x1p14f)
+#define E2M1_ROWS16(s) E2M1_ROWS15(s), E2M1_ROW((s)*0x1p15f)
+_Alignas(64) static const float E8M0_E2M1[256][16] = {
+    E2M1_ROWS16(0x1p-127f), E2M1_ROWS16(0x1p-111f), E2M1_ROWS16(0x1p-95f),
+    E2M1_ROWS16(0x1p-79f),  E2M1_ROWS16(0x1p-63f),  E2M1_ROWS16(0x1p-47f),
+    E2M1_ROWS16(0x1p-31f),  E2M1_ROWS16(0x1p-15f),  E2M1_ROWS16(0x1p1f),
+    E2M1_ROWS16(0x1p17f),   E2M1_ROWS16(0x1p33f),   E2M1_ROWS16(0x1p49f),
+    E2M1_ROWS16(0x1p65f),   E2M1_ROWS16(0x1p81f),   E2M1_ROWS16(0x1p97f),
+    E2M1_ROWS15(0x1p113f), /* e = 240 .. 254 */
+    E2M1_ROW(NAN),         /* e = 255 */
+};
+#define E2M1 (E8M0_E2M1[127])
 
 /* [sum(a0), ..., sum(a7)]: ops.c's transposing tree (halve to 256 bits, two
  * levels of hadd, one lane swap), here too so that the sums of eight rows
@@ -243,35 +275,59 @@ static void split_even_odd(const float *x, size_t n, float *xs) {
 }
 
 /* Block b of one row as two vectors of f32 weights, w0 for x's (or xs's)
- * values 0-15 of the block, w1 for 16-31. MXFP4: the 16 code bytes widened
- * to 16 lanes; vpermps reads the low 4 bits of a lane, so the lane is the
- * even element's index and the lane shifted right by 4 the odd one's; the
- * table is E2M1 times the block's scale (s). Q8_0: the 32 int8 widened and
- * converted, times s. */
-static inline void mxfp4_block(const unsigned char *codes, int b, float s, __m512 e2m1, __m512 *w0,
-                               __m512 *w1) {
-    const __m512 tab = _mm512_mul_ps(e2m1, _mm512_set1_ps(s));
-    const __m512i v =
-        _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16 * (size_t)b)));
-    *w0 = _mm512_permutexvar_ps(v, tab);
-    *w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), tab);
+ * values 0-15 of the block, w1 for 16-31. `sw` is the block's scale word
+ * (scale_words): MXFP4, the offset of its row of E8M0_E2M1 in floats;
+ * Q8_0, its f32 scale. MXFP4: the 16 code bytes widened to 16 lanes;
+ * vpermps reads the low 4 bits of a lane, so the lane is the even
+ * element's index into the row and the lane shifted right by 4 the odd
+ * one's. Q8_0: the 32 int8 widened and converted, times the scale. */
+static inline void block_values(const kern_dtype dt, const unsigned char *codes, int b,
+                                const unsigned char *sw, __m512 *w0, __m512 *w1) {
+    if (dt == KERN_MXFP4) {
+        int32_t off;
+        memcpy(&off, sw, sizeof off);
+        const __m512 tab = _mm512_load_ps(E8M0_E2M1[0] + off);
+        const __m512i v =
+            _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16 * (size_t)b)));
+        *w0 = _mm512_permutexvar_ps(v, tab);
+        *w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), tab);
+    } else {
+        float s;
+        memcpy(&s, sw, sizeof s);
+        const __m512 sv = _mm512_set1_ps(s);
+        const unsigned char *p = codes + 32 * (size_t)b;
+        const __m128i q0 = _mm_loadu_si128((const __m128i *)p);
+        const __m128i q1 = _mm_loadu_si128((const __m128i *)(p + 16));
+        *w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), sv);
+        *w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), sv);
+    }
 }
 
-static inline void q8_0_block(const unsigned char *codes, int b, float s, __m512 *w0, __m512 *w1) {
-    const __m512 sv = _mm512_set1_ps(s);
-    const unsigned char *p = codes + 32 * (size_t)b;
-    *w0 = _mm512_mul_ps(
-        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))), sv);
-    *w1 = _mm512_mul_ps(
-        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16)))), sv);
-}
-
-static inline void block_values(kern_dtype dt, const unsigned char *codes, int b, float s,
-                                __m512 e2m1, __m512 *w0, __m512 *w1) {
-    if (dt == KERN_MXFP4)
-        mxfp4_block(codes, b, s, e2m1, w0, w1);
-    else
-        q8_0_block(codes, b, s, w0, w1);
+/* The scale words of rows [r, r + nr), one 4-byte word per block, row k's
+ * at sw + k * ld bytes: MXFP4, e * 16 (the offset of row e of
+ * E8M0_E2M1, in floats); Q8_0, the f32 scale (row_scales). */
+static void scale_words(const kern_weight *w, const kern_layout *l, int r, int nr,
+                        unsigned char *sw, size_t ld) {
+    if (w->dt != KERN_MXFP4) {
+        for (int k = 0; k < nr; k++)
+            row_scales(w, l, r + k, 1, (float *)(void *)(sw + (size_t)k * ld), 0);
+        return;
+    }
+    const int nb = w->cols / KERN_BLOCK;
+    for (int k = 0; k < nr; k++) {
+        const unsigned char *sc =
+            (const unsigned char *)w->scales + (size_t)(r + k) * l->scale_row_bytes;
+        unsigned char *out = sw + (size_t)k * ld;
+        int b = 0;
+        for (; b + 16 <= nb; b += 16) {
+            const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sc + b)));
+            _mm512_storeu_si512((void *)(out + 4 * (size_t)b), _mm512_slli_epi32(e, 4));
+        }
+        for (; b < nb; b++) { /* the scalar form */
+            const int32_t off = 16 * (int32_t)sc[b];
+            memcpy(out + 4 * (size_t)b, &off, sizeof off);
+        }
+    }
 }
 
 /* Blocks per tile of the several-token direct path: 8 rows x 128 columns
@@ -289,21 +345,19 @@ static int prefetch_rows(size_t row_bytes) {
 /* One token, rows [r, r + 8) starting at codes c (row stride rb): each
  * block of the eight rows decoded in registers and multiplied into that
  * row's accumulator (16 lanes of partial sums), then one reduction gives
- * the eight sums, y[0..8). sg: the rows' scales, row k's at byte offset
- * k * rb (the code rows' stride, so one offset register serves a row's
- * codes and its scales and the loop needs no spilled pointers). dt is a
- * constant at each call (direct_avx512), so the format's branches fold
- * away. */
+ * the eight sums, y[0..8). sw: the rows' scale words, row k's at byte
+ * offset k * rb (the code rows' stride, so one offset register serves a
+ * row's codes and its scales and the loop needs no spilled pointers). dt
+ * is a constant at each call (direct_avx512), so the format's branches
+ * fold away. */
 static inline void rows8_one_token(const kern_dtype dt, const unsigned char *c, size_t rb, int nb,
-                                   const float *sg, const float *xs, float *y) {
+                                   const unsigned char *sw, const float *xs, float *y) {
     const int bb = dt == KERN_MXFP4 ? 16 : 32; /* code bytes per block */
     const int per_line = 64 / bb, pf = prefetch_rows(rb);
-    const __m512 e2m1 = _mm512_loadu_ps(E2M1);
-    const unsigned char *s = (const unsigned char *)sg;
     __m512 acc[8];
     for (int k = 0; k < 8; k++)
         acc[k] = _mm512_setzero_ps();
-    for (int b = 0; b < nb; b++, c += bb, s += sizeof(float)) {
+    for (int b = 0; b < nb; b++, c += bb, sw += 4) {
         if (b % per_line == 0)
             for (int k = 0; k < 8; k++)
                 _mm_prefetch((const char *)(c + (k + pf) * rb), _MM_HINT_T0);
@@ -311,9 +365,7 @@ static inline void rows8_one_token(const kern_dtype dt, const unsigned char *c, 
         const __m512 x1 = _mm512_loadu_ps(xs + 32 * (size_t)b + 16);
         for (int k = 0; k < 8; k++) {
             __m512 w0, w1;
-            float sk;
-            memcpy(&sk, s + k * rb, sizeof sk);
-            block_values(dt, c + k * rb, 0, sk, e2m1, &w0, &w1);
+            block_values(dt, c + k * rb, 0, sw + k * rb, &w0, &w1);
             acc[k] = _mm512_fmadd_ps(w0, x0, acc[k]);
             acc[k] = _mm512_fmadd_ps(w1, x1, acc[k]);
         }
@@ -327,11 +379,10 @@ static inline void rows8_one_token(const kern_dtype dt, const unsigned char *c, 
  * the tile with the FMAs of rows8_one_token in the same order, so each
  * token's sums are the ones it would get alone. xs [T, in]; y [T, ldy]. */
 static inline void rows8_tokens(const kern_dtype dt, const unsigned char *c, size_t rb, int nb,
-                                const float *sg, size_t ld, const float *xs, int T, float *y,
+                                const unsigned char *sw, const float *xs, int T, float *y,
                                 int ldy) {
     const int bb = dt == KERN_MXFP4 ? 16 : 32;
     const int per_line = 64 / bb, pf = prefetch_rows(rb), in = nb * KERN_BLOCK;
-    const __m512 e2m1 = _mm512_loadu_ps(E2M1);
     __m512 acc[QUANT_GEMM_MIN_T][8];
     _Alignas(64) float tile[8][TILE_BLOCKS][KERN_BLOCK];
     for (int t = 0; t < T; t++)
@@ -341,12 +392,11 @@ static inline void rows8_tokens(const kern_dtype dt, const unsigned char *c, siz
         const int n = nb - b0 < TILE_BLOCKS ? nb - b0 : TILE_BLOCKS;
         for (int k = 0; k < 8; k++) {
             for (int j = 0; j < n; j += per_line)
-                _mm_prefetch((const char *)(c + (size_t)(k + pf) * rb + (size_t)(b0 + j) * bb),
+                _mm_prefetch((const char *)(c + (k + pf) * rb + (size_t)(b0 + j) * bb),
                              _MM_HINT_T0);
             for (int j = 0; j < n; j++) {
                 __m512 w0, w1;
-                block_values(dt, c + (size_t)k * rb, b0 + j, sg[(size_t)k * ld + b0 + j], e2m1, &w0,
-                             &w1);
+                block_values(dt, c + k * rb, b0 + j, sw + k * rb + 4 * (size_t)(b0 + j), &w0, &w1);
                 _mm512_store_ps(tile[k][j], w0);
                 _mm512_store_ps(tile[k][j] + 16, w1);
             }
@@ -373,17 +423,16 @@ static inline void rows8_tokens(const kern_dtype dt, const unsigned char *c, siz
 }
 
 /* One row (past the last multiple of 8), every token in turn, at every T
- * alike: sg [nb]. */
-static inline void row1_tokens(const kern_dtype dt, const unsigned char *c, int nb, const float *sg,
-                               const float *xs, int T, float *y, int ldy) {
-    const __m512 e2m1 = _mm512_loadu_ps(E2M1);
+ * alike: sw, its nb scale words. */
+static inline void row1_tokens(const kern_dtype dt, const unsigned char *c, int nb,
+                               const unsigned char *sw, const float *xs, int T, float *y, int ldy) {
     const int in = nb * KERN_BLOCK;
     for (int t = 0; t < T; t++) {
         const float *xt = xs + (size_t)t * in;
         __m512 a = _mm512_setzero_ps();
         for (int b = 0; b < nb; b++) {
             __m512 w0, w1;
-            block_values(dt, c, b, sg[b], e2m1, &w0, &w1);
+            block_values(dt, c, b, sw + 4 * (size_t)b, &w0, &w1);
             a = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xt + 32 * (size_t)b), a);
             a = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xt + 32 * (size_t)b + 16), a);
         }
@@ -393,36 +442,36 @@ static inline void row1_tokens(const kern_dtype dt, const unsigned char *c, int 
 
 /* The direct path, rows [r0, r1) for T < 32 tokens: eight rows at a time
  * (one token: rows8_one_token; several: rows8_tokens), the rest one by
- * one. xs [T, in]: x, split even/odd for MXFP4; sg: 8 * row_bytes / 4
- * floats (the scales of eight rows at the code rows' stride). */
+ * one. xs [T, in]: x, split even/odd for MXFP4; sw: 8 * row_bytes bytes
+ * of scratch (the scale words of eight rows at the code rows' stride). */
 static inline void direct_rows(const kern_dtype dt, const kern_weight *w, const kern_layout *l,
                                const float *xs, int T, float *y, int ldy, int r0, int r1,
-                               float *sg) {
+                               unsigned char *sw) {
     const int nb = w->cols / KERN_BLOCK;
-    const size_t rb = l->row_bytes, srb = l->scale_row_bytes, ld = rb / sizeof(float);
+    const size_t rb = l->row_bytes, srb = l->scale_row_bytes;
     const unsigned char *codes = w->data, *scales = w->scales;
     int r = r0;
     for (; r + 8 <= r1; r += 8) {
         for (size_t i = 0; i < 8 * srb; i += 64) /* the next group's scales */
             _mm_prefetch((const char *)(scales + (size_t)(r + 8) * srb + i), _MM_HINT_T0);
-        row_scales(w, l, r, 8, sg, ld);
+        scale_words(w, l, r, 8, sw, rb);
         if (T == 1)
-            rows8_one_token(dt, codes + (size_t)r * rb, rb, nb, sg, xs, y + r);
+            rows8_one_token(dt, codes + (size_t)r * rb, rb, nb, sw, xs, y + r);
         else
-            rows8_tokens(dt, codes + (size_t)r * rb, rb, nb, sg, ld, xs, T, y + r, ldy);
+            rows8_tokens(dt, codes + (size_t)r * rb, rb, nb, sw, xs, T, y + r, ldy);
     }
     for (; r < r1; r++) {
-        row_scales(w, l, r, 1, sg, ld);
-        row1_tokens(dt, codes + (size_t)r * rb, nb, sg, xs, T, y + r, ldy);
+        scale_words(w, l, r, 1, sw, rb);
+        row1_tokens(dt, codes + (size_t)r * rb, nb, sw, xs, T, y + r, ldy);
     }
 }
 
 static void direct_avx512(const kern_weight *w, const kern_layout *l, const float *xs, int T,
-                          float *y, int ldy, int r0, int r1, float *sg) {
+                          float *y, int ldy, int r0, int r1, unsigned char *sw) {
     if (w->dt == KERN_MXFP4)
-        direct_rows(KERN_MXFP4, w, l, xs, T, y, ldy, r0, r1, sg);
+        direct_rows(KERN_MXFP4, w, l, xs, T, y, ldy, r0, r1, sw);
     else
-        direct_rows(KERN_Q8_0, w, l, xs, T, y, ldy, r0, r1, sg);
+        direct_rows(KERN_Q8_0, w, l, xs, T, y, ldy, r0, r1, sw);
 }
 
 /* Rows and tokens of one step of the prefill kernel: 12 x 2 accumulators
@@ -439,7 +488,7 @@ static void direct_avx512(const kern_weight *w, const kern_layout *l, const floa
 static void pack_panel(const kern_weight *w, const kern_layout *l, int r, int nr, const float *sg,
                        float *P) {
     const int in = w->cols, nb = in / KERN_BLOCK;
-    const __m512 e2m1 = _mm512_loadu_ps(E2M1);
+    const __m512 e2m1 = _mm512_load_ps(E2M1);
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512i idx = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)l->row_bytes));
     const __m512i sidx = _mm512_mullo_epi32(lane, _mm512_set1_epi32(nb));
@@ -583,13 +632,13 @@ void kern_matmul_w(const kern_weight *w, const float *x, int T, float *y, int ld
         return;
     }
     const float *xs = x;
-    float *sg = scratch;
+    float *sw = scratch;
     if (w->dt == KERN_MXFP4) {
         split_even_odd(x, (size_t)T * w->cols, scratch);
         xs = scratch;
-        sg = scratch + (size_t)T * w->cols;
+        sw = scratch + (size_t)T * w->cols;
     }
-    direct_avx512(w, &l, xs, T, y, ldy, r0, r1, sg);
+    direct_avx512(w, &l, xs, T, y, ldy, r0, r1, (unsigned char *)sw);
 #else
     kern_matmul_w_ref(w, x, T, y, ldy, r0, r1, scratch);
 #endif
