@@ -24,7 +24,7 @@
  *       where the direct path (T < 32) hands over to the prefill path;
  *   (d) prefill, T = 64 and 256, GFLOP/s (2 T rows cols / time), the fast
  *       path, the portable path kern_matmul_w_ref (dequantise + OpenBLAS
- *       sgemm), and bf16 (kern_matmul: widen + sgemm).
+ *       sgemm), bf16 (kern_matmul: widen + sgemm) and f32 (sgemm alone).
  * Threads: products go through the engine's pool (eng_pool), their rows cut
  * into 4 tasks per thread as eng_cpu.c's run_mm does; with one thread the
  * call is made inline, as there. OpenBLAS is pinned to one thread (the
@@ -205,7 +205,7 @@ static void bench_bandwidth(void) {
 
 /* A stack of n weights [rows, cols] of format dt in one allocation: codes
  * random bytes; MXFP4 scales 2^-6 .. 2^1, Q8_0 scales f16 in +-[0.001, 0.05],
- * bf16 values in +-[0.01, 1). */
+ * bf16 and f32 values uniform in (-1, 1). */
 typedef struct stack {
     kern_weight *w;
     int n;
@@ -219,13 +219,15 @@ static stack make_stack(kern_dtype dt, int rows, int cols, int n) {
     s.codes = xalloc(l.data_bytes * (size_t)n);
     s.scales = l.scale_bytes ? xalloc(l.scale_bytes * (size_t)n) : NULL;
     s.bytes_per = l.bytes;
-    if (dt == KERN_BF16) {
-        uint16_t *v = s.codes;
+    if (dt == KERN_BF16 || dt == KERN_F32) {
         uint64_t r = 7;
         for (size_t i = 0; i < (size_t)rows * cols * n; i++) {
             r ^= r << 13, r ^= r >> 7, r ^= r << 17;
             const float f = (float)((r >> 40) * (1.0 / 16777216.0)) * 2.0f - 1.0f;
-            v[i] = kern_f32_to_bf16(f);
+            if (dt == KERN_BF16)
+                ((uint16_t *)s.codes)[i] = kern_f32_to_bf16(f);
+            else
+                ((float *)s.codes)[i] = f;
         }
     } else {
         fill_bytes(s.codes, l.data_bytes * (size_t)n, 2);
@@ -347,20 +349,23 @@ static void bench_prefill(void) {
     const int Ts[2] = {64, 256};
     printf("### (d) Prefill, GFLOP/s (2 T rows cols / time), median of %d\n\n", g_runs);
     printf("`fast`: kern_matmul_w; `portable`: kern_matmul_w_ref (rows dequantised to f32 by the "
-           "scalar loop, then OpenBLAS sgemm); bf16: kern_matmul (widen + sgemm).\n\n");
+           "scalar loop, then OpenBLAS sgemm); bf16: kern_matmul (rows widened, then sgemm); "
+           "f32: OpenBLAS sgemm alone (kern_matmul on f32 weights).\n\n");
     printf("| shape | T | threads | mxfp4 fast | mxfp4 portable | q8_0 fast | q8_0 portable | bf16 "
-           "|\n|---|---|---|---|---|---|---|---|\n");
+           "| f32 |\n|---|---|---|---|---|---|---|---|---|\n");
+    const kern_dtype dts[4] = {KERN_MXFP4, KERN_Q8_0, KERN_BF16, KERN_F32};
     for (int s = 0; s < 2; s++) {
         const int rows = SHAPES[s][0], cols = SHAPES[s][1];
-        stack st[3] = {make_stack(KERN_MXFP4, rows, cols, 1), make_stack(KERN_Q8_0, rows, cols, 1),
-                       make_stack(KERN_BF16, rows, cols, 1)};
+        stack st[4];
+        for (int d = 0; d < 4; d++)
+            st[d] = make_stack(dts[d], rows, cols, 1);
         float *x = random_x((size_t)256 * cols, 9), *y = xalloc((size_t)256 * rows * sizeof(float));
         for (int k = 0; k < 2; k++)
             for (int th = 1; th <= 2; th++) {
                 const int T = Ts[k];
                 const double flop = 2.0 * T * rows * cols;
                 printf("| [%d, %d] | %d | %d |", rows, cols, T, th);
-                for (int d = 0; d < 3; d++)
+                for (int d = 0; d < 4; d++)
                     for (int ref = 0; ref < (d < 2 ? 2 : 1); ref++) {
                         const double t = time_sweeps(st[d].w, 1, 1, x, T, y, th, ref);
                         printf(" %.1f |", flop / t / 1e9);
@@ -370,7 +375,7 @@ static void bench_prefill(void) {
             }
         free(x);
         free(y);
-        for (int d = 0; d < 3; d++)
+        for (int d = 0; d < 4; d++)
             free_stack(&st[d]);
     }
     printf("\n");
