@@ -130,16 +130,34 @@ size_t kern_matmul_scratch_floats(int in);
 /*
  * The same product for a weight of any format (what the engine calls):
  * element formats are exactly kern_matmul(w->dt, w->data, w->cols, ...),
- * bit for bit. Block formats (MXFP4, Q8_0) are the CPU reference: blocks
- * of up to 128 rows are dequantised to f32 in `scratch` and multiplied as
- * f32 weights (BLAS from 32 tokens, direct dot products below), so the
- * result is the dequantised matrix's product up to summation order.
+ * bit for bit. Block formats (MXFP4, Q8_0) compute with the dequantised
+ * f32 values (kern_weight_row_f32), so the result is the dequantised
+ * matrix's product up to summation order (infinities and NaNs of the
+ * values included):
+ *   T < 32: the codes and scales are read in place, eight rows per pass,
+ *   no dequantised copy of the matrix (decode: bound by the code bytes
+ *   read). Row t of a T-token product is the 1-token product of row t of
+ *   x, bit for bit (what batched decode relies on).
+ *   T >= 32: panels of rows are dequantised into `scratch` and multiplied
+ *   there (prefill).
  *   scratch: kern_matmul_scratch_floats(w->cols) floats, required for
- *   block formats (NULL forces kern_matmul's direct path for element
- *   formats, as there).
+ *   block formats (without it nothing is written; NULL forces kern_matmul's
+ *   direct path for element formats, as there).
  */
 void kern_matmul_w(const kern_weight *w, const float *x, int T, float *y, int ldy, int r0, int r1,
                    float *scratch);
+
+/*
+ * kern_matmul_w's portable path for a block format, in every build (the
+ * one kern_matmul_w takes without AVX-512): below 32 tokens each row's
+ * blocks of 32 values dequantised one at a time and dotted with every
+ * token, from 32 blocks of 128 rows dequantised to f32 in `scratch` and
+ * multiplied by BLAS. The readable specification of the fast paths, and
+ * slow. Same arguments and contract as kern_matmul_w; w must be a block
+ * format.
+ */
+void kern_matmul_w_ref(const kern_weight *w, const float *x, int T, float *y, int ldy, int r0,
+                       int r1, float *scratch);
 
 /* ------------------------------------------------------------------------ */
 /* Element-wise and normalisation                                            */

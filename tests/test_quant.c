@@ -280,3 +280,352 @@ Test(quant, quantize_rows) {
     cr_expect_eq(c[0] >> 4, 4, "2.5 -> 2 (even code 4), got code %d", c[0] >> 4);
     cr_expect_eq(c[1] & 15, 2, "1.25 -> 1 (even code 2), got code %d", c[1] & 15);
 }
+
+/* ------------------------------------------------------------------------ */
+/* The fast paths (AVX-512 builds) and the portable one, path by path        */
+
+typedef void (*product_fn)(const kern_weight *w, const float *x, int T, float *y, int ldy, int r0,
+                           int r1, float *scratch);
+
+/* Floats past the scratch that no product may touch. */
+#define GUARD 64
+static const float SENTINEL = -7777.25f;
+
+/* fn's product x W^T on rows [r0, r1) of a random [rows, cols] weight, for
+ * each T of Ts, against the plain loop in double over the values the
+ * formats define (make_block): |error| < 1e-5 of the sum of |terms|, no
+ * column outside [r0, r1) and no row t >= T of y written, no scratch float
+ * past kern_matmul_scratch_floats(cols) touched. */
+static void check_against_loop(product_fn fn, const char *name, kern_dtype dt, int rows, int cols,
+                               int r0, int r1, const int *Ts, int nT) {
+    int maxT = 0;
+    for (int k = 0; k < nT; k++)
+        maxT = Ts[k] > maxT ? Ts[k] : maxT;
+    const int ldy = rows + 2;
+    const size_t ns = kern_matmul_scratch_floats(cols);
+    double *ref = malloc((size_t)rows * cols * sizeof(double));
+    double *want = malloc((size_t)maxT * rows * sizeof(double));
+    double *mag = malloc((size_t)maxT * rows * sizeof(double));
+    float *x = malloc((size_t)maxT * cols * sizeof(float));
+    float *y = malloc((size_t)(maxT + 1) * ldy * sizeof(float));
+    float *scratch = malloc((ns + GUARD) * sizeof(float));
+    cr_assert(ref && want && mag && x && y && scratch);
+    kern_weight w =
+        make_block(dt, rows, cols, ref, 0xabcdefull + (uint64_t)rows * 7919 + cols + dt);
+    uint64_t seed = 0x5eed + (uint64_t)cols;
+    for (int i = 0; i < maxT * cols; i++)
+        x[i] = unit(&seed);
+    for (int t = 0; t < maxT; t++)
+        for (int r = 0; r < rows; r++) {
+            double s = 0, m = 0;
+            for (int c = 0; c < cols; c++) {
+                const double term = ref[(size_t)r * cols + c] * x[(size_t)t * cols + c];
+                s += term;
+                m += fabs(term);
+            }
+            want[(size_t)t * rows + r] = s;
+            mag[(size_t)t * rows + r] = m;
+        }
+    double worst = 0;
+    for (int k = 0; k < nT; k++) {
+        const int T = Ts[k];
+        for (size_t i = 0; i < (size_t)(maxT + 1) * ldy; i++)
+            y[i] = SENTINEL;
+        for (size_t i = 0; i < ns + GUARD; i++)
+            scratch[i] = i < ns ? 0.0f : SENTINEL;
+        fn(&w, x, T, y, ldy, r0, r1, scratch);
+        for (size_t i = ns; i < ns + GUARD; i++)
+            cr_assert_eq(scratch[i], SENTINEL,
+                         "%s %s [%d, %d] T=%d: scratch float %zu of %zu written", name,
+                         kern_dtype_name(dt), rows, cols, T, i, ns);
+        for (int t = 0; t <= maxT; t++)
+            for (int r = 0; r < ldy; r++) {
+                const float got = y[(size_t)t * ldy + r];
+                if (t >= T || r < r0 || r >= r1) {
+                    cr_assert_eq(got, SENTINEL,
+                                 "%s %s [%d, %d] T=%d: y[%d, %d] written (rows [%d, %d))", name,
+                                 kern_dtype_name(dt), rows, cols, T, t, r, r0, r1);
+                    continue;
+                }
+                const double m = mag[(size_t)t * rows + r],
+                             e = fabs(got - want[(size_t)t * rows + r]) / (m > 0 ? m : 1);
+                if (e > worst) worst = e;
+                cr_assert(e < 1e-5,
+                          "%s %s [%d, %d] rows [%d, %d) T=%d: y[%d, %d] = %.9g, want %.9g", name,
+                          kern_dtype_name(dt), rows, cols, r0, r1, T, t, r, (double)got,
+                          want[(size_t)t * rows + r]);
+            }
+    }
+    cr_log_info("%s %s [%d, %d]: worst error / sum |terms| %.2e", name, kern_dtype_name(dt), rows,
+                cols, worst);
+    free((void *)w.data);
+    free((void *)w.scales);
+    free(ref);
+    free(want);
+    free(mag);
+    free(x);
+    free(y);
+    free(scratch);
+}
+
+/* Shapes for the direct and prefill paths: ragged row counts and ranges
+ * (not multiples of 8, 32 or 128, not starting on one), and widths of 1, 2,
+ * 3, 33 and 112 blocks (K3's expert width 3584). */
+static const int SHAPES[][4] = {
+    /* rows, cols, r0, r1 */
+    {141, 96, 3, 139}, {37, 32, 1, 36}, {29, 64, 5, 22}, {19, 1056, 0, 19}, {21, 3584, 2, 19},
+};
+#define N_SHAPES (int)(sizeof SHAPES / sizeof SHAPES[0])
+
+/* Decode: every T below 32 on the direct path (codes read in place). */
+Test(quant, direct_path_every_T_against_dequantised_loop) {
+    int Ts[31];
+    for (int i = 0; i < 31; i++)
+        Ts[i] = i + 1;
+    for (int d = 0; d < 2; d++)
+        for (int s = 0; s < N_SHAPES; s++)
+            check_against_loop(kern_matmul_w, "direct", d ? KERN_Q8_0 : KERN_MXFP4, SHAPES[s][0],
+                               SHAPES[s][1], SHAPES[s][2], SHAPES[s][3], Ts, 31);
+}
+
+/* Prefill: from 32 tokens, token counts that leave every remainder of the
+ * kernel's 12-token steps, row ranges that leave ragged 32-row panels (of
+ * 8, 1, 23 and 2 rows). */
+Test(quant, prefill_path_against_dequantised_loop) {
+    const int Ts[] = {32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 64, 77};
+    const int nT = (int)(sizeof Ts / sizeof Ts[0]);
+    for (int d = 0; d < 2; d++) {
+        const kern_dtype dt = d ? KERN_Q8_0 : KERN_MXFP4;
+        check_against_loop(kern_matmul_w, "prefill", dt, 141, 96, 3, 139, Ts, nT);
+        check_against_loop(kern_matmul_w, "prefill", dt, 40, 32, 7, 40, Ts, nT);
+        check_against_loop(kern_matmul_w, "prefill", dt, 60, 64, 2, 57, Ts, nT); /* 32 + 23 rows */
+        /* K3's width, with every kind of last step */
+        const int wide[] = {32, 33, 35, 66};
+        check_against_loop(kern_matmul_w, "prefill", dt, 70, 3584, 1, 67, wide, 4);
+    }
+}
+
+/* The portable path (the build without AVX-512; here through
+ * kern_matmul_w_ref) meets the same contract. */
+Test(quant, portable_path_against_dequantised_loop) {
+    const int Ts[] = {1, 2, 7, 31, 32, 45};
+    for (int d = 0; d < 2; d++)
+        for (int s = 0; s < N_SHAPES; s++)
+            check_against_loop(kern_matmul_w_ref, "portable", d ? KERN_Q8_0 : KERN_MXFP4,
+                               SHAPES[s][0], SHAPES[s][1], SHAPES[s][2], SHAPES[s][3], Ts, 6);
+}
+
+/* What batched decode relies on: below 32 tokens, row t of a T-token
+ * product is the one-token product of x's row t, bit for bit, on the fast
+ * and the portable path. */
+static void check_rows_independent_of_T(product_fn fn, const char *name, kern_dtype dt, int rows,
+                                        int cols, int r0, int r1) {
+    const int maxT = 31, ldy = rows;
+    double *ref = malloc((size_t)rows * cols * sizeof(double));
+    float *x = malloc((size_t)maxT * cols * sizeof(float));
+    float *y = malloc((size_t)maxT * ldy * sizeof(float)),
+          *y1 = malloc((size_t)maxT * ldy * sizeof(float));
+    float *scratch = malloc(kern_matmul_scratch_floats(cols) * sizeof(float));
+    cr_assert(ref && x && y && y1 && scratch);
+    kern_weight w = make_block(dt, rows, cols, ref, 0x77ull + (uint64_t)rows * cols + dt);
+    uint64_t seed = 4242;
+    for (int i = 0; i < maxT * cols; i++)
+        x[i] = unit(&seed);
+    for (int t = 0; t < maxT; t++)
+        fn(&w, x + (size_t)t * cols, 1, y1 + (size_t)t * ldy, ldy, r0, r1, scratch);
+    for (int T = 2; T <= maxT; T++) {
+        fn(&w, x, T, y, ldy, r0, r1, scratch);
+        for (int t = 0; t < T; t++)
+            cr_assert_eq(
+                memcmp(y + (size_t)t * ldy + r0, y1 + (size_t)t * ldy + r0,
+                       (size_t)(r1 - r0) * sizeof(float)),
+                0, "%s %s [%d, %d] rows [%d, %d): token %d of %d differs from the same token alone",
+                name, kern_dtype_name(dt), rows, cols, r0, r1, t, T);
+    }
+    free((void *)w.data);
+    free((void *)w.scales);
+    free(ref);
+    free(x);
+    free(y);
+    free(y1);
+    free(scratch);
+}
+
+Test(quant, direct_rows_do_not_depend_on_T) {
+    for (int d = 0; d < 2; d++)
+        for (int s = 0; s < N_SHAPES; s++) {
+            const kern_dtype dt = d ? KERN_Q8_0 : KERN_MXFP4;
+            check_rows_independent_of_T(kern_matmul_w, "direct", dt, SHAPES[s][0], SHAPES[s][1],
+                                        SHAPES[s][2], SHAPES[s][3]);
+            check_rows_independent_of_T(kern_matmul_w_ref, "portable", dt, SHAPES[s][0],
+                                        SHAPES[s][1], SHAPES[s][2], SHAPES[s][3]);
+        }
+}
+
+/* ------------------------------------------------------------------------ */
+/* E8M0 scales at the ends of their range, on every path                    */
+
+/* [9, 544] MXFP4 weights for the scale tests: 8 rows and a tail; 17 blocks
+ * per row, so the scales go through the 16-wide conversion and its tail. */
+#define EDGE_COLS 544
+
+/* y[k] [9] = the last token's row of the product of a [9, EDGE_COLS]
+ * MXFP4 weight (codes [9, EDGE_COLS / 2], scales [9, EDGE_COLS / 32]), for
+ * every token equal to x [EDGE_COLS], at T = 1 (direct, one token), 5
+ * (direct, tiles) and 40 (prefill), k = 0, 1, 2. */
+static void product_all_paths(const unsigned char *codes, const unsigned char *scales,
+                              const float *x, float y[3][9]) {
+    const kern_weight w = {KERN_MXFP4, codes, scales, 9, EDGE_COLS};
+    float *xs = malloc((size_t)40 * EDGE_COLS * sizeof(float)),
+          *ys = malloc((size_t)40 * 9 * sizeof(float));
+    float *scratch = malloc(kern_matmul_scratch_floats(EDGE_COLS) * sizeof(float));
+    cr_assert(xs && ys && scratch);
+    for (int t = 0; t < 40; t++)
+        memcpy(xs + (size_t)t * EDGE_COLS, x, EDGE_COLS * sizeof(float));
+    const int Ts[3] = {1, 5, 40};
+    for (int k = 0; k < 3; k++) {
+        kern_matmul_w(&w, xs, Ts[k], ys, 9, 0, 9, scratch);
+        memcpy(y[k], ys + (size_t)(Ts[k] - 1) * 9, 9 * sizeof(float));
+    }
+    free(xs);
+    free(ys);
+    free(scratch);
+}
+
+/* Every finite exponent, 0 (2^-127, a denormal) to 254 (2^127), is the
+ * power of two kern_e8m0_to_f32 says: products against the double loop,
+ * x scaled by 2^(117 - e) so every term is near 2^-10 whatever e is. The
+ * codes stay where the weights are finite in f32 (up to 3 at e = 253, 1.5
+ * at e = 254). */
+Test(quant, every_finite_e8m0_exponent) {
+    static const double e2m1[8] = {0, 0.5, 1, 1.5, 2, 3, 4, 6};
+    static unsigned char codes[9 * EDGE_COLS / 2];
+    static float x[EDGE_COLS];
+    uint64_t seed = 31337;
+    for (int e = 0; e <= 254; e++) {
+        /* magnitudes v with v * 2^(e - 127) < 2^128: all below 253, up to 3 at 253, 1.5 at 254 */
+        const unsigned lim = e == 254 ? 4 : e == 253 ? 6 : 8;
+        for (int i = 0; i < 9 * EDGE_COLS / 2; i++) {
+            const unsigned lo = (unsigned)(next(&seed) % lim) | (unsigned)(next(&seed) % 2) << 3;
+            const unsigned hi = (unsigned)(next(&seed) % lim) | (unsigned)(next(&seed) % 2) << 3;
+            codes[i] = (unsigned char)(lo | hi << 4);
+        }
+        for (int c = 0; c < EDGE_COLS; c++)
+            x[c] = ldexpf(unit(&seed), 117 - e);
+        float y[3][9];
+        unsigned char scales[9 * EDGE_COLS / 32];
+        memset(scales, e, sizeof scales);
+        product_all_paths(codes, scales, x, y);
+        cr_assert_eq(kern_e8m0_to_f32((uint8_t)e), (float)ldexp(1.0, e - 127));
+        for (int r = 0; r < 9; r++) {
+            double want = 0, mag = 0;
+            for (int c = 0; c < EDGE_COLS; c++) {
+                const unsigned code = codes[r * EDGE_COLS / 2 + c / 2] >> (c % 2 ? 4 : 0) & 15u;
+                const double term =
+                    (code & 8 ? -1 : 1) * e2m1[code & 7] * ldexp(1.0, e - 127) * x[c];
+                want += term;
+                mag += fabs(term);
+            }
+            for (int k = 0; k < 3; k++)
+                cr_assert(fabs(y[k][r] - want) <= 1e-5 * mag,
+                          "e8m0 %d, path %d, row %d: %.9g, want %.9g", e, k, r, (double)y[k][r],
+                          want);
+        }
+    }
+}
+
+/* The values past f32's range behave as the dequantised f32 weights do
+ * (kern_weight_row_f32): e = 254 times a code of 2 or more is +-inf in f32
+ * (2^128 and up), so the sums are +-inf, or NaN with both signs; e = 255
+ * is NaN and makes every sum it enters NaN, in any block (one per row
+ * here, the 16-wide conversion's and its tail's). */
+Test(quant, e8m0_254_overflow_and_255_nan) {
+    static unsigned char codes[9 * EDGE_COLS / 2];
+    static float x[EDGE_COLS];
+    float y[3][9];
+    const int rb = EDGE_COLS / 2, nb = EDGE_COLS / 32;
+    unsigned char scales[9 * EDGE_COLS / 32];
+    for (int c = 0; c < EDGE_COLS; c++)
+        x[c] = 1.0f;
+    memset(codes, 0, sizeof codes);
+    codes[0 * rb] = 0x07;       /* row 0, column 0: +6 -> +inf */
+    codes[1 * rb + 200] = 0x0F; /* row 1, column 400: -6 -> -inf */
+    codes[2 * rb + 130] = 0x4C; /* row 2, columns 260, 261: -2 and +2 -> -inf + inf = NaN */
+    codes[3 * rb + 271] = 0x30; /* row 3, column 543: 1.5 * 2^127, finite */
+    codes[8 * rb + 5] = 0x70;   /* row 8 (the tail row): +inf */
+    const unsigned char w0[16] = {0x07};
+    float row[32];
+    const unsigned char s254 = 254;
+    kern_weight_row_f32(&(kern_weight){KERN_MXFP4, w0, &s254, 1, 32}, 0, 0, 32, row);
+    cr_assert(isinf(row[0]) && row[0] > 0, "the reference dequantises 6 * 2^127 to +inf");
+    memset(scales, 254, sizeof scales);
+    product_all_paths(codes, scales, x, y);
+    for (int k = 0; k < 3; k++) {
+        cr_expect(isinf(y[k][0]) && y[k][0] > 0, "path %d: row 0 %g, want +inf", k,
+                  (double)y[k][0]);
+        cr_expect(isinf(y[k][1]) && y[k][1] < 0, "path %d: row 1 %g, want -inf", k,
+                  (double)y[k][1]);
+        cr_expect(isnan(y[k][2]), "path %d: row 2 %g, want NaN", k, (double)y[k][2]);
+        cr_expect_eq(y[k][3], ldexpf(1.5f, 127), "path %d: row 3 %g, want 1.5 * 2^127", k,
+                     (double)y[k][3]);
+        for (int r = 4; r < 8; r++)
+            cr_expect_eq(y[k][r], 0.0f, "path %d: row %d", k, r);
+        cr_expect(isinf(y[k][8]) && y[k][8] > 0, "path %d: row 8 %g, want +inf", k,
+                  (double)y[k][8]);
+    }
+    memset(codes, 0x22, sizeof codes); /* every value 1 */
+    memset(scales, 127, sizeof scales);
+    for (int r = 0; r < 9; r++)
+        scales[r * nb + (r * 5 + 1) % nb] = 255; /* row 3: block 16, the tail */
+    product_all_paths(codes, scales, x, y);
+    for (int k = 0; k < 3; k++)
+        for (int r = 0; r < 9; r++)
+            cr_expect(isnan(y[k][r]), "path %d: row %d %g, want NaN", k, r, (double)y[k][r]);
+    cr_expect(isnan(kern_e8m0_to_f32(255)));
+}
+
+/* Element formats through kern_matmul_w are kern_matmul bit for bit on
+ * every path: direct (T < 32), widen + BLAS (T >= 32), no scratch. */
+Test(quant, element_formats_are_kern_matmul_on_every_path) {
+    const int rows = 45, cols = 96, r0 = 3, r1 = 43, maxT = 40;
+    float *wf = malloc((size_t)rows * cols * sizeof(float));
+    uint16_t *wb = malloc((size_t)rows * cols * sizeof(uint16_t)),
+             *wh = malloc((size_t)rows * cols * sizeof(uint16_t));
+    float *x = malloc((size_t)maxT * cols * sizeof(float));
+    float *a = malloc((size_t)maxT * rows * sizeof(float)),
+          *b = malloc((size_t)maxT * rows * sizeof(float));
+    float *scratch = malloc(kern_matmul_scratch_floats(cols) * sizeof(float));
+    cr_assert(wf && wb && wh && x && a && b && scratch);
+    uint64_t seed = 11;
+    for (int i = 0; i < rows * cols; i++) {
+        wf[i] = unit(&seed);
+        wb[i] = kern_f32_to_bf16(wf[i]);
+        wh[i] = kern_f32_to_f16(wf[i]);
+    }
+    for (int i = 0; i < maxT * cols; i++)
+        x[i] = unit(&seed);
+    const kern_dtype dts[3] = {KERN_F32, KERN_BF16, KERN_F16};
+    const void *ws[3] = {wf, wb, wh};
+    const int Ts[] = {1, 4, 31, 32, 40};
+    for (int d = 0; d < 3; d++)
+        for (int k = 0; k < 5; k++)
+            for (int with = 0; with < 2; with++) {
+                const int T = Ts[k];
+                float *sc = with ? scratch : NULL;
+                memset(a, 0, (size_t)maxT * rows * sizeof(float));
+                memset(b, 0, (size_t)maxT * rows * sizeof(float));
+                kern_matmul(dts[d], ws[d], cols, x, T, a, rows, r0, r1, sc);
+                kern_weight w = {dts[d], ws[d], NULL, rows, cols};
+                kern_matmul_w(&w, x, T, b, rows, r0, r1, sc);
+                cr_expect_eq(memcmp(a, b, (size_t)maxT * rows * sizeof(float)), 0,
+                             "%s T=%d %s scratch differs", kern_dtype_name(dts[d]), T,
+                             with ? "with" : "without");
+            }
+    free(wf);
+    free(wb);
+    free(wh);
+    free(x);
+    free(a);
+    free(b);
+    free(scratch);
+}

@@ -1,16 +1,44 @@
 /*
  * quant.c - weight formats (kern.h): the byte layout of every format, the
- * values of the block formats (MXFP4, Q8_0), and the CPU reference product
- * over a weight of any format.
+ * values of the block formats (MXFP4, Q8_0), and the product over a weight
+ * of any format (kern_matmul_w).
  *
- * The block-format product dequantises blocks of rows into f32 and hands
- * them to kern_matmul's f32 path: it is the reference the fast kernels (the
- * K3 and quantisation work) are checked against, not the fast path itself.
+ * A block-format product computes with the dequantised f32 values W[r, c]
+ * exactly as kern_weight_row_f32 gives them (e2m1 * 2^(e - 127) and
+ * int8 * f16 are the same f32 products here), so its result is the
+ * dequantised matrix's product up to summation order, infinities and NaNs
+ * included. Two paths, as in kern_matmul (ops.c):
+ *   - Decode, T < 32 tokens, is bound by the code bytes streamed per token.
+ *     The codes and scales are read in place, eight rows per pass. An E2M1
+ *     nibble becomes f32 through a 16-entry table held in a register
+ *     (vpermps indexes it with the nibble): the row of E8M0_E2M1 for the
+ *     block's exponent, the codes' values already times 2^(e - 127); an
+ *     int8 becomes f32 by a sign-extending widen and a convert, times its
+ *     f16 scale.
+ *     One token decodes in registers, one FMA per 16 values; several tokens
+ *     decode each 8-row x 128-column tile once into L1 and run every token
+ *     over it with the same FMAs in the same order, so row t of a T-token
+ *     product is the one-token product of row t, bit for bit.
+ *   - Prefill, T >= 32, is bound by multiply-adds. Panels of 32 rows are
+ *     dequantised into the scratch, transposed to [cols, 32] (gathers pick
+ *     one code word per row), and an outer-product kernel keeps 12 tokens x
+ *     32 rows of sums in registers (OpenBLAS's sgemm, the other choice,
+ *     runs its generic SSE3 kernels on this CPU: docs/benchmarks.md).
+ * The AVX-512 paths are chosen at compile time; without AVX-512 the scalar
+ * loops below run (one block of 32 values dequantised at a time for
+ * decode; rows dequantised to f32 and BLAS for prefill): they are the
+ * portable path and the readable specification.
  */
 #include "kern.h"
 
+#include <cblas.h>
 #include <math.h>
 #include <string.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define KERN_AVX512 1
+#endif
 
 int kern_dtype_is_block(kern_dtype dt) { return dt == KERN_MXFP4 || dt == KERN_Q8_0; }
 
@@ -87,10 +115,85 @@ void kern_weight_row_f32(const kern_weight *w, int r, int c0, int c1, float *out
     }
 }
 
-/* Rows of a block-format weight dequantised per block of 128 (the rows
- * kern_matmul's widening path uses), each block multiplied as f32. */
-static void matmul_block(const kern_weight *w, const float *x, int T, float *y, int ldy, int r0,
-                         int r1, float *scratch) {
+/* ------------------------------------------------------------------------ */
+/* Products                                                                  */
+
+/* From this many tokens the prefill path (dequantised panels) wins: the
+ * direct path's cost grows with every token, the panels' is paid once per
+ * 32 rows. The same threshold as kern_matmul's AVX-512 build. */
+#define QUANT_GEMM_MIN_T 32
+
+/* The f32 scales of rows [r, r + nr), one per block: sg [nr, ld] (the
+ * first nb of each row of ld; ld is unused when nr is 1). Row r's scales start at scales + r *
+ * scale_row_bytes; f16 scales are read with memcpy, as they need not be
+ * 2-byte aligned. */
+static void row_scales(const kern_weight *w, const kern_layout *l, int r, int nr, float *sg,
+                       size_t ld) {
+    const int nb = w->cols / KERN_BLOCK;
+    for (int k = 0; k < nr; k++) {
+        const unsigned char *sc =
+            (const unsigned char *)w->scales + (size_t)(r + k) * l->scale_row_bytes;
+        float *out = sg + (size_t)k * ld;
+        int b = 0;
+        if (w->dt == KERN_MXFP4) {
+#if KERN_AVX512
+            /* 2^(e - 127) built in the exponent bits: e << 23 for e in
+             * [1, 254]; e = 0 is the denormal 2^-127 (mantissa bit 22),
+             * e = 255 NaN, as kern_e8m0_to_f32 says. */
+            const __m512i zero = _mm512_setzero_si512(), ff = _mm512_set1_epi32(255);
+            for (; b + 16 <= nb; b += 16) {
+                const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sc + b)));
+                __m512i f = _mm512_slli_epi32(e, 23);
+                f = _mm512_mask_mov_epi32(f, _mm512_cmpeq_epi32_mask(e, zero),
+                                          _mm512_set1_epi32(0x00400000));
+                f = _mm512_mask_mov_epi32(f, _mm512_cmpeq_epi32_mask(e, ff),
+                                          _mm512_set1_epi32(0x7fc00000));
+                _mm512_storeu_ps(out + b, _mm512_castsi512_ps(f));
+            }
+#endif
+            for (; b < nb; b++)
+                out[b] = kern_e8m0_to_f32(sc[b]);
+        } else {
+#if KERN_AVX512
+            for (; b + 16 <= nb; b += 16)
+                _mm512_storeu_ps(
+                    out + b, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + 2 * b))));
+#endif
+            for (; b < nb; b++) {
+                uint16_t h;
+                memcpy(&h, sc + 2 * (size_t)b, sizeof h);
+                out[b] = kern_f16_to_f32(h);
+            }
+        }
+    }
+}
+
+/* The portable direct path: per row, one block of 32 values dequantised at
+ * a time (kern_weight_row_f32, the definition) and dotted with every
+ * token, each token's sum in column order, so a token's result does not
+ * depend on the others. x [T, in]; y [T, ldy]. */
+static void direct_scalar(const kern_weight *w, const float *x, int T, float *y, int ldy, int r0,
+                          int r1) {
+    const int in = w->cols;
+    float wb[KERN_BLOCK], acc[QUANT_GEMM_MIN_T];
+    for (int r = r0; r < r1; r++) {
+        for (int t = 0; t < T; t++)
+            acc[t] = 0.0f;
+        for (int c0 = 0; c0 < in; c0 += KERN_BLOCK) {
+            kern_weight_row_f32(w, r, c0, c0 + KERN_BLOCK, wb);
+            for (int t = 0; t < T; t++)
+                for (int j = 0; j < KERN_BLOCK; j++)
+                    acc[t] += wb[j] * x[(size_t)t * in + c0 + j];
+        }
+        for (int t = 0; t < T; t++)
+            y[(size_t)t * ldy + r] = acc[t];
+    }
+}
+
+/* The portable prefill path: blocks of up to 128 rows dequantised to f32
+ * in the scratch ([nr, in]) and multiplied as f32 weights (BLAS). */
+static void gemm_scalar(const kern_weight *w, const float *x, int T, float *y, int ldy, int r0,
+                        int r1, float *scratch) {
     const int in = w->cols;
     for (int rb = r0; rb < r1; rb += 128) {
         const int nr = r1 - rb < 128 ? r1 - rb : 128;
@@ -100,11 +203,452 @@ static void matmul_block(const kern_weight *w, const float *x, int T, float *y, 
     }
 }
 
+#if KERN_AVX512
+/* E8M0_E2M1[e][c] = kern_e2m1_to_f32(c) * kern_e8m0_to_f32(e): the f32
+ * values of the dequantised weights (exact; denormal for the smallest e;
+ * +-inf where 2^(e - 127) times the code passes f32's range; NaN for e =
+ * 255), written out by the compiler. Row e is the table vpermps reads for
+ * a block of scale e: loading it costs no multiply (one uop less per block
+ * and row than scaling E2M1 by 2^(e - 127)) and no microcode assist (a
+ * multiply with denormal results takes one, ~150 cycles on Intel cores,
+ * and the quantiser gives all-zero blocks e = 0). 16 KiB, a 64-byte line per
+ * exponent: the few exponents a weight uses stay in L1. Row 127 is E2M1
+ * itself. */
+#define E2M1_ROW(s)                                                                                \
+    {                                                                                              \
+        0.0f * (s), 0.5f * (s), 1.0f * (s), 1.5f * (s), 2.0f * (s), 3.0f * (s), 4.0f * (s),        \
+            6.0f * (s), -0.0f * (s), -0.5f * (s), -1.0f * (s), -1.5f * (s), -2.0f * (s),           \
+            -3.0f * (s), -4.0f * (s), -6.0f * (s)                                                  \
+    }
+/* The rows of 15 (16) consecutive exponents from scale s = 2^(e0 - 127),
+ * each scale twice the one before (exact: powers of two). */
+#define E2M1_ROWS15(s)                                                                             \
+    E2M1_ROW(s), E2M1_ROW((s)*0x1p1f), E2M1_ROW((s)*0x1p2f), E2M1_ROW((s)*0x1p3f),                 \
+        E2M1_ROW((s)*0x1p4f), E2M1_ROW((s)*0x1p5f), E2M1_ROW((s)*0x1p6f), E2M1_ROW((s)*0x1p7f),    \
+        E2M1_ROW((s)*0x1p8f), E2M1_ROW((s)*0x1p9f), E2M1_ROW((s)*0x1p10f), E2M1_ROW((s)*0x1p11f),  \
+        E2M1_ROW((s)*0x1p12f), E2M1_ROW((s)*0x1p13f), E2M1_ROW((s)*0x1p14f)
+#define E2M1_ROWS16(s) E2M1_ROWS15(s), E2M1_ROW((s)*0x1p15f)
+_Alignas(64) static const float E8M0_E2M1[256][16] = {
+    E2M1_ROWS16(0x1p-127f), E2M1_ROWS16(0x1p-111f), E2M1_ROWS16(0x1p-95f),
+    E2M1_ROWS16(0x1p-79f),  E2M1_ROWS16(0x1p-63f),  E2M1_ROWS16(0x1p-47f),
+    E2M1_ROWS16(0x1p-31f),  E2M1_ROWS16(0x1p-15f),  E2M1_ROWS16(0x1p1f),
+    E2M1_ROWS16(0x1p17f),   E2M1_ROWS16(0x1p33f),   E2M1_ROWS16(0x1p49f),
+    E2M1_ROWS16(0x1p65f),   E2M1_ROWS16(0x1p81f),   E2M1_ROWS16(0x1p97f),
+    E2M1_ROWS15(0x1p113f), /* e = 240 .. 254 */
+    E2M1_ROW(NAN),         /* e = 255 */
+};
+#define E2M1 (E8M0_E2M1[127])
+
+/* [sum(a0), ..., sum(a7)]: ops.c's transposing tree (halve to 256 bits, two
+ * levels of hadd, one lane swap), here too so that the sums of eight rows
+ * cost one reduction. */
+static inline __m256 reduce8(const __m512 a[8]) {
+    __m256 b[8];
+    for (int k = 0; k < 8; k++)
+        b[k] = _mm256_add_ps(_mm512_castps512_ps256(a[k]),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[k]), 1)));
+    __m256 t0 = _mm256_hadd_ps(b[0], b[1]), t1 = _mm256_hadd_ps(b[2], b[3]);
+    __m256 t2 = _mm256_hadd_ps(b[4], b[5]), t3 = _mm256_hadd_ps(b[6], b[7]);
+    __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                         _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* x [T, in] -> xs [T, in] with each block of 32 as its 16 even then its 16
+ * odd values: the order of an MXFP4 block's low and high nibbles, so the
+ * 16 bytes of a block widened to 16 lanes give the weights of xs's first
+ * half (low nibbles) and second half (high nibbles). */
+static void split_even_odd(const float *x, size_t n, float *xs) {
+    const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i od = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    size_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        const __m512 a = _mm512_loadu_ps(x + i), b = _mm512_loadu_ps(x + i + 16);
+        _mm512_storeu_ps(xs + i, _mm512_permutex2var_ps(a, ev, b));
+        _mm512_storeu_ps(xs + i + 16, _mm512_permutex2var_ps(a, od, b));
+    }
+    for (; i < n; i += 32) /* the scalar form (n is a multiple of 32) */
+        for (int j = 0; j < 16; j++) {
+            xs[i + j] = x[i + 2 * j];
+            xs[i + 16 + j] = x[i + 2 * j + 1];
+        }
+}
+
+/* Block b of one row as two vectors of f32 weights, w0 for x's (or xs's)
+ * values 0-15 of the block, w1 for 16-31. `sw` is the block's scale word
+ * (scale_words): MXFP4, the offset of its row of E8M0_E2M1 in floats;
+ * Q8_0, its f32 scale. MXFP4: the 16 code bytes widened to 16 lanes;
+ * vpermps reads the low 4 bits of a lane, so the lane is the even
+ * element's index into the row and the lane shifted right by 4 the odd
+ * one's. Q8_0: the 32 int8 widened and converted, times the scale. */
+static inline void block_values(const kern_dtype dt, const unsigned char *codes, int b,
+                                const unsigned char *sw, __m512 *w0, __m512 *w1) {
+    if (dt == KERN_MXFP4) {
+        int32_t off;
+        memcpy(&off, sw, sizeof off);
+        const __m512 tab = _mm512_load_ps(E8M0_E2M1[0] + off);
+        const __m512i v =
+            _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16 * (size_t)b)));
+        *w0 = _mm512_permutexvar_ps(v, tab);
+        *w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), tab);
+    } else {
+        float s;
+        memcpy(&s, sw, sizeof s);
+        const __m512 sv = _mm512_set1_ps(s);
+        const unsigned char *p = codes + 32 * (size_t)b;
+        const __m128i q0 = _mm_loadu_si128((const __m128i *)p);
+        const __m128i q1 = _mm_loadu_si128((const __m128i *)(p + 16));
+        *w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), sv);
+        *w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), sv);
+    }
+}
+
+/* The scale words of rows [r, r + nr), one 4-byte word per block, row k's
+ * at sw + k * ld bytes: MXFP4, e * 16 (the offset of row e of
+ * E8M0_E2M1, in floats); Q8_0, the f32 scale (row_scales). */
+static void scale_words(const kern_weight *w, const kern_layout *l, int r, int nr,
+                        unsigned char *sw, size_t ld) {
+    if (w->dt != KERN_MXFP4) {
+        for (int k = 0; k < nr; k++)
+            row_scales(w, l, r + k, 1, (float *)(void *)(sw + (size_t)k * ld), 0);
+        return;
+    }
+    const int nb = w->cols / KERN_BLOCK;
+    for (int k = 0; k < nr; k++) {
+        const unsigned char *sc =
+            (const unsigned char *)w->scales + (size_t)(r + k) * l->scale_row_bytes;
+        unsigned char *out = sw + (size_t)k * ld;
+        int b = 0;
+        for (; b + 16 <= nb; b += 16) {
+            const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sc + b)));
+            _mm512_storeu_si512((void *)(out + 4 * (size_t)b), _mm512_slli_epi32(e, 4));
+        }
+        for (; b < nb; b++) { /* the scalar form */
+            const int32_t off = 16 * (int32_t)sc[b];
+            memcpy(out + 4 * (size_t)b, &off, sizeof off);
+        }
+    }
+}
+
+/* Blocks per tile of the several-token direct path: 8 rows x 128 columns
+ * of f32 (4 KiB), in L1 beside the tokens' x. */
+#define TILE_BLOCKS 4
+
+/* Prefetch distance of the direct path in rows: ~16 KiB ahead, at least
+ * the next eight rows (ops.c's dot8_bf16 found the hardware prefetcher
+ * alone left decode well short of bandwidth). x86 prefetches never fault,
+ * so running past the last row is harmless. */
+static int prefetch_rows(size_t row_bytes) {
+    return 16384 / row_bytes > 8 ? (int)(16384 / row_bytes) : 8;
+}
+
+/* One token, rows [r, r + 8) starting at codes c (row stride rb): each
+ * block of the eight rows decoded in registers and multiplied into that
+ * row's accumulator (16 lanes of partial sums), then one reduction gives
+ * the eight sums, y[0..8). sw: the rows' scale words, row k's at byte
+ * offset k * rb (the code rows' stride, so one offset register serves a
+ * row's codes and its scales and the loop needs no spilled pointers). dt
+ * is a constant at each call (direct_avx512), so the format's branches
+ * fold away. */
+static inline void rows8_one_token(const kern_dtype dt, const unsigned char *c, size_t rb, int nb,
+                                   const unsigned char *sw, const float *xs, float *y) {
+    const int bb = dt == KERN_MXFP4 ? 16 : 32; /* code bytes per block */
+    const int per_line = 64 / bb, pf = prefetch_rows(rb);
+    __m512 acc[8];
+    for (int k = 0; k < 8; k++)
+        acc[k] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b++, c += bb, sw += 4) {
+        if (b % per_line == 0)
+            for (int k = 0; k < 8; k++)
+                _mm_prefetch((const char *)(c + (k + pf) * rb), _MM_HINT_T0);
+        const __m512 x0 = _mm512_loadu_ps(xs + 32 * (size_t)b);
+        const __m512 x1 = _mm512_loadu_ps(xs + 32 * (size_t)b + 16);
+        for (int k = 0; k < 8; k++) {
+            __m512 w0, w1;
+            block_values(dt, c + k * rb, 0, sw + k * rb, &w0, &w1);
+            acc[k] = _mm512_fmadd_ps(w0, x0, acc[k]);
+            acc[k] = _mm512_fmadd_ps(w1, x1, acc[k]);
+        }
+    }
+    _mm256_storeu_ps(y, reduce8(acc));
+}
+
+/* T (2..31) tokens, rows [r, r + 8): the eight rows' next TILE_BLOCKS
+ * blocks are decoded once into `tile` [8, TILE_BLOCKS, 32] (in L1), and
+ * every token's accumulators (acc [T, 8], in L1 between tiles) run over
+ * the tile with the FMAs of rows8_one_token in the same order, so each
+ * token's sums are the ones it would get alone. xs [T, in]; y [T, ldy]. */
+static inline void rows8_tokens(const kern_dtype dt, const unsigned char *c, size_t rb, int nb,
+                                const unsigned char *sw, const float *xs, int T, float *y,
+                                int ldy) {
+    const int bb = dt == KERN_MXFP4 ? 16 : 32;
+    const int per_line = 64 / bb, pf = prefetch_rows(rb), in = nb * KERN_BLOCK;
+    __m512 acc[QUANT_GEMM_MIN_T][8];
+    _Alignas(64) float tile[8][TILE_BLOCKS][KERN_BLOCK];
+    for (int t = 0; t < T; t++)
+        for (int k = 0; k < 8; k++)
+            acc[t][k] = _mm512_setzero_ps();
+    for (int b0 = 0; b0 < nb; b0 += TILE_BLOCKS) {
+        const int n = nb - b0 < TILE_BLOCKS ? nb - b0 : TILE_BLOCKS;
+        for (int k = 0; k < 8; k++) {
+            for (int j = 0; j < n; j += per_line)
+                _mm_prefetch((const char *)(c + (k + pf) * rb + (size_t)(b0 + j) * bb),
+                             _MM_HINT_T0);
+            for (int j = 0; j < n; j++) {
+                __m512 w0, w1;
+                block_values(dt, c + k * rb, b0 + j, sw + k * rb + 4 * (size_t)(b0 + j), &w0, &w1);
+                _mm512_store_ps(tile[k][j], w0);
+                _mm512_store_ps(tile[k][j] + 16, w1);
+            }
+        }
+        for (int t = 0; t < T; t++) {
+            const float *xt = xs + (size_t)t * in + 32 * (size_t)b0;
+            __m512 a[8];
+            for (int k = 0; k < 8; k++)
+                a[k] = acc[t][k];
+            for (int j = 0; j < n; j++) {
+                const __m512 x0 = _mm512_loadu_ps(xt + 32 * j),
+                             x1 = _mm512_loadu_ps(xt + 32 * j + 16);
+                for (int k = 0; k < 8; k++) {
+                    a[k] = _mm512_fmadd_ps(_mm512_load_ps(tile[k][j]), x0, a[k]);
+                    a[k] = _mm512_fmadd_ps(_mm512_load_ps(tile[k][j] + 16), x1, a[k]);
+                }
+            }
+            for (int k = 0; k < 8; k++)
+                acc[t][k] = a[k];
+        }
+    }
+    for (int t = 0; t < T; t++)
+        _mm256_storeu_ps(y + (size_t)t * ldy, reduce8(acc[t]));
+}
+
+/* One row (past the last multiple of 8), every token in turn, at every T
+ * alike: sw, its nb scale words. */
+static inline void row1_tokens(const kern_dtype dt, const unsigned char *c, int nb,
+                               const unsigned char *sw, const float *xs, int T, float *y, int ldy) {
+    const int in = nb * KERN_BLOCK;
+    for (int t = 0; t < T; t++) {
+        const float *xt = xs + (size_t)t * in;
+        __m512 a = _mm512_setzero_ps();
+        for (int b = 0; b < nb; b++) {
+            __m512 w0, w1;
+            block_values(dt, c, b, sw + 4 * (size_t)b, &w0, &w1);
+            a = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xt + 32 * (size_t)b), a);
+            a = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xt + 32 * (size_t)b + 16), a);
+        }
+        y[(size_t)t * ldy] = _mm512_reduce_add_ps(a);
+    }
+}
+
+/* The direct path, rows [r0, r1) for T < 32 tokens: eight rows at a time
+ * (one token: rows8_one_token; several: rows8_tokens), the rest one by
+ * one. xs [T, in]: x, split even/odd for MXFP4; sw: 8 * row_bytes bytes
+ * of scratch (the scale words of eight rows at the code rows' stride). */
+static inline void direct_rows(const kern_dtype dt, const kern_weight *w, const kern_layout *l,
+                               const float *xs, int T, float *y, int ldy, int r0, int r1,
+                               unsigned char *sw) {
+    const int nb = w->cols / KERN_BLOCK;
+    const size_t rb = l->row_bytes, srb = l->scale_row_bytes;
+    const unsigned char *codes = w->data, *scales = w->scales;
+    int r = r0;
+    for (; r + 8 <= r1; r += 8) {
+        for (size_t i = 0; i < 8 * srb; i += 64) /* the next group's scales */
+            _mm_prefetch((const char *)(scales + (size_t)(r + 8) * srb + i), _MM_HINT_T0);
+        scale_words(w, l, r, 8, sw, rb);
+        if (T == 1)
+            rows8_one_token(dt, codes + (size_t)r * rb, rb, nb, sw, xs, y + r);
+        else
+            rows8_tokens(dt, codes + (size_t)r * rb, rb, nb, sw, xs, T, y + r, ldy);
+    }
+    for (; r < r1; r++) {
+        scale_words(w, l, r, 1, sw, rb);
+        row1_tokens(dt, codes + (size_t)r * rb, nb, sw, xs, T, y + r, ldy);
+    }
+}
+
+static void direct_avx512(const kern_weight *w, const kern_layout *l, const float *xs, int T,
+                          float *y, int ldy, int r0, int r1, unsigned char *sw) {
+    if (w->dt == KERN_MXFP4)
+        direct_rows(KERN_MXFP4, w, l, xs, T, y, ldy, r0, r1, sw);
+    else
+        direct_rows(KERN_Q8_0, w, l, xs, T, y, ldy, r0, r1, sw);
+}
+
+/* Rows and tokens of one step of the prefill kernel: 12 x 2 accumulators
+ * of 16 lanes, plus two weight vectors and one broadcast: 27 of the 32
+ * registers. */
+#define PANEL_ROWS 32
+#define PANEL_TOKENS 12
+
+/* Rows [r, r + nr) (nr <= 32) dequantised into P [in, 32]: P[c * 32 + i] =
+ * W[r + i, c], rows nr..31 zero. sg [nr, nb]: the rows' scales. Lane i of
+ * a gather reads 4 code bytes of row r + 16 h + i: 8 MXFP4 codes (column
+ * 8 m + q in bits 4q..4q+3) or 4 int8 (column 4 m + q in bits 8q..8q+7),
+ * which become 8 (or 4) columns of P, 16 rows each. */
+static void pack_panel(const kern_weight *w, const kern_layout *l, int r, int nr, const float *sg,
+                       float *P) {
+    const int in = w->cols, nb = in / KERN_BLOCK;
+    const __m512 e2m1 = _mm512_load_ps(E2M1);
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i idx = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)l->row_bytes));
+    const __m512i sidx = _mm512_mullo_epi32(lane, _mm512_set1_epi32(nb));
+    for (int h = 0; h < 2; h++) {
+        const int left = nr - 16 * h;
+        const __mmask16 m = left >= 16 ? 0xffff : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
+        const unsigned char *c =
+            (const unsigned char *)w->data + (size_t)(r + 16 * h) * l->row_bytes;
+        const float *s = sg + (size_t)16 * h * nb;
+        float *p = P + 16 * h;
+        for (int b = 0; b < nb; b++) {
+            /* masked-off lanes read nothing and give 0 * 0 = 0 */
+            const __m512 sv = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, sidx, s + b, 4);
+            if (w->dt == KERN_MXFP4) {
+                for (int q4 = 0; q4 < 4; q4++) {
+                    const __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, idx,
+                                                                  c + 16 * (size_t)b + 4 * q4, 1);
+                    for (int q = 0; q < 8; q++) {
+                        const __m512 v = _mm512_permutexvar_ps(_mm512_srli_epi32(g, 4 * q), e2m1);
+                        _mm512_storeu_ps(p + (size_t)(32 * b + 8 * q4 + q) * PANEL_ROWS,
+                                         _mm512_mul_ps(v, sv));
+                    }
+                }
+            } else {
+                for (int q4 = 0; q4 < 8; q4++) {
+                    const __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, idx,
+                                                                  c + 32 * (size_t)b + 4 * q4, 1);
+                    for (int q = 0; q < 4; q++) {
+                        const __m512i v = _mm512_srai_epi32(_mm512_slli_epi32(g, 24 - 8 * q), 24);
+                        _mm512_storeu_ps(p + (size_t)(32 * b + 4 * q4 + q) * PANEL_ROWS,
+                                         _mm512_mul_ps(_mm512_cvtepi32_ps(v), sv));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/* y[t, i] = sum_c x[t, c] P[c, i] for t < mt (12, 8 or 4), i < nr: per
+ * column c, one broadcast of x[t, c] times the panel's 32 values, into 2
+ * accumulators per token. mt is a constant at each call (panel_tokens12 /
+ * 8 / 4), so the loops unroll and the accumulators stay in registers; the
+ * tokens' rows are read through one moving pointer per 4 tokens (rows
+ * t, t + 1, t + 2, t + 3 at offsets 0, in, 2 in, 3 in). x [mt, in]; y
+ * [mt, ldy]. */
+static inline void panel_tokens(const float *P, int in, const float *x, const int mt, float *y,
+                                int ldy, int nr) {
+    __m512 acc[PANEL_TOKENS][2];
+    const float *xb[PANEL_TOKENS / 4];
+    const size_t s1 = (size_t)in, s3 = 3 * (size_t)in;
+    for (int g = 0; g < mt / 4; g++)
+        xb[g] = x + (size_t)4 * g * in;
+    for (int t = 0; t < mt; t++)
+        acc[t][0] = acc[t][1] = _mm512_setzero_ps();
+    for (int c = 0; c < in; c++, P += PANEL_ROWS) {
+        const __m512 w0 = _mm512_loadu_ps(P), w1 = _mm512_loadu_ps(P + 16);
+        for (int g = 0; g < mt / 4; g++) {
+            const float *p = xb[g]++;
+            const __m512 b0 = _mm512_set1_ps(p[0]), b1 = _mm512_set1_ps(p[s1]);
+            const __m512 b2 = _mm512_set1_ps(p[2 * s1]), b3 = _mm512_set1_ps(p[s3]);
+            acc[4 * g][0] = _mm512_fmadd_ps(w0, b0, acc[4 * g][0]);
+            acc[4 * g][1] = _mm512_fmadd_ps(w1, b0, acc[4 * g][1]);
+            acc[4 * g + 1][0] = _mm512_fmadd_ps(w0, b1, acc[4 * g + 1][0]);
+            acc[4 * g + 1][1] = _mm512_fmadd_ps(w1, b1, acc[4 * g + 1][1]);
+            acc[4 * g + 2][0] = _mm512_fmadd_ps(w0, b2, acc[4 * g + 2][0]);
+            acc[4 * g + 2][1] = _mm512_fmadd_ps(w1, b2, acc[4 * g + 2][1]);
+            acc[4 * g + 3][0] = _mm512_fmadd_ps(w0, b3, acc[4 * g + 3][0]);
+            acc[4 * g + 3][1] = _mm512_fmadd_ps(w1, b3, acc[4 * g + 3][1]);
+        }
+    }
+    const __mmask16 m0 = nr >= 16 ? 0xffff : (__mmask16)((1u << nr) - 1);
+    const __mmask16 m1 = nr >= 32 ? 0xffff : nr > 16 ? (__mmask16)((1u << (nr - 16)) - 1) : 0;
+    for (int t = 0; t < mt; t++) {
+        _mm512_mask_storeu_ps(y + (size_t)t * ldy, m0, acc[t][0]);
+        _mm512_mask_storeu_ps(y + (size_t)t * ldy + 16, m1, acc[t][1]);
+    }
+}
+
+static void panel_tokens12(const float *P, int in, const float *x, float *y, int ldy, int nr) {
+    panel_tokens(P, in, x, 12, y, ldy, nr);
+}
+
+static void panel_tokens8(const float *P, int in, const float *x, float *y, int ldy, int nr) {
+    panel_tokens(P, in, x, 8, y, ldy, nr);
+}
+
+static void panel_tokens4(const float *P, int in, const float *x, float *y, int ldy, int nr) {
+    panel_tokens(P, in, x, 4, y, ldy, nr);
+}
+
+/* All T (>= 4) tokens over one panel: steps of 12, then 8 and 4; a last
+ * partial step runs the 4 tokens ending at T, recomputing up to 3 that a
+ * step before wrote, with the same sums. */
+static void panel_all_tokens(const float *P, int in, const float *x, int T, float *y, int ldy,
+                             int nr) {
+    int t0 = 0;
+    for (; T - t0 >= 12; t0 += 12)
+        panel_tokens12(P, in, x + (size_t)t0 * in, y + (size_t)t0 * ldy, ldy, nr);
+    if (T - t0 >= 8) {
+        panel_tokens8(P, in, x + (size_t)t0 * in, y + (size_t)t0 * ldy, ldy, nr);
+        t0 += 8;
+    }
+    if (T - t0 >= 4) {
+        panel_tokens4(P, in, x + (size_t)t0 * in, y + (size_t)t0 * ldy, ldy, nr);
+        t0 += 4;
+    }
+    if (t0 < T) panel_tokens4(P, in, x + (size_t)(T - 4) * in, y + (size_t)(T - 4) * ldy, ldy, nr);
+}
+
+/* The prefill path: per panel of 32 rows, the scales (sg [32, nb]) and the
+ * transposed f32 panel (P [in, 32], 32 * in floats of scratch, in L2 while
+ * every 12 tokens run over it). */
+static void gemm_avx512(const kern_weight *w, const kern_layout *l, const float *x, int T, float *y,
+                        int ldy, int r0, int r1, float *scratch) {
+    const int in = w->cols;
+    float *P = scratch, *sg = scratch + (size_t)PANEL_ROWS * in;
+    for (int r = r0; r < r1; r += PANEL_ROWS) {
+        const int nr = r1 - r < PANEL_ROWS ? r1 - r : PANEL_ROWS;
+        row_scales(w, l, r, nr, sg, (size_t)in / KERN_BLOCK);
+        pack_panel(w, l, r, nr, sg, P);
+        panel_all_tokens(P, in, x, T, y + r, ldy, nr);
+    }
+}
+#endif
+
+/* Scratch use (floats), within kern_matmul_scratch_floats(in) = 128 * in:
+ * direct: T * in (MXFP4's split x) + 8 * row_bytes / 4 (scales; in or
+ * 2 * in), T < 32;
+ * prefill: 32 * in (the panel) + 32 * in / 32 (scales). */
 void kern_matmul_w(const kern_weight *w, const float *x, int T, float *y, int ldy, int r0, int r1,
                    float *scratch) {
     if (!kern_dtype_is_block(w->dt)) {
         kern_matmul(w->dt, w->data, w->cols, x, T, y, ldy, r0, r1, scratch);
         return;
     }
-    if (scratch) matmul_block(w, x, T, y, ldy, r0, r1, scratch);
+#if KERN_AVX512
+    if (!scratch || r1 <= r0 || T <= 0) return;
+    const kern_layout l = kern_weight_layout(w->dt, w->rows, w->cols);
+    if (T >= QUANT_GEMM_MIN_T) {
+        gemm_avx512(w, &l, x, T, y, ldy, r0, r1, scratch);
+        return;
+    }
+    const float *xs = x;
+    float *sw = scratch;
+    if (w->dt == KERN_MXFP4) {
+        split_even_odd(x, (size_t)T * w->cols, scratch);
+        xs = scratch;
+        sw = scratch + (size_t)T * w->cols;
+    }
+    direct_avx512(w, &l, xs, T, y, ldy, r0, r1, (unsigned char *)sw);
+#else
+    kern_matmul_w_ref(w, x, T, y, ldy, r0, r1, scratch);
+#endif
+}
+
+void kern_matmul_w_ref(const kern_weight *w, const float *x, int T, float *y, int ldy, int r0,
+                       int r1, float *scratch) {
+    if (!kern_dtype_is_block(w->dt) || !scratch || r1 <= r0 || T <= 0) return;
+    if (T >= QUANT_GEMM_MIN_T)
+        gemm_scalar(w, x, T, y, ldy, r0, r1, scratch);
+    else
+        direct_scalar(w, x, T, y, ldy, r0, r1);
 }

@@ -1,0 +1,435 @@
+/*
+ * cpu_bench.c - CPU timings of the block-format products (kern_matmul_w,
+ * kernels/cpu/quant.c) at Kimi K3's routed-expert shapes, judged against
+ * the machine's own memory read bandwidth. Built by CMake as
+ * `kds_cpu_bench`:
+ *
+ *   kds_cpu_bench [--quick] [--runs N] [--only PARTS]
+ *       --quick: 3 runs per figure and smaller stacks (a smoke test);
+ *       --runs N: N runs per figure (default 7); every figure is a median;
+ *       --only PARTS: some of the parts below, e.g. `--only ab` (the
+ *       percentages of (b) need (a)).
+ *
+ * Prints markdown tables (the same lines go to docs/benchmarks.md):
+ *   (a) memory read bandwidth: a streaming read (AVX-512 loads, four
+ *       independent sums) of a buffer of max(1 GiB, 4 x L3), 1 and 2
+ *       threads;
+ *   (b) T = 1 products (decode): MXFP4, Q8_0 and, for comparison, bf16
+ *       (kern_matmul) on [3072, 3584] and [3584, 3072], each one matrix
+ *       over and over (it stays in L3: the kernels' compute ceiling) and a
+ *       stack of experts whose total is >= 4 x L3 (each expert once per
+ *       sweep, as routed experts come from memory), in bytes read per
+ *       second (codes + scales + x) and as a fraction of (a);
+ *   (c) the same products for T = 1 .. 64 tokens on [3072, 3584], 1 thread:
+ *       where the direct path (T < 32) hands over to the prefill path;
+ *   (d) prefill, T = 64 and 256, GFLOP/s (2 T rows cols / time), the fast
+ *       path, the portable path kern_matmul_w_ref (dequantise + OpenBLAS
+ *       sgemm), bf16 (kern_matmul: widen + sgemm) and f32 (sgemm alone).
+ * Threads: products go through the engine's pool (eng_pool), their rows cut
+ * into 4 tasks per thread as eng_cpu.c's run_mm does; with one thread the
+ * call is made inline, as there. OpenBLAS is pinned to one thread (the
+ * engine's setting).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cblas.h>
+#include <immintrin.h>
+
+#include "eng_pool.h"
+#include "kern.h"
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static void *xalloc(size_t bytes) {
+    void *p = aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (!p) {
+        fprintf(stderr, "cpu_bench: out of memory (%zu bytes)\n", bytes);
+        exit(1);
+    }
+    return p;
+}
+
+/* Random bytes (splitmix64), so every page is written and no value is 0. */
+static void fill_bytes(void *p, size_t n, uint64_t seed) {
+    unsigned char *b = p;
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        uint64_t z = (seed += 0x9e3779b97f4a7c15ull);
+        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+        z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+        z ^= z >> 31;
+        memcpy(b + i, &z, 8);
+    }
+    for (; i < n; i++)
+        b[i] = (unsigned char)(i * 131 + seed);
+}
+
+static int cmp_double(const void *a, const void *b) {
+    const double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+static double median(double *x, int n) {
+    qsort(x, (size_t)n, sizeof *x, cmp_double);
+    return n % 2 ? x[n / 2] : 0.5 * (x[n / 2 - 1] + x[n / 2]);
+}
+
+static size_t cache_bytes(int index) {
+    char path[96];
+    snprintf(path, sizeof path, "/sys/devices/system/cpu/cpu0/cache/index%d/size", index);
+    FILE *f = fopen(path, "r");
+    if (!f) return 0;
+    unsigned long v = 0;
+    char unit = 0;
+    if (fscanf(f, "%lu%c", &v, &unit) < 1) v = 0;
+    fclose(f);
+    return unit == 'K' ? v << 10 : unit == 'M' ? v << 20 : v;
+}
+
+static void cpu_model(char *out, size_t n) {
+    snprintf(out, n, "?");
+    FILE *f = fopen("/proc/cpuinfo", "r");
+    if (!f) return;
+    char line[256];
+    while (fgets(line, sizeof line, f))
+        if (!strncmp(line, "model name", 10) && strchr(line, ':')) {
+            snprintf(out, n, "%s", strchr(line, ':') + 2);
+            out[strcspn(out, "\n")] = 0;
+            break;
+        }
+    fclose(f);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Work on the pool                                                          */
+
+static eng_pool *g_pool[3]; /* [threads] */
+static float *g_scratch[2]; /* one kern_matmul_scratch_floats(widest) per thread */
+static int g_runs = 7, g_quick;
+static const char *g_only = "abcd";
+static size_t g_l3;
+static double g_bw[3]; /* measured read bandwidth, GB/s, [threads] */
+
+typedef struct mm_job {
+    const kern_weight *w;
+    const float *x;
+    int T, n_tasks, ref;
+    float *y;
+} mm_job;
+
+static void mm_task(void *arg, int task, int thread) {
+    const mm_job *j = arg;
+    const int rows = j->w->rows;
+    const int r0 = (int)((int64_t)rows * task / j->n_tasks);
+    const int r1 = (int)((int64_t)rows * (task + 1) / j->n_tasks);
+    if (j->ref)
+        kern_matmul_w_ref(j->w, j->x, j->T, j->y, rows, r0, r1, g_scratch[thread]);
+    else
+        kern_matmul_w(j->w, j->x, j->T, j->y, rows, r0, r1, g_scratch[thread]);
+}
+
+/* y [T, rows] = x [T, cols] W^T on `threads` threads. */
+static void product(const kern_weight *w, const float *x, int T, float *y, int threads, int ref) {
+    mm_job j = {w, x, T, threads == 1 ? 1 : 4 * threads, ref, y};
+    if (threads == 1)
+        mm_task(&j, 0, 0);
+    else
+        eng_pool_run(g_pool[threads], mm_task, &j, j.n_tasks);
+}
+
+typedef struct read_job {
+    const unsigned char *p;
+    size_t n;
+    int n_tasks;
+    double sum[16];
+} read_job;
+
+/* One streaming read of task's share: four 64-byte loads per step into
+ * independent sums, so the loop is bound by the loads. */
+static void read_task(void *arg, int task, int thread) {
+    read_job *j = arg;
+    const size_t per = j->n / (size_t)j->n_tasks / 256 * 256;
+    const unsigned char *p = j->p + per * (size_t)task;
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+    for (size_t i = 0; i < per; i += 256) {
+        a0 = _mm512_add_epi64(a0, _mm512_load_si512((const void *)(p + i)));
+        a1 = _mm512_add_epi64(a1, _mm512_load_si512((const void *)(p + i + 64)));
+        a2 = _mm512_add_epi64(a2, _mm512_load_si512((const void *)(p + i + 128)));
+        a3 = _mm512_add_epi64(a3, _mm512_load_si512((const void *)(p + i + 192)));
+    }
+    a0 = _mm512_add_epi64(_mm512_add_epi64(a0, a1), _mm512_add_epi64(a2, a3));
+    j->sum[task] = (double)_mm512_reduce_add_epi64(a0);
+    (void)thread;
+}
+
+/* ------------------------------------------------------------------------ */
+
+static void bench_bandwidth(void) {
+    size_t n = (size_t)1 << 30;
+    if (4 * g_l3 > n) n = 4 * g_l3;
+    if (g_quick) n /= 2;
+    unsigned char *buf = xalloc(n);
+    fill_bytes(buf, n, 1);
+    printf("### (a) Memory read bandwidth\n\n");
+    printf("Streaming read of %.0f MiB (AVX-512 loads, 4 independent sums), median of %d.\n\n",
+           n / 1048576.0, g_runs);
+    printf("| threads | GB/s |\n|---|---|\n");
+    for (int th = 1; th <= 2; th++) {
+        double gbs[64];
+        for (int run = 0; run <= g_runs; run++) {
+            read_job j = {buf, n, th == 1 ? 1 : 4 * th, {0}};
+            const double t0 = now_s();
+            if (th == 1)
+                read_task(&j, 0, 0);
+            else
+                eng_pool_run(g_pool[th], read_task, &j, j.n_tasks);
+            const double dt = now_s() - t0;
+            if (run > 0) gbs[run - 1] = (double)n / dt / 1e9; /* run 0: warm-up */
+        }
+        g_bw[th] = median(gbs, g_runs);
+        printf("| %d | %.1f |\n", th, g_bw[th]);
+    }
+    printf("\n");
+    free(buf);
+}
+
+/* A stack of n weights [rows, cols] of format dt in one allocation: codes
+ * random bytes; MXFP4 scales 2^-6 .. 2^1, Q8_0 scales f16 in +-[0.001, 0.05],
+ * bf16 and f32 values uniform in (-1, 1). */
+typedef struct stack {
+    kern_weight *w;
+    int n;
+    void *codes, *scales;
+    size_t bytes_per; /* codes + scales of one weight */
+} stack;
+
+static stack make_stack(kern_dtype dt, int rows, int cols, int n) {
+    stack s = {xalloc((size_t)n * sizeof(kern_weight)), n, NULL, NULL, 0};
+    const kern_layout l = kern_weight_layout(dt, rows, cols);
+    s.codes = xalloc(l.data_bytes * (size_t)n);
+    s.scales = l.scale_bytes ? xalloc(l.scale_bytes * (size_t)n) : NULL;
+    s.bytes_per = l.bytes;
+    if (dt == KERN_BF16 || dt == KERN_F32) {
+        uint64_t r = 7;
+        for (size_t i = 0; i < (size_t)rows * cols * n; i++) {
+            r ^= r << 13, r ^= r >> 7, r ^= r << 17;
+            const float f = (float)((r >> 40) * (1.0 / 16777216.0)) * 2.0f - 1.0f;
+            if (dt == KERN_BF16)
+                ((uint16_t *)s.codes)[i] = kern_f32_to_bf16(f);
+            else
+                ((float *)s.codes)[i] = f;
+        }
+    } else {
+        fill_bytes(s.codes, l.data_bytes * (size_t)n, 2);
+    }
+    unsigned char *sc = s.scales;
+    for (size_t i = 0; i < l.scale_bytes * (size_t)n; i++) {
+        if (dt == KERN_MXFP4) {
+            sc[i] = (unsigned char)(121 + i * 7 % 8);
+        } else if (i % 2 == 0) {
+            const uint16_t h = kern_f32_to_f16((0.001f + 0.049f * (float)(i * 37 % 101) / 100.0f) *
+                                               (i % 4 ? 1.0f : -1.0f));
+            memcpy(sc + i, &h, 2);
+        }
+    }
+    for (int e = 0; e < n; e++)
+        s.w[e] = (kern_weight){dt, (const char *)s.codes + l.data_bytes * (size_t)e,
+                               s.scales ? (const char *)s.scales + l.scale_bytes * (size_t)e : NULL,
+                               rows, cols};
+    return s;
+}
+
+static void free_stack(stack *s) {
+    free(s->w);
+    free(s->codes);
+    free(s->scales);
+}
+
+static float *random_x(size_t n, uint64_t seed) {
+    float *x = xalloc(n * sizeof(float));
+    for (size_t i = 0; i < n; i++) {
+        seed ^= seed << 13, seed ^= seed >> 7, seed ^= seed << 17;
+        x[i] = (float)((seed >> 40) * (1.0 / 16777216.0)) * 2.0f - 1.0f;
+    }
+    return x;
+}
+
+/* Median seconds of one sweep: `reps` products over weights w[0..n) in turn. */
+static double time_sweeps(const kern_weight *w, int n, int reps, const float *x, int T, float *y,
+                          int threads, int ref) {
+    double t[64];
+    for (int run = 0; run <= g_runs; run++) {
+        const double t0 = now_s();
+        for (int i = 0; i < reps; i++)
+            product(&w[i % n], x, T, y, threads, ref);
+        if (run > 0) t[run - 1] = now_s() - t0; /* run 0: warm-up */
+    }
+    return median(t, g_runs);
+}
+
+static const int SHAPES[2][2] = {{3072, 3584}, {3584, 3072}};
+
+static void bench_decode(void) {
+    const kern_dtype dts[3] = {KERN_MXFP4, KERN_Q8_0, KERN_BF16};
+    printf("### (b) T = 1 (decode): bytes read per second\n\n");
+    printf("GB/s = (codes + scales + x bytes) / time, median of %d sweeps; %% of the read "
+           "bandwidth of (a) with as many threads. `hot`: one matrix over and over (from L3); "
+           "`stack`: each expert of the stack once per sweep (from memory).\n\n",
+           g_runs);
+    printf("| format | shape | weights | threads | µs / matrix | GB/s | %% of bandwidth |\n");
+    printf("|---|---|---|---|---|---|---|\n");
+    for (int d = 0; d < 3; d++)
+        for (int s = 0; s < 2; s++) {
+            const int rows = SHAPES[s][0], cols = SHAPES[s][1];
+            const size_t per = kern_weight_layout(dts[d], rows, cols).bytes;
+            size_t want = 4 * g_l3 > ((size_t)1 << 30) ? 4 * g_l3 : (size_t)1 << 30;
+            if (g_quick) want /= 4;
+            const int n = (int)((want + per - 1) / per);
+            stack st = make_stack(dts[d], rows, cols, n);
+            float *x = random_x((size_t)cols, 3), *y = xalloc((size_t)rows * sizeof(float));
+            const double bytes = (double)per + 4.0 * cols;
+            for (int th = 1; th <= 2; th++) {
+                const int reps_hot = 40;
+                const double hot = time_sweeps(st.w, 1, reps_hot, x, 1, y, th, 0) / reps_hot;
+                const double cold = time_sweeps(st.w, n, n, x, 1, y, th, 0) / n;
+                printf("| %s | [%d, %d] | hot (%.1f MB) | %d | %.0f | %.1f | %.0f%% |\n",
+                       kern_dtype_name(dts[d]), rows, cols, bytes / 1e6, th, hot * 1e6,
+                       bytes / hot / 1e9, 100.0 * bytes / hot / 1e9 / g_bw[th]);
+                printf(
+                    "| %s | [%d, %d] | stack of %d (%.0f MB) | %d | %.0f | %.1f | **%.0f%%** |\n",
+                    kern_dtype_name(dts[d]), rows, cols, n, bytes * n / 1e6, th, cold * 1e6,
+                    bytes / cold / 1e9, 100.0 * bytes / cold / 1e9 / g_bw[th]);
+            }
+            fflush(stdout);
+            free(x);
+            free(y);
+            free_stack(&st);
+        }
+    printf("\n");
+}
+
+static void bench_tokens(void) {
+    const int Ts[] = {1, 2, 3, 4, 8, 16, 24, 31, 32, 48, 64};
+    const kern_dtype dts[2] = {KERN_MXFP4, KERN_Q8_0};
+    const int rows = 3072, cols = 3584;
+    printf("### (c) T tokens, one thread, [3072, 3584] (hot)\n\n");
+    printf("T < 32: direct path; T >= 32: prefill path. µs per product and GFLOP/s.\n\n");
+    printf("| T | mxfp4 µs | mxfp4 GFLOP/s | q8_0 µs | q8_0 GFLOP/s |\n|---|---|---|---|---|\n");
+    stack st[2] = {make_stack(dts[0], rows, cols, 1), make_stack(dts[1], rows, cols, 1)};
+    float *x = random_x((size_t)64 * cols, 5), *y = xalloc((size_t)64 * rows * sizeof(float));
+    for (size_t k = 0; k < sizeof Ts / sizeof Ts[0]; k++) {
+        const int T = Ts[k];
+        printf("| %d |", T);
+        for (int d = 0; d < 2; d++) {
+            const int reps = T < 8 ? 10 : 3;
+            const double s = time_sweeps(st[d].w, 1, reps, x, T, y, 1, 0) / reps;
+            printf(" %.0f | %.1f |", s * 1e6, 2.0 * T * rows * cols / s / 1e9);
+        }
+        printf("\n");
+        fflush(stdout);
+    }
+    printf("\n");
+    free(x);
+    free(y);
+    free_stack(&st[0]);
+    free_stack(&st[1]);
+}
+
+static void bench_prefill(void) {
+    const int Ts[2] = {64, 256};
+    printf("### (d) Prefill, GFLOP/s (2 T rows cols / time), median of %d\n\n", g_runs);
+    printf("`fast`: kern_matmul_w; `portable`: kern_matmul_w_ref (rows dequantised to f32 by the "
+           "scalar loop, then OpenBLAS sgemm); bf16: kern_matmul (rows widened, then sgemm); "
+           "f32: OpenBLAS sgemm alone (kern_matmul on f32 weights).\n\n");
+    printf("| shape | T | threads | mxfp4 fast | mxfp4 portable | q8_0 fast | q8_0 portable | bf16 "
+           "| f32 |\n|---|---|---|---|---|---|---|---|---|\n");
+    const kern_dtype dts[4] = {KERN_MXFP4, KERN_Q8_0, KERN_BF16, KERN_F32};
+    for (int s = 0; s < 2; s++) {
+        const int rows = SHAPES[s][0], cols = SHAPES[s][1];
+        stack st[4];
+        for (int d = 0; d < 4; d++)
+            st[d] = make_stack(dts[d], rows, cols, 1);
+        float *x = random_x((size_t)256 * cols, 9), *y = xalloc((size_t)256 * rows * sizeof(float));
+        for (int k = 0; k < 2; k++)
+            for (int th = 1; th <= 2; th++) {
+                const int T = Ts[k];
+                const double flop = 2.0 * T * rows * cols;
+                printf("| [%d, %d] | %d | %d |", rows, cols, T, th);
+                for (int d = 0; d < 4; d++)
+                    for (int ref = 0; ref < (d < 2 ? 2 : 1); ref++) {
+                        const double t = time_sweeps(st[d].w, 1, 1, x, T, y, th, ref);
+                        printf(" %.1f |", flop / t / 1e9);
+                    }
+                printf("\n");
+                fflush(stdout);
+            }
+        free(x);
+        free(y);
+        for (int d = 0; d < 4; d++)
+            free_stack(&st[d]);
+    }
+    printf("\n");
+}
+
+int main(int argc, char **argv) {
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--quick")) {
+            g_quick = 1;
+            g_runs = 3;
+        } else if (!strcmp(argv[i], "--runs") && i + 1 < argc && atoi(argv[i + 1]) > 0 &&
+                   atoi(argv[i + 1]) <= 63) {
+            g_runs = atoi(argv[++i]);
+        } else if (!strcmp(argv[i], "--only") && i + 1 < argc) {
+            g_only = argv[++i];
+        } else {
+            fprintf(stderr, "usage: %s [--quick] [--runs N (1..63)] [--only abcd]\n", argv[0]);
+            return 2;
+        }
+    }
+    openblas_set_num_threads(1);
+    for (int th = 1; th <= 2; th++) {
+        kds_err err;
+        memset(&err, 0, sizeof err);
+        if (eng_pool_create(th, &g_pool[th], &err) != KDS_OK) {
+            fprintf(stderr, "cpu_bench: pool: %s\n", err.msg);
+            return 1;
+        }
+    }
+    for (int t = 0; t < 2; t++) {
+        const size_t n = kern_matmul_scratch_floats(3584);
+        g_scratch[t] = xalloc(n * sizeof(float));
+        memset(g_scratch[t], 0, n * sizeof(float));
+    }
+    g_l3 = cache_bytes(3);
+    char model[160], when[64];
+    cpu_model(model, sizeof model);
+    const time_t now = time(NULL);
+    strftime(when, sizeof when, "%Y-%m-%d %H:%M UTC", gmtime(&now));
+    printf("## kds_cpu_bench\n\n");
+    printf("- command: `");
+    for (int i = 0; i < argc; i++)
+        printf("%s%s", i ? " " : "", argv[i]);
+    printf("`, %s\n", when);
+    printf("- machine: %s, %ld CPUs online, L2 %zu KiB, L3 %zu MiB; OpenBLAS core %s; gcc %s\n\n",
+           model, sysconf(_SC_NPROCESSORS_ONLN), cache_bytes(2) >> 10, g_l3 >> 20,
+           openblas_get_corename(), __VERSION__);
+    if (strchr(g_only, 'a')) bench_bandwidth();
+    if (strchr(g_only, 'b')) bench_decode();
+    if (strchr(g_only, 'c')) bench_tokens();
+    if (strchr(g_only, 'd')) bench_prefill();
+    for (int t = 0; t < 2; t++)
+        free(g_scratch[t]);
+    for (int th = 1; th <= 2; th++)
+        eng_pool_free(g_pool[th]);
+    return 0;
+}
