@@ -337,6 +337,16 @@ static void web_seeds(void) {
     const char *nul_name = "{\"id\":2,\"op\":\"open\",\"session\":\"notes\\u0000../x\"}";
     seed_mode("regress", "web_codec", "web-json-nul-op", 0, nul_op, strlen(nul_op));
     seed_mode("regress", "web_codec", "web-json-nul-session", 0, nul_name, strlen(nul_name));
+    /* found by the fuzz target: JSON requests the msgpack form refuses */
+    const char *limits[][2] = {
+        {"web-json-limits-empty-key", "{\"\":1,\"id\":1,\"op\":\"list\"}"},
+        {"web-json-limits-long-key", "{\"id\":1,\"op\":\"list\",\"k0123456789012345678901234567"
+                                     "8901234567890123456789012345678901234567\":0}"},
+        {"web-json-limits-depth", "{\"id\":[[[[[[[[[[1]]]]]]]]]],\"op\":\"list\"}"},
+        {"web-json-limits-inf", "{\"id\":1e999,\"op\":\"list\"}"},
+    };
+    for (size_t i = 0; i < sizeof limits / sizeof limits[0]; i++)
+        seed_mode("regress", "web_codec", limits[i][0], 0, limits[i][1], strlen(limits[i][1]));
 }
 
 static void auth_seeds(void) {
@@ -350,6 +360,19 @@ static void auth_seeds(void) {
     };
     for (size_t i = 0; i < sizeof files / sizeof files[0]; i++)
         seed("auth", files[i][0], files[i][1], strlen(files[i][1]));
+    /* found by the fuzz target: a token of control characters and non-ASCII
+     * bytes (the format says printable), and a NUL that ends a comment line
+     * early for fgets's strlen, so the rest of that 1023-byte read counts as
+     * its own line: a token hidden behind a comment */
+    const char ctl[] = "token\x01\x7f\xc3\xa9-0123456789 alice\n";
+    out_file("regress", "auth", "web-auth-printable-control-bytes", ctl, sizeof ctl - 1);
+    char nul[1200];
+    size_t n = 0;
+    nul[n++] = '#', nul[n++] = '\0';
+    while (n < 1023) nul[n++] = 'x';
+    const char tail[] = "smuggled-token-0123456789 mallory\n";
+    memcpy(nul + n, tail, sizeof tail - 1);
+    out_file("regress", "auth", "web-auth-nul-comment-hides-a-token", nul, n + sizeof tail - 1);
 }
 
 /* Every key eng_config_to_json writes, for libFuzzer's -dict. */

@@ -10,8 +10,10 @@
  *     names and ops as C strings: "a\u0000b" would be read as "a");
  *   - an accepted request survives both encodings: encode it as JSON and as
  *     msgpack (web__encode, what events go out as), parse each back, and the
- *     tree is the same, in order (so a JSON number msgpack cannot carry,
- *     such as 1e999, is refused as msgpack's own non-finite floats are).
+ *     tree is the same, in order. So the two forms of the protocol accept
+ *     the same requests: a JSON request beyond the msgpack form's limits (a
+ *     key empty or over 64 bytes, nesting deeper than 8, a number such as
+ *     1e999 that parses as infinite) must be refused as its msgpack twin is.
  */
 #include "fuzz_util.h"
 
@@ -25,7 +27,12 @@ static bool same_tree(const cJSON *a, const cJSON *b) {
     if ((a->type & 0xff) != (b->type & 0xff)) return false;
     if ((a->string == NULL) != (b->string == NULL)) return false;
     if (a->string && strcmp(a->string, b->string) != 0) return false;
-    if (cJSON_IsNumber(a)) return a->valuedouble == b->valuedouble;
+    /* cJSON prints a double with 15 digits when that reads back within its
+     * own tolerance, so JSON may move one by an ulp or two: the protocol
+     * echoes only integer ids, and takes other numbers as parameters */
+    if (cJSON_IsNumber(a))
+        return a->valuedouble == b->valuedouble ||
+               fabs(a->valuedouble - b->valuedouble) <= 1e-14 * fabs(a->valuedouble);
     if (cJSON_IsString(a)) return strcmp(a->valuestring, b->valuestring) == 0;
     const cJSON *x = a->child, *y = b->child;
     for (; x && y; x = x->next, y = y->next)
@@ -81,7 +88,9 @@ static void round_trip(const cJSON *req, bool msgpack) {
     if (!frame) fz_fail("encoding an accepted request failed");
     kds_err e = {0};
     cJSON *back = web__parse(frame + LWS_PRE, n, msgpack, &e);
-    if (!back) {
+    if (!back && msgpack && fz_known("web-json-limits")) {
+        /* known open: a JSON request the msgpack form's limits refuse */
+    } else if (!back) {
         fz_fail("an accepted request, encoded as %s, is refused: %s",
                 msgpack ? "msgpack" : "JSON", e.msg);
     } else if (!same_tree(req, back)) {
@@ -108,7 +117,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (!binary && json_has_nul_string(p, n) && !fz_known("web-json-nul"))
         fz_fail("a JSON request with a NUL inside a string was accepted");
     if (has_nonfinite(req)) {
-        if (!fz_known("web-json-nonfinite"))
+        if (!fz_known("web-json-limits"))
             fz_fail("a request with a non-finite number was accepted (msgpack's are refused)");
         cJSON_Delete(req);
         return 0;
