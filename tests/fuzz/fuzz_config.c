@@ -8,8 +8,8 @@
  * out, so padding compares equal too), and that second text is a fixed
  * point. One field is exempt by design: has_vision says the checkpoint has
  * a vision tower, and a written config is a generated model's, which has
- * none (tests/test_k3_config.c, round_trip). The counts derived from a parsed config (parameters, tensors,
- * state sizes) must compute without overflow (UBSan watches).
+ * none (tests/test_k3_config.c, round_trip). The sizes derived from a parsed config (parameters, state)
+ * must compute without overflow (UBSan watches).
  */
 #include "fuzz_util.h"
 
@@ -28,8 +28,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         if (e.status == KDS_OK || !e.msg[0]) fz_fail("parse failed without a message");
         return 0;
     }
+    /* one walk of the plan (K3's lists 140k tensors: the slowest part of a
+     * run); tensor_count is the same walk */
     (void)eng_config_param_count(&a);
-    (void)eng_config_tensor_count(&a);
     (void)eng_config_state_size(&a);
     char *j1 = eng_config_to_json(&a);
     if (!j1) fz_fail("eng_config_to_json gave NULL");
