@@ -147,7 +147,8 @@ kds_status eng_seq_save_mla(const eng_seq *s, int64_t t0, int64_t t1, void *buf,
 /* Load a fixed part: checked like eng_seq_state_load, refused without
  * touching the sequence. Afterwards the position is the saved one and the
  * MLA rows [0, position) must be filled with eng_seq_load_mla before the
- * sequence is used (until then they are zeros). */
+ * sequence is used (until then they are zeros, which take address space
+ * but no memory: a position no row backs yet costs nothing). */
 kds_status eng_seq_load_fixed(eng_seq *s, const void *buf, size_t len, kds_err *err);
 kds_status eng_seq_load_mla(eng_seq *s, int64_t t0, int64_t t1, const void *buf, size_t len,
                             kds_err *err);

@@ -37,6 +37,9 @@
  * about 2 MB, its config 2 KB). */
 #define LOAD_MAX_CONFIG_BYTES ((size_t)16 << 20)
 #define LOAD_MAX_INDEX_BYTES ((size_t)256 << 20)
+/* How many tensors the plan may lack before the loader refuses without
+ * listing it (bind_all): walking 65536 names costs milliseconds. */
+#define LOAD_MAX_MISSING_TENSORS ((size_t)1 << 16)
 /* Models smaller than this hash in well under a second: no progress line. */
 #define LOAD_PROGRESS_MIN_BYTES ((uint64_t)256 << 20)
 /* Bytes hashed between progress updates. */
@@ -525,6 +528,18 @@ static void bind_fn(void *user, const eng_tensor_spec *s) {
 }
 
 static kds_status bind_all(loader *ld) {
+    /* A 3 KB config can ask for 256 MoE layers of 65536 experts: 50M
+     * tensors that the plan would list (twice) before the first is found
+     * missing. A checkpoint holds at least one tensor per routed expert, so
+     * when the config implies far more than the files hold, say so without
+     * the walk; a small shortfall is left to binding, which names the first
+     * missing tensor. */
+    const size_t need = eng__plan_min_tensors(&ld->m->cfg);
+    if (need > ld->n_cat + LOAD_MAX_MISSING_TENSORS)
+        return kds_err_set(ld->err, KDS_NOT_FOUND,
+                           "%s: config.json implies at least %zu tensors (one per routed expert "
+                           "of every MoE layer); the checkpoint has %zu",
+                           ld->dir, need, ld->n_cat);
     kds_status rc = eng__plan_alloc(ld->m, ld->err);
     if (rc != KDS_OK) return rc;
     eng__plan_tensors(&ld->m->cfg, ld->m, bind_fn, ld);

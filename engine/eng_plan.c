@@ -362,6 +362,16 @@ eng_plan_sizes eng__plan_sizes(const eng_config *c, kern_dtype dt) {
     return z.s;
 }
 
+size_t eng__plan_min_tensors(const eng_config *c) {
+    size_t n = 0;
+    for (int l = 0; l < c->num_hidden_layers; l++) {
+        eng_layer_plan p;
+        eng__plan_layer(c, l, &p);
+        if (p.ffn != ENG_FFN_DENSE) n += (size_t)c->num_experts;
+    }
+    return n;
+}
+
 size_t eng_config_param_count(const eng_config *c) { return count_all(c).params; }
 
 size_t eng_config_tensor_count(const eng_config *c) { return count_all(c).tensors; }

@@ -81,6 +81,12 @@ typedef void (*eng_tensor_fn)(void *user, const eng_tensor_spec *t);
  */
 void eng__plan_tensors(const eng_config *c, eng_model *m, eng_tensor_fn fn, void *user);
 
+/* A lower bound on the tensors config c implies, in O(layers): one per
+ * routed expert of every MoE layer (each has at least one matrix). The
+ * loader compares it with the checkpoint's tensor count before listing the
+ * plan, whose length a config alone can make tens of millions. */
+size_t eng__plan_min_tensors(const eng_config *c);
+
 /* Sizes of config c: parameters (a block-format element counts as one),
  * those one token uses (the top-k of the routed experts; the embedding
  * lookup not counted), and the checkpoint's bytes with the non-block

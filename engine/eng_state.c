@@ -18,6 +18,7 @@
 #include "eng_seq.h"
 
 #include <limits.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -92,6 +93,33 @@ void eng_seq_reset(eng_seq *s, uint64_t seed) {
 void eng_seq_reseed(eng_seq *s, uint64_t seed) {
     uint64_t x = seed;
     for (int i = 0; i < 4; i++) s->rng[i] = splitmix64(&x);
+}
+
+/* Replace the MLA caches with fresh zeroed ones of at least `tokens` rows,
+ * or change nothing (KDS_NOMEM). calloc hands out the kernel's zero pages:
+ * a row costs memory only once it is written, so the rows a fixed part
+ * claims (eng_seq_load_fixed) cost address space until eng_seq_load_mla
+ * brings them, not a memset of everything a header says. */
+static kds_status fresh_caches(eng_seq *s, int64_t tokens, kds_err *err) {
+    int64_t cap = 256;
+    while (cap < tokens) cap *= 2;
+    const size_t row = (size_t)s->d.mla_row * sizeof(float);
+    float **fresh = calloc((size_t)s->d.n_mla + 1, sizeof *fresh);
+    bool ok = fresh && (row == 0 || (uint64_t)cap <= SIZE_MAX / row);
+    for (int i = 0; ok && i < s->d.n_mla; i++) ok = (fresh[i] = calloc((size_t)cap, row)) != NULL;
+    if (!ok) {
+        for (int i = 0; fresh && i < s->d.n_mla; i++) free(fresh[i]);
+        free(fresh);
+        return kds_err_set(err, KDS_NOMEM, "out of memory for the MLA cache of %lld tokens",
+                           (long long)tokens);
+    }
+    for (int i = 0; i < s->d.n_mla; i++) {
+        free(s->mla_cache[i]);
+        s->mla_cache[i] = fresh[i];
+    }
+    free(fresh);
+    s->mla_cap = cap;
+    return KDS_OK;
 }
 
 kds_status eng__seq_reserve(eng_seq *s, int64_t tokens, kds_err *err) {
@@ -368,7 +396,11 @@ static kds_status load_state(eng_seq *s, const void *buf, size_t len, int with_m
     if (has_logits > 1 || (has_logits == 0) != (pos == 0))
         return kds_err_set(err, KDS_BAD_FORMAT, "state logits flag %u does not fit position %llu",
                            has_logits, (unsigned long long)pos);
-    kds_status rc = eng__seq_reserve(s, (int64_t)pos, err);
+    /* The full form carries its rows (the length check bounds pos); a
+     * fixed part only claims them, so its caches start fresh and untouched. */
+    kds_status rc = with_mla || s->d.n_mla == 0 || pos == 0
+                        ? eng__seq_reserve(s, (int64_t)pos, err)
+                        : fresh_caches(s, (int64_t)pos, err);
     if (rc != KDS_OK) return rc;
     s->pos = (int64_t)pos;
     s->has_logits = (int)has_logits;
@@ -386,14 +418,12 @@ static kds_status load_state(eng_seq *s, const void *buf, size_t len, int with_m
     p += n;
     for (int i = 0; i < ENG_RECENT_TOKENS; i++) s->recent[i] = (int32_t)kds_get32(p + 4 * i);
     p += ENG_RECENT_TOKENS * 4;
-    /* a 0-token state: no rows, and caches that were never allocated */
+    /* a 0-token state: no rows, and caches that were never allocated; a
+     * fixed part's rows are the zeros of fresh_caches */
     n = (size_t)pos * s->d.mla_row * sizeof(float);
-    for (int i = 0; i < s->d.n_mla && n; i++) {
-        if (with_mla)
-            memcpy(s->mla_cache[i], p, n);
-        else
-            memset(s->mla_cache[i], 0, n);
-        p += with_mla ? n : 0;
+    for (int i = 0; with_mla && i < s->d.n_mla && n; i++) {
+        memcpy(s->mla_cache[i], p, n);
+        p += n;
     }
     eng__seq_host_written(s);
     return KDS_OK;

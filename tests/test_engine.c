@@ -6,6 +6,8 @@
  * models.
  */
 #include <criterion/criterion.h>
+#include <stdio.h>
+#include <unistd.h>
 
 #include "eng.h"
 #include "eng_config.h"
@@ -297,6 +299,56 @@ Test(engine, long_prefill_matches_decode_hybrid, .timeout = 120) {
     free(dec);
     eng_seq_free(s);
     eng_ctx_free(c);
+    close_model(&f);
+}
+
+/* Resident bytes of this process (/proc/self/statm). */
+static size_t rss_bytes(void) {
+    FILE *f = fopen("/proc/self/statm", "r");
+    unsigned long size = 0, res = 0;
+    if (f) {
+        if (fscanf(f, "%lu %lu", &size, &res) != 2) res = 0;
+        fclose(f);
+    }
+    return (size_t)res * (size_t)sysconf(_SC_PAGESIZE);
+}
+
+/* A fixed part claims the MLA rows that eng_seq_load_mla brings later;
+ * until then they are zeros that cost no memory, so the position in a
+ * header nobody checked cannot make the process touch gigabytes (the
+ * fuzz target tests/fuzz/fuzz_state.c found the memset that did). */
+Test(engine, fixed_part_claims_cost_no_memory) {
+    fixture f = open_model(HYBRID);
+    kds_err err = {0};
+    int32_t ids[3];
+    prompt(ids, 3, f.vocab, 5);
+    eng_seq *s = NULL, *r = NULL;
+    cr_assert_eq(eng_seq_create(f.m, 4, &s, &err), KDS_OK);
+    cr_assert_eq(eng_prefill(f.c, s, ids, 3, NULL, NULL, NULL, &err), KDS_OK);
+    const size_t fb = eng_seq_fixed_bytes(s), tb = eng_seq_mla_token_bytes(s);
+    unsigned char *fixed = malloc(fb), *row = malloc(tb), *back = malloc(tb);
+    cr_assert(fixed && row && back);
+    cr_assert_eq(eng_seq_save_fixed(s, fixed, fb, &err), KDS_OK);
+    const uint64_t claim = (uint64_t)1 << 20; /* 160 MiB of rows for micro-hybrid */
+    for (int i = 0; i < 8; i++) fixed[16 + i] = (unsigned char)(claim >> (8 * i));
+    cr_assert_eq(eng_seq_create(f.m, 0, &r, &err), KDS_OK);
+    const size_t before = rss_bytes();
+    cr_assert_eq(eng_seq_load_fixed(r, fixed, fb, &err), KDS_OK, "%s", err.msg);
+    const size_t grew = rss_bytes() - before;
+    cr_expect_lt(grew, claim * tb / 4, "claiming %llu rows of %zu bytes made %zu bytes resident",
+                 (unsigned long long)claim, tb, grew);
+    cr_assert_eq(eng_seq_pos(r), (int64_t)claim);
+    cr_assert_eq(eng_seq_save_mla(r, (int64_t)claim - 1, (int64_t)claim, back, tb, &err), KDS_OK);
+    for (size_t i = 0; i < tb; i++) cr_assert_eq(back[i], 0, "an unloaded row is not zero");
+    for (size_t i = 0; i < tb; i++) row[i] = (unsigned char)(i * 7 + 1);
+    cr_assert_eq(eng_seq_load_mla(r, (int64_t)claim - 1, (int64_t)claim, row, tb, &err), KDS_OK);
+    cr_assert_eq(eng_seq_save_mla(r, (int64_t)claim - 1, (int64_t)claim, back, tb, &err), KDS_OK);
+    cr_expect_eq(memcmp(row, back, tb), 0);
+    free(fixed);
+    free(row);
+    free(back);
+    eng_seq_free(s);
+    eng_seq_free(r);
     close_model(&f);
 }
 

@@ -138,6 +138,17 @@ Test(model_bad, bad_config) {
     drop_case(&c);
 }
 
+/* A config asking for far more experts than the checkpoint has tensors is
+ * refused before the plan (which would list every expert's tensors, tens
+ * of millions for a 3 KB config) is walked; the fuzz target for configs led
+ * here, with a config that kept eng_model_load busy for 50 seconds. */
+Test(model_bad, more_experts_than_tensors) {
+    case_dir c = make_case();
+    cr_assert(tmu_replace_in_file(c.cfg, "\"num_experts\": 8", "\"num_experts\": 65536"));
+    expect_refusal(c.dir, KDS_NOT_FOUND, "implies at least 196608 tensors", "config.json", NULL);
+    drop_case(&c);
+}
+
 /* Tensor edits: drop one, reshape one, retype one. */
 typedef struct edit {
     const char *name;

@@ -88,6 +88,21 @@ Test(quant, mxfp4_nibble_order_and_blocks) {
     cr_expect(part[0] == 1.0f && part[1] == 6.0f && part[2] == -6.0f);
 }
 
+/* Element formats carry no scales (NULL): a row of one must be read
+ * without touching that pointer (UBSan, in the sanitizer suite, calls even
+ * NULL + 0 undefined; every embedding lookup reads a row this way). */
+Test(quant, element_row_without_scales) {
+    const float w32[6] = {1, 2, 3, 4, 5, 6};
+    const kern_weight w = {KERN_F32, w32, NULL, 2, 3};
+    float row[3];
+    kern_weight_row_f32(&w, 1, 0, 3, row);
+    cr_expect(row[0] == 4.0f && row[1] == 5.0f && row[2] == 6.0f);
+    uint16_t b16[4] = {0x3f80, 0x4000, 0x4040, 0x4080}; /* bf16 1, 2, 3, 4 */
+    const kern_weight wb = {KERN_BF16, b16, NULL, 2, 2};
+    kern_weight_row_f32(&wb, 1, 1, 2, row);
+    cr_expect_eq(row[0], 4.0f);
+}
+
 Test(quant, q8_0_values) {
     signed char codes[64];
     for (int i = 0; i < 64; i++) codes[i] = (signed char)(i - 32);

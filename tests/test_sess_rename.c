@@ -66,4 +66,7 @@ Test(sess_rename, rename_keeps_everything, .timeout = 60) {
     eng_seq_free(s);
     sess_close(st);
     tsu_close_model(&f);
+    tmu_rmtree(tmp);
+    free(model);
+    free(tmp);
 }

@@ -18,11 +18,13 @@
  * returns 0 where expf would give a denormal under 1.7e-38: every caller
  * multiplies it into values of order 1, so the difference is invisible.
  * Above 88 it saturates at about e^88 (only the sigmoid's e^-y gets there,
- * where 1 / (1 + e^88) is as good as 0).
+ * where 1 / (1 + e^88) is as good as 0). NaN gives NaN; inside, a NaN is
+ * clamped like a small x (every comparison with it is false), because
+ * converting a NaN to int, as the exponent step does, is undefined.
  */
 static inline float vexp(float x) {
     const float lo = -87.0f, hi = 88.0f;
-    float xc = x < lo ? lo : (x > hi ? hi : x);
+    float xc = x >= lo ? (x > hi ? hi : x) : lo;
     float n = fmaf(xc, 1.44269504088896341f, 12582912.0f) - 12582912.0f;
     float r = fmaf(-n, 0.693359375f, xc);
     r = fmaf(n, 2.12194440e-4f, r);
@@ -36,7 +38,7 @@ static inline float vexp(float x) {
     int32_t bits = ((int32_t)n + 127) << 23;
     float two_n;
     memcpy(&two_n, &bits, sizeof two_n);
-    return x < lo ? 0.0f : p * two_n;
+    return x >= lo ? p * two_n : (x < lo ? 0.0f : x);
 }
 
 /* 1 / (1 + e^-x), within 2.5 ulp. */

@@ -92,7 +92,10 @@ float kern_e8m0_to_f32(uint8_t e) {
 void kern_weight_row_f32(const kern_weight *w, int r, int c0, int c1, float *out) {
     const kern_layout l = kern_weight_layout(w->dt, w->rows, w->cols);
     const unsigned char *row = (const unsigned char *)w->data + (size_t)r * l.row_bytes;
-    const unsigned char *sc = (const unsigned char *)w->scales + (size_t)r * l.scale_row_bytes;
+    /* element formats have no scales (NULL): no arithmetic on that pointer,
+     * which is undefined even with a zero offset */
+    const unsigned char *sc =
+        w->scales ? (const unsigned char *)w->scales + (size_t)r * l.scale_row_bytes : NULL;
     switch (w->dt) {
     case KERN_F32:
     case KERN_BF16:
