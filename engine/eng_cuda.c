@@ -335,6 +335,23 @@ fail:
     return rc;
 }
 
+/* ---- generated block-format weights (cuda-gen-mxfp4) ---------------------
+ * A generated model's block-format weight (w->data and w->scales NULL, dt
+ * MXFP4 or Q8_0: K3's routed experts) made on the device, codes at
+ * `codes_at` (kern_weight_layout's data_bytes) and scales at `scales_at`
+ * (its scale_bytes), byte for byte what gen-model writes (NAME_packed and
+ * NAME_scale). Queued on the backend's stream, like the uploads. */
+static kds_status gen_block_weight(eng_cuda *g, const eng_weight *w, void *codes_at,
+                                   void *scales_at, kds_err *err) {
+    if (!scales_at)
+        return kds_err_set(err, KDS_INTERNAL,
+                           "device 'cuda': a generated %s weight [%d, %d] was given no place for "
+                           "its scales", kern_dtype_name(w->dt), w->rows, w->cols);
+    return kern_cuda_gen_quant(codes_at, scales_at, w->dt, w->rows, w->cols, w->gen_key, w->gen_sd,
+                               g->stream, err);
+}
+/* ------------------------------------------------------------------------ */
+
 /* A matrix onto the device at `at`: copied as stored, or made there for a
  * generated model (w->data NULL: kern_cuda_gen_normal, the values gen-model
  * writes). */
@@ -342,10 +359,8 @@ static kds_status put_w(eng_cuda *g, const eng_weight *w, void *at, void *scales
                         kds_err *err) {
     const kern_layout l = kern_weight_layout(w->dt, w->rows, w->cols);
     if (!w->data) {
-        if (kern_dtype_is_block(w->dt))
-            return kds_err_set(err, KDS_UNSUPPORTED,
-                               "device 'cuda': a generated %s weight cannot be made on the GPU",
-                               kern_dtype_name(w->dt));
+        if (kern_dtype_is_block(w->dt)) /* codes at `at`, scales at `scales_at` */
+            return gen_block_weight(g, w, at, scales_at, err);
         return kern_cuda_gen_normal(at, w->dt, (size_t)w->rows * w->cols, w->gen_key, w->gen_sd,
                                     g->stream, err);
     }

@@ -807,11 +807,9 @@ kds_status eng__genmodel_tensors(const eng_config *c, uint64_t seed, eng_gen_ten
                                  size_t *n_out, kds_err *err) {
     *out = NULL;
     *n_out = 0;
-    if (c->experts_mxfp4)
-        return kds_err_set(err, KDS_UNSUPPORTED,
-                           "a model with MXFP4 experts cannot be made on the device yet (write it "
-                           "with kdaserve gen-model)");
-    size_t n = eng_config_tensor_count(c);
+    /* as written: a block-format weight is its two tensors */
+    size_t n = 0;
+    eng__plan_tensors(c, NULL, count_written, &n);
     if (n > GEN_MAX_TENSORS)
         return kds_err_set(err, KDS_TOO_LARGE, "%zu tensors is too many to generate (max %zu)", n,
                            GEN_MAX_TENSORS);
@@ -836,12 +834,15 @@ kds_status eng__genmodel_tensors(const eng_config *c, uint64_t seed, eng_gen_ten
         d->n_elems = s->n_elems;
         d->key = s->stream;
         d->sd = s->a;
+        d->block = s->part == GEN_WHOLE ? KERN_F32 : s->fmt;
+        d->part = (int)s->part;
         if (!d->name) {
             rc = kds_err_set(err, KDS_NOMEM, "out of memory listing %zu tensors", n);
             goto out;
         }
-        /* matrices are left to the device (every one is INIT_NORMAL) */
-        if (s->n_dims == 2 && s->init == ENG_INIT_NORMAL) continue;
+        /* matrices are left to the device (every one is INIT_NORMAL), the
+         * codes and scales of a block-format one too (kern_cuda_gen_quant) */
+        if (s->part != GEN_WHOLE || (s->n_dims == 2 && s->init == ENG_INIT_NORMAL)) continue;
         if (!(d->values = malloc(s->n_elems * sizeof(float)))) {
             rc = kds_err_set(err, KDS_NOMEM, "out of memory generating '%s'", s->name);
             goto out;

@@ -81,19 +81,29 @@ kds_status eng__genmodel_write_sharded(const eng_config *c, uint64_t seed, kern_
                                        kds_err *err);
 
 /* Engine-internal (eng_model_generate): the tensors of the model that
- * eng_genmodel_write(c, seed, ...) writes, without writing them. Vectors,
- * conv taps and A_log come with their float values (generated here, as in
- * the file); 2-D matrices with values == NULL and the (key, sd) from which
- * kern_gen_normal / kern_cuda_gen_normal make element i. c must be parsed
- * (eng_config_parse). Free with eng__genmodel_tensors_free. */
+ * eng_genmodel_write(c, seed, ...) writes, without writing them, in the
+ * file's order and names. Vectors, conv taps and A_log come with their
+ * float values (generated here, as in the file); 2-D matrices with values
+ * == NULL and the (key, sd) from which kern_gen_normal /
+ * kern_cuda_gen_normal make element i. A block-format weight (the config's
+ * experts_mxfp4: every routed expert matrix, MXFP4) is listed as the file
+ * has it, two tensors with values == NULL: part 1 its codes (NAME_packed U8
+ * [rows, cols / 2]; Q8_0: NAME I8 [rows, cols]), part 2 its scales
+ * (NAME_scale U8 [rows, cols / 32]; Q8_0: F16), both with the plain
+ * weight's (key, sd): the file's bytes are kern_quantize_row(block, ...) of
+ * kern_gen_normal's rows, which kern_cuda_gen_quant makes on the device.
+ * c must be parsed (eng_config_parse). Free with
+ * eng__genmodel_tensors_free. */
 typedef struct eng_gen_tensor {
     const char *name;
     int n_dims;
-    int64_t shape[4];
-    size_t n_elems;
-    float *values;   /* NULL for matrices */
-    uint64_t key;    /* matrices: the stream of kern_gen_normal */
+    int64_t shape[4]; /* as written (a part: [rows, its bytes or scales per row]) */
+    size_t n_elems;   /* of the shape */
+    float *values;    /* NULL for matrices and block parts */
+    uint64_t key;     /* matrices and parts: the stream of kern_gen_normal */
     float sd;
+    kern_dtype block; /* a part's block format (KERN_MXFP4, KERN_Q8_0); else KERN_F32 */
+    int part;         /* 0: a whole tensor; 1: a block weight's codes; 2: its scales */
 } eng_gen_tensor;
 
 kds_status eng__genmodel_tensors(const eng_config *c, uint64_t seed, eng_gen_tensor **out,
@@ -106,10 +116,17 @@ void eng__genmodel_tensors_free(eng_gen_tensor *t, size_t n);
  * matrix left to be made on the device where it is used (eng_weight.data
  * NULL, gen_key / gen_sd set; eng_model.generated true). The values equal
  * those eng_genmodel_write(c, seed, KERN_BF16, ...) writes, so this is that
- * model without the file, e.g. the 98 GB Kimi-Linear-48B. Only a "cuda"
- * context can run it (a "cpu" one refuses it with KDS_UNSUPPORTED); it has
- * no tokenizer. eng_model_dir() names it "generated:<label> seed <seed>".
- * Errors: KDS_INVALID_ARG (config), KDS_NOMEM, KDS_TOO_LARGE.
+ * model without the file, e.g. the 98 GB Kimi-Linear-48B. With MXFP4
+ * experts (c->experts_mxfp4, Kimi K3) each routed expert matrix is bound as
+ * a loaded gen-model directory binds its NAME_packed + NAME_scale pair:
+ * dt KERN_MXFP4, rows and cols of the plain weight, data and scales NULL,
+ * gen_key / gen_sd of its stream; a device makes its codes and scales with
+ * kern_cuda_gen_quant (the bytes gen-model writes). The fingerprint hashes
+ * the config JSON (quantization_config included) and the seed, so the MXFP4
+ * model and its bf16-expert twin differ. Only a "cuda" context can run it
+ * (a "cpu" one refuses it with KDS_UNSUPPORTED); it has no tokenizer.
+ * eng_model_dir() names it "generated:<label> seed <seed>". Errors:
+ * KDS_INVALID_ARG (config), KDS_NOMEM, KDS_TOO_LARGE.
  */
 kds_status eng_model_generate(const eng_config *c, uint64_t seed, const char *label,
                               eng_model **out, kds_err *err);

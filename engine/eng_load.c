@@ -440,8 +440,11 @@ static bool bind_block_pair(loader *ld, eng_weight *w, int64_t rows, int64_t col
         fail_shape(ld, scale, scales->t, 2, scale_shape, " (one scale per 32 input columns)");
         return true;
     }
+    /* a generated model's pair has no bytes: both parts carry the plain
+     * weight's stream (eng__genmodel_tensors) */
     *w = (eng_weight){.dt = dt, .data = codes->t->data, .scales = scales->t->data,
-                      .rows = (int)rows, .cols = (int)cols};
+                      .rows = (int)rows, .cols = (int)cols, .gen_key = codes->gen_key,
+                      .gen_sd = codes->gen_sd};
     eng__plan_register(ld->m, w);
     return true;
 }
@@ -878,11 +881,17 @@ kds_status eng_model_generate(const eng_config *c, uint64_t seed, const char *la
          * the same way (the matrices are rounded where they are made) */
         for (size_t j = 0; g->values && j < g->n_elems; j++)
             g->values[j] = kern_bf16_to_f32(kern_f32_to_bf16(g->values[j]));
+        /* a block weight's parts as the file stores them (the pair the
+         * binder looks for): MXFP4 U8 codes and U8 scales, Q8_0 I8 codes
+         * and F16 scales */
+        eng_st_dtype dt = g->values ? ENG_ST_F32 : ENG_ST_BF16;
+        if (g->part != 0)
+            dt = g->block != KERN_Q8_0 ? ENG_ST_U8 : g->part == 1 ? ENG_ST_I8 : ENG_ST_F16;
         st[i] = (eng_st_tensor){.name = g->name,
-                                .dtype = g->values ? ENG_ST_F32 : ENG_ST_BF16,
+                                .dtype = dt,
                                 .n_dims = g->n_dims,
                                 .n_elems = g->n_elems,
-                                .n_bytes = g->n_elems * (g->values ? 4 : 2),
+                                .n_bytes = g->n_elems * eng_st_dtype_size(dt),
                                 .data = g->values};
         memcpy(st[i].shape, g->shape, sizeof g->shape);
         ld.cat[i] = (cat_entry){.name = g->name, .t = &st[i], .shard = 0, .gen_key = g->key,

@@ -120,6 +120,21 @@ kds_status kern_cuda_fill_uniform(void *dst, kern_dtype dt, size_t n, float lo, 
 kds_status kern_cuda_gen_normal(void *dst, kern_dtype dt, size_t n, uint64_t key, float sd,
                                 void *stream, kds_err *err);
 
+/* A generated model's block-format weight [rows, cols] (dt MXFP4 or Q8_0,
+ * cols a multiple of 32) made on the GPU: its plain values
+ * kern_gen_normal(key, r * cols + c, sd), quantised row by row as
+ * kern_quantize_row(dt, ...) does, equal bit for bit to what eng_genmodel
+ * writes (NAME_packed / NAME and NAME_scale). Layout as kern_weight_layout:
+ * row r's codes at codes + r * row_bytes (MXFP4: cols / 2 bytes, two E2M1
+ * codes a byte, the even column in the low nibble; Q8_0: cols int8), its
+ * scales at scales + r * scale_row_bytes (MXFP4: cols / 32 E8M0 bytes;
+ * Q8_0: cols / 32 little-endian f16), both device buffers of any alignment
+ * (16-byte aligned codes are written 16 bytes at a time). rows * cols == 0
+ * does nothing. Errors: KDS_INVALID_ARG (dtype, shape, NULL pointer),
+ * KDS_CUDA. */
+kds_status kern_cuda_gen_quant(void *codes, void *scales, kern_dtype dt, int64_t rows,
+                               int64_t cols, uint64_t key, float sd, void *stream, kds_err *err);
+
 /* x[t, :] = float(table[ids[t], :]) for t < T: the embedding lookup. table
  * [vocab, hidden] in dt (F32 or BF16), ids [T] int32 and x [T, hidden] fp32
  * on the device. Ids are the caller's to check (the engine checks them on
