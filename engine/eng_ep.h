@@ -1,0 +1,91 @@
+/*
+ * eng_ep.h - expert parallelism: the routed experts of every MoE layer
+ * spread over the ranks of a job (eng_comm.h), everything else replicated,
+ * the sequences' attention data-parallel (docs/expert-parallel.md).
+ *
+ * Rank 0 runs the program (a command, the REPL, the service) with a
+ * context made with eng_ctx_params.comm; every other rank runs
+ * eng_ep_worker_run, which does what rank 0's context asks:
+ *   open   load the same model (its share of the experts only: the
+ *          placement, eng.h) and make a context of the same parameters;
+ *          the models' digests are compared, a mismatch refuses the job;
+ *   pass   run its sequences' rows of a forward pass: per MoE layer the
+ *          rows routed to another rank's experts go there (counts
+ *          exchange, then an all-to-all of the rows), come back as that
+ *          expert's output, and are summed on the token's own rank in
+ *          selection order, as one rank sums them; a rank with no rows
+ *          still takes part in every exchange;
+ *   state  take a sequence's state (it owns the sequence from then on),
+ *          hand it back to rank 0 (a save), drop it;
+ *   close, exit.
+ * Each expert's products are cut as one rank would cut the whole batch
+ * (eng_moe_args.sched_rows), so N ranks give one rank's logits bit for bit
+ * at the same thread count.
+ *
+ * Faults: every collective has a deadline (eng_comm.h); a dead or hung
+ * rank makes the running call fail with KDS_COMM on rank 0, and so does
+ * every later one; states that lived on other ranks cannot be read any
+ * more (a save fails instead of writing stale bytes). The job then ends
+ * (eng_comm_abort after the service has answered its clients).
+ *
+ * Threading: rank 0's context is used by one thread at a time, like any
+ * context; a worker is its process's main loop.
+ */
+#ifndef ENG_EP_H
+#define ENG_EP_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "eng.h"
+#include "eng_comm.h"
+#include "eng_config.h"
+
+/* "block", "cyclic" (static); NULL for an unknown value. */
+const char *eng_ep_placement_name(eng_ep_placement p);
+/* false for an unknown name. */
+bool eng_ep_placement_from_name(const char *name, eng_ep_placement *out);
+/* The rank holding expert e (0 <= e < E) of E over n ranks. */
+int eng_ep_owner(eng_ep_placement p, int e, int E, int n);
+/* Experts rank r holds of E over n. */
+int eng_ep_count(eng_ep_placement p, int r, int E, int n);
+
+/* Can config c run on n ranks? MoE layers with at least n routed experts
+ * each. Errors: KDS_INVALID_ARG naming the numbers. */
+kds_status eng_ep_check_config(const eng_config *c, int n, kds_err *err);
+
+/*
+ * A rank other than 0: serve rank 0's requests (above) until it says exit,
+ * then return KDS_OK. Errors: KDS_COMM when the job broke (rank 0 or
+ * another rank failed; the process should end with a non-zero status);
+ * a failure to load the model or make the context is reported to rank 0
+ * (which refuses its context, naming this rank) and the worker goes on
+ * waiting. Prints nothing; `progress` mirrors eng_model_params.progress.
+ */
+kds_status eng_ep_worker_run(eng_comm *comm, kds_err *err);
+
+/* Rank 0, before eng_comm_free: every worker leaves eng_ep_worker_run.
+ * Contexts made with comm must be freed first. Nothing to do on one rank
+ * or a broken communicator. */
+kds_status eng_ep_shutdown(eng_comm *comm, kds_err *err);
+
+/* What a context's exchanges cost so far (rank 0's view: a collective's
+ * time includes waiting for the slowest rank). */
+typedef struct eng_ep_stats {
+    int ranks;
+    int64_t passes;         /* forward passes */
+    int64_t moe_layers;     /* MoE layers run (passes x MoE layers) */
+    double dispatch_s;      /* counts exchange + rows to the experts' ranks */
+    double experts_s;       /* this rank's experts (and shared experts) */
+    double combine_s;       /* rows back to their tokens' ranks */
+    double pass_s;          /* whole passes, with the logits' way back */
+    int64_t rows_sent;      /* rows this rank sent (each way counted once) */
+    int64_t rows_received;
+    int64_t bytes_sent;     /* both ways */
+} eng_ep_stats;
+
+/* The stats of a context made with comm; false for another context. */
+bool eng_ctx_ep_stats(const eng_ctx *c, eng_ep_stats *out);
+void eng_ctx_ep_stats_reset(eng_ctx *c);
+
+#endif /* ENG_EP_H */
