@@ -22,6 +22,7 @@ int cmd_snap(int argc, char **argv);
 int cmd_tokenize(int argc, char **argv);
 int cmd_chat(int argc, char **argv);
 int cmd_serve(int argc, char **argv);
+int cmd_plan(int argc, char **argv);
 
 /* Shared helpers (cli_common.c). */
 

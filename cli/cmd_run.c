@@ -8,6 +8,7 @@
 #include "cli.h"
 #include "kds_buf.h"
 #include "eng_config.h"
+#include "eng_ep.h"
 #include "eng_genmodel.h"
 #include "eng_safetensors.h"
 #include "repl.h"
@@ -734,18 +735,33 @@ int cmd_bench(int argc, char **argv) {
     if (eng_seq_create(m, 0, &s, &err) != KDS_OK) goto fail;
     eng_sampler_params greedy = eng_sampler_default_params();
     greedy.temperature = 0.0f;
+    /* expert parallelism: the decode steps' exchanges, summed over the repeats */
+    eng_ep_stats ep = {0}, one;
+    const bool ep_on = eng_ctx_ep_stats(c, &one);
     for (int64_t r = 0; r < reps; r++) {
         eng_seq_reset(s, 0);
         if (eng_ctx_attach(c, s, &err) != KDS_OK) goto fail; /* a GPU's state upload: untimed */
         double t0 = cli_now();
         if (eng_prefill(c, s, ids, pt, NULL, NULL, NULL, &err) != KDS_OK) goto fail;
         double t1 = cli_now();
+        if (ep_on) eng_ctx_ep_stats_reset(c);
         for (int64_t i = 0; i < gt; i++) {
             int32_t next;
             if (eng_sample(c, s, &greedy, &next, &err) != KDS_OK) goto fail;
             if (eng_decode(c, s, next, &err) != KDS_OK) goto fail;
         }
         double t2 = cli_now();
+        if (ep_on && eng_ctx_ep_stats(c, &one)) {
+            ep.ranks = one.ranks;
+            ep.passes += one.passes;
+            ep.moe_layers += one.moe_layers;
+            ep.dispatch_s += one.dispatch_s;
+            ep.experts_s += one.experts_s;
+            ep.combine_s += one.combine_s;
+            ep.pass_s += one.pass_s;
+            ep.rows_sent += one.rows_sent;
+            ep.bytes_sent += one.bytes_sent;
+        }
         pre[r] = pt / (t1 - t0);
         dec[r] = gt ? gt / (t2 - t1) : 0.0;
     }
@@ -771,11 +787,23 @@ int cmd_bench(int argc, char **argv) {
            "median %.1f; %.3f ms/token)\n",
            dec[reps - 1], (long long)gt, (long long)reps, dec[reps / 2],
            dec[reps - 1] > 0 ? 1000.0 / dec[reps - 1] : 0.0);
+    if (ep_on && ep.moe_layers > 0) {
+        /* rank 0's clock: a collective's time includes waiting for the slowest rank */
+        const double per = 1e6 / (double)ep.moe_layers;
+        printf("experts      %d ranks (expert parallel), per decode step and MoE layer: dispatch "
+               "%.1f us, experts %.1f us, combine %.1f us (%.0f%% of the step in the three); "
+               "%.1f rows, %.1f KB sent\n",
+               ep.ranks, ep.dispatch_s * per, ep.experts_s * per, ep.combine_s * per,
+               100.0 * (ep.dispatch_s + ep.experts_s + ep.combine_s) / ep.pass_s,
+               (double)ep.rows_sent / (double)ep.moe_layers,
+               (double)ep.bytes_sent / (double)ep.moe_layers / 1e3);
+    }
     if (n_counts > 0) {
         int most = 0;
         for (int i = 0; i < n_counts; i++) most = seq_counts[i] > most ? seq_counts[i] : most;
         if (most > eng_ctx_max_seqs(c)) { /* the batched decode's scratch is sized at creation */
             cp.max_seqs = most;
+            cp.comm = cli_comm(); /* the same ranks (cli_open_with's) */
             eng_ctx_free(c);
             c = NULL;
             if (eng_ctx_create(m, &cp, &c, &err) != KDS_OK) goto fail;

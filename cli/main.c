@@ -26,6 +26,7 @@ static const command COMMANDS[] = {
     {"gen-model", cmd_gen_model, "write a Kimi-Linear model with seeded random weights"},
     {"info", cmd_info, "show a model's config, size, state size and fingerprint"},
     {"quantize", cmd_quantize, "write a model with its routed experts in MXFP4 or Q8_0"},
+    {"plan", cmd_plan, "size a model on N expert-parallel ranks (memory, traffic, decode rate)"},
 };
 
 static void usage(FILE *f) {

@@ -66,21 +66,26 @@ static double now_ms(void) {
 
 int eng__comm_poll(int (*done)(void *arg), void *arg, int timeout_ms) {
     const double t0 = now_ms();
-    long sleep_ns = 20000;
-    for (unsigned polls = 0;; polls++) {
+    long sleep_ns = 10000;
+    for (;;) {
         int r = done(arg);
         if (r != 0) return r > 0 ? 1 : -1;
-        if (timeout_ms > 0 && now_ms() - t0 > timeout_ms) return 0;
-        /* A decode step's exchanges come within microseconds of each other:
-         * yield for a while (other ranks may need this core), then sleep in
-         * growing steps up to 1 ms, so an idle rank costs nothing. */
-        if (polls < 2000) {
+        const double waited = now_ms() - t0;
+        if (timeout_ms > 0 && waited > timeout_ms) return 0;
+        /* Within a pass a rank waits for the others' compute of a layer
+         * (tens of microseconds to milliseconds): yield for the first 2 ms
+         * (another rank may need this core), then sleep in short steps,
+         * since only MPI calls move a nonblocking collective on (a rank
+         * that sleeps long delays the others' part too). A rank waiting
+         * between requests (no deadline) backs off to 1 ms. */
+        if (waited < 2.0) {
             sched_yield();
             continue;
         }
         struct timespec ts = {0, sleep_ns};
         nanosleep(&ts, NULL);
-        if (sleep_ns < 1000000) sleep_ns *= 2;
+        const long cap = timeout_ms > 0 ? 50000 : 1000000;
+        if (sleep_ns < cap) sleep_ns = sleep_ns * 2 < cap ? sleep_ns * 2 : cap;
     }
 }
 

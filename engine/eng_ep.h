@@ -40,6 +40,7 @@
 #include "eng.h"
 #include "eng_comm.h"
 #include "eng_config.h"
+#include "kern.h"
 
 /* "block", "cyclic" (static); NULL for an unknown value. */
 const char *eng_ep_placement_name(eng_ep_placement p);
@@ -87,5 +88,65 @@ typedef struct eng_ep_stats {
 /* The stats of a context made with comm; false for another context. */
 bool eng_ctx_ep_stats(const eng_ctx *c, eng_ep_stats *out);
 void eng_ctx_ep_stats_reset(eng_ctx *c);
+
+/* ------------------------------------------------------------------------ */
+/* Sizing (`kdaserve plan`, eng_ep_plan.c)                                   */
+
+/* A rank's machine: one GPU (or CPU socket) and its links. Bandwidths in
+ * GB/s (1e9 bytes), one direction. */
+typedef struct eng_ep_hw {
+    char name[16];
+    double mem_gb;       /* memory per rank */
+    double hbm_gbs;      /* its bandwidth */
+    double nvlink_gbs;   /* to a rank of the same node */
+    double net_gbs;      /* to a rank of another node (InfiniBand) */
+    double latency_us;   /* a collective's fixed cost */
+    int ranks_per_node;
+} eng_ep_hw;
+
+/* "h200", "h100", "b200" (vendor figures: HBM, NVLink per direction, one
+ * 400 Gb/s NIC per GPU); false for another name. */
+bool eng_ep_hw_preset(const char *name, eng_ep_hw *out);
+
+typedef struct eng_ep_plan_in {
+    int ranks;
+    eng_ep_placement placement;
+    kern_dtype dtype;   /* the non-block weights' element format (experts: the config's) */
+    int64_t context;    /* tokens of a session, for its state */
+    int batch;          /* sessions decoding together on each rank */
+    eng_ep_hw hw;
+} eng_ep_plan_in;
+
+/* Bytes are bytes (not GiB), times seconds. */
+typedef struct eng_ep_plan_out {
+    int n_moe;                   /* MoE layers */
+    int experts_rank_max;        /* routed experts per MoE layer on the fullest rank */
+    double replicated_bytes;     /* every rank: all but the routed experts */
+    double embed_bytes;          /* of which the embedding (a decode reads B rows of it) */
+    double expert_bytes;         /* all routed experts */
+    double one_expert_bytes;     /* w1 + w3 + w2 of one expert */
+    double rank_weight_bytes;    /* the fullest rank: replicated + its experts */
+    double state_fixed, state_per_token, state_session; /* a session at `context` */
+    /* all-to-all per token per MoE layer: k rows of X f32 out, k back */
+    double a2a_token_layer;      /* 2 k X 4 */
+    double a2a_cross_token_layer;/* of which crosses between ranks: x (N-1)/N, uniform routing */
+    double counts_layer;         /* the counts exchange per rank per layer: N (E+2) 4 */
+    /* one decode step of `batch` sessions per rank */
+    double active_experts_rank;  /* expected experts per MoE layer a step reads on a rank */
+    double hbm_step_bytes;       /* weights and states a rank reads in a step */
+    double net_step_bytes;       /* bytes a rank sends in a step (all-to-alls, counts) */
+    double t_hbm, t_comm, t_step;
+    double tok_s_session, tok_s_rank, tok_s_job;
+    double mem_rank_bytes;       /* weights + batch sessions at context */
+    bool fits;
+} eng_ep_plan_out;
+
+/* The figures of config c on in->ranks ranks. Decode is taken as
+ * bandwidth-bound (weights and states streamed from memory once per step,
+ * the all-to-alls at link speed plus a latency per collective, no overlap
+ * of the two): an estimate for planning, not a measurement. Errors:
+ * KDS_INVALID_ARG (ranks vs experts, bad figures). */
+kds_status eng_ep_plan(const eng_config *c, const eng_ep_plan_in *in, eng_ep_plan_out *out,
+                       kds_err *err);
 
 #endif /* ENG_EP_H */

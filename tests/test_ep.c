@@ -18,7 +18,10 @@
  *   - the communicator's collectives (kds_comm_check: MPI with 1 to 3
  *     ranks, a stalled rank, NCCL with one rank where there is a GPU);
  *   - in-process: the placement's arithmetic, and a rank's model binds its
- *     own experts only and agrees with rank 0 on the digest.
+ *     own experts only and agrees with rank 0 on the digest;
+ *   - `kdaserve plan`: its figures for Kimi K3 on 64 H200s and
+ *     Kimi-Linear-48B on 8 against the same quantities worked out here
+ *     from the configs.
  * Skipped, saying why, without MPI in the build or mpirun on the machine.
  */
 #include <criterion/criterion.h>
@@ -33,7 +36,9 @@
 #include "eng.h"
 #include "eng_comm.h"
 #include "eng_ep.h"
+#include "eng_genmodel.h"
 #include "eng_model.h"
+#include "eng_plan.h"
 #include "eng_safetensors.h"
 #include "test_helpers.h"
 #ifdef KDS_HAVE_CUDA
@@ -493,4 +498,81 @@ Test(ep, a_rank_binds_only_its_experts) {
     eng_model_free(o1);
     eng_model_free(whole);
     rm_tmp();
+}
+
+/* ------------------------------------------------------------------------ */
+/* Sizing                                                                    */
+
+/* The plan's figures for Kimi K3 on 64 H200s and Kimi-Linear-48B on 8,
+ * against the same quantities worked out by hand from the configs. */
+Test(ep, plan_figures_match_a_hand_calculation) {
+    static const struct {
+        const char *preset;
+        int ranks;
+    } cases[] = {{"k3", 64}, {"kimi-linear-48b", 8}, {"kimi-linear-48b", 3}};
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        eng_config c;
+        kds_err err = {0};
+        cr_assert_eq(eng_genmodel_preset(cases[i].preset, &c, &err), KDS_OK, "%s", err.msg);
+        eng_ep_plan_in in = {.ranks = cases[i].ranks, .placement = ENG_EP_BLOCK,
+                             .dtype = KERN_BF16, .context = 131072, .batch = 16};
+        cr_assert(eng_ep_hw_preset("h200", &in.hw));
+        eng_ep_plan_out o;
+        cr_assert_eq(eng_ep_plan(&c, &in, &o, &err), KDS_OK, "%s", err.msg);
+        const double N = in.ranks, E = c.num_experts, k = c.num_experts_per_token;
+        const double I = c.moe_intermediate_size;
+        const double X = c.latent_size > 0 ? c.latent_size : c.hidden_size;
+        int moe = 0;
+        for (int l = 0; l < c.num_hidden_layers; l++) moe += c.layer_is_moe[l];
+        /* an expert: w1, w3 [I, X] and w2 [X, I]; MXFP4 is 4 bits a value and
+         * an 8-bit scale per 32, bf16 2 bytes */
+        const double per_value = c.experts_mxfp4 ? 0.5 + 1.0 / 32 : 2.0;
+        const double one = 3 * I * X * per_value;
+        cr_expect_float_eq(o.one_expert_bytes, one, 1e-9 * one, "%s", cases[i].preset);
+        cr_expect_float_eq(o.expert_bytes, one * E * moe, 1e-9 * one * E * moe);
+        /* the rest is everything else the checkpoint holds */
+        const eng_plan_sizes sz = eng__plan_sizes(&c, KERN_BF16);
+        cr_expect_float_eq(o.replicated_bytes, (double)(sz.bytes - sz.expert_bytes), 1.0);
+        const double fullest = ceil(E / N);
+        cr_expect_eq(o.experts_rank_max, (int)fullest);
+        cr_expect_float_eq(o.rank_weight_bytes, o.replicated_bytes + fullest * moe * one, 1e3);
+        /* a token: k rows of X f32 out and back; (N-1)/N of it leaves */
+        cr_expect_float_eq(o.a2a_token_layer, 2 * k * X * 4, 1e-6);
+        cr_expect_float_eq(o.a2a_cross_token_layer, 2 * k * X * 4 * (N - 1) / N, 1e-6);
+        const eng_state_size st = eng_config_state_size(&c);
+        cr_expect_float_eq(o.state_session, (double)st.fixed + 131072.0 * st.per_token, 1.0);
+        /* a step: the time is the bytes over the bandwidth, the rate B / step */
+        cr_expect_float_eq(o.t_hbm, o.hbm_step_bytes / 4800e9, 1e-12);
+        cr_expect_float_eq(o.tok_s_job, N * 16 / o.t_step, 1e-6 * o.tok_s_job);
+        const double active = fullest * (1 - pow(1 - k / E, N * 16));
+        cr_expect_float_eq(o.active_experts_rank, active, 1e-9);
+    }
+    /* K3's experts are about 1.4 TB in MXFP4 (issue 14) */
+    eng_config k3;
+    cr_assert_eq(eng_genmodel_preset("k3", &k3, NULL), KDS_OK);
+    eng_ep_plan_in in = {.ranks = 64, .dtype = KERN_BF16, .context = 0, .batch = 1};
+    eng_ep_hw_preset("h200", &in.hw);
+    eng_ep_plan_out o;
+    cr_assert_eq(eng_ep_plan(&k3, &in, &o, NULL), KDS_OK);
+    cr_expect(o.expert_bytes > 1.40e12 && o.expert_bytes < 1.50e12, "%g", o.expert_bytes);
+    /* too many ranks: refused naming the numbers */
+    in.ranks = 1000;
+    kds_err err = {0};
+    cr_expect_eq(eng_ep_plan(&k3, &in, &o, &err), KDS_INVALID_ARG);
+    cr_expect(strstr(err.msg, "896 routed experts"), "%s", err.msg);
+}
+
+Test(ep, plan_command_prints_the_figures) {
+    char out[16384];
+    cr_assert_eq(run(out, sizeof out, KDASERVE " plan --gen k3 --ranks 64 --gpu h200 2>&1"), 0,
+                 "%s", out);
+    cr_expect(strstr(out, "64 x h200"), "%s", out);
+    cr_expect(strstr(out, "14 experts x 92 MoE layers"), "%s", out);
+    cr_expect(strstr(out, "16 rows of 3584 f32"), "%s", out);
+    cr_expect(strstr(out, "tok/s"), "%s", out);
+    cr_expect_eq(run(out, sizeof out, KDASERVE " plan --gen k3 2>&1"), 2, "no --ranks: %s", out);
+    cr_expect_eq(run(out, sizeof out, KDASERVE " plan --gen tiny --ranks 9 2>&1"), 1, "%s", out);
+    cr_expect(strstr(out, "8 routed experts"), "%s", out);
+    cr_expect_eq(run(out, sizeof out, KDASERVE " plan --gen k3 --ranks 8 --gpu a100 2>&1"), 2, "%s",
+                 out);
 }
