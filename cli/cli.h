@@ -35,6 +35,7 @@ void cli_set_comm(eng_comm *comm, eng_ep_placement placement);
 eng_comm *cli_comm(void);
 /* eng_model_params for this process's rank (all experts without ranks). */
 void cli_model_params_ranks(eng_model_params *mp);
+eng_ep_placement cli_placement(void);
 
 /* Print "kdaserve <cmd>: <msg>" to stderr; returns 1. */
 int cli_fail(const char *cmd, const kds_err *err);

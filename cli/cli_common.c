@@ -12,6 +12,7 @@
 
 #include "cli.h"
 #include "eng_comm.h"
+#include "eng_ep.h"
 
 /* The process's ranks: MPI is per process, so this is too (set once by
  * main before any command runs, read by the commands' model opening). */
@@ -25,12 +26,9 @@ void cli_set_comm(eng_comm *comm, eng_ep_placement placement) {
 
 eng_comm *cli_comm(void) { return g_comm; }
 
-void cli_model_params_ranks(eng_model_params *mp) {
-    if (!g_comm) return;
-    mp->ep_rank = eng_comm_rank(g_comm);
-    mp->ep_ranks = eng_comm_size(g_comm);
-    mp->ep_placement = g_placement;
-}
+void cli_model_params_ranks(eng_model_params *mp) { eng_ep_model_params(mp, g_comm, g_placement); }
+
+eng_ep_placement cli_placement(void) { return g_placement; }
 
 int cli_fail(const char *cmd, const kds_err *err) {
     fprintf(stderr, "kdaserve %s: %s\n", cmd,

@@ -1,6 +1,7 @@
 /* main.c - the kdaserve program: dispatch to subcommands, top-level help;
  * under mpirun, the job's ranks (rank 0 runs the command, the others serve
  * its expert-parallel contexts: docs/expert-parallel.md). */
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -80,8 +81,13 @@ static int join_job(int *argc, char ***argv, eng_comm **out, eng_ep_placement *p
     return 0;
 }
 
-/* A rank other than 0: serve rank 0's contexts until it is done. */
+/* A rank other than 0: serve rank 0's contexts until it is done. Ctrl-C
+ * and SIGTERM (mpirun hands them to every rank) are rank 0's to act on: it
+ * cancels, saves and then lets the others go; a job whose rank 0 is gone
+ * is ended by mpirun. */
 static int run_worker(eng_comm *comm) {
+    signal(SIGINT, SIG_IGN);
+    signal(SIGTERM, SIG_IGN);
     kds_err err = {0};
     const int rank = eng_comm_rank(comm);
     if (eng_ep_worker_run(comm, &err) == KDS_OK) {

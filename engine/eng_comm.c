@@ -206,8 +206,9 @@ bool eng_comm_device_memory(const eng_comm *c) { return c->ops->device_memory; }
 int eng_comm_timeout_ms(const eng_comm *c) { return c->timeout_ms; }
 
 bool eng_comm_broken(const eng_comm *c, const char **why) {
-    if (why) *why = c->broken ? c->why : "";
-    return c->broken;
+    const bool b = atomic_load(&c->broken); /* `why` was written before */
+    if (why) *why = b ? c->why : "";
+    return b;
 }
 
 /* Refuse calls on a broken communicator; after a call, a KDS_COMM breaks it. */
@@ -217,9 +218,9 @@ static kds_status refuse_broken(const eng_comm *c, kds_err *err) {
 }
 
 static kds_status after(eng_comm *c, kds_status rc, kds_err *err) {
-    if (rc == KDS_COMM && !c->broken) {
-        c->broken = true;
+    if (rc == KDS_COMM && !atomic_load(&c->broken)) {
         snprintf(c->why, sizeof c->why, "%s", err && err->msg[0] ? err->msg : "a collective failed");
+        atomic_store(&c->broken, true);
     }
     return rc;
 }

@@ -101,7 +101,8 @@ eng_comm_kind eng_comm_kind_of(const eng_comm *c);
 bool eng_comm_device_memory(const eng_comm *c);
 int eng_comm_timeout_ms(const eng_comm *c);
 /* A collective failed: the job cannot go on. *why (if not NULL) is its
- * message, borrowed until eng_comm_free. */
+ * message, borrowed until eng_comm_free. The one call any thread may make
+ * while another uses the communicator (a service's watchdog). */
 bool eng_comm_broken(const eng_comm *c, const char **why);
 
 kds_status eng_comm_barrier(eng_comm *c, kds_err *err);

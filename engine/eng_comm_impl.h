@@ -10,6 +10,8 @@
 #ifndef ENG_COMM_IMPL_H
 #define ENG_COMM_IMPL_H
 
+#include <stdatomic.h>
+
 #include "eng_comm.h"
 
 typedef struct eng_comm_ops {
@@ -29,7 +31,10 @@ typedef struct eng_comm_ops {
 struct eng_comm {
     const eng_comm_ops *ops;
     int rank, size, timeout_ms;
-    bool broken;
+    /* Set once, after `why` is written, by the thread using the
+     * communicator; eng_comm_broken may read it from any thread (a
+     * service's watchdog). */
+    atomic_bool broken;
     char why[512];   /* the failure that broke it */
     void *impl;      /* the implementation's state */
 };

@@ -102,6 +102,13 @@ int eng_ep_count(eng_ep_placement p, int r, int E, int n) {
     return block_first(r + 1, E, n) - block_first(r, E, n);
 }
 
+void eng_ep_model_params(eng_model_params *mp, const eng_comm *comm, eng_ep_placement placement) {
+    if (!comm) return;
+    mp->ep_rank = eng_comm_rank(comm);
+    mp->ep_ranks = eng_comm_size(comm);
+    mp->ep_placement = placement;
+}
+
 kds_status eng_ep_check_config(const eng_config *c, int n, kds_err *err) {
     int moe = 0;
     for (int l = 0; l < c->num_hidden_layers; l++) moe += c->layer_is_moe[l];

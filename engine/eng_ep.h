@@ -51,6 +51,10 @@ int eng_ep_owner(eng_ep_placement p, int e, int E, int n);
 /* Experts rank r holds of E over n. */
 int eng_ep_count(eng_ep_placement p, int r, int E, int n);
 
+/* mp's ep_rank / ep_ranks / ep_placement for this process's rank of comm
+ * (nothing when comm is NULL: the whole model). */
+void eng_ep_model_params(eng_model_params *mp, const eng_comm *comm, eng_ep_placement placement);
+
 /* Can config c run on n ranks? MoE layers with at least n routed experts
  * each. Errors: KDS_INVALID_ARG naming the numbers. */
 kds_status eng_ep_check_config(const eng_config *c, int n, kds_err *err);

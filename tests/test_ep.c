@@ -15,6 +15,11 @@
  *     mount seen by rank 1 only), a GPU device with ranks;
  *   - a rank that hangs mid-generation fails the job with an error naming
  *     the collective after the deadline, never a silent wait;
+ *   - `serve` on 2 ranks passes the WebSocket protocol's groups (basic,
+ *     generate, concurrent streams, resume, cancel) and stops cleanly; a
+ *     rank killed mid-generation gives its client a `done` with reason
+ *     error naming the lost collective, the service ends the job, and the
+ *     store verifies with the turn saved before the fault;
  *   - the communicator's collectives (kds_comm_check: MPI with 1 to 3
  *     ranks, a stalled rank, NCCL with one rank where there is a GPU);
  *   - in-process: the placement's arithmetic, and a rank's model binds its
@@ -41,6 +46,7 @@
 #include "eng_plan.h"
 #include "eng_safetensors.h"
 #include "test_helpers.h"
+#include "test_serve_util.h"
 #ifdef KDS_HAVE_CUDA
 #include "kern_cuda.h"
 #endif
@@ -575,4 +581,203 @@ Test(ep, plan_command_prints_the_figures) {
     cr_expect(strstr(out, "8 routed experts"), "%s", out);
     cr_expect_eq(run(out, sizeof out, KDASERVE " plan --gen k3 --ranks 8 --gpu a100 2>&1"), 2, "%s",
                  out);
+}
+
+/* ------------------------------------------------------------------------ */
+/* The service on several ranks                                              */
+
+typedef struct ep_job {
+    pid_t pid; /* mpirun */
+    int port;
+    char url[64], log[300];
+} ep_job;
+
+static int rank_pid(const ep_job *j, int rank) {
+    pid_t kids[16];
+    int n = children_of(j->pid, kids, 16);
+    for (int i = 0; i < n; i++)
+        if (rank_of(kids[i]) == rank) return kids[i];
+    return -1;
+}
+
+/* `mpirun [opts] -np N kdaserve serve --listen 127.0.0.1:PORT args`, its
+ * output in tmpdir/serve.log; true once it listens. */
+static bool serve_start(ep_job *j, const char *mpi, const char *env, const char *args) {
+    memset(j, 0, sizeof *j);
+    j->port = ts_free_port();
+    snprintf(j->url, sizeof j->url, "ws://127.0.0.1:%d/", j->port);
+    snprintf(j->log, sizeof j->log, "%s/serve.log", tmpdir);
+    char cmd[4096];
+    snprintf(cmd, sizeof cmd, "%s exec %s " KDASERVE " serve --listen 127.0.0.1:%d --db %s/db %s "
+             ">%s 2>&1", env, mpi, j->port, tmpdir, args, j->log);
+    j->pid = fork();
+    if (j->pid < 0) return false;
+    if (j->pid == 0) {
+        setpgid(0, 0);
+        for (int fd = 3; fd < 1024; fd++) close(fd); /* the test runner's pipes */
+        execl("/bin/sh", "sh", "-c", cmd, (char *)NULL);
+        _exit(127);
+    }
+    double t0 = now_s();
+    while (now_s() - t0 < 60) {
+        int st;
+        if (waitpid(j->pid, &st, WNOHANG) == j->pid) {
+            j->pid = 0;
+            return false;
+        }
+        if (ts_port_open(j->port)) return true;
+        nap_ms(50);
+    }
+    return false;
+}
+
+/* Wait up to timeout_s for the job to end by itself; its exit status, or
+ * -1 (then it is killed: our own process group). */
+static int serve_wait(ep_job *j, int timeout_s) {
+    double t0 = now_s();
+    int st = 0;
+    pid_t w = 0;
+    while ((w = waitpid(j->pid, &st, WNOHANG)) == 0 && now_s() - t0 < timeout_s) nap_ms(50);
+    if (w == 0) {
+        kill(-j->pid, SIGKILL);
+        waitpid(j->pid, &st, 0);
+        j->pid = 0;
+        return -1;
+    }
+    j->pid = 0;
+    return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+}
+
+static void log_tail(const ep_job *j, char *out, size_t cap) {
+    out[0] = '\0';
+    FILE *f = fopen(j->log, "r");
+    if (!f) return;
+    fseek(f, 0, SEEK_END);
+    long n = ftell(f), take = n < (long)cap - 1 ? n : (long)cap - 1;
+    fseek(f, n - take, SEEK_SET);
+    out[fread(out, 1, (size_t)take, f)] = '\0';
+    fclose(f);
+}
+
+static bool node_ready(void) {
+    return th_system("node --version >/dev/null 2>&1") == 0 && ts_node_module("ws") &&
+           ts_node_module("@msgpack/msgpack");
+}
+
+Test(ep, serve_on_two_ranks_passes_the_protocol_groups) {
+    const char *mpi = mpirun(2);
+    cr_assert(node_ready(), "node and tests/node's packages are needed (scripts/bootstrap.sh)");
+    make_tmp();
+    char args[512], tail[4096];
+    /* the bundled model, as the 1-rank protocol tests use (tests/test_serve.c) */
+    snprintf(args, sizeof args, "--model " KDS_SOURCE_DIR "/models/default --threads 1");
+    ep_job j;
+    bool up = serve_start(&j, mpi, "", args);
+    log_tail(&j, tail, sizeof tail);
+    cr_assert(up, "serve on 2 ranks did not start: %s", tail);
+    char cmd[1024];
+    snprintf(cmd, sizeof cmd, "node '" TS_NODE_DIR "/ws_protocol.test.js' --url '%s' --group "
+             "basic,generate,concurrent,resume,cancel 1>&2", j.url);
+    int rc = th_system(cmd);
+    log_tail(&j, tail, sizeof tail);
+    cr_expect_eq(rc, 0, "protocol checks failed on 2 ranks (the 'not ok' lines say which); log: %s",
+                 tail);
+    /* rank 0 stops the service (SIGTERM), then lets the other rank go */
+    int r0 = rank_pid(&j, 0);
+    cr_assert_gt(r0, 0, "no rank 0 under mpirun");
+    kill(r0, SIGTERM);
+    const int st = serve_wait(&j, 60);
+    log_tail(&j, tail, sizeof tail);
+    cr_expect_eq(st, 0, "the job did not end with status 0 on SIGTERM to rank 0: %s", tail);
+    rm_tmp();
+}
+
+Test(ep, serve_rank_killed_mid_generation) {
+    /* --enable-recovery: Open MPI then leaves the other ranks alone when one
+     * dies (its default ends the whole job at once), so rank 0 finds the
+     * loss itself, answers the client and ends the job */
+    char mpi[300];
+    snprintf(mpi, sizeof mpi, "%s", mpirun(2));
+    char *np = strstr(mpi, "-np");
+    cr_assert(np);
+    memmove(np + strlen("--enable-recovery "), np, strlen(np) + 1);
+    memcpy(np, "--enable-recovery ", strlen("--enable-recovery "));
+    cr_assert(node_ready(), "node and tests/node's packages are needed (scripts/bootstrap.sh)");
+    make_tmp();
+    char args[512], tail[4096], out_path[300], cmd[1024];
+    snprintf(args, sizeof args, "--model " KDS_SOURCE_DIR "/models/default --threads 1 "
+             "--max-tokens 100000");
+    ep_job j;
+    bool up = serve_start(&j, mpi, "KDASERVE_EP_TIMEOUT=3", args);
+    log_tail(&j, tail, sizeof tail);
+    cr_assert(up, "serve on 2 ranks did not start: %s", tail);
+    snprintf(out_path, sizeof out_path, "%s/client.txt", tmpdir);
+    snprintf(cmd, sizeof cmd, "node '" TS_NODE_DIR "/ep_fault.js' '%s' f1 >%s 2>&1", j.url, out_path);
+    pid_t client = fork();
+    cr_assert(client >= 0);
+    if (client == 0) {
+        execl("/bin/sh", "sh", "-c", cmd, (char *)NULL);
+        _exit(127);
+    }
+    char got[4096] = "";
+    double t0 = now_s();
+    while (!strstr(got, "generating") && now_s() - t0 < 60) {
+        nap_ms(100);
+        FILE *f = fopen(out_path, "r");
+        if (f) {
+            got[fread(got, 1, sizeof got - 1, f)] = '\0';
+            fclose(f);
+        }
+    }
+    cr_assert(strstr(got, "generating"), "the client never saw tokens: %s", got);
+    const int r1 = rank_pid(&j, 1);
+    cr_assert_gt(r1, 0, "no rank 1 under mpirun");
+    kill(r1, SIGKILL);
+    int cst = 0;
+    t0 = now_s();
+    pid_t w;
+    while ((w = waitpid(client, &cst, WNOHANG)) == 0 && now_s() - t0 < 60) nap_ms(100);
+    if (w == 0) {
+        kill(client, SIGKILL);
+        waitpid(client, &cst, 0);
+    }
+    FILE *f = fopen(out_path, "r");
+    if (f) {
+        got[fread(got, 1, sizeof got - 1, f)] = '\0';
+        fclose(f);
+    }
+    cr_expect(strstr(got, "first length"), "the first turn was not saved: %s", got);
+    cr_expect(strstr(got, "done error") && strstr(got, "did not complete within 3000 ms"),
+              "the client got no error naming the loss: %s", got);
+    const int st = serve_wait(&j, 60);
+    log_tail(&j, tail, sizeof tail);
+    cr_expect_neq(st, -1, "the service still ran a minute after losing rank 1: %s", tail);
+    cr_expect(strstr(tail, "the job lost a rank"), "%s", tail);
+    char out[8192];
+    cr_expect_eq(run(out, sizeof out, KDASERVE " snap verify --db %s/db --model "
+                     KDS_SOURCE_DIR "/models/default 2>&1", tmpdir), 0, "%s", out);
+    cr_expect(strstr(out, "0 failed") && strstr(out, "1 sessions"), "%s", out);
+    rm_tmp();
+}
+
+/* `kdaserve chat` on rank 0 of 2 (the other holds half the experts): the
+ * same replies as on one rank, and the session resumes on one rank. */
+Test(ep, chat_on_two_ranks_equals_one) {
+    const char *mpi = mpirun(2);
+    make_tmp();
+    char one[8192], two[8192];
+    const char *chat = KDASERVE " chat --model " KDS_SOURCE_DIR "/models/default --db %s/%s "
+                       "--session c --threads 1 2>&1";
+    char cmd[1024];
+    snprintf(cmd, sizeof cmd, "printf 'Hello there\\nTell me more\\n/quit\\n' | ");
+    size_t l = strlen(cmd);
+    snprintf(cmd + l, sizeof cmd - l, chat, tmpdir, "one");
+    cr_assert_eq(run(one, sizeof one, "%s", cmd), 0, "%s", one);
+    snprintf(cmd, sizeof cmd, "printf 'Hello there\\nTell me more\\n/quit\\n' | %s ", mpi);
+    l = strlen(cmd);
+    snprintf(cmd + l, sizeof cmd - l, chat, tmpdir, "two");
+    cr_assert_eq(run(two, sizeof two, "%s", cmd), 0, "%s", two);
+    cr_expect_str_eq(two, one, "2 ranks' chat differs from one rank's");
+    cr_expect(strlen(one) > 40, "%s", one);
+    rm_tmp();
 }
