@@ -127,13 +127,13 @@ kds_status eng_ep_check_config(const eng_config *c, int n, kds_err *err) {
 /* ------------------------------------------------------------------------ */
 /* The protocol                                                              */
 
-enum { EP_OPEN = 1, EP_PASS, EP_UPLOAD, EP_FETCH, EP_DROP, EP_CLOSE, EP_EXIT };
+enum { EP_OPEN = 1, EP_PASS, EP_UPLOAD, EP_FETCH, EP_DROP, EP_CLOSE, EP_EXIT, EP_STATS };
 
 /* A request of rank 0, broadcast; a body of `body` bytes may follow. */
 typedef struct ep_cmd {
     uint32_t magic, op;
     int32_t n_seqs, T, chunked, first, want_all; /* PASS */
-    int32_t slot, owner;                         /* UPLOAD, FETCH, DROP */
+    int32_t slot, owner;                         /* UPLOAD, FETCH, DROP; STATS: owner 1 = reset */
     int32_t pad0;
     int64_t pos;                                 /* UPLOAD, FETCH */
     int64_t body;
@@ -342,10 +342,12 @@ static void dispatch(eng_ep *e, const eng_moe_args *a) {
     for (int x = 0; x < E; x++) e->mine[x] = failed ? 0 : a->exp_off[x + 1] - a->exp_off[x];
     e->mine[E] = failed ? 0 : a->T;
     e->mine[E + 1] = failed;
+    const double t0 = now_s();
     if (eng_comm_allgather(e->comm, e->mine, (size_t)W * sizeof(int32_t), e->all, &cerr) != KDS_OK) {
         note(e, &cerr);
         return;
     }
+    e->stats.counts_s += now_s() - t0;
     for (int r = 0; r < N; r++)
         if (e->all[(size_t)r * W + E + 1]) {
             if (!failed) {
@@ -1028,6 +1030,25 @@ void eng_ctx_ep_stats_reset(eng_ctx *c) {
     if (b->ops == &eng__ep_ops) memset(&ep_of(b)->stats, 0, sizeof ep_of(b)->stats);
 }
 
+/* Every rank's stats, all-gathered; then reset when asked. */
+static kds_status gather_stats(eng_ep *e, bool reset, eng_ep_stats *all, kds_err *err) {
+    e->stats.ranks = e->N;
+    kds_status rc = eng_comm_allgather(e->comm, &e->stats, sizeof e->stats, all, err);
+    if (rc == KDS_OK && reset) memset(&e->stats, 0, sizeof e->stats);
+    return rc;
+}
+
+kds_status eng_ctx_ep_stats_all(eng_ctx *c, eng_ep_stats *all, bool reset, kds_err *err) {
+    eng_backend *b = eng__ctx_backend(c);
+    if (b->ops != &eng__ep_ops || ep_of(b)->rank != 0)
+        return kds_err_set(err, KDS_INVALID_ARG, "not rank 0 of an expert-parallel context");
+    eng_ep *e = ep_of(b);
+    ep_cmd cmd = {.op = EP_STATS, .owner = reset};
+    kds_status rc = broadcast_cmd(e, &cmd, NULL, err);
+    if (rc == KDS_OK) rc = gather_stats(e, reset, all, err);
+    return rc;
+}
+
 kds_status eng_ep_shutdown(eng_comm *comm, kds_err *err) {
     if (eng_comm_size(comm) <= 1 || eng_comm_rank(comm) != 0 || eng_comm_broken(comm, NULL))
         return KDS_OK;
@@ -1282,6 +1303,20 @@ kds_status eng_ep_worker_run(eng_comm *comm, kds_err *err) {
             }
             break;
         case EP_CLOSE: worker_close(&w); break;
+        case EP_STATS: {
+            eng_ep_stats *all = calloc(N, sizeof *all);
+            if (!all) {
+                rc = kds_err_set(err, KDS_COMM, "rank %d: out of memory", w.rank);
+                break;
+            }
+            eng_ep_stats none = {0};
+            if (w.ep)
+                rc = gather_stats(w.ep, cmd.owner != 0, all, err);
+            else /* no context: nothing counted */
+                rc = eng_comm_allgather(comm, &none, sizeof none, all, err);
+            free(all);
+            break;
+        }
         default:
             rc = kds_err_set(err, KDS_COMM, "rank %d: unknown request %u", w.rank, cmd.op);
             break;

@@ -81,6 +81,8 @@ typedef struct eng_ep_stats {
     int64_t passes;         /* forward passes */
     int64_t moe_layers;     /* MoE layers run (passes x MoE layers) */
     double dispatch_s;      /* counts exchange + rows to the experts' ranks */
+    double counts_s;        /* of which the counts exchange: also the wait for the
+                             * slowest rank to reach the layer */
     double experts_s;       /* this rank's experts (and shared experts) */
     double combine_s;       /* rows back to their tokens' ranks */
     double pass_s;          /* whole passes, with the logits' way back */
@@ -92,6 +94,11 @@ typedef struct eng_ep_stats {
 /* The stats of a context made with comm; false for another context. */
 bool eng_ctx_ep_stats(const eng_ctx *c, eng_ep_stats *out);
 void eng_ctx_ep_stats_reset(eng_ctx *c);
+/* Rank 0: every rank's stats into all[rank] (size entries; each rank's
+ * own clock), then every rank's reset to zero when `reset`. Errors:
+ * KDS_INVALID_ARG (not an expert-parallel context, or not rank 0),
+ * KDS_COMM. */
+kds_status eng_ctx_ep_stats_all(eng_ctx *c, eng_ep_stats *all, bool reset, kds_err *err);
 
 /* ------------------------------------------------------------------------ */
 /* Sizing (`kdaserve plan`, eng_ep_plan.c)                                   */
