@@ -1,8 +1,9 @@
 /*
  * Expert parallelism (docs/expert-parallel.md) through real jobs: the built
  * kdaserve under `mpirun --oversubscribe -np N` on CPU ranks.
- *   - 2 and 3 ranks give one rank's logits bit for bit (prefill and decode
- *     paths) and one rank's text (generate, sampling), on generated tiny,
+ *   - 2 and 3 ranks give one rank's logits bit for bit (prefill of 300
+ *     tokens in two batches, and decode) and one rank's text (generate,
+ *     sampling), on generated tiny,
  *     tiny-hybrid and k3-micro (MXFP4 experts, latent MoE) models, at 2
  *     threads per rank: the products are then cut into blocks, and only a
  *     rank that cuts its share as one rank cuts the whole batch gets the
@@ -132,28 +133,38 @@ static void expect_same_logits(const char *a, const char *b, const char *what) {
     eng_st_close(fb);
 }
 
-static const char *IDS_LONG = "1,5,9,200,17,3,3,3,44,100,7,8,250,251,2,9,9,1,0,11,12,13,14,15,16,"
-                              "17,18,19,20,21,22,23,24,25,26,27,28,29,30,31,32,33,34,35,36,37,38,"
-                              "39,40";
 static const char *IDS_SHORT = "7,300,12,99,4,1";
 
-/* logits on the prefill path (a 41-token batch) and the decode path, one
- * rank against `ranks` ranks, 2 threads each. */
+/* 300 ids in [0, 512): two prefill batches (256 + 44 tokens), so experts
+ * get more than 32 rows (the BLAS path) and the first batch's logits travel
+ * as a block. */
+static void long_ids(char *out, size_t cap) {
+    uint64_t x = 0x9e3779b97f4a7c15ull;
+    size_t o = 0;
+    for (int i = 0; i < 300 && o + 8 < cap; i++) {
+        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+        o += (size_t)snprintf(out + o, cap - o, "%s%u", i ? "," : "", (unsigned)(x % 512));
+    }
+}
+
+/* logits on the prefill path (300 tokens) and the decode path, one rank
+ * against `ranks` ranks, 2 threads each. */
 static void logits_equal(const char *preset, const int *ranks, int n_ranks, const char *env) {
     make_tmp();
     gen_model(preset, "m");
-    char out[8192];
+    char out[8192], ids_long[2048];
+    long_ids(ids_long, sizeof ids_long);
     const char *mpi = mpirun(1); /* skips before any work when there is no MPI */
     (void)mpi;
     cr_assert_eq(run(out, sizeof out, KDASERVE " logits --model %s/m --ids %s --out %s/p1.st "
-                     "--threads 2 2>&1", tmpdir, IDS_LONG, tmpdir), 0, "%s", out);
+                     "--threads 2 2>&1", tmpdir, ids_long, tmpdir), 0, "%s", out);
     cr_assert_eq(run(out, sizeof out, KDASERVE " logits --model %s/m --ids %s --out %s/d1.st "
                      "--decode --threads 2 2>&1", tmpdir, IDS_SHORT, tmpdir), 0, "%s", out);
     for (int i = 0; i < n_ranks; i++) {
         const int n = ranks[i];
         char what[128];
         cr_assert_eq(run(out, sizeof out, "%s %s " KDASERVE " logits --model %s/m --ids %s --out "
-                         "%s/pn.st --threads 2 2>&1", env, mpirun(n), tmpdir, IDS_LONG, tmpdir),
+                         "%s/pn.st --threads 2 2>&1", env, mpirun(n), tmpdir, ids_long, tmpdir),
                      0, "%d ranks: %s", n, out);
         snprintf(what, sizeof what, "%s prefill, %d ranks %s", preset, n, env);
         expect_same_logits("p1.st", "pn.st", what);
