@@ -136,6 +136,7 @@ typedef struct ep_cmd {
     int32_t slot, owner;                         /* UPLOAD, FETCH, DROP; STATS: owner 1 = reset */
     int32_t pad0;
     int64_t pos;                                 /* UPLOAD, FETCH */
+    int64_t from;                                /* FETCH: MLA rows [from, pos) */
     int64_t body;
     int32_t n_threads, max_batch, kda_chunk, max_seqs, placement; /* OPEN */
     int32_t pad1;
@@ -181,18 +182,20 @@ static kds_status gather_status(eng_comm *comm, kds_status rc, bool primary, con
     return kds_err_set(err, st, "rank %d: %s", pick, all[pick].msg);
 }
 
-/* The recurrent part of a state: [KDA states | conv tails | per MLA layer
- * its rows [0, pos)]. */
-static size_t state_bytes(const eng_seq *s, int64_t pos) {
+/* The recurrent part of a state on its way between ranks: [KDA states |
+ * conv tails | per MLA layer its rows [from, pos)]. A save brings back only
+ * the MLA rows rank 0 lacks (a long hybrid session's cache grows by a turn,
+ * not by its whole length); a state rank 0 wrote goes out whole (from 0). */
+static size_t state_bytes(const eng_seq *s, int64_t from, int64_t pos) {
     const eng_dims *d = &s->d;
     const size_t taps = (size_t)(d->W > 1 ? d->W - 1 : 0);
     return ((size_t)d->n_kda * d->HV * d->K * d->V + (size_t)d->n_kda * taps * d->conv_ch +
-            (size_t)d->n_mla * (size_t)pos * d->mla_row) * sizeof(float);
+            (size_t)d->n_mla * (size_t)(pos - from) * d->mla_row) * sizeof(float);
 }
 
 static size_t state_rows(size_t bytes) { return (bytes + EP_STATE_ROW - 1) / EP_STATE_ROW; }
 
-static void state_pack(const eng_seq *s, int64_t pos, unsigned char *buf) {
+static void state_pack(const eng_seq *s, int64_t from, int64_t pos, unsigned char *buf) {
     const eng_dims *d = &s->d;
     const size_t taps = (size_t)(d->W > 1 ? d->W - 1 : 0);
     size_t n = (size_t)d->n_kda * d->HV * d->K * d->V * sizeof(float);
@@ -201,11 +204,15 @@ static void state_pack(const eng_seq *s, int64_t pos, unsigned char *buf) {
     n = (size_t)d->n_kda * taps * d->conv_ch * sizeof(float);
     memcpy(buf, s->conv_tail, n);
     buf += n;
-    n = (size_t)pos * d->mla_row * sizeof(float);
-    for (int i = 0; i < d->n_mla && n; i++, buf += n) memcpy(buf, s->mla_cache[i], n);
+    n = (size_t)(pos - from) * d->mla_row * sizeof(float);
+    for (int i = 0; i < d->n_mla && n; i++, buf += n)
+        memcpy(buf, s->mla_cache[i] + (size_t)from * d->mla_row, n);
 }
 
-static kds_status state_unpack(eng_seq *s, int64_t pos, const unsigned char *buf, kds_err *err) {
+/* Into s, which then is at `pos` (its MLA caches reserved by the caller or
+ * here). */
+static kds_status state_unpack(eng_seq *s, int64_t from, int64_t pos, const unsigned char *buf,
+                               kds_err *err) {
     const eng_dims *d = &s->d;
     kds_status rc = eng__seq_reserve(s, pos, err);
     if (rc != KDS_OK) return rc;
@@ -216,8 +223,9 @@ static kds_status state_unpack(eng_seq *s, int64_t pos, const unsigned char *buf
     n = (size_t)d->n_kda * taps * d->conv_ch * sizeof(float);
     memcpy(s->conv_tail, buf, n);
     buf += n;
-    n = (size_t)pos * d->mla_row * sizeof(float);
-    for (int i = 0; i < d->n_mla && n; i++, buf += n) memcpy(s->mla_cache[i], buf, n);
+    n = (size_t)(pos - from) * d->mla_row * sizeof(float);
+    for (int i = 0; i < d->n_mla && n; i++, buf += n)
+        memcpy(s->mla_cache[i] + (size_t)from * d->mla_row, buf, n);
     s->pos = pos;
     return KDS_OK;
 }
@@ -605,10 +613,10 @@ static void unregister(eng_ep *e, eng_seq *s) {
 /* s's recurrent state to its owner, which then holds it. */
 static kds_status upload(eng_ep *e, eng_seq *s, kds_err *err) {
     const ep_slot *sl = &e->slots[s->gpu_slot];
-    const size_t bytes = state_bytes(s, s->pos), rows = state_rows(bytes);
+    const size_t bytes = state_bytes(s, 0, s->pos), rows = state_rows(bytes);
     kds_status rc = grow(&e->sbuf, &e->sbuf_cap, rows * EP_STATE_ROW, err);
     if (rc != KDS_OK) return rc;
-    state_pack(s, s->pos, e->sbuf);
+    state_pack(s, 0, s->pos, e->sbuf);
     ep_cmd cmd = {.op = EP_UPLOAD, .slot = s->gpu_slot, .owner = sl->owner, .pos = s->pos};
     rc = broadcast_cmd(e, &cmd, NULL, err);
     /* the owner says first whether it has room, then takes the rows */
@@ -619,6 +627,7 @@ static kds_status upload(eng_ep *e, eng_seq *s, kds_err *err) {
     if (rc != KDS_OK) return rc;
     s->host_newer = 0;
     s->gpu_newer = 0;
+    s->gpu_host_rows = s->pos; /* both hold every MLA row now */
     return KDS_OK;
 }
 
@@ -660,6 +669,7 @@ static kds_status make_resident(eng_ep *e, eng_seq *s, kds_err *err) {
     s->gpu = &e->base;
     s->gpu_slot = slot;
     s->gpu_newer = s->host_newer = s->logits_on_gpu = 0;
+    s->gpu_host_rows = s->pos;
     if (owner == 0) return KDS_OK;
     rc = upload(e, s, err);
     if (rc != KDS_OK) {
@@ -681,20 +691,25 @@ static kds_status ep_fetch(eng_backend *b, eng_seq *s, bool logits_only, kds_err
     eng_ep *e = ep_of(b);
     if (logits_only || !s->gpu_newer || e->rank != 0) return KDS_OK; /* logits live on rank 0 */
     const ep_slot *sl = &e->slots[s->gpu_slot];
-    const size_t bytes = state_bytes(s, s->pos), rows = state_rows(bytes);
+    /* the MLA rows rank 0 has are the ones of its last fetch or upload */
+    const int64_t from = s->gpu_host_rows >= 0 && s->gpu_host_rows <= s->pos ? s->gpu_host_rows : 0;
+    const size_t bytes = state_bytes(s, from, s->pos), rows = state_rows(bytes);
     kds_status rc = grow(&e->sbuf, &e->sbuf_cap, rows * EP_STATE_ROW, err);
     if (rc != KDS_OK) return rc;
-    ep_cmd cmd = {.op = EP_FETCH, .slot = s->gpu_slot, .owner = sl->owner, .pos = s->pos};
+    ep_cmd cmd = {.op = EP_FETCH, .slot = s->gpu_slot, .owner = sl->owner, .pos = s->pos,
+                  .from = from};
     rc = broadcast_cmd(e, &cmd, NULL, err);
     /* the owner says first whether it has the state, then sends it */
     if (rc == KDS_OK) rc = gather_status(e->comm, KDS_OK, false, NULL, NULL, e->st_all, err);
     if (rc == KDS_OK)
         rc = move_state(e->comm, sl->owner, 0, NULL, e->sbuf, rows, e->s_rows, e->s_off, e->r_rows,
                         e->r_off, err);
-    if (rc == KDS_OK) rc = state_unpack(s, s->pos, e->sbuf, err);
+    if (rc == KDS_OK) rc = state_unpack(s, from, s->pos, e->sbuf, err);
     if (rc == KDS_COMM) bury(e);
     if (rc != KDS_OK) return rc;
     s->gpu_newer = 0;
+    s->gpu_host_rows = s->pos;
+    e->stats.state_bytes_fetched += (int64_t)bytes;
     return KDS_OK;
 }
 
@@ -1226,7 +1241,7 @@ static kds_status worker_take(worker *w, const ep_cmd *cmd, eng_seq **out, size_
         return rc;
     eng_seq *s = w->seqs[cmd->slot];
     if ((rc = eng__seq_reserve(s, cmd->pos, err)) != KDS_OK) return rc;
-    *rows = state_rows(state_bytes(s, cmd->pos));
+    *rows = state_rows(state_bytes(s, 0, cmd->pos));
     if ((rc = grow(&w->sbuf, &w->sbuf_cap, *rows * EP_STATE_ROW, err)) != KDS_OK) return rc;
     *out = s;
     return KDS_OK;
@@ -1244,7 +1259,7 @@ static kds_status worker_upload(worker *w, const ep_cmd *cmd, kds_err *err) {
     rc = move_state(w->comm, 0, cmd->owner, NULL, mine ? w->sbuf : NULL, rows, w->s_rows,
                     w->s_off, w->r_rows, w->r_off, err);
     /* the caches are reserved: unpacking cannot fail now */
-    if (rc == KDS_OK && mine) rc = state_unpack(s, cmd->pos, w->sbuf, err);
+    if (rc == KDS_OK && mine) rc = state_unpack(s, 0, cmd->pos, w->sbuf, err);
     return rc;
 }
 
@@ -1254,13 +1269,13 @@ static kds_status worker_fetch(worker *w, const ep_cmd *cmd, kds_err *err) {
     const bool mine = cmd->owner == w->rank;
     eng_seq *s = mine ? worker_seq(w, cmd->slot) : NULL;
     size_t rows = 0;
-    if (mine && (!s || s->pos != cmd->pos))
+    if (mine && (!s || s->pos != cmd->pos || cmd->from < 0 || cmd->from > cmd->pos))
         lrc = kds_err_set(&lerr, KDS_INTERNAL, "rank %d does not hold sequence slot %d at "
                           "position %lld", w->rank, cmd->slot, (long long)cmd->pos);
     if (mine && lrc == KDS_OK) {
-        rows = state_rows(state_bytes(s, cmd->pos));
+        rows = state_rows(state_bytes(s, cmd->from, cmd->pos));
         lrc = grow(&w->sbuf, &w->sbuf_cap, rows * EP_STATE_ROW, &lerr);
-        if (lrc == KDS_OK) state_pack(s, cmd->pos, w->sbuf);
+        if (lrc == KDS_OK) state_pack(s, cmd->from, cmd->pos, w->sbuf);
     }
     kds_status rc = gather_status(w->comm, lrc, true, lerr.msg, NULL, w->st_all, err);
     if (rc != KDS_OK) return rc == KDS_COMM ? rc : KDS_OK; /* all skip the transfer */

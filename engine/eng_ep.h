@@ -89,6 +89,7 @@ typedef struct eng_ep_stats {
     int64_t rows_sent;      /* rows this rank sent (each way counted once) */
     int64_t rows_received;
     int64_t bytes_sent;     /* both ways */
+    int64_t state_bytes_fetched; /* rank 0: sequence states brought back (saves) */
 } eng_ep_stats;
 
 /* The stats of a context made with comm; false for another context. */
