@@ -22,8 +22,20 @@ int cmd_snap(int argc, char **argv);
 int cmd_tokenize(int argc, char **argv);
 int cmd_chat(int argc, char **argv);
 int cmd_serve(int argc, char **argv);
+int cmd_plan(int argc, char **argv);
 
 /* Shared helpers (cli_common.c). */
+
+/* The job's ranks (docs/expert-parallel.md): main sets them once, before
+ * the command runs, when kdaserve was started by mpirun (NULL otherwise:
+ * one process, as always). Rank 0 runs the command; a command that opens
+ * a model (cli_open_with) loads rank 0's share of the experts and makes a
+ * context that drives the other ranks. placement: KDASERVE_EP_PLACEMENT. */
+void cli_set_comm(eng_comm *comm, eng_ep_placement placement);
+eng_comm *cli_comm(void);
+/* eng_model_params for this process's rank (all experts without ranks). */
+void cli_model_params_ranks(eng_model_params *mp);
+eng_ep_placement cli_placement(void);
 
 /* Print "kdaserve <cmd>: <msg>" to stderr; returns 1. */
 int cli_fail(const char *cmd, const kds_err *err);

@@ -11,6 +11,24 @@
 #include <time.h>
 
 #include "cli.h"
+#include "eng_comm.h"
+#include "eng_ep.h"
+
+/* The process's ranks: MPI is per process, so this is too (set once by
+ * main before any command runs, read by the commands' model opening). */
+static eng_comm *g_comm;
+static eng_ep_placement g_placement;
+
+void cli_set_comm(eng_comm *comm, eng_ep_placement placement) {
+    g_comm = comm;
+    g_placement = placement;
+}
+
+eng_comm *cli_comm(void) { return g_comm; }
+
+void cli_model_params_ranks(eng_model_params *mp) { eng_ep_model_params(mp, g_comm, g_placement); }
+
+eng_ep_placement cli_placement(void) { return g_placement; }
 
 int cli_fail(const char *cmd, const kds_err *err) {
     fprintf(stderr, "kdaserve %s: %s\n", cmd,
@@ -131,8 +149,11 @@ int cli_open_with(const char *cmd, const char *model_dir, const eng_ctx_params *
     kds_err err = {0};
     eng_model_params mp = eng_model_default_params();
     mp.progress = true;
+    cli_model_params_ranks(&mp);
+    eng_ctx_params q = *cp;
+    q.comm = cli_comm(); /* under mpirun: this context drives every rank */
     if (eng_model_load(model_dir, &mp, m, &err) != KDS_OK) return cli_fail(cmd, &err);
-    if (eng_ctx_create(*m, cp, c, &err) != KDS_OK) {
+    if (eng_ctx_create(*m, &q, c, &err) != KDS_OK) {
         eng_model_free(*m);
         *m = NULL;
         return cli_fail(cmd, &err);

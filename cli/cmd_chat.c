@@ -102,6 +102,8 @@ int cmd_chat(int argc, char **argv) {
                                          {"help", no_argument, 0, 'h'},
                                          {0, 0, 0, 0}};
     repl_params p = repl_default_params();
+    p.comm = cli_comm(); /* under mpirun: the other ranks hold their experts */
+    p.ep_placement = cli_placement();
     bool fresh = false;
     int64_t v;
     optind = 1;

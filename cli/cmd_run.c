@@ -8,6 +8,7 @@
 #include "cli.h"
 #include "kds_buf.h"
 #include "eng_config.h"
+#include "eng_ep.h"
 #include "eng_genmodel.h"
 #include "eng_safetensors.h"
 #include "repl.h"
@@ -719,6 +720,7 @@ int cmd_bench(int argc, char **argv) {
     eng_seq *s = NULL;
     int32_t *ids = NULL;
     double *pre = NULL, *dec = NULL;
+    eng_ep_stats *ep_all = NULL, *ep_sum = NULL; /* [ranks] under mpirun */
     kds_err err = {0};
     const char *dir;
     int rc;
@@ -761,11 +763,25 @@ int cmd_bench(int argc, char **argv) {
     if (eng_seq_create(m, 0, &s, &err) != KDS_OK) goto fail;
     eng_sampler_params greedy = eng_sampler_default_params();
     greedy.temperature = 0.0f;
+    /* expert parallelism: every rank's exchanges in the decode steps,
+     * summed over the repeats (ep_sum[rank]) */
+    eng_ep_stats one;
+    const bool ep_on = eng_ctx_ep_stats(c, &one);
+    if (ep_on) {
+        ep_all = calloc((size_t)one.ranks, sizeof *ep_all);
+        ep_sum = calloc((size_t)one.ranks, sizeof *ep_sum);
+        if (!ep_all || !ep_sum) {
+            rc = cli_failf("bench", "out of memory");
+            goto out;
+        }
+    }
     for (int64_t r = 0; r < reps; r++) {
         eng_seq_reset(s, 0);
         if (eng_ctx_attach(c, s, &err) != KDS_OK) goto fail; /* a GPU's state upload: untimed */
         double t0 = cli_now();
         if (eng_prefill(c, s, ids, pt, NULL, NULL, NULL, &err) != KDS_OK) goto fail;
+        double tp = cli_now();
+        if (ep_on && eng_ctx_ep_stats_all(c, ep_all, true, &err) != KDS_OK) goto fail;
         double t1 = cli_now();
         for (int64_t i = 0; i < gt; i++) {
             int32_t next;
@@ -773,7 +789,24 @@ int cmd_bench(int argc, char **argv) {
             if (eng_decode(c, s, next, &err) != KDS_OK) goto fail;
         }
         double t2 = cli_now();
-        pre[r] = pt / (t1 - t0);
+        if (ep_on) {
+            if (eng_ctx_ep_stats_all(c, ep_all, true, &err) != KDS_OK) goto fail;
+            for (int k = 0; k < one.ranks; k++) {
+                eng_ep_stats *a = &ep_sum[k], *b = &ep_all[k];
+                a->ranks = b->ranks;
+                a->passes += b->passes;
+                a->moe_layers += b->moe_layers;
+                a->dispatch_s += b->dispatch_s;
+                a->counts_s += b->counts_s;
+                a->experts_s += b->experts_s;
+                a->combine_s += b->combine_s;
+                a->pass_s += b->pass_s;
+                a->rows_sent += b->rows_sent;
+                a->rows_received += b->rows_received;
+                a->bytes_sent += b->bytes_sent;
+            }
+        }
+        pre[r] = pt / (tp - t0); /* the stats' own exchange (t1 - tp) is neither's */
         dec[r] = gt ? gt / (t2 - t1) : 0.0;
     }
     cli_sort_doubles(pre, (size_t)reps);
@@ -798,11 +831,30 @@ int cmd_bench(int argc, char **argv) {
            "median %.1f; %.3f ms/token)\n",
            dec[reps - 1], (long long)gt, (long long)reps, dec[reps / 2],
            dec[reps - 1] > 0 ? 1000.0 / dec[reps - 1] : 0.0);
+    if (ep_on && ep_sum[0].moe_layers > 0) {
+        /* each rank's own clock: a collective's time includes waiting for
+         * the slowest rank to get there */
+        printf("experts      %d ranks (expert parallel), per decode step and MoE layer, each "
+               "rank's clock (us):\n", one.ranks);
+        printf("  rank     counts  rows out    experts  rows back   rows sent  received   KB out\n");
+        for (int k = 0; k < one.ranks; k++) {
+            const eng_ep_stats *e = &ep_sum[k];
+            const double per = e->moe_layers ? 1e6 / (double)e->moe_layers : 0.0;
+            printf("  %4d %10.1f %9.1f %10.1f %10.1f %11.1f %9.1f %8.1f\n", k, e->counts_s * per,
+                   (e->dispatch_s - e->counts_s) * per, e->experts_s * per, e->combine_s * per,
+                   (double)e->rows_sent * per / 1e6, (double)e->rows_received * per / 1e6,
+                   (double)e->bytes_sent * per / 1e9);
+        }
+        printf("  (counts: the counts exchange, with the wait for the slowest rank to reach the "
+               "layer; rows back: with the wait for the slowest rank's experts)\n");
+    }
+
     if (n_counts > 0) {
         int most = 0;
         for (int i = 0; i < n_counts; i++) most = seq_counts[i] > most ? seq_counts[i] : most;
         if (most > eng_ctx_max_seqs(c)) { /* the batched decode's scratch is sized at creation */
             cp.max_seqs = most;
+            cp.comm = cli_comm(); /* the same ranks (cli_open_with's) */
             eng_ctx_free(c);
             c = NULL;
             if (eng_ctx_create(m, &cp, &c, &err) != KDS_OK) goto fail;
@@ -826,6 +878,8 @@ out:
     free(ids);
     free(pre);
     free(dec);
+    free(ep_all);
+    free(ep_sum);
     eng_seq_free(s);
     eng_ctx_free(c);
     eng_model_free(m);

@@ -2,6 +2,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <getopt.h>
+#include <poll.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
@@ -10,6 +11,7 @@
 #include <unistd.h>
 
 #include "cli.h"
+#include "eng_comm.h"
 #include "sess.h"
 #include "web.h"
 
@@ -75,16 +77,33 @@ static void on_signal(int sig) {
 
 typedef struct signal_waiter {
     web_server *srv;
-    int fd; /* read end */
+    int fd;         /* read end */
+    eng_comm *comm; /* the job's ranks (mpirun), or NULL */
 } signal_waiter;
 
+/* Waits for a signal's byte; under mpirun it also looks at the job every
+ * 200 ms: once a rank has died or hung (a collective of the engine thread
+ * timed out, and the generations of that pass got an error), the service
+ * stops as on SIGTERM, and the program ends the job (docs/expert-parallel.md). */
 static void *signal_thread(void *arg) {
     signal_waiter *w = arg;
     unsigned char b = 0;
-    ssize_t n;
-    while ((n = read(w->fd, &b, 1)) < 0 && errno == EINTR) {
+    ssize_t n = 0;
+    for (;;) {
+        struct pollfd pfd = {w->fd, POLLIN, 0};
+        int r = poll(&pfd, 1, w->comm ? 200 : -1);
+        if (r < 0 && errno == EINTR) continue;
+        const char *why = NULL;
+        if (r == 0 && w->comm && eng_comm_broken(w->comm, &why)) {
+            fprintf(stderr, "kdaserve serve: stopping: the job lost a rank: %s\n", why);
+            break;
+        }
+        if (r == 0) continue;
+        while ((n = read(w->fd, &b, 1)) < 0 && errno == EINTR) {
+        }
+        if (n == 1 && b != 0) fprintf(stderr, "kdaserve serve: %s received\n", strsignal(b));
+        break;
     }
-    if (n == 1 && b != 0) fprintf(stderr, "kdaserve serve: %s received\n", strsignal(b));
     web_server_stop(w->srv);
     return NULL;
 }
@@ -191,6 +210,8 @@ int cmd_serve(int argc, char **argv) {
     int rc = 1;
     eng_model_params mp = eng_model_default_params();
     mp.progress = !p.quiet;
+    cli_model_params_ranks(&mp); /* under mpirun: this rank's share of the experts */
+    p.ctx.comm = cli_comm();     /* and a context that drives the other ranks */
     if (eng_model_load(dir, &mp, &m, &err) != KDS_OK) return cli_fail("serve", &err);
     if (sess_open(db, NULL, &st, &err) != KDS_OK) {
         rc = cli_fail("serve", &err);
@@ -205,7 +226,7 @@ int cmd_serve(int argc, char **argv) {
         rc = cli_failf("serve", "cannot create a pipe: %s", strerror(errno));
         goto out;
     }
-    signal_waiter w = {srv, fds[0]};
+    signal_waiter w = {srv, fds[0], cli_comm()};
     pthread_t sig_thread;
     if (pthread_create(&sig_thread, NULL, signal_thread, &w) != 0) {
         rc = cli_failf("serve", "cannot start the signal thread");
@@ -232,6 +253,7 @@ int cmd_serve(int argc, char **argv) {
            web_server_port(srv));
     fflush(stdout);
     rc = web_server_run(srv, &err) == KDS_OK ? 0 : cli_fail("serve", &err);
+    if (rc == 0 && cli_comm() && eng_comm_broken(cli_comm(), NULL)) rc = 1; /* a rank was lost */
     signal(SIGINT, SIG_DFL);
     signal(SIGTERM, SIG_DFL);
     g_signal_pipe = -1;

@@ -40,9 +40,20 @@ typedef struct eng_ctx eng_ctx;
 typedef struct eng_seq eng_seq;
 typedef struct eng_tokenizer eng_tokenizer;
 typedef struct eng_config eng_config;
+typedef struct eng_comm eng_comm; /* the ranks of a job: eng_comm.h */
 
 /* ------------------------------------------------------------------------ */
 /* Model                                                                     */
+
+/* Which rank holds which routed expert under expert parallelism
+ * (docs/expert-parallel.md): of E experts per MoE layer over N ranks,
+ *   block   rank r holds the contiguous experts [ceil(r*E/N), ceil((r+1)*E/N));
+ *   cyclic  rank r holds the experts e with e mod N == r.
+ * Every MoE layer is placed alike. */
+typedef enum eng_ep_placement {
+    ENG_EP_BLOCK = 0,
+    ENG_EP_CYCLIC = 1,
+} eng_ep_placement;
 
 typedef struct eng_model_params {
     /* Where the fingerprint cache lives; NULL = $XDG_CACHE_HOME/kdaserve (or
@@ -52,6 +63,17 @@ typedef struct eng_model_params {
     bool no_fingerprint_cache;
     /* Print progress of long work (hashing) to stderr. */
     bool progress;
+    /* Expert parallelism: this process is rank ep_rank of ep_ranks (> 1)
+     * and binds only the routed experts ep_placement gives it; the others
+     * are checked (name, format, shape) but their bytes are never read
+     * (their eng_weight data is NULL). Every other tensor is bound as
+     * usual. Ranks other than 0 skip the fingerprint (rank 0's is handed
+     * to them when their context joins: eng_ctx_params.comm); every rank
+     * computes a digest of the config, every tensor's header and every
+     * tensor but the routed experts, compared across ranks then.
+     * ep_ranks <= 1: the whole model. */
+    int ep_rank, ep_ranks;
+    eng_ep_placement ep_placement;
 } eng_model_params;
 
 eng_model_params eng_model_default_params(void);
@@ -195,6 +217,21 @@ typedef struct eng_ctx_params {
      * into bf16 hi + lo (two products, ~1e-5: about fp32). Decode products
      * of up to 8 rows are exact either way. Ignored on the CPU. */
     bool gpu_bf16;
+    /* Expert parallelism (docs/expert-parallel.md): the job's ranks
+     * (borrowed; must outlive the context), or NULL for one process as
+     * before. With comm, rank 0's context drives every rank: its creation
+     * has the other ranks (waiting in eng_ep_worker_run) load the same
+     * model with their share of the experts and make contexts of the same
+     * parameters, and compares the models' digests; each pass sends the
+     * tokens of every MoE layer to the ranks holding their experts and the
+     * results back, and the sequences' states live on the ranks that own
+     * them (least loaded first; rank 0 last), brought back to rank 0 when
+     * read (saves) like a GPU's (eng_ctx_attach). The logits equal one
+     * rank's bit for bit at the same n_threads. The model must be loaded
+     * with ep_rank / ep_ranks of the same communicator. CPU only: "cuda"
+     * with comm is refused (KDS_UNSUPPORTED). Errors of a dead or hung
+     * rank: KDS_COMM (every later call fails too; the job must end). */
+    eng_comm *comm;
 } eng_ctx_params;
 
 eng_ctx_params eng_ctx_default_params(void);

@@ -163,6 +163,17 @@ typedef struct eng_moe_args {
     float *out;               /* [T, X]: the weighted sum of the routed experts' outputs per
                                * token, plus shared_out when add_shared */
     bool add_shared;          /* combine adds shared_out (X == hidden) */
+    /* Expert parallelism (eng_ep.c) hands moe_experts this rank's share of
+     * a batch spread over ranks: exp_off then lists the rows of the experts
+     * this rank holds (the others have none; exp_off[E] rows in all, the
+     * shared experts' T rows after them in act_a / act_b), and
+     * sched_rows[e] is expert e's rows in the whole batch (every rank's),
+     * sched_T that batch's tokens. The backend then cuts and groups its
+     * products as it would for the whole batch on one rank and runs only
+     * the pieces it has rows for, so every expert's output has the bits one
+     * rank would give. NULL / 0 outside expert parallelism. */
+    const int32_t *sched_rows; /* [E] or NULL */
+    int sched_T;
 } eng_moe_args;
 
 /* Block Attention Residuals' mix (kern_attn_res_mix): per token, a softmax
@@ -263,5 +274,18 @@ static inline void eng__backend_note(eng_backend *b, kds_status rc) {
 /* The backends (eng_cpu.c; eng_cuda.c, built with CUDA only). */
 extern const eng_backend_ops eng__cpu_ops;
 extern const eng_backend_ops eng__cuda_ops;
+/* Expert parallelism (eng_ep.c): the CPU backend wrapped so that the MoE
+ * ops exchange rows with the other ranks and a pass runs on every rank;
+ * chosen by eng_ctx_create when eng_ctx_params.comm is given. */
+extern const eng_backend_ops eng__ep_ops;
+
+/* eng_forward.c, for eng_ep.c: a context's backend, and one forward pass
+ * of T rows as eng_prefill / eng_decode / eng_decode_batch run it
+ * (inputs checked and MLA caches reserved by the caller; n_seqs 0 with T
+ * 0 is a pass without rows, an expert-parallel rank's share of a step it
+ * has no sequence in). */
+eng_backend *eng__ctx_backend(const eng_ctx *c);
+kds_status eng__forward(eng_ctx *c, eng_seq *const *seqs, int n_seqs, const int32_t *ids, int T,
+                        bool chunked, float *logits, bool want_last, kds_err *err);
 
 #endif /* ENG_BACKEND_H */

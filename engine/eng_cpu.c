@@ -78,35 +78,46 @@ static void mm_task_fn(void *arg, int t, int thread) {
 
 /* Run the n_jobs products in c->jobs in one dispatch, cut into row blocks
  * of roughly equal work. Small totals run inline: a dispatch costs more
- * than a few thousand multiply-adds. */
-static void run_mm(eng_cpu *c, int n_jobs) {
+ * than a few thousand multiply-adds. The cuts are those of the products
+ * with work_T[i] tokens (NULL: their own T): expert parallelism cuts a
+ * rank's share of a batch as the whole batch would be cut, and runs only
+ * the blocks of products it has tokens for (eng_moe_args.sched_rows). A
+ * block's bits depend on its rows and tokens only, so equal cuts give equal
+ * results wherever a block runs. */
+static void run_mm_as(eng_cpu *c, int n_jobs, const int *work_T) {
     double total = 0;
     for (int i = 0; i < n_jobs; i++)
-        total += (double)c->jobs[i].w->rows * c->jobs[i].w->cols * c->jobs[i].T;
+        total += (double)c->jobs[i].w->rows * c->jobs[i].w->cols * (work_T ? work_T[i] : c->jobs[i].T);
     int n_tasks = 0;
     if (c->n_threads == 1 || total < 65536.0) {
-        for (int i = 0; i < n_jobs; i++) c->tasks[n_tasks++] = (mm_task){i, 0, c->jobs[i].w->rows};
+        for (int i = 0; i < n_jobs; i++)
+            if (c->jobs[i].T > 0) c->tasks[n_tasks++] = (mm_task){i, 0, c->jobs[i].w->rows};
         for (int t = 0; t < n_tasks; t++) mm_task_fn(c, t, 0);
         return;
     }
     double target = total / (c->n_threads * 4.0);
     if (target < 32768.0) target = 32768.0;
+    int planned = 0; /* tasks of the whole batch's cut, run here or not */
     for (int i = 0; i < n_jobs; i++) {
         const eng_matmul *j = &c->jobs[i];
         int rows = j->w->rows;
-        double work = (double)rows * j->w->cols * j->T;
+        double work = (double)rows * j->w->cols * (work_T ? work_T[i] : j->T);
         int nb = (int)ceil(work / target);
         if (nb > rows) nb = rows;
         if (nb < 1) nb = 1;
-        int room = MAX_MM_TASKS - n_tasks - (n_jobs - i - 1);
+        int room = MAX_MM_TASKS - planned - (n_jobs - i - 1);
         if (nb > room) nb = room;
         for (int b = 0; b < nb; b++) {
             int r0 = (int)((int64_t)rows * b / nb), r1 = (int)((int64_t)rows * (b + 1) / nb);
-            if (r1 > r0) c->tasks[n_tasks++] = (mm_task){i, r0, r1};
+            if (r1 <= r0) continue;
+            planned++;
+            if (j->T > 0) c->tasks[n_tasks++] = (mm_task){i, r0, r1};
         }
     }
-    eng_pool_run(c->pool, mm_task_fn, c, n_tasks);
+    if (n_tasks) eng_pool_run(c->pool, mm_task_fn, c, n_tasks);
 }
+
+static void run_mm(eng_cpu *c, int n_jobs) { run_mm_as(c, n_jobs, NULL); }
 
 /* An accumulating product runs into c->acc ([T, rows]) and is then added
  * to its destination: the same sums as a product followed by y += it. */
@@ -420,57 +431,70 @@ static void cpu_moe_route(eng_backend *b, const eng_moe_args *a) {
         memcpy(a->xg + (size_t)r * X, a->xs + (size_t)a->tok_of[r] * X, (size_t)X * sizeof(float));
 }
 
-static void add_job(eng_cpu *c, int *nj, const eng_weight *w, const float *x, int T, float *y,
-                    int ldy) {
+/* A product for the next dispatch; work_T: the tokens its cut is planned
+ * for (eng_moe_args.sched_rows), T: the tokens it has here (0: none, the
+ * product is only planned). */
+static void add_job(eng_cpu *c, int *nj, int *work_T, const eng_weight *w, const float *x, int T,
+                    int plan_T, float *y, int ldy) {
+    work_T[*nj] = plan_T;
     c->jobs[(*nj)++] = (eng_matmul){w, x, T, y, ldy, false};
 }
 
 /* The routed experts over their gathered rows and the shared expert over
  * the tokens. The shared expert's rows live after the routed ones in the
  * scratch, so its products join the routed experts' dispatches and one
- * SwiGLU covers both; each expert's weights stream once per call. */
+ * SwiGLU covers both; each expert's weights stream once per call. Under
+ * expert parallelism the dispatches are those of the whole batch
+ * (a->sched_rows): an expert another rank holds is planned, not run. */
 static void cpu_moe_experts(eng_backend *b, const eng_moe_args *a) {
     eng_cpu *c = cpu_of(b);
     if (b->rc != KDS_OK) return;
     const eng_config *cfg = &c->m->cfg;
     const eng_ffn_weights *f = a->f;
-    const int E = cfg->num_experts, k = cfg->num_experts_per_token, hid = c->d.hidden, T = a->T;
+    const int E = cfg->num_experts, hid = c->d.hidden, T = a->T;
     const int inner = cfg->moe_intermediate_size, X = a->X;
     const int sh_inner = f->sh_gate.rows; /* 0 without shared experts */
-    float *sh_a = a->act_a + (size_t)T * k * inner, *sh_b = a->act_b + (size_t)T * k * inner;
+    const int plan_T = a->sched_rows ? a->sched_T : T;
+    const size_t routed = (size_t)a->exp_off[E]; /* T * k on one rank */
+    float *sh_a = a->act_a + routed * inner, *sh_b = a->act_b + routed * inner;
+    int work_T[MAX_MM_JOBS];
     /* Up projections of all active experts and the shared expert, in as few
      * dispatches as the job table allows. */
     int nj = 0;
     if (sh_inner > 0) {
-        add_job(c, &nj, &f->sh_gate, a->x, T, sh_a, sh_inner);
-        add_job(c, &nj, &f->sh_up, a->x, T, sh_b, sh_inner);
+        add_job(c, &nj, work_T, &f->sh_gate, a->x, T, plan_T, sh_a, sh_inner);
+        add_job(c, &nj, work_T, &f->sh_up, a->x, T, plan_T, sh_b, sh_inner);
     }
     for (int e = 0; e < E; e++) {
         int n_e = a->exp_off[e + 1] - a->exp_off[e];
-        if (n_e == 0) continue;
+        int plan_e = a->sched_rows ? a->sched_rows[e] : n_e;
+        if (plan_e == 0) continue;
         if (nj + 2 > MAX_MM_JOBS) {
-            run_mm(c, nj);
+            run_mm_as(c, nj, work_T);
             nj = 0;
         }
         size_t off = (size_t)a->exp_off[e];
-        add_job(c, &nj, &f->w1[e], a->xg + off * X, n_e, a->act_a + off * inner, inner);
-        add_job(c, &nj, &f->w3[e], a->xg + off * X, n_e, a->act_b + off * inner, inner);
+        add_job(c, &nj, work_T, &f->w1[e], a->xg + off * X, n_e, plan_e, a->act_a + off * inner,
+                inner);
+        add_job(c, &nj, work_T, &f->w3[e], a->xg + off * X, n_e, plan_e, a->act_b + off * inner,
+                inner);
     }
-    if (nj) run_mm(c, nj);
-    act(cfg, a->act_a, a->act_b, (size_t)T * k * inner + (size_t)T * sh_inner);
+    if (nj) run_mm_as(c, nj, work_T);
+    act(cfg, a->act_a, a->act_b, routed * inner + (size_t)T * sh_inner);
     nj = 0;
-    if (sh_inner > 0) add_job(c, &nj, &f->sh_down, sh_a, T, a->shared_out, hid);
+    if (sh_inner > 0) add_job(c, &nj, work_T, &f->sh_down, sh_a, T, plan_T, a->shared_out, hid);
     for (int e = 0; e < E; e++) {
         int n_e = a->exp_off[e + 1] - a->exp_off[e];
-        if (n_e == 0) continue;
+        int plan_e = a->sched_rows ? a->sched_rows[e] : n_e;
+        if (plan_e == 0) continue;
         if (nj + 1 > MAX_MM_JOBS) {
-            run_mm(c, nj);
+            run_mm_as(c, nj, work_T);
             nj = 0;
         }
         size_t off = (size_t)a->exp_off[e];
-        add_job(c, &nj, &f->w2[e], a->act_a + off * inner, n_e, a->yg + off * X, X);
+        add_job(c, &nj, work_T, &f->w2[e], a->act_a + off * inner, n_e, plan_e, a->yg + off * X, X);
     }
-    if (nj) run_mm(c, nj);
+    if (nj) run_mm_as(c, nj, work_T);
 }
 
 /* Routed sum in selection order (the same order for prefill and decode),

@@ -274,7 +274,10 @@ static void layers(const eng_ctx *c, eng_backend *b, const eng_pass *p) {
             s.fresh = true;
         }
         b->ops->rmsnorm(b, in, L->input_layernorm, T, hid, eps, c->xn);
-        switch (L->kind) {
+        /* T == 0: an expert-parallel rank without rows this step, which
+         * still takes part in every MoE layer's exchange (eng_ep.c); its
+         * mixers have no sequence to read */
+        if (T > 0) switch (L->kind) {
         case ENG_LAYER_KDA: kda_mixer(c, b, p, L, &s); break;
         case ENG_LAYER_MLA: mla_mixer(c, b, p, L, &s); break;
         }
@@ -444,12 +447,19 @@ static kds_status forward(eng_ctx *c, eng_seq *const *seqs, int n_seqs, const in
     for (int t = 0; t < T; t++) eng__seq_push_recent(seqs[multi ? t : 0], ids[t]);
     if (multi)
         for (int t = 0; t < T; t++) seqs[t]->pos++;
-    else
+    else if (n_seqs == 1) /* 0: an expert-parallel rank's pass without rows */
         seqs[0]->pos += T;
     const int has = p.first < T; /* stale until the batch that ends the prefill */
     for (int i = 0; i < n_seqs; i++) seqs[i]->has_logits = has;
     return KDS_OK;
 }
+
+kds_status eng__forward(eng_ctx *c, eng_seq *const *seqs, int n_seqs, const int32_t *ids, int T,
+                        bool chunked, float *logits, bool want_last, kds_err *err) {
+    return forward(c, seqs, n_seqs, ids, T, chunked, logits, want_last, err);
+}
+
+eng_backend *eng__ctx_backend(const eng_ctx *c) { return c->b; }
 
 kds_status eng_prefill(eng_ctx *c, eng_seq *s, const int32_t *ids, int64_t n, float *logits_all,
                        eng_progress_fn progress, void *user, kds_err *err) {
@@ -655,6 +665,16 @@ kds_status eng_ctx_create(const eng_model *m, const eng_ctx_params *p, eng_ctx *
                            "device '%s': this kdaserve was built without it (CUDA: configure with "
                            "nvcc on the PATH or CUDACXX set, and -DKDS_CUDA=ON)",
                            eng_device_name(device));
+    if (p->comm) {
+        /* expert parallelism wraps the CPU backend (eng_ep.c) */
+        if (device != ENG_DEVICE_CPU)
+            return kds_err_set(err, KDS_UNSUPPORTED,
+                               "expert parallelism runs on the CPU ranks only so far (the NCCL "
+                               "communicator exists, the GPU backend's dispatch does not): use "
+                               "--device cpu, or one rank for --device %s",
+                               eng_device_name(device));
+        ops = &eng__ep_ops;
+    }
     /* the parameters with their defaults, as the backend sees them */
     eng_ctx_params q = *p;
     q.max_batch = p->max_batch > 0 ? p->max_batch : def.max_batch;

@@ -27,6 +27,7 @@
 #include <unistd.h>
 #include <xxhash.h>
 
+#include "eng_ep.h"
 #include "eng_genmodel.h"
 #include "eng_model.h"
 #include "eng_plan.h"
@@ -125,6 +126,8 @@ typedef struct cat_entry {
     int shard;
     uint64_t gen_key; /* generated models (eng_model_generate): a matrix's stream */
     float gen_sd;
+    bool expert;      /* bound as (part of) a routed expert's matrix: not in the EP digest */
+    bool bound;       /* read by the model (else a tensor of the file the model does not use) */
 } cat_entry;
 
 static int cat_cmp(const void *a, const void *b) {
@@ -144,6 +147,7 @@ typedef struct loader {
     kds_err *err;
     kds_status rc;  /* sticky: the first failure wins */
     char name[256]; /* tensor being bound */
+    bool expert;    /* it is a routed expert's matrix */
 } loader;
 
 static void fail(loader *ld, kds_status s, const char *fmt, ...)
@@ -446,6 +450,9 @@ static bool bind_block_pair(loader *ld, eng_weight *w, int64_t rows, int64_t col
                       .rows = (int)rows, .cols = (int)cols, .gen_key = codes->gen_key,
                       .gen_sd = codes->gen_sd};
     eng__plan_register(ld->m, w);
+    /* the loader's own catalog: marks for the expert-parallel digest */
+    ((cat_entry *)codes)->bound = ((cat_entry *)scales)->bound = true;
+    if (ld->expert) ((cat_entry *)codes)->expert = ((cat_entry *)scales)->expert = true;
     return true;
 }
 
@@ -474,6 +481,8 @@ static void bind_matrix(loader *ld, eng_weight *w, int64_t rows, int64_t cols) {
     *w = (eng_weight){.dt = dt, .data = e->t->data, .rows = (int)rows, .cols = (int)cols,
                       .gen_key = e->gen_key, .gen_sd = e->gen_sd};
     eng__plan_register(ld->m, w);
+    ((cat_entry *)e)->bound = true; /* the loader's own catalog */
+    if (ld->expert) ((cat_entry *)e)->expert = true;
 }
 
 /* A small vector, converted into the model's arena; absent and optional:
@@ -518,16 +527,27 @@ static void bind_vector(loader *ld, const eng_tensor_spec *s) {
     m->small_f32_used += n;
     kern_to_f32(dt, t->data, dst, n);
     *s->vector = dst;
+    ((cat_entry *)e)->bound = true;
 }
 
 static void bind_fn(void *user, const eng_tensor_spec *s) {
     loader *ld = user;
     if (ld->rc != KDS_OK) return;
     snprintf(ld->name, sizeof ld->name, "%s", s->name);
-    if (s->matrix)
-        bind_matrix(ld, s->weight, s->shape[0], s->shape[1]);
-    else
+    ld->expert = s->expert >= 0;
+    if (!s->matrix) {
         bind_vector(ld, s);
+        return;
+    }
+    bind_matrix(ld, s->weight, s->shape[0], s->shape[1]);
+    /* Expert parallelism: another rank's expert is checked like any
+     * matrix but never read here (eng_ep.h: placement) */
+    const eng_model *m = ld->m;
+    if (ld->rc == KDS_OK && ld->expert && m->ep_ranks > 1 &&
+        eng_ep_owner(m->ep_placement, s->expert, m->cfg.num_experts, m->ep_ranks) != m->ep_rank) {
+        s->weight->data = NULL;
+        s->weight->scales = NULL;
+    }
 }
 
 static kds_status bind_all(loader *ld) {
@@ -617,6 +637,35 @@ static kds_status hash_model(loader *ld, const char *cfg, size_t cfg_len, bool p
     XXH3_freeState(st);
     for (int i = 0; i < 16; i++)
         snprintf(out + 2 * i, 3, "%02x", canon.digest[i]);
+    return KDS_OK;
+}
+
+/* The expert-parallel digest (eng_model.ep_digest): like the fingerprint,
+ * but the bytes only of the tensors every rank reads (not the routed
+ * experts, not tensors the model leaves unused), the headers of all:
+ * every rank of a job can compute it and compare. */
+static kds_status hash_ep(loader *ld, const char *cfg, size_t cfg_len, unsigned char out[16]) {
+    XXH3_state_t *st = XXH3_createState();
+    if (!st) return kds_err_set(ld->err, KDS_NOMEM, "out of memory fingerprinting %s", ld->dir);
+    XXH3_128bits_reset(st);
+    feed_str(st, "kdaserve-ep-digest-v1");
+    feed_u64(st, cfg_len);
+    XXH3_128bits_update(st, cfg, cfg_len);
+    feed_u64(st, ld->n_cat);
+    for (size_t i = 0; i < ld->n_cat; i++) {
+        const eng_st_tensor *t = ld->cat[i].t;
+        feed_str(st, ld->cat[i].name);
+        feed_str(st, eng_st_dtype_name(t->dtype));
+        feed_u64(st, (uint64_t)t->n_dims);
+        for (int d = 0; d < t->n_dims; d++) feed_u64(st, (uint64_t)t->shape[d]);
+        feed_u64(st, t->n_bytes);
+        feed_u64(st, ld->cat[i].expert);
+        if (ld->cat[i].bound && !ld->cat[i].expert) XXH3_128bits_update(st, t->data, t->n_bytes);
+    }
+    XXH128_canonical_t canon;
+    XXH128_canonicalFromHash(&canon, XXH3_128bits_digest(st));
+    XXH3_freeState(st);
+    memcpy(out, canon.digest, 16);
     return KDS_OK;
 }
 
@@ -780,18 +829,32 @@ kds_status eng_model_load(const char *dir, const eng_model_params *params, eng_m
     }
     ld.m = m;
     ld.dir = m->dir;
+    m->ep_ranks = p.ep_ranks > 1 ? p.ep_ranks : 1;
+    m->ep_rank = p.ep_ranks > 1 ? p.ep_rank : 0;
+    m->ep_placement = p.ep_placement;
+    if (m->ep_rank < 0 || m->ep_rank >= m->ep_ranks || !eng_ep_placement_name(p.ep_placement)) {
+        rc = kds_err_set(err, KDS_INVALID_ARG, "expert parallelism: rank %d of %d, placement %d",
+                         p.ep_rank, p.ep_ranks, (int)p.ep_placement);
+        goto fail;
+    }
 
     rc = eng__read_file(cfg_path, LOAD_MAX_CONFIG_BYTES, &cfg_text, &cfg_len, err);
     if (rc != KDS_OK) goto fail;
     rc = eng_config_parse(cfg_text, cfg_len, cfg_path, &m->cfg, err);
     if (rc != KDS_OK) goto fail;
+    if (m->ep_ranks > 1 && (rc = eng_ep_check_config(&m->cfg, m->ep_ranks, err)) != KDS_OK)
+        goto fail;
     rc = open_weights(&ld);
     if (rc != KDS_OK) goto fail;
     rc = bind_all(&ld);
     if (rc != KDS_OK) goto fail;
     rc = eng__tok_create_model(m->dir, &m->cfg, &m->tokenizer, err);
     if (rc != KDS_OK) goto fail;
-    rc = fingerprint(&ld, cfg_path, cfg_text, cfg_len, &p);
+    /* a rank other than 0 reads no expert bytes but its own: the
+     * fingerprint (every byte) is rank 0's, handed over when its context
+     * joins the job; all compare the digest of what they share */
+    if (m->ep_ranks > 1) rc = hash_ep(&ld, cfg_text, cfg_len, m->ep_digest);
+    if (rc == KDS_OK && m->ep_rank == 0) rc = fingerprint(&ld, cfg_path, cfg_text, cfg_len, &p);
     if (rc != KDS_OK) goto fail;
 
     *out = m;

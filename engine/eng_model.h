@@ -124,6 +124,15 @@ struct eng_model {
     size_t small_f32_used, small_f32_cap;
     eng_tokenizer *tokenizer;        /* owned */
     bool generated;                  /* eng_model_generate: matrices exist only on a device */
+    /* Expert parallelism (eng_model_params.ep_*, engine/eng_ep.h): this
+     * process is rank ep_rank of ep_ranks and holds the routed experts
+     * ep_placement gives it; the others' eng_weight data is NULL. ep_ranks
+     * 1: every expert. ep_digest: XXH3-128 of the config, every tensor's
+     * header and every tensor but the routed experts (ep_ranks > 1), which
+     * every rank of a job must agree on. */
+    int ep_rank, ep_ranks;
+    eng_ep_placement ep_placement;
+    unsigned char ep_digest[16];
 };
 
 #endif /* ENG_MODEL_H */

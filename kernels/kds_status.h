@@ -39,7 +39,8 @@ extern "C" {
     X(CORRUPT, 11, "corrupt data")                                        \
     X(EXISTS, 12, "already exists")                                       \
     X(BUSY, 13, "busy")                                                   \
-    X(INTERNAL, 14, "internal error")
+    X(INTERNAL, 14, "internal error")                                     \
+    X(COMM, 15, "communication failure")
 
 typedef enum kds_status {
 #define KDS_STATUS_ENUM_(name, value, text) KDS_##name = value,

@@ -16,6 +16,7 @@
 
 #include <cJSON.h>
 
+#include "eng_ep.h"
 #include "kds_buf.h"
 #include "repl_internal.h"
 
@@ -334,9 +335,11 @@ kds_status repl_create(const repl_params *p, FILE *out, FILE *errf, repl **out_r
         goto fail;
     }
     eng_model_params mp = eng_model_default_params();
+    eng_ep_model_params(&mp, p->comm, p->ep_placement);
     if (eng_model_load(dir, &mp, &r->m, e) != KDS_OK) goto fail;
     eng_ctx_params cp = eng_ctx_default_params();
     cp.n_threads = p->threads;
+    cp.comm = p->comm;
     if (eng_ctx_create(r->m, &cp, &r->c, e) != KDS_OK) goto fail;
     if (eng_seq_create(r->m, r->seed, &r->s, e) != KDS_OK) goto fail;
     r->tok = eng_model_tokenizer(r->m);

@@ -63,6 +63,11 @@ typedef struct repl_params {
     uint64_t seed;          /* sampler seed of a new sequence; default 0 */
     eng_sampler_params sampler;
     const char *history_file; /* interactive: readline history (NULL = none) */
+    /* Expert parallelism (docs/expert-parallel.md): the job's ranks under
+     * mpirun (borrowed), or NULL for one process; the model is loaded with
+     * this rank's share of the experts, the context drives the others. */
+    eng_comm *comm;
+    eng_ep_placement ep_placement;
 } repl_params;
 
 repl_params repl_default_params(void);
