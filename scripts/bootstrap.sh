@@ -48,8 +48,10 @@ echo "[bootstrap] built ./build/kdaserve"
 # rebuilt from that package and sha256-checked into build/tok-ref. Not fatal
 # here (kdaserve itself does not need them); the tests retry and then fail.
 # ws and @msgpack/msgpack are the WebSocket protocol tests' client (tests/test_serve.c);
-# playwright-core drives chromium for the web page test (tests/node/web_page.test.js).
+# playwright-core drives chromium for the web page test (tests/node/web_page.test.js);
+# openai (the official SDK, pinned) is the HTTP API tests' client (tests/node/openai_api.test.js).
 if [ ! -f tests/node/node_modules/tiktoken/package.json ] \
+   || [ ! -f tests/node/node_modules/openai/package.json ] \
    || [ ! -f tests/node/node_modules/ws/package.json ] \
    || [ ! -f tests/node/node_modules/@msgpack/msgpack/package.json ] \
    || [ ! -f tests/node/node_modules/playwright-core/package.json ]; then
