@@ -16,50 +16,70 @@
 #include "web.h"
 
 static void serve_usage(FILE *f) {
-    fprintf(f,
-            "usage: kdaserve serve [--model DIR] [--db DIR] [--listen HOST:PORT]\n"
-            "                      [--auth-file FILE] [--www DIR] [limits...] [--threads N]\n"
-            "                      [--device cpu|cuda]\n\n"
-            "Serve sessions over WebSocket (protocol kdaserve.v1, docs/protocol.md) and the\n"
-            "web chat page at http://HOST:PORT/ (Prometheus metrics at /metrics). Sessions\n"
-            "live in the same snapshot store as `kdaserve chat`; every turn is saved as it\n"
-            "ends. Decode steps of all generating sessions run as one batch.\n"
-            "Ctrl-C or SIGTERM stops: running generations end (reason \"cancelled\") and\n"
-            "their sessions are saved first.\n\n"
-            "  --model DIR            model directory (default $KDASERVE_MODEL, else the\n"
-            "                         bundled models/default)\n"
-            "  --db DIR               snapshot store (default $XDG_DATA_HOME/kdaserve, else\n"
-            "                         ~/.local/share/kdaserve)\n"
-            "  --listen HOST:PORT     address (default 127.0.0.1:8080; PORT 0 = any free\n"
-            "                         port, printed at start). Plain ws/http: put a TLS\n"
-            "                         proxy in front to expose it beyond this machine\n"
-            "  --auth-file FILE       require a token: lines 'TOKEN TENANT' (token 16-256\n"
-            "                         characters, tenant 1-16 of [A-Za-z0-9_-]); each tenant\n"
-            "                         sees only its own sessions\n"
-            "  --www DIR              static files at / (default: web/www of the source tree)\n"
-            "  --max-message BYTES    largest request (default 1048576; bigger: close 1009)\n"
-            "  --max-connections N    open connections (default 256; more: close 1013)\n"
-            "  --max-sessions N       sessions kept in memory (default 64; idle ones are\n"
-            "                         evicted, least recently used first)\n"
-            "  --max-generations N    concurrent generations (default 32; more: error limit)\n"
-            "  --max-tokens N         cap of a generate's max_tokens (default 4096)\n"
-            "  --max-pending BYTES    unsent output per connection before its streams pause\n"
-            "                         and its requests are no longer read (default 262144)\n"
-            "  --max-queue N          requests of one connection waiting to be handled\n"
-            "                         (default 64; more: error limit at once)\n"
-            "  --max-queue-total N    requests of all connections waiting (default 1024;\n"
-            "                         more: error limit, except for a connection with none)\n"
-            "  --idle-timeout S       ping a silent connection after S s, drop it when it\n"
-            "                         does not answer (default 300)\n"
-            "  --threads N            compute threads (default: all CPUs)\n"
-            "  --device cpu|cuda      where the model runs (default cpu; cuda: the current\n"
-            "                         GPU, see kernels/cuda/README.md)\n"
-            "  --quiet                no log lines\n");
+    fprintf(f, "usage: kdaserve serve [--model DIR] [--db DIR] [--listen HOST:PORT]\n"
+               "                      [--auth-file FILE] [--www DIR] [limits...] [--threads N]\n"
+               "                      [--device cpu|cuda]\n\n"
+               "Serve sessions over WebSocket (protocol kdaserve.v1, docs/protocol.md) and the\n"
+               "web chat page at http://HOST:PORT/ (Prometheus metrics at /metrics). Sessions\n"
+               "live in the same snapshot store as `kdaserve chat`; every turn is saved as it\n"
+               "ends. Decode steps of all generating sessions run as one batch.\n"
+               "Ctrl-C or SIGTERM stops: running generations end (reason \"cancelled\") and\n"
+               "their sessions are saved first.\n\n"
+               "  --model DIR            model directory (default $KDASERVE_MODEL, else the\n"
+               "                         bundled models/default)\n"
+               "  --db DIR               snapshot store (default $XDG_DATA_HOME/kdaserve, else\n"
+               "                         ~/.local/share/kdaserve)\n"
+               "  --listen HOST:PORT     address (default 127.0.0.1:8080; PORT 0 = any free\n"
+               "                         port, printed at start). Plain ws/http: put a TLS\n"
+               "                         proxy in front to expose it beyond this machine\n"
+               "  --auth-file FILE       require a token: lines 'TOKEN TENANT' (token 16-256\n"
+               "                         characters, tenant 1-16 of [A-Za-z0-9_-]); each tenant\n"
+               "                         sees only its own sessions\n"
+               "  --www DIR              static files at / (default: web/www of the source tree)\n"
+               "  --max-message BYTES    largest request (default 1048576; bigger: close 1009)\n"
+               "  --max-http-body BYTES  largest body of an HTTP /v1 request (default 67108864;\n"
+               "                         bigger: 413; a long document is a long body)\n"
+               "  --no-resume            HTTP /v1: never resume from a stored prefix (replay\n"
+               "                         every request whole; turns are still saved)\n"
+               "  --max-connections N    open connections (default 256; more: close 1013)\n"
+               "  --max-sessions N       sessions kept in memory (default 64; idle ones are\n"
+               "                         evicted, least recently used first)\n"
+               "  --max-generations N    concurrent generations (default 32; more: error limit)\n"
+               "  --max-tokens N         cap of a generate's max_tokens (default 4096)\n"
+               "  --max-pending BYTES    unsent output per connection before its streams pause\n"
+               "                         and its requests are no longer read (default 262144)\n"
+               "  --max-queue N          requests of one connection waiting to be handled\n"
+               "                         (default 64; more: error limit at once)\n"
+               "  --max-queue-total N    requests of all connections waiting (default 1024;\n"
+               "                         more: error limit, except for a connection with none)\n"
+               "  --idle-timeout S       ping a silent connection after S s, drop it when it\n"
+               "                         does not answer (default 300)\n"
+               "  --threads N            compute threads (default: all CPUs)\n"
+               "  --device cpu|cuda      where the model runs (default cpu; cuda: the current\n"
+               "                         GPU, see kernels/cuda/README.md)\n"
+               "  --quiet                no log lines\n");
 }
 
-enum { OPT_DB = 1000, OPT_LISTEN, OPT_AUTH, OPT_WWW, OPT_MAXMSG, OPT_MAXCONN, OPT_MAXSESS,
-       OPT_MAXGEN, OPT_MAXTOK, OPT_MAXPEND, OPT_IDLE, OPT_THREADS, OPT_QUIET, OPT_DEVICE,
-       OPT_MAXQUEUE, OPT_MAXQUEUE_TOTAL };
+enum {
+    OPT_MAXBODY = 900,
+    OPT_NORESUME,
+    OPT_DB = 1000,
+    OPT_LISTEN,
+    OPT_AUTH,
+    OPT_WWW,
+    OPT_MAXMSG,
+    OPT_MAXCONN,
+    OPT_MAXSESS,
+    OPT_MAXGEN,
+    OPT_MAXTOK,
+    OPT_MAXPEND,
+    OPT_IDLE,
+    OPT_THREADS,
+    OPT_QUIET,
+    OPT_DEVICE,
+    OPT_MAXQUEUE,
+    OPT_MAXQUEUE_TOTAL
+};
 
 /* Signals reach the process in any thread (OpenBLAS starts threads before
  * main, so blocking them everywhere is not possible): the handler only
@@ -122,6 +142,8 @@ int cmd_serve(int argc, char **argv) {
         {"auth-file", required_argument, 0, OPT_AUTH},
         {"www", required_argument, 0, OPT_WWW},
         {"max-message", required_argument, 0, OPT_MAXMSG},
+        {"max-http-body", required_argument, 0, OPT_MAXBODY},
+        {"no-resume", no_argument, 0, OPT_NORESUME},
         {"max-connections", required_argument, 0, OPT_MAXCONN},
         {"max-sessions", required_argument, 0, OPT_MAXSESS},
         {"max-generations", required_argument, 0, OPT_MAXGEN},
@@ -159,6 +181,12 @@ int cmd_serve(int argc, char **argv) {
                 return cli_failf("serve", "--max-message wants 64..1073741824 bytes");
             p.max_message = (size_t)v;
             break;
+        case OPT_MAXBODY:
+            if (!cli_parse_i64(optarg, 1024, (int64_t)1 << 32, &v))
+                return cli_failf("serve", "--max-http-body wants 1024..4294967296 bytes");
+            p.max_http_body = (size_t)v;
+            break;
+        case OPT_NORESUME: p.no_resume = true; break;
         case OPT_MAXPEND:
             if (!cli_parse_i64(optarg, 1024, (int64_t)1 << 30, &v))
                 return cli_failf("serve", "--max-pending wants 1024..1073741824 bytes");

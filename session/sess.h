@@ -509,6 +509,50 @@ kds_status sess_import(sess_store *st, const char *path, const char *name,
                        char out_name[SESS_NAME_MAX + 1], uint64_t *snapshot, kds_err *err);
 
 /* ------------------------------------------------------------------------ */
+/* Prefix index                                                              */
+/*
+ * Which stored snapshot holds the state after a given token sequence, so a
+ * stateless client that resends a whole conversation resumes from the
+ * longest stored exact-token prefix instead of replaying it (the HTTP API,
+ * docs/http-api.md "Resume"). A key is the XXH3-128 of a scope string (the
+ * tenant and the model fingerprint: another tenant's or model's sequences
+ * never match) and the token ids; a front end puts one key per saved turn
+ * end and looks up the candidate lengths of a new request, longest first,
+ * in one read transaction (one B-tree search each: fast at any store size).
+ * The index is advisory: an entry whose snapshot was pruned or does not
+ * load is a miss, and the caller tries the next shorter candidate.
+ */
+#define SESS_PREFIX_KEY_LEN 16
+
+typedef struct sess_prefix_hasher sess_prefix_hasher;
+/* A hasher of token sequences in `scope`. Caller owns *out: free with
+ * sess_prefix_hasher_free. Errors: KDS_NOMEM. */
+kds_status sess_prefix_hasher_create(const char *scope, sess_prefix_hasher **out, kds_err *err);
+void sess_prefix_hasher_free(sess_prefix_hasher *h); /* NULL is a no-op */
+/* Append tokens (allocates nothing: per-token use is fine). */
+void sess_prefix_hasher_add(sess_prefix_hasher *h, const int32_t *ids, int64_t n);
+/* Tokens added so far. */
+int64_t sess_prefix_hasher_count(const sess_prefix_hasher *h);
+/* The key of the sequence added so far (the hasher goes on unchanged). */
+void sess_prefix_hasher_key(const sess_prefix_hasher *h, unsigned char key[SESS_PREFIX_KEY_LEN]);
+
+typedef struct sess_prefix_entry {
+    uint64_t snapshot;               /* the state after the sequence */
+    int64_t tokens;                  /* the sequence's length */
+    char session[SESS_NAME_MAX + 1]; /* the session that saved it */
+} sess_prefix_entry;
+
+/* Index `key` -> `e` (replacing an older entry of the same key). One write
+ * transaction. Errors: KDS_INVALID_ARG, KDS_UNSUPPORTED (read-only), KDS_IO. */
+kds_status sess_prefix_put(sess_store *st, const unsigned char key[SESS_PREFIX_KEY_LEN],
+                           const sess_prefix_entry *e, kds_err *err);
+/* The largest i < n whose keys[i] is indexed with length lens[i]: *found = i
+ * and *out its entry. KDS_NOT_FOUND (no message) when none is. */
+kds_status sess_prefix_find(sess_store *st, const unsigned char (*keys)[SESS_PREFIX_KEY_LEN],
+                            const int64_t *lens, size_t n, size_t *found, sess_prefix_entry *out,
+                            kds_err *err);
+
+/* ------------------------------------------------------------------------ */
 /* Untrusted msgpack                                                         */
 
 /* True when `p` holds exactly one msgpack object, nested at most 8 deep, whose

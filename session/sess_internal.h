@@ -16,6 +16,7 @@
 #define SESS_INTERNAL_H
 
 #include <lmdb.h>
+#include <stdatomic.h>
 #include <pthread.h>
 
 #include "eng_config.h"
@@ -243,6 +244,8 @@ kds_status sess__check_payload(const sess__frame *f, uint64_t want_bytes, uint64
 struct sess_store {
     MDB_env *env;
     MDB_dbi db_meta, db_snap, db_chunk, db_sess, db_turn;
+    MDB_dbi db_prefix; /* the prefix index, once has_prefix (sess_prefix.c) */
+    atomic_bool has_prefix;
     /* Held shared by every call for the length of its transaction, and
      * exclusively to resize the map: LMDB remaps on resize, which would pull
      * the pages out from under a concurrent reader of this process. */

@@ -524,6 +524,14 @@ static kds_status open_dbs(sess_store *st, bool create, kds_err *err) {
             return m == MDB_NOTFOUND ? KDS_NOT_FOUND : sess__mdb_err(m, dbs[i].name, err);
         }
     }
+    /* The prefix index (sess_prefix.c) came later: a store without it opens
+     * as before and gets it with its first indexed turn. */
+    m = mdb_dbi_open(txn, "prefixes", create ? MDB_CREATE : 0, &st->db_prefix);
+    if (m && m != MDB_NOTFOUND) {
+        mdb_txn_abort(txn);
+        return sess__mdb_err(m, "prefixes", err);
+    }
+    atomic_store(&st->has_prefix, m == 0);
     /* commit, not abort: handles opened in an aborted transaction close */
     m = mdb_txn_commit(txn);
     return m ? sess__mdb_err(m, "opening the databases", err) : KDS_OK;

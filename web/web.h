@@ -47,6 +47,9 @@ typedef struct web_params {
     const char *auth_file;     /* NULL = no auth (one anonymous tenant) */
     const char *www_dir;       /* static files served at / (NULL = none) */
     size_t max_message;        /* bytes per incoming message (1 MiB) */
+    size_t max_http_body;      /* bytes of an HTTP request body, /v1 endpoints (64 MiB; a long
+                                  document is a long body: docs/http-api.md) */
+    bool no_resume;            /* HTTP: never resume from a stored prefix (always replay) */
     size_t max_pending;        /* unsent output bytes per connection before its streams pause
                                   and its requests are no longer read (256 KiB) */
     int max_queue;             /* requests of one connection waiting for the engine (64) */

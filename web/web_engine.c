@@ -82,6 +82,23 @@ struct gen {
     gen_phase after;              /* phase after this step's feed */
     char error[512];              /* reason "error" */
     double t_arrive, t_start, t_first, t_prefill_end, t_decode0;
+    /* One turn, whichever front end asked (WebSocket op or HTTP endpoint):
+     * the turn logic below (feed, sample, stop, close, save) is the same. */
+    web_route route; /* WEB_ROUTE_WS, or the HTTP endpoint answered */
+    bool close_chat; /* a reply cut short is closed with <|im_end|> */
+    char stop[WEB_STOP_COUNT][WEB_STOP_MAX + 1];
+    int n_stop;
+    size_t stop_hold; /* bytes held back: the longest stop string less one */
+    bool stop_hit;    /* a stop string ended the reply (cut before it) */
+    size_t emitted;   /* bytes of `reply` sent so far */
+    /* HTTP */
+    bool sse, include_usage; /* an HTTP stream (server-sent events) */
+    char resp_id[48];
+    int64_t created;                 /* unix seconds */
+    int64_t cached;                  /* prompt tokens that came from a stored state */
+    int64_t prompt_total;            /* the request's tokens (usage.prompt_tokens) */
+    char save_as[SESS_NAME_MAX + 1]; /* HTTP: the session the turn is saved to */
+    sess_prefix_hasher *hasher;      /* HTTP: the whole token sequence, to index the turn end */
 };
 
 /* The requests of one connection that the engine took and has not answered
@@ -754,7 +771,23 @@ static void gen_free(gen *g) {
     free(g->prompt);
     kds_buf_free(&g->reply);
     eng_tok_stream_free(g->stream);
+    sess_prefix_hasher_free(g->hasher);
     free(g);
+}
+
+/* Start a turn prepared by a front end (its hot session, ids to feed,
+ * sampler, limits set): it joins the batching loop. */
+static void gen_launch(web_engine *E, gen *g) {
+    hot *h = g->h;
+    g->phase = g->n_ids > 0 ? G_PREFILL : g->max_tokens > 0 ? G_DECODE : G_FINISH;
+    if (g->phase == G_FINISH) g->reason = "length";
+    h->gen = g;
+    h->last_used = web__now_s();
+    g->next = E->gens;
+    E->gens = g;
+    E->n_gens++;
+    atomic_fetch_add(&E->s->metrics.generations_active, 1);
+    atomic_fetch_add(&E->s->metrics.generations_total, 1);
 }
 
 static void op_generate(web_engine *E, const web_req *r, const cJSON *id) {
@@ -836,15 +869,9 @@ static void op_generate(web_engine *E, const web_req *r, const cJSON *id) {
         return;
     }
     if (seed >= 0) eng_seq_reseed(h->seq, (uint64_t)seed);
-    g->phase = g->n_ids > 0 ? G_PREFILL : g->max_tokens > 0 ? G_DECODE : G_FINISH;
-    if (g->phase == G_FINISH) g->reason = "length";
-    h->gen = g;
-    h->last_used = web__now_s();
-    g->next = E->gens;
-    E->gens = g;
-    E->n_gens++;
-    atomic_fetch_add(&E->s->metrics.generations_active, 1);
-    atomic_fetch_add(&E->s->metrics.generations_total, 1);
+    g->route = WEB_ROUTE_WS;
+    g->close_chat = h->chat;
+    gen_launch(E, g);
     cJSON *o = web__event(id, "started");
     cJSON_AddStringToObject(o, "session", client_name(r, store));
     cJSON_AddNumberToObject(o, "prompt_tokens", (double)g->n_ids);
@@ -887,6 +914,413 @@ static void op_cancel(web_engine *E, const web_req *r, const cJSON *id) {
     send_ev(E, r, o);
 }
 
+/* ------------------------------------------------------------------------ */
+/* HTTP: the OpenAI-compatible endpoints (docs/http-api.md)                  */
+/*
+ * A request is checked and rendered to tokens (web_openai.c), then resumed
+ * from the longest stored exact-token prefix of the same tenant and model
+ * (the prefix index, sess.h) and run as one generation of the batching loop
+ * like a WebSocket `generate`. Its turn is saved to the session it resumed
+ * (a fork when that session moved on), or to a new one, and the turn end is
+ * indexed so that the client's next request, which resends everything,
+ * resumes there.
+ */
+
+/* Stored turn ends a plain prompt can resume from: within its last
+ * PLAIN_WINDOW tokens (a client appends to its prompt), and after any stop
+ * token anywhere. Chat requests resume after a stop token (every stored
+ * chat turn ends on one) or at their end. */
+#define PLAIN_WINDOW 65536
+#define HTTP_DEFAULT_MAX_TOKENS 256
+
+static const char *model_id(web_engine *E) {
+    const char *dir = eng_model_dir(E->s->m), *base = strrchr(dir, '/');
+    return base && base[1] ? base + 1 : dir;
+}
+
+static void http_fail(web_engine *E, const web_req *r, const web_oai_err *e) {
+    web__http_error(E->s, r->conn, e->status,
+                    e->status == 404   ? "invalid_request_error"
+                    : e->status >= 500 ? "server_error"
+                                       : "invalid_request_error",
+                    e->param[0] ? e->param : NULL, e->code[0] ? e->code : NULL, "%s", e->msg);
+}
+
+static void http_models(web_engine *E, const web_req *r) {
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddStringToObject(o, "object", "list");
+    cJSON *a = cJSON_AddArrayToObject(o, "data");
+    cJSON *m = cJSON_CreateObject();
+    cJSON_AddStringToObject(m, "id", model_id(E));
+    cJSON_AddStringToObject(m, "object", "model");
+    cJSON_AddNumberToObject(m, "created", (double)(E->s->started_us / 1000000));
+    cJSON_AddStringToObject(m, "owned_by", "kdaserve");
+    cJSON_AddItemToArray(a, m);
+    web__http_json(E->s, r->conn, 200, o);
+}
+
+/* The scope of the prefix index: a tenant's sequences of this model. */
+static void prefix_scope(web_engine *E, const web_req *r, char *out, size_t cap) {
+    snprintf(out, cap, "%s|%s", r->auth ? r->tenant : "", eng_model_fingerprint(E->s->m));
+}
+
+static void index_turn(web_engine *E, gen *g, uint64_t snap) {
+    /* only a sequence known token for token (fed whole, nothing cut) */
+    if (!g->hasher || sess_prefix_hasher_count(g->hasher) != eng_seq_pos(g->h->seq)) return;
+    sess_prefix_entry pe = {.snapshot = snap, .tokens = eng_seq_pos(g->h->seq)};
+    snprintf(pe.session, sizeof pe.session, "%s", g->h->name);
+    unsigned char key[SESS_PREFIX_KEY_LEN];
+    sess_prefix_hasher_key(g->hasher, key);
+    kds_err e = {0};
+    /* advisory: a turn that is not indexed is replayed next time, no more */
+    if (sess_prefix_put(E->s->st, key, &pe, &e) != KDS_OK && !E->s->p.quiet)
+        fprintf(stderr, "kdaserve serve: indexing turn @%" PRIu64 ": %s\n", snap, e.msg);
+}
+
+/* Find the state to start from: the longest indexed prefix of q's tokens
+ * that loads. Returns the hot entry to use (in memory already, or a fresh
+ * slot loaded from the snapshot or empty) and *cached, the tokens it holds;
+ * NULL when every slot is generating. `target` gets the session the turn
+ * is saved to when the request named none. */
+static hot *http_resume(web_engine *E, const web_req *r, const web_oai *q, bool named,
+                        char target[SESS_NAME_MAX + 1], int64_t *cached, kds_err *e) {
+    *cached = 0;
+    const eng_tokenizer *tok = eng_model_tokenizer(E->s->m);
+    int64_t n = q->n_ids;
+    /* candidate lengths, shortest first */
+    size_t ncand = 0, cap = 0;
+    for (int64_t p = 1; p <= n; p++)
+        if (p == n || eng_tok_is_stop(tok, q->ids[p - 1]) || (!q->chat && p > n - PLAIN_WINDOW))
+            cap++;
+    unsigned char(*keys)[SESS_PREFIX_KEY_LEN] = NULL;
+    int64_t *lens = NULL;
+    sess_prefix_hasher *hs = NULL;
+    char scope[WEB_TENANT_MAX + SESS_FP_LEN + 8];
+    prefix_scope(E, r, scope, sizeof scope);
+    hot *h = NULL;
+    if (!E->s->p.no_resume && cap > 0) {
+        keys = malloc(cap * sizeof *keys);
+        lens = malloc(cap * sizeof *lens);
+        if (keys && lens && sess_prefix_hasher_create(scope, &hs, NULL) == KDS_OK) {
+            for (int64_t p = 1; p <= n; p++) {
+                sess_prefix_hasher_add(hs, &q->ids[p - 1], 1);
+                if (p == n || eng_tok_is_stop(tok, q->ids[p - 1]) ||
+                    (!q->chat && p > n - PLAIN_WINDOW)) {
+                    sess_prefix_hasher_key(hs, keys[ncand]);
+                    lens[ncand++] = p;
+                }
+            }
+        }
+    }
+    size_t lim = ncand, found;
+    sess_prefix_entry pe;
+    while (lim > 0 && sess_prefix_find(E->s->st, (const unsigned char(*)[SESS_PREFIX_KEY_LEN])keys,
+                                       lens, lim, &found, &pe, NULL) == KDS_OK) {
+        lim = found;
+        if (!owned(r, pe.session)) continue; /* the scope says so already; belt and braces */
+        /* in memory, idle, at exactly that snapshot: no load at all */
+        hot *m = find_hot(E, pe.session);
+        if (m && !m->gen && m->base == pe.snapshot && eng_seq_pos(m->seq) == pe.tokens) {
+            h = m;
+        } else {
+            hot *slot = free_slot(E);
+            if (!slot) break;
+            eng_seq *seq = NULL;
+            double t0 = web__now_s();
+            if (eng_seq_create(E->s->m, (uint64_t)web__now_us(), &seq, NULL) != KDS_OK) break;
+            if (sess_load(E->s->st, pe.snapshot, E->s->m, seq, NULL, NULL) != KDS_OK ||
+                eng_seq_pos(seq) != pe.tokens) {
+                eng_seq_free(seq); /* pruned or damaged: try a shorter prefix */
+                continue;
+            }
+            double ms = (web__now_s() - t0) * 1e3;
+            web__hist_add(&E->s->metrics.restore_ms, ms);
+            memset(slot, 0, sizeof *slot);
+            slot->used = true;
+            slot->seq = seq;
+            slot->base = pe.snapshot;
+            slot->last_resume_ms = ms;
+            atomic_fetch_add(&E->s->metrics.sessions_hot, 1);
+            h = slot;
+        }
+        *cached = pe.tokens;
+        if (!named) snprintf(target, SESS_NAME_MAX + 1, "%s", pe.session);
+        break;
+    }
+    free(keys);
+    free(lens);
+    sess_prefix_hasher_free(hs);
+    if (h) return h;
+    /* nothing stored: a fresh sequence */
+    hot *slot = free_slot(E);
+    if (!slot) return NULL;
+    eng_seq *seq = NULL;
+    if (eng_seq_create(E->s->m, (uint64_t)web__now_us(), &seq, e) != KDS_OK) return NULL;
+    memset(slot, 0, sizeof *slot);
+    slot->used = true;
+    slot->seq = seq;
+    atomic_fetch_add(&E->s->metrics.sessions_hot, 1);
+    if (!named) {
+        time_t now = time(NULL);
+        struct tm tmv;
+        gmtime_r(&now, &tmv);
+        char stamp[32];
+        strftime(stamp, sizeof stamp, "api-%Y%m%d-%H%M%S", &tmv);
+        char client[SESS_NAME_MAX + 1];
+        target[0] = '\0';
+        for (int k = 1; k < 1000 && !target[0]; k++) {
+            if (k == 1)
+                snprintf(client, sizeof client, "%s", stamp);
+            else
+                snprintf(client, sizeof client, "%s-%d", stamp, k);
+            sess_session_info tmp;
+            if (store_name(r, client, target) && !find_hot(E, target) &&
+                sess_session_get(E->s->st, target, &tmp, NULL) == KDS_NOT_FOUND)
+                break;
+            target[0] = '\0';
+        }
+        if (!target[0]) {
+            drop_hot(E, slot);
+            kds_err_set(e, KDS_EXISTS, "no free automatic session name");
+            return NULL;
+        }
+    }
+    return slot;
+}
+
+static cJSON *chunk_base(const gen *g, const char *model) {
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddStringToObject(o, "id", g->resp_id);
+    cJSON_AddStringToObject(
+        o, "object", g->route == WEB_ROUTE_CHAT ? "chat.completion.chunk" : "text_completion");
+    cJSON_AddNumberToObject(o, "created", (double)g->created);
+    cJSON_AddStringToObject(o, "model", model);
+    return o;
+}
+
+/* A stream's chunk with an empty delta (chat) or no text yet. */
+static cJSON *chunk_template(const gen *g, const char *model, const char *finish) {
+    cJSON *o = chunk_base(g, model);
+    cJSON *a = cJSON_AddArrayToObject(o, "choices");
+    cJSON *c = cJSON_CreateObject();
+    cJSON_AddNumberToObject(c, "index", 0);
+    if (g->route == WEB_ROUTE_CHAT) cJSON_AddObjectToObject(c, "delta");
+    cJSON_AddItemToObject(c, "logprobs", cJSON_CreateNull());
+    cJSON_AddItemToObject(c, "finish_reason",
+                          finish ? cJSON_CreateString(finish) : cJSON_CreateNull());
+    cJSON_AddItemToArray(a, c);
+    return o;
+}
+
+static void send_sse(web_engine *E, const gen *g, cJSON *o, bool last) {
+    char *j = o ? cJSON_PrintUnformatted(o) : NULL;
+    cJSON_Delete(o);
+    if (!j) return;
+    kds_buf b = {0};
+    if (kds_buf_printf(&b, NULL, "data: %s\n\n%s", j, last ? "data: [DONE]\n\n" : "") == KDS_OK)
+        web__http_body(E->s, g->conn, kds_buf_str(&b), b.len, last);
+    kds_buf_free(&b);
+    free(j);
+}
+
+static void http_generate(web_engine *E, const web_req *r) {
+    web_oai q;
+    web_oai_err oe;
+    const eng_tokenizer *tok = eng_model_tokenizer(E->s->m);
+    if (!web__oai_parse(r->msg, r->route, tok, model_id(E), &q, &oe)) {
+        http_fail(E, r, &oe);
+        return;
+    }
+    gen *g = NULL;
+    kds_err e = {0};
+    char target[SESS_NAME_MAX + 1] = "";
+    const char *named = q.session[0] ? q.session : r->session_hdr[0] ? r->session_hdr : NULL;
+    if (named && !store_name(r, named, target)) {
+        oe = (web_oai_err){.status = 400};
+        snprintf(oe.param, sizeof oe.param, "session");
+        snprintf(oe.msg, sizeof oe.msg, "'session' is too long for this tenant");
+        http_fail(E, r, &oe);
+        goto out;
+    }
+    if (E->n_gens >= E->s->p.max_generations) {
+        web__http_error(E->s, r->conn, 429, "rate_limit_exceeded", NULL, "rate_limit_exceeded",
+                        "%d generations are running (--max-generations); retry later", E->n_gens);
+        goto out;
+    }
+    int64_t cached = 0;
+    hot *h = http_resume(E, r, &q, named != NULL, target, &cached, &e);
+    if (!h) {
+        if (e.status)
+            web__http_error(E->s, r->conn, 500, "server_error", NULL, NULL, "%s", e.msg);
+        else
+            web__http_error(
+                E->s, r->conn, 429, "rate_limit_exceeded", NULL, "rate_limit_exceeded",
+                "all %d sessions in memory are generating (--max-sessions); retry later",
+                E->n_hot_max);
+        goto out;
+    }
+    if (!(g = calloc(1, sizeof *g))) goto nomem;
+    g->route = r->route;
+    g->conn = r->conn;
+    g->serial = ++E->next_serial;
+    g->h = h;
+    g->sp = q.sp;
+    int64_t mt = q.max_tokens >= 0 ? q.max_tokens : HTTP_DEFAULT_MAX_TOKENS;
+    g->max_tokens = mt > E->s->p.max_tokens ? E->s->p.max_tokens : mt;
+    g->context0 = eng_seq_pos(h->seq);
+    g->feed = -1;
+    g->t_arrive = r->t_arrive;
+    g->t_start = web__now_s();
+    g->sse = q.stream;
+    g->include_usage = q.include_usage;
+    g->created = web__now_us() / 1000000;
+    snprintf(g->resp_id, sizeof g->resp_id, "%s-%016" PRIx64,
+             r->route == WEB_ROUTE_CHAT ? "chatcmpl" : "cmpl",
+             ((uint64_t)web__now_us() << 16) ^ g->serial);
+    g->cached = cached;
+    g->prompt_total = q.n_ids;
+    g->close_chat = q.chat && E->im_end >= 0;
+    g->n_stop = q.n_stop;
+    for (int i = 0; i < q.n_stop; i++) {
+        memcpy(g->stop[i], q.stop[i], sizeof g->stop[i]);
+        size_t sl = strlen(q.stop[i]);
+        if (sl - 1 > g->stop_hold) g->stop_hold = sl - 1;
+    }
+    snprintf(g->save_as, sizeof g->save_as, "%s", target);
+    char scope[WEB_TENANT_MAX + SESS_FP_LEN + 8];
+    prefix_scope(E, r, scope, sizeof scope);
+    if (sess_prefix_hasher_create(scope, &g->hasher, &e) != KDS_OK) goto fail;
+    sess_prefix_hasher_add(g->hasher, q.ids, q.n_ids);
+    /* feed only what the stored state lacks */
+    g->n_ids = q.n_ids - cached;
+    memmove(q.ids, q.ids + cached, (size_t)g->n_ids * sizeof *q.ids);
+    g->ids = q.ids;
+    q.ids = NULL;
+    g->prompt = q.prompt;
+    g->prompt_len = q.prompt_len;
+    q.prompt = NULL;
+    if (eng_tok_stream_create(tok, ENG_TOK_SKIP_SPECIAL, &g->stream, &e) != KDS_OK) goto fail;
+    h->chat = q.chat;
+    if (q.has_seed) eng_seq_reseed(h->seq, q.seed);
+    if (g->sse) {
+        web__http_head(E->s, r->conn, 200, "text/event-stream", -1);
+        web__http_stream_template(E->s, r->conn, chunk_template(g, model_id(E), NULL),
+                                  g->route == WEB_ROUTE_CHAT);
+        if (g->route == WEB_ROUTE_CHAT) {
+            /* OpenAI's first chunk names the role */
+            cJSON *c = chunk_template(g, model_id(E), NULL);
+            cJSON *d = cJSON_GetObjectItemCaseSensitive(
+                cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(c, "choices"), 0), "delta");
+            cJSON_AddStringToObject(d, "role", "assistant");
+            cJSON_AddStringToObject(d, "content", "");
+            send_sse(E, g, c, false);
+        }
+    }
+    gen_launch(E, g);
+    web__oai_free(&q);
+    return;
+nomem:
+    kds_err_set(&e, KDS_NOMEM, "out of memory");
+fail:
+    web__http_error(E->s, r->conn, 500, "server_error", NULL, NULL, "%s", e.msg);
+    if (g) {
+        if (!h->name[0]) drop_hot(E, h);
+        gen_free(g);
+    }
+out:
+    web__oai_free(&q);
+}
+
+/* The answer of an HTTP turn that ended (saved or not). */
+static void http_done(web_engine *E, gen *g, kds_status rc, const kds_err *e, uint64_t snap) {
+    if (g->gone) return;
+    bool error = rc != KDS_OK || !strcmp(g->reason, "error");
+    const char *why = rc != KDS_OK ? e->msg : g->error;
+    const char *finish = !strcmp(g->reason, "stop") ? "stop" : "length";
+    const char *model = model_id(E);
+    cJSON *usage = cJSON_CreateObject();
+    cJSON_AddNumberToObject(usage, "prompt_tokens", (double)g->prompt_total);
+    cJSON_AddNumberToObject(usage, "completion_tokens", (double)g->produced);
+    cJSON_AddNumberToObject(usage, "total_tokens", (double)(g->prompt_total + g->produced));
+    cJSON *ptd = cJSON_AddObjectToObject(usage, "prompt_tokens_details");
+    cJSON_AddNumberToObject(ptd, "cached_tokens", (double)g->cached);
+    /* kdaserve's own: where the turn went */
+    cJSON *kx = cJSON_CreateObject();
+    if (!error && g->h->name[0]) {
+        const char *store = g->h->name, *dot = strchr(store, '.');
+        cJSON_AddStringToObject(kx, "session", E->s->n_tenants > 0 && dot ? dot + 1 : store);
+        cJSON_AddNumberToObject(kx, "snapshot", (double)snap);
+    }
+    cJSON_AddNumberToObject(kx, "context", (double)eng_seq_pos(g->h->seq));
+    cJSON_AddNumberToObject(kx, "prefilled_tokens", (double)g->fed);
+    if (g->sse) {
+        if (error) {
+            cJSON *o = cJSON_CreateObject(), *er = cJSON_AddObjectToObject(o, "error");
+            cJSON_AddStringToObject(er, "message", why);
+            cJSON_AddStringToObject(er, "type", "server_error");
+            cJSON_AddItemToObject(er, "param", cJSON_CreateNull());
+            cJSON_AddItemToObject(er, "code", cJSON_CreateNull());
+            send_sse(E, g, o, true);
+            cJSON_Delete(usage);
+            cJSON_Delete(kx);
+            return;
+        }
+        cJSON *last = chunk_template(g, model, finish);
+        cJSON_AddItemToObject(last, "kdaserve", kx);
+        if (g->include_usage) {
+            send_sse(E, g, last, false);
+            cJSON *u = chunk_base(g, model);
+            cJSON_AddArrayToObject(u, "choices");
+            cJSON_AddItemToObject(u, "usage", usage);
+            send_sse(E, g, u, true);
+        } else {
+            cJSON_Delete(usage);
+            send_sse(E, g, last, true);
+        }
+        return;
+    }
+    if (error) {
+        cJSON_Delete(usage);
+        cJSON_Delete(kx);
+        web__http_error(E->s, g->conn, 500, "server_error", NULL, NULL, "%s", why);
+        return;
+    }
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddStringToObject(o, "id", g->resp_id);
+    cJSON_AddStringToObject(o, "object",
+                            g->route == WEB_ROUTE_CHAT ? "chat.completion" : "text_completion");
+    cJSON_AddNumberToObject(o, "created", (double)g->created);
+    cJSON_AddStringToObject(o, "model", model);
+    cJSON *a = cJSON_AddArrayToObject(o, "choices"), *c = cJSON_CreateObject();
+    cJSON_AddNumberToObject(c, "index", 0);
+    if (g->route == WEB_ROUTE_CHAT) {
+        cJSON *m = cJSON_AddObjectToObject(c, "message");
+        cJSON_AddStringToObject(m, "role", "assistant");
+        cJSON_AddStringToObject(m, "content", kds_buf_str(&g->reply));
+        cJSON_AddItemToObject(m, "refusal", cJSON_CreateNull());
+    } else {
+        cJSON_AddStringToObject(c, "text", kds_buf_str(&g->reply));
+    }
+    cJSON_AddItemToObject(c, "logprobs", cJSON_CreateNull());
+    cJSON_AddStringToObject(c, "finish_reason", finish);
+    cJSON_AddItemToArray(a, c);
+    cJSON_AddItemToObject(o, "usage", usage);
+    cJSON_AddItemToObject(o, "kdaserve", kx);
+    web__http_json(E->s, g->conn, 200, o);
+}
+
+static void http_handle(web_engine *E, web_req *r) {
+    if (E->stopping) {
+        web__http_error(E->s, r->conn, 503, "server_error", NULL, NULL,
+                        "the server is shutting down");
+        return;
+    }
+    if (r->route == WEB_ROUTE_MODELS)
+        http_models(E, r);
+    else
+        http_generate(E, r);
+}
+
 typedef void (*op_fn)(web_engine *E, const web_req *r, const cJSON *id);
 typedef struct op_entry {
     const char *name;
@@ -902,6 +1336,10 @@ static const op_entry OPS[] = {
 };
 
 static void handle(web_engine *E, web_req *r) {
+    if (r->route != WEB_ROUTE_WS) {
+        http_handle(E, r);
+        return;
+    }
     const cJSON *id = cJSON_GetObjectItemCaseSensitive(r->msg, "id");
     const char *op = get_str(r->msg, "op");
     if (E->stopping) {
@@ -921,20 +1359,63 @@ static void handle(web_engine *E, web_req *r) {
 /* ------------------------------------------------------------------------ */
 /* The loop                                                                  */
 
+/* Send reply bytes [emitted, upto) to whoever asked: WebSocket token events
+ * or an HTTP stream's chunks (joined per write either way); a whole HTTP
+ * answer waits for the end. */
+static void send_upto(web_engine *E, gen *g, size_t upto) {
+    if (upto <= g->emitted) return;
+    const char *p = (const char *)g->reply.p + g->emitted;
+    size_t n = upto - g->emitted;
+    g->emitted = upto;
+    if (g->gone || (g->route != WEB_ROUTE_WS && !g->sse)) return;
+    web__send_token(E->s, g->conn, g->id, g->msgpack, g->serial, p, n);
+}
+
+/* Text of the reply as it decodes. With stop strings the text that could
+ * still begin one is held back (stop_hold bytes, never half a character),
+ * and a stop string found cuts the reply before it and ends the turn. */
 static void emit_text(web_engine *E, gen *g, const char *p, size_t n) {
-    if (!n) return;
+    if (!n || g->stop_hit) return;
     if (!g->t_first) {
         g->t_first = web__now_s();
         web__hist_add(&E->s->metrics.ttft_ms, (g->t_first - g->t_arrive) * 1e3);
     }
+    size_t before = g->reply.len;
     if (kds_buf_append(&g->reply, p, n, NULL) != KDS_OK) {
         snprintf(g->error, sizeof g->error, "out of memory keeping the reply");
         g->reason = "error";
         g->phase = G_FINISH;
         return;
     }
-    if (!g->gone) web__send_token(E->s, g->conn, g->id, g->msgpack, g->serial, p, n);
+    size_t upto = g->reply.len;
+    if (g->n_stop) {
+        /* a stop string can only end in the new bytes */
+        size_t from = before > g->stop_hold ? before - g->stop_hold : 0, cut = SIZE_MAX;
+        for (int i = 0; i < g->n_stop; i++) {
+            size_t sl = strlen(g->stop[i]);
+            for (size_t at = from; at + sl <= g->reply.len && at < cut; at++)
+                if (!memcmp(g->reply.p + at, g->stop[i], sl)) {
+                    cut = at;
+                    break;
+                }
+        }
+        if (cut != SIZE_MAX) {
+            g->reply.len = cut;
+            g->reply.p[cut] = '\0';
+            g->stop_hit = true;
+            upto = cut;
+        } else {
+            upto = g->reply.len > g->stop_hold ? g->reply.len - g->stop_hold : 0;
+            if (upto < g->emitted) upto = g->emitted;
+            upto = g->emitted +
+                   web__utf8_prefix((const char *)g->reply.p + g->emitted, upto - g->emitted);
+        }
+    }
+    send_upto(E, g, upto);
 }
+
+static void http_done(web_engine *E, gen *g, kds_status rc, const kds_err *e, uint64_t snap);
+static void index_turn(web_engine *E, gen *g, uint64_t snap);
 
 /* Save the session and send `done`. */
 static void finish(web_engine *E, gen *g) {
@@ -942,7 +1423,10 @@ static void finish(web_engine *E, gen *g) {
     kds_err e = {0};
     size_t len;
     const char *rest = eng_tok_stream_flush(g->stream, &len);
-    if (strcmp(g->reason, "error")) emit_text(E, g, rest, len);
+    if (strcmp(g->reason, "error")) {
+        emit_text(E, g, rest, len);
+        send_upto(E, g, g->reply.len); /* what stop strings held back */
+    }
     double t_end = web__now_s();
     double decode_s = g->t_decode0 ? t_end - g->t_decode0 : 0.0;
     double prefill_s = g->t_prefill_end ? g->t_prefill_end - g->t_start : 0.0;
@@ -959,7 +1443,21 @@ static void finish(web_engine *E, gen *g) {
                           .prompt_tokens = g->fed, .output_tokens = g->produced,
                           .mode = h->chat ? "chat" : "plain"};
         double t0 = web__now_s();
-        rc = sess_save(E->s->st, h->name, h->base, E->s->m, h->seq, &turn, &snap, &e);
+        if (g->route == WEB_ROUTE_WS) {
+            rc = sess_save(E->s->st, h->name, h->base, E->s->m, h->seq, &turn, &snap, &e);
+        } else {
+            /* a stateless client's turn continues the session it resumed,
+             * or forks it when that session moved on since (the branch of an
+             * edited conversation) */
+            sess_save_result res;
+            rc = sess_save_ex(E->s->st, g->save_as, h->base, E->s->m, h->seq, &turn,
+                              SESS_CONFLICT_FORK, &res, &e);
+            if (rc == KDS_OK) {
+                snap = res.snapshot;
+                snprintf(h->name, sizeof h->name, "%s", res.session);
+                index_turn(E, g, snap);
+            }
+        }
         if (rc == KDS_OK) {
             web__hist_add(&E->s->metrics.save_ms, (web__now_s() - t0) * 1e3);
             h->base = snap;
@@ -969,7 +1467,9 @@ static void finish(web_engine *E, gen *g) {
     h->last_decode_tok_s = decode_s > 0 ? (double)g->produced / decode_s : 0.0;
     h->gen = NULL;
     h->last_used = t_end;
-    if (!g->gone) {
+    if (g->route != WEB_ROUTE_WS) {
+        http_done(E, g, rc, &e, snap);
+    } else if (!g->gone) {
         cJSON *o = web__event(g->id, "done");
         const char *reason = rc == KDS_OK ? g->reason : "error";
         cJSON_AddStringToObject(o, "reason", reason);
@@ -992,8 +1492,9 @@ static void finish(web_engine *E, gen *g) {
         web__send(E->s, g->conn, o, g->msgpack);
     }
     /* A failed save leaves memory ahead of the store: forget it, the next
-     * use reloads what is stored. */
-    if (rc != KDS_OK || failed) drop_hot(E, h);
+     * use reloads what is stored (so does an HTTP turn that saved nothing:
+     * its sequence belongs to no session). */
+    if (rc != KDS_OK || failed || !h->name[0]) drop_hot(E, h);
 }
 
 static void remove_finished(web_engine *E) {
@@ -1056,7 +1557,7 @@ static void decode_step(web_engine *E) {
         }
         if (g->phase == G_CLOSE) {
             /* a chat reply cut short is closed with <|im_end|> */
-            if (g->h->chat && E->im_end >= 0) {
+            if (g->close_chat && E->im_end >= 0) {
                 g->feed = E->im_end;
                 g->after = G_FINISH;
             } else {
@@ -1078,6 +1579,11 @@ static void decode_step(web_engine *E) {
             if (!g->ignore_eos && eng_tok_is_stop(tok, next)) {
                 g->reason = "stop";
                 g->after = G_FINISH; /* the stop token stays in the context */
+                /* An HTTP chat turn always ends on <|im_end|>, whichever stop
+                 * token the model chose ([EOS] for a base model): that is how
+                 * the client's next request renders this reply, so the state
+                 * saved here is an exact prefix of it (resume). */
+                if (g->route == WEB_ROUTE_CHAT && g->close_chat) g->feed = E->im_end;
             } else {
                 const char *piece;
                 size_t len;
@@ -1087,7 +1593,10 @@ static void decode_step(web_engine *E) {
                     continue;
                 }
                 emit_text(E, g, piece, len);
-                if (g->produced >= g->max_tokens) {
+                if (g->stop_hit) {
+                    g->reason = "stop";
+                    g->after = G_CLOSE; /* the token is fed; a chat reply is then closed */
+                } else if (g->produced >= g->max_tokens) {
                     g->reason = "length";
                     g->after = G_CLOSE;
                 } else {
@@ -1107,10 +1616,12 @@ static void decode_step(web_engine *E) {
     kds_status rc = eng_decode_batch(E->c, E->b_seqs, E->b_ids, n, &e);
     for (int i = 0; i < n; i++) {
         gen *g = E->b_gens[i];
-        if (rc != KDS_OK)
+        if (rc != KDS_OK) {
             gen_error(g, &e);
-        else
+        } else {
             g->phase = g->after;
+            if (g->hasher) sess_prefix_hasher_add(g->hasher, &E->b_ids[i], 1);
+        }
     }
     atomic_fetch_add(&E->s->metrics.decode_steps, 1);
     atomic_fetch_add(&E->s->metrics.decode_rows, (uint64_t)n);

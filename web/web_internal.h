@@ -37,6 +37,14 @@ typedef struct web_event {
     uint64_t token_of;  /* generation serial for a token event, else 0 */
     kds_buf text;       /* token text so far (token events) */
     size_t bytes;       /* counted in the connection's pending bytes */
+    /* HTTP connections (web_http.c): an event is the response head
+     * (http_status != 0: status, content type and length, no body bytes) or
+     * body bytes after LWS_PRE in `frame`; token events become server-sent
+     * event chunks built from the connection's template when written. */
+    int http_status;
+    const char *http_type; /* static string: the Content-Type of a head */
+    int64_t http_len;      /* head: Content-Length, -1 = until the connection closes (SSE) */
+    bool last;             /* the response's last event */
 } web_event;
 
 /* A connection. The service thread owns it; the fields after `shared` are
@@ -55,10 +63,22 @@ typedef struct web_conn {
     size_t pending;              /* bytes queued and not yet written */
     int queued;                  /* requests waiting for the engine or being handled */
     int close_code;              /* close after the queue drains (0 = no) */
+    /* HTTP (web_http.c): one web_conn per request on an HTTP connection */
+    bool http;
+    cJSON *sse_tmpl; /* owned: a stream's chunk without its text (engine sets it) */
+    bool sse_chat;   /* the text goes to choices[0].delta.content, else .text */
 } web_conn;
 
 /* A request handed to the engine thread. */
 typedef enum web_req_kind { WEB_REQ_OP, WEB_REQ_CLOSED, WEB_REQ_STOP } web_req_kind;
+
+/* The OpenAI-compatible endpoint an HTTP request asked for (docs/http-api.md). */
+typedef enum web_route {
+    WEB_ROUTE_WS = 0, /* not HTTP: a kdaserve.v1 operation */
+    WEB_ROUTE_MODELS,
+    WEB_ROUTE_CHAT,
+    WEB_ROUTE_COMPLETIONS,
+} web_route;
 
 typedef struct web_req {
     struct web_req *next;
@@ -69,6 +89,8 @@ typedef struct web_req {
     bool auth;                   /* the server uses tenants */
     char tenant[WEB_TENANT_MAX + 1];
     double t_arrive;             /* web__now_s() */
+    web_route route;             /* HTTP: the endpoint; msg is the body (NULL for GET) */
+    char session_hdr[SESS_NAME_MAX + 1]; /* HTTP: the X-Kdaserve-Session header ("" = none) */
 } web_req;
 
 /* Counters for /metrics and `stats`. Written by either thread with atomics. */
@@ -112,7 +134,7 @@ struct web_server {
     struct lws_vhost *vhost;
     /* libwebsockets keeps pointers to these for the context's lifetime */
     struct lws_protocols protocols[3];
-    struct lws_http_mount mount_www, mount_metrics;
+    struct lws_http_mount mount_www, mount_metrics, mount_v1;
     struct lws_protocol_vhost_options pvo, pvo_default;
     lws_retry_bo_t retry;
     atomic_bool stop;
@@ -169,6 +191,11 @@ void web__send_token(web_server *s, uint64_t conn, const cJSON *id, bool msgpack
                      uint64_t serial, const char *text, size_t len);
 /* Bytes queued for `conn` (0 when it is gone); *gone tells which. */
 size_t web__pending(web_server *s, uint64_t conn, bool *gone);
+/* Free an event; append one to c's queue (the caller holds the lock). */
+void web__event_free(web_event *e);
+void web__enqueue(web_conn *c, web_event *e);
+/* LWS_CALLBACK_HTTP_CONFIRM_UPGRADE: 0 to go on, 1 after a 400 naming kdaserve.v1. */
+int web__confirm_upgrade(struct lws *wsi, const char *upgrade);
 /* The connection of id `conn`, or NULL; the caller holds the lock. */
 web_conn *web__conn_find(web_server *s, uint64_t conn);
 /* An event {"id": id, "event": name}; id is copied (NULL = null). */
@@ -178,6 +205,68 @@ cJSON *web__error(web_server *s, const cJSON *id, int code, const char *fmt, ...
     __attribute__((format(printf, 4, 5)));
 /* The protocol's code for a kds_status. */
 int web__code_of(kds_status st);
+
+/* -- OpenAI-compatible requests (web_openai.c) ---------------------------- */
+#define WEB_STOP_COUNT 4 /* stop strings of one request (OpenAI's limit) */
+#define WEB_STOP_MAX 256 /* bytes of one stop string */
+
+/* A checked /v1/chat/completions or /v1/completions request. */
+typedef struct web_oai {
+    web_route route;
+    bool stream, include_usage;
+    eng_sampler_params sp;
+    int64_t max_tokens; /* -1 = not given */
+    bool has_seed;
+    uint64_t seed;
+    char stop[WEB_STOP_COUNT][WEB_STOP_MAX + 1];
+    int n_stop;
+    char session[SESS_NAME_MAX + 1]; /* the "session" extension ("" = none) */
+    bool chat;                       /* rendered in the tokenizer's chat format */
+    int32_t *ids;                    /* owned: the whole request as tokens */
+    int64_t n_ids;
+    char *prompt; /* owned: the text the transcript keeps */
+    size_t prompt_len;
+} web_oai;
+
+/* Why a request was refused, in OpenAI's terms. */
+typedef struct web_oai_err {
+    int status;     /* HTTP status */
+    char param[64]; /* "" = null */
+    char code[48];  /* "" = null */
+    char msg[400];
+} web_oai_err;
+
+/* Check `body` for endpoint `route` (CHAT or COMPLETIONS) and render it with
+ * `tok`: the messages in the tokenizer's chat format with the generation
+ * prompt (plain "Role: text" paragraphs when it has none), a prompt as plain
+ * text (BOS only when empty). `model_id` is the one model served. True and
+ * *q filled (free with web__oai_free), or false with *e and nothing kept. */
+bool web__oai_parse(const cJSON *body, web_route route, const eng_tokenizer *tok,
+                    const char *model_id, web_oai *q, web_oai_err *e);
+void web__oai_free(web_oai *q);
+
+/* -- HTTP responses (web_http.c) ------------------------------------------ */
+/* Queue the head of an HTTP response for request connection `conn`: status,
+ * content type (a static string) and length (-1: a stream that ends when the
+ * connection closes). */
+void web__http_head(web_server *s, uint64_t conn, int status, const char *type, int64_t len);
+/* Queue body bytes (copied); `last` ends the response. */
+void web__http_body(web_server *s, uint64_t conn, const char *p, size_t len, bool last);
+/* A whole JSON response (head and body; ev freed). */
+void web__http_json(web_server *s, uint64_t conn, int status, cJSON *ev);
+/* An error response in OpenAI's shape {"error":{"message","type","param","code"}};
+ * param and code may be NULL (JSON null). */
+void web__http_error(web_server *s, uint64_t conn, int status, const char *type, const char *param,
+                     const char *code, const char *fmt, ...) __attribute__((format(printf, 7, 8)));
+/* The chunk template of a stream (ownership taken): token text joined by
+ * web__send_token goes into choices[0].delta.content (chat) or
+ * choices[0].text when written. */
+void web__http_stream_template(web_server *s, uint64_t conn, cJSON *tmpl, bool chat);
+/* The service thread's part: the /v1 callback (web_server.c's http_cb
+ * hands /v1 requests here) and the writer of queued HTTP events. */
+int web__http_cb(struct lws *wsi, enum lws_callback_reasons reason, void *user, void *in,
+                 size_t len);
+size_t web__http_pss_size(void);
 
 /* -- engine thread (web_engine.c) ----------------------------------------- */
 kds_status web__engine_start(web_server *s, kds_err *err);

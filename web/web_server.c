@@ -36,6 +36,7 @@ web_params web_default_params(void) {
     web_params p = {0};
     p.listen = "127.0.0.1:8080";
     p.max_message = 1u << 20;
+    p.max_http_body = (size_t)64 << 20;
     p.max_pending = 256u << 10;
     p.max_queue = 64;
     p.max_queue_total = 1024;
@@ -106,14 +107,14 @@ web_conn *web__conn_find(web_server *s, uint64_t id) {
     return NULL;
 }
 
-static void free_event(web_event *e) {
+void web__event_free(web_event *e) {
     free(e->frame);
     cJSON_Delete(e->ev);
     kds_buf_free(&e->text);
     free(e);
 }
 
-static void enqueue(web_conn *c, web_event *e) {
+void web__enqueue(web_conn *c, web_event *e) {
     if (c->tail)
         c->tail->next = e;
     else
@@ -134,7 +135,7 @@ void web__send(web_server *s, uint64_t conn, cJSON *ev, bool msgpack) {
     if (c && e && e->frame) {
         e->msgpack = msgpack;
         e->bytes = e->frame_len;
-        enqueue(c, e);
+        web__enqueue(c, e);
         e = NULL;
     } else if (c) {
         /* out of memory: an answer would be missing, so the client is told
@@ -142,7 +143,7 @@ void web__send(web_server *s, uint64_t conn, cJSON *ev, bool msgpack) {
         c->close_code = LWS_CLOSE_STATUS_UNEXPECTED_CONDITION;
     }
     pthread_mutex_unlock(&s->lock);
-    if (e) free_event(e);
+    if (e) web__event_free(e);
     if (c) lws_cancel_service(s->lws);
 }
 
@@ -160,7 +161,8 @@ void web__send_token(web_server *s, uint64_t conn, const cJSON *id, bool msgpack
     if (fresh) {
         /* allocation under the lock is rare (once per written frame) and short */
         e = calloc(1, sizeof *e);
-        if (!e || !(e->ev = web__event(id, "token"))) {
+        /* an HTTP stream's chunk is built from its template when written */
+        if (!e || (!c->http && !(e->ev = web__event(id, "token")))) {
             free(e);
             pthread_mutex_unlock(&s->lock);
             return;
@@ -170,13 +172,13 @@ void web__send_token(web_server *s, uint64_t conn, const cJSON *id, bool msgpack
         e->bytes = 48;
     }
     if (kds_buf_append(&e->text, text, len, NULL) != KDS_OK) {
-        if (fresh) free_event(e);
+        if (fresh) web__event_free(e);
         pthread_mutex_unlock(&s->lock);
         return;
     }
     e->bytes += len;
     c->pending += len;
-    if (fresh) enqueue(c, e);
+    if (fresh) web__enqueue(c, e);
     pthread_mutex_unlock(&s->lock);
     /* Text joined to an event still queued needs no wake-up: the service
      * thread was woken when that event was queued and has not written it. */
@@ -352,7 +354,7 @@ static int http_answer(struct lws *wsi, unsigned status, const char *text) {
  * connection), so it is answered here: 400 naming the one we speak. lws
  * reads the list into 127 bytes and drops longer ones too. Returns the
  * callback's value: 0 goes on with the upgrade, 1 after an answer. */
-static int confirm_upgrade(struct lws *wsi, const char *upgrade) {
+int web__confirm_upgrade(struct lws *wsi, const char *upgrade) {
     if (!upgrade || strcasecmp(upgrade, "websocket")) return 0;
     char list[128];
     int n = lws_hdr_total_length(wsi, WSI_TOKEN_PROTOCOL);
@@ -427,7 +429,7 @@ static int write_one(web_server *s, struct lws *wsi, web_conn *c) {
     size_t len = e->frame_len;
     int n = buf ? lws_write(wsi, buf + LWS_PRE, len, binary ? LWS_WRITE_BINARY : LWS_WRITE_TEXT)
                 : -1;
-    free_event(e);
+    web__event_free(e);
     if (n < (int)len) return -1;
     if (more || close_code) lws_callback_on_writable(wsi);
     return 0;
@@ -524,7 +526,7 @@ static int ws_cb(struct lws *wsi, enum lws_callback_reasons reason, void *user, 
         pthread_mutex_unlock(&s->lock);
         while (e) {
             web_event *next = e->next;
-            free_event(e);
+            web__event_free(e);
             e = next;
         }
         atomic_fetch_sub(&s->metrics.connections, 1);
@@ -533,8 +535,7 @@ static int ws_cb(struct lws *wsi, enum lws_callback_reasons reason, void *user, 
         free(c);
         return 0;
     }
-    case LWS_CALLBACK_HTTP_CONFIRM_UPGRADE:
-        return confirm_upgrade(wsi, in);
+    case LWS_CALLBACK_HTTP_CONFIRM_UPGRADE: return web__confirm_upgrade(wsi, in);
     case LWS_CALLBACK_EVENT_WAIT_CANCELLED:
         /* several cancels may collapse into one: serve every queue */
         pthread_mutex_lock(&s->lock);
@@ -548,73 +549,6 @@ static int ws_cb(struct lws *wsi, enum lws_callback_reasons reason, void *user, 
          * (static files): lws's own handler serves those. */
         return lws_callback_http_dummy(wsi, reason, user, in, len);
     }
-}
-
-/* ------------------------------------------------------------------------ */
-/* HTTP: /metrics                                                            */
-
-typedef struct http_pss {
-    char *body;
-    size_t len, sent;
-} http_pss;
-
-static int http_cb(struct lws *wsi, enum lws_callback_reasons reason, void *user, void *in,
-                   size_t len) {
-    web_server *s = lws_context_user(lws_get_context(wsi));
-    http_pss *pss = user;
-    switch (reason) {
-    case LWS_CALLBACK_HTTP: {
-        /* Only GET /metrics is ours; lws also lands here for a static file
-         * it did not find on a connection last bound to this protocol. */
-        char uri[64];
-        if (lws_hdr_copy(wsi, uri, sizeof uri, WSI_TOKEN_GET_URI) <= 0 || strcmp(uri, "/metrics")) {
-            if (lws_return_http_status(wsi, HTTP_STATUS_NOT_FOUND, NULL)) return -1;
-            return lws_http_transaction_completed(wsi) ? -1 : 0;
-        }
-        unsigned char hdr[LWS_PRE + 512], *start = hdr + LWS_PRE, *p = start, *end = hdr + sizeof hdr;
-        free(pss->body);
-        pss->body = web__metrics_text(s, &pss->len);
-        pss->sent = 0;
-        if (!pss->body) return -1;
-        if (lws_add_http_common_headers(wsi, HTTP_STATUS_OK, "text/plain; version=0.0.4",
-                                        (lws_filepos_t)pss->len, &p, end) ||
-            lws_finalize_write_http_header(wsi, start, &p, end))
-            return 1;
-        lws_callback_on_writable(wsi);
-        return 0;
-    }
-    case LWS_CALLBACK_HTTP_WRITEABLE: {
-        if (!pss->body) break;
-        size_t chunk = pss->len - pss->sent;
-        if (chunk > 16384) chunk = 16384;
-        unsigned char *buf = malloc(LWS_PRE + chunk + 1);
-        if (!buf) return -1;
-        memcpy(buf + LWS_PRE, pss->body + pss->sent, chunk);
-        bool last = pss->sent + chunk == pss->len;
-        int n = lws_write(wsi, buf + LWS_PRE, chunk, last ? LWS_WRITE_HTTP_FINAL : LWS_WRITE_HTTP);
-        free(buf);
-        if (n < (int)chunk) return -1;
-        pss->sent += chunk;
-        if (!last) {
-            lws_callback_on_writable(wsi);
-            return 0;
-        }
-        free(pss->body);
-        pss->body = NULL;
-        if (lws_http_transaction_completed(wsi)) return -1;
-        return 0;
-    }
-    case LWS_CALLBACK_HTTP_CONFIRM_UPGRADE:
-        /* a kept-alive connection whose last request was /metrics */
-        return confirm_upgrade(wsi, in);
-    case LWS_CALLBACK_CLOSED_HTTP:
-        free(pss->body);
-        pss->body = NULL;
-        break;
-    default:
-        break;
-    }
-    return lws_callback_http_dummy(wsi, reason, user, in, len);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -649,6 +583,7 @@ kds_status web_server_create(const web_params *p, eng_model *m, sess_store *st,
     if (!s->p.listen) s->p.listen = d.listen;
     if (!s->p.max_message) s->p.max_message = d.max_message;
     if (!s->p.max_pending) s->p.max_pending = d.max_pending;
+    if (!s->p.max_http_body) s->p.max_http_body = d.max_http_body;
     if (s->p.max_queue <= 0) s->p.max_queue = d.max_queue;
     if (s->p.max_queue_total <= 0) s->p.max_queue_total = d.max_queue_total;
     if (s->p.max_connections <= 0) s->p.max_connections = d.max_connections;
@@ -670,7 +605,8 @@ kds_status web_server_create(const web_params *p, eng_model *m, sess_store *st,
     }
 
     lws_set_log_level(LLL_ERR, NULL);
-    s->protocols[0] = (struct lws_protocols){"http", http_cb, sizeof(http_pss), 0, 0, NULL, 0};
+    s->protocols[0] =
+        (struct lws_protocols){"http", web__http_cb, web__http_pss_size(), 0, 0, NULL, 0};
     s->protocols[1] = (struct lws_protocols){WEB_PROTOCOL, ws_cb, sizeof(ws_pss), 4096, 0, NULL, 0};
     /* protocols[2] stays zero: the terminator */
     s->pvo_default = (struct lws_protocol_vhost_options){NULL, NULL, "default", "1"};
@@ -682,6 +618,13 @@ kds_status web_server_create(const web_params *p, eng_model *m, sess_store *st,
     s->mount_metrics.mountpoint_len = 8;
     s->mount_metrics.origin = "http";
     s->mount_metrics.origin_protocol = LWSMPRO_CALLBACK;
+    /* the OpenAI-compatible endpoints (web_http.c) */
+    memset(&s->mount_v1, 0, sizeof s->mount_v1);
+    s->mount_v1.mountpoint = "/v1";
+    s->mount_v1.mountpoint_len = 3;
+    s->mount_v1.origin = "http";
+    s->mount_v1.origin_protocol = LWSMPRO_CALLBACK;
+    s->mount_metrics.mount_next = &s->mount_v1;
     if (s->www_dir) {
         memset(&s->mount_www, 0, sizeof s->mount_www);
         s->mount_www.mountpoint = "/";
@@ -689,7 +632,7 @@ kds_status web_server_create(const web_params *p, eng_model *m, sess_store *st,
         s->mount_www.origin = s->www_dir;
         s->mount_www.def = "index.html";
         s->mount_www.origin_protocol = LWSMPRO_FILE;
-        s->mount_metrics.mount_next = &s->mount_www;
+        s->mount_v1.mount_next = &s->mount_www;
     }
 
     struct lws_context_creation_info ci;
