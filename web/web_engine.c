@@ -1173,6 +1173,7 @@ static void http_generate(web_engine *E, const web_req *r) {
     g->t_start = web__now_s();
     g->sse = q.stream;
     g->include_usage = q.include_usage;
+    g->ignore_eos = q.ignore_eos;
     g->created = web__now_us() / 1000000;
     snprintf(g->resp_id, sizeof g->resp_id, "%s-%016" PRIx64,
              r->route == WEB_ROUTE_CHAT ? "chatcmpl" : "cmpl",

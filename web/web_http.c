@@ -46,6 +46,7 @@ typedef struct http_pss {
     int status;   /* of that error */
     char err_type[32], err_code[32], err_msg[256];
     bool too_big;
+    bool answered; /* the refusal is queued already (not at the body's end again) */
     uint64_t discarded;
     bool finishing;    /* the last event was written */
     bool stream_close; /* a response without length: close after it */
@@ -167,6 +168,8 @@ static void refuse(http_pss *pss, int status, const char *type, const char *code
 }
 
 static void send_refusal(web_server *s, http_pss *pss) {
+    if (pss->answered) return;
+    pss->answered = true;
     web__http_error(s, pss->c->id, pss->status, pss->err_type, NULL,
                     pss->err_code[0] ? pss->err_code : NULL, "%s", pss->err_msg);
 }
@@ -287,6 +290,15 @@ static int v1_begin(web_server *s, struct lws *wsi, http_pss *pss, const char *u
     }
     if (post) {
         char cl[32];
+        if (!pss->refused && lws_hdr_total_length(wsi, WSI_TOKEN_HTTP_CONTENT_LENGTH) <= 0) {
+            /* lws 4.1 reads no chunked request body: say so, then close */
+            pss->stream_close = true;
+            refuse(pss, 411, "invalid_request_error", "length_required",
+                   "send the body with a Content-Length header (chunked request bodies are not "
+                   "supported)");
+            send_refusal(s, pss);
+            return 0;
+        }
         if (lws_hdr_copy(wsi, cl, sizeof cl, WSI_TOKEN_HTTP_CONTENT_LENGTH) > 0) {
             unsigned long long v = strtoull(cl, NULL, 10);
             if (v > s->p.max_http_body) pss->too_big = true;
@@ -347,28 +359,16 @@ static void v1_body_done(web_server *s, http_pss *pss) {
         kds_buf_free(&pss->rx);
         return;
     }
-    const char *end = NULL;
-    cJSON *body = pss->rx.len
-                      ? cJSON_ParseWithLengthOpts((const char *)pss->rx.p, pss->rx.len, &end, false)
-                      : NULL;
-    size_t at = end && pss->rx.len ? (size_t)(end - (const char *)pss->rx.p) : 0;
-    /* only whitespace may follow the object */
-    bool trailing = false;
-    if (body && end)
-        for (const char *q = end; q < (const char *)pss->rx.p + pss->rx.len; q++)
-            if (*q != ' ' && *q != '\t' && *q != '\r' && *q != '\n' && *q != '\0') trailing = true;
-    if (!body || trailing || !cJSON_IsObject(body)) {
+    /* the WebSocket frames' parser: UTF-8 and NUL checks, trailing bytes */
+    kds_err pe = {0};
+    cJSON *body = pss->rx.len ? web__parse(pss->rx.p, pss->rx.len, false, &pe) : NULL;
+    if (!body || !cJSON_IsObject(body)) {
         if (!pss->rx.len)
             web__http_error(s, pss->c->id, 400, "invalid_request_error", NULL, "invalid_json",
                             "the request body is empty; send a JSON object");
-        else if (trailing)
-            web__http_error(s, pss->c->id, 400, "invalid_request_error", NULL, "invalid_json",
-                            "the request body is not valid JSON (text after the object at byte "
-                            "%zu)",
-                            at);
         else if (!body)
             web__http_error(s, pss->c->id, 400, "invalid_request_error", NULL, "invalid_json",
-                            "the request body is not valid JSON");
+                            "the request body is %s", pe.msg);
         else
             web__http_error(s, pss->c->id, 400, "invalid_request_error", NULL, "invalid_json",
                             "the request body must be a JSON object");
@@ -435,10 +435,15 @@ static int write_http(web_server *s, struct lws *wsi, http_pss *pss) {
         unsigned char hdr[LWS_PRE + 1024], *start = hdr + LWS_PRE, *p = start,
                                            *end = hdr + sizeof hdr;
         bool stream = e->http_len < 0;
-        pss->stream_close = stream;
+        pss->stream_close = pss->stream_close || stream;
         if (lws_add_http_common_headers(
                 wsi, (unsigned)e->http_status, e->http_type,
                 stream ? LWS_ILLEGAL_HTTP_CONTENT_LEN : (lws_filepos_t)e->http_len, &p, end) ||
+            /* a response after which this side closes says so, or a
+             * keep-alive client would send its next request into the close */
+            (!stream && pss->stream_close &&
+             lws_add_http_header_by_token(wsi, WSI_TOKEN_CONNECTION, (const unsigned char *)"close",
+                                          5, &p, end)) ||
             (stream &&
              lws_add_http_header_by_name(wsi, (const unsigned char *)"cache-control:",
                                          (const unsigned char *)"no-cache", 8, &p, end)) ||

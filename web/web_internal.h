@@ -214,6 +214,7 @@ int web__code_of(kds_status st);
 typedef struct web_oai {
     web_route route;
     bool stream, include_usage;
+    bool ignore_eos; /* kdaserve's extension: stop tokens do not end the reply */
     eng_sampler_params sp;
     int64_t max_tokens; /* -1 = not given */
     bool has_seed;

@@ -154,7 +154,8 @@ static bool common(const cJSON *o, const char *model_id, web_oai *q, web_oai_err
     double n = 1;
     if (!integer(o, "n", -1e15, 1e15, &n, e)) return false;
     if (n != 1) return bad(e, 400, "n", "unsupported_value", "only n = 1 is supported");
-    if (!boolean(o, "stream", &q->stream, e)) return false;
+    if (!boolean(o, "stream", &q->stream, e) || !boolean(o, "ignore_eos", &q->ignore_eos, e))
+        return false;
     const cJSON *so = field(o, "stream_options");
     if (so) {
         if (!cJSON_IsObject(so))

@@ -1,0 +1,440 @@
+#!/usr/bin/env node
+// openai_api.test.js - checks a running `kdaserve serve` against
+// docs/http-api.md with the official `openai` npm package (pinned in
+// package.json) as the client. Prints one line per check ("ok N - group:
+// what" or "not ok N - group: what: why") and exits 0 only when every check
+// passed. Driven by tests/test_serve.c.
+//
+//   node openai_api.test.js --url http://127.0.0.1:PORT/ --group G[,G...]
+//        [--token-a T --token-b T] [--phase save|check --state FILE]
+//
+// Groups:
+//   basic    models, a chat completion, a completion, a streamed one (text ==
+//            concatenated deltas == the same request unstreamed), usage,
+//            stop strings, seed determinism
+//   errors   malformed JSON, wrong types, unknown model, n > 1, hostile JSON
+//            (deep nesting, huge numbers, invalid UTF-8), over-long body
+//            (the server runs with --max-http-body 65536), unknown paths and
+//            methods: OpenAI's error shape and status; the server survives
+//   auth     --auth-file with two tenants: no key / a wrong key are 401, a
+//            tenant never resumes another's stored state
+//   resume   a 10-turn conversation resent whole every turn: each turn costs
+//            only its new tokens (usage.prompt_tokens_details.cached_tokens),
+//            replies equal a stateful WebSocket session's bit for bit; an
+//            edited-and-regenerated turn forks from the turn before. With
+//            --phase save the first 5 turns, with --phase check (after a
+//            server restart) the other 5, from the store.
+"use strict";
+const fs = require("fs");
+const http = require("http");
+const OpenAI = require("openai");
+const { KdsClient } = require("./ws_client.js");
+
+const ALL = ["basic", "errors", "auth", "resume"];
+const opt = { groups: [] };
+{
+  const a = process.argv.slice(2);
+  const usage = (m) => {
+    console.error(`openai_api.test.js: ${m}\nusage: node openai_api.test.js --url http://HOST:PORT/ ` +
+                  `--group G[,G] [--token-a T --token-b T] [--phase save|check --state FILE]`);
+    process.exit(2);
+  };
+  for (let i = 0; i < a.length; i++) {
+    const k = a[i];
+    const v = () => (i + 1 < a.length ? a[++i] : usage(`${k} needs a value`));
+    if (k === "--url") opt.url = v().replace(/\/$/, "");
+    else if (k === "--group") opt.groups.push(...v().split(",").filter(Boolean));
+    else if (k === "--token-a") opt.tokenA = v();
+    else if (k === "--token-b") opt.tokenB = v();
+    else if (k === "--phase") opt.phase = v();
+    else if (k === "--state") opt.state = v();
+    else usage(`unknown argument '${k}'`);
+  }
+  if (!opt.url) usage("--url is required");
+  if (!opt.groups.length) opt.groups = ["basic"];
+  for (const g of opt.groups) if (!ALL.includes(g)) usage(`unknown group '${g}'`);
+}
+const WS_URL = opt.url.replace(/^http/, "ws") + "/";
+
+let nCheck = 0, nFail = 0, group = "";
+async function check(name, fn) {
+  nCheck++;
+  try {
+    await fn();
+    console.log(`ok ${nCheck} - ${group}: ${name}`);
+  } catch (e) {
+    nFail++;
+    console.log(`not ok ${nCheck} - ${group}: ${name}: ${(e && e.stack) || e}`);
+  }
+}
+function ok(c, m) { if (!c) throw new Error(m); }
+function eq(got, want, what) {
+  const g = JSON.stringify(got), w = JSON.stringify(want);
+  if (g !== w) throw new Error(`${what}: got ${g}, expected ${w}`);
+}
+
+function client(key) {
+  return new OpenAI({ baseURL: opt.url + "/v1", apiKey: key || "none", maxRetries: 0, timeout: 120000 });
+}
+
+// A raw HTTP request (for bodies the SDK would never send).
+function raw(method, path, body, headers = {}) {
+  return new Promise((resolve, reject) => {
+    const u = new URL(opt.url + path);
+    const len = body === undefined ? {} : { "content-length": Buffer.byteLength(body) };
+    const req = http.request({ host: u.hostname, port: u.port, path: u.pathname, method,
+                               headers: { "content-type": "application/json", ...len, ...headers } }, (res) => {
+      const chunks = [];
+      res.on("data", (d) => chunks.push(d));
+      res.on("end", () => {
+        const text = Buffer.concat(chunks).toString("utf8");
+        let json = null;
+        try { json = JSON.parse(text); } catch (_) { /* not JSON */ }
+        resolve({ status: res.statusCode, headers: res.headers, text, json });
+      });
+    });
+    req.on("error", reject);
+    if (body !== undefined) req.write(body);
+    req.end();
+  });
+}
+
+// OpenAI's error shape: {"error":{"message","type","param","code"}}.
+function errorShape(j, what) {
+  ok(j && typeof j === "object" && j.error && typeof j.error === "object", `${what}: no error object: ${JSON.stringify(j)}`);
+  const e = j.error;
+  ok(typeof e.message === "string" && e.message.length > 0, `${what}: error.message`);
+  ok(typeof e.type === "string" && e.type.length > 0, `${what}: error.type`);
+  ok("param" in e && (e.param === null || typeof e.param === "string"), `${what}: error.param`);
+  ok("code" in e && (e.code === null || typeof e.code === "string"), `${what}: error.code`);
+  return e;
+}
+
+// The SDK's error for a refused request: status and body.
+async function refused(p, status, what) {
+  try {
+    await p;
+  } catch (e) {
+    ok(e instanceof OpenAI.APIError, `${what}: not an APIError: ${e}`);
+    eq(e.status, status, `${what}: status`);
+    errorShape({ error: e.error }, what);
+    return e;
+  }
+  throw new Error(`${what}: the request was accepted`);
+}
+
+const MODEL = "default";
+const chat = (c, messages, extra = {}) =>
+  c.chat.completions.create({ model: MODEL, messages, max_tokens: 16, temperature: 0, ...extra });
+
+function usageOk(u, what) {
+  ok(u && Number.isInteger(u.prompt_tokens) && u.prompt_tokens > 0, `${what}: usage.prompt_tokens`);
+  ok(Number.isInteger(u.completion_tokens) && u.completion_tokens >= 1, `${what}: usage.completion_tokens`);
+  eq(u.total_tokens, u.prompt_tokens + u.completion_tokens, `${what}: usage.total_tokens`);
+  ok(u.prompt_tokens_details && Number.isInteger(u.prompt_tokens_details.cached_tokens),
+     `${what}: usage.prompt_tokens_details.cached_tokens`);
+}
+
+async function collect(stream) {
+  let text = "", finish = null, usage = null, chunks = 0;
+  for await (const ch of stream) {
+    chunks++;
+    if (ch.usage) usage = ch.usage;
+    for (const c of ch.choices || []) {
+      if (c.delta && typeof c.delta.content === "string") text += c.delta.content;
+      if (typeof c.text === "string") text += c.text;
+      if (c.finish_reason) finish = c.finish_reason;
+    }
+  }
+  return { text, finish, usage, chunks };
+}
+
+// ---------------------------------------------------------------- basic
+async function basic() {
+  group = "basic";
+  const c = client();
+  await check("GET /v1/models lists the served model", async () => {
+    const page = await c.models.list();
+    const ids = page.data.map((m) => m.id);
+    eq(ids, [MODEL], "model ids");
+    eq(page.data[0].object, "model", "object");
+  });
+  const msgs = [{ role: "user", content: "Tell me about the sea." }];
+  let plain;
+  await check("a chat completion: one assistant message, finish_reason, usage", async () => {
+    plain = await chat(c, msgs, { max_tokens: 24 });
+    eq(plain.object, "chat.completion", "object");
+    eq(plain.choices.length, 1, "choices");
+    eq(plain.choices[0].message.role, "assistant", "role");
+    ok(typeof plain.choices[0].message.content === "string", "content is a string");
+    ok(["stop", "length"].includes(plain.choices[0].finish_reason), "finish_reason");
+    usageOk(plain.usage, "usage");
+    ok(plain.usage.completion_tokens <= 24, "completion_tokens <= max_tokens");
+  });
+  await check("max_completion_tokens caps the reply like max_tokens", async () => {
+    const r = await c.chat.completions.create({ model: MODEL, messages: msgs, max_completion_tokens: 5,
+                                                temperature: 0, ignore_eos: true });
+    eq(r.usage.completion_tokens, 5, "completion_tokens");
+    eq(r.choices[0].finish_reason, "length", "finish_reason");
+  });
+  await check("a streamed chat completion: text == concatenated deltas == the same request unstreamed", async () => {
+    const s = await collect(await chat(c, msgs, { max_tokens: 24, stream: true, stream_options: { include_usage: true } }));
+    ok(s.chunks >= 3, `only ${s.chunks} chunks`);
+    eq(s.text, plain.choices[0].message.content, "streamed text");
+    eq(s.finish, plain.choices[0].finish_reason, "finish_reason");
+    usageOk(s.usage, "streamed usage");
+    eq(s.usage.completion_tokens, plain.usage.completion_tokens, "completion_tokens");
+  });
+  await check("a completion (plain text) and its stream agree", async () => {
+    const a = await c.completions.create({ model: MODEL, prompt: "It is a truth universally", max_tokens: 20, temperature: 0 });
+    eq(a.object, "text_completion", "object");
+    ok(typeof a.choices[0].text === "string" && a.choices[0].text.length > 0, "text");
+    usageOk(a.usage, "usage");
+    const s = await collect(await c.completions.create({ model: MODEL, prompt: "It is a truth universally",
+                                                         max_tokens: 20, temperature: 0, stream: true }));
+    eq(s.text, a.choices[0].text, "streamed text");
+  });
+  await check("stop: the reply ends before the first stop string, finish_reason stop", async () => {
+    const full = await c.completions.create({ model: MODEL, prompt: "Call me Ishmael. Some years ago",
+                                              max_tokens: 40, temperature: 0, ignore_eos: true });
+    const t = full.choices[0].text;
+    const words = t.split(" ").filter((w) => w.length >= 3);
+    ok(words.length >= 3, `reply too short to pick a stop word: ${JSON.stringify(t)}`);
+    const stop = words[2];
+    const cut = t.slice(0, t.indexOf(stop));
+    const r = await c.completions.create({ model: MODEL, prompt: "Call me Ishmael. Some years ago",
+                                           max_tokens: 40, temperature: 0, ignore_eos: true, stop: [stop, "zq#x"] });
+    eq(r.choices[0].text, cut, "text");
+    eq(r.choices[0].finish_reason, "stop", "finish_reason");
+    const s = await collect(await c.completions.create({ model: MODEL, prompt: "Call me Ishmael. Some years ago",
+                                                         max_tokens: 40, temperature: 0, ignore_eos: true, stop, stream: true }));
+    eq(s.text, cut, "streamed text");
+    eq(s.finish, "stop", "streamed finish_reason");
+  });
+  await check("seed: the same seed gives the same sampled reply, another seed another", async () => {
+    const p = { max_tokens: 32, temperature: 1.0, ignore_eos: true };
+    const a = await chat(c, msgs, { ...p, seed: 42 });
+    const b = await chat(c, msgs, { ...p, seed: 42 });
+    const d = await chat(c, msgs, { ...p, seed: 4242 });
+    eq(b.choices[0].message.content, a.choices[0].message.content, "same seed");
+    ok(d.choices[0].message.content !== a.choices[0].message.content, "another seed gave the same 32 tokens");
+  });
+}
+
+// ---------------------------------------------------------------- errors
+async function errors() {
+  group = "errors";
+  const c = client();
+  const m = [{ role: "user", content: "hi" }];
+  const post = (body, path = "/v1/chat/completions") => raw("POST", path, body);
+  await check("malformed JSON: 400 in OpenAI's error shape", async () => {
+    for (const body of ['{"model":', "not json", "", '{"model":"default"} trailing', "[1,2]"]) {
+      const r = await post(body);
+      eq(r.status, 400, `status for ${JSON.stringify(body)}`);
+      errorShape(r.json, JSON.stringify(body));
+    }
+  });
+  await check("wrong types: 400 naming the parameter", async () => {
+    const cases = [
+      [{ temperature: "hot" }, "temperature"], [{ max_tokens: -1 }, "max_tokens"],
+      [{ max_tokens: 1.5 }, "max_tokens"], [{ top_p: 3 }, "top_p"], [{ seed: "x" }, "seed"],
+      [{ stream: "yes" }, "stream"], [{ stop: 5 }, "stop"], [{ stop: ["a", "b", "c", "d", "e"] }, "stop"],
+      [{ messages: "hi" }, "messages"], [{ messages: [] }, "messages"],
+      [{ messages: [{ role: "wizard", content: "x" }] }, "messages[0].role"],
+      [{ messages: [{ role: "user", content: 7 }] }, "messages[0].content"],
+      [{ messages: [{ role: "user", content: [{ type: "image_url", image_url: {} }] }] }, "messages[0].content"],
+    ];
+    for (const [extra, param] of cases) {
+      const e = await refused(c.chat.completions.create({ model: MODEL, messages: m, ...extra }), 400, JSON.stringify(extra));
+      eq(e.error.param, param, `param of ${JSON.stringify(extra)}`);
+    }
+    const e = await refused(c.completions.create({ model: MODEL, prompt: { a: 1 } }), 400, "prompt object");
+    eq(e.error.param, "prompt", "param");
+  });
+  await check("a missing model is 400, an unknown one 404 model_not_found", async () => {
+    let r = await post(JSON.stringify({ messages: m }));
+    eq(r.status, 400, "status");
+    eq(errorShape(r.json, "missing").param, "model", "param");
+    const e = await refused(c.chat.completions.create({ model: "gpt-4o", messages: m }), 404, "unknown model");
+    eq(e.error.code, "model_not_found", "code");
+  });
+  await check("n other than 1 and unsupported features are refused", async () => {
+    const e = await refused(chat(c, m, { n: 2 }), 400, "n=2");
+    eq(e.error.param, "n", "param");
+    await refused(chat(c, m, { tools: [{ type: "function", function: { name: "f", parameters: {} } }] }), 400, "tools");
+    await refused(chat(c, m, { logprobs: true }), 400, "logprobs");
+  });
+  await check("hostile JSON: deep nesting, huge numbers, invalid UTF-8, NUL: clear 400s", async () => {
+    const deep = '{"model":"default","messages":' + "[".repeat(20000) + "]".repeat(20000) + "}";
+    let r = await post(deep);
+    eq(r.status, 400, "deep nesting");
+    errorShape(r.json, "deep");
+    for (const num of ["1e999", "-1e999", "123456789012345678901234567890"]) {
+      r = await post(`{"model":"default","messages":[{"role":"user","content":"x"}],"max_tokens":${num}}`);
+      eq(r.status, 400, `max_tokens ${num}`);
+      r = await post(`{"model":"default","messages":[{"role":"user","content":"x"}],"temperature":${num}}`);
+      eq(r.status, 400, `temperature ${num}`);
+    }
+    const bad = Buffer.concat([Buffer.from('{"model":"default","messages":[{"role":"user","content":"'),
+                               Buffer.from([0xff, 0xc3, 0x28]), Buffer.from('"}]}')]);
+    r = await post(bad);
+    eq(r.status, 400, "invalid UTF-8");
+    ok(/UTF-8/.test(errorShape(r.json, "utf8").message), "the message says UTF-8");
+    r = await post('{"model":"default","messages":[{"role":"user","content":"a\\u0000b"}]}');
+    eq(r.status, 400, "NUL in content");
+    ok(/NUL/.test(errorShape(r.json, "nul").message), "the message says NUL");
+  });
+  await check("an over-long body is 413 (--max-http-body), and the next request is served", async () => {
+    const big = "x".repeat(200000);
+    const e = await refused(c.chat.completions.create({ model: MODEL, messages: [{ role: "user", content: big }] }), 413, "long body");
+    ok(/max-http-body/.test(e.error.message), "the message names --max-http-body");
+    const r = await chat(c, m, { max_tokens: 2 });
+    eq(r.object, "chat.completion", "after it");
+  });
+  await check("a body without Content-Length (chunked) is 411", async () => {
+    const r = await new Promise((resolve, reject) => {
+      const u = new URL(opt.url + "/v1/chat/completions");
+      const req = http.request({ host: u.hostname, port: u.port, path: u.pathname, method: "POST",
+                                 headers: { "content-type": "application/json" } }, (res) => {
+        const ch = [];
+        res.on("data", (d) => ch.push(d));
+        res.on("end", () => resolve({ status: res.statusCode, json: JSON.parse(Buffer.concat(ch).toString()) }));
+      });
+      req.on("error", reject);
+      req.write('{"model":"default",');
+      req.end('"messages":[]}');
+    });
+    eq(r.status, 411, "status");
+    errorShape(r.json, "411");
+  });
+  await check("unknown paths are 404, wrong methods 405, both in the error shape", async () => {
+    let r = await raw("GET", "/v1/embeddings");
+    eq(r.status, 404, "unknown path");
+    errorShape(r.json, "404");
+    r = await raw("GET", "/v1/chat/completions");
+    eq(r.status, 405, "GET chat");
+    errorShape(r.json, "405");
+    r = await raw("POST", "/v1/models", "{}");
+    eq(r.status, 405, "POST models");
+  });
+  await check("the server still answers after all of that", async () => {
+    const page = await c.models.list();
+    eq(page.data.length, 1, "models");
+  });
+}
+
+// ---------------------------------------------------------------- auth
+async function auth() {
+  group = "auth";
+  await check("no API key and a wrong one: 401 invalid_api_key", async () => {
+    const r = await raw("GET", "/v1/models");
+    eq(r.status, 401, "no key");
+    eq(errorShape(r.json, "no key").code, "invalid_api_key", "code");
+    const e = await refused(client("wrong-token-0123456789").models.list(), 401, "wrong key");
+    eq(e.error.code, "invalid_api_key", "code");
+    const p = await raw("POST", "/v1/chat/completions", JSON.stringify({ model: MODEL, messages: [] }),
+                        { authorization: "Bearer nope" });
+    eq(p.status, 401, "POST with a wrong key");
+  });
+  await check("a tenant never resumes another tenant's stored state", async () => {
+    const a = client(opt.tokenA), b = client(opt.tokenB);
+    const msgs = [{ role: "user", content: "A secret of tenant A." }];
+    const r1 = await chat(a, msgs, { ignore_eos: true, max_tokens: 8 });
+    const next = [...msgs, { role: "assistant", content: r1.choices[0].message.content },
+                  { role: "user", content: "Go on." }];
+    const rb = await chat(b, next, { ignore_eos: true, max_tokens: 8 });
+    eq(rb.usage.prompt_tokens_details.cached_tokens, 0, "tenant B's cached_tokens");
+    const ra = await chat(a, next, { ignore_eos: true, max_tokens: 8 });
+    ok(ra.usage.prompt_tokens_details.cached_tokens > 0, "tenant A resumes its own conversation");
+    eq(rb.choices[0].message.content, ra.choices[0].message.content, "the same reply either way (greedy)");
+  });
+}
+
+// ---------------------------------------------------------------- resume
+const USER = ["Tell me about the whale.", "What did the captain say?", "And the crew?",
+              "Describe the ship.", "What happened at dawn?", "Who was Queequeg?",
+              "Where did they sail?", "What is a harpoon?", "How did it end?", "Thank you."];
+const TURN = { max_tokens: 12, temperature: 0, ignore_eos: true };
+
+// One stateless turn: the whole conversation, then the reply appended.
+async function httpTurn(c, msgs, user) {
+  const m = [...msgs, { role: "user", content: user }];
+  const r = await chat(c, m, TURN);
+  return { r, msgs: [...m, { role: "assistant", content: r.choices[0].message.content }] };
+}
+
+// The same turn on a stateful WebSocket session in chat mode.
+async function wsTurn(ws, session, user) {
+  const g = await ws.generate({ session, message: user, ...TURN });
+  ok(g.done && !g.error, `WebSocket generate: ${JSON.stringify(g.error || g.done)}`);
+  return g.done;
+}
+
+async function resume() {
+  group = "resume";
+  const c = client(opt.tokenA);
+  const ws = await KdsClient.connect(WS_URL, opt.tokenA ? { token: opt.tokenA } : {});
+  let st = { msgs: [], ctx: 0, wsSession: "ref-" + process.pid, wsSnaps: [], contexts: [], session: null };
+  let from = 0, to = USER.length;
+  if (opt.phase === "save") to = 5;
+  if (opt.phase === "check") {
+    st = JSON.parse(fs.readFileSync(opt.state, "utf8"));
+    from = 5;
+  } else {
+    await ws.ok({ op: "create", session: st.wsSession, mode: "chat" });
+  }
+  await check(`turns ${from + 1}-${to} resent whole: only the new tokens are prefilled, replies equal the stateful session's`, async () => {
+    for (let k = from; k < to; k++) {
+      const { r, msgs } = await httpTurn(c, st.msgs, USER[k]);
+      const d = await wsTurn(ws, st.wsSession, USER[k]);
+      const u = r.usage;
+      // turn 1 of a fresh conversation has nothing stored to resume
+      eq(u.prompt_tokens_details.cached_tokens, k === 0 ? 0 : st.ctx, `turn ${k + 1}: cached_tokens`);
+      eq(u.prompt_tokens, (k === 0 ? 0 : st.ctx) + d.prompt_tokens, `turn ${k + 1}: prompt_tokens = stored + new`);
+      eq(r.choices[0].message.content, d.reply, `turn ${k + 1}: reply (WebSocket session: ${JSON.stringify(d.reply)})`);
+      eq(r.kdaserve.context, d.context, `turn ${k + 1}: context`);
+      if (st.session) eq(r.kdaserve.session, st.session, `turn ${k + 1}: continues the same session`);
+      st.session = r.kdaserve.session;
+      st.msgs = msgs;
+      st.ctx = r.kdaserve.context;
+      st.contexts.push(st.ctx);
+      st.wsSnaps.push(d.snapshot);
+      // the stateful reference of the edited branch below: the session as
+      // it was before the last turn (a fork keeps its chat mode)
+      if (k === USER.length - 2) await ws.ok({ op: "fork", session: st.wsSession, name: st.wsSession + "-b" });
+    }
+  });
+  if (opt.phase === "save") {
+    fs.writeFileSync(opt.state, JSON.stringify(st));
+    await ws.close();
+    return;
+  }
+  await check("an edited-and-regenerated turn forks from the turn before it", async () => {
+    // drop the last exchange and ask something else instead
+    const base = st.msgs.slice(0, -2);
+    const { r } = await httpTurn(c, base, "Tell me something else.");
+    eq(r.usage.prompt_tokens_details.cached_tokens, st.contexts[st.contexts.length - 2], "cached_tokens");
+    ok(r.kdaserve.session !== st.session, `saved to a fork, not to ${st.session}`);
+    const d = await wsTurn(ws, st.wsSession + "-b", "Tell me something else.");
+    eq(r.choices[0].message.content, d.reply, "reply");
+    // the original line is untouched and still resumes
+    const again = await httpTurn(c, st.msgs, "One more.");
+    eq(again.r.usage.prompt_tokens_details.cached_tokens, st.ctx, "the main line still resumes");
+    eq(again.r.kdaserve.session, st.session, "in its own session");
+  });
+  await ws.close();
+}
+
+(async () => {
+  for (const g of opt.groups) {
+    if (g === "basic") await basic();
+    else if (g === "errors") await errors();
+    else if (g === "auth") await auth();
+    else if (g === "resume") await resume();
+  }
+  console.log(`# ${nCheck - nFail} passed, ${nFail} failed`);
+  process.exit(nFail ? 1 : 0);
+})().catch((e) => {
+  console.log(`not ok - ${group}: ${e.stack || e}`);
+  process.exit(1);
+});
