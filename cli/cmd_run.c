@@ -1,5 +1,6 @@
 /* cmd_run.c - subcommands that run a model: generate, logits, bench. */
 #define _GNU_SOURCE
+#include <errno.h>
 #include <getopt.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -37,6 +38,7 @@ enum {
     OPT_LOGITS_OUT,
     OPT_SEQS,
     OPT_DEVICE,
+    OPT_PROMPT_FILE,
     OPT_GEN,
     OPT_GPU_BF16,
 };
@@ -54,44 +56,48 @@ static void print_piece(FILE *f, const char *p, size_t n) {
 }
 
 static void generate_usage(FILE *f) {
-    fprintf(f,
-            "usage: kdaserve generate [--model DIR] --prompt TEXT [--max-tokens N] [--seed S]\n"
-            "                         [--temperature T] [--top-k K] [--top-p P] [--min-p M]\n"
-            "                         [--repeat-penalty R] [--threads N] [--ignore-eos]\n"
-            "                         [--device cpu|cuda]\n"
-            "                         [--logits-out FILE] [--session NAME [--db DIR]]\n\n"
-            "Feeds the prompt through the prefill path, then samples up to N tokens\n"
-            "(default 128) through the decode path, printing them as they come.\n"
-            "Stops early at the model's end-of-sequence token. Statistics go to stderr.\n\n"
-            "With --session the conversation is kept in the snapshot store: a new session\n"
-            "starts from the prompt; an existing one is resumed from its last snapshot\n"
-            "(no replay) and the prompt, if any, is fed after it; an empty prompt just\n"
-            "continues. After the turn the state is saved as a new snapshot and becomes the\n"
-            "session's head. Generating N tokens in one turn prints the same text as\n"
-            "k tokens and then N-k in a later process. If another process (the server, a\n"
-            "chat) has the session open for writing, that is said at once; if it saved a\n"
-            "turn while this one ran, this turn is saved as a fork NAME-K (said on stderr)\n"
-            "rather than lost.\n\n"
-            "  --model DIR          model directory (default: the session's model, else\n"
-            "                       $KDASERVE_MODEL, else ./models/default)\n"
-            "  --prompt TEXT        the text to continue (may be empty)\n"
-            "  --max-tokens N       tokens to generate (default 128)\n"
-            "  --seed S             sampler seed of a new sequence (default 0): same seed, same\n"
-            "                       text. A resumed session continues its saved random stream.\n"
-            "  --temperature T      0 = greedy (default 0.8)\n"
-            "  --top-k K            keep the K most likely tokens, 0 = off (default 40)\n"
-            "  --top-p P            nucleus sampling, 1 = off (default 0.95)\n"
-            "  --min-p M            drop tokens below M x the best one's probability (default 0.05)\n"
-            "  --repeat-penalty R   penalise the last 64 tokens, 1 = off (default 1)\n"
-            "  --threads N          worker threads (default: all CPUs)\n"
-            "  --device cpu|cuda    where the forward pass runs (default cpu; cuda: the\n"
-            "                       current GPU, sampling on the host)\n"
-            "  --ignore-eos         do not stop at the end-of-sequence token\n"
-            "  --logits-out FILE    write the logits each generated token was sampled from\n"
-            "                       (safetensors: 'ids' I32 [n], 'logits' F32 [n, vocab])\n"
-            "  --session NAME       continue (or create) this session and save it afterwards\n"
-            "  --db DIR             snapshot store (default $XDG_DATA_HOME/kdaserve, else\n"
-            "                       ~/.local/share/kdaserve)\n");
+    fprintf(
+        f,
+        "usage: kdaserve generate [--model DIR] --prompt TEXT | --prompt-file FILE\n"
+        "                         [--max-tokens N] [--seed S]\n"
+        "                         [--temperature T] [--top-k K] [--top-p P] [--min-p M]\n"
+        "                         [--repeat-penalty R] [--threads N] [--ignore-eos]\n"
+        "                         [--device cpu|cuda]\n"
+        "                         [--logits-out FILE] [--session NAME [--db DIR]]\n\n"
+        "Feeds the prompt through the prefill path, then samples up to N tokens\n"
+        "(default 128) through the decode path, printing them as they come.\n"
+        "Stops early at the model's end-of-sequence token. Statistics go to stderr.\n\n"
+        "With --session the conversation is kept in the snapshot store: a new session\n"
+        "starts from the prompt; an existing one is resumed from its last snapshot\n"
+        "(no replay) and the prompt, if any, is fed after it; an empty prompt just\n"
+        "continues. After the turn the state is saved as a new snapshot and becomes the\n"
+        "session's head. Generating N tokens in one turn prints the same text as\n"
+        "k tokens and then N-k in a later process. If another process (the server, a\n"
+        "chat) has the session open for writing, that is said at once; if it saved a\n"
+        "turn while this one ran, this turn is saved as a fork NAME-K (said on stderr)\n"
+        "rather than lost.\n\n"
+        "  --model DIR          model directory (default: the session's model, else\n"
+        "                       $KDASERVE_MODEL, else ./models/default)\n"
+        "  --prompt TEXT        the text to continue (may be empty)\n"
+        "  --prompt-file FILE   read the text from FILE ('-' = standard input): a long\n"
+        "                       document, past the command line's length limit\n"
+        "  --max-tokens N       tokens to generate (default 128)\n"
+        "  --seed S             sampler seed of a new sequence (default 0): same seed, same\n"
+        "                       text. A resumed session continues its saved random stream.\n"
+        "  --temperature T      0 = greedy (default 0.8)\n"
+        "  --top-k K            keep the K most likely tokens, 0 = off (default 40)\n"
+        "  --top-p P            nucleus sampling, 1 = off (default 0.95)\n"
+        "  --min-p M            drop tokens below M x the best one's probability (default 0.05)\n"
+        "  --repeat-penalty R   penalise the last 64 tokens, 1 = off (default 1)\n"
+        "  --threads N          worker threads (default: all CPUs)\n"
+        "  --device cpu|cuda    where the forward pass runs (default cpu; cuda: the\n"
+        "                       current GPU, sampling on the host)\n"
+        "  --ignore-eos         do not stop at the end-of-sequence token\n"
+        "  --logits-out FILE    write the logits each generated token was sampled from\n"
+        "                       (safetensors: 'ids' I32 [n], 'logits' F32 [n, vocab])\n"
+        "  --session NAME       continue (or create) this session and save it afterwards\n"
+        "  --db DIR             snapshot store (default $XDG_DATA_HOME/kdaserve, else\n"
+        "                       ~/.local/share/kdaserve)\n");
 }
 
 /* The long name of option value `val` in `opts`, for error messages. */
@@ -116,23 +122,51 @@ static bool parse_sampling(int opt, const char *arg, eng_sampler_params *sp) {
     return false;
 }
 
+/* The whole of a prompt file ("-": standard input) into *out. A NUL byte is
+ * refused: the prompt is text, and would be cut there. */
+static kds_status read_prompt_file(const char *path, kds_buf *out, kds_err *err) {
+    bool std_in = !strcmp(path, "-");
+    FILE *f = std_in ? stdin : fopen(path, "rb");
+    if (!f) return kds_err_set(err, KDS_IO, "--prompt-file %s: %s", path, strerror(errno));
+    kds_status rc = KDS_OK;
+    char buf[65536];
+    for (size_t n; (n = fread(buf, 1, sizeof buf, f)) > 0;) {
+        if (memchr(buf, 0, n)) {
+            rc = kds_err_set(err, KDS_INVALID_ARG,
+                             "--prompt-file %s holds a NUL byte (at byte %zu): not text", path,
+                             out->len + (size_t)((char *)memchr(buf, 0, n) - buf));
+            break;
+        }
+        if ((rc = kds_buf_append(out, buf, n, err)) != KDS_OK) break;
+    }
+    if (rc == KDS_OK && ferror(f))
+        rc = kds_err_set(err, KDS_IO, "--prompt-file %s: %s", path,
+                         errno ? strerror(errno) : "read error");
+    if (!std_in) fclose(f);
+    return rc;
+}
 
 int cmd_generate(int argc, char **argv) {
-    static const struct option opts[] = {
-        {"model", required_argument, 0, 'm'},   {"prompt", required_argument, 0, 'p'},
-        {"max-tokens", required_argument, 0, OPT_MAXTOK},
-        {"seed", required_argument, 0, OPT_SEED},
-        {"temperature", required_argument, 0, OPT_TEMP},
-        {"top-k", required_argument, 0, OPT_TOPK}, {"top-p", required_argument, 0, OPT_TOPP},
-        {"min-p", required_argument, 0, OPT_MINP},
-        {"repeat-penalty", required_argument, 0, OPT_REPEAT},
-        {"threads", required_argument, 0, OPT_THREADS}, {"help", no_argument, 0, 'h'},
-        {"db", required_argument, 0, OPT_DB}, {"session", required_argument, 0, OPT_SESSION},
-        {"ignore-eos", no_argument, 0, OPT_IGNORE_EOS},
-        {"logits-out", required_argument, 0, OPT_LOGITS_OUT},
-        {"device", required_argument, 0, OPT_DEVICE},
-        {0, 0, 0, 0}};
+    static const struct option opts[] = {{"model", required_argument, 0, 'm'},
+                                         {"prompt", required_argument, 0, 'p'},
+                                         {"max-tokens", required_argument, 0, OPT_MAXTOK},
+                                         {"seed", required_argument, 0, OPT_SEED},
+                                         {"temperature", required_argument, 0, OPT_TEMP},
+                                         {"top-k", required_argument, 0, OPT_TOPK},
+                                         {"top-p", required_argument, 0, OPT_TOPP},
+                                         {"min-p", required_argument, 0, OPT_MINP},
+                                         {"repeat-penalty", required_argument, 0, OPT_REPEAT},
+                                         {"threads", required_argument, 0, OPT_THREADS},
+                                         {"help", no_argument, 0, 'h'},
+                                         {"db", required_argument, 0, OPT_DB},
+                                         {"session", required_argument, 0, OPT_SESSION},
+                                         {"ignore-eos", no_argument, 0, OPT_IGNORE_EOS},
+                                         {"logits-out", required_argument, 0, OPT_LOGITS_OUT},
+                                         {"device", required_argument, 0, OPT_DEVICE},
+                                         {"prompt-file", required_argument, 0, OPT_PROMPT_FILE},
+                                         {0, 0, 0, 0}};
     const char *model = NULL, *prompt = NULL, *db = NULL, *session = NULL, *logits_out = NULL;
+    const char *prompt_file = NULL;
     const char *device = NULL;
     bool ignore_eos = false;
     int64_t max_tokens = 128, seed = 0, threads = 0;
@@ -142,6 +176,7 @@ int cmd_generate(int argc, char **argv) {
         switch (o) {
         case 'm': model = optarg; break;
         case 'p': prompt = optarg; break;
+        case OPT_PROMPT_FILE: prompt_file = optarg; break;
         case 'h': generate_usage(stdout); return 0;
         case OPT_DB: db = optarg; break;
         case OPT_SESSION: session = optarg; break;
@@ -177,6 +212,17 @@ int cmd_generate(int argc, char **argv) {
     if (session && !sess_name_valid(session))
         return cli_failf("generate", "invalid session name '%s' (1-%d of A-Z a-z 0-9 . _ -, "
                          "starting with a letter or digit)", session, SESS_NAME_MAX);
+    if (prompt && prompt_file)
+        return cli_failf("generate", "give --prompt or --prompt-file, not both");
+    kds_buf file_text = {0}; /* the --prompt-file text */
+    if (prompt_file) {
+        kds_err ferr = {0};
+        if (read_prompt_file(prompt_file, &file_text, &ferr) != KDS_OK) {
+            kds_buf_free(&file_text);
+            return cli_fail("generate", &ferr);
+        }
+        prompt = kds_buf_str(&file_text);
+    }
     if (!prompt) prompt = "";
     eng_model *m = NULL;
     eng_ctx *c = NULL;
@@ -195,7 +241,10 @@ int cmd_generate(int argc, char **argv) {
     bool resume = false;
     if (session) {
         sess_params pp = sess_default_params();
-        if (sess_open(db, &pp, &store, &err) != KDS_OK) return cli_fail("generate", &err);
+        if (sess_open(db, &pp, &store, &err) != KDS_OK) {
+            rc = cli_fail("generate", &err);
+            goto out;
+        }
         kds_status st = sess_session_get(store, session, &si, &err);
         if (st == KDS_OK)
             resume = true;
@@ -393,6 +442,7 @@ out:
     free(out_ids);
     free(out_logits);
     kds_buf_free(&text);
+    kds_buf_free(&file_text);
     eng_tok_stream_free(stream);
     eng_seq_free(s);
     eng_ctx_free(c);

@@ -107,6 +107,77 @@ Test(cli, generate_is_deterministic_per_seed, .timeout = 120) {
     rm_tmp();
 }
 
+/* --prompt-file FILE and --prompt-file - (standard input) feed the same text
+ * as --prompt; a prompt longer than the kernel's argument limit (ARG_MAX,
+ * 2 MiB here; "Argument list too long" as --prompt) goes through the file;
+ * a NUL byte, a missing file and both options at once are refused. */
+Test(cli, generate_prompt_file_and_stdin, .timeout = 600) {
+    make_tmp();
+    char a[4096], b[4096], c[4096], path[600];
+    cr_assert_eq(run(a, sizeof a, KDASERVE " gen-model --preset tiny --out %s/m 2>&1", tmpdir), 0,
+                 "%s", a);
+    snprintf(path, sizeof path, "%s/p.txt", tmpdir);
+    FILE *f = fopen(path, "w");
+    cr_assert(f);
+    fputs("Once upon a time, there was", f);
+    fclose(f);
+    const char *g = KDASERVE " generate --model %s/m --max-tokens 16 --temperature 0 ";
+    char fmt[512];
+    snprintf(fmt, sizeof fmt, "%s--prompt 'Once upon a time, there was' 2>/dev/null", g);
+    cr_assert_eq(run(a, sizeof a, fmt, tmpdir), 0);
+    snprintf(fmt, sizeof fmt, "%s--prompt-file '%%s' 2>/dev/null", g);
+    cr_assert_eq(run(b, sizeof b, fmt, tmpdir, path), 0);
+    snprintf(fmt, sizeof fmt, "%s--prompt-file - < '%%s' 2>/dev/null", g);
+    cr_assert_eq(run(c, sizeof c, fmt, tmpdir, path), 0);
+    cr_expect(a[0], "no text generated");
+    cr_expect_str_eq(b, a, "--prompt-file gives what --prompt gives");
+    cr_expect_str_eq(c, a, "--prompt-file - gives what --prompt gives");
+
+    /* 160 KiB of text: more than one argument may hold (MAX_ARG_STRLEN,
+     * 128 KiB: "Argument list too long" as --prompt); runs of dashes are
+     * 64 characters a token with the default model's tokenizer, so the
+     * prefill is short. The count must be what `tokenize` counts of it. */
+    snprintf(path, sizeof path, "%s/big.txt", tmpdir);
+    f = fopen(path, "w");
+    cr_assert(f);
+    for (int i = 0; i < 160; i++) {
+        for (int k = 0; k < 1023; k++)
+            fputc('-', f);
+        fputc('\n', f);
+    }
+    fclose(f);
+    cr_assert_eq(run(c, sizeof c,
+                     KDASERVE " tokenize --model " KDS_SOURCE_DIR "/models/default < '%s' | "
+                              "tr ' ,' '\\n\\n' | grep -c .",
+                     path),
+                 0);
+    long want = strtol(c, NULL, 10);
+    cr_assert(want > 1000, "tokenize counted %ld tokens", want);
+    cr_expect_eq(run(c, sizeof c,
+                     KDASERVE " generate --model " KDS_SOURCE_DIR "/models/default --max-tokens 1 "
+                              "--prompt-file '%s' 2>&1",
+                     path),
+                 0, "%s", c);
+    char said[64];
+    snprintf(said, sizeof said, "prompt %ld tokens", want);
+    cr_expect(strstr(c, said) != NULL, "the whole file is the prompt (%s):\n%s", said, c);
+
+    snprintf(path, sizeof path, "%s/nul.txt", tmpdir);
+    f = fopen(path, "w");
+    cr_assert(f);
+    fwrite("ab\0cd", 1, 5, f);
+    fclose(f);
+    snprintf(fmt, sizeof fmt, "%s--prompt-file '%%s' 2>&1", g);
+    cr_expect_eq(run(c, sizeof c, fmt, tmpdir, path), 1);
+    cr_expect(strstr(c, "NUL byte (at byte 2)"), "%s", c);
+    cr_expect_eq(run(c, sizeof c, fmt, tmpdir, "/nonexistent/p.txt"), 1);
+    cr_expect(strstr(c, "No such file"), "%s", c);
+    snprintf(fmt, sizeof fmt, "%s--prompt x --prompt-file '%%s' 2>&1", g);
+    cr_expect_neq(run(c, sizeof c, fmt, tmpdir, path), 0);
+    cr_expect(strstr(c, "not both"), "%s", c);
+    rm_tmp();
+}
+
 Test(cli, help_lists_commands) {
     char out[4096];
     cr_assert_eq(run(out, sizeof out, KDASERVE " --help"), 0);
