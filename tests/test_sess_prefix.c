@@ -1,0 +1,106 @@
+/*
+ * The prefix index (sess.h, "Prefix index"; session/sess_prefix.c): keys are
+ * a function of scope and tokens only, an incremental hash equals a one-shot
+ * one, lookups return the longest indexed candidate whose length agrees, a
+ * scope never sees another scope's entries, and the index survives closing
+ * and reopening the store.
+ */
+#include <criterion/criterion.h>
+#include <string.h>
+
+#include "test_helpers.h"
+#include "test_model_util.h"
+#include "test_sess_util.h"
+
+static void key_of(const char *scope, const int32_t *ids, int64_t n,
+                   unsigned char key[SESS_PREFIX_KEY_LEN]) {
+    sess_prefix_hasher *h = NULL;
+    cr_assert_eq(sess_prefix_hasher_create(scope, &h, NULL), KDS_OK);
+    sess_prefix_hasher_add(h, ids, n);
+    cr_assert_eq(sess_prefix_hasher_count(h), n);
+    sess_prefix_hasher_key(h, key);
+    sess_prefix_hasher_free(h);
+}
+
+Test(sess_prefix, keys_depend_on_scope_and_every_token) {
+    int32_t ids[64];
+    for (int i = 0; i < 64; i++) ids[i] = i * 7 + 1;
+    unsigned char a[16], b[16], c[16], d[16], e[16];
+    key_of("t|fp", ids, 64, a);
+    key_of("t|fp", ids, 64, b);
+    cr_expect_eq(memcmp(a, b, 16), 0, "the same sequence, the same key");
+    key_of("u|fp", ids, 64, c);
+    cr_expect_neq(memcmp(a, c, 16), 0, "another scope, another key");
+    ids[37]++;
+    key_of("t|fp", ids, 64, d);
+    cr_expect_neq(memcmp(a, d, 16), 0, "one token changed, another key");
+    ids[37]--;
+    key_of("t|fp", ids, 63, e);
+    cr_expect_neq(memcmp(a, e, 16), 0, "a prefix has its own key");
+    /* incremental: the key after each added token is the one-shot key of
+     * that prefix, and taking a key leaves the hasher going on */
+    sess_prefix_hasher *h = NULL;
+    cr_assert_eq(sess_prefix_hasher_create("t|fp", &h, NULL), KDS_OK);
+    for (int i = 0; i < 64; i++) {
+        sess_prefix_hasher_add(h, &ids[i], 1);
+        unsigned char inc[16], one[16];
+        sess_prefix_hasher_key(h, inc);
+        key_of("t|fp", ids, i + 1, one);
+        cr_expect_eq(memcmp(inc, one, 16), 0, "prefix %d", i + 1);
+    }
+    sess_prefix_hasher_free(h);
+}
+
+Test(sess_prefix, longest_indexed_candidate_wins_and_survives_reopen, .timeout = 60) {
+    char *tmp = tmu_mkdtemp();
+    char db[600];
+    snprintf(db, sizeof db, "%s/db", tmp);
+    sess_store *st = tsu_open_store(db);
+    int32_t ids[100];
+    for (int i = 0; i < 100; i++) ids[i] = 1000 + i;
+    int64_t lens[4] = {10, 40, 70, 100};
+    unsigned char keys[4][SESS_PREFIX_KEY_LEN];
+    for (int i = 0; i < 4; i++) key_of("alice|fp", ids, lens[i], keys[i]);
+    size_t found = 99;
+    sess_prefix_entry e;
+    kds_err err = {0};
+    cr_expect_eq(sess_prefix_find(st, (const unsigned char(*)[16])keys, lens, 4, &found, &e, &err),
+                 KDS_NOT_FOUND, "nothing indexed yet");
+    sess_prefix_entry p10 = {.snapshot = 5, .tokens = 10, .session = "alice.a"};
+    sess_prefix_entry p70 = {.snapshot = 9, .tokens = 70, .session = "alice.b"};
+    cr_assert_eq(sess_prefix_put(st, keys[0], &p10, &err), KDS_OK, "%s", err.msg);
+    cr_assert_eq(sess_prefix_put(st, keys[2], &p70, &err), KDS_OK, "%s", err.msg);
+    cr_assert_eq(sess_prefix_find(st, (const unsigned char(*)[16])keys, lens, 4, &found, &e, &err),
+                 KDS_OK);
+    cr_expect_eq(found, 2);
+    cr_expect_eq(e.snapshot, 9);
+    cr_expect_eq(e.tokens, 70);
+    cr_expect_str_eq(e.session, "alice.b");
+    /* the caller's retry below a candidate that did not load */
+    cr_assert_eq(sess_prefix_find(st, (const unsigned char(*)[16])keys, lens, 2, &found, &e, &err),
+                 KDS_OK);
+    cr_expect_eq(found, 0);
+    cr_expect_eq(e.snapshot, 5);
+    /* a length that disagrees with the entry is no match */
+    int64_t wrong[4] = {10, 40, 71, 100};
+    cr_assert_eq(sess_prefix_find(st, (const unsigned char(*)[16])keys, wrong, 4, &found, &e, &err),
+                 KDS_OK);
+    cr_expect_eq(found, 0, "the 70-token entry looked up as 71 tokens");
+    /* bad entries are refused */
+    sess_prefix_entry bad = {.snapshot = 0, .tokens = 3, .session = "x"};
+    cr_expect_eq(sess_prefix_put(st, keys[1], &bad, &err), KDS_INVALID_ARG);
+    sess_close(st);
+    st = tsu_open_store(db);
+    cr_assert_eq(sess_prefix_find(st, (const unsigned char(*)[16])keys, lens, 4, &found, &e, &err),
+                 KDS_OK, "after reopening");
+    cr_expect_eq(found, 2);
+    /* another tenant's scope never finds alice's entries */
+    unsigned char bob[4][SESS_PREFIX_KEY_LEN];
+    for (int i = 0; i < 4; i++) key_of("bob|fp", ids, lens[i], bob[i]);
+    cr_expect_eq(sess_prefix_find(st, (const unsigned char(*)[16])bob, lens, 4, &found, &e, &err),
+                 KDS_NOT_FOUND);
+    sess_close(st);
+    char cmd[700];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmp);
+    th_system(cmd);
+}
