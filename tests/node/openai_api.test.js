@@ -211,6 +211,20 @@ async function basic() {
     eq(s.text, cut, "streamed text");
     eq(s.finish, "stop", "streamed finish_reason");
   });
+  await check("an explicit session (body field or X-Kdaserve-Session) names where the turn is saved", async () => {
+    const name = "named-" + process.pid;
+    const a = await c.completions.create({ model: MODEL, prompt: "It is a truth", max_tokens: 3, session: name });
+    eq(a.kdaserve.session, name, "session of the body field");
+    const b = await c.completions.create({ model: MODEL, prompt: "It is a truth", max_tokens: 3 },
+                                         { headers: { "X-Kdaserve-Session": name + "-h" } });
+    eq(b.kdaserve.session, name + "-h", "session of the header");
+    // the same session again from an empty state: its head moved, so a fork
+    const d = await c.completions.create({ model: MODEL, prompt: "It is a truth", max_tokens: 3, session: name });
+    eq(d.kdaserve.session, name + "-2", "a fork of the named session");
+    const r = await raw("POST", "/v1/completions", JSON.stringify({ model: MODEL, prompt: "x", session: "bad name!" }));
+    eq(r.status, 400, "an invalid session name");
+    eq(errorShape(r.json, "session").param, "session", "param");
+  });
   await check("seed: the same seed gives the same sampled reply, another seed another", async () => {
     const p = { max_tokens: 32, temperature: 1.0, ignore_eos: true };
     const a = await chat(c, msgs, { ...p, seed: 42 });
