@@ -216,7 +216,13 @@ static void submit(web_server *s, http_pss *pss, cJSON *body) {
     snprintf(r->session_hdr, sizeof r->session_hdr, "%s", pss->session_hdr);
     r->t_arrive = web__now_s();
     atomic_fetch_add(&s->metrics.requests_total, 1);
-    if (!web__submit_op(s, pss->c, r)) {
+    /* Every HTTP request is a connection of its own with nothing waiting,
+     * which web__submit_op always lets in: the total bound is applied here
+     * (only this thread adds requests, so the count cannot grow meanwhile). */
+    pthread_mutex_lock(&s->lock);
+    bool full = s->n_queued >= s->p.max_queue_total;
+    pthread_mutex_unlock(&s->lock);
+    if (full || !web__submit_op(s, pss->c, r)) {
         cJSON_Delete(body);
         free(r);
         web__http_error(s, pss->c->id, 429, "rate_limit_exceeded", NULL, "rate_limit_exceeded",
