@@ -24,7 +24,8 @@ static void key_of(const char *scope, const int32_t *ids, int64_t n,
 
 Test(sess_prefix, keys_depend_on_scope_and_every_token) {
     int32_t ids[64];
-    for (int i = 0; i < 64; i++) ids[i] = i * 7 + 1;
+    for (int i = 0; i < 64; i++)
+        ids[i] = i * 7 + 1;
     unsigned char a[16], b[16], c[16], d[16], e[16];
     key_of("t|fp", ids, 64, a);
     key_of("t|fp", ids, 64, b);
@@ -57,10 +58,12 @@ Test(sess_prefix, longest_indexed_candidate_wins_and_survives_reopen, .timeout =
     snprintf(db, sizeof db, "%s/db", tmp);
     sess_store *st = tsu_open_store(db);
     int32_t ids[100];
-    for (int i = 0; i < 100; i++) ids[i] = 1000 + i;
+    for (int i = 0; i < 100; i++)
+        ids[i] = 1000 + i;
     int64_t lens[4] = {10, 40, 70, 100};
     unsigned char keys[4][SESS_PREFIX_KEY_LEN];
-    for (int i = 0; i < 4; i++) key_of("alice|fp", ids, lens[i], keys[i]);
+    for (int i = 0; i < 4; i++)
+        key_of("alice|fp", ids, lens[i], keys[i]);
     size_t found = 99;
     sess_prefix_entry e;
     kds_err err = {0};
@@ -96,7 +99,8 @@ Test(sess_prefix, longest_indexed_candidate_wins_and_survives_reopen, .timeout =
     cr_expect_eq(found, 2);
     /* another tenant's scope never finds alice's entries */
     unsigned char bob[4][SESS_PREFIX_KEY_LEN];
-    for (int i = 0; i < 4; i++) key_of("bob|fp", ids, lens[i], bob[i]);
+    for (int i = 0; i < 4; i++)
+        key_of("bob|fp", ids, lens[i], bob[i]);
     cr_expect_eq(sess_prefix_find(st, (const unsigned char(*)[16])bob, lens, 4, &found, &e, &err),
                  KDS_NOT_FOUND);
     sess_close(st);

@@ -72,8 +72,7 @@ struct gen {
     size_t prompt_len;
     int64_t max_tokens, produced, context0;
     eng_sampler_params sp;
-    eng_tok_stream *stream;
-    kds_buf reply;                /* the text streamed so far, for the transcript and `done` */
+    srv_reply *rp; /* the reply: text, stop tokens and strings (core/srv.h) */
     gen_phase phase;
     const char *reason;           /* why it ends (set with G_CLOSE / G_FINISH) */
     bool cancel, gone;
@@ -85,12 +84,6 @@ struct gen {
     /* One turn, whichever front end asked (WebSocket op or HTTP endpoint):
      * the turn logic below (feed, sample, stop, close, save) is the same. */
     web_route route; /* WEB_ROUTE_WS, or the HTTP endpoint answered */
-    bool close_chat; /* a reply cut short is closed with <|im_end|> */
-    char stop[WEB_STOP_COUNT][WEB_STOP_MAX + 1];
-    int n_stop;
-    size_t stop_hold; /* bytes held back: the longest stop string less one */
-    bool stop_hit;    /* a stop string ended the reply (cut before it) */
-    size_t emitted;   /* bytes of `reply` sent so far */
     /* HTTP */
     bool sse, include_usage; /* an HTTP stream (server-sent events) */
     char resp_id[48];
@@ -769,8 +762,7 @@ static void gen_free(gen *g) {
     cJSON_Delete(g->id);
     free(g->ids);
     free(g->prompt);
-    kds_buf_free(&g->reply);
-    eng_tok_stream_free(g->stream);
+    srv_reply_free(g->rp);
     sess_prefix_hasher_free(g->hasher);
     free(g);
 }
@@ -855,9 +847,13 @@ static void op_generate(web_engine *E, const web_req *r, const cJSON *id) {
     g->t_arrive = r->t_arrive;
     g->t_start = web__now_s();
     const eng_tokenizer *tok = eng_model_tokenizer(E->s->m);
+    srv_reply_params rp = srv_reply_default_params();
+    rp.max_tokens = g->max_tokens;
+    rp.ignore_eos = g->ignore_eos;
+    rp.chat = h->chat;
     if (eng_chat_turn(tok, mv && h->chat, g->context0, NULL, text, len, true, &g->ids, &g->n_ids,
                       &e) != KDS_OK ||
-        eng_tok_stream_create(tok, ENG_TOK_SKIP_SPECIAL, &g->stream, &e) != KDS_OK) {
+        srv_reply_create(tok, &rp, &g->rp, &e) != KDS_OK) {
         fail(E, r, id, web__code_of(e.status), "%s", e.msg);
         gen_free(g);
         return;
@@ -870,7 +866,6 @@ static void op_generate(web_engine *E, const web_req *r, const cJSON *id) {
     }
     if (seed >= 0) eng_seq_reseed(h->seq, (uint64_t)seed);
     g->route = WEB_ROUTE_WS;
-    g->close_chat = h->chat;
     gen_launch(E, g);
     cJSON *o = web__event(id, "started");
     cJSON_AddStringToObject(o, "session", client_name(r, store));
@@ -1180,13 +1175,6 @@ static void http_generate(web_engine *E, const web_req *r) {
              ((uint64_t)web__now_us() << 16) ^ g->serial);
     g->cached = cached;
     g->prompt_total = q.n_ids;
-    g->close_chat = q.chat && E->im_end >= 0;
-    g->n_stop = q.n_stop;
-    for (int i = 0; i < q.n_stop; i++) {
-        memcpy(g->stop[i], q.stop[i], sizeof g->stop[i]);
-        size_t sl = strlen(q.stop[i]);
-        if (sl - 1 > g->stop_hold) g->stop_hold = sl - 1;
-    }
     snprintf(g->save_as, sizeof g->save_as, "%s", target);
     char scope[WEB_TENANT_MAX + SESS_FP_LEN + 8];
     prefix_scope(E, r, scope, sizeof scope);
@@ -1200,7 +1188,15 @@ static void http_generate(web_engine *E, const web_req *r) {
     g->prompt = q.prompt;
     g->prompt_len = q.prompt_len;
     q.prompt = NULL;
-    if (eng_tok_stream_create(tok, ENG_TOK_SKIP_SPECIAL, &g->stream, &e) != KDS_OK) goto fail;
+    srv_reply_params rp = srv_reply_default_params();
+    rp.max_tokens = g->max_tokens;
+    rp.ignore_eos = g->ignore_eos;
+    rp.chat = q.chat;
+    rp.end_on_im_end = g->route == WEB_ROUTE_CHAT;
+    for (int i = 0; i < q.n_stop; i++)
+        rp.stop[i] = q.stop[i];
+    rp.n_stop = q.n_stop;
+    if (srv_reply_create(tok, &rp, &g->rp, &e) != KDS_OK) goto fail;
     h->chat = q.chat;
     if (q.has_seed) eng_seq_reseed(h->seq, q.seed);
     if (g->sse) {
@@ -1297,10 +1293,10 @@ static void http_done(web_engine *E, gen *g, kds_status rc, const kds_err *e, ui
     if (g->route == WEB_ROUTE_CHAT) {
         cJSON *m = cJSON_AddObjectToObject(c, "message");
         cJSON_AddStringToObject(m, "role", "assistant");
-        cJSON_AddStringToObject(m, "content", kds_buf_str(&g->reply));
+        cJSON_AddStringToObject(m, "content", srv_reply_text(g->rp, NULL));
         cJSON_AddItemToObject(m, "refusal", cJSON_CreateNull());
     } else {
-        cJSON_AddStringToObject(c, "text", kds_buf_str(&g->reply));
+        cJSON_AddStringToObject(c, "text", srv_reply_text(g->rp, NULL));
     }
     cJSON_AddItemToObject(c, "logprobs", cJSON_CreateNull());
     cJSON_AddStringToObject(c, "finish_reason", finish);
@@ -1360,59 +1356,17 @@ static void handle(web_engine *E, web_req *r) {
 /* ------------------------------------------------------------------------ */
 /* The loop                                                                  */
 
-/* Send reply bytes [emitted, upto) to whoever asked: WebSocket token events
+/* Reply text that may be sent (srv_reply said so): WebSocket token events
  * or an HTTP stream's chunks (joined per write either way); a whole HTTP
  * answer waits for the end. */
-static void send_upto(web_engine *E, gen *g, size_t upto) {
-    if (upto <= g->emitted) return;
-    const char *p = (const char *)g->reply.p + g->emitted;
-    size_t n = upto - g->emitted;
-    g->emitted = upto;
-    if (g->gone || (g->route != WEB_ROUTE_WS && !g->sse)) return;
-    web__send_token(E->s, g->conn, g->id, g->msgpack, g->serial, p, n);
-}
-
-/* Text of the reply as it decodes. With stop strings the text that could
- * still begin one is held back (stop_hold bytes, never half a character),
- * and a stop string found cuts the reply before it and ends the turn. */
 static void emit_text(web_engine *E, gen *g, const char *p, size_t n) {
-    if (!n || g->stop_hit) return;
+    if (!n) return;
     if (!g->t_first) {
         g->t_first = web__now_s();
         web__hist_add(&E->s->metrics.ttft_ms, (g->t_first - g->t_arrive) * 1e3);
     }
-    size_t before = g->reply.len;
-    if (kds_buf_append(&g->reply, p, n, NULL) != KDS_OK) {
-        snprintf(g->error, sizeof g->error, "out of memory keeping the reply");
-        g->reason = "error";
-        g->phase = G_FINISH;
-        return;
-    }
-    size_t upto = g->reply.len;
-    if (g->n_stop) {
-        /* a stop string can only end in the new bytes */
-        size_t from = before > g->stop_hold ? before - g->stop_hold : 0, cut = SIZE_MAX;
-        for (int i = 0; i < g->n_stop; i++) {
-            size_t sl = strlen(g->stop[i]);
-            for (size_t at = from; at + sl <= g->reply.len && at < cut; at++)
-                if (!memcmp(g->reply.p + at, g->stop[i], sl)) {
-                    cut = at;
-                    break;
-                }
-        }
-        if (cut != SIZE_MAX) {
-            g->reply.len = cut;
-            g->reply.p[cut] = '\0';
-            g->stop_hit = true;
-            upto = cut;
-        } else {
-            upto = g->reply.len > g->stop_hold ? g->reply.len - g->stop_hold : 0;
-            if (upto < g->emitted) upto = g->emitted;
-            upto = g->emitted +
-                   web__utf8_prefix((const char *)g->reply.p + g->emitted, upto - g->emitted);
-        }
-    }
-    send_upto(E, g, upto);
+    if (g->gone || (g->route != WEB_ROUTE_WS && !g->sse)) return;
+    web__send_token(E->s, g->conn, g->id, g->msgpack, g->serial, p, n);
 }
 
 static void http_done(web_engine *E, gen *g, kds_status rc, const kds_err *e, uint64_t snap);
@@ -1423,11 +1377,10 @@ static void finish(web_engine *E, gen *g) {
     hot *h = g->h;
     kds_err e = {0};
     size_t len;
-    const char *rest = eng_tok_stream_flush(g->stream, &len);
-    if (strcmp(g->reason, "error")) {
-        emit_text(E, g, rest, len);
-        send_upto(E, g, g->reply.len); /* what stop strings held back */
-    }
+    const char *rest = srv_reply_finish(g->rp, &len); /* what was held back */
+    if (strcmp(g->reason, "error")) emit_text(E, g, rest, len);
+    size_t reply_len;
+    const char *reply = srv_reply_text(g->rp, &reply_len);
     double t_end = web__now_s();
     double decode_s = g->t_decode0 ? t_end - g->t_decode0 : 0.0;
     double prefill_s = g->t_prefill_end ? g->t_prefill_end - g->t_start : 0.0;
@@ -1439,9 +1392,12 @@ static void finish(web_engine *E, gen *g) {
     uint64_t snap = h->base;
     kds_status rc = KDS_OK;
     if (!failed && changed) {
-        sess_turn turn = {.prompt = g->prompt, .prompt_len = g->prompt_len,
-                          .output = kds_buf_str(&g->reply), .output_len = g->reply.len,
-                          .prompt_tokens = g->fed, .output_tokens = g->produced,
+        sess_turn turn = {.prompt = g->prompt,
+                          .prompt_len = g->prompt_len,
+                          .output = reply,
+                          .output_len = reply_len,
+                          .prompt_tokens = g->fed,
+                          .output_tokens = g->produced,
                           .mode = h->chat ? "chat" : "plain"};
         double t0 = web__now_s();
         if (g->route == WEB_ROUTE_WS) {
@@ -1478,7 +1434,7 @@ static void finish(web_engine *E, gen *g) {
         cJSON_AddNumberToObject(o, "prompt_tokens", (double)g->n_ids);
         cJSON_AddNumberToObject(o, "context", (double)eng_seq_pos(h->seq));
         cJSON_AddNumberToObject(o, "snapshot", (double)snap);
-        cJSON_AddStringToObject(o, "reply", kds_buf_str(&g->reply));
+        cJSON_AddStringToObject(o, "reply", reply);
         cJSON_AddNumberToObject(o, "prefill_ms", prefill_s * 1e3);
         cJSON_AddNumberToObject(o, "decode_ms", decode_s * 1e3);
         cJSON_AddNumberToObject(o, "decode_tok_s", h->last_decode_tok_s);
@@ -1549,7 +1505,6 @@ static void prefill_step(web_engine *E) {
 /* One batched decode step over every decoding generation whose reader keeps up. */
 static void decode_step(web_engine *E) {
     int n = 0;
-    const eng_tokenizer *tok = eng_model_tokenizer(E->s->m);
     for (gen *g = E->gens; g; g = g->next) {
         g->feed = -1;
         if (g->phase == G_DECODE && (g->cancel || g->gone)) {
@@ -1558,8 +1513,9 @@ static void decode_step(web_engine *E) {
         }
         if (g->phase == G_CLOSE) {
             /* a chat reply cut short is closed with <|im_end|> */
-            if (g->close_chat && E->im_end >= 0) {
-                g->feed = E->im_end;
+            int32_t close = srv_reply_close_token(g->rp);
+            if (close >= 0) {
+                g->feed = close;
                 g->after = G_FINISH;
             } else {
                 g->phase = G_FINISH;
@@ -1575,35 +1531,18 @@ static void decode_step(web_engine *E) {
                 continue;
             }
             if (!g->t_decode0) g->t_decode0 = web__now_s();
-            g->produced++;
-            g->feed = next;
-            if (!g->ignore_eos && eng_tok_is_stop(tok, next)) {
-                g->reason = "stop";
-                g->after = G_FINISH; /* the stop token stays in the context */
-                /* An HTTP chat turn always ends on <|im_end|>, whichever stop
-                 * token the model chose ([EOS] for a base model): that is how
-                 * the client's next request renders this reply, so the state
-                 * saved here is an exact prefix of it (resume). */
-                if (g->route == WEB_ROUTE_CHAT && g->close_chat) g->feed = E->im_end;
-            } else {
-                const char *piece;
-                size_t len;
-                if (eng_tok_stream_put(g->stream, next, &piece, &len, &e) != KDS_OK) {
-                    gen_error(g, &e);
-                    g->feed = -1;
-                    continue;
-                }
-                emit_text(E, g, piece, len);
-                if (g->stop_hit) {
-                    g->reason = "stop";
-                    g->after = G_CLOSE; /* the token is fed; a chat reply is then closed */
-                } else if (g->produced >= g->max_tokens) {
-                    g->reason = "length";
-                    g->after = G_CLOSE;
-                } else {
-                    g->after = G_DECODE;
-                }
+            srv_step st;
+            if (srv_reply_token(g->rp, next, &st, &e) != KDS_OK) {
+                gen_error(g, &e);
+                continue;
             }
+            g->produced = srv_reply_produced(g->rp);
+            emit_text(E, g, st.text, st.len);
+            g->feed = st.feed;
+            if (st.reason) g->reason = st.reason;
+            g->after = st.after == SRV_DECODE  ? G_DECODE
+                       : st.after == SRV_CLOSE ? G_CLOSE
+                                               : G_FINISH;
         }
         if (g->feed >= 0 && n < E->s->p.max_generations) {
             E->b_seqs[n] = g->h->seq;

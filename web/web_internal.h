@@ -18,6 +18,7 @@
 #include <stdatomic.h>
 
 #include "kds_buf.h"
+#include "srv.h"
 #include "web.h"
 
 #define WEB_PROTOCOL "kdaserve.v1"
@@ -207,8 +208,8 @@ cJSON *web__error(web_server *s, const cJSON *id, int code, const char *fmt, ...
 int web__code_of(kds_status st);
 
 /* -- OpenAI-compatible requests (web_openai.c) ---------------------------- */
-#define WEB_STOP_COUNT 4 /* stop strings of one request (OpenAI's limit) */
-#define WEB_STOP_MAX 256 /* bytes of one stop string */
+#define WEB_STOP_COUNT SRV_STOP_COUNT /* stop strings of one request (OpenAI's limit) */
+#define WEB_STOP_MAX SRV_STOP_MAX     /* bytes of one stop string */
 
 /* A checked /v1/chat/completions or /v1/completions request. */
 typedef struct web_oai {
