@@ -56,20 +56,26 @@ static kds_status sync_path(const char *path, int flags, kds_err *err) {
 }
 
 /* Records in each named database, and LMDB's last transaction id. */
+/* The prefix index (sess_prefix.c) is the sixth; stores written before it
+ * have none (counted as 0). */
+#define N_DBS 6
+static const char *const DB_NAMES[N_DBS] = {"meta",     "snapshots",   "chunks",
+                                            "sessions", "transcripts", "prefixes"};
+
 typedef struct census {
-    size_t entries[5];
+    size_t entries[N_DBS];
 } census;
 
 static kds_status take_census(MDB_env *env, census *c, const char *what, kds_err *err) {
     MDB_txn *txn;
     int m = mdb_txn_begin(env, NULL, MDB_RDONLY, &txn);
     if (m) return sess__mdb_err(m, what, err);
-    const char *names[5] = {"meta", "snapshots", "chunks", "sessions", "transcripts"};
-    for (int i = 0; i < 5 && !m; i++) {
+    for (int i = 0; i < N_DBS && !m; i++) {
         MDB_dbi dbi;
         MDB_stat s;
-        if (!(m = mdb_dbi_open(txn, names[i], 0, &dbi)) && !(m = mdb_stat(txn, dbi, &s)))
+        if (!(m = mdb_dbi_open(txn, DB_NAMES[i], 0, &dbi)) && !(m = mdb_stat(txn, dbi, &s)))
             c->entries[i] = s.ms_entries;
+        if (m == MDB_NOTFOUND && i == N_DBS - 1) m = 0, c->entries[i] = 0;
     }
     mdb_txn_abort(txn);
     return m ? sess__mdb_err(m, what, err) : KDS_OK;
@@ -90,13 +96,12 @@ static kds_status check_copy(const char *tmp, const census *want, kds_err *err) 
         rc = take_census(env, &got, "reading the compacted copy", err);
     mdb_env_close(env);
     if (rc != KDS_OK) return rc;
-    const char *names[5] = {"meta", "snapshots", "chunks", "sessions", "transcripts"};
-    for (int i = 0; i < 5; i++)
+    for (int i = 0; i < N_DBS; i++)
         if (got.entries[i] != want->entries[i])
             return kds_err_set(err, KDS_INTERNAL,
                                "the compacted copy holds %zu %s records, the "
                                "store %zu; nothing was changed",
-                               got.entries[i], names[i], want->entries[i]);
+                               got.entries[i], DB_NAMES[i], want->entries[i]);
     return KDS_OK;
 }
 
