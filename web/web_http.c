@@ -245,6 +245,7 @@ static int v1_begin(web_server *s, struct lws *wsi, http_pss *pss, const char *u
     s->conns = c;
     pthread_mutex_unlock(&s->lock);
     kds_buf_free(&pss->rx);
+    free(pss->body);
     memset(pss, 0, sizeof *pss);
     pss->c = c;
     bool want_post = true;
@@ -280,7 +281,6 @@ static int v1_begin(web_server *s, struct lws *wsi, http_pss *pss, const char *u
                             "server's auth file"
                           : "incorrect API key (expected 'Authorization: Bearer TOKEN' with a "
                             "token of the server's auth file)");
-            atomic_fetch_add(&s->metrics.closes_auth, 1);
         } else {
             pss->authed = true;
             snprintf(pss->tenant, sizeof pss->tenant, "%s", tenant);
