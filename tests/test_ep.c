@@ -726,7 +726,7 @@ Test(ep, serve_rank_killed_mid_generation) {
     /* --enable-recovery: Open MPI then leaves the other ranks alone when one
      * dies (its default ends the whole job at once), so rank 0 finds the
      * loss itself, answers the client and ends the job */
-    char mpi[300];
+    char mpi[400]; /* mpirun(2) and --enable-recovery */
     snprintf(mpi, sizeof mpi, "%s", mpirun(2));
     char *np = strstr(mpi, "-np");
     cr_assert(np);
