@@ -11,6 +11,7 @@
 #include <stdint.h>
 
 #include "eng.h"
+#include "sess.h"
 
 int cmd_gen_model(int argc, char **argv);
 int cmd_quantize(int argc, char **argv);
@@ -79,5 +80,11 @@ int cli_open_with(const char *cmd, const char *model_dir, const eng_ctx_params *
                   eng_ctx **c);
 /* true for "cpu" and "cuda", the values --device takes */
 bool cli_device_valid(const char *device);
+
+/* Says on stderr, once at start, when sessions of `st` were made by another
+ * model than `m` (they cannot be opened with it): how many, one example with
+ * the model directory the store recorded, and what to do. Nothing when all
+ * match; a store that cannot be listed is left to the command's own error. */
+void cli_note_other_models(const char *cmd, sess_store *st, const eng_model *m);
 
 #endif

@@ -201,3 +201,26 @@ kds_status cli_copy_to_device_s(size_t bytes, int reps, double *median_s, kds_er
     return kds_err_set(err, KDS_UNSUPPORTED, "this kdaserve was built without CUDA");
 }
 #endif
+
+void cli_note_other_models(const char *cmd, sess_store *st, const eng_model *m) {
+    sess_session_info *ss = NULL;
+    size_t n = 0, other = 0, example = 0;
+    kds_err err = {0};
+    if (sess_session_list(st, &ss, &n, &err) != KDS_OK) return;
+    const char *fp = eng_model_fingerprint(m);
+    for (size_t i = 0; i < n; i++) {
+        if (strcmp(ss[i].fingerprint, fp) == 0) continue;
+        if (!other++) example = i;
+    }
+    if (other) {
+        const sess_session_info *e = &ss[example];
+        fprintf(stderr,
+                "kdaserve %s: %zu of the %zu sessions in %s were made by another model (e.g. "
+                "'%s', by %s) and cannot be opened with %s; serve them with --model %s, or give "
+                "this model its own store (--db)\n",
+                cmd, other, n, sess_store_dir(st), e->name,
+                e->model_dir[0] ? e->model_dir : "a model whose directory was not recorded",
+                eng_model_dir(m), e->model_dir[0] ? e->model_dir : "DIR");
+    }
+    free(ss);
+}

@@ -274,6 +274,7 @@ int cmd_serve(int argc, char **argv) {
     if (!p.quiet) {
         fprintf(stderr, "kdaserve serve: model %s, store %s, web page %s\n", dir,
                 sess_store_dir(st), www ? www : "none (no web/www found; --www DIR)");
+        cli_note_other_models("serve", st, m);
     }
     /* the line tests and scripts wait for (the port is known now) */
     const char *colon = strrchr(p.listen, ':'); /* HOST:PORT, checked by web_server_create */

@@ -159,6 +159,13 @@ typedef struct sub_opts {
     int n_args;
 } sub_opts;
 
+/* A usage error of `snap SUB`: one line, and where the options are. */
+static int snap_usage_error(const char *sub, const char *what) {
+    char cmd[48];
+    snprintf(cmd, sizeof cmd, "snap %s", sub);
+    return what ? cli_usage_error(cmd, "%s", what) : cli_usage_error(cmd, NULL);
+}
+
 static int parse_sub(int argc, char **argv, const char *help, sub_opts *o) {
     static const struct option opts[] = {
         {"db", required_argument, 0, OPT_DB},         {"name", required_argument, 0, OPT_NAME},
@@ -175,6 +182,11 @@ static int parse_sub(int argc, char **argv, const char *help, sub_opts *o) {
         {"default", no_argument, 0, OPT_DEFAULT},
         {"help", no_argument, 0, 'h'},
         {0, 0, 0, 0}};
+    /* getopt names argv[0] in its messages: "kdaserve snap ls: ..." */
+    char whole[64];
+    snprintf(whole, sizeof whole, "kdaserve snap %s", argv[0]);
+    const char *sub = argv[0];
+    argv[0] = whole;
     optind = 1;
     o->keep[0] = o->keep[1] = o->keep[2] = -1;
     for (int c; (c = getopt_long(argc, argv, "h", opts, NULL)) != -1;) {
@@ -221,9 +233,10 @@ static int parse_sub(int argc, char **argv, const char *help, sub_opts *o) {
                 return cli_failf(CMD, "--replay-max wants a count >= 0, got '%s'", optarg);
             break;
         case 'h': fputs(help, stdout); return -1;
-        default: fputs(help, stderr); return 2;
+        default: argv[0] = (char *)sub; return snap_usage_error(sub, NULL);
         }
     }
+    argv[0] = (char *)sub;
     o->args = argv + optind;
     o->n_args = argc - optind;
     return 0;
@@ -1012,10 +1025,9 @@ static const char *const SIZE_USAGE =
     "later turn adds. Reads only config.json.\n";
 
 int cmd_snap(int argc, char **argv) {
-    if (argc < 2) {
-        usage(stderr);
-        return 2;
-    }
+    if (argc < 2)
+        return cli_usage_error(CMD, "which command? ls, show, fork, rm, verify, recover, "
+                                    "export, import, gc, retention, compact, size or bench");
     const char *sub = argv[1];
     if (!strcmp(sub, "--help") || !strcmp(sub, "-h") || !strcmp(sub, "help")) {
         usage(stdout);
@@ -1035,18 +1047,23 @@ int cmd_snap(int argc, char **argv) {
     int k = -1;
     for (int i = 0; i < (int)(sizeof SUBS / sizeof SUBS[0]); i++)
         if (!strcmp(sub, SUBS[i].name)) k = i;
-    if (k < 0) {
-        fprintf(stderr, "kdaserve snap: unknown command '%s'\n\n", sub);
-        usage(stderr);
-        return 2;
-    }
+    if (k < 0) return cli_usage_error(CMD, "unknown command '%s'", sub);
     sub_opts o = {0};
     int pr = parse_sub(argc - 1, argv + 1, helps[k], &o);
     if (pr < 0) return 0;
     if (pr) return pr;
     if (o.n_args < SUBS[k].min_args || o.n_args > SUBS[k].max_args) {
-        fputs(helps[k], stderr);
-        return 2;
+        char what[128];
+        if (SUBS[k].max_args == 0)
+            snprintf(what, sizeof what, "takes no arguments, got '%s'", o.args[0]);
+        else if (o.n_args < SUBS[k].min_args)
+            snprintf(what, sizeof what, "wants %s%d argument%s (see the usage line)",
+                     SUBS[k].min_args == SUBS[k].max_args ? "" : "at least ", SUBS[k].min_args,
+                     SUBS[k].min_args == 1 ? "" : "s");
+        else
+            snprintf(what, sizeof what, "takes at most %d argument%s, got %d", SUBS[k].max_args,
+                     SUBS[k].max_args == 1 ? "" : "s", o.n_args);
+        return snap_usage_error(sub, what);
     }
     if (!strcmp(sub, "size")) {
         if (!o.model) return cli_failf(CMD, "size needs --model DIR");

@@ -60,15 +60,51 @@ static void info_from_hdr(uint64_t id, const sess__snap_hdr *h, size_t rec_len,
         o->new_chunk_bytes += (size_t)(h->chunks[i].t1 - h->chunks[i].t0) * h->layout.token_bytes;
 }
 
-/* The snapshot belongs to model m: same fingerprint (the weights) and same
- * layout (the state's shape). Both are named in the refusal. */
-static kds_status check_model(const sess__snap_hdr *h, const eng_model *m, const char *what,
-                              kds_err *err) {
-    const char *fp = eng_model_fingerprint(m);
-    if (strcmp(h->fingerprint, fp) != 0)
+/* The model directory that made a snapshot, as far as the store knows it:
+ * the session that wrote it (its origin) records the directory of its last
+ * save, which is this snapshot's model while the fingerprints agree. "" when
+ * that session is gone, renamed or since saved by another model. */
+static void recorded_model_dir(sess_store *st, MDB_txn *txn, const sess__snap_hdr *h, char *dir,
+                               size_t cap) {
+    dir[0] = 0;
+    sess_session_info se;
+    kds_err ignored = {0};
+    if (!st || !txn || !h->origin[0]) return;
+    if (sess__get_session(st, txn, h->origin, &se, &ignored) == KDS_OK &&
+        strcmp(se.fingerprint, h->fingerprint) == 0)
+        snprintf(dir, cap, "%s", se.model_dir);
+}
+
+/* The refusal of another model's state names both models and what to do:
+ * the directory the store recorded for the session's model when it has
+ * one, else its fingerprint (which `kdaserve info` prints for a model). */
+static kds_status another_model(kds_err *err, const char *what, const char *their_fp,
+                                const char *their_dir, const eng_model *m) {
+    if (their_dir && their_dir[0])
         return kds_err_set(err, KDS_MISMATCH,
-                           "%s was made by another model (fingerprint %s), not by %s "
-                           "(fingerprint %s)", what, h->fingerprint, eng_model_dir(m), fp);
+                           "%s was made by another model, %s (fingerprint %s), not by %s "
+                           "(fingerprint %s): open it with --model %s, or keep this model's "
+                           "sessions in another store (--db)", what, their_dir, their_fp,
+                           eng_model_dir(m), eng_model_fingerprint(m), their_dir);
+    return kds_err_set(err, KDS_MISMATCH,
+                       "%s was made by another model (fingerprint %s; its directory is not "
+                       "recorded), not by %s (fingerprint %s): open it with the model whose "
+                       "`kdaserve info` prints that fingerprint, or keep this model's sessions in "
+                       "another store (--db)", what, their_fp, eng_model_dir(m),
+                       eng_model_fingerprint(m));
+}
+
+/* The snapshot belongs to model m: same fingerprint (the weights) and same
+ * layout (the state's shape). Both are named in the refusal; st and txn (may
+ * be NULL) let it name the directory of the model that made it. */
+static kds_status check_model(sess_store *st, MDB_txn *txn, const sess__snap_hdr *h,
+                              const eng_model *m, const char *what, kds_err *err) {
+    const char *fp = eng_model_fingerprint(m);
+    if (strcmp(h->fingerprint, fp) != 0) {
+        char dir[sizeof ((sess_session_info *)0)->model_dir];
+        recorded_model_dir(st, txn, h, dir, sizeof dir);
+        return another_model(err, what, h->fingerprint, dir, m);
+    }
     sess__layout l;
     sess__layout_of(eng_model_config(m), &l);
     uint64_t a, b;
@@ -373,7 +409,7 @@ static kds_status load_fn(sess_store *st, MDB_txn *txn, void *ctx, kds_err *err)
     sess__frame f;
     if ((rc = sess__snap_parse(rec, len, L->id, &h, &f, err)) != KDS_OK) return rc;
     const unsigned char **payloads = NULL;
-    if (L->m && (rc = check_model(&h, L->m, what, err)) != KDS_OK) goto out;
+    if (L->m && (rc = check_model(st, txn, &h, L->m, what, err)) != KDS_OK) goto out;
     if ((rc = sess__check_payload(&f, h.payload_bytes, h.payload_xxh3, what, err)) != KDS_OK)
         goto out;
     if ((rc = sess__check_state_bytes(&f, &h, what, err)) != KDS_OK) goto out;
@@ -572,9 +608,9 @@ static kds_status save_fn(sess__wtxn *w, void *ctx, kds_err *err) {
     if (rc == KDS_OK) {
         exists = true;
         if (strcmp(se.fingerprint, c->fp) != 0) {
-            rc = kds_err_set(err, KDS_MISMATCH, "session '%s' belongs to another model "
-                             "(fingerprint %s), not %s (fingerprint %s)", c->name, se.fingerprint,
-                             eng_model_dir(c->m), c->fp);
+            char what[SESS_NAME_MAX + 16];
+            snprintf(what, sizeof what, "session '%s'", c->name);
+            rc = another_model(err, what, se.fingerprint, se.model_dir, c->m);
             goto out;
         }
         if (se.head != c->base && c->on_conflict != SESS_CONFLICT_FORK) {
@@ -595,7 +631,7 @@ static kds_status save_fn(sess__wtxn *w, void *ctx, kds_err *err) {
         size_t len;
         if ((rc = sess__get_snap(st, w->txn, c->base, &rec, &len, err)) != KDS_OK) goto out;
         if ((rc = sess__snap_parse(rec, len, c->base, &base, NULL, err)) != KDS_OK) goto out;
-        if ((rc = check_model(&base, c->m, bw, err)) != KDS_OK) goto out;
+        if ((rc = check_model(st, w->txn, &base, c->m, bw, err)) != KDS_OK) goto out;
         if (base.tokens > c->pos) {
             rc = kds_err_set(err, KDS_INVALID_ARG, "the sequence (%lld tokens) is behind its "
                              "base %s (%lld tokens)", (long long)c->pos, bw,

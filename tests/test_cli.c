@@ -200,6 +200,12 @@ Test(cli, usage_errors_point_at_help) {
         {"gen-model", "kdaserve gen-model: give exactly one of --preset or --config"},
         {"quantize --out /tmp/x", "kdaserve quantize: --experts and --out are required"},
         {"serve extra", "kdaserve serve: unexpected argument 'extra'"},
+        {"snap", "kdaserve snap: which command?"},
+        {"snap frob", "kdaserve snap: unknown command 'frob'"},
+        {"snap ls --bogus", "kdaserve snap ls: unrecognized option '--bogus'"},
+        {"snap show", "kdaserve snap show: wants 1 argument"},
+        {"snap ls extra", "kdaserve snap ls: takes no arguments, got 'extra'"},
+        {"snap export 3", "kdaserve snap export: wants 2 arguments"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         cr_expect_eq(run(out, sizeof out, KDASERVE " %s 2>&1", cases[i][0]), 2, "%s", cases[i][0]);

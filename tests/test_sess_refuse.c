@@ -292,6 +292,17 @@ Test(sess_refuse, foreign_model, .timeout = 60) {
     cr_expect_eq(tsu_run(out, sizeof out, NULL, TSU_KDASERVE " generate --db %s --session mine "
                          "--model %s --max-tokens 3 2>&1", db, m2), 1);
     cr_expect(strstr(out, "another model"), "%s", out);
+    /* it names the directory the store recorded and what to do (issue 16) */
+    char hint[1200];
+    snprintf(hint, sizeof hint, "open it with --model %s", eng_model_dir(f1.m));
+    cr_expect(strstr(out, hint), "no '%s' in: %s", hint, out);
+    /* serve says so at start, before any client asks */
+    cr_expect_eq(tsu_run(out, sizeof out, NULL, "timeout -s TERM 6 " TSU_KDASERVE " serve --listen "
+                         "127.0.0.1:0 --db %s --model %s 2>&1", db, m2) >= 0, 1);
+    snprintf(hint, sizeof hint, "1 of the 1 sessions in %s were made by another model (e.g. "
+             "'mine', by %s)", db, eng_model_dir(f1.m));
+    cr_expect(strstr(out, hint), "no '%s' in: %s", hint, out);
+    cr_expect(strstr(out, "listening on"), "serve did not start: %s", out);
     cr_expect_eq(tsu_run(out, sizeof out, NULL, TSU_KDASERVE " generate --db %s --session mine "
                          "--max-tokens 3 2>&1", db), 0, "%s", out);
     cr_expect_eq(tsu_run(out, sizeof out, NULL, TSU_KDASERVE " snap verify --db %s --model %s",

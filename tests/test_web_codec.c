@@ -142,6 +142,74 @@ Test(web_codec, auth_file) {
     free(path);
 }
 
+/* Bytes the auth file may not hold, found by tests/fuzz/fuzz_auth.c: a
+ * token is printable ASCII (docs/protocol.md), and a NUL byte refuses the
+ * file (a C line reader cut the line there and read the rest as a line of
+ * its own, so "#\0TOKEN TENANT" hid a token behind a comment). */
+Test(web_codec, auth_file_bytes) {
+    static const char nul_comment[] = "#\0" "0123456789abcdef0 mallory\n";
+    struct { const char *bytes; size_t n; const char *needle; } bad[] = {
+        {"token\x01\x7f\xc3\xa9-0123456789 alice\n", 0, "printable ASCII"},
+        {"0123456789abcdef\xc3\xa9 alice\n", 0, "printable ASCII"},
+        {"0123456789abcdef\x7f alice\n", 0, "byte 0x7f"},
+        {nul_comment, sizeof nul_comment - 1, "NUL"},
+        {"0123456789abcdef0 alice\n\0", 25, ":2: a NUL"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        size_t n = bad[i].n ? bad[i].n : strlen(bad[i].bytes);
+        char *path = strdup("/tmp/kds_auth_XXXXXX");
+        int fd = mkstemp(path);
+        cr_assert(fd >= 0);
+        cr_assert_eq(write(fd, bad[i].bytes, n), (ssize_t)n);
+        close(fd);
+        web_server s;
+        memset(&s, 0, sizeof s);
+        kds_err e = {0};
+        cr_expect_neq(web__auth_load(&s, path, &e), KDS_OK, "accepted case %zu", i);
+        cr_expect(strstr(e.msg, bad[i].needle), "case %zu: '%s'", i, e.msg);
+        cr_expect_null(strstr(e.msg, "0123456789"), "case %zu leaks the token", i);
+        web__auth_free(&s);
+        unlink(path);
+        free(path);
+    }
+}
+
+/* A JSON request is held to the msgpack form's limits, so it means the same
+ * in both (found by tests/fuzz/fuzz_web_codec.c): nesting, key sizes and
+ * finite numbers. */
+Test(web_codec, json_held_to_msgpack_limits) {
+    char key64[65], ok64[128], bad65[128];
+    memset(key64, 'k', 64);
+    key64[64] = 0;
+    snprintf(ok64, sizeof ok64, "{\"op\":\"ping\",\"%s\":1}", key64);
+    snprintf(bad65, sizeof bad65, "{\"op\":\"ping\",\"%sk\":1}", key64);
+    struct { const char *json; const char *needle; } bad[] = {
+        {"{\"id\":[[[[[[[[1]]]]]]]],\"op\":\"ping\"}", "deeper than 8"},
+        {"{\"op\":\"ping\",\"x\":{\"a\":{\"a\":{\"a\":{\"a\":{\"a\":{\"a\":{\"a\":{\"a\":1}}}}}}}}}",
+         "deeper than 8"},
+        {"{\"\":1,\"op\":\"ping\"}", "1 to 64 bytes"},
+        {bad65, "1 to 64 bytes"},
+        {"{\"id\":1e999,\"op\":\"ping\"}", "finite"},
+        {"{\"op\":\"ping\",\"t\":[-1e400]}", "finite"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        kds_err e = {0};
+        cJSON *o = parse(bad[i].json, strlen(bad[i].json), false, &e);
+        cr_expect_null(o, "accepted %s", bad[i].json);
+        cJSON_Delete(o);
+        cr_expect(e.status == KDS_INVALID_ARG && strstr(e.msg, bad[i].needle), "%s: '%s'",
+                  bad[i].json, e.msg);
+    }
+    const char *fine[] = {"{\"id\":[[[[[[[1]]]]]]],\"op\":\"ping\"}", ok64,
+                          "{\"op\":\"ping\",\"x\":[[[[[[[[]]]]]]]]}", "{\"id\":1e308,\"op\":\"ping\"}"};
+    for (size_t i = 0; i < sizeof fine / sizeof fine[0]; i++) {
+        kds_err e = {0};
+        cJSON *o = parse(fine[i], strlen(fine[i]), false, &e);
+        cr_expect_not_null(o, "refused %s: %s", fine[i], e.msg);
+        cJSON_Delete(o);
+    }
+}
+
 /* ------------------------------------------------------------------------ */
 /* Text and numbers on the wire (issue 16)                                   */
 

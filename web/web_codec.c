@@ -232,6 +232,33 @@ static cJSON *from_msgpack(const msgpack_object *o, int depth, kds_err *err) {
     }
 }
 
+/* A JSON request is held to the msgpack form's limits (sess_msgpack_sane,
+ * from_msgpack), so that a request means the same in both encodings: no
+ * container with members deeper than WEB_DEPTH, map keys of 1-64 bytes,
+ * finite numbers (cJSON reads 1e999 as infinity). Says which in err. */
+static bool json_within_limits(const cJSON *n, int depth, kds_err *err) {
+    if (cJSON_IsNumber(n) && !isfinite(n->valuedouble)) {
+        kds_err_set(err, KDS_INVALID_ARG, "a JSON number is out of range (not a finite double)");
+        return false;
+    }
+    if (!cJSON_IsArray(n) && !cJSON_IsObject(n)) return true;
+    if (n->child && depth == WEB_DEPTH) {
+        kds_err_set(err, KDS_INVALID_ARG, "JSON nested deeper than %d", WEB_DEPTH);
+        return false;
+    }
+    for (const cJSON *c = n->child; c; c = c->next) {
+        if (cJSON_IsObject(n)) {
+            size_t k = c->string ? strlen(c->string) : 0;
+            if (k == 0 || k > 64) {
+                kds_err_set(err, KDS_INVALID_ARG, "a JSON key must have 1 to 64 bytes");
+                return false;
+            }
+        }
+        if (!json_within_limits(c, depth + 1, err)) return false;
+    }
+    return true;
+}
+
 cJSON *web__parse(const void *p, size_t len, bool binary, kds_err *err) {
     cJSON *out = NULL;
     if (!binary) {
@@ -259,6 +286,10 @@ cJSON *web__parse(const void *p, size_t len, bool binary, kds_err *err) {
         if (!tree_utf8(out)) {
             cJSON_Delete(out);
             kds_err_set(err, KDS_INVALID_ARG, "a JSON string is not valid UTF-8");
+            return NULL;
+        }
+        if (!json_within_limits(out, 0, err)) {
+            cJSON_Delete(out);
             return NULL;
         }
     } else {

@@ -289,7 +289,7 @@ static inline void block_values(const kern_dtype dt, const unsigned char *codes,
     if (dt == KERN_MXFP4) {
         int32_t off;
         memcpy(&off, sw, sizeof off);
-        const __m512 tab = _mm512_load_ps(E8M0_E2M1[0] + off);
+        const __m512 tab = _mm512_load_ps(E8M0_E2M1[off >> 4]); /* its row: off = 16 e */
         const __m512i v =
             _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16 * (size_t)b)));
         *w0 = _mm512_permutexvar_ps(v, tab);
