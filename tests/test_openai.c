@@ -80,13 +80,14 @@ TestSuite(openai, .timeout = 900);
 
 /* Models, completions, streams, usage, stop, seeds; then bad requests of
  * every kind, answered in OpenAI's error shape, the server surviving them
- * (a small --max-http-body so that the over-long body is cheap to send). */
+ * (a small --max-http-body so that the over-long body is cheap to send; a
+ * large --max-tokens so that a client going away must be what stops a reply). */
 Test(openai, endpoints_and_errors) {
     need_node();
     char dir[64];
     make_tmp(dir, sizeof dir);
     ts_server s;
-    start(&s, dir, "--max-http-body", "65536", NULL);
+    start(&s, dir, "--max-http-body", "65536", "--max-tokens", "100000", NULL);
     expect_groups(&s, "basic,errors", NULL);
     stop_clean(&s);
     rm_tmp(dir);

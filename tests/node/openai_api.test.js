@@ -124,8 +124,8 @@ async function refused(p, status, what) {
 }
 
 const MODEL = "default";
-const chat = (c, messages, extra = {}) =>
-  c.chat.completions.create({ model: MODEL, messages, max_tokens: 16, temperature: 0, ...extra });
+const chat = (c, messages, extra = {}, opts = undefined) =>
+  c.chat.completions.create({ model: MODEL, messages, max_tokens: 16, temperature: 0, ...extra }, opts);
 
 function usageOk(u, what) {
   ok(u && Number.isInteger(u.prompt_tokens) && u.prompt_tokens > 0, `${what}: usage.prompt_tokens`);
@@ -224,6 +224,24 @@ async function basic() {
     const r = await raw("POST", "/v1/completions", JSON.stringify({ model: MODEL, prompt: "x", session: "bad name!" }));
     eq(r.status, 400, "an invalid session name");
     eq(errorShape(r.json, "session").param, "session", "param");
+  });
+  await check("a client that goes away mid-stream stops its generation", async () => {
+    const active = async () => {
+      const r = await raw("GET", "/metrics");
+      const m = /^kdaserve_generations_active (\d+)/m.exec(r.text);
+      ok(m, "no kdaserve_generations_active in /metrics");
+      return Number(m[1]);
+    };
+    const ac = new AbortController();
+    const s = await chat(c, msgs, { max_tokens: 100000, ignore_eos: true, stream: true }, { signal: ac.signal });
+    let n = 0;
+    try {
+      for await (const ch of s) if (++n === 5) ac.abort();
+    } catch (_) { /* the abort */ }
+    ok(n >= 5, `only ${n} chunks before the abort`);
+    let left = 1;
+    for (let i = 0; i < 100 && (left = await active()) > 0; i++) await new Promise((r) => setTimeout(r, 100));
+    eq(left, 0, "generations still active 10 s after the client went away (100,000 tokens asked; the server runs with --max-tokens 100000)");
   });
   await check("seed: the same seed gives the same sampled reply, another seed another", async () => {
     const p = { max_tokens: 32, temperature: 1.0, ignore_eos: true };
