@@ -11,7 +11,8 @@
 // Groups:
 //   basic    models, a chat completion, a completion, a streamed one (text ==
 //            concatenated deltas == the same request unstreamed), usage,
-//            stop strings, seed determinism
+//            stop strings, explicit sessions, a client going away mid-stream
+//            (its generation stops), seed determinism
 //   errors   malformed JSON, wrong types, unknown model, n > 1, hostile JSON
 //            (deep nesting, huge numbers, invalid UTF-8), over-long body
 //            (the server runs with --max-http-body 65536), unknown paths and
