@@ -671,7 +671,8 @@ typedef struct writer {
 } writer;
 
 static kds_status out_bytes(writer *w, const void *p, size_t n) {
-    if (n && fwrite(p, 1, n, w->f) != n)
+    if (n == 0) return KDS_OK;
+    if (fwrite(p, 1, n, w->f) != n)
         return kds_err_set(w->err, KDS_IO, "%s: %s", w->path, strerror(errno));
     w->done += n;
     const double now = now_s();
