@@ -335,8 +335,6 @@ static kds_status check_supported(const eng_model *m, kds_err *err) {
              (!c->moe_renormalize || c->moe_layer_freq != 1 || c->num_expert_group > 1 ||
               strcmp(c->moe_router_activation_func, "sigmoid") != 0))
         why = "its router is not Kimi-Linear's (sigmoid, renormalised, one group, every layer)";
-    else if (c->tie_word_embeddings && !find(m, "lm_head.weight"))
-        why = "its lm_head is tied to the embedding";
     if (why) return kds_err_set(err, KDS_UNSUPPORTED, "%s: cannot export to GGUF: %s", dir, why);
     return KDS_OK;
 }
@@ -770,6 +768,7 @@ kds_status eng_model_export_gguf(const char *model_dir, const char *out_path, bo
         if ((rc = add_ffn(&x, l)) != KDS_OK) goto out;
     }
     if (!add(&x, "output_norm.weight", "model.norm.weight", GG_COPY, true)) goto fail;
+    /* a tied lm_head: llama.cpp wants output.weight all the same (the embedding) */
     if (!add(&x, "output.weight",
              find(m, "lm_head.weight") ? "lm_head.weight" : "model.embed_tokens.weight", GG_COPY,
              false))
