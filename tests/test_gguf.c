@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "eng.h"
 #include "eng_genmodel.h"
@@ -621,6 +622,50 @@ Test(gguf, refuses_what_llama_cpp_cannot_run) {
     free(out);
     tmu_rmtree(q);
     free(q);
+    tmu_rmtree(dir);
+    free(dir);
+}
+
+/* scripts/bench_vs.sh against a stand-in llama-bench (the tests never use
+ * llama.cpp): the GGUF is written when missing, both engines' best figures
+ * are read and the ratio table printed. */
+Test(gguf, bench_vs_script_with_a_stand_in) {
+    char *dir = NULL;
+    kds_err err = {0};
+    eng_model *m = tmu_gen_load("tiny-hybrid", 4, &dir, &err);
+    cr_assert(m, "%s", err.msg);
+    eng_model_free(m);
+    char *fake = tmu_path(dir, "llama-bench"), *gguf = tmu_path(dir, "m.gguf"),
+         *log = tmu_path(dir, "vs.txt");
+    put(dir, "llama-bench",
+        "#!/bin/sh\n"
+        "echo '{\"n_prompt\": 16, \"n_gen\": 0, \"avg_ts\": 90, \"samples_ts\": [ 80.5, 100 ]}'\n"
+        "echo '{\"n_prompt\": 0, \"n_gen\": 4, \"avg_ts\": 9, \"samples_ts\": [ 10, 8 ]}'\n");
+    cr_assert_eq(chmod(fake, 0755), 0);
+    char cmd[4096];
+    snprintf(cmd, sizeof cmd,
+             "%s/scripts/bench_vs.sh --kdaserve %s --llama-bench %s --model %s --gguf %s "
+             "--rounds 2 --repeats 1 --prompt 16 --gen 4 --threads 1 > %s 2>&1",
+             KDS_SOURCE_DIR, KDASERVE, fake, dir, gguf, log);
+    cr_assert_eq(th_system(cmd), 0, "%s", cmd);
+    char *out = tmu_read(log, NULL);
+    cr_assert(out);
+    cr_expect(strstr(out, "| prefill, 16 tokens |") && strstr(out, "| 100.0 |"), "%s", out);
+    cr_expect(strstr(out, "| decode, 4 tokens |") && strstr(out, "| 10.00 |"), "%s", out);
+    cr_expect(strstr(out, "load average at end"), "%s", out);
+    FILE *f = fopen(gguf, "rb");
+    cr_expect(f, "the GGUF was written");
+    if (f) fclose(f);
+    free(out);
+    /* a missing llama-bench is named */
+    snprintf(cmd, sizeof cmd,
+             "%s/scripts/bench_vs.sh --kdaserve %s --llama-bench /nonexistent/llama-bench "
+             "--model %s 2>&1 | grep -q '/nonexistent/llama-bench is not an executable'",
+             KDS_SOURCE_DIR, KDASERVE, dir);
+    cr_expect_eq(th_system(cmd), 0);
+    free(fake);
+    free(gguf);
+    free(log);
     tmu_rmtree(dir);
     free(dir);
 }
