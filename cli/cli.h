@@ -15,6 +15,7 @@
 
 int cmd_gen_model(int argc, char **argv);
 int cmd_quantize(int argc, char **argv);
+int cmd_export_gguf(int argc, char **argv);
 int cmd_info(int argc, char **argv);
 int cmd_generate(int argc, char **argv);
 int cmd_logits(int argc, char **argv);

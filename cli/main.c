@@ -27,6 +27,7 @@ static const command COMMANDS[] = {
     {"gen-model", cmd_gen_model, "write a Kimi-Linear model with seeded random weights"},
     {"info", cmd_info, "show a model's config, size, state size and fingerprint"},
     {"quantize", cmd_quantize, "write a model with its routed experts in MXFP4 or Q8_0"},
+    {"export-gguf", cmd_export_gguf, "write a model as one GGUF file for llama.cpp"},
     {"plan", cmd_plan, "size a model on N expert-parallel ranks (memory, traffic, decode rate)"},
 };
 
@@ -35,7 +36,7 @@ static void usage(FILE *f) {
                "usage: kdaserve <command> [options]     (kdaserve <command> --help for its options)\n\n"
                "commands:\n");
     for (size_t i = 0; i < sizeof COMMANDS / sizeof COMMANDS[0]; i++)
-        fprintf(f, "  %-10s %s\n", COMMANDS[i].name, COMMANDS[i].summary);
+        fprintf(f, "  %-11s %s\n", COMMANDS[i].name, COMMANDS[i].summary);
     fprintf(f, "\nenvironment:\n"
                "  KDASERVE_MODEL   model directory used when --model is not given\n"
                "                   (otherwise ./models/default, then the models/default\n"

@@ -151,4 +151,21 @@ kds_status eng_model_quantize(const char *src_dir, kern_dtype experts, const cha
  * config's torch_dtype (bf16 when unset) and the per-sequence state size. */
 void eng_genmodel_describe(const eng_config *c, FILE *f);
 
+/*
+ * Write model `model_dir` (loaded and checked as any model) as one GGUF
+ * file `out_path` for llama.cpp's kimi-linear architecture (engine/
+ * eng_gguf.c and docs/formats.md say what goes where): matrices in their
+ * stored dtype (bf16 stays BF16), vectors, norms, router, conv taps and
+ * A_log (as -exp(A_log)) in F32, routed experts stacked, MLA kv_b_proj
+ * split into k_b / v_b; the tokenizer as a GPT-2-style BPE vocabulary with
+ * merges rebuilt from the tiktoken ranks. Written under a temporary name,
+ * fsync'd and renamed: a reader never sees a half-written file. `progress`
+ * prints a progress line to stderr. Errors: what eng_model_load says;
+ * KDS_UNSUPPORTED (naming why) for a model llama.cpp's graph cannot run
+ * (K3, lower-bound gate, value heads != heads, KDA and MLA head counts that
+ * differ, quantised experts, ...); KDS_IO, KDS_NOMEM.
+ */
+kds_status eng_model_export_gguf(const char *model_dir, const char *out_path, bool progress,
+                                 kds_err *err);
+
 #endif /* ENG_GENMODEL_H */

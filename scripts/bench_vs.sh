@@ -1,0 +1,169 @@
+#!/usr/bin/env bash
+# bench_vs.sh - kdaserve and llama.cpp side by side on the same weights.
+#
+# Writes the model's GGUF with `kdaserve export-gguf` when it is missing,
+# then runs `kdaserve bench` and llama.cpp's `llama-bench` in turn for N
+# rounds (the order alternates, so neither always runs on a warmer or a
+# quieter machine), takes each engine's best of R repeats in every round,
+# and prints prefill and decode tokens/s with the ratio kdaserve /
+# llama.cpp: medians over the rounds, and the load average. On a shared
+# machine only the ratios of one run mean anything (docs/benchmarks.md).
+#
+# It does not build llama.cpp: give it a llama-bench that is already built
+# (or a llama-cli, beside which llama-bench is looked for). The project's
+# tests do not use this script.
+set -euo pipefail
+
+usage() {
+    cat <<'EOF'
+usage: scripts/bench_vs.sh --llama-bench PATH --model DIR [--gguf FILE] [--rounds N]
+                           [--threads T] [--prompt P] [--gen G] [--repeats R]
+                           [--kdaserve PATH] [--llama-args "ARGS"]
+
+  --llama-bench PATH  llama.cpp's llama-bench (or llama-cli: llama-bench beside it)
+  --model DIR         the kdaserve model directory (safetensors)
+  --gguf FILE         its GGUF (default DIR.gguf beside the directory; written
+                      with `kdaserve export-gguf` when missing)
+  --rounds N          alternating rounds (default 4)
+  --threads T         threads for both engines (default: nproc)
+  --prompt P          prefill tokens (default 512)
+  --gen G             decode tokens (default 128)
+  --repeats R         repeats per engine per round, best taken (default 3)
+  --kdaserve PATH     the kdaserve binary (default: build/kdaserve of this tree,
+                      else kdaserve on PATH)
+  --llama-args ARGS   more llama-bench options, e.g. "-fa 0"
+EOF
+}
+
+die() {
+    echo "bench_vs.sh: $*" >&2
+    exit 1
+}
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+llama="" model="" gguf="" rounds=4 threads="" prompt=512 gen=128 repeats=3 kds="" largs=""
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+    --llama-bench) llama=${2:-}; shift 2 ;;
+    --model) model=${2:-}; shift 2 ;;
+    --gguf) gguf=${2:-}; shift 2 ;;
+    --rounds) rounds=${2:-}; shift 2 ;;
+    --threads) threads=${2:-}; shift 2 ;;
+    --prompt) prompt=${2:-}; shift 2 ;;
+    --gen) gen=${2:-}; shift 2 ;;
+    --repeats) repeats=${2:-}; shift 2 ;;
+    --kdaserve) kds=${2:-}; shift 2 ;;
+    --llama-args) largs=${2:-}; shift 2 ;;
+    -h | --help) usage; exit 0 ;;
+    *) usage >&2; die "unknown argument '$1'" ;;
+    esac
+done
+[[ -n $llama ]] || { usage >&2; die "--llama-bench PATH is required"; }
+[[ -n $model ]] || { usage >&2; die "--model DIR is required"; }
+[[ -d $model && -f $model/config.json ]] || die "--model $model is not a model directory (no config.json)"
+for v in rounds prompt gen repeats; do
+    [[ ${!v} =~ ^[1-9][0-9]*$ ]] || die "--$v wants a positive whole number, got '${!v}'"
+done
+threads=${threads:-$(nproc)}
+[[ $threads =~ ^[1-9][0-9]*$ ]] || die "--threads wants a positive whole number, got '$threads'"
+
+# llama-bench, or the llama-bench beside a llama-cli
+[[ -x $llama ]] || die "--llama-bench $llama is not an executable file"
+if [[ $(basename "$llama") != llama-bench* ]]; then
+    beside=$(dirname "$llama")/llama-bench
+    [[ -x $beside ]] || die "$llama is not llama-bench and there is no llama-bench beside it"
+    llama=$beside
+fi
+if [[ -z $kds ]]; then
+    if [[ -x $here/../build/kdaserve ]]; then kds=$here/../build/kdaserve; else kds=$(command -v kdaserve || true); fi
+fi
+[[ -n $kds && -x $kds ]] || die "no kdaserve binary (build it, or give --kdaserve PATH)"
+
+model=${model%/}
+gguf=${gguf:-$model.gguf}
+if [[ ! -s $gguf ]]; then
+    echo "writing $gguf with kdaserve export-gguf" >&2
+    "$kds" export-gguf --model "$model" --out "$gguf" || die "export-gguf failed"
+fi
+
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+
+# kdaserve bench: the best prefill and decode tokens/s of R repeats
+run_kds() {
+    "$kds" bench --model "$model" --threads "$threads" --prompt-tokens "$prompt" \
+        --gen-tokens "$gen" --repeats "$repeats" >"$tmp/kds.out" 2>"$tmp/kds.err" ||
+        { cat "$tmp/kds.err" >&2; die "kdaserve bench failed"; }
+    awk '$1 == "prefill" {p = $2} $1 == "decode" {d = $2} END {
+        if (p == "" || d == "") exit 1; print p, d }' "$tmp/kds.out" ||
+        die "cannot read kdaserve bench's output: $(cat "$tmp/kds.out")"
+}
+
+# llama-bench: pp and tg tests (jsonl), the best of each test's samples
+run_llama() {
+    # shellcheck disable=SC2086
+    "$llama" -m "$gguf" -t "$threads" -p "$prompt" -n "$gen" -r "$repeats" -o jsonl $largs \
+        >"$tmp/llama.out" 2>"$tmp/llama.err" ||
+        { tail -20 "$tmp/llama.err" >&2; die "llama-bench failed"; }
+    awk '
+        function best(line,   s, n, i, a, b) {
+            s = line; sub(/.*"samples_ts": *\[/, "", s); sub(/\].*/, "", s)
+            n = split(s, a, ","); b = 0
+            for (i = 1; i <= n; i++) if (a[i] + 0 > b) b = a[i] + 0
+            return b
+        }
+        function field(line, name,   s) {
+            s = line; if (!sub(".*\"" name "\": *", "", s)) return -1; sub(/[,}].*/, "", s)
+            return s + 0
+        }
+        /samples_ts/ {
+            if (field($0, "n_prompt") > 0 && field($0, "n_gen") == 0) p = best($0)
+            if (field($0, "n_gen") > 0 && field($0, "n_prompt") == 0) d = best($0)
+        }
+        END { if (p == "" || d == "") exit 1; print p, d }' "$tmp/llama.out" ||
+        die "cannot read llama-bench's output: $(head -c 400 "$tmp/llama.out")"
+}
+
+loadavg() { cut -d' ' -f1-3 /proc/loadavg 2>/dev/null || uptime; }
+
+median() { sort -g | awk '{v[NR] = $1} END { if (NR % 2) print v[(NR + 1) / 2]; else print (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
+
+echo "kdaserve:  $kds"
+echo "llama.cpp: $llama"
+echo "model:     $model"
+echo "gguf:      $gguf"
+echo "threads $threads, prompt $prompt, gen $gen, best of $repeats per round, $rounds rounds"
+echo "load average at start: $(loadavg)"
+echo
+printf '%-6s %-10s %14s %14s %14s %14s %9s %9s  %s\n' round first "kds prefill" "llama prefill" \
+    "kds decode" "llama decode" "prefill x" "decode x" "load"
+: >"$tmp/rounds"
+for ((r = 1; r <= rounds; r++)); do
+    if ((r % 2)); then
+        first=kdaserve
+        kres=$(run_kds)
+        lres=$(run_llama)
+    else
+        first=llama.cpp
+        lres=$(run_llama)
+        kres=$(run_kds)
+    fi
+    read -r kp kd <<<"$kres"
+    read -r lp ld <<<"$lres"
+    rp=$(awk -v a="$kp" -v b="$lp" 'BEGIN { printf "%.3f", a / b }')
+    rd=$(awk -v a="$kd" -v b="$ld" 'BEGIN { printf "%.3f", a / b }')
+    echo "$kp $lp $kd $ld $rp $rd" >>"$tmp/rounds"
+    printf '%-6s %-10s %14.1f %14.1f %14.2f %14.2f %8sx %8sx  %s\n' "$r" "$first" "$kp" "$lp" \
+        "$kd" "$ld" "$rp" "$rd" "$(loadavg)"
+done
+
+col() { awk -v c="$1" '{print $c}' "$tmp/rounds" | median; }
+echo
+echo "medians over $rounds rounds (each round: best of $repeats per engine):"
+echo
+echo "| | kdaserve tok/s | llama.cpp tok/s | kdaserve / llama.cpp |"
+echo "|---|---|---|---|"
+printf '| prefill, %s tokens | %.1f | %.1f | %.2fx |\n' "$prompt" "$(col 1)" "$(col 2)" "$(col 5)"
+printf '| decode, %s tokens | %.2f | %.2f | %.2fx |\n' "$gen" "$(col 3)" "$(col 4)" "$(col 6)"
+echo
+echo "load average at end: $(loadavg)"
