@@ -25,7 +25,7 @@ cd "$(dirname "$0")/.."
 
 BUILD=build-fuzz
 FUZZ_DIR=tests/fuzz
-ALL_TARGETS="safetensors config model tokenizer state snapshot web_codec auth"
+ALL_TARGETS="safetensors config model tokenizer state snapshot web_codec auth http_api"
 TARGETS=${KDS_FUZZ_TARGETS:-$ALL_TARGETS}
 SECONDS_EACH=${KDS_FUZZ_SECONDS:-20}
 CC_FUZZ=${CC:-clang-14}

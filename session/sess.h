@@ -361,7 +361,9 @@ void sess_writer_describe(const sess_writer *w, char *buf, size_t cap);
  * Fork: a new session `name` (NULL = "<source>-K" for a session, "snapN-K"
  * for snapshot "@N", with the first free K >= 2) whose head is the head of
  * session `source`, or snapshot "@N". Copies the source session's transcript,
- * model directory and mode; no state bytes are copied.
+ * model directory and mode (for "@N": the model directory and mode of the
+ * session that wrote it, while that session exists with the snapshot's
+ * model; no transcript); no state bytes are copied.
  * out_name (may be NULL) receives the name. Errors: KDS_NOT_FOUND,
  * KDS_EXISTS, KDS_INVALID_ARG.
  */

@@ -877,6 +877,17 @@ static kds_status fork_fn(sess__wtxn *w, void *ctx, kds_err *err) {
     }
     if ((rc = sess__get_snap(st, w->txn, ref.snapshot, &v, &n, err)) != KDS_OK) goto out;
     if ((rc = sess__snap_parse(v, n, ref.snapshot, &h, NULL, err)) != KDS_OK) goto out;
+    if (!ref.is_session && h.origin[0]) {
+        /* "@N": the model directory and mode of the session that wrote it,
+         * while it still exists with that model (a chat snapshot restored
+         * as a plain session would feed its next turn as raw text) */
+        kds_err ignored = {0};
+        if (sess__get_session(st, w->txn, h.origin, &src, &ignored) == KDS_OK &&
+            strcmp(src.fingerprint, h.fingerprint) == 0) {
+            snprintf(ne.model_dir, sizeof ne.model_dir, "%s", src.model_dir);
+            snprintf(ne.mode, sizeof ne.mode, "%s", src.mode);
+        }
+    }
     if (f->name) {
         if (!sess_name_valid(f->name)) {
             rc = kds_err_set(err, KDS_INVALID_ARG, "invalid session name '%s'", f->name);

@@ -52,6 +52,13 @@ Test(sess_mode, recorded_kept_forked_exported, .timeout = 60) {
     /* a fork carries it; so does an export and import */
     cr_assert_eq(sess_fork(st, "c", "c2", NULL, &err), KDS_OK, "%s", err.msg);
     expect_mode(st, "c2", "chat");
+    /* and a restore of one of its snapshots ("@N": the server's restore,
+     * the REPL's /restore, snap fork) takes the mode of the session that
+     * wrote it */
+    char at[32], made[SESS_NAME_MAX + 1];
+    snprintf(at, sizeof at, "@%llu", (unsigned long long)cb);
+    cr_assert_eq(sess_fork(st, at, NULL, made, &err), KDS_OK, "%s", err.msg);
+    expect_mode(st, made, "chat");
     cr_assert_eq(sess_export(st, "c", file, &err), KDS_OK, "%s", err.msg);
     cr_assert_eq(sess_import(st, file, "c3", NULL, NULL, &err), KDS_OK, "%s", err.msg);
     expect_mode(st, "c3", "chat");

@@ -210,6 +210,26 @@ Test(web_codec, json_held_to_msgpack_limits) {
     }
 }
 
+/* An OpenAI error message naming a client's string cuts it on a character
+ * boundary (found by tests/fuzz/fuzz_http_api.c: a 100-byte cut inside
+ * "é" put invalid UTF-8 into the JSON error body). */
+Test(web_codec, openai_errors_stay_utf8) {
+    char body[256], a99[100];
+    memset(a99, 'a', 99);
+    a99[99] = 0;
+    snprintf(body, sizeof body, "{\"model\":\"%s\xc3\xa9\",\"prompt\":\"x\"}", a99);
+    kds_err pe = {0};
+    cJSON *o = parse(body, strlen(body), false, &pe);
+    cr_assert_not_null(o, "%s", pe.msg);
+    web_oai q;
+    web_oai_err e;
+    cr_assert_not(web__oai_parse(o, WEB_ROUTE_COMPLETIONS, NULL, "default", &q, &e));
+    cr_expect_eq(e.status, 404);
+    cr_expect(web__utf8_valid(e.msg, strlen(e.msg), NULL), "not UTF-8: %s", e.msg);
+    cr_expect(strstr(e.msg, "does not exist"), "%s", e.msg);
+    cJSON_Delete(o);
+}
+
 /* ------------------------------------------------------------------------ */
 /* Text and numbers on the wire (issue 16)                                   */
 

@@ -25,6 +25,7 @@ static bool bad(web_oai_err *e, int status, const char *param, const char *code,
                 ...) {
     e->status = status;
     snprintf(e->param, sizeof e->param, "%s", param ? param : "");
+    web__utf8_trim(e->param); /* a client's key, cut to fit */
     snprintf(e->code, sizeof e->code, "%s", code ? code : "");
     va_list ap;
     va_start(ap, fmt);
@@ -148,8 +149,8 @@ static bool common(const cJSON *o, const char *model_id, web_oai *q, web_oai_err
     if (!cJSON_IsString(m)) return bad(e, 400, "model", "invalid_type", "'model' must be a string");
     if (strcmp(m->valuestring, model_id))
         return bad(e, 404, "model", "model_not_found",
-                   "the model '%.100s' does not exist; this server serves '%s' (GET /v1/models)",
-                   m->valuestring, model_id);
+                   "the model '%.*s' does not exist; this server serves '%s' (GET /v1/models)",
+                   (int)web__utf8_prefix(m->valuestring, 100), m->valuestring, model_id);
     if (!unsupported(o, e)) return false;
     double n = 1;
     if (!integer(o, "n", -1e15, 1e15, &n, e)) return false;

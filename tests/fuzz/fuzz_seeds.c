@@ -379,6 +379,38 @@ static void web_seeds(void) {
         seed_mode("regress", "web_codec", limits[i][0], 0, limits[i][1], strlen(limits[i][1]));
 }
 
+/* Bodies of the OpenAI-compatible endpoints (docs/http-api.md): byte 0
+ * bit 0 is the endpoint (0 chat, 1 completions). */
+static void http_api_seeds(void) {
+    static const struct { uint8_t route; const char *body; } bodies[] = {
+        {0, "{\"model\":\"default\",\"messages\":[{\"role\":\"user\",\"content\":\"Hello\"}]}"},
+        {0, "{\"model\":\"default\",\"messages\":[{\"role\":\"system\",\"content\":\"Be brief.\"},"
+            "{\"role\":\"user\",\"content\":[{\"type\":\"text\",\"text\":\"Tell me a story\"}]},"
+            "{\"role\":\"assistant\",\"content\":\"Once\"},{\"role\":\"user\",\"content\":\"go on\"}],"
+            "\"stream\":true,\"stream_options\":{\"include_usage\":true},\"max_tokens\":16,"
+            "\"temperature\":0.7,\"top_p\":0.9,\"seed\":42,\"stop\":[\"\\n\\n\",\"The end\"]}"},
+        {0, "{\"model\":\"default\",\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],"
+            "\"max_completion_tokens\":3,\"session\":\"chat-1\",\"n\":1,\"ignore_eos\":false}"},
+        {1, "{\"model\":\"default\",\"prompt\":\"Once upon a time\",\"max_tokens\":8}"},
+        {1, "{\"model\":\"default\",\"prompt\":\"\",\"stop\":\"\\n\",\"top_k\":40,\"min_p\":0.05,"
+            "\"repeat_penalty\":1.1,\"presence_penalty\":0.5,\"frequency_penalty\":-0.5}"},
+        {1, "{\"model\":\"other\",\"prompt\":\"x\"}"},
+    };
+    for (size_t i = 0; i < sizeof bodies / sizeof bodies[0]; i++) {
+        char name[32];
+        snprintf(name, sizeof name, "body-%zu", i);
+        seed_mode("corpus", "http_api", name, bodies[i].route, bodies[i].body,
+                  strlen(bodies[i].body));
+    }
+    /* found by this target: the unknown-model message cut the name at 100
+     * bytes inside a character (invalid UTF-8 in the JSON error) */
+    char a99[100], cut[256];
+    memset(a99, 'a', 99);
+    a99[99] = 0;
+    snprintf(cut, sizeof cut, "{\"model\":\"%s\xc3\xa9\",\"prompt\":\"x\"}", a99);
+    seed_mode("regress", "http_api", "model-name-cut-inside-a-character", 1, cut, strlen(cut));
+}
+
 static void auth_seeds(void) {
     const char *files[][2] = {
         {"two-tenants", "# kdaserve auth file\nalice-token-0123456789 alice\n\n"
@@ -452,6 +484,7 @@ int main(int argc, char **argv) {
     snapshot_seeds();
     web_seeds();
     auth_seeds();
+    http_api_seeds();
     dictionaries();
     printf("fuzz_seeds: wrote %d files under %s\n", n_written, out_dir);
     return 0;
