@@ -75,7 +75,8 @@ static void generate_usage(FILE *f) {
         "k tokens and then N-k in a later process. If another process (the server, a\n"
         "chat) has the session open for writing, that is said at once; if it saved a\n"
         "turn while this one ran, this turn is saved as a fork NAME-K (said on stderr)\n"
-        "rather than lost.\n\n"
+        "rather than lost. The sampler settings are saved with the session: a later\n"
+        "turn uses the recorded ones, except for the sampling options it gives.\n\n"
         "  --model DIR          model directory (default: the session's model, else\n"
         "                       $KDASERVE_MODEL, else ./models/default)\n"
         "  --prompt TEXT        the text to continue (may be empty)\n"
@@ -106,6 +107,19 @@ static const char *option_name(const struct option *opts, int val) {
         if (opts->val == val) return opts->name;
     return "?";
 }
+
+/* One bit per sampling option, to tell given options from defaults. */
+static unsigned sampling_bit(int opt) {
+    switch (opt) {
+    case OPT_TEMP: return 1u;
+    case OPT_TOPK: return 2u;
+    case OPT_TOPP: return 4u;
+    case OPT_MINP: return 8u;
+    case OPT_REPEAT: return 16u;
+    }
+    return 0;
+}
+#define ALL_SAMPLING_BITS 31u
 
 static bool parse_sampling(int opt, const char *arg, eng_sampler_params *sp) {
     int64_t v;
@@ -171,6 +185,7 @@ int cmd_generate(int argc, char **argv) {
     bool ignore_eos = false;
     int64_t max_tokens = 128, seed = 0, threads = 0;
     eng_sampler_params sp = eng_sampler_default_params();
+    unsigned sampling_given = 0; /* bits of the options given (sampling_bit) */
     optind = 1;
     for (int o; (o = getopt_long(argc, argv, "m:p:h", opts, NULL)) != -1;) {
         switch (o) {
@@ -203,6 +218,7 @@ int cmd_generate(int argc, char **argv) {
             if (!parse_sampling(o, optarg, &sp))
                 return cli_failf("generate", "bad value '%s' for --%s", optarg,
                                  option_name(opts, o));
+            sampling_given |= sampling_bit(o);
             break;
         default: return cli_usage_error("generate", NULL);
         }
@@ -266,6 +282,22 @@ int cmd_generate(int argc, char **argv) {
                         "saves a turn first, this one is saved as a fork\n", session, who);
             }
         }
+    }
+    /* a turn continues with the sampler settings the session's last turn
+     * used, except for the options given now */
+    if (resume && si.has_sampler) {
+        eng_sampler_params was = si.sampler;
+        if (sampling_given & sampling_bit(OPT_TEMP)) was.temperature = sp.temperature;
+        if (sampling_given & sampling_bit(OPT_TOPK)) was.top_k = sp.top_k;
+        if (sampling_given & sampling_bit(OPT_TOPP)) was.top_p = sp.top_p;
+        if (sampling_given & sampling_bit(OPT_MINP)) was.min_p = sp.min_p;
+        if (sampling_given & sampling_bit(OPT_REPEAT)) was.repeat_penalty = sp.repeat_penalty;
+        sp = was;
+        if (sampling_given != ALL_SAMPLING_BITS)
+            fprintf(stderr, "[kdaserve] session '%s': sampling with its recorded settings%s "
+                    "(temperature %g, top-k %d, top-p %g, min-p %g, repeat-penalty %g)\n",
+                    session, sampling_given ? " and the options given" : "", sp.temperature,
+                    sp.top_k, sp.top_p, sp.min_p, sp.repeat_penalty);
     }
     const char *dir = model ? model : resume && si.model_dir[0] ? si.model_dir
                                                                 : cli_model_dir("generate", NULL);
@@ -408,7 +440,8 @@ int cmd_generate(int argc, char **argv) {
                 (unsigned long long)si.head);
     } else if (session) {
         sess_turn turn = {.prompt = prompt, .prompt_len = plen, .output = kds_buf_str(&text),
-                          .output_len = text.len, .prompt_tokens = n, .output_tokens = produced};
+                          .output_len = text.len, .prompt_tokens = n, .output_tokens = produced,
+                          .sampler = &sp};
         double ts0 = cli_now();
         sess_save_result res;
         if (sess_save_ex(store, session, resume ? si.head : 0, m, s, &turn, SESS_CONFLICT_FORK,

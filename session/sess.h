@@ -239,7 +239,17 @@ typedef struct sess_session_info {
      * "" = never declared (sessions written before the field existed, or by
      * `generate --session` before it declared one). */
     char mode[SESS_MODE_MAX + 1];
+    /* The sampler settings of its last turn, as its writer declared them
+     * (sess_turn.sampler), so that a later turn with no settings of its own
+     * continues as the last one did; has_sampler false = never declared. */
+    bool has_sampler;
+    eng_sampler_params sampler;
 } sess_session_info;
+
+/* Whether sampler settings are ones a session may record (the ranges of
+ * `generate`'s options: temperature 0-100, top_k >= 0, top_p and min_p
+ * 0-1, repeat_penalty 0.01-100, repeat_last_n 0-64). */
+bool sess_sampler_valid(const eng_sampler_params *p);
 
 kds_status sess_session_get(sess_store *st, const char *name, sess_session_info *out,
                             kds_err *err);
@@ -272,6 +282,9 @@ typedef struct sess_turn {
     /* NULL, or the session's mode to record (sess_session_info.mode, 1 to
      * SESS_MODE_MAX bytes of [a-z]): a save keeps the mode last declared. */
     const char *mode;
+    /* NULL, or the sampler settings this turn used (sess_sampler_valid), to
+     * record as the session's: a save keeps the settings last declared. */
+    const eng_sampler_params *sampler;
 } sess_turn;
 /* A sess_turn whose prompt and output are both NULL appends no transcript
  * entry: it only declares the mode (a session created before its first turn). */
@@ -287,7 +300,7 @@ typedef struct sess_turn {
  * [0, tokens of base) are shared with `base` and only the rows after are
  * written, so `s` must continue `base` (checked on its last shared row:
  * KDS_MISMATCH). *snapshot (may be NULL) receives the new id.
- * Errors: KDS_INVALID_ARG (name, turn->mode), KDS_BUSY, KDS_MISMATCH (another model's
+ * Errors: KDS_INVALID_ARG (name, turn->mode, turn->sampler), KDS_BUSY, KDS_MISMATCH (another model's
  * session or base), KDS_NOT_FOUND (base), KDS_TOO_LARGE (map_max), KDS_IO.
  * sess_save_ex can save a conflicting turn as a fork instead of KDS_BUSY.
  */

@@ -584,6 +584,53 @@ kds_status sess__chunk_parse(const void *rec, size_t len, uint64_t id, sess__chu
 /* ------------------------------------------------------------------------ */
 /* Session record                                                            */
 
+bool sess_sampler_valid(const eng_sampler_params *p) {
+    return p->temperature >= 0 && p->temperature <= 100 && p->top_k >= 0 && p->top_p >= 0 &&
+           p->top_p <= 1 && p->min_p >= 0 && p->min_p <= 1 && p->repeat_penalty >= 0.01f &&
+           p->repeat_penalty <= 100 && p->repeat_last_n >= 0 && p->repeat_last_n <= 64;
+}
+
+/* A float field of the sampler map (float32 as written, float64 read too). */
+static float sampler_f(dec *d, const msgpack_object_map *m, const char *key) {
+    for (uint32_t i = 0; i < m->size; i++) {
+        const msgpack_object *k = &m->ptr[i].key, *v = &m->ptr[i].val;
+        if (k->type != MSGPACK_OBJECT_STR || k->via.str.size != strlen(key) ||
+            memcmp(k->via.str.ptr, key, k->via.str.size))
+            continue;
+        if (v->type == MSGPACK_OBJECT_FLOAT32 || v->type == MSGPACK_OBJECT_FLOAT64)
+            return (float)v->via.f64;
+        if (v->type == MSGPACK_OBJECT_POSITIVE_INTEGER && v->via.u64 <= (1u << 30))
+            return (float)v->via.u64;
+        break;
+    }
+    dec_bad(d, "sampler", "a map of the six sampler settings");
+    return 0;
+}
+
+/* The optional "sampler" map of a session record: all six settings, in
+ * their ranges, or the record is corrupt. */
+static void get_sampler(dec *d, sess_session_info *s) {
+    const msgpack_object *o = dec_find(d, "sampler", false);
+    if (!o) return;
+    if (o->type != MSGPACK_OBJECT_MAP) {
+        dec_bad(d, "sampler", "a map of the six sampler settings");
+        return;
+    }
+    const msgpack_object_map *m = &o->via.map;
+    eng_sampler_params *p = &s->sampler;
+    p->temperature = sampler_f(d, m, "temperature");
+    p->top_k = (int)sampler_f(d, m, "top_k");
+    p->top_p = sampler_f(d, m, "top_p");
+    p->min_p = sampler_f(d, m, "min_p");
+    p->repeat_penalty = sampler_f(d, m, "repeat_penalty");
+    p->repeat_last_n = (int)sampler_f(d, m, "repeat_last_n");
+    if (d->rc == KDS_OK && !sess_sampler_valid(p)) {
+        dec_bad(d, "sampler", "sampler settings in range");
+        return;
+    }
+    s->has_sampler = d->rc == KDS_OK;
+}
+
 kds_status sess__session_encode(const sess_session_info *s, unsigned char **out, size_t *len,
                                 kds_err *err) {
     msgpack_sbuffer sb;
@@ -593,7 +640,7 @@ kds_status sess__session_encode(const sess_session_info *s, unsigned char **out,
     /* "mode" is optional (added without a version bump: readers ignore
      * fields they do not know), so a session that never declared one keeps
      * the record it always had. */
-    msgpack_pack_map(&pk, s->mode[0] ? 13 : 12);
+    msgpack_pack_map(&pk, 12 + (s->mode[0] ? 1 : 0) + (s->has_sampler ? 1 : 0));
     pk_str(&pk, "name", s->name);
     pk_u64(&pk, "id", s->id);
     pk_u64(&pk, "head", s->head);
@@ -607,6 +654,21 @@ kds_status sess__session_encode(const sess_session_info *s, unsigned char **out,
     pk_str(&pk, "model_dir", s->model_dir);
     pk_str(&pk, "model", s->fingerprint);
     if (s->mode[0]) pk_str(&pk, "mode", s->mode);
+    if (s->has_sampler) { /* optional too; floats as float32, exactly what was used */
+        const eng_sampler_params *p = &s->sampler;
+        pk_key(&pk, "sampler");
+        msgpack_pack_map(&pk, 6);
+        pk_key(&pk, "temperature");
+        msgpack_pack_float(&pk, p->temperature);
+        pk_u64(&pk, "top_k", (uint64_t)p->top_k);
+        pk_key(&pk, "top_p");
+        msgpack_pack_float(&pk, p->top_p);
+        pk_key(&pk, "min_p");
+        msgpack_pack_float(&pk, p->min_p);
+        pk_key(&pk, "repeat_penalty");
+        msgpack_pack_float(&pk, p->repeat_penalty);
+        pk_u64(&pk, "repeat_last_n", (uint64_t)p->repeat_last_n);
+    }
     return finish(&sb, SESS_MAGIC_SESSION, SESS_VERSION_SESSION, out, len, err);
 }
 
@@ -635,6 +697,7 @@ kds_status sess__session_parse(const void *rec, size_t len, const char *what,
     get_str(&d, "model_dir", s->model_dir, sizeof s->model_dir, true);
     get_str(&d, "model", s->fingerprint, sizeof s->fingerprint, true);
     get_str(&d, "mode", s->mode, sizeof s->mode, false);
+    get_sampler(&d, s);
     rc = d.rc;
     dec_close(&d);
     if (rc == KDS_OK && (!sess_name_valid(s->name) || s->head == 0))

@@ -580,6 +580,8 @@ static kds_status conflict_fork(sess__wtxn *w, save_ctx *c, sess_session_info *s
     ne.created_us = c->now;
     snprintf(ne.owner, sizeof ne.owner, "%s", c->owner);
     snprintf(ne.mode, sizeof ne.mode, "%s", se->mode);
+    ne.has_sampler = se->has_sampler;
+    ne.sampler = se->sampler;
     ne.turns = (uint32_t)keep;
     for (size_t i = 0; i < keep; i++) {
         unsigned char k[12];
@@ -704,6 +706,10 @@ static kds_status save_fn(sess__wtxn *w, void *ctx, kds_err *err) {
     snprintf(se.model_dir, sizeof se.model_dir, "%s", c->model_dir);
     snprintf(se.fingerprint, sizeof se.fingerprint, "%s", c->fp);
     if (c->turn && c->turn->mode) snprintf(se.mode, sizeof se.mode, "%s", c->turn->mode);
+    if (c->turn && c->turn->sampler) {
+        se.has_sampler = true;
+        se.sampler = *c->turn->sampler;
+    }
     uint32_t turn_no = se.turns;
     /* a turn without prompt and output only declares the mode */
     bool entry = c->turn && (c->turn->prompt || c->turn->output);
@@ -762,6 +768,11 @@ kds_status sess_save_ex(sess_store *st, const char *session, uint64_t base, cons
             return kds_err_set(err, KDS_INVALID_ARG, "invalid session mode '%.32s' (1-%d of a-z)",
                                turn->mode, SESS_MODE_MAX);
     }
+    if (turn && turn->sampler && !sess_sampler_valid(turn->sampler))
+        return kds_err_set(err, KDS_INVALID_ARG, "sampler settings out of range (temperature %g, "
+                           "top_p %g, min_p %g, repeat_penalty %g)", turn->sampler->temperature,
+                           turn->sampler->top_p, turn->sampler->min_p,
+                           turn->sampler->repeat_penalty);
     save_ctx c = {.name = session, .on_conflict = on_conflict, .base = base, .m = m, .s = s,
                   .turn = turn,
                   .fp = eng_model_fingerprint(m), .pos = eng_seq_pos(s),
@@ -874,6 +885,8 @@ static kds_status fork_fn(sess__wtxn *w, void *ctx, kds_err *err) {
         snprintf(ne.parent, sizeof ne.parent, "%s", src.name);
         snprintf(ne.model_dir, sizeof ne.model_dir, "%s", src.model_dir);
         snprintf(ne.mode, sizeof ne.mode, "%s", src.mode);
+        ne.has_sampler = src.has_sampler;
+        ne.sampler = src.sampler;
     }
     if ((rc = sess__get_snap(st, w->txn, ref.snapshot, &v, &n, err)) != KDS_OK) goto out;
     if ((rc = sess__snap_parse(v, n, ref.snapshot, &h, NULL, err)) != KDS_OK) goto out;
@@ -886,6 +899,8 @@ static kds_status fork_fn(sess__wtxn *w, void *ctx, kds_err *err) {
             strcmp(src.fingerprint, h.fingerprint) == 0) {
             snprintf(ne.model_dir, sizeof ne.model_dir, "%s", src.model_dir);
             snprintf(ne.mode, sizeof ne.mode, "%s", src.mode);
+            ne.has_sampler = src.has_sampler;
+            ne.sampler = src.sampler;
         }
     }
     if (f->name) {

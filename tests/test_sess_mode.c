@@ -158,3 +158,87 @@ Test(sess_mode, chat_mode_rule, .timeout = 60) {
     free(db);
     free(tmp);
 }
+
+/* The optional `sampler` field: recorded by a turn that declares settings,
+ * kept by saves that declare none, carried by a fork, a restore of "@N" and
+ * an export and import; settings out of range are refused, nothing written. */
+static void expect_sampler(sess_store *st, const char *name, const eng_sampler_params *want) {
+    sess_session_info si;
+    kds_err err = {0};
+    cr_assert_eq(sess_session_get(st, name, &si, &err), KDS_OK, "%s", err.msg);
+    cr_assert(si.has_sampler, "session '%s' has no recorded sampler", name);
+    cr_expect(si.sampler.temperature == want->temperature && si.sampler.top_k == want->top_k &&
+                  si.sampler.top_p == want->top_p && si.sampler.min_p == want->min_p &&
+                  si.sampler.repeat_penalty == want->repeat_penalty &&
+                  si.sampler.repeat_last_n == want->repeat_last_n,
+              "session '%s': temperature %g top_k %d top_p %g", name, si.sampler.temperature,
+              si.sampler.top_k, si.sampler.top_p);
+}
+
+Test(sess_mode, sampler_recorded_kept_forked_exported, .timeout = 60) {
+    char *tmp = tmu_mkdtemp();
+    char *db = tmu_path(tmp, "db"), *file = tmu_path(tmp, "x.kds");
+    tsu_model f = tsu_open_model(TMU_MICRO_KDA);
+    sess_store *st = tsu_open_store(db);
+    eng_seq *s = NULL;
+    kds_err err = {0};
+    cr_assert_eq(eng_seq_create(f.m, 1, &s, &err), KDS_OK);
+    uint64_t head = 0;
+    tsu_feed(&f, s, 4, 1);
+    sess_turn t = {.prompt = "a", .prompt_len = 1, .output = ""};
+    cr_assert_eq(sess_save(st, "s", 0, f.m, s, &t, &head, &err), KDS_OK, "%s", err.msg);
+    sess_session_info si;
+    cr_assert_eq(sess_session_get(st, "s", &si, &err), KDS_OK);
+    cr_expect_not(si.has_sampler, "nothing declared, nothing recorded");
+
+    eng_sampler_params sp = eng_sampler_default_params();
+    sp.temperature = 1.3f; /* not a float32 round number: kept exactly */
+    sp.top_k = 7;
+    sp.top_p = 0.91f;
+    sp.min_p = 0.0f;
+    sp.repeat_penalty = 1.17f;
+    sp.repeat_last_n = 33;
+    t.sampler = &sp;
+    tsu_feed(&f, s, 2, 2);
+    cr_assert_eq(sess_save(st, "s", head, f.m, s, &t, &head, &err), KDS_OK, "%s", err.msg);
+    expect_sampler(st, "s", &sp);
+    t.sampler = NULL; /* a save that declares none keeps them */
+    tsu_feed(&f, s, 2, 3);
+    cr_assert_eq(sess_save(st, "s", head, f.m, s, &t, &head, &err), KDS_OK, "%s", err.msg);
+    expect_sampler(st, "s", &sp);
+
+    cr_assert_eq(sess_fork(st, "s", "s2", NULL, &err), KDS_OK, "%s", err.msg);
+    expect_sampler(st, "s2", &sp);
+    char at[32], made[SESS_NAME_MAX + 1];
+    snprintf(at, sizeof at, "@%llu", (unsigned long long)head);
+    cr_assert_eq(sess_fork(st, at, NULL, made, &err), KDS_OK, "%s", err.msg);
+    expect_sampler(st, made, &sp);
+    cr_assert_eq(sess_export(st, "s", file, &err), KDS_OK, "%s", err.msg);
+    cr_assert_eq(sess_import(st, file, "s3", NULL, NULL, &err), KDS_OK, "%s", err.msg);
+    expect_sampler(st, "s3", &sp);
+
+    /* out of range: refused, head and settings unchanged */
+    eng_sampler_params bad[4];
+    for (int i = 0; i < 4; i++) bad[i] = sp;
+    bad[0].temperature = -1;
+    bad[1].top_p = 1.5f;
+    bad[2].repeat_last_n = 65;
+    bad[3].min_p = 0.0f / 0.0f; /* NaN */
+    for (int i = 0; i < 4; i++) {
+        t.sampler = &bad[i];
+        tsu_feed(&f, s, 1, 10 + i);
+        cr_expect_eq(sess_save(st, "s", head, f.m, s, &t, NULL, &err), KDS_INVALID_ARG,
+                     "bad sampler %d accepted", i);
+        cr_expect(strstr(err.msg, "sampler settings out of range"), "%s", err.msg);
+    }
+    cr_assert_eq(sess_session_get(st, "s", &si, &err), KDS_OK);
+    cr_expect_eq(si.head, head);
+    expect_sampler(st, "s", &sp);
+    eng_seq_free(s);
+    sess_close(st);
+    tsu_close_model(&f);
+    free(db);
+    free(file);
+    tmu_rmtree(tmp);
+    free(tmp);
+}

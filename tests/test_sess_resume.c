@@ -37,8 +37,8 @@ static void compare_logits(const char *one, const char *const *parts, int n_part
 
 /* N tokens in one turn vs the same N split into turns of `split` tokens,
  * each turn in its own process. */
-static void resume_across_processes(const char *preset, const char *sampling,
-                                    const int *split, int n_split) {
+static void resume_across_processes_ex(const char *preset, const char *sampling,
+                                       const int *split, int n_split, bool first_only) {
     char *tmp = tmu_mkdtemp();
     char *model = tsu_gen_model(tmp, "m", preset, 11);
     const char *prompt = "The quick brown fox";
@@ -81,7 +81,8 @@ static void resume_across_processes(const char *preset, const char *sampling,
         cr_assert_eq(tsu_run(part, sizeof part, &n_part,
                              TSU_KDASERVE " generate %s --db %s/db2 --session split "
                                           "--max-tokens %d %s %s --logits-out %s 2>/dev/null",
-                             first, tmp, split[i], common, sampling, parts[i]),
+                             first, tmp, split[i], common,
+                             i > 0 && first_only ? "" : sampling, parts[i]),
                      0, "turn %d", i);
         tsu_chomp(part, &n_part);
         memcpy(joined + n_joined, part, n_part);
@@ -121,6 +122,11 @@ static void resume_across_processes(const char *preset, const char *sampling,
     free(model);
     tmu_rmtree(tmp);
     free(tmp);
+}
+
+static void resume_across_processes(const char *preset, const char *sampling,
+                                    const int *split, int n_split) {
+    resume_across_processes_ex(preset, sampling, split, n_split, false);
 }
 
 static const int SPLIT2[] = {9, 15};
@@ -239,4 +245,12 @@ Test(sess_resume, turns_with_prompts_match_one_sequence, .timeout = 60) {
     free(model);
     tmu_rmtree(tmp);
     free(tmp);
+}
+
+/* The sampler settings are saved with the session: later turns that give
+ * none continue with the first turn's (not the defaults), so the split
+ * turns still equal one go bit for bit (issue 15). */
+Test(sess_resume, sampler_settings_recorded, .timeout = 60) {
+    resume_across_processes_ex("tiny", "--temperature 1.3 --top-k 7 --top-p 0.9 --min-p 0",
+                               SPLIT3, 3, true);
 }
