@@ -45,7 +45,9 @@ static void chat_usage(FILE *f) {
                "  --max-tokens N    reply limit per turn (default 256; /set max_tokens N)\n"
                "  --ignore-eos      do not stop at stop tokens (a reply ends at max-tokens or\n"
                "                    Ctrl-C)\n"
-               "  --temperature T   0 = greedy; --top-k K, --top-p P, --min-p M as generate\n"
+               "  --temperature T   0 = greedy; --top-k K, --top-p P, --min-p M as generate.\n"
+               "                    Sampling settings are saved with each turn; a session\n"
+               "                    opened without these options continues with its own\n"
                "  --seed S          sampler seed of a new session (default 0); a saved session\n"
                "                    continues its own random stream\n"
                "  --threads N       worker threads (default: all CPUs)\n\n"
@@ -135,19 +137,23 @@ int cmd_chat(int argc, char **argv) {
         case OPT_TEMP:
             if (!cli_parse_f32(optarg, 0.0f, 100.0f, &p.sampler.temperature))
                 return cli_failf("chat", "bad value '%s' for --temperature", optarg);
+            p.sampler_given = true;
             break;
         case OPT_TOPK:
             if (!cli_parse_i64(optarg, 0, 1 << 30, &v))
                 return cli_failf("chat", "bad value '%s' for --top-k", optarg);
             p.sampler.top_k = (int)v;
+            p.sampler_given = true;
             break;
         case OPT_TOPP:
             if (!cli_parse_f32(optarg, 0.0f, 1.0f, &p.sampler.top_p))
                 return cli_failf("chat", "bad value '%s' for --top-p", optarg);
+            p.sampler_given = true;
             break;
         case OPT_MINP:
             if (!cli_parse_f32(optarg, 0.0f, 1.0f, &p.sampler.min_p))
                 return cli_failf("chat", "bad value '%s' for --min-p", optarg);
+            p.sampler_given = true;
             break;
         default: return cli_usage_error("chat", NULL);
         }

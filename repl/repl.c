@@ -219,6 +219,7 @@ kds_status repl__open(repl *r, const char *name, kds_err *e) {
     if (si.mode[0] && strcmp(si.mode, chat ? "chat" : "plain"))
         repl__info(r, "session '%s' was written in %s mode; continuing in %s mode as asked", name,
                    si.mode, chat ? "chat" : "plain");
+    if (si.has_sampler && !r->sp_given) r->sp = si.sampler; /* as its last turn sampled */
     r->chat = chat;
     r->base = si.head;
     r->base_tokens = head.tokens;
@@ -304,6 +305,7 @@ kds_status repl_create(const repl_params *p, FILE *out, FILE *errf, repl **out_r
     r->json = p->json;
     r->interactive = p->interactive;
     r->sp = p->sampler;
+    r->sp_given = p->sampler_given;
     r->max_tokens = p->max_tokens > 0 ? p->max_tokens : 256;
     r->ignore_eos = p->ignore_eos;
     r->seed = p->seed;
@@ -503,7 +505,8 @@ static bool user_turn(repl *r, const char *text) {
                       .output_len = reply.len,
                       .prompt_tokens = n,
                       .output_tokens = produced,
-                      .mode = repl__mode_name(r)};
+                      .mode = repl__mode_name(r),
+                      .sampler = &r->sp};
     uint64_t snap = 0;
     if (!repl__save(r, &turn, &snap)) goto out;
     r->dirty = false;

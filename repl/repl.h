@@ -62,6 +62,9 @@ typedef struct repl_params {
     bool ignore_eos;        /* go on past stop tokens (a reply ends at max_tokens or Ctrl-C) */
     uint64_t seed;          /* sampler seed of a new sequence; default 0 */
     eng_sampler_params sampler;
+    /* true: `sampler` came from options and replaces the settings a session
+     * recorded; false: an opened session continues with its own */
+    bool sampler_given;
     const char *history_file; /* interactive: readline history (NULL = none) */
     /* Expert parallelism (docs/expert-parallel.md): the job's ranks under
      * mpirun (borrowed), or NULL for one process; the model is loaded with

@@ -581,7 +581,8 @@ static bool c_ingest(repl *r, char *arg) {
                       .prompt_len = strlen(prompt),
                       .output = "",
                       .prompt_tokens = done,
-                      .mode = repl__mode_name(r)};
+                      .mode = repl__mode_name(r),
+                      .sampler = &r->sp};
     uint64_t snap;
     if (!repl__save(r, &turn, &snap)) goto out;
     r->dirty = false;

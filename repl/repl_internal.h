@@ -23,6 +23,7 @@ struct repl {
     bool dirty;                /* the sequence holds tokens not yet saved */
     char *system;              /* system message for the next turn (NULL = none) */
     eng_sampler_params sp;
+    bool sp_given; /* repl_params.sampler_given */
     int64_t max_tokens;
     bool ignore_eos;
     uint64_t seed;

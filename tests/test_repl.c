@@ -484,3 +484,19 @@ Test(repl, session_reopens_in_its_mode, .timeout = 120) {
     expect_mode(db, "c2", "chat");
     rm_tmp();
 }
+
+/* The sampling settings are saved with each turn: a later process opening
+ * the session without sampling options continues with them (/set shows
+ * them); options given replace them (issue 15). */
+Test(repl, sampler_settings_saved_with_the_session) {
+    make_tmp();
+    static char out[8192], err[8192];
+    cr_assert_eq(chat("--session smp --max-tokens 4 --temperature 1.25 --top-k 9", "Hello\n", out,
+                      sizeof out, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(chat("--session smp", "/set\n", out, sizeof out, err, sizeof err), 0, "%s", err);
+    cr_expect(strstr(out, "temperature 1.25") && strstr(out, "top_k 9"), "%s", out);
+    cr_assert_eq(chat("--session smp --temperature 0.5", "/set\n", out, sizeof out, err,
+                      sizeof err), 0, "%s", err);
+    cr_expect(strstr(out, "temperature 0.5"), "%s", out);
+    rm_tmp();
+}
