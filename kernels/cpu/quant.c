@@ -357,13 +357,18 @@ static inline void rows8_one_token(const kern_dtype dt, const unsigned char *c, 
                                    const unsigned char *sw, const float *xs, float *y) {
     const int bb = dt == KERN_MXFP4 ? 16 : 32; /* code bytes per block */
     const int per_line = 64 / bb, pf = prefetch_rows(rb);
+    /* the prefetched rows through their own pointer, at the same offsets
+     * k * rb as the rows read (no second set of offsets to keep in
+     * registers: with eight it spilled to vector registers and cost a move
+     * per prefetch) */
+    const unsigned char *cp = c + (size_t)pf * rb;
     __m512 acc[8];
     for (int k = 0; k < 8; k++)
         acc[k] = _mm512_setzero_ps();
-    for (int b = 0; b < nb; b++, c += bb, sw += 4) {
+    for (int b = 0; b < nb; b++, c += bb, cp += bb, sw += 4) {
         if (b % per_line == 0)
             for (int k = 0; k < 8; k++)
-                _mm_prefetch((const char *)(c + (k + pf) * rb), _MM_HINT_T0);
+                _mm_prefetch((const char *)(cp + k * rb), _MM_HINT_T0);
         const __m512 x0 = _mm512_loadu_ps(xs + 32 * (size_t)b);
         const __m512 x1 = _mm512_loadu_ps(xs + 32 * (size_t)b + 16);
         for (int k = 0; k < 8; k++) {
