@@ -25,6 +25,10 @@
 #include "eng_pool.h"
 
 #define MAX_MM_JOBS 8
+/* The job table's size: block-format routed experts go out up to this many
+ * products per dispatch (cpu_moe_experts); everything else up to
+ * MAX_MM_JOBS. */
+#define MAX_MM_TABLE 64
 #define MAX_MM_TASKS 1024
 /* Largest short-conv width eng_config accepts (short_conv_kernel_size). */
 #define MAX_CONV_W 64
@@ -47,7 +51,7 @@ typedef struct eng_cpu {
     eng_pool *pool;
     int n_threads, kda_chunk, max_rows, max_seqs;
     thread_scratch *ts;  /* [n_threads] */
-    eng_matmul jobs[MAX_MM_JOBS];
+    eng_matmul jobs[MAX_MM_TABLE];
     mm_task tasks[MAX_MM_TASKS];
     float *acc;          /* [max_rows, hidden]: an accumulating product's rows before the add */
     float *logits;       /* [max_seqs, vocab]: a batched pass's logits before they go to the seqs */
@@ -84,7 +88,9 @@ static void mm_task_fn(void *arg, int t, int thread) {
  * the blocks of products it has tokens for (eng_moe_args.sched_rows). A
  * block's bits depend on its rows and tokens only, so equal cuts give equal
  * results wherever a block runs. */
-static void run_mm_as(eng_cpu *c, int n_jobs, const int *work_T) {
+/* The cut: tasks of about total / (n_threads * per_thread) multiply-adds,
+ * each job's blocks starting on multiples of `align` rows (1: anywhere). */
+static void run_mm_cut(eng_cpu *c, int n_jobs, const int *work_T, int per_thread, int align) {
     double total = 0;
     for (int i = 0; i < n_jobs; i++)
         total += (double)c->jobs[i].w->rows * c->jobs[i].w->cols * (work_T ? work_T[i] : c->jobs[i].T);
@@ -95,7 +101,7 @@ static void run_mm_as(eng_cpu *c, int n_jobs, const int *work_T) {
         for (int t = 0; t < n_tasks; t++) mm_task_fn(c, t, 0);
         return;
     }
-    double target = total / (c->n_threads * 4.0);
+    double target = total / (c->n_threads * (double)per_thread);
     if (target < 32768.0) target = 32768.0;
     int planned = 0; /* tasks of the whole batch's cut, run here or not */
     for (int i = 0; i < n_jobs; i++) {
@@ -109,12 +115,20 @@ static void run_mm_as(eng_cpu *c, int n_jobs, const int *work_T) {
         if (nb > room) nb = room;
         for (int b = 0; b < nb; b++) {
             int r0 = (int)((int64_t)rows * b / nb), r1 = (int)((int64_t)rows * (b + 1) / nb);
+            if (align > 1) {
+                r0 -= r0 % align;
+                if (b + 1 < nb) r1 -= r1 % align;
+            }
             if (r1 <= r0) continue;
             planned++;
             if (j->T > 0) c->tasks[n_tasks++] = (mm_task){i, r0, r1};
         }
     }
     if (n_tasks) eng_pool_run(c->pool, mm_task_fn, c, n_tasks);
+}
+
+static void run_mm_as(eng_cpu *c, int n_jobs, const int *work_T) {
+    run_mm_cut(c, n_jobs, work_T, 4, 1);
 }
 
 static void run_mm(eng_cpu *c, int n_jobs) { run_mm_as(c, n_jobs, NULL); }
@@ -457,7 +471,20 @@ static void cpu_moe_experts(eng_backend *b, const eng_moe_args *a) {
     const int plan_T = a->sched_rows ? a->sched_T : T;
     const size_t routed = (size_t)a->exp_off[E]; /* T * k on one rank */
     float *sh_a = a->act_a + routed * inner, *sh_b = a->act_b + routed * inner;
-    int work_T[MAX_MM_JOBS];
+    /* Block-format experts (MXFP4, Q8_0): all of a projection's products in
+     * one dispatch, cut 16 tasks a thread on 32-row boundaries. Their
+     * decode product is bound by decoding codes, not by memory, so a thread
+     * that waits at one of eight joins per layer (top-16 in dispatches of
+     * at most 8 products) is time the other cannot make up; one join per
+     * projection and small tasks leave the threads at most a small task
+     * apart. Each row's sums do not depend on the cut (32-row boundaries:
+     * every block of rows is whole eight-row groups and prefill panels).
+     * Element formats keep the dispatches of 8 and the cut of run_mm_as,
+     * so their results are those of before, bit for bit. */
+    const bool block = E > 0 && kern_dtype_is_block(f->w1[0].dt);
+    const int max_jobs = block ? MAX_MM_TABLE : MAX_MM_JOBS;
+    const int per_thread = block ? 16 : 4, align = block ? 32 : 1;
+    int work_T[MAX_MM_TABLE];
     /* Up projections of all active experts and the shared expert, in as few
      * dispatches as the job table allows. */
     int nj = 0;
@@ -469,8 +496,8 @@ static void cpu_moe_experts(eng_backend *b, const eng_moe_args *a) {
         int n_e = a->exp_off[e + 1] - a->exp_off[e];
         int plan_e = a->sched_rows ? a->sched_rows[e] : n_e;
         if (plan_e == 0) continue;
-        if (nj + 2 > MAX_MM_JOBS) {
-            run_mm_as(c, nj, work_T);
+        if (nj + 2 > max_jobs) {
+            run_mm_cut(c, nj, work_T, per_thread, align);
             nj = 0;
         }
         size_t off = (size_t)a->exp_off[e];
@@ -479,7 +506,7 @@ static void cpu_moe_experts(eng_backend *b, const eng_moe_args *a) {
         add_job(c, &nj, work_T, &f->w3[e], a->xg + off * X, n_e, plan_e, a->act_b + off * inner,
                 inner);
     }
-    if (nj) run_mm_as(c, nj, work_T);
+    if (nj) run_mm_cut(c, nj, work_T, per_thread, align);
     act(cfg, a->act_a, a->act_b, routed * inner + (size_t)T * sh_inner);
     nj = 0;
     if (sh_inner > 0) add_job(c, &nj, work_T, &f->sh_down, sh_a, T, plan_T, a->shared_out, hid);
@@ -487,14 +514,14 @@ static void cpu_moe_experts(eng_backend *b, const eng_moe_args *a) {
         int n_e = a->exp_off[e + 1] - a->exp_off[e];
         int plan_e = a->sched_rows ? a->sched_rows[e] : n_e;
         if (plan_e == 0) continue;
-        if (nj + 1 > MAX_MM_JOBS) {
-            run_mm_as(c, nj, work_T);
+        if (nj + 1 > max_jobs) {
+            run_mm_cut(c, nj, work_T, per_thread, align);
             nj = 0;
         }
         size_t off = (size_t)a->exp_off[e];
         add_job(c, &nj, work_T, &f->w2[e], a->act_a + off * inner, n_e, plan_e, a->yg + off * X, X);
     }
-    if (nj) run_mm_as(c, nj, work_T);
+    if (nj) run_mm_cut(c, nj, work_T, per_thread, align);
 }
 
 /* Routed sum in selection order (the same order for prefill and decode),

@@ -340,7 +340,13 @@ static void scale_words(const kern_weight *w, const kern_layout *l, int r, int n
 /* Prefetch distance of the direct path in rows: ~16 KiB ahead, at least
  * the next eight rows (ops.c's dot8_bf16 found the hardware prefetcher
  * alone left decode well short of bandwidth). x86 prefetches never fault,
- * so running past the last row is harmless. */
+ * so running past the last row is harmless. The rows ahead go to L2
+ * (_MM_HINT_T1), not L1: a whole group of eight rows ahead (14 KiB at
+ * 3,584 columns) beside x split even/odd (14 KiB) and the rows being read
+ * crowded the 48 KiB L1 and evicted lines before their use; to L2 the
+ * MXFP4 product ran 1.4-1.6x faster on the Emerald Rapids dev VM (T = 1,
+ * [3072, 3584] and [3584, 3072], from L3 and from memory, one thread;
+ * kds_cpu_bench (b), two rounds alternating the binaries). */
 static int prefetch_rows(size_t row_bytes) {
     return 16384 / row_bytes > 8 ? (int)(16384 / row_bytes) : 8;
 }
@@ -357,13 +363,18 @@ static inline void rows8_one_token(const kern_dtype dt, const unsigned char *c, 
                                    const unsigned char *sw, const float *xs, float *y) {
     const int bb = dt == KERN_MXFP4 ? 16 : 32; /* code bytes per block */
     const int per_line = 64 / bb, pf = prefetch_rows(rb);
+    /* the prefetched rows through their own pointer, at the same offsets
+     * k * rb as the rows read (no second set of offsets to keep in
+     * registers: with eight it spilled to vector registers and cost a move
+     * per prefetch) */
+    const unsigned char *cp = c + (size_t)pf * rb;
     __m512 acc[8];
     for (int k = 0; k < 8; k++)
         acc[k] = _mm512_setzero_ps();
-    for (int b = 0; b < nb; b++, c += bb, sw += 4) {
+    for (int b = 0; b < nb; b++, c += bb, cp += bb, sw += 4) {
         if (b % per_line == 0)
             for (int k = 0; k < 8; k++)
-                _mm_prefetch((const char *)(c + (k + pf) * rb), _MM_HINT_T0);
+                _mm_prefetch((const char *)(cp + k * rb), _MM_HINT_T1);
         const __m512 x0 = _mm512_loadu_ps(xs + 32 * (size_t)b);
         const __m512 x1 = _mm512_loadu_ps(xs + 32 * (size_t)b + 16);
         for (int k = 0; k < 8; k++) {
@@ -396,7 +407,7 @@ static inline void rows8_tokens(const kern_dtype dt, const unsigned char *c, siz
         for (int k = 0; k < 8; k++) {
             for (int j = 0; j < n; j += per_line)
                 _mm_prefetch((const char *)(c + (k + pf) * rb + (size_t)(b0 + j) * bb),
-                             _MM_HINT_T0);
+                             _MM_HINT_T1);
             for (int j = 0; j < n; j++) {
                 __m512 w0, w1;
                 block_values(dt, c + k * rb, b0 + j, sw + k * rb + 4 * (size_t)(b0 + j), &w0, &w1);

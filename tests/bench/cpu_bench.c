@@ -24,7 +24,11 @@
  *       where the direct path (T < 32) hands over to the prefill path;
  *   (d) prefill, T = 64 and 256, GFLOP/s (2 T rows cols / time), the fast
  *       path, the portable path kern_matmul_w_ref (dequantise + OpenBLAS
- *       sgemm), bf16 (kern_matmul: widen + sgemm) and f32 (sgemm alone).
+ *       sgemm), bf16 (kern_matmul: widen + sgemm) and f32 (sgemm alone);
+ *   (e) T = 1 MXFP4 and bf16 on [3072, 3584] stacks, each round a read of
+ *       the stack's bytes then a product sweep over them, so the fraction
+ *       of bandwidth is a ratio measured a second apart (medians over
+ *       rounds), which holds on a machine whose load moves.
  * Threads: products go through the engine's pool (eng_pool), their rows cut
  * into 4 tasks per thread as eng_cpu.c's run_mm does; with one thread the
  * call is made inline, as there. OpenBLAS is pinned to one thread (the
@@ -116,7 +120,7 @@ static void cpu_model(char *out, size_t n) {
 static eng_pool *g_pool[3]; /* [threads] */
 static float *g_scratch[2]; /* one kern_matmul_scratch_floats(widest) per thread */
 static int g_runs = 7, g_quick;
-static const char *g_only = "abcd";
+static const char *g_only = "abcde";
 static size_t g_l3;
 static double g_bw[3]; /* measured read bandwidth, GB/s, [threads] */
 
@@ -381,6 +385,68 @@ static void bench_prefill(void) {
     printf("\n");
 }
 
+/* (e) The same stack read two ways in alternation, round after round: a
+ * streaming read of its codes and scales (read_task), then one product
+ * sweep over it (each weight once). On a shared machine the load changes
+ * from second to second, so a bandwidth measured minutes before a product
+ * (parts a and b) can be off by 2x; a round's two sweeps are a second apart
+ * and its ratio is what this part reports: the median over rounds of
+ * (product bytes/s) / (read bytes/s) for the same bytes. */
+static double read_sweep(const unsigned char *p, size_t n, int threads) {
+    read_job j = {p, n, threads == 1 ? 1 : 4 * threads, {0}};
+    const double t0 = now_s();
+    if (threads == 1)
+        read_task(&j, 0, 0);
+    else
+        eng_pool_run(g_pool[threads], read_task, &j, j.n_tasks);
+    return now_s() - t0;
+}
+
+static void bench_alternating(void) {
+    const kern_dtype dts[2] = {KERN_MXFP4, KERN_BF16};
+    const int rounds = g_runs < 5 ? 5 : 2 * g_runs + 1;
+    printf("### (e) T = 1 products against a read of the same bytes, alternating\n\n");
+    printf("Per round: a streaming read of the stack's codes (as (a)), then one product sweep "
+           "over every weight of it; %d rounds; medians. `ratio` = median over rounds of "
+           "(product GB/s) / (read GB/s) in the same round.\n\n",
+           rounds);
+    printf("| format | shape | stack | threads | read GB/s | product GB/s | ratio |\n");
+    printf("|---|---|---|---|---|---|---|\n");
+    for (int d = 0; d < 2; d++) {
+        const int rows = SHAPES[0][0], cols = SHAPES[0][1];
+        const kern_layout l = kern_weight_layout(dts[d], rows, cols);
+        size_t want = 4 * g_l3 > ((size_t)1 << 30) ? 4 * g_l3 : (size_t)1 << 30;
+        if (g_quick) want /= 4;
+        const int n = (int)((want + l.bytes - 1) / l.bytes);
+        stack st = make_stack(dts[d], rows, cols, n);
+        float *x = random_x((size_t)cols, 3), *y = xalloc((size_t)rows * sizeof(float));
+        const size_t codes = l.data_bytes * (size_t)n;
+        const double bytes = ((double)l.bytes + 4.0 * cols) * n;
+        for (int th = 1; th <= 2; th++) {
+            double rd[128], pr[128], ra[128];
+            for (int r = 0; r <= rounds; r++) {
+                const double tr = read_sweep(st.codes, codes, th);
+                const double t0 = now_s();
+                for (int i = 0; i < n; i++)
+                    product(&st.w[i], x, 1, y, th, 0);
+                const double tp = now_s() - t0;
+                if (r == 0) continue; /* warm-up */
+                rd[r - 1] = (double)codes / tr / 1e9;
+                pr[r - 1] = bytes / tp / 1e9;
+                ra[r - 1] = pr[r - 1] / rd[r - 1];
+            }
+            printf("| %s | [%d, %d] | %d (%.0f MB) | %d | %.1f | %.1f | **%.0f%%** |\n",
+                   kern_dtype_name(dts[d]), rows, cols, n, bytes / 1e6, th, median(rd, rounds),
+                   median(pr, rounds), 100.0 * median(ra, rounds));
+            fflush(stdout);
+        }
+        free(x);
+        free(y);
+        free_stack(&st);
+    }
+    printf("\n");
+}
+
 int main(int argc, char **argv) {
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--quick")) {
@@ -392,7 +458,7 @@ int main(int argc, char **argv) {
         } else if (!strcmp(argv[i], "--only") && i + 1 < argc) {
             g_only = argv[++i];
         } else {
-            fprintf(stderr, "usage: %s [--quick] [--runs N (1..63)] [--only abcd]\n", argv[0]);
+            fprintf(stderr, "usage: %s [--quick] [--runs N (1..63)] [--only abcde]\n", argv[0]);
             return 2;
         }
     }
@@ -427,6 +493,7 @@ int main(int argc, char **argv) {
     if (strchr(g_only, 'b')) bench_decode();
     if (strchr(g_only, 'c')) bench_tokens();
     if (strchr(g_only, 'd')) bench_prefill();
+    if (strchr(g_only, 'e')) bench_alternating();
     for (int t = 0; t < 2; t++)
         free(g_scratch[t]);
     for (int th = 1; th <= 2; th++)
