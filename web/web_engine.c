@@ -53,6 +53,8 @@ typedef struct hot {
     eng_seq *seq;
     uint64_t base;                /* head snapshot the sequence equals */
     bool chat;
+    bool has_sampler;             /* the session's recorded sampler settings */
+    eng_sampler_params sampler;   /* (sess_session_info.sampler), kept current */
     double last_used;
     gen *gen;                     /* the generation running on it */
     double last_resume_ms, last_prefill_tok_s, last_decode_tok_s;
@@ -205,6 +207,12 @@ static bool arg_num(web_engine *E, const web_req *r, const cJSON *id, const char
     return true;
 }
 
+/* Whether the request gives field `key` (null is not giving it). */
+static bool given(const web_req *r, const char *key) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(r->msg, key);
+    return v && !cJSON_IsNull(v);
+}
+
 /* Session info, refusing other tenants' sessions as not found. */
 static bool get_session(web_engine *E, const web_req *r, const cJSON *id, const char *store,
                         sess_session_info *info) {
@@ -301,6 +309,8 @@ static hot *ensure_hot(web_engine *E, const web_req *r, const cJSON *id, const c
     h->seq = seq;
     h->base = info.head;
     h->chat = mode_is_chat(E, &info);
+    h->has_sampler = info.has_sampler;
+    h->sampler = info.sampler;
     h->last_used = web__now_s();
     h->last_resume_ms = ms;
     atomic_fetch_add(&E->s->metrics.sessions_hot, 1);
@@ -823,6 +833,16 @@ static void op_generate(web_engine *E, const web_req *r, const cJSON *id) {
         return;
     }
     if (!(h = ensure_hot(E, r, id, store))) return;
+    if (h->has_sampler) {
+        /* the settings of the session's last turn, except those given now */
+        eng_sampler_params was = h->sampler;
+        if (given(r, "temperature")) was.temperature = sp.temperature;
+        if (given(r, "top_p")) was.top_p = sp.top_p;
+        if (given(r, "top_k")) was.top_k = sp.top_k;
+        if (given(r, "min_p")) was.min_p = sp.min_p;
+        if (given(r, "repeat_penalty")) was.repeat_penalty = sp.repeat_penalty;
+        sp = was;
+    }
     const char *text = mv ? mv->valuestring : tv->valuestring;
     size_t len = strlen(text);
     gen *g = calloc(1, sizeof *g);
@@ -1398,7 +1418,8 @@ static void finish(web_engine *E, gen *g) {
                           .output_len = reply_len,
                           .prompt_tokens = g->fed,
                           .output_tokens = g->produced,
-                          .mode = h->chat ? "chat" : "plain"};
+                          .mode = h->chat ? "chat" : "plain",
+                          .sampler = &g->sp};
         double t0 = web__now_s();
         if (g->route == WEB_ROUTE_WS) {
             rc = sess_save(E->s->st, h->name, h->base, E->s->m, h->seq, &turn, &snap, &e);
@@ -1418,6 +1439,10 @@ static void finish(web_engine *E, gen *g) {
         if (rc == KDS_OK) {
             web__hist_add(&E->s->metrics.save_ms, (web__now_s() - t0) * 1e3);
             h->base = snap;
+            if (g->route == WEB_ROUTE_WS) { /* what the session now records */
+                h->has_sampler = true;
+                h->sampler = g->sp;
+            }
         }
     }
     h->last_prefill_tok_s = prefill_s > 0 ? (double)g->fed / prefill_s : 0.0;

@@ -763,6 +763,16 @@ async function groupGenerate() {
     eq(r.started.prompt_tokens, 0, "prompt_tokens of an empty text");
   });
 
+  await check("a generate without sampling fields continues with the settings of the session's last turn", async () => {
+    const one = nm("smp-one"), two = nm("smp-two");
+    const sampling = { temperature: 1.3, top_k: 7, top_p: 0.9, min_p: 0, seed: 3, ignore_eos: true };
+    for (const s of [one, two]) isResult(await c.request({ op: "create", session: s }), "create");
+    const full = checkStream(await c.generate({ session: one, text: PROMPTS[1], max_tokens: 16, ...sampling }), "one request");
+    const a = checkStream(await c.generate({ session: two, text: PROMPTS[1], max_tokens: 8, ...sampling }), "first half");
+    const b = checkStream(await c.generate({ session: two, text: "", max_tokens: 8, ignore_eos: true }), "second half, no sampling fields");
+    eq(a.done.reply + b.done.reply, full.done.reply, "8 + 8 tokens (the second request without sampling fields) vs 16");
+  });
+
   await closeAll();
 }
 
