@@ -75,8 +75,11 @@ static void generate_usage(FILE *f) {
         "k tokens and then N-k in a later process. If another process (the server, a\n"
         "chat) has the session open for writing, that is said at once; if it saved a\n"
         "turn while this one ran, this turn is saved as a fork NAME-K (said on stderr)\n"
-        "rather than lost. The sampler settings are saved with the session: a later\n"
-        "turn uses the recorded ones, except for the sampling options it gives.\n\n"
+        "rather than lost. A chat session (made by `kdaserve chat` or the server in chat\n"
+        "mode) takes the prompt as a user message in its chat format, as they do; a\n"
+        "session generate starts is plain continuation. The sampler settings are saved\n"
+        "with the session: a later turn uses the recorded ones, except for the sampling\n"
+        "options it gives.\n\n"
         "  --model DIR          model directory (default: the session's model, else\n"
         "                       $KDASERVE_MODEL, else ./models/default)\n"
         "  --prompt TEXT        the text to continue (may be empty)\n"
@@ -309,17 +312,35 @@ int cmd_generate(int argc, char **argv) {
     const eng_tokenizer *tok = eng_model_tokenizer(m);
     const int vocab = eng_model_config(m)->vocab_size;
     size_t plen = strlen(prompt);
-    int64_t n = eng_tok_encode(tok, prompt, plen, NULL, 0);
-    if (n < 0) {
-        rc = cli_failf("generate", "cannot tokenize the prompt");
+    /* A session continues in its mode (sess_session_chat_mode, the rule the
+     * REPL and the server follow): in a chat session the prompt is a user
+     * message in the chat format, and a reply cut short is closed; a new
+     * session from generate is plain continuation, and says so. */
+    bool chat = false;
+    if (resume && sess_session_chat_mode(store, &si, tok, false, &chat, &err) != KDS_OK) {
+        rc = cli_fail("generate", &err);
         goto out;
     }
-    ids = malloc(((size_t)n + 1) * sizeof *ids);
-    if (!ids) {
-        rc = cli_failf("generate", "out of memory for %lld prompt tokens", (long long)n);
-        goto out;
+    int64_t n = 0;
+    if (chat && plen) {
+        if (eng_chat_turn(tok, true, si.tokens, NULL, prompt, plen, true, &ids, &n, &err) !=
+            KDS_OK) {
+            rc = cli_fail("generate", &err);
+            goto out;
+        }
+    } else {
+        n = eng_tok_encode(tok, prompt, plen, NULL, 0);
+        if (n < 0) {
+            rc = cli_failf("generate", "cannot tokenize the prompt");
+            goto out;
+        }
+        ids = malloc(((size_t)n + 1) * sizeof *ids);
+        if (!ids) {
+            rc = cli_failf("generate", "out of memory for %lld prompt tokens", (long long)n);
+            goto out;
+        }
+        eng_tok_encode(tok, prompt, plen, ids, n);
     }
-    eng_tok_encode(tok, prompt, plen, ids, n);
     /* nothing to continue from: a fresh sequence starts at BOS; a resumed
      * one already has the logits of its last token */
     if (n == 0 && !resume && eng_tok_bos(tok) >= 0) ids[n++] = eng_tok_bos(tok);
@@ -397,6 +418,15 @@ int cmd_generate(int argc, char **argv) {
             goto out;
         }
     }
+    /* a chat reply cut short is closed, so the session ends on a finished
+     * turn and the next message renders on (as the REPL and server do) */
+    if (chat && session && produced == max_tokens) {
+        int32_t end = eng_tok_special_id(tok, "<|im_end|>");
+        if (end >= 0 && eng_decode(c, s, end, &err) != KDS_OK) {
+            rc = cli_fail("generate", &err);
+            goto out;
+        }
+    }
     double t2 = cli_now();
     {
         size_t len;
@@ -441,7 +471,7 @@ int cmd_generate(int argc, char **argv) {
     } else if (session) {
         sess_turn turn = {.prompt = prompt, .prompt_len = plen, .output = kds_buf_str(&text),
                           .output_len = text.len, .prompt_tokens = n, .output_tokens = produced,
-                          .sampler = &sp};
+                          .mode = chat ? "chat" : "plain", .sampler = &sp};
         double ts0 = cli_now();
         sess_save_result res;
         if (sess_save_ex(store, session, resume ? si.head : 0, m, s, &turn, SESS_CONFLICT_FORK,

@@ -500,3 +500,38 @@ Test(repl, sampler_settings_saved_with_the_session) {
     cr_expect(strstr(out, "temperature 0.5"), "%s", out);
     rm_tmp();
 }
+
+/* generate --session on a chat session continues it in the chat format,
+ * as the REPL does: the second turn given to generate equals the second
+ * turn of one REPL process, and the session stays a chat session (issue
+ * 15: generate fed the prompt as raw text into the chat context). */
+Test(repl, generate_continues_a_chat_session_in_chat_format) {
+    make_tmp();
+    static char out[65536], err[8192];
+    char *one[4], *first[4];
+    const char *args = "--json --max-tokens 12 --chat --temperature 0";
+    char a[256];
+    snprintf(a, sizeof a, "--session both %s", args);
+    cr_assert_eq(chat(a, "Hello there\nWhat next?\n", out, sizeof out, err, sizeof err), 0, "%s",
+                 err);
+    cr_assert_eq(replies(out, one, 4), 2, "%s", out);
+    snprintf(a, sizeof a, "--session split %s", args);
+    cr_assert_eq(chat(a, "Hello there\n", out, sizeof out, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(replies(out, first, 4), 1, "%s", out);
+    char cmd[1024];
+    snprintf(cmd, sizeof cmd, KDS_BINARY_DIR "/kdaserve generate --db %s/db --session split "
+             "--prompt 'What next?' --max-tokens 12 --temperature 0 --threads 1 2>%s/gen.err",
+             tmpdir, tmpdir);
+    FILE *p = popen(cmd, "r");
+    cr_assert(p);
+    size_t n = fread(out, 1, sizeof out - 1, p);
+    out[n] = 0;
+    cr_assert_eq(pclose(p), 0, "%s", out);
+    while (n && out[n - 1] == '\n') out[--n] = 0;
+    cr_expect_str_eq(out, one[1], "generate's chat turn differs from the REPL's");
+    cr_assert_eq(chat("--session split", "/stats\n", out, sizeof out, err, sizeof err), 0);
+    cr_expect(strstr(out, "mode             chat"), "%s", out);
+    free_all(one, 2);
+    free_all(first, 1);
+    rm_tmp();
+}
