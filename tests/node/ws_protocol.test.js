@@ -2109,6 +2109,27 @@ async function groupIngest() {
     eq((await greedy(c, S, "", 8)).text, one.text, "greedy reply vs one generate");
   });
 
+  await check("chat mode: the document is one user turn (its opener, its text, <|im_end|>)", async () => {
+    const S = nm("ing-chat"), P = nm("ing-chat-plain");
+    const made = await c.request({ op: "create", session: S, mode: "chat" });
+    if (made.event === "error" && made.code === "bad_request") return; // a tokenizer without a chat format
+    isResult(made, "create chat");
+    await c.ok({ op: "create", session: P, mode: "plain" });
+    const text = "Ein Brief über Zürich, 😀, und mehr.\n".repeat(50);
+    const b = Buffer.from(text, "utf8");
+    const one = await greedy(c, P, text, 1);
+    const id = c.nextId++;
+    isResult(await c.request({ id, op: "append", session: S, name: "brief.txt", data: b.subarray(0, 101).toString("base64") }), "chunk 1");
+    isResult(await c.request({ op: "append", session: S, data: b.subarray(101).toString("base64"), last: true }), "chunk 2");
+    const done = await c.next((e) => e.id === id && e.event === "done", 60000, "done");
+    eq(done.reason, "complete", "reason");
+    eq(done.document.tokens, one.started.prompt_tokens, "text tokens vs the same text in plain mode");
+    ok(done.prompt_tokens > done.document.tokens, `prompt_tokens ${done.prompt_tokens} should count the turn's opener`);
+    eq(done.context, done.prompt_tokens + 1, "context: opener, text and <|im_end|>");
+    const g = checkStream(await c.generate({ session: S, message: "Summarise it.", max_tokens: 4, temperature: 0 }), "generate after");
+    eq(g.started.context, done.context, "generate continues the document's turn");
+  });
+
   await check("invalid UTF-8 is refused (bad_request) and the ingest goes on", async () => {
     const S = nm("ing-bad");
     await c.ok({ op: "create", session: S, mode: "plain" });
@@ -2155,6 +2176,23 @@ async function groupIngest() {
     ok(DOC.startsWith(t.prompt), "the kept text is not the start of the document");
     const g = await greedy(c, S, " more", 4);
     eq(g.started.context, ing.done.context, "generate continues the saved session");
+  });
+
+  await check("a client that goes away mid-document: what went in is saved", async () => {
+    const S = nm("ing-gone");
+    await c.ok({ op: "create", session: S, mode: "plain" });
+    const d = await connect();
+    const id = d.nextId++;
+    isResult(await d.request({ id, op: "append", session: S, name: "gone.txt",
+                               data: buf.subarray(0, chunk).toString("base64") }), "first chunk");
+    await d.next((e) => e.id === id && e.event === "progress" && e.tokens > 0, 60000, "progress");
+    d.terminate();
+    const s = await waitListed(c, S, (x) => x.tokens > 0 && x.state !== "generating", 30000, "after the disconnect");
+    const h = isResult(await c.request({ op: "history", session: S }), "history");
+    const t = h.turns[h.turns.length - 1];
+    ok(t.document && t.document.name === "gone.txt", `last turn: ${describe(t)}`);
+    eq(t.tokens, s.tokens, "tokens of the saved turn");
+    ok(DOC.startsWith(t.prompt), "the kept text is not the start of the document");
   });
 
   await check("a frame over --max-message still closes with 1009", async () => {
