@@ -1002,6 +1002,8 @@ static void op_cancel(web_engine *E, const web_req *r, const cJSON *id) {
 /* Ingest: op append                                                         */
 
 static void gen_error(gen *g, const kds_err *e);
+static void prefix_scope(web_engine *E, const web_req *r, char *out, size_t cap);
+static void index_turn(web_engine *E, gen *g, uint64_t snap);
 
 /* Text tokens of an ingest that were fed. */
 static int64_t ingest_fed_text(const ingest *in) {
@@ -1168,6 +1170,7 @@ static void ingest_step(web_engine *E, gen *g) {
         gen_error(g, &e);
         return;
     }
+    if (g->hasher) sess_prefix_hasher_add(g->hasher, g->ids + g->fed, n);
     g->fed += n;
     in->fed_total += n;
     in->prefix_left -= n < in->prefix_left ? n : in->prefix_left;
@@ -1215,6 +1218,7 @@ static void ingest_finish(web_engine *E, gen *g) {
             if (rc == KDS_OK) {
                 web__hist_add(&E->s->metrics.save_ms, (web__now_s() - t0) * 1e3);
                 h->base = snap;
+                index_turn(E, g, snap);
             }
         }
         if (map) munmap(map, (size_t)keep);
@@ -1274,6 +1278,14 @@ static gen *ingest_create(web_engine *E, const web_req *r, const cJSON *id, hot 
     g->t_arrive = r->t_arrive;
     g->t_start = web__now_s();
     g->route = WEB_ROUTE_WS;
+    if (g->context0 == 0) {
+        /* a session that starts with the document: every token is known, so
+         * its end goes into the prefix index and an HTTP client that sends
+         * the same text resumes there (advisory: without it, it replays) */
+        char scope[WEB_TENANT_MAX + SESS_FP_LEN + 8];
+        prefix_scope(E, r, scope, sizeof scope);
+        if (sess_prefix_hasher_create(scope, &g->hasher, NULL) != KDS_OK) g->hasher = NULL;
+    }
     const eng_tokenizer *tok = eng_model_tokenizer(E->s->m);
     srv_reply_params rp = srv_reply_default_params();
     rp.max_tokens = 0;

@@ -2178,6 +2178,37 @@ async function groupIngest() {
     eq(g.started.context, ing.done.context, "generate continues the saved session");
   });
 
+  await check("an HTTP client sending the document's text resumes from the ingest (cached_tokens)", async () => {
+    const S = nm("ing-http");
+    await c.ok({ op: "create", session: S, mode: "plain" });
+    const small = Buffer.from(makeDoc(60000), "utf8");
+    const ing = await ingestBytes(c, S, "small.txt", small, 10007);
+    eq(ing.done.reason, "complete", "reason");
+    const u = new URL(opt.url);
+    const post = (path, body) => new Promise((resolve, reject) => {
+      const data = body ? Buffer.from(JSON.stringify(body)) : Buffer.alloc(0);
+      const req = http.request({ host: u.hostname, port: u.port, path, method: body ? "POST" : "GET",
+                                 headers: { "Content-Type": "application/json", "Content-Length": data.length,
+                                            ...(opt.tokenA ? { Authorization: "Bearer " + opt.tokenA } : {}) } });
+      req.setTimeout(120000, () => req.destroy(new Error("no answer within 120 s")));
+      req.on("response", (res) => {
+        let t = "";
+        res.setEncoding("utf8");
+        res.on("data", (d) => (t += d));
+        res.on("end", () => { try { resolve({ status: res.statusCode, body: JSON.parse(t) }); } catch (e) { reject(e); } });
+      });
+      req.on("error", reject);
+      req.end(body ? data : undefined);
+    });
+    const models = await post("/v1/models");
+    eq(models.status, 200, "GET /v1/models");
+    const r = await post("/v1/completions", { model: models.body.data[0].id, prompt: small.toString("utf8") + " And so",
+                                              max_tokens: 2, temperature: 0 });
+    eq(r.status, 200, `POST /v1/completions: ${JSON.stringify(r.body).slice(0, 200)}`);
+    const cached = r.body.usage && r.body.usage.prompt_tokens_details && r.body.usage.prompt_tokens_details.cached_tokens;
+    eq(cached, ing.done.context, "usage.prompt_tokens_details.cached_tokens (the ingested document)");
+  });
+
   await check("a client that goes away mid-document: what went in is saved", async () => {
     const S = nm("ing-gone");
     await c.ok({ op: "create", session: S, mode: "plain" });
