@@ -285,6 +285,11 @@ typedef struct sess_turn {
     /* NULL, or the sampler settings this turn used (sess_sampler_valid), to
      * record as the session's: a save keeps the settings last declared. */
     const eng_sampler_params *sampler;
+    /* NULL, or the name of the document this turn ingested (1 to
+     * SESS_DOC_NAME_MAX bytes, no NUL): the prompt is then that document's
+     * text, doc_bytes its length as the client sent it. */
+    const char *doc_name;
+    int64_t doc_bytes;
 } sess_turn;
 /* A sess_turn whose prompt and output are both NULL appends no transcript
  * entry: it only declares the mode (a session created before its first turn). */
@@ -391,6 +396,8 @@ kds_status sess_session_delete(sess_store *st, const char *name, kds_err *err);
  * Errors: KDS_NOT_FOUND, KDS_EXISTS (to is taken), KDS_INVALID_ARG. */
 kds_status sess_session_rename(sess_store *st, const char *from, const char *to, kds_err *err);
 
+#define SESS_DOC_NAME_MAX 255
+
 /* One transcript entry (caller-owned copies). */
 typedef struct sess_turn_record {
     char *prompt;          /* NUL-terminated copy (text may contain NULs: use the lengths) */
@@ -401,6 +408,8 @@ typedef struct sess_turn_record {
     int64_t tokens;        /* session tokens after the turn */
     uint64_t snapshot;     /* snapshot saved after the turn */
     int64_t time_us;
+    char doc_name[SESS_DOC_NAME_MAX + 1]; /* "" = not a document (sess_turn.doc_name) */
+    int64_t doc_bytes;
 } sess_turn_record;
 
 /* The transcript of a session, oldest first. Free with sess_transcript_free. */

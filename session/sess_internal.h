@@ -148,6 +148,9 @@ typedef struct sess__turn_hdr {
     size_t output_len;
     int64_t prompt_tokens, output_tokens, tokens, time_us;
     uint64_t snapshot;
+    const char *doc_name;            /* encode: NULL = not a document */
+    char doc[SESS_DOC_NAME_MAX + 1]; /* parse: "" = not a document */
+    int64_t doc_bytes;
 } sess__turn_hdr;
 
 kds_status sess__turn_encode(const sess__turn_hdr *t, unsigned char **out, size_t *len,

@@ -714,7 +714,10 @@ kds_status sess__turn_encode(const sess__turn_hdr *t, unsigned char **out, size_
     msgpack_packer pk;
     msgpack_sbuffer_init(&sb);
     msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
-    msgpack_pack_map(&pk, 7);
+    bool doc = t->doc_name && t->doc_name[0];
+    /* "doc" and "doc_bytes" are optional (an ingested document; added
+     * without a version bump: readers ignore unknown keys) */
+    msgpack_pack_map(&pk, doc ? 9 : 7);
     /* bin, not str: a byte-level model's text need not be valid UTF-8 */
     pk_bin(&pk, "prompt", t->prompt, t->prompt_len);
     pk_bin(&pk, "output", t->output, t->output_len);
@@ -723,6 +726,10 @@ kds_status sess__turn_encode(const sess__turn_hdr *t, unsigned char **out, size_
     pk_i64(&pk, "tokens", t->tokens);
     pk_u64(&pk, "snapshot", t->snapshot);
     pk_i64(&pk, "time_us", t->time_us);
+    if (doc) {
+        pk_str(&pk, "doc", t->doc_name);
+        pk_i64(&pk, "doc_bytes", t->doc_bytes);
+    }
     return finish(&sb, SESS_MAGIC_TURN, SESS_VERSION_TURN, out, len, err);
 }
 
@@ -742,6 +749,8 @@ kds_status sess__turn_parse(const void *rec, size_t len, const char *what, sess_
     t->tokens = get_i64(&d, "tokens");
     t->snapshot = get_u64(&d, "snapshot", UINT64_MAX);
     t->time_us = get_i64(&d, "time_us");
+    get_str(&d, "doc", t->doc, sizeof t->doc, false);
+    if (t->doc[0]) t->doc_bytes = get_i64(&d, "doc_bytes");
     rc = d.rc;
     dec_close(&d);
     return rc;

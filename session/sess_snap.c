@@ -726,7 +726,11 @@ static kds_status save_fn(sess__wtxn *w, void *ctx, kds_err *err) {
                             .output_len = c->turn->output ? c->turn->output_len : 0,
                             .prompt_tokens = c->turn->prompt_tokens,
                             .output_tokens = c->turn->output_tokens,
-                            .tokens = c->pos, .time_us = c->now, .snapshot = snap_id};
+                            .tokens = c->pos,
+                            .time_us = c->now,
+                            .snapshot = snap_id,
+                            .doc_name = c->turn->doc_name,
+                            .doc_bytes = c->turn->doc_bytes};
         size_t tl;
         if ((rc = sess__turn_encode(&t, &trec, &tl, err)) != KDS_OK) goto out;
         unsigned char tk[12];
@@ -773,6 +777,10 @@ kds_status sess_save_ex(sess_store *st, const char *session, uint64_t base, cons
                            "top_p %g, min_p %g, repeat_penalty %g)", turn->sampler->temperature,
                            turn->sampler->top_p, turn->sampler->min_p,
                            turn->sampler->repeat_penalty);
+    if (turn && turn->doc_name &&
+        (!turn->doc_name[0] || strlen(turn->doc_name) > SESS_DOC_NAME_MAX))
+        return kds_err_set(err, KDS_INVALID_ARG, "a document name must be 1-%d bytes",
+                           SESS_DOC_NAME_MAX);
     save_ctx c = {.name = session, .on_conflict = on_conflict, .base = base, .m = m, .s = s,
                   .turn = turn,
                   .fp = eng_model_fingerprint(m), .pos = eng_seq_pos(s),
@@ -1120,6 +1128,8 @@ static kds_status transcript_fn(sess_store *st, MDB_txn *txn, void *ctx, kds_err
         r->tokens = h.tokens;
         r->snapshot = h.snapshot;
         r->time_us = h.time_us;
+        memcpy(r->doc_name, h.doc, sizeof r->doc_name);
+        r->doc_bytes = h.doc_bytes;
     }
 out:
     sess__free_kv(recs, n);

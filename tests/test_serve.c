@@ -300,3 +300,11 @@ Test(serve, flood_is_bounded_and_stops_quickly) {
                  st, ts_now() - t0, s.log_tail);
     rm_tmp(dir);
 }
+
+/* op append: a document of several MB streamed in chunks equals the same
+ * text in one generate (tokens, next greedy reply); progress, UTF-8 cut by
+ * chunks, invalid UTF-8, cancel, another connection streaming meanwhile.
+ * --max-message is raised so that one generate can carry the whole text. */
+Test(serve, ingest_document_in_chunks) {
+    groups_on_server("ingest", NULL, "--max-message", "8388608", NULL);
+}

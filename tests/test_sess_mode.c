@@ -242,3 +242,66 @@ Test(sess_mode, sampler_recorded_kept_forked_exported, .timeout = 60) {
     tmu_rmtree(tmp);
     free(tmp);
 }
+
+/* A document turn (the server's `append`): its name and size are recorded
+ * with the turn, read back (also after reopening and through export and
+ * import), other turns have none, and a name over SESS_DOC_NAME_MAX bytes is
+ * refused before anything is written. */
+Test(sess_mode, document_turn_recorded_and_exported, .timeout = 60) {
+    char *tmp = tmu_mkdtemp();
+    char *db = tmu_path(tmp, "db"), *file = tmu_path(tmp, "d.kds");
+    tsu_model f = tsu_open_model(TMU_MICRO_KDA);
+    sess_store *st = tsu_open_store(db);
+    eng_seq *s = NULL;
+    kds_err err = {0};
+    cr_assert_eq(eng_seq_create(f.m, 1, &s, &err), KDS_OK);
+    uint64_t base = 0;
+    tsu_feed(&f, s, 5, 1);
+    const char *text = "the whole text of a document";
+    sess_turn doc = {.prompt = text,
+                     .prompt_len = strlen(text),
+                     .output = "",
+                     .prompt_tokens = 5,
+                     .doc_name = "notes.txt",
+                     .doc_bytes = (int64_t)strlen(text)};
+    cr_assert_eq(sess_save(st, "d", 0, f.m, s, &doc, &base, &err), KDS_OK, "%s", err.msg);
+    tsu_feed(&f, s, 2, 2);
+    sess_turn plain = {.prompt = "q", .prompt_len = 1, .output = "a", .prompt_tokens = 1};
+    cr_assert_eq(sess_save(st, "d", base, f.m, s, &plain, &base, &err), KDS_OK, "%s", err.msg);
+
+    char big[SESS_DOC_NAME_MAX + 2];
+    memset(big, 'n', sizeof big - 1);
+    big[sizeof big - 1] = '\0';
+    tsu_feed(&f, s, 1, 3);
+    sess_turn bad = doc;
+    bad.doc_name = big;
+    uint64_t id = 0;
+    cr_expect_eq(sess_save(st, "d", base, f.m, s, &bad, &id, &err), KDS_INVALID_ARG,
+                 "a %zu-byte document name was accepted", strlen(big));
+
+    cr_assert_eq(sess_export(st, "d", file, &err), KDS_OK, "%s", err.msg);
+    cr_assert_eq(sess_import(st, file, "d2", NULL, NULL, &err), KDS_OK, "%s", err.msg);
+    sess_close(st);
+    st = tsu_open_store(db);
+    const char *names[] = {"d", "d2"};
+    for (int k = 0; k < 2; k++) {
+        sess_turn_record *t = NULL;
+        size_t n = 0;
+        cr_assert_eq(sess_transcript(st, names[k], &t, &n, &err), KDS_OK, "%s", err.msg);
+        cr_assert_eq(n, 2, "session '%s' has %zu turns", names[k], n);
+        cr_expect_str_eq(t[0].doc_name, "notes.txt", "session '%s'", names[k]);
+        cr_expect_eq(t[0].doc_bytes, (int64_t)strlen(text));
+        cr_expect_eq(t[0].prompt_len, strlen(text));
+        cr_expect(!memcmp(t[0].prompt, text, strlen(text)), "the document's text");
+        cr_expect_str_eq(t[1].doc_name, "", "a turn that is no document");
+        cr_expect_eq(t[1].doc_bytes, 0);
+        sess_transcript_free(t, n);
+    }
+    eng_seq_free(s);
+    sess_close(st);
+    tsu_close_model(&f);
+    tmu_rmtree(tmp);
+    free(tmp);
+    free(db);
+    free(file);
+}

@@ -106,6 +106,59 @@ void web__utf8_trim(char *s) {
     }
 }
 
+size_t web__utf8_partial_tail(const void *p, size_t n) {
+    const unsigned char *u = p;
+    for (size_t back = 1; back <= 3 && back <= n; back++) {
+        unsigned char c = u[n - back];
+        if ((c & 0xc0) == 0x80) continue;
+        size_t need = c >= 0xf0 ? 4 : c >= 0xe0 ? 3 : c >= 0xc0 ? 2 : 1;
+        if (need <= back) return 0;
+        /* complete it with the smallest bytes that could follow: a real prefix
+         * of a character then reads as one */
+        unsigned char t[4] = {0x80, 0x80, 0x80, 0x80};
+        memcpy(t, u + n - back, back);
+        if (back == 1) t[1] = c == 0xe0 ? 0xa0 : c == 0xf0 ? 0x90 : 0x80;
+        return utf8_seq(t, need) == need ? back : 0;
+    }
+    return 0;
+}
+
+static int b64_val(unsigned char c) {
+    if (c >= 'A' && c <= 'Z') return c - 'A';
+    if (c >= 'a' && c <= 'z') return c - 'a' + 26;
+    if (c >= '0' && c <= '9') return c - '0' + 52;
+    if (c == '+') return 62;
+    if (c == '/') return 63;
+    return -1;
+}
+
+bool web__b64_decode(const char *s, size_t n, unsigned char *out, size_t *out_len) {
+    *out_len = 0;
+    if (n % 4) return false;
+    size_t o = 0;
+    for (size_t i = 0; i < n; i += 4) {
+        bool end = i + 4 == n;
+        int v[4];
+        int pad = 0;
+        for (int k = 0; k < 4; k++) {
+            unsigned char c = (unsigned char)s[i + k];
+            if (c == '=' && end && k >= 2) {
+                v[k] = 0;
+                pad++;
+                continue;
+            }
+            if (pad || (v[k] = b64_val(c)) < 0) return false; /* '=' only at the end */
+        }
+        uint32_t w =
+            (uint32_t)v[0] << 18 | (uint32_t)v[1] << 12 | (uint32_t)v[2] << 6 | (uint32_t)v[3];
+        out[o++] = (unsigned char)(w >> 16);
+        if (pad < 2) out[o++] = (unsigned char)(w >> 8);
+        if (pad < 1) out[o++] = (unsigned char)w;
+    }
+    *out_len = o;
+    return true;
+}
+
 /* ------------------------------------------------------------------------ */
 /* Parsing                                                                   */
 

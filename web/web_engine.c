@@ -27,8 +27,11 @@
  * turn. Sessions in memory are clean between turns (saved after every turn),
  * so evicting the least recently used idle one costs nothing.
  */
+#include <errno.h>
 #include <inttypes.h>
 #include <math.h>
+#include <sys/mman.h>
+#include <unistd.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -60,7 +63,45 @@ typedef struct hot {
     double last_resume_ms, last_prefill_tok_s, last_decode_tok_s;
 } hot;
 
-typedef enum gen_phase { G_PREFILL, G_DECODE, G_CLOSE, G_FINISH } gen_phase;
+/* G_WAIT: an ingest that has fed every token it has and waits for the next chunk. */
+typedef enum gen_phase { G_PREFILL, G_DECODE, G_CLOSE, G_FINISH, G_WAIT } gen_phase;
+
+/* Tokens of an ingest waiting to be prefilled above which its next chunk
+ * waits in the connection's queue (the client's flow control: the answer to
+ * a chunk is sent when it is taken). */
+#define INGEST_BACKLOG 8192
+/* Text held back untokenized: the last two pre-tokens, which more text may
+ * still change; over this size a cut is made anyway (bounded memory). */
+#define INGEST_HOLD_MAX (4u << 20)
+/* Text below this size waits for more before it is split into pre-tokens. */
+#define INGEST_MIN_SPLIT 65536
+/* progress events of one ingest: at most one per this many seconds */
+#define INGEST_PROGRESS_S 0.25
+
+/* An ingest (op `append`, docs/protocol.md): a document streamed in chunks
+ * into one session, tokenized as it comes (the last pre-tokens held back,
+ * so the tokens are those of the whole text) and prefilled by the loop in
+ * slices aligned as a generate's prompt is. The text tokenized so far goes
+ * to an unlinked temporary file, read back (mapped) for the transcript at
+ * the end: memory stays bounded whatever the document's size. */
+typedef struct ingest {
+    char name[SESS_DOC_NAME_MAX + 1];
+    char client[SESS_NAME_MAX + 1]; /* the session as the client names it */
+    int64_t size;                   /* bytes the client announced, -1 = not said */
+    int64_t bytes;                  /* bytes received */
+    unsigned char carry[4];         /* the start of a character a chunk's end cut */
+    size_t n_carry;
+    kds_buf text;                  /* received text not tokenized yet */
+    int64_t ids_cap;               /* capacity of the gen's ids (the token buffer) */
+    int64_t prefix_n, prefix_left; /* chat: opener tokens (not text); not fed yet */
+    int64_t tokens;                /* text tokens known so far */
+    int64_t fed_total;             /* tokens fed (opener included) */
+    bool last;                     /* the last chunk came */
+    FILE *spool;                   /* the text tokenized so far */
+    bool broken;                   /* spool unusable after a failed write */
+    int64_t spool_bytes;
+    double t_progress;
+} ingest;
 
 struct gen {
     gen *next;
@@ -94,6 +135,7 @@ struct gen {
     int64_t prompt_total;            /* the request's tokens (usage.prompt_tokens) */
     char save_as[SESS_NAME_MAX + 1]; /* HTTP: the session the turn is saved to */
     sess_prefix_hasher *hasher;      /* HTTP: the whole token sequence, to index the turn end */
+    ingest *ing;                     /* an ingest (op append) rather than a reply */
 };
 
 /* The requests of one connection that the engine took and has not answered
@@ -317,10 +359,29 @@ static hot *ensure_hot(web_engine *E, const web_req *r, const cJSON *id, const c
     return h;
 }
 
+/* Bytes of an ingested document's text that history and open show (the
+ * whole text is in the transcript: `kdaserve snap export` carries it). */
+#define DOC_PREVIEW 1024
+
 static cJSON *turn_json(const sess_turn_record *t) {
     cJSON *o = cJSON_CreateObject();
     if (!o) return NULL;
-    cJSON_AddStringToObject(o, "prompt", t->prompt ? t->prompt : "");
+    if (t->doc_name[0]) {
+        /* the prompt is the document: its start only (cut on a character) */
+        char *pv = t->prompt;
+        size_t n = t->prompt_len < DOC_PREVIEW ? t->prompt_len : DOC_PREVIEW;
+        pv[n] = '\0';
+        n = web__utf8_prefix(pv, n);
+        pv[n] = '\0';
+        cJSON_AddStringToObject(o, "prompt", pv);
+        cJSON *d = cJSON_AddObjectToObject(o, "document");
+        cJSON_AddStringToObject(d, "name", t->doc_name);
+        cJSON_AddNumberToObject(d, "bytes", (double)t->doc_bytes);
+        cJSON_AddNumberToObject(d, "tokens", (double)t->prompt_tokens);
+        cJSON_AddBoolToObject(d, "clipped", t->prompt_len > n);
+    } else {
+        cJSON_AddStringToObject(o, "prompt", t->prompt ? t->prompt : "");
+    }
     cJSON_AddStringToObject(o, "reply", t->output ? t->output : "");
     cJSON_AddNumberToObject(o, "prompt_tokens", (double)t->prompt_tokens);
     cJSON_AddNumberToObject(o, "reply_tokens", (double)t->output_tokens);
@@ -767,8 +828,16 @@ static void op_stats(web_engine *E, const web_req *r, const cJSON *id) {
 /* ------------------------------------------------------------------------ */
 /* Generations                                                               */
 
+static void ingest_free(ingest *in) {
+    if (!in) return;
+    kds_buf_free(&in->text);
+    if (in->spool) fclose(in->spool);
+    free(in);
+}
+
 static void gen_free(gen *g) {
     if (!g) return;
+    ingest_free(g->ing);
     cJSON_Delete(g->id);
     free(g->ids);
     free(g->prompt);
@@ -927,6 +996,444 @@ static void op_cancel(web_engine *E, const web_req *r, const cJSON *id) {
     cJSON *o = web__event(id, "result");
     cJSON_AddBoolToObject(o, "cancelled", any);
     send_ev(E, r, o);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Ingest: op append                                                         */
+
+static void gen_error(gen *g, const kds_err *e);
+static void prefix_scope(web_engine *E, const web_req *r, char *out, size_t cap);
+static void index_turn(web_engine *E, gen *g, uint64_t snap);
+
+/* Text tokens of an ingest that were fed. */
+static int64_t ingest_fed_text(const ingest *in) {
+    return in->fed_total - (in->prefix_n - in->prefix_left);
+}
+
+/* Room for `more` tokens after the unfed ones of g's buffer (fed ones are
+ * dropped first). */
+static kds_status ingest_reserve(gen *g, int64_t more, kds_err *e) {
+    ingest *in = g->ing;
+    if (g->fed > 0) {
+        memmove(g->ids, g->ids + g->fed, (size_t)(g->n_ids - g->fed) * sizeof *g->ids);
+        g->n_ids -= g->fed;
+        g->fed = 0;
+    }
+    if (g->n_ids + more <= in->ids_cap) return KDS_OK;
+    int64_t cap = in->ids_cap ? in->ids_cap : 4096;
+    while (cap < g->n_ids + more)
+        cap *= 2;
+    int32_t *p = realloc(g->ids, (size_t)cap * sizeof *p);
+    if (!p) return kds_err_set(e, KDS_NOMEM, "out of memory");
+    g->ids = p;
+    in->ids_cap = cap;
+    return KDS_OK;
+}
+
+/* Add text p[0 .. n) (whole characters) to ingest g and tokenize what can
+ * no longer change: everything but the last two pre-tokens (all of it when
+ * `last`). All or nothing: on error the ingest is as it was. */
+static kds_status ingest_add(web_engine *E, gen *g, const unsigned char *p, size_t n, bool last,
+                             kds_err *e) {
+    ingest *in = g->ing;
+    const eng_tokenizer *tok = eng_model_tokenizer(E->s->m);
+    size_t old = in->text.len, *ends = NULL;
+    if (in->broken)
+        return kds_err_set(e, KDS_IO, "the document's temporary file failed; cancel it");
+    kds_status rc = kds_buf_append(&in->text, p, n, e);
+    if (rc != KDS_OK) return rc;
+    size_t cut = 0, len = in->text.len;
+    if (last) {
+        cut = len;
+    } else if (len >= INGEST_MIN_SPLIT) {
+        int64_t np = 0;
+        if ((rc = eng_tok_split(tok, (const char *)in->text.p, len, NULL, 0, &np, e)) != KDS_OK)
+            goto fail;
+        if (np >= 3) {
+            if (!(ends = malloc((size_t)np * sizeof *ends))) goto nomem;
+            if ((rc = eng_tok_split(tok, (const char *)in->text.p, len, ends, np, &np, e)) !=
+                KDS_OK)
+                goto fail;
+            cut = ends[np - 3];
+        }
+        if (!cut && len > INGEST_HOLD_MAX) cut = len; /* one pre-token of megabytes */
+    }
+    if (cut) {
+        int64_t k = 0;
+        if ((rc = ingest_reserve(g, (int64_t)cut, e)) != KDS_OK) goto fail;
+        if ((rc = eng_tok_encode_ex(tok, (const char *)in->text.p, cut, 0, g->ids + g->n_ids,
+                                    (int64_t)cut, &k, e)) != KDS_OK)
+            goto fail;
+        if (fwrite(in->text.p, 1, cut, in->spool) != cut || fflush(in->spool) != 0) {
+            int why = errno;
+            /* what was written after spool_bytes is never read (the end maps
+             * only spool_bytes); the next write goes there again */
+            clearerr(in->spool);
+            if (fseeko(in->spool, (off_t)in->spool_bytes, SEEK_SET) != 0) in->broken = true;
+            rc = kds_err_set(e, KDS_IO, "cannot keep the document's text: %s", strerror(why));
+            goto fail;
+        }
+        in->spool_bytes += (int64_t)cut;
+        g->n_ids += k;
+        in->tokens += k;
+        memmove(in->text.p, in->text.p + cut, len - cut);
+        in->text.len = len - cut;
+        in->text.p[in->text.len] = '\0';
+    }
+    if (last) in->last = true;
+    if (g->phase == G_WAIT) g->phase = G_PREFILL;
+    free(ends);
+    return KDS_OK;
+nomem:
+    rc = kds_err_set(e, KDS_NOMEM, "out of memory");
+fail:
+    free(ends);
+    in->text.len = old;
+    if (in->text.p) in->text.p[old] = '\0';
+    return rc;
+}
+
+/* The ingest running on session `store` (NULL: none). */
+static gen *ingest_of(web_engine *E, const char *store) {
+    hot *h = find_hot(E, store);
+    return h && h->gen && h->gen->ing ? h->gen : NULL;
+}
+
+/* A chunk of an ingest whose backlog is full waits in its connection's
+ * queue (answered when the backlog drains). */
+static bool deferred(web_engine *E, const web_req *r) {
+    if (E->stopping) return false;
+    const char *op = get_str(r->msg, "op"), *sn = get_str(r->msg, "session");
+    char store[SESS_NAME_MAX + 1];
+    if (!op || strcmp(op, "append") || !sn || !store_name(r, sn, store)) return false;
+    gen *g = ingest_of(E, store);
+    return g && g->conn == r->conn && !g->cancel && !g->gone && g->n_ids - g->fed > INGEST_BACKLOG;
+}
+
+static void ingest_progress(web_engine *E, gen *g, bool force) {
+    ingest *in = g->ing;
+    double now = web__now_s();
+    if (g->gone || (!force && now - in->t_progress < INGEST_PROGRESS_S)) return;
+    in->t_progress = now;
+    int64_t done = ingest_fed_text(in);
+    double dt = now - g->t_start, tps = dt > 0 ? (double)done / dt : 0.0;
+    /* the total: tokens known, or as the announced size predicts */
+    double total = (double)in->tokens;
+    if (in->size > 0 && in->bytes > 0 && !in->last && in->size > in->bytes && in->tokens > 0)
+        total = (double)in->tokens * (double)in->size / (double)(in->bytes - (int64_t)in->text.len);
+    cJSON *o = web__event(g->id, "progress");
+    cJSON_AddStringToObject(o, "session", g->ing->client);
+    cJSON_AddNumberToObject(o, "tokens", (double)done);
+    cJSON_AddNumberToObject(o, "total", (double)in->tokens);
+    cJSON_AddNumberToObject(o, "bytes", (double)in->bytes);
+    if (in->size >= 0)
+        cJSON_AddNumberToObject(o, "size", (double)in->size);
+    else
+        cJSON_AddNullToObject(o, "size");
+    cJSON_AddBoolToObject(o, "last", in->last);
+    cJSON_AddNumberToObject(o, "tok_s", tps);
+    if (tps > 0)
+        cJSON_AddNumberToObject(o, "eta_s",
+                                total > (double)done ? (total - (double)done) / tps : 0);
+    else
+        cJSON_AddNullToObject(o, "eta_s");
+    web__send(E->s, g->conn, o, g->msgpack);
+}
+
+/* One prefill slice of an ingest (the loop's prefill step). Slices are
+ * aligned on the ingest's start as a generate's prompt slices are, so the
+ * state equals that of the whole text given to one generate. */
+static void ingest_step(web_engine *E, gen *g) {
+    ingest *in = g->ing;
+    if (g->cancel || g->gone) {
+        g->reason = g->gone ? "disconnected" : "cancelled";
+        /* a chat turn begun is closed with <|im_end|> */
+        g->phase = g->h->chat && in->fed_total > 0 ? G_CLOSE : G_FINISH;
+        return;
+    }
+    int64_t avail = g->n_ids - g->fed,
+            slice = E->s->p.ctx.max_batch > 0 ? E->s->p.ctx.max_batch : 256;
+    bool all = in->last;
+    if (avail == 0 && all) {
+        g->reason = "complete";
+        g->t_prefill_end = web__now_s();
+        g->phase = g->h->chat && in->fed_total > 0 ? G_CLOSE : G_FINISH;
+        return;
+    }
+    if (avail == 0 || (avail < slice && !all)) {
+        g->phase = G_WAIT;
+        return;
+    }
+    int64_t n = avail < slice ? avail : slice;
+    kds_err e = {0};
+    if (eng_prefill(E->c, g->h->seq, g->ids + g->fed, n, NULL, NULL, NULL, &e) != KDS_OK) {
+        gen_error(g, &e);
+        return;
+    }
+    if (g->hasher) sess_prefix_hasher_add(g->hasher, g->ids + g->fed, n);
+    g->fed += n;
+    in->fed_total += n;
+    in->prefix_left -= n < in->prefix_left ? n : in->prefix_left;
+    atomic_fetch_add(&E->s->metrics.tokens_prefilled, (uint64_t)n);
+    ingest_progress(E, g, false);
+}
+
+/* The end of an ingest: save the session with one transcript entry (the
+ * document's text that went in), then send `done`. */
+static void ingest_finish(web_engine *E, gen *g) {
+    hot *h = g->h;
+    ingest *in = g->ing;
+    kds_err e = {0};
+    const eng_tokenizer *tok = eng_model_tokenizer(E->s->m);
+    /* text tokens taken but not fed (cancelled): their text is not kept */
+    int64_t from = g->fed + in->prefix_left, unfed = g->n_ids - from;
+    int64_t unfed_len = unfed > 0 ? eng_tok_decode(tok, g->ids + from, unfed, 0, NULL, 0) : 0;
+    int64_t keep = in->spool_bytes - (unfed_len > 0 ? unfed_len : 0);
+    if (keep < 0) keep = 0;
+    void *map = NULL;
+    bool failed = !strcmp(g->reason, "error");
+    bool changed = eng_seq_pos(h->seq) != g->context0;
+    uint64_t snap = h->base;
+    kds_status rc = KDS_OK;
+    double t_end = web__now_s();
+    if (!failed && changed) {
+        if (keep > 0) {
+            map = mmap(NULL, (size_t)keep, PROT_READ, MAP_PRIVATE, fileno(in->spool), 0);
+            if (map == MAP_FAILED) {
+                map = NULL;
+                rc = kds_err_set(&e, KDS_IO, "cannot read the document's text back: %s",
+                                 strerror(errno));
+            }
+        }
+        if (rc == KDS_OK) {
+            sess_turn turn = {.prompt = map ? map : "",
+                              .prompt_len = (size_t)keep,
+                              .output = "",
+                              .prompt_tokens = ingest_fed_text(in),
+                              .mode = h->chat ? "chat" : "plain",
+                              .doc_name = in->name,
+                              .doc_bytes = keep};
+            double t0 = web__now_s();
+            rc = sess_save(E->s->st, h->name, h->base, E->s->m, h->seq, &turn, &snap, &e);
+            if (rc == KDS_OK) {
+                web__hist_add(&E->s->metrics.save_ms, (web__now_s() - t0) * 1e3);
+                h->base = snap;
+                index_turn(E, g, snap);
+            }
+        }
+        if (map) munmap(map, (size_t)keep);
+    }
+    double prefill_s = (g->t_prefill_end ? g->t_prefill_end : t_end) - g->t_start;
+    int64_t text_tokens = ingest_fed_text(in);
+    h->last_prefill_tok_s = prefill_s > 0 ? (double)text_tokens / prefill_s : 0.0;
+    h->gen = NULL;
+    h->last_used = t_end;
+    if (!g->gone) {
+        cJSON *o = web__event(g->id, "done");
+        cJSON_AddStringToObject(o, "reason", rc == KDS_OK ? g->reason : "error");
+        cJSON_AddStringToObject(o, "session", g->ing->client);
+        cJSON *d = cJSON_AddObjectToObject(o, "document");
+        cJSON_AddStringToObject(d, "name", in->name);
+        cJSON_AddNumberToObject(d, "bytes", (double)keep);
+        cJSON_AddNumberToObject(d, "tokens", (double)text_tokens);
+        cJSON_AddNumberToObject(o, "received", (double)in->bytes);
+        cJSON_AddNumberToObject(o, "prompt_tokens", (double)in->fed_total);
+        cJSON_AddNumberToObject(o, "context", (double)eng_seq_pos(h->seq));
+        cJSON_AddNumberToObject(o, "snapshot", (double)snap);
+        cJSON_AddNumberToObject(o, "prefill_ms", prefill_s * 1e3);
+        cJSON_AddNumberToObject(o, "tok_s", h->last_prefill_tok_s);
+        if (rc != KDS_OK || failed) {
+            cJSON *err = cJSON_AddObjectToObject(o, "error");
+            int code = rc != KDS_OK ? web__code_of(rc) : WEB_ERR_INTERNAL;
+            cJSON_AddStringToObject(err, "code", web__code_name(code));
+            cJSON_AddStringToObject(err, "message", rc != KDS_OK ? e.msg : g->error);
+            atomic_fetch_add(&E->s->metrics.errors[code], 1);
+        }
+        web__send(E->s, g->conn, o, g->msgpack);
+    }
+    if (rc != KDS_OK || failed) drop_hot(E, h);
+}
+
+/* A new ingest on hot session h (not launched). */
+static gen *ingest_create(web_engine *E, const web_req *r, const cJSON *id, hot *h,
+                          const char *name, int64_t size, kds_err *e) {
+    gen *g = calloc(1, sizeof *g);
+    if (!g || !(g->ing = calloc(1, sizeof *g->ing))) goto nomem;
+    ingest *in = g->ing;
+    snprintf(in->name, sizeof in->name, "%s", name);
+    snprintf(in->client, sizeof in->client, "%s", client_name(r, h->name));
+    in->size = size;
+    if (!(in->spool = tmpfile())) {
+        kds_err_set(e, KDS_IO, "cannot create a temporary file for the document: %s",
+                    strerror(errno));
+        goto fail;
+    }
+    g->id = id ? cJSON_Duplicate(id, 1) : NULL;
+    g->conn = r->conn;
+    g->msgpack = r->msgpack;
+    g->serial = ++E->next_serial;
+    g->h = h;
+    g->context0 = eng_seq_pos(h->seq);
+    g->feed = -1;
+    g->t_arrive = r->t_arrive;
+    g->t_start = web__now_s();
+    g->route = WEB_ROUTE_WS;
+    if (g->context0 == 0) {
+        /* a session that starts with the document: every token is known, so
+         * its end goes into the prefix index and an HTTP client that sends
+         * the same text resumes there (advisory: without it, it replays) */
+        char scope[WEB_TENANT_MAX + SESS_FP_LEN + 8];
+        prefix_scope(E, r, scope, sizeof scope);
+        if (sess_prefix_hasher_create(scope, &g->hasher, NULL) != KDS_OK) g->hasher = NULL;
+    }
+    const eng_tokenizer *tok = eng_model_tokenizer(E->s->m);
+    srv_reply_params rp = srv_reply_default_params();
+    rp.max_tokens = 0;
+    rp.chat = h->chat;
+    if (srv_reply_create(tok, &rp, &g->rp, e) != KDS_OK) goto fail;
+    if (h->chat) {
+        /* the document is one user turn: its opener now, its text as it
+         * comes, <|im_end|> at the end */
+        int32_t *ids = NULL;
+        int64_t n = 0;
+        if (eng_chat_turn(tok, true, g->context0, NULL, "", 0, false, &ids, &n, e) != KDS_OK)
+            goto fail;
+        if (n < 1 || ids[n - 1] != srv_reply_close_token(g->rp)) {
+            free(ids);
+            kds_err_set(e, KDS_INTERNAL, "this chat format does not end a turn on <|im_end|>");
+            goto fail;
+        }
+        g->ids = ids;
+        g->n_ids = n - 1;
+        in->ids_cap = n;
+        in->prefix_n = in->prefix_left = n - 1;
+    }
+    return g;
+nomem:
+    kds_err_set(e, KDS_NOMEM, "out of memory");
+fail:
+    gen_free(g);
+    return NULL;
+}
+
+static void op_append(web_engine *E, const web_req *r, const cJSON *id) {
+    char store[SESS_NAME_MAX + 1];
+    if (!arg_session(E, r, id, "session", store)) return;
+    const cJSON *nv = cJSON_GetObjectItemCaseSensitive(r->msg, "name");
+    const cJSON *tv = cJSON_GetObjectItemCaseSensitive(r->msg, "text");
+    const cJSON *dv = cJSON_GetObjectItemCaseSensitive(r->msg, "data");
+    const cJSON *lv = cJSON_GetObjectItemCaseSensitive(r->msg, "last");
+    bool begin = nv != NULL;
+    if (begin && (!cJSON_IsString(nv) || !nv->valuestring[0] ||
+                  strlen(nv->valuestring) > SESS_DOC_NAME_MAX)) {
+        fail(E, r, id, WEB_ERR_BAD_REQUEST, "'name' (the document's name) must be 1-%d bytes",
+             SESS_DOC_NAME_MAX);
+        return;
+    }
+    if ((tv != NULL) == (dv != NULL) || (tv && !cJSON_IsString(tv)) ||
+        (dv && !cJSON_IsString(dv))) {
+        fail(E, r, id, WEB_ERR_BAD_REQUEST,
+             "give exactly one of 'text' (a string) or 'data' (base64 bytes) for the chunk");
+        return;
+    }
+    if (lv && !cJSON_IsBool(lv) && !cJSON_IsNull(lv)) {
+        fail(E, r, id, WEB_ERR_BAD_REQUEST, "'last' must be true or false");
+        return;
+    }
+    double size = -1;
+    if (!arg_num(E, r, id, "size", 0, 9007199254740991.0, &size)) return;
+    bool last = cJSON_IsTrue(lv);
+    gen *g = ingest_of(E, store);
+    if (begin) {
+        hot *h = find_hot(E, store);
+        if (h && h->gen) {
+            fail(E, r, id, WEB_ERR_BUSY, "session '%s' is %s", client_name(r, store),
+                 h->gen->ing ? "taking a document already" : "generating");
+            return;
+        }
+        if (E->n_gens >= E->s->p.max_generations) {
+            fail(E, r, id, WEB_ERR_LIMIT,
+                 "%d generations are running (--max-generations); try again later", E->n_gens);
+            return;
+        }
+    } else if (!g || g->conn != r->conn || g->cancel || g->gone || g->ing->last) {
+        hot *h = find_hot(E, store);
+        if (h && h->gen && !h->gen->ing)
+            fail(E, r, id, WEB_ERR_BUSY, "session '%s' is generating", client_name(r, store));
+        else
+            fail(E, r, id, WEB_ERR_NOT_FOUND,
+                 "no document is being appended to session '%s' on this connection (the first "
+                 "chunk gives 'name')",
+                 client_name(r, store));
+        return;
+    }
+    /* the chunk's bytes after what the last chunk left of a character */
+    const char *src = tv ? tv->valuestring : dv->valuestring;
+    size_t slen = strlen(src), carry = begin ? 0 : g->ing->n_carry, n = 0;
+    unsigned char *buf = malloc(4 + (tv ? slen : slen / 4 * 3) + 1);
+    if (!buf) {
+        fail(E, r, id, WEB_ERR_INTERNAL, "out of memory");
+        return;
+    }
+    if (carry) memcpy(buf, g->ing->carry, carry);
+    if (tv) {
+        memcpy(buf + carry, src, slen);
+        n = slen;
+    } else if (!web__b64_decode(src, slen, buf + carry, &n)) {
+        fail(E, r, id, WEB_ERR_BAD_REQUEST, "'data' is not base64 (RFC 4648, padded)");
+        goto out;
+    }
+    size_t total = carry + n, tail = web__utf8_partial_tail(buf, total), bad = 0;
+    if (!web__utf8_valid(buf, total - tail, &bad)) {
+        fail(E, r, id, WEB_ERR_BAD_REQUEST,
+             "the document is not UTF-8: bad byte at offset %zu of this chunk; nothing taken",
+             bad >= carry ? bad - carry : 0);
+        goto out;
+    }
+    if (memchr(buf, 0, total - tail)) {
+        fail(E, r, id, WEB_ERR_BAD_REQUEST,
+             "the document holds a NUL byte (offset %zu of this chunk); nothing taken",
+             (size_t)((unsigned char *)memchr(buf, 0, total - tail) - buf) - carry);
+        goto out;
+    }
+    if (last && tail) {
+        fail(E, r, id, WEB_ERR_BAD_REQUEST,
+             "the document ends inside a UTF-8 character; nothing taken");
+        goto out;
+    }
+    kds_err e = {0};
+    if (begin) {
+        hot *h = ensure_hot(E, r, id, store);
+        if (!h) goto out;
+        if (!(g = ingest_create(E, r, id, h, nv->valuestring, (int64_t)size, &e))) {
+            fail(E, r, id, web__code_of(e.status), "%s", e.msg);
+            goto out;
+        }
+    } else if (size >= 0) {
+        g->ing->size = (int64_t)size;
+    }
+    if (ingest_add(E, g, buf, total - tail, last, &e) != KDS_OK) {
+        fail(E, r, id, web__code_of(e.status), "%s", e.msg);
+        if (begin) gen_free(g);
+        goto out;
+    }
+    ingest *in = g->ing;
+    memcpy(in->carry, buf + total - tail, tail);
+    in->n_carry = tail;
+    in->bytes += (int64_t)n;
+    if (begin) {
+        gen_launch(E, g);
+        g->phase = g->n_ids > 0 || in->last ? G_PREFILL : G_WAIT;
+        g->reason = NULL;
+    }
+    cJSON *o = web__event(id, "result");
+    cJSON_AddStringToObject(o, "session", client_name(r, store));
+    cJSON_AddNumberToObject(o, "received", (double)in->bytes);
+    cJSON_AddNumberToObject(o, "tokens", (double)in->tokens);
+    cJSON_AddBoolToObject(o, "last", in->last);
+    send_ev(E, r, o);
+out:
+    free(buf);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -1345,11 +1852,11 @@ typedef struct op_entry {
 } op_entry;
 
 static const op_entry OPS[] = {
-    {"info", op_info},         {"list", op_list},       {"create", op_create},
-    {"open", op_open},         {"fork", op_fork},       {"rename", op_rename},
-    {"delete", op_delete},     {"history", op_history}, {"snapshots", op_snapshots},
-    {"restore", op_restore},   {"generate", op_generate}, {"cancel", op_cancel},
-    {"stats", op_stats},
+    {"info", op_info},       {"list", op_list},         {"create", op_create},
+    {"open", op_open},       {"fork", op_fork},         {"rename", op_rename},
+    {"delete", op_delete},   {"history", op_history},   {"snapshots", op_snapshots},
+    {"restore", op_restore}, {"generate", op_generate}, {"cancel", op_cancel},
+    {"stats", op_stats},     {"append", op_append},
 };
 
 static void handle(web_engine *E, web_req *r) {
@@ -1370,7 +1877,8 @@ static void handle(web_engine *E, web_req *r) {
         }
     fail(E, r, id, WEB_ERR_UNKNOWN_OP,
          "unknown op '%.*s' (info, list, create, open, fork, rename, delete, history, snapshots, "
-         "restore, generate, cancel, stats, auth, ping)", (int)web__utf8_prefix(op, 64), op);
+         "restore, generate, append, cancel, stats, auth, ping)",
+         (int)web__utf8_prefix(op, 64), op);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -1484,7 +1992,10 @@ static void remove_finished(web_engine *E) {
         gen *g = *pp;
         if (g->phase == G_FINISH) {
             *pp = g->next;
-            finish(E, g);
+            if (g->ing)
+                ingest_finish(E, g);
+            else
+                finish(E, g);
             gen_free(g);
             E->n_gens--;
             atomic_fetch_sub(&E->s->metrics.generations_active, 1);
@@ -1503,6 +2014,10 @@ static void gen_error(gen *g, const kds_err *e) {
 /* One prefill slice for every generation still feeding its prompt. */
 static void prefill_step(web_engine *E) {
     for (gen *g = E->gens; g; g = g->next) {
+        if (g->ing) {
+            if (g->phase == G_PREFILL || g->phase == G_WAIT) ingest_step(E, g);
+            continue;
+        }
         if (g->phase != G_PREFILL) continue;
         if (g->cancel || g->gone) {
             /* stop before feeding the rest of the prompt */
@@ -1605,11 +2120,15 @@ static void update_rate(web_engine *E) {
 }
 
 static bool runnable(web_engine *E) {
-    for (gen *g = E->gens; g; g = g->next)
-        if (g->phase != G_DECODE || g->cancel || g->gone) return true;
+    for (gen *g = E->gens; g; g = g->next) {
+        if (g->cancel || g->gone) return true;
+        if (g->phase == G_WAIT) continue; /* an ingest waiting for its next chunk */
+        if (g->phase != G_DECODE) return true;
+    }
     /* only decoding generations: runnable unless every reader is behind */
     for (gen *g = E->gens; g; g = g->next)
-        if (web__pending(E->s, g->conn, NULL) <= E->s->p.max_pending) return true;
+        if (g->phase == G_DECODE && web__pending(E->s, g->conn, NULL) <= E->s->p.max_pending)
+            return true;
     return false;
 }
 
@@ -1681,12 +2200,39 @@ static void take(web_engine *E, web_req *r) {
 
 /* Rounds of one request per connection, until none waits or the turn's
  * budget is spent. While stopping, everything waiting is refused at once. */
+/* A connection whose next request waits (deferred: a chunk of an ingest
+ * whose backlog is full) still gets its later `cancel` requests answered. */
+static void cancels_ahead(web_engine *E, conn_queue *q) {
+    web_req **pp = &q->head->next;
+    while (*pp) {
+        web_req *r = *pp;
+        const char *op = get_str(r->msg, "op");
+        if (op && !strcmp(op, "cancel")) {
+            *pp = r->next;
+            handle(E, r);
+            req_done(E, r);
+        } else {
+            pp = &r->next;
+        }
+    }
+    q->tail = q->head; /* q->head stays, so the list is never empty */
+    while (q->tail->next)
+        q->tail = q->tail->next;
+}
+
 static void answer_requests(web_engine *E) {
     double t0 = web__now_s();
     while (E->queues) {
+        bool any = false;
         for (conn_queue **pp = &E->queues; *pp;) {
             conn_queue *q = *pp;
             web_req *r = q->head;
+            if (deferred(E, r)) {
+                cancels_ahead(E, q);
+                pp = &q->next;
+                continue;
+            }
+            any = true;
             q->head = r->next;
             if (!q->head) q->tail = NULL;
             handle(E, r);
@@ -1698,7 +2244,7 @@ static void answer_requests(web_engine *E) {
                 pp = &q->next;
             }
         }
-        if (!E->stopping && web__now_s() - t0 > REQUEST_BUDGET_S) break;
+        if (!any || (!E->stopping && web__now_s() - t0 > REQUEST_BUDGET_S)) break;
     }
 }
 

@@ -181,6 +181,13 @@ bool web__utf8_valid(const void *p, size_t n, size_t *bad_at);
 size_t web__utf8_prefix(const char *s, size_t max);
 /* Cut a character that a byte limit left incomplete at the end of s. */
 void web__utf8_trim(char *s);
+/* The number of bytes (0-3) at the end of p[0 .. n) that begin a UTF-8
+ * character without finishing it (bytes that can begin none count as 0: the
+ * validity check then refuses them). */
+size_t web__utf8_partial_tail(const void *p, size_t n);
+/* Strict base64 (RFC 4648 alphabet, padded, no whitespace): n % 4 == 0 and
+ * '=' only at the end. out needs n / 4 * 3 bytes. False on anything else. */
+bool web__b64_decode(const char *s, size_t n, unsigned char *out, size_t *out_len);
 
 /* -- events (web_server.c) ------------------------------------------------ */
 /* Queue `ev` (ownership taken) for connection `conn`; dropped if it is gone.

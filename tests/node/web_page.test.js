@@ -287,6 +287,88 @@ async function main() {
       return 'stopped after ' + r.tokenEvents + ' token events, ' + len + ' chars; ' + r.timing;
     });
 
+    /* Attach file: a text of several hundred KB (characters of 2-4 bytes, so
+     * the 256 KiB chunks cut some) goes in through append with progress and
+     * an ETA, never touching the composer; the history shows it collapsed
+     * (name, size, tokens), not as an empty "you" bubble; a second attach is
+     * cancelled and keeps what went in. */
+    function docText(bytes) {
+      const words = ['the', 'whale', 'ship', 'Élan', 'naïve', '日本語', '😀', 'Zürich', 'sea'];
+      let s = '', x = 7, line = 0;
+      while (Buffer.byteLength(s) < bytes) {
+        for (let k = 0; k < 12; k++) {
+          x = (x * 1103515245 + 12345) & 0x7fffffff;
+          s += words[x % words.length] + ' ';
+        }
+        s += '-'.repeat(2000 + (line++ % 5) * 400) + '\n';
+      }
+      return s;
+    }
+    const docName = name + '-doc';
+    created && await check('Attach file: progress with an ETA, collapsed document in the history, composer kept', async () => {
+      await page.click(tid('btn-new'));
+      await page.fill(tid('dialog-name'), docName);
+      await page.click(tid('dialog-ok'));
+      await page.waitForSelector(tid('session-item') + '[data-session="' + docName + '"][aria-selected="true"]');
+      const draft = 'a draft that must survive the attach';
+      await page.fill(tid('message-input'), draft);
+      const buf = Buffer.from(docText(Number(process.env.KDS_PAGE_DOC_BYTES || 700000)), 'utf8');
+      await page.setInputFiles(tid('file-input'), { name: 'notes.txt', mimeType: 'text/plain', buffer: buf });
+      await page.waitForFunction(() => {
+        const s = document.querySelector('#ingest-status');
+        return s.dataset.state === 'sending' && /ETA \d+:\d\d/.test(s.textContent)
+          && document.querySelector('#ingest-progress').value > 0;
+      }, null, { timeout: 60000 });
+      const shown = (await page.textContent(tid('ingest-text'))).trim();
+      expect(await page.isDisabled(tid('btn-send')), 'Send enabled while the document goes in');
+      await page.waitForSelector(tid('ingest-status') + '[data-state="done"]', { timeout: 120000 });
+      await page.waitForSelector(tid('msg-document'));
+      const d = await page.evaluate(() => {
+        const m = document.querySelector('[data-testid="msg-document"]');
+        return { name: m.dataset.name, bytes: +m.dataset.bytes, tokens: +m.dataset.tokens, open: m.open,
+          summary: m.querySelector('summary').textContent };
+      });
+      expect(d.name === 'notes.txt' && d.bytes === buf.length && d.tokens > 0, 'document item ' + JSON.stringify(d));
+      expect(!d.open, 'the document is shown expanded');
+      expect(/notes\.txt/.test(d.summary) && /KiB|MiB/.test(d.summary) && /tokens/.test(d.summary),
+        'summary: ' + d.summary);
+      expect(await page.inputValue(tid('message-input')) === draft, 'the composer lost its text');
+      // reopened from the server's history: the same collapsed item, no empty "you" bubble
+      await page.click(tid('session-item') + '[data-session="' + name + '"]');
+      await page.waitForSelector(tid('msg-assistant'));
+      await page.click(tid('session-item') + '[data-session="' + docName + '"]');
+      await page.waitForSelector(tid('msg-document'));
+      const again = await page.evaluate(() => ({
+        docs: [...document.querySelectorAll('[data-testid="msg-document"]')].map((m) => [m.dataset.name, +m.dataset.bytes, m.open]),
+        emptyUser: [...document.querySelectorAll('[data-testid="msg-user"]')].filter((m) => !m.querySelector('.msg-body').textContent.trim()).length,
+        users: document.querySelectorAll('[data-testid="msg-user"]').length,
+      }));
+      expect(again.docs.length === 1 && again.docs[0][0] === 'notes.txt' && again.docs[0][1] === buf.length && !again.docs[0][2],
+        'history after reopening: ' + JSON.stringify(again));
+      expect(again.users === 0, again.users + ' "you" bubble(s) for a document');
+      expect(await page.inputValue(tid('message-input')) === draft, 'the composer lost its text on reopening');
+      return shown + '; ' + d.summary.trim();
+    });
+
+    created && await check('Attach file: Cancel stops it and keeps what went in', async () => {
+      const buf = Buffer.from(docText(Number(process.env.KDS_PAGE_DOC_BYTES || 700000)), 'utf8');
+      await page.setInputFiles(tid('file-input'), { name: 'again.txt', mimeType: 'text/plain', buffer: buf });
+      await page.waitForFunction(() => {
+        const s = document.querySelector('#ingest-status');
+        return s.dataset.state === 'sending' && /tokens/.test(s.textContent);
+      }, null, { timeout: 60000 });
+      await page.click(tid('btn-ingest-cancel'));
+      await page.waitForSelector(tid('ingest-status') + '[data-state="cancelled"]', { timeout: 60000 });
+      await page.waitForSelector(tid('msg-document') + '[data-name="again.txt"]');
+      const d = await page.evaluate(() => {
+        const m = document.querySelector('[data-testid="msg-document"][data-name="again.txt"]');
+        return { bytes: +m.dataset.bytes, tokens: +m.dataset.tokens, reason: m.dataset.reason || '' };
+      });
+      expect(d.reason === 'cancelled' && d.bytes < buf.length, 'cancelled item ' + JSON.stringify(d));
+      expect(await page.isEnabled(tid('btn-send')), 'Send not enabled again');
+      return 'kept ' + d.tokens + ' tokens, ' + d.bytes + ' of ' + buf.length + ' bytes';
+    });
+
     created && await check('an error shows its code in the banner (create an existing name)', async () => {
       await page.click(tid('btn-new'));
       await page.fill(tid('dialog-name'), name);

@@ -30,6 +30,9 @@
 //               connection's queued requests are dropped; with --server-pid, SIGTERM
 //               during a flood (the C test checks the server then exits promptly)
 //   restart     --phase save before a restart, --phase check after it (--state FILE)
+//   ingest      --max-message above 3 MB: a document of several MB through append in
+//               chunks == the same text in one generate; progress, UTF-8 split across
+//               chunks, invalid UTF-8, cancel, another connection streaming meanwhile, 1009
 //   shutdown    --phase save: a generation is running when the script sends
 //               SIGTERM to --server-pid (close 1001 expected); --phase check after
 //               a restart: the interrupted session was saved
@@ -45,7 +48,7 @@ const { KdsClient, PROTOCOL, describe, encode, nowMs } = require("./ws_client.js
 const ALL_DEFAULT = ["basic", "generate", "resume", "msgpack", "cancel", "concurrent",
                      "disconnect", "malformed"];
 const ALL_GROUPS = [...ALL_DEFAULT, "auth", "limits", "maxtokens", "idle", "backpressure", "corrupt",
-                    "flood", "restart", "shutdown"];
+                    "flood", "ingest", "restart", "shutdown"];
 
 function usage(msg) {
   if (msg) console.error(`ws_protocol.test.js: ${msg}`);
@@ -1937,12 +1940,306 @@ async function groupShutdown() {
 }
 
 // ---- main ----
+// ======================================================================
+// ingest: op append (a document streamed in chunks)
+
+// A document of about `bytes` bytes: sentences with characters of 2, 3 and 4
+// bytes between long runs of dashes and spaces (which the tokenizer packs
+// densely, so several MB prefill in tens of seconds on a CPU).
+function makeDoc(bytes) {
+  const words = ["the", "whale", "ship", "sea", "captain", "Ishmael", "said", "and", "of",
+                 "morning", "Élan", "naïve", "日本語", "😀", "Zürich", "œuvre"];
+  let x = 12345;
+  const parts = [];
+  let n = 0, line = 0;
+  while (n < bytes) {
+    let s = "";
+    for (let k = 0; k < 14; k++) {
+      x = (x * 1103515245 + 12345) & 0x7fffffff;
+      s += words[x % words.length] + " ";
+    }
+    s += "-".repeat(3000 + (line % 7) * 500) + "\n" + " ".repeat(1500 + (line % 5) * 300) + `${line}.\n`;
+    line++;
+    parts.push(s);
+    n += Buffer.byteLength(s);
+  }
+  return parts.join("");
+}
+
+// Send `buf` (bytes) to `session` through append in chunks of `chunk` bytes
+// as base64 `data`, each chunk after the answer to the one before. Returns
+// {id, results, progress, done}; opts.onProgress(ev) sees each progress.
+async function ingestBytes(c, session, name, buf, chunk, opts = {}) {
+  const id = c.nextId++;
+  const r = { id, results: [], progress: [], done: null, t0: nowMs() };
+  const collect = (async () => {
+    for (;;) {
+      const ev = await c.next((e) => e.id === id && (e.event === "progress" || e.event === "done"),
+                              opts.timeoutMs || 600000, `the progress/done of ingest ${id}`);
+      if (ev.event === "progress") {
+        r.progress.push(ev);
+        if (opts.onProgress) opts.onProgress(ev);
+      } else {
+        r.done = ev;
+        return;
+      }
+    }
+  })();
+  for (let off = 0, first = true; off < buf.length || first; off += chunk, first = false) {
+    if (opts.stopAfter && off >= opts.stopAfter) break;
+    const piece = buf.subarray(off, Math.min(buf.length, off + chunk));
+    const last = off + chunk >= buf.length;
+    const req = { id: first ? id : c.nextId++, op: "append", session,
+                  data: piece.toString("base64"), last };
+    if (first) {
+      req.name = name;
+      req.size = buf.length;
+    }
+    const ans = await c.request(req, { timeoutMs: 600000 });
+    r.results.push(ans);
+    if (ans.event !== "result") break;
+  }
+  if (opts.noWait) return r;
+  await collect;
+  r.t1 = nowMs();
+  return r;
+}
+
+async function groupIngest() {
+  const c = await connect();
+  const I = await info(c);
+  const maxMsg = I.limits.max_message_bytes;
+  const DOC = makeDoc(Number(process.env.KDS_INGEST_BYTES || 2.5e6));
+  const buf = Buffer.from(DOC, "utf8");
+  ok(maxMsg > buf.length * 1.1, `start the server with --max-message above ${buf.length * 1.1} ` +
+     `for this group (one generate carries the whole document); it has ${maxMsg}`);
+  const chunk = 262147; // odd: chunk ends fall inside characters
+  const A = nm("ing-a"), B = nm("ing-b");
+  await c.ok({ op: "create", session: A, mode: "plain" });
+  await c.ok({ op: "create", session: B, mode: "plain" });
+
+  let ingA = null, other = null;
+  await check(`a ${(buf.length / 1e6).toFixed(1)} MB document in ${Math.ceil(buf.length / chunk)} chunks: ` +
+              "progress, done, and another connection's generation streams meanwhile", async () => {
+    const c2 = await connect();
+    const O = nm("ing-other");
+    await c2.ok({ op: "create", session: O, mode: "plain" });
+    let otherP = null;
+    ingA = await ingestBytes(c, A, "moby.txt", buf, chunk, {
+      onProgress: (ev) => {
+        if (!otherP && ev.tokens > 0)
+          otherP = greedy(c2, O, "It is a truth universally", 40).then((g) => ({ g, t: nowMs() }));
+      } });
+    ok(ingA.results.every((x) => x.event === "result"), `a chunk was refused: ${describe(ingA.results.find((x) => x.event !== "result"))}`);
+    fields(ingA.done, { reason: isStr, session: isStr, document: (d) => d && typeof d === "object",
+                        context: isInt, snapshot: isInt, prefill_ms: isNum, tok_s: isNum,
+                        received: isInt }, "done");
+    eq(ingA.done.reason, "complete", "done.reason");
+    eq(ingA.done.document.name, "moby.txt", "done.document.name");
+    eq(ingA.done.document.bytes, buf.length, "done.document.bytes");
+    eq(ingA.done.received, buf.length, "done.received");
+    eq(ingA.done.context, ingA.done.document.tokens, "done.context (plain session, empty before)");
+    ok(otherP, "no progress event came with tokens > 0 (the other generation was never started)");
+    other = await otherP;
+    ok(other.g.done.tokens > 0, "the other generation produced nothing");
+    // it streams while the document goes in (one token per prefill slice at least)
+    const during = other.g.tokenTimes.filter((t) => t < ingA.t1).length;
+    ok(during > 0, `none of the other connection's ${other.g.tokenTimes.length} token events ` +
+       `came before the ingest's done`);
+  });
+
+  await check("progress events: fields, growing counts, at most 4 a second", async () => {
+    ok(ingA && ingA.progress.length >= 2, `expected several progress events, got ${ingA && ingA.progress.length}`);
+    let prev = -1;
+    for (const p of ingA.progress) {
+      fields(p, { session: isStr, tokens: isInt, total: isInt, bytes: isInt, size: isInt,
+                  tok_s: isNum, last: (v) => typeof v === "boolean" }, "progress");
+      ok(p.eta_s === null || isNum(p.eta_s), `progress.eta_s ${p.eta_s}`);
+      ok(p.tokens >= prev && p.tokens <= p.total, `progress tokens ${p.tokens} after ${prev}, total ${p.total}`);
+      eq(p.size, buf.length, "progress.size (the announced size)");
+      prev = p.tokens;
+    }
+    ok(ingA.progress.some((p) => isNum(p.eta_s) && p.eta_s > 0), "no progress event with an ETA");
+    const secs = ingA.done.prefill_ms / 1000;
+    ok(ingA.progress.length <= 4 * secs + 2,
+       `${ingA.progress.length} progress events in ${secs.toFixed(1)} s of prefill`);
+  });
+
+  await check("the chunked document equals the same text in one generate: token count, next greedy reply", async () => {
+    ok(ingA && ingA.done, "no ingest to compare (the check above failed)");
+    const one = await greedy(c, B, DOC, 24);
+    eq(one.started.prompt_tokens, ingA.done.document.tokens, "tokens of the whole text in one generate vs the ingest");
+    const cont = await greedy(c, A, "", 24);
+    eq(cont.started.context, ingA.done.context, "context after the ingest");
+    eq(cont.text, one.text, "greedy reply after the ingest vs after one generate");
+  });
+
+  await check("history shows the document: name, bytes, tokens, the start of its text", async () => {
+    const h = isResult(await c.request({ op: "history", session: A }), "history");
+    const t = h.turns.find((x) => x.document);
+    ok(t, `no turn with a document: ${describe(h)}`);
+    eq(t.document.name, "moby.txt", "document.name");
+    eq(t.document.bytes, buf.length, "document.bytes");
+    eq(t.document.tokens, ingA.done.document.tokens, "document.tokens");
+    ok(t.prompt.length > 0 && DOC.startsWith(t.prompt), "the turn's prompt is not the start of the document");
+    eq(t.reply, "", "reply of a document turn");
+  });
+
+  await check("a chunk boundary inside a 2-byte and a 4-byte character", async () => {
+    const S = nm("ing-utf8"), T = nm("ing-utf8-one");
+    await c.ok({ op: "create", session: S, mode: "plain" });
+    await c.ok({ op: "create", session: T, mode: "plain" });
+    const text = "Café 😀 naïve 日本語 end";
+    const b = Buffer.from(text, "utf8");
+    const e1 = b.indexOf(0xc3) + 1, e2 = b.indexOf(0xf0) + 1; // after a lead byte
+    const pieces = [b.subarray(0, e1), b.subarray(e1, e2), b.subarray(e2, e2 + 2), b.subarray(e2 + 2)];
+    const id = c.nextId++;
+    for (let i = 0; i < pieces.length; i++) {
+      const req = { id: i ? c.nextId++ : id, op: "append", session: S,
+                    data: pieces[i].toString("base64"), last: i === pieces.length - 1 };
+      if (!i) req.name = "utf8.txt";
+      isResult(await c.request(req), `chunk ${i}`);
+    }
+    const done = await c.next((e) => e.id === id && e.event === "done", 60000, "done");
+    eq(done.reason, "complete", "reason");
+    const h = isResult(await c.request({ op: "history", session: S }), "history");
+    eq(h.turns[h.turns.length - 1].prompt, text, "the text as kept");
+    const one = await greedy(c, T, text, 8);
+    eq(one.started.prompt_tokens, done.document.tokens, "tokens vs one generate");
+    eq((await greedy(c, S, "", 8)).text, one.text, "greedy reply vs one generate");
+  });
+
+  await check("chat mode: the document is one user turn (its opener, its text, <|im_end|>)", async () => {
+    const S = nm("ing-chat"), P = nm("ing-chat-plain");
+    const made = await c.request({ op: "create", session: S, mode: "chat" });
+    if (made.event === "error" && made.code === "bad_request") return; // a tokenizer without a chat format
+    isResult(made, "create chat");
+    await c.ok({ op: "create", session: P, mode: "plain" });
+    const text = "Ein Brief über Zürich, 😀, und mehr.\n".repeat(50);
+    const b = Buffer.from(text, "utf8");
+    const one = await greedy(c, P, text, 1);
+    const id = c.nextId++;
+    isResult(await c.request({ id, op: "append", session: S, name: "brief.txt", data: b.subarray(0, 101).toString("base64") }), "chunk 1");
+    isResult(await c.request({ op: "append", session: S, data: b.subarray(101).toString("base64"), last: true }), "chunk 2");
+    const done = await c.next((e) => e.id === id && e.event === "done", 60000, "done");
+    eq(done.reason, "complete", "reason");
+    eq(done.document.tokens, one.started.prompt_tokens, "text tokens vs the same text in plain mode");
+    ok(done.prompt_tokens > done.document.tokens, `prompt_tokens ${done.prompt_tokens} should count the turn's opener`);
+    eq(done.context, done.prompt_tokens + 1, "context: opener, text and <|im_end|>");
+    const g = checkStream(await c.generate({ session: S, message: "Summarise it.", max_tokens: 4, temperature: 0 }), "generate after");
+    eq(g.started.context, done.context, "generate continues the document's turn");
+  });
+
+  await check("invalid UTF-8 is refused (bad_request) and the ingest goes on", async () => {
+    const S = nm("ing-bad");
+    await c.ok({ op: "create", session: S, mode: "plain" });
+    const id = c.nextId++;
+    isResult(await c.request({ id, op: "append", session: S, name: "bad.txt", text: "good start " }), "first chunk");
+    for (const bytes of [[0x61, 0xff, 0x62], [0x80, 0x61], [0xed, 0xa0, 0x80], [0xc0, 0xaf]])
+      isError(await c.request({ op: "append", session: S, data: Buffer.from(bytes).toString("base64") }),
+              "bad_request", `bytes ${bytes.map((x) => x.toString(16))}`);
+    isError(await c.request({ op: "append", session: S, data: "not base64!" }), "bad_request", "not base64");
+    isError(await c.request({ op: "append", session: S, data: Buffer.from([0xe6, 0x97]).toString("base64"), last: true }),
+            "bad_request", "the document ending inside a character");
+    isError(await c.request({ op: "append", session: S, text: "x", data: "eA==" }), "bad_request", "text and data");
+    isError(await c.request({ op: "append", session: nm("ing-none"), text: "x" }), "not_found", "no ingest running");
+    isError(await c.request({ op: "generate", session: S, text: "x" }), "busy", "generate while a document goes in");
+    isResult(await c.request({ op: "append", session: S, text: "and a good end", last: true }), "last chunk");
+    const done = await c.next((e) => e.id === id && e.event === "done", 60000, "done");
+    eq(done.reason, "complete", "reason");
+    const h = isResult(await c.request({ op: "history", session: S }), "history");
+    eq(h.turns[h.turns.length - 1].prompt, "good start and a good end", "the text as kept");
+  });
+
+  await check("cancel mid-way keeps what went in, saved and consistent", async () => {
+    const S = nm("ing-cancel");
+    await c.ok({ op: "create", session: S, mode: "plain" });
+    let sawProgress = null;
+    const p = new Promise((res) => (sawProgress = res));
+    const r = ingestBytes(c, S, "big.txt", buf, chunk, { onProgress: (ev) => { if (ev.tokens > 2000) sawProgress(); } });
+    await p;
+    isResult(await c.request({ op: "cancel", session: S }), "cancel");
+    const ing = await r;
+    eq(ing.done.reason, "cancelled", "done.reason");
+    ok(ing.done.document.tokens > 0 && ing.done.document.bytes < buf.length,
+       `kept ${ing.done.document.tokens} tokens, ${ing.done.document.bytes} bytes`);
+    const later = ing.results[ing.results.length - 1];
+    ok(later.event === "result" || (later.event === "error" && later.code === "not_found"),
+       `a chunk after the cancel: ${describe(later)}`);
+    const o = isResult(await c.request({ op: "open", session: S }), "open");
+    eq(o.tokens, ing.done.context, "tokens of the reopened session");
+    const h = isResult(await c.request({ op: "history", session: S }), "history");
+    const t = h.turns[h.turns.length - 1];
+    eq(t.document.bytes, ing.done.document.bytes, "history: document.bytes");
+    eq(t.document.tokens, ing.done.document.tokens, "history: document.tokens");
+    eq(t.tokens, ing.done.context, "history: tokens after the turn");
+    ok(DOC.startsWith(t.prompt), "the kept text is not the start of the document");
+    const g = await greedy(c, S, " more", 4);
+    eq(g.started.context, ing.done.context, "generate continues the saved session");
+  });
+
+  await check("an HTTP client sending the document's text resumes from the ingest (cached_tokens)", async () => {
+    const S = nm("ing-http");
+    await c.ok({ op: "create", session: S, mode: "plain" });
+    const small = Buffer.from(makeDoc(60000), "utf8");
+    const ing = await ingestBytes(c, S, "small.txt", small, 10007);
+    eq(ing.done.reason, "complete", "reason");
+    const u = new URL(opt.url);
+    const post = (path, body) => new Promise((resolve, reject) => {
+      const data = body ? Buffer.from(JSON.stringify(body)) : Buffer.alloc(0);
+      const req = http.request({ host: u.hostname, port: u.port, path, method: body ? "POST" : "GET",
+                                 headers: { "Content-Type": "application/json", "Content-Length": data.length,
+                                            ...(opt.tokenA ? { Authorization: "Bearer " + opt.tokenA } : {}) } });
+      req.setTimeout(120000, () => req.destroy(new Error("no answer within 120 s")));
+      req.on("response", (res) => {
+        let t = "";
+        res.setEncoding("utf8");
+        res.on("data", (d) => (t += d));
+        res.on("end", () => { try { resolve({ status: res.statusCode, body: JSON.parse(t) }); } catch (e) { reject(e); } });
+      });
+      req.on("error", reject);
+      req.end(body ? data : undefined);
+    });
+    const models = await post("/v1/models");
+    eq(models.status, 200, "GET /v1/models");
+    const r = await post("/v1/completions", { model: models.body.data[0].id, prompt: small.toString("utf8") + " And so",
+                                              max_tokens: 2, temperature: 0 });
+    eq(r.status, 200, `POST /v1/completions: ${JSON.stringify(r.body).slice(0, 200)}`);
+    const cached = r.body.usage && r.body.usage.prompt_tokens_details && r.body.usage.prompt_tokens_details.cached_tokens;
+    eq(cached, ing.done.context, "usage.prompt_tokens_details.cached_tokens (the ingested document)");
+  });
+
+  await check("a client that goes away mid-document: what went in is saved", async () => {
+    const S = nm("ing-gone");
+    await c.ok({ op: "create", session: S, mode: "plain" });
+    const d = await connect();
+    const id = d.nextId++;
+    isResult(await d.request({ id, op: "append", session: S, name: "gone.txt",
+                               data: buf.subarray(0, chunk).toString("base64") }), "first chunk");
+    await d.next((e) => e.id === id && e.event === "progress" && e.tokens > 0, 60000, "progress");
+    d.terminate();
+    const s = await waitListed(c, S, (x) => x.tokens > 0 && x.state !== "generating", 30000, "after the disconnect");
+    const h = isResult(await c.request({ op: "history", session: S }), "history");
+    const t = h.turns[h.turns.length - 1];
+    ok(t.document && t.document.name === "gone.txt", `last turn: ${describe(t)}`);
+    eq(t.tokens, s.tokens, "tokens of the saved turn");
+    ok(DOC.startsWith(t.prompt), "the kept text is not the start of the document");
+  });
+
+  await check("a frame over --max-message still closes with 1009", async () => {
+    const d = await connect();
+    rawFrame(d, 1, Buffer.from("{}"), { declared: BigInt(maxMsg + 1) });
+    eq((await d.waitClose(10000)).code, 1009, "close code");
+  });
+  await closeAll();
+}
+
 const GROUPS = { basic: groupBasic, generate: groupGenerate, resume: groupResume, msgpack: groupMsgpack,
                  cancel: groupCancel, concurrent: groupConcurrent, disconnect: groupDisconnect,
                  malformed: groupMalformed, auth: groupAuth, limits: groupLimits,
                  maxtokens: groupMaxTokens, idle: groupIdle, backpressure: groupBackpressure,
                  corrupt: groupCorrupt, flood: groupFlood,
-                 restart: groupRestart, shutdown: groupShutdown };
+                 restart: groupRestart, shutdown: groupShutdown, ingest: groupIngest };
 
 (async () => {
   console.log(`# ${opt.url} run ${RUN} groups ${opt.groups.join(",")}${opt.phase ? " phase " + opt.phase : ""}`);

@@ -42,6 +42,15 @@
  *   btn-send, btn-stop  (stop sends {"op":"cancel","target":<generate id>})
  *   settings          <details> with raw-toggle (send "text" instead of
  *                     "message"), set-temperature, set-max-tokens
+ *   btn-attach, file-input   attach a file: it is sent through {"op":"append"}
+ *                     in chunks (base64), the composer's text untouched
+ *   ingest-status     data-state = idle | sending | done | cancelled | failed,
+ *                     with ingest-progress (a <progress>), ingest-text
+ *                     (bytes, tokens, tok/s, ETA) and btn-ingest-cancel
+ *   msg-document      an ingested document in the transcript: a collapsed
+ *                     <details> with data-name, data-bytes, data-tokens; its
+ *                     summary says name, size and tokens, its body the start
+ *                     of the text
  */
 'use strict';
 
@@ -57,7 +66,8 @@
     'chat-title', 'transcript', 'gen-status', 'composer', 'message-input', 'btn-send',
     'btn-stop', 'raw-toggle', 'set-temperature', 'set-max-tokens', 'dlg', 'dlg-form',
     'dlg-title', 'dlg-text', 'dlg-name-row', 'dlg-name', 'dlg-mode-row', 'dlg-mode',
-    'dlg-system-row', 'dlg-system', 'dlg-ok', 'dlg-cancel',
+    'dlg-system-row', 'dlg-system', 'dlg-ok', 'dlg-cancel', 'btn-attach', 'file-input',
+    'ingest-status', 'ingest-progress', 'ingest-text', 'btn-ingest-cancel',
   ]) el[id] = $(id);
 
   const NAME_RE = /^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$/;
@@ -71,6 +81,8 @@
     pending: new Map(), // id -> {resolve, reject} of one-shot requests
     gens: new Map(), // id -> generation record, while it runs
     gen: null, // the generation this page started and has not seen end
+    ingest: null, // the document this page is sending (see attachFile)
+    maxMessage: 1048576, // the server's --max-message (from info)
     backoff: BACKOFF_MIN_MS,
     retryTimer: null,
     retryTick: null, // the countdown shown while waiting to reconnect
@@ -227,6 +239,7 @@
     st.pending.clear();
     for (const [, g] of st.gens) finishGen(g, { reason: 'disconnected' });
     st.gens.clear();
+    if (st.ingest) finishIngest(st.ingest, { reason: 'disconnected' });
   }
 
   function scheduleRetry() {
@@ -281,6 +294,11 @@
       onGenEvent(st.gens.get(id), msg);
       return;
     }
+    // a document's progress and done carry the id of its first chunk
+    if (st.ingest && id === st.ingest.id && (msg.event === 'progress' || msg.event === 'done')) {
+      onIngestEvent(st.ingest, msg);
+      return;
+    }
     if (id !== null && id !== undefined && st.pending.has(id)) {
       const p = st.pending.get(id);
       st.pending.delete(id);
@@ -316,6 +334,7 @@
     request({ op: 'info' }).then((r) => {
       if (r.model && r.model.name) el['model-name'].textContent = 'model: ' + r.model.name;
       if (r.limits && r.limits.max_tokens) el['set-max-tokens'].max = r.limits.max_tokens;
+      if (r.limits && r.limits.max_message_bytes) st.maxMessage = r.limits.max_message_bytes;
     }, () => { /* info is decoration only */ });
     await refreshList();
     const want = st.current || store.get('kds.session');
@@ -407,11 +426,16 @@
     if (seq !== st.openSeq) return;
     const turns = h && Array.isArray(h.turns) ? h.turns : r.last_turns || [];
     for (const t of turns) {
+      if (t.document) {
+        addDocument(t.document, t.prompt, !!t.document.clipped);
+        continue;
+      }
       if (t.prompt) addMessage('user', t.prompt);
       if (!t.reply) continue; // e.g. the system text a session was created with
       const m = addMessage('assistant', t.reply);
       m.dataset.streaming = 'false';
     }
+    if (st.ingest && st.ingest.session === name) showIngest(st.ingest);
     // A reply still streaming into this session from this page goes last.
     if (st.gen && st.gen.session === name) {
       if (st.gen.userEl) el['transcript'].append(st.gen.userEl);
@@ -612,6 +636,26 @@
     return m;
   }
 
+  /* An ingested document: collapsed, its name, size and tokens in the
+   * summary; opened, the start of its text. */
+  function addDocument(doc, preview, clipped, reason) {
+    const m = node('details', {
+      class: 'msg document', 'data-testid': 'msg-document', 'data-name': doc.name || '',
+      'data-bytes': String(doc.bytes), 'data-tokens': String(doc.tokens),
+    });
+    if (reason) m.dataset.reason = reason;
+    const sum = node('summary', {});
+    sum.append(node('span', { class: 'msg-role' }, 'document '), node('span', { class: 'doc-name' }, doc.name || ''),
+      node('span', { class: 'doc-meta muted small' },
+        ' · ' + fmtBytes(doc.bytes) + ' · ' + fmtNum(doc.tokens) + ' tokens'));
+    m.append(sum);
+    const body = node('div', { class: 'msg-body' });
+    body.append(document.createTextNode((preview || '') + (clipped ? '…' : '')));
+    m.append(body);
+    el['transcript'].append(m);
+    return m;
+  }
+
   function setGenStatus(state, text, reason) {
     const s = el['gen-status'];
     s.dataset.state = state;
@@ -631,6 +675,7 @@
 
   function sendMessage() {
     if (!st.current || st.gen || !connected()) return;
+    if (st.ingest && st.ingest.session === st.current) return; // busy: the text stays
     const raw = el['raw-toggle'].checked;
     const text = el['message-input'].value;
     if (!raw && text.trim() === '') return; // raw "" continues the context
@@ -754,6 +799,166 @@
     if (r && r.cancelled === false && st.gens.has(g.id)) await call({ op: 'cancel', session: g.session });
   }
 
+  /* ---------- attach a file (op append) ---------- */
+
+  // Bytes of the file per chunk: base64 makes 4 of every 3, and the message
+  // must stay within the server's --max-message.
+  function chunkBytes() {
+    const fit = Math.floor((st.maxMessage - 2048) / 4) * 3;
+    return Math.max(3, Math.min(256 * 1024, fit));
+  }
+
+  function toBase64(bytes) {
+    let s = '';
+    for (let i = 0; i < bytes.length; i += 0x8000)
+      s += String.fromCharCode.apply(null, bytes.subarray(i, i + 0x8000));
+    return btoa(s);
+  }
+
+  function fmtEta(s) {
+    if (typeof s !== 'number' || !isFinite(s)) return '–';
+    s = Math.round(s);
+    const h = Math.floor(s / 3600), m = Math.floor((s % 3600) / 60), sec = s % 60;
+    const two = (x) => String(x).padStart(2, '0');
+    return h ? h + ':' + two(m) + ':' + two(sec) : m + ':' + two(sec);
+  }
+
+  function setIngestStatus(state, text, frac) {
+    el['ingest-status'].hidden = state === 'idle';
+    el['ingest-status'].dataset.state = state;
+    el['ingest-text'].textContent = text;
+    if (typeof frac === 'number') el['ingest-progress'].value = Math.max(0, Math.min(1, frac));
+    el['btn-ingest-cancel'].hidden = state !== 'sending';
+  }
+
+  function showIngest(ing) {
+    const p = ing.progress;
+    const parts = [ing.name + ': ' + fmtBytes(ing.sent) + ' of ' + fmtBytes(ing.size) + ' sent'];
+    let frac = ing.size ? ing.sent / ing.size / 2 : 0;
+    if (p) {
+      parts.push(fmtNum(p.tokens) + ' of ' + fmtNum(p.total) + ' tokens');
+      if (typeof p.tok_s === 'number') parts.push(fmtNum(p.tok_s) + ' tok/s');
+      parts.push('ETA ' + fmtEta(p.eta_s));
+      // the bar: prefilled tokens against the estimated total
+      const est = typeof p.eta_s === 'number' && p.tok_s > 0 ? p.tokens + p.eta_s * p.tok_s : p.total;
+      frac = est > 0 ? p.tokens / est : frac;
+    }
+    if (ing.session !== st.current) parts.push('(into ' + ing.session + ')');
+    setIngestStatus('sending', parts.join(' · '), frac);
+  }
+
+  async function attachFile(file) {
+    if (!file || !st.current || st.ingest || !connected()) return;
+    const session = st.current;
+    const size = file.size;
+    const chunk = chunkBytes();
+    const ing = { id: st.nextId++, session, name: file.name || 'document', size, sent: 0,
+      progress: null, cancelling: false, ended: false };
+    st.ingest = ing;
+    hideError();
+    showIngest(ing);
+    updateControls();
+    try {
+      for (let off = 0, first = true; first || off < size; off += chunk, first = false) {
+        if (ing.cancelling || ing.ended) return;
+        const bytes = new Uint8Array(await file.slice(off, Math.min(size, off + chunk)).arrayBuffer());
+        const req = { op: 'append', session, data: toBase64(bytes), last: off + chunk >= size };
+        if (first) {
+          req.id = ing.id;
+          req.name = ing.name.slice(0, 200);
+          req.size = size;
+        }
+        // the next chunk goes after the answer to this one (the server's flow control)
+        const r = await requestWithId(req);
+        ing.sent = r.received;
+        if (st.ingest === ing && !ing.progress) showIngest(ing);
+      }
+    } catch (e) {
+      if (ing.ended) return;
+      if (ing.cancelling && e.code === 'not_found') return; // cancelled: done follows
+      showError(e.code, 'attaching ' + ing.name + ': ' + e.message);
+      if (e.code === 'disconnected' || !ing.started) {
+        finishIngest(ing, { reason: 'error' });
+        return;
+      }
+      // a chunk was refused: stop there, keeping what went in
+      ing.cancelling = true;
+      await call({ op: 'cancel', session });
+    }
+  }
+
+  /* request() with the caller's id (the first chunk's id names the document). */
+  function requestWithId(obj) {
+    if (obj.id === undefined) return request(obj);
+    const ing = st.ingest;
+    return new Promise((resolve, reject) => {
+      if (!sendJson(obj)) {
+        reject({ code: 'disconnected', message: 'not connected' });
+        return;
+      }
+      st.pending.set(obj.id, {
+        resolve: (m) => { if (ing) ing.started = true; resolve(m); },
+        reject,
+      });
+    });
+  }
+
+  function onIngestEvent(ing, msg) {
+    if (msg.event === 'progress') {
+      ing.progress = msg;
+      if (typeof msg.bytes === 'number') ing.sent = Math.max(ing.sent, msg.bytes);
+      if (st.ingest === ing && !ing.cancelling) showIngest(ing);
+      return;
+    }
+    finishIngest(ing, msg);
+  }
+
+  function finishIngest(ing, msg) {
+    if (ing.ended) return;
+    ing.ended = true;
+    if (st.ingest === ing) st.ingest = null;
+    const reason = msg.reason || 'error';
+    const doc = msg.document;
+    if (doc && ing.session === st.current && (doc.tokens > 0 || reason === 'complete')) {
+      // the start of the text, as history shows it: fetched with the turn
+      call({ op: 'history', session: ing.session, last: 1 }).then((h) => {
+        const t = h && h.turns && h.turns[h.turns.length - 1];
+        const m = addDocument(doc, t && t.document ? t.prompt : '', !!(t && t.document && t.document.clipped),
+          reason === 'complete' ? '' : reason);
+        if (st.gen && st.gen.session === ing.session) {
+          if (st.gen.userEl) el['transcript'].append(st.gen.userEl);
+          el['transcript'].append(st.gen.el);
+        }
+        scrollToEnd(true);
+        return m;
+      });
+    }
+    if (reason === 'complete') {
+      setIngestStatus('done', ing.name + ': ' + fmtBytes(doc.bytes) + ', ' + fmtNum(doc.tokens) + ' tokens in '
+        + fmtNum(msg.prefill_ms / 1000, 1) + ' s (' + fmtNum(msg.tok_s) + ' tok/s)', 1);
+    } else if (reason === 'cancelled') {
+      setIngestStatus('cancelled', ing.name + ': stopped; kept ' + (doc ? fmtNum(doc.tokens) + ' tokens ('
+        + fmtBytes(doc.bytes) + ')' : 'what went in'));
+    } else {
+      setIngestStatus('failed', ing.name + ': ' + (reason === 'disconnected'
+        ? 'connection lost (the server kept and saved what went in)' : 'failed'));
+      if (msg.error) showError(msg.error.code, msg.error.message);
+    }
+    refreshList();
+    if (ing.session === st.current) refreshStats();
+    updateControls();
+  }
+
+  async function cancelIngest() {
+    const ing = st.ingest;
+    if (!ing || ing.cancelling) return;
+    ing.cancelling = true;
+    el['btn-ingest-cancel'].disabled = true;
+    el['ingest-text'].textContent = ing.name + ': cancelling…';
+    await call({ op: 'cancel', session: ing.session });
+    el['btn-ingest-cancel'].disabled = false;
+  }
+
   /* ---------- controls ---------- */
 
   function updateControls() {
@@ -766,7 +971,9 @@
     el['btn-delete'].disabled = !open;
     el['btn-snapshots'].disabled = !open;
     el['message-input'].disabled = !open;
-    el['btn-send'].disabled = !open || !!st.gen;
+    const busy = !!st.ingest && st.ingest.session === st.current;
+    el['btn-send'].disabled = !open || !!st.gen || busy;
+    el['btn-attach'].disabled = !open || !!st.gen || !!st.ingest;
     el['btn-stop'].hidden = !st.gen;
     el['btn-stop'].disabled = !st.gen || !!st.gen.stopping;
   }
@@ -783,6 +990,13 @@
     });
     el['btn-snapshots'].addEventListener('click', toggleSnapshots);
     el['btn-stop'].addEventListener('click', stopGen);
+    el['btn-attach'].addEventListener('click', () => el['file-input'].click());
+    el['file-input'].addEventListener('change', () => {
+      const f = el['file-input'].files && el['file-input'].files[0];
+      el['file-input'].value = ''; // the same file can be chosen again
+      if (f) attachFile(f);
+    });
+    el['btn-ingest-cancel'].addEventListener('click', cancelIngest);
     // Narrow screens: the session list is a drawer; a click beside it or
     // Escape closes it.
     const drawer = (open) => {
