@@ -110,7 +110,7 @@ static kds_status add_text(srv_reply *r, const char *p, size_t n, size_t *upto, 
 
 static void hand_out(srv_reply *r, size_t upto, const char **text, size_t *len) {
     if (upto < r->sent) upto = r->sent;
-    *text = (const char *)r->text.p + r->sent;
+    *text = r->text.p ? (const char *)r->text.p + r->sent : ""; /* nothing kept yet: no NULL + 0 */
     *len = upto - r->sent;
     r->sent = upto;
 }

@@ -441,7 +441,11 @@ static int write_http(web_server *s, struct lws *wsi, http_pss *pss) {
         unsigned char hdr[LWS_PRE + 1024], *start = hdr + LWS_PRE, *p = start,
                                            *end = hdr + sizeof hdr;
         bool stream = e->http_len < 0;
-        pss->stream_close = pss->stream_close || stream;
+        /* Every /v1 response ends its connection (Connection: close). Under
+         * a loaded sanitizer run a keep-alive client once read a response
+         * that did not start with "HTTP/" on a reused connection: until
+         * that race is found, no connection carries a second request. */
+        pss->stream_close = true;
         if (lws_add_http_common_headers(
                 wsi, (unsigned)e->http_status, e->http_type,
                 stream ? LWS_ILLEGAL_HTTP_CONTENT_LEN : (lws_filepos_t)e->http_len, &p, end) ||
