@@ -111,18 +111,18 @@ static const char *option_name(const struct option *opts, int val) {
     return "?";
 }
 
-/* One bit per sampling option, to tell given options from defaults. */
+/* The SESS_SAMPLER_* bit of a sampling option, to tell given options from
+ * defaults. */
 static unsigned sampling_bit(int opt) {
     switch (opt) {
-    case OPT_TEMP: return 1u;
-    case OPT_TOPK: return 2u;
-    case OPT_TOPP: return 4u;
-    case OPT_MINP: return 8u;
-    case OPT_REPEAT: return 16u;
+    case OPT_TEMP: return SESS_SAMPLER_TEMPERATURE;
+    case OPT_TOPK: return SESS_SAMPLER_TOP_K;
+    case OPT_TOPP: return SESS_SAMPLER_TOP_P;
+    case OPT_MINP: return SESS_SAMPLER_MIN_P;
+    case OPT_REPEAT: return SESS_SAMPLER_REPEAT_PENALTY;
     }
     return 0;
 }
-#define ALL_SAMPLING_BITS 31u
 
 static bool parse_sampling(int opt, const char *arg, eng_sampler_params *sp) {
     int64_t v;
@@ -289,14 +289,8 @@ int cmd_generate(int argc, char **argv) {
     /* a turn continues with the sampler settings the session's last turn
      * used, except for the options given now */
     if (resume && si.has_sampler) {
-        eng_sampler_params was = si.sampler;
-        if (sampling_given & sampling_bit(OPT_TEMP)) was.temperature = sp.temperature;
-        if (sampling_given & sampling_bit(OPT_TOPK)) was.top_k = sp.top_k;
-        if (sampling_given & sampling_bit(OPT_TOPP)) was.top_p = sp.top_p;
-        if (sampling_given & sampling_bit(OPT_MINP)) was.min_p = sp.min_p;
-        if (sampling_given & sampling_bit(OPT_REPEAT)) was.repeat_penalty = sp.repeat_penalty;
-        sp = was;
-        if (sampling_given != ALL_SAMPLING_BITS)
+        sp = sess_sampler_merge(&si.sampler, &sp, sampling_given);
+        if (sampling_given != SESS_SAMPLER_ALL)
             fprintf(stderr, "[kdaserve] session '%s': sampling with its recorded settings%s "
                     "(temperature %g, top-k %d, top-p %g, min-p %g, repeat-penalty %g)\n",
                     session, sampling_given ? " and the options given" : "", sp.temperature,

@@ -251,6 +251,20 @@ typedef struct sess_session_info {
  * 0-1, repeat_penalty 0.01-100, repeat_last_n 0-64). */
 bool sess_sampler_valid(const eng_sampler_params *p);
 
+/* The settings a turn samples with when the session recorded `recorded`:
+ * those, except the fields named in `given` (SESS_SAMPLER_* bits), which
+ * come from `own` (the turn's options or request fields). */
+enum {
+    SESS_SAMPLER_TEMPERATURE = 1u,
+    SESS_SAMPLER_TOP_K = 2u,
+    SESS_SAMPLER_TOP_P = 4u,
+    SESS_SAMPLER_MIN_P = 8u,
+    SESS_SAMPLER_REPEAT_PENALTY = 16u,
+    SESS_SAMPLER_ALL = 31u
+};
+eng_sampler_params sess_sampler_merge(const eng_sampler_params *recorded,
+                                      const eng_sampler_params *own, unsigned given);
+
 kds_status sess_session_get(sess_store *st, const char *name, sess_session_info *out,
                             kds_err *err);
 

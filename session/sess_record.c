@@ -590,6 +590,17 @@ bool sess_sampler_valid(const eng_sampler_params *p) {
            p->repeat_penalty <= 100 && p->repeat_last_n >= 0 && p->repeat_last_n <= 64;
 }
 
+eng_sampler_params sess_sampler_merge(const eng_sampler_params *recorded,
+                                      const eng_sampler_params *own, unsigned given) {
+    eng_sampler_params p = *recorded;
+    if (given & SESS_SAMPLER_TEMPERATURE) p.temperature = own->temperature;
+    if (given & SESS_SAMPLER_TOP_K) p.top_k = own->top_k;
+    if (given & SESS_SAMPLER_TOP_P) p.top_p = own->top_p;
+    if (given & SESS_SAMPLER_MIN_P) p.min_p = own->min_p;
+    if (given & SESS_SAMPLER_REPEAT_PENALTY) p.repeat_penalty = own->repeat_penalty;
+    return p;
+}
+
 /* A float field of the sampler map (float32 as written, float64 read too). */
 static float sampler_f(dec *d, const msgpack_object_map *m, const char *key) {
     for (uint32_t i = 0; i < m->size; i++) {

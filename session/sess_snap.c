@@ -60,19 +60,25 @@ static void info_from_hdr(uint64_t id, const sess__snap_hdr *h, size_t rec_len,
         o->new_chunk_bytes += (size_t)(h->chunks[i].t1 - h->chunks[i].t0) * h->layout.token_bytes;
 }
 
-/* The model directory that made a snapshot, as far as the store knows it:
- * the session that wrote it (its origin) records the directory of its last
- * save, which is this snapshot's model while the fingerprints agree. "" when
- * that session is gone, renamed or since saved by another model. */
-static void recorded_model_dir(sess_store *st, MDB_txn *txn, const sess__snap_hdr *h, char *dir,
-                               size_t cap) {
-    dir[0] = 0;
-    sess_session_info se;
+/* The session that wrote snapshot h (its origin), while it still records
+ * h's model: its model directory, mode and sampler settings are then the
+ * snapshot's. False when that session is gone, renamed or since saved by
+ * another model (or st / txn is NULL). */
+static bool origin_session(sess_store *st, MDB_txn *txn, const sess__snap_hdr *h,
+                           sess_session_info *se) {
     kds_err ignored = {0};
-    if (!st || !txn || !h->origin[0]) return;
-    if (sess__get_session(st, txn, h->origin, &se, &ignored) == KDS_OK &&
-        strcmp(se.fingerprint, h->fingerprint) == 0)
-        snprintf(dir, cap, "%s", se.model_dir);
+    return st && txn && h->origin[0] &&
+           sess__get_session(st, txn, h->origin, se, &ignored) == KDS_OK &&
+           strcmp(se->fingerprint, h->fingerprint) == 0;
+}
+
+/* What a fork takes over from the session it comes from: the model
+ * directory, mode and sampler settings. */
+static void inherit(sess_session_info *ne, const sess_session_info *src) {
+    snprintf(ne->model_dir, sizeof ne->model_dir, "%s", src->model_dir);
+    snprintf(ne->mode, sizeof ne->mode, "%s", src->mode);
+    ne->has_sampler = src->has_sampler;
+    ne->sampler = src->sampler;
 }
 
 /* The refusal of another model's state names both models and what to do:
@@ -101,9 +107,9 @@ static kds_status check_model(sess_store *st, MDB_txn *txn, const sess__snap_hdr
                               const eng_model *m, const char *what, kds_err *err) {
     const char *fp = eng_model_fingerprint(m);
     if (strcmp(h->fingerprint, fp) != 0) {
-        char dir[sizeof ((sess_session_info *)0)->model_dir];
-        recorded_model_dir(st, txn, h, dir, sizeof dir);
-        return another_model(err, what, h->fingerprint, dir, m);
+        sess_session_info se;
+        return another_model(err, what, h->fingerprint,
+                             origin_session(st, txn, h, &se) ? se.model_dir : "", m);
     }
     sess__layout l;
     sess__layout_of(eng_model_config(m), &l);
@@ -579,9 +585,7 @@ static kds_status conflict_fork(sess__wtxn *w, save_ctx *c, sess_session_info *s
     ne.fork_point = c->base;
     ne.created_us = c->now;
     snprintf(ne.owner, sizeof ne.owner, "%s", c->owner);
-    snprintf(ne.mode, sizeof ne.mode, "%s", se->mode);
-    ne.has_sampler = se->has_sampler;
-    ne.sampler = se->sampler;
+    inherit(&ne, se); /* (its model directory is the saving model's, set by the save) */
     ne.turns = (uint32_t)keep;
     for (size_t i = 0; i < keep; i++) {
         unsigned char k[12];
@@ -891,26 +895,13 @@ static kds_status fork_fn(sess__wtxn *w, void *ctx, kds_err *err) {
         if ((rc = sess__get_session(st, w->txn, ref.name, &src, err)) != KDS_OK) goto out;
         if ((rc = sess__collect_turns(st, w->txn, src.id, &turns, &n_turns, err)) != KDS_OK) goto out;
         snprintf(ne.parent, sizeof ne.parent, "%s", src.name);
-        snprintf(ne.model_dir, sizeof ne.model_dir, "%s", src.model_dir);
-        snprintf(ne.mode, sizeof ne.mode, "%s", src.mode);
-        ne.has_sampler = src.has_sampler;
-        ne.sampler = src.sampler;
+        inherit(&ne, &src);
     }
     if ((rc = sess__get_snap(st, w->txn, ref.snapshot, &v, &n, err)) != KDS_OK) goto out;
     if ((rc = sess__snap_parse(v, n, ref.snapshot, &h, NULL, err)) != KDS_OK) goto out;
-    if (!ref.is_session && h.origin[0]) {
-        /* "@N": the model directory and mode of the session that wrote it,
-         * while it still exists with that model (a chat snapshot restored
-         * as a plain session would feed its next turn as raw text) */
-        kds_err ignored = {0};
-        if (sess__get_session(st, w->txn, h.origin, &src, &ignored) == KDS_OK &&
-            strcmp(src.fingerprint, h.fingerprint) == 0) {
-            snprintf(ne.model_dir, sizeof ne.model_dir, "%s", src.model_dir);
-            snprintf(ne.mode, sizeof ne.mode, "%s", src.mode);
-            ne.has_sampler = src.has_sampler;
-            ne.sampler = src.sampler;
-        }
-    }
+    /* "@N": what the session that wrote it records (a chat snapshot
+     * restored as a plain session would feed its next turn as raw text) */
+    if (!ref.is_session && origin_session(st, w->txn, &h, &src)) inherit(&ne, &src);
     if (f->name) {
         if (!sess_name_valid(f->name)) {
             rc = kds_err_set(err, KDS_INVALID_ARG, "invalid session name '%s'", f->name);

@@ -904,13 +904,12 @@ static void op_generate(web_engine *E, const web_req *r, const cJSON *id) {
     if (!(h = ensure_hot(E, r, id, store))) return;
     if (h->has_sampler) {
         /* the settings of the session's last turn, except those given now */
-        eng_sampler_params was = h->sampler;
-        if (given(r, "temperature")) was.temperature = sp.temperature;
-        if (given(r, "top_p")) was.top_p = sp.top_p;
-        if (given(r, "top_k")) was.top_k = sp.top_k;
-        if (given(r, "min_p")) was.min_p = sp.min_p;
-        if (given(r, "repeat_penalty")) was.repeat_penalty = sp.repeat_penalty;
-        sp = was;
+        unsigned own = (given(r, "temperature") ? SESS_SAMPLER_TEMPERATURE : 0) |
+                       (given(r, "top_p") ? SESS_SAMPLER_TOP_P : 0) |
+                       (given(r, "top_k") ? SESS_SAMPLER_TOP_K : 0) |
+                       (given(r, "min_p") ? SESS_SAMPLER_MIN_P : 0) |
+                       (given(r, "repeat_penalty") ? SESS_SAMPLER_REPEAT_PENALTY : 0);
+        sp = sess_sampler_merge(&h->sampler, &sp, own);
     }
     const char *text = mv ? mv->valuestring : tv->valuestring;
     size_t len = strlen(text);
