@@ -201,6 +201,21 @@ kds_status eng_st_open(const char *path, eng_st_file **out, kds_err *err) {
                              path, f->tensors[i].name, e, data_len);
             goto fail;
         }
+        /* Tensors are read in place from the mapping (page-aligned), so one
+         * whose start is not a multiple of its element size would make every
+         * kernel load misaligned: writers keep them aligned (the safetensors
+         * library, and eng_st_write, order tensors by element size). */
+        const size_t esz = eng_st_dtype_size(f->tensors[i].dtype);
+        const uint64_t at = 8 + (uint64_t)hlen + b;
+        if (esz > 1 && at % esz != 0) {
+            rc = kds_err_set(err, KDS_BAD_FORMAT, "%s: tensor '%s' (%s) starts at byte %" PRIu64
+                             " of the file, not a multiple of its %zu-byte element (a damaged "
+                             "file, or a writer that does not align tensors: write it again with "
+                             "the safetensors library)",
+                             path, f->tensors[i].name, eng_st_dtype_name(f->tensors[i].dtype), at,
+                             esz);
+            goto fail;
+        }
         f->tensors[i].data = data + b;
         spans[i] = (span){b, e, i};
         i++;
@@ -294,6 +309,8 @@ kds_status eng_st_write_stream(const char *path, const eng_st_out_tensor *tensor
     kds_status rc = KDS_OK;
     char *header = NULL, *tmp = NULL;
     void *buf = NULL;
+    size_t *order = NULL;
+    uint64_t *offsets = NULL;
     int fd = -1;
     cJSON *root = cJSON_CreateObject();
     if (!root) return kds_err_set(err, KDS_NOMEM, "out of memory writing %s", path);
@@ -302,7 +319,27 @@ kds_status eng_st_write_stream(const char *path, const eng_st_out_tensor *tensor
         for (size_t i = 0; md && metadata[i] && metadata[i + 1]; i += 2)
             cJSON_AddStringToObject(md, metadata[i], metadata[i + 1]);
     }
+    /* Data in order of element size, widest first, so that every tensor
+     * starts at a multiple of its element size (the header is padded to 8
+     * bytes below): readers use tensors in place (what the safetensors
+     * library does too). order[k]: the tensor written k-th. */
+    order = malloc((n ? n : 1) * sizeof *order);
+    offsets = malloc((n ? n : 1) * sizeof *offsets);
+    if (!order || !offsets) {
+        rc = kds_err_set(err, KDS_NOMEM, "out of memory writing %s", path);
+        goto out;
+    }
+    size_t k = 0;
+    for (size_t esz = 8; esz >= 1; esz /= 2)
+        for (size_t i = 0; i < n; i++) {
+            const size_t e = eng_st_dtype_size(tensors[i].dtype);
+            if (e == esz || (esz == 1 && (e < 1 || e > 8 || (e & (e - 1)) != 0))) order[k++] = i;
+        }
     uint64_t off = 0;
+    for (k = 0; k < n; k++) {
+        offsets[order[k]] = off;
+        off += out_bytes(&tensors[order[k]]);
+    }
     size_t max_bytes = 0;
     for (size_t i = 0; i < n; i++) {
         cJSON *t = cJSON_AddObjectToObject(root, tensors[i].name);
@@ -317,9 +354,8 @@ kds_status eng_st_write_stream(const char *path, const eng_st_out_tensor *tensor
         size_t nb = out_bytes(&tensors[i]);
         if (nb > max_bytes) max_bytes = nb;
         cJSON *of = cJSON_AddArrayToObject(t, "data_offsets");
-        cJSON_AddItemToArray(of, cJSON_CreateNumber((double)off));
-        cJSON_AddItemToArray(of, cJSON_CreateNumber((double)(off + nb)));
-        off += nb;
+        cJSON_AddItemToArray(of, cJSON_CreateNumber((double)offsets[i]));
+        cJSON_AddItemToArray(of, cJSON_CreateNumber((double)(offsets[i] + nb)));
     }
     header = cJSON_PrintUnformatted(root);
     if (!header) {
@@ -348,8 +384,8 @@ kds_status eng_st_write_stream(const char *path, const eng_st_out_tensor *tensor
         rc = kds_err_set(err, KDS_NOMEM, "out of memory writing %s", path);
         goto out;
     }
-    for (size_t i = 0; i < n; i++) {
-        size_t nb = out_bytes(&tensors[i]);
+    for (k = 0; k < n; k++) {
+        const size_t i = order[k], nb = out_bytes(&tensors[i]);
         if ((rc = fill(user, i, buf, nb, err)) != KDS_OK) goto out;
         if ((rc = write_all(fd, buf, nb, tmp, err)) != KDS_OK) goto out;
     }
@@ -368,6 +404,8 @@ out:
     if (rc != KDS_OK && tmp) unlink(tmp);
     free(tmp);
     free(buf);
+    free(order);
+    free(offsets);
     free(header);
     cJSON_Delete(root);
     return rc;

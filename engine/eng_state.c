@@ -21,6 +21,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 void eng__dims(const eng_config *c, eng_dims *d) {
     memset(d, 0, sizeof *d);
@@ -363,6 +364,12 @@ kds_status eng_seq_load_mla(eng_seq *s, int64_t t0, int64_t t1, const void *buf,
     return KDS_OK;
 }
 
+/* Physical memory in bytes, 0 when the system does not say. */
+static uint64_t physical_memory_bytes(void) {
+    const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+    return pages > 0 && page > 0 ? (uint64_t)pages * (uint64_t)page : 0;
+}
+
 /* Check the header and fixed sections and load them; with_mla also loads
  * the trailing MLA section. Nothing changes unless every check passes. */
 static kds_status load_state(eng_seq *s, const void *buf, size_t len, int with_mla,
@@ -392,6 +399,17 @@ static kds_status load_state(eng_seq *s, const void *buf, size_t len, int with_m
         return kds_err_set(err, KDS_BAD_FORMAT, "state of %zu bytes does not match its position "
                            "%llu (expected %zu bytes)", len, (unsigned long long)pos,
                            (size_t)(z.fixed + per_token * pos));
+    /* A fixed part only claims its rows, so its length cannot bound pos: a
+     * claim whose rows could never be held in this machine's memory is a
+     * damaged or foreign header, named here rather than failing later at
+     * the first clone or decode (a clone copies every claimed row). */
+    const uint64_t phys = physical_memory_bytes();
+    if (!with_mla && z.per_token && phys && pos > phys / z.per_token)
+        return kds_err_set(err, KDS_TOO_LARGE, "state claims %llu tokens, whose MLA cache "
+                           "(%.1f GiB) is more than this machine's memory (%.1f GiB): the "
+                           "state is damaged or was not written for this model",
+                           (unsigned long long)pos, (double)pos * (double)z.per_token / 1073741824.0,
+                           (double)phys / 1073741824.0);
     uint32_t has_logits = kds_get32(p + HDR_DIMS + 40);
     if (has_logits > 1 || (has_logits == 0) != (pos == 0))
         return kds_err_set(err, KDS_BAD_FORMAT, "state logits flag %u does not fit position %llu",

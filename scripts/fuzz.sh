@@ -3,8 +3,13 @@
 # into ./build-fuzz and run them (docs/testing.md).
 #
 #   scripts/fuzz.sh                 every target: its regression inputs, then
-#                                   KDS_FUZZ_SECONDS (default 20) of fuzzing
-#                                   from its corpus; what CI runs
+#                                   a fixed number of fuzzing runs from its
+#                                   corpus with a fixed seed, so that one tree
+#                                   always gives one result; what CI runs
+#   scripts/fuzz.sh explore         every target: regression inputs, then
+#                                   KDS_FUZZ_SECONDS (default 60) of fuzzing
+#                                   with a random seed, to find what CI's
+#                                   fixed runs do not reach
 #   scripts/fuzz.sh run TARGET [libFuzzer options...]
 #                                   fuzz one target until stopped (or as the
 #                                   options say), e.g. -max_total_time=300
@@ -12,7 +17,9 @@
 #                                   the real files (fuzz_seeds)
 #   scripts/fuzz.sh build           only build
 #
-# Environment: KDS_FUZZ_SECONDS, KDS_FUZZ_TARGETS (space-separated subset),
+# Environment: KDS_FUZZ_SECONDS (explore), KDS_FUZZ_RUNS_SCALE (ci: the fixed
+# runs of each target are multiplied by it; default 1), KDS_FUZZ_SEED (ci;
+# default 1), KDS_FUZZ_TARGETS (space-separated subset),
 # CC (default clang-14), KDS_FUZZ_TMPDIR (the targets' scratch files;
 # default /dev/shm when writable). Findings are written to build-fuzz/artifacts/TARGET/
 # (crash-*, leak-*, timeout-*, oom-*); reproduce one with
@@ -27,7 +34,31 @@ BUILD=build-fuzz
 FUZZ_DIR=tests/fuzz
 ALL_TARGETS="safetensors config model tokenizer state snapshot web_codec auth http_api"
 TARGETS=${KDS_FUZZ_TARGETS:-$ALL_TARGETS}
-SECONDS_EACH=${KDS_FUZZ_SECONDS:-20}
+SECONDS_EACH=${KDS_FUZZ_SECONDS:-60}
+RUNS_SCALE=${KDS_FUZZ_RUNS_SCALE:-1}
+CI_SEED=${KDS_FUZZ_SEED:-1}
+
+# CI's runs per target: about 15 s each on a 2-core machine of CI's kind
+# (docs/testing.md). A fixed seed and count from the committed corpus and a
+# fresh scratch corpus make the pass follow nearly the same path every run
+# (coverage that depends on timing or addresses can still move it), so a
+# finding belongs to the commit that brought it, not to a lucky run.
+ci_runs() {
+  local n
+  case $1 in
+    safetensors) n=150000 ;;
+    config) n=20000 ;;
+    model) n=20000 ;;
+    tokenizer) n=80000 ;;
+    state) n=60000 ;;
+    snapshot) n=20000 ;;
+    web_codec) n=1200000 ;;
+    auth) n=600000 ;;
+    http_api) n=300000 ;;
+    *) n=20000 ;;
+  esac
+  echo $((n * RUNS_SCALE))
+}
 CC_FUZZ=${CC:-clang-14}
 
 # Stack traces with file:line when llvm-symbolizer is installed (llvm-14).
@@ -117,16 +148,27 @@ run_regress() {
 }
 
 # A bounded fuzz run from the committed corpus (new inputs go to a scratch
-# corpus under build-fuzz, never into the tree).
-run_timed() {
-  local t=$1 secs=$2 bin=$BUILD/tests/fuzz/fuzz_$t log=$BUILD/artifacts/$t/fuzz.log
-  mkdir -p "$BUILD/artifacts/$t" "$BUILD/corpus/$t"
-  if KDS_FUZZ_KNOWN="$KNOWN" "$bin" $(common_opts "$t") -max_total_time="$secs" \
-       "$BUILD/corpus/$t" "$FUZZ_DIR/corpus/$t" > "$log" 2>&1; then
+# corpus under build-fuzz, never into the tree). mode: ci (fixed seed and
+# runs, a fresh scratch corpus; a time cap only against a hang) or explore
+# (random seed, KDS_FUZZ_SECONDS, the scratch corpus kept between runs).
+run_fuzz() {
+  local t=$1 mode=$2 bin=$BUILD/tests/fuzz/fuzz_$t log=$BUILD/artifacts/$t/fuzz.log
+  local scratch=$BUILD/corpus/$t bound
+  if [ "$mode" = ci ]; then
+    scratch=$BUILD/corpus-ci/$t
+    rm -rf "$scratch"
+    bound=(-seed="$CI_SEED" -runs="$(ci_runs "$t")" -max_total_time=300)
+  else
+    bound=(-max_total_time="$SECONDS_EACH")
+  fi
+  mkdir -p "$BUILD/artifacts/$t" "$scratch"
+  local t0=$SECONDS
+  if KDS_FUZZ_KNOWN="$KNOWN" "$bin" $(common_opts "$t") "${bound[@]}" \
+       "$scratch" "$FUZZ_DIR/corpus/$t" > "$log" 2>&1; then
     local execs cov
     execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -1)
     cov=$(grep -oE 'cov: [0-9]+ ft: [0-9]+' "$log" | tail -1)
-    echo "[fuzz] $t: ${secs}s, ${execs:-?} runs, $cov: nothing found"
+    echo "[fuzz] $t: $((SECONDS - t0))s, ${execs:-?} runs, $cov: nothing found"
   else
     echo "[fuzz] $t: FINDING (log: $log, input: $BUILD/artifacts/$t/):" >&2
     grep -E "ERROR|runtime error|property violated|SUMMARY|Test unit written" "$log" | head -8 >&2
@@ -152,17 +194,18 @@ case $cmd in
     exec env KDS_FUZZ_KNOWN="$KNOWN" "$BUILD/tests/fuzz/fuzz_$t" $(common_opts "$t") "$@" \
       "$BUILD/corpus/$t" "$FUZZ_DIR/corpus/$t"
     ;;
-  ci)
+  ci|explore)
     build
     use_tmpfs
     KNOWN=$(known_ids)
     [ -n "$KNOWN" ] && echo "[fuzz] known open bugs (tests/fuzz/known-open.txt): $KNOWN"
+    [ "$cmd" = ci ] && echo "[fuzz] fixed runs, seed $CI_SEED (scripts/fuzz.sh explore fuzzes at random)"
     status=0
     for t in $TARGETS; do
       run_regress "$t" || status=1
-      run_timed "$t" "$SECONDS_EACH" || status=1
+      run_fuzz "$t" "$cmd" || status=1
     done
     exit $status
     ;;
-  *) echo "usage: scripts/fuzz.sh [ci|run TARGET [opts...]|seeds|build]" >&2; exit 2 ;;
+  *) echo "usage: scripts/fuzz.sh [ci|explore|run TARGET [opts...]|seeds|build]" >&2; exit 2 ;;
 esac

@@ -352,6 +352,36 @@ Test(engine, fixed_part_claims_cost_no_memory) {
     close_model(&f);
 }
 
+/* A claim no machine of this size could hold is refused by name at load,
+ * not left to fail at the first clone (which copies every claimed row). */
+Test(engine, fixed_part_claim_beyond_memory_refused) {
+    fixture f = open_model(HYBRID);
+    kds_err err = {0};
+    eng_seq *s = NULL, *r = NULL;
+    cr_assert_eq(eng_seq_create(f.m, 4, &s, &err), KDS_OK);
+    int32_t ids[3];
+    prompt(ids, 3, f.vocab, 5);
+    cr_assert_eq(eng_prefill(f.c, s, ids, 3, NULL, NULL, NULL, &err), KDS_OK);
+    const size_t fb = eng_seq_fixed_bytes(s), tb = eng_seq_mla_token_bytes(s);
+    unsigned char *fixed = malloc(fb);
+    cr_assert(fixed);
+    cr_assert_eq(eng_seq_save_fixed(s, fixed, fb, &err), KDS_OK);
+    const uint64_t phys = (uint64_t)sysconf(_SC_PHYS_PAGES) * (uint64_t)sysconf(_SC_PAGESIZE);
+    const uint64_t claim = phys / tb + 1;
+    for (int i = 0; i < 8; i++) fixed[16 + i] = (unsigned char)(claim >> (8 * i));
+    cr_assert_eq(eng_seq_create(f.m, 0, &r, &err), KDS_OK);
+    cr_expect_eq(eng_seq_load_fixed(r, fixed, fb, &err), KDS_TOO_LARGE, "%s", err.msg);
+    cr_expect(strstr(err.msg, "more than this machine's memory") != NULL, "%s", err.msg);
+    cr_expect_eq(eng_seq_pos(r), 0, "a refused claim changed the sequence");
+    /* a claim that fits still loads */
+    for (int i = 0; i < 8; i++) fixed[16 + i] = (unsigned char)((claim / 64) >> (8 * i));
+    cr_expect_eq(eng_seq_load_fixed(r, fixed, fb, &err), KDS_OK, "%s", err.msg);
+    free(fixed);
+    eng_seq_free(s);
+    eng_seq_free(r);
+    close_model(&f);
+}
+
 /* The split form (fixed part + token-major MLA row chunks) restores exactly
  * what the whole-state form does. */
 Test(engine, split_state_roundtrip_hybrid) {

@@ -13,6 +13,7 @@
 
 #include "eng.h"
 #include "eng_model.h"
+#include "eng_safetensors.h"
 #include "test_model_util.h"
 
 typedef struct case_dir {
@@ -108,6 +109,12 @@ Test(model_bad, malformed_headers) {
                     "\"data_offsets\": [0, 4]}, \"model.norm.weight\": {\"dtype\": \"F32\", "
                     "\"shape\": [1], \"data_offsets\": [4, 8]}}",
                     8, KDS_BAD_FORMAT, "appears twice");
+    /* a BF16 tensor after 3 bytes of U8: it would be read through
+     * misaligned loads in place (the fuzz target's UBSan finding) */
+    bad_header_case("{\"s\": {\"dtype\": \"U8\", \"shape\": [3], \"data_offsets\": [0, 3]}, "
+                    "\"model.norm.weight\": {\"dtype\": \"BF16\", \"shape\": [2], "
+                    "\"data_offsets\": [3, 7]}}",
+                    7, KDS_BAD_FORMAT, "not a multiple of its 2-byte element");
     /* a valid file that lacks the model's tensors */
     bad_header_case("{\"x\": {\"dtype\": \"F32\", \"shape\": [2], \"data_offsets\": [0, 8]}}", 8,
                     KDS_NOT_FOUND, "model.embed_tokens.weight");
@@ -411,4 +418,39 @@ Test(model_bad, random_damage_never_crashes) {
     free(buf);
     free(orig);
     drop_case(&c);
+}
+
+/* eng_st_write keeps every tensor aligned to its element size whatever
+ * order it is given them in (widest first, as the safetensors library
+ * does), so what it writes loads back in place. */
+Test(model_bad, writer_aligns_mixed_dtypes) {
+    char *dir = tmu_mkdtemp();
+    cr_assert(dir);
+    char *path = tmu_path(dir, "mixed.safetensors");
+    const unsigned char u8[3] = {1, 2, 3};
+    const uint16_t bf[3] = {0x3f80, 0x4000, 0x4040};
+    const float f32[2] = {1.5f, -2.0f};
+    const eng_st_out_tensor t[3] = {
+        {.name = "codes", .dtype = ENG_ST_U8, .n_dims = 1, .shape = {3}, .data = u8},
+        {.name = "norm", .dtype = ENG_ST_BF16, .n_dims = 1, .shape = {3}, .data = bf},
+        {.name = "bias", .dtype = ENG_ST_F32, .n_dims = 1, .shape = {2}, .data = f32},
+    };
+    kds_err err = {0};
+    cr_assert_eq(eng_st_write(path, t, 3, NULL, &err), KDS_OK, "%s", err.msg);
+    eng_st_file *f = NULL;
+    cr_assert_eq(eng_st_open(path, &f, &err), KDS_OK, "%s", err.msg);
+    for (size_t i = 0; i < eng_st_count(f); i++) {
+        const eng_st_tensor *x = eng_st_at(f, i);
+        cr_expect_eq((uintptr_t)x->data % eng_st_dtype_size(x->dtype), 0, "%s misaligned", x->name);
+    }
+    const eng_st_tensor *n = eng_st_find(f, "norm"), *b = eng_st_find(f, "bias"),
+                        *c = eng_st_find(f, "codes");
+    cr_assert(n && b && c);
+    cr_expect_eq(memcmp(n->data, bf, sizeof bf), 0);
+    cr_expect_eq(memcmp(b->data, f32, sizeof f32), 0);
+    cr_expect_eq(memcmp(c->data, u8, sizeof u8), 0);
+    eng_st_close(f);
+    tmu_rmtree(dir);
+    free(path);
+    free(dir);
 }

@@ -185,6 +185,25 @@ static void model_regress(void) {
     free(b);
     free(j);
     cJSON_Delete(c);
+    /* The same weights behind a header one byte longer (a trailing space):
+     * every tensor starts at an odd byte, and the loader once converted a
+     * BF16 norm through misaligned uint16_t loads (UBSan). */
+    uint64_t hlen = 0;
+    for (int i = 0; i < 8; i++) hlen |= (uint64_t)w[i] << (8 * i);
+    unsigned char *odd = malloc(n + 1);
+    if (!odd || hlen > n - 8) abort();
+    for (int i = 0; i < 8; i++) odd[i] = (unsigned char)((hlen + 1) >> (8 * i));
+    memcpy(odd + 8, w + 8, (size_t)hlen);
+    odd[8 + hlen] = ' ';
+    memcpy(odd + 9 + hlen, w + 8 + hlen, n - 8 - (size_t)hlen);
+    len = strlen(FZ_NANO_KDA) + FZ_SEP_LEN + n + 1;
+    if (!(b = malloc(len))) abort();
+    memcpy(b, FZ_NANO_KDA, strlen(FZ_NANO_KDA));
+    memcpy(b + strlen(FZ_NANO_KDA), FZ_SEP, FZ_SEP_LEN);
+    memcpy(b + strlen(FZ_NANO_KDA) + FZ_SEP_LEN, odd, n + 1);
+    out_file("regress", "model", "tensors-at-odd-bytes", b, len);
+    free(b);
+    free(odd);
     free(w);
 }
 
@@ -279,6 +298,14 @@ static void state_seeds(void) {
         if (!b || eng_seq_save_fixed(s, b, n, &e) != KDS_OK) abort();
         snprintf(name, sizeof name, "%s-6-tokens-fixed", mname[w]);
         seed_mode("corpus", "state", name, (uint8_t)(w | 2), b, n);
+        if (w == 1) {
+            /* a fixed part claiming 2^28 rows (12 GiB of a nano model's MLA
+             * cache): address space only, until the fuzz target cloned it
+             * (the clone copies every row) and went past its memory limit */
+            const uint64_t claim = (uint64_t)1 << 28;
+            for (int i = 0; i < 8; i++) b[16 + i] = (unsigned char)(claim >> (8 * i));
+            seed_mode("regress", "state", "hybrid-fixed-claims-12GiB-of-rows", 1 | 2, b, n);
+        }
         free(b);
         if (w == 1) { /* rows [1, 4) behind their two range bytes */
             size_t tb = eng_seq_mla_token_bytes(s);

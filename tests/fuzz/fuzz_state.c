@@ -12,9 +12,14 @@
  * Properties: a refused state leaves the sequence as it was (its saved
  * bytes do not change); a state that loads saves back as the same bytes
  * (but for the zero fields of the header, which the reader ignores), and
- * the sequence then samples, decodes a token and clones like any other.
+ * the sequence then samples, and (when its MLA rows fit CLONE_BUDGET_BYTES)
+ * clones and decodes like any other.
  */
 #include "fuzz_util.h"
+
+/* the MLA rows a state may claim and still be cloned here: far below
+ * libFuzzer's -rss_limit_mb (scripts/fuzz.sh) */
+#define CLONE_BUDGET_BYTES ((uint64_t)256 << 20)
 
 enum { HDR_ZERO0 = 72, HDR_ZERO0_END = 80, HDR_ZERO1 = 112, HDR_ZERO1_END = 128 };
 
@@ -81,6 +86,12 @@ static void exercise(eng_ctx *ctx, eng_seq *s) {
         sp.repeat_penalty = 1.3f;
         if (eng_sample(ctx, s, &sp, &tok, &e) != KDS_OK) fz_fail("sample: %s", e.msg);
     }
+    /* A clone copies every row the state claims, and a fixed part may claim
+     * gigabytes of rows it does not carry (eng_seq_load_fixed bounds the
+     * claim only by the machine's memory): cloning such a state really
+     * needs that memory, which is no bug, so only states whose rows fit the
+     * fuzz run's budget are cloned and decoded. */
+    if ((uint64_t)eng_seq_pos(s) * eng_seq_mla_token_bytes(s) > CLONE_BUDGET_BYTES) return;
     eng_seq *c = NULL;
     if (eng_seq_clone(s, &c, &e) == KDS_OK) {
         /* NaN or huge states make garbage logits, never a crash */
