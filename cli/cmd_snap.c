@@ -379,7 +379,10 @@ static int snap_show(sess_store *st, const char *id) {
         printf("--- turn %zu, %s: %lld prompt + %lld generated tokens -> @%llu (%lld tokens)\n",
                i + 1, t, (long long)tr[i].prompt_tokens, (long long)tr[i].output_tokens,
                (unsigned long long)tr[i].snapshot, (long long)tr[i].tokens);
-        if (tr[i].prompt_len) print_text(tr[i].prompt, tr[i].prompt_len, "  > ");
+        if (tr[i].doc_name[0]) /* collapsed: `snap export` carries the text */
+            printf("  [document %s: %lld bytes]\n", tr[i].doc_name, (long long)tr[i].doc_bytes);
+        else if (tr[i].prompt_len)
+            print_text(tr[i].prompt, tr[i].prompt_len, "  > ");
         print_text(tr[i].output, tr[i].output_len, "  < ");
     }
     sess_transcript_free(tr, n);

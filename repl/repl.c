@@ -183,8 +183,16 @@ void repl__print_transcript(FILE *f, const sess_turn_record *t, size_t count, si
     size_t first = last && count > last ? count - last : 0;
     if (first) fprintf(f, "... %zu earlier turn%s\n", first, first == 1 ? "" : "s");
     for (size_t i = first; i < count; i++) {
-        fprintf(f, "> ");
-        print_clipped(f, t[i].prompt, t[i].prompt_len, clip, false);
+        /* an ingested document shows collapsed (its text is in the store
+         * and in an export); "" below is the empty reply of an ingest */
+        if (t[i].doc_name[0]) {
+            fprintf(f, "[document %s: %lld bytes, %lld tokens]\n", t[i].doc_name,
+                    (long long)t[i].doc_bytes, (long long)t[i].prompt_tokens);
+            if (!t[i].output_len) continue;
+        } else {
+            fprintf(f, "> ");
+            print_clipped(f, t[i].prompt, t[i].prompt_len, clip, false);
+        }
         fputc('\n', f);
         print_clipped(f, t[i].output, t[i].output_len, clip, true);
         fputc('\n', f);

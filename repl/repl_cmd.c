@@ -583,6 +583,25 @@ static bool c_ingest(repl *r, char *arg) {
                       .prompt_tokens = done,
                       .mode = repl__mode_name(r),
                       .sampler = &r->sp};
+    /* A whole document is kept as the turn's text under its file name, as
+     * the server's `append` keeps one (an export carries it); one cut
+     * short keeps only the note above, since the text its tokens cover is
+     * not known apart from the chat rendering around it. */
+    char doc_name[SESS_DOC_NAME_MAX + 1];
+    if (done == n) {
+        const char *base = strrchr(arg, '/');
+        base = base && base[1] ? base + 1 : arg;
+        size_t bl = strlen(base);
+        if (bl > SESS_DOC_NAME_MAX) bl = SESS_DOC_NAME_MAX;
+        while (bl > 0 && bl < strlen(base) && ((unsigned char)base[bl] & 0xC0) == 0x80)
+            bl--; /* not inside a UTF-8 character */
+        memcpy(doc_name, base, bl);
+        doc_name[bl] = '\0';
+        turn.prompt = text;
+        turn.prompt_len = strlen(text);
+        turn.doc_name = bl ? doc_name : NULL;
+        turn.doc_bytes = (int64_t)turn.prompt_len;
+    }
     uint64_t snap;
     if (!repl__save(r, &turn, &snap)) goto out;
     r->dirty = false;

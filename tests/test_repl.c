@@ -15,6 +15,7 @@
 #include <cJSON.h>
 #include <fcntl.h>
 #include <sys/wait.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "sess_internal.h"
@@ -238,7 +239,7 @@ Test(repl, ingest_export_restore) {
     char input[1024];
     snprintf(input, sizeof input,
              "/ingest " KDS_SOURCE_DIR "/repl/README.md\nSo\n/export %s/s.kds\n/restore @1\n"
-             "/stats\n/ingest %s/none.txt\n",
+             "/stats\n/ingest %s/none.txt\n/open doc\n/history\n",
              tmpdir, tmpdir);
     int rc = chat("--session doc --max-tokens 4", input, out, sizeof out, err, sizeof err);
     cr_expect_eq(rc, 1, "the missing file should count as a failure");
@@ -256,6 +257,15 @@ Test(repl, ingest_export_restore) {
     long long n = 0;
     sscanf(ctx, "context tokens %lld", &n);
     cr_expect_gt(n, 100, "%s", out);
+    /* the document is kept under its name, shown collapsed */
+    const char *doc = strstr(out, "[document README.md: ");
+    cr_expect(doc, "/history does not show the document: %s", out);
+    long long bytes = 0, tokens = 0;
+    if (doc) sscanf(doc, "[document README.md: %lld bytes, %lld tokens]", &bytes, &tokens);
+    struct stat sb;
+    cr_assert_eq(stat(KDS_SOURCE_DIR "/repl/README.md", &sb), 0);
+    cr_expect_eq(bytes, (long long)sb.st_size);
+    cr_expect_gt(tokens, 100);
     rm_tmp();
 }
 
