@@ -291,10 +291,15 @@ size_t kern_matmul_scratch_floats(int in) { return (size_t)128 * (size_t)in; }
  * hidden-256 models (batched decode and prefill chunks) ran as fast or
  * faster on the direct path up to 64 tokens; single 48B-width products
  * (2304 x 9216, 16384 x 2304) favour sgemm from about 32-48 tokens.
+ * On the CI kind of machine (2 threads, bf16, `wide`: hidden 2304, a
+ * 163840-row LM head) the direct path still wins at 32: raising the
+ * crossover from 32 to 64 took the aggregate decode of 32 batched
+ * sequences from 21.7 to 34.2 tok/s and a 32-token prefill from 27.4 to
+ * 60.9 tok/s in one run (docs/benchmarks.md, "Continuous batching").
  * Without AVX-512 the direct path is dot_row, which streams W once per four
  * tokens, so there BLAS takes over at 8 as before. */
 #if KERN_AVX512
-#define MATMUL_BLAS_MIN_T 32
+#define MATMUL_BLAS_MIN_T 64
 #else
 #define MATMUL_BLAS_MIN_T 8
 #endif
