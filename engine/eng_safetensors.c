@@ -298,6 +298,17 @@ static kds_status copy_fill(void *user, size_t index, void *buf, size_t n_bytes,
     return KDS_OK;
 }
 
+/* A tensor's place in the data section: element size, then its index. */
+typedef struct write_slot {
+    size_t esz, index;
+} write_slot;
+
+static int write_slot_cmp(const void *a, const void *b) {
+    const write_slot *x = a, *y = b;
+    if (x->esz != y->esz) return x->esz > y->esz ? -1 : 1;
+    return x->index < y->index ? -1 : x->index > y->index ? 1 : 0;
+}
+
 kds_status eng_st_write(const char *path, const eng_st_out_tensor *tensors, size_t n,
                         const char *const *metadata, kds_err *err) {
     return eng_st_write_stream(path, tensors, n, metadata, copy_fill, (void *)tensors, err);
@@ -309,7 +320,7 @@ kds_status eng_st_write_stream(const char *path, const eng_st_out_tensor *tensor
     kds_status rc = KDS_OK;
     char *header = NULL, *tmp = NULL;
     void *buf = NULL;
-    size_t *order = NULL;
+    write_slot *order = NULL;
     uint64_t *offsets = NULL;
     int fd = -1;
     cJSON *root = cJSON_CreateObject();
@@ -319,28 +330,27 @@ kds_status eng_st_write_stream(const char *path, const eng_st_out_tensor *tensor
         for (size_t i = 0; md && metadata[i] && metadata[i + 1]; i += 2)
             cJSON_AddStringToObject(md, metadata[i], metadata[i + 1]);
     }
-    /* Data in order of element size, widest first, so that every tensor
-     * starts at a multiple of its element size (the header is padded to 8
-     * bytes below): readers use tensors in place (what the safetensors
-     * library does too). order[k]: the tensor written k-th. */
+    /* Data in order of element size, widest first (ties in the caller's
+     * order), so that every tensor starts at a multiple of its element size
+     * (the header is padded to 8 bytes below): readers use tensors in place
+     * (what the safetensors library does too). order[k]: the k-th written. */
     order = malloc((n ? n : 1) * sizeof *order);
     offsets = malloc((n ? n : 1) * sizeof *offsets);
     if (!order || !offsets) {
         rc = kds_err_set(err, KDS_NOMEM, "out of memory writing %s", path);
         goto out;
     }
-    size_t k = 0;
-    for (size_t esz = 8; esz >= 1; esz /= 2)
-        for (size_t i = 0; i < n; i++) {
-            const size_t e = eng_st_dtype_size(tensors[i].dtype);
-            if (e == esz || (esz == 1 && (e < 1 || e > 8 || (e & (e - 1)) != 0))) order[k++] = i;
-        }
+    for (size_t i = 0; i < n; i++)
+        order[i] = (write_slot){eng_st_dtype_size(tensors[i].dtype), i};
+    qsort(order, n, sizeof *order, write_slot_cmp);
     uint64_t off = 0;
-    for (k = 0; k < n; k++) {
-        offsets[order[k]] = off;
-        off += out_bytes(&tensors[order[k]]);
-    }
     size_t max_bytes = 0;
+    for (size_t k = 0; k < n; k++) {
+        const size_t nb = out_bytes(&tensors[order[k].index]);
+        offsets[order[k].index] = off;
+        off += nb;
+        if (nb > max_bytes) max_bytes = nb;
+    }
     for (size_t i = 0; i < n; i++) {
         cJSON *t = cJSON_AddObjectToObject(root, tensors[i].name);
         if (!t) {
@@ -351,8 +361,7 @@ kds_status eng_st_write_stream(const char *path, const eng_st_out_tensor *tensor
         cJSON *sh = cJSON_AddArrayToObject(t, "shape");
         for (int d = 0; d < tensors[i].n_dims; d++)
             cJSON_AddItemToArray(sh, cJSON_CreateNumber((double)tensors[i].shape[d]));
-        size_t nb = out_bytes(&tensors[i]);
-        if (nb > max_bytes) max_bytes = nb;
+        const size_t nb = out_bytes(&tensors[i]);
         cJSON *of = cJSON_AddArrayToObject(t, "data_offsets");
         cJSON_AddItemToArray(of, cJSON_CreateNumber((double)offsets[i]));
         cJSON_AddItemToArray(of, cJSON_CreateNumber((double)(offsets[i] + nb)));
@@ -384,8 +393,8 @@ kds_status eng_st_write_stream(const char *path, const eng_st_out_tensor *tensor
         rc = kds_err_set(err, KDS_NOMEM, "out of memory writing %s", path);
         goto out;
     }
-    for (k = 0; k < n; k++) {
-        const size_t i = order[k], nb = out_bytes(&tensors[i]);
+    for (size_t k = 0; k < n; k++) {
+        const size_t i = order[k].index, nb = out_bytes(&tensors[i]);
         if ((rc = fill(user, i, buf, nb, err)) != KDS_OK) goto out;
         if ((rc = write_all(fd, buf, nb, tmp, err)) != KDS_OK) goto out;
     }

@@ -156,6 +156,13 @@ const char *repl__mode_name(const repl *r) {
     return r->chat ? "chat" : "plain";
 }
 
+size_t repl__utf8_head(const char *p, size_t n, size_t max) {
+    if (n <= max) return n;
+    while (max > 0 && ((unsigned char)p[max] & 0xC0) == 0x80)
+        max--;
+    return max;
+}
+
 /* At most `clip` bytes of p[0, n): its head or its tail, cut on UTF-8
  * character boundaries, with "[... N bytes]" where text was left out. */
 static void print_clipped(FILE *f, const char *p, size_t n, size_t clip, bool tail) {
@@ -170,9 +177,7 @@ static void print_clipped(FILE *f, const char *p, size_t n, size_t clip, bool ta
         fprintf(f, "[... %zu bytes] ", from);
         print_piece(f, p + from, n - from);
     } else {
-        size_t to = clip;
-        while (to > 0 && ((unsigned char)p[to] & 0xC0) == 0x80)
-            to--;
+        const size_t to = repl__utf8_head(p, n, clip);
         print_piece(f, p, to);
         fprintf(f, " [... %zu bytes]", n - to);
     }

@@ -591,10 +591,7 @@ static bool c_ingest(repl *r, char *arg) {
     if (done == n) {
         const char *base = strrchr(arg, '/');
         base = base && base[1] ? base + 1 : arg;
-        size_t bl = strlen(base);
-        if (bl > SESS_DOC_NAME_MAX) bl = SESS_DOC_NAME_MAX;
-        while (bl > 0 && bl < strlen(base) && ((unsigned char)base[bl] & 0xC0) == 0x80)
-            bl--; /* not inside a UTF-8 character */
+        const size_t bl = repl__utf8_head(base, strlen(base), SESS_DOC_NAME_MAX);
         memcpy(doc_name, base, bl);
         doc_name[bl] = '\0';
         turn.prompt = text;

@@ -38,6 +38,9 @@ void repl__error(repl *r, const char *fmt, ...) __attribute__((format(printf, 2,
 void repl__info(repl *r, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 /* A "/..." line; false for /quit. */
 bool repl__command(repl *r, char *line);
+/* The longest head of p[0, n) of at most `max` bytes that does not end
+ * inside a UTF-8 character. */
+size_t repl__utf8_head(const char *p, size_t n, size_t max);
 bool repl__interrupted(void);
 void repl__clear_interrupt(void);
 kds_status repl__open(repl *r, const char *name, kds_err *e);

@@ -51,8 +51,9 @@ static void seed_mode(const char *sub, const char *target, const char *name, uin
     free(b);
 }
 
-/* Parts joined by FZ_SEP. */
-static void seed_parts(const char *target, const char *name, const fz_part *parts, int k) {
+/* Parts joined by FZ_SEP, into corpus/ or regress/ (sub). */
+static void seed_parts(const char *sub, const char *target, const char *name,
+                       const fz_part *parts, int k) {
     size_t n = 0;
     for (int i = 0; i < k; i++) n += parts[i].n + FZ_SEP_LEN;
     unsigned char *b = malloc(n + 1), *q = b;
@@ -65,7 +66,7 @@ static void seed_parts(const char *target, const char *name, const fz_part *part
         memcpy(q, parts[i].p, parts[i].n);
         q += parts[i].n;
     }
-    seed(target, name, b, (size_t)(q - b));
+    out_file(sub, target, name, b, (size_t)(q - b));
     free(b);
 }
 
@@ -152,7 +153,7 @@ static void model_seed(const char *json, const char *name) {
     size_t n1, n2;
     unsigned char *c = must_read(p1, &n1), *w = must_read(p2, &n2);
     fz_part parts[2] = {{c, n1}, {w, n2}};
-    seed_parts("model", name, parts, 2);
+    seed_parts("corpus", "model", name, parts, 2);
     seed("safetensors", name, w, n2);
     free(c);
     free(w);
@@ -175,14 +176,7 @@ static void model_regress(void) {
     cJSON_ReplaceItemInObject(c, "num_experts", cJSON_CreateNumber(65536));
     char *j = cJSON_PrintUnformatted(c);
     fz_part parts[2] = {{(const uint8_t *)j, strlen(j)}, {w, n}};
-    size_t len = parts[0].n + FZ_SEP_LEN + parts[1].n;
-    unsigned char *b = malloc(len);
-    if (!b) abort();
-    memcpy(b, j, parts[0].n);
-    memcpy(b + parts[0].n, FZ_SEP, FZ_SEP_LEN);
-    memcpy(b + parts[0].n + FZ_SEP_LEN, w, n);
-    out_file("regress", "model", "config-implies-50M-tensors", b, len);
-    free(b);
+    seed_parts("regress", "model", "config-implies-50M-tensors", parts, 2);
     free(j);
     cJSON_Delete(c);
     /* The same weights behind a header one byte longer (a trailing space):
@@ -196,13 +190,9 @@ static void model_regress(void) {
     memcpy(odd + 8, w + 8, (size_t)hlen);
     odd[8 + hlen] = ' ';
     memcpy(odd + 9 + hlen, w + 8 + hlen, n - 8 - (size_t)hlen);
-    len = strlen(FZ_NANO_KDA) + FZ_SEP_LEN + n + 1;
-    if (!(b = malloc(len))) abort();
-    memcpy(b, FZ_NANO_KDA, strlen(FZ_NANO_KDA));
-    memcpy(b + strlen(FZ_NANO_KDA), FZ_SEP, FZ_SEP_LEN);
-    memcpy(b + strlen(FZ_NANO_KDA) + FZ_SEP_LEN, odd, n + 1);
-    out_file("regress", "model", "tensors-at-odd-bytes", b, len);
-    free(b);
+    const fz_part odd_parts[2] = {{(const uint8_t *)FZ_NANO_KDA, strlen(FZ_NANO_KDA)},
+                                  {odd, n + 1}};
+    seed_parts("regress", "model", "tensors-at-odd-bytes", odd_parts, 2);
     free(odd);
     free(w);
 }
@@ -255,7 +245,7 @@ static void tokenizer_seeds(void) {
                                 {(const uint8_t *)texts[t][1], strlen(texts[t][1])}};
             char name[64];
             snprintf(name, sizeof name, "%s-%s", patterns[p], texts[t][0]);
-            seed_parts("tokenizer", name, parts, 3);
+            seed_parts("corpus", "tokenizer", name, parts, 3);
         }
         free(cfg);
     }
