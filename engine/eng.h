@@ -260,6 +260,14 @@ const char *eng_ctx_device(const eng_ctx *c);
  * Errors: KDS_INVALID_ARG (another model), KDS_CUDA.
  */
 kds_status eng_ctx_attach(eng_ctx *c, eng_seq *s, kds_err *err);
+/* The reverse: s's state and logits back in its host buffers and off any
+ * device, so that no context touches s until its next pass. Afterwards
+ * another thread may read s (sess_save) while the context serves other
+ * sequences; the caller must not run s through a context until that reader
+ * is done. Call it on the thread that owns the context. On a CPU context
+ * nothing moves. Errors: KDS_INVALID_ARG (another model), KDS_CUDA (the
+ * copy back failed: the sequence stays where it was). */
+kds_status eng_ctx_release(eng_ctx *c, eng_seq *s, kds_err *err);
 
 /*
  * Feed `n` tokens through the prefill path (chunked KDA, batched matrix

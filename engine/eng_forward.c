@@ -729,3 +729,13 @@ kds_status eng_ctx_attach(eng_ctx *c, eng_seq *s, kds_err *err) {
         return kds_err_set(err, KDS_INVALID_ARG, "sequence and context belong to different models");
     return c->b->ops->attach(c->b, s, err);
 }
+
+kds_status eng_ctx_release(eng_ctx *c, eng_seq *s, kds_err *err) {
+    if (s->model != c->m)
+        return kds_err_set(err, KDS_INVALID_ARG, "sequence and context belong to different models");
+    if (!s->gpu) return KDS_OK;
+    kds_status rc = eng__seq_fetch(s, err);
+    if (rc == KDS_OK) rc = eng__seq_fetch_logits(s, err);
+    if (rc == KDS_OK) eng__seq_detach(s);
+    return rc;
+}

@@ -533,6 +533,36 @@ Test(cuda_model, hybrid_follows_the_cpu, .timeout = 3600) {
     close_fixture(&f);
 }
 
+/* A sequence released from the device (eng_ctx_release: what the server
+ * does before its saver thread reads a finished turn) has its state, its
+ * latent rows and its logits in host memory and no device slot; its next
+ * pass uploads it again, and the GPU still follows the CPU. */
+Test(cuda_model, released_sequence_is_on_the_host, .timeout = 3600) {
+    require_device();
+    fixture f = open_preset("tiny-hybrid");
+    kds_err err = {0};
+    pair p = pair_open(&f, 1, 16, 2, 2);
+    const int lens[2] = {11, 4};
+    pair_prefill(&p, lens, 70u, LOGIT_TOL, false, "prefill before a release");
+    pair_decode(&p, 2, 2, LOGIT_TOL, "decode before a release");
+    eng_seq *g = p.gs[0], *c = p.cs[0];
+    cr_expect(g->gpu != NULL && g->gpu_newer, "the sequence is not resident before the release");
+    cr_assert_eq(eng_ctx_release(p.gc, g, &err), KDS_OK, "%s", err.msg);
+    cr_expect(g->gpu == NULL && !g->gpu_newer && !g->logits_on_gpu,
+              "a released sequence is still on the device");
+    expect_same_state(g, c, "released KDA state");
+    for (int l = 0; l < c->d.n_mla; l++)
+        expect_close(g->mla_cache[l], c->mla_cache[l], (size_t)c->pos * c->d.mla_row, STATE_TOL,
+                     "released latent cache", l);
+    expect_close(eng_seq_logits(g), eng_seq_logits(c), p.vocab, LOGIT_TOL, "released logits", 0);
+    /* releasing a host sequence does nothing */
+    cr_assert_eq(eng_ctx_release(p.gc, g, &err), KDS_OK, "%s", err.msg);
+    pair_decode(&p, 2, 3, LOGIT_TOL, "decode after a release");
+    cr_expect(g->gpu != NULL, "the next pass did not take the sequence back to the device");
+    pair_close(&p);
+    close_fixture(&f);
+}
+
 /* Kimi K3's parts on the GPU (k3-micro: SiTU, Block AttnRes with blocks
  * of 2 layers, latent MoE with MXFP4 routed experts and 2 shared experts,
  * the bounded and full-rank KDA gates, an MLA layer with q-LoRA and the

@@ -274,6 +274,11 @@ Test(decode_batch, refusals_change_nothing, .timeout = 120) {
         cr_expect(!strchr(err.msg, '\n'), "case %zu: message is not one line", k);
     }
     cr_expect_eq(eng_decode_batch(f.c, s, ids, 0, &err), KDS_OK, "an empty batch is refused");
+    /* a release (the server's hand-over to its saver) checks the model and,
+     * on a CPU context, moves nothing: the bytes compared below stay */
+    cr_expect_eq(eng_ctx_release(f.c, other, &err), KDS_INVALID_ARG, "another model's sequence released");
+    cr_expect(strstr(err.msg, "different models"), "release: '%s'", err.msg);
+    cr_expect_eq(eng_ctx_release(f.c, s[0], &err), KDS_OK, "%s", err.msg);
     for (int i = 0; i < 5; i++) {
         size_t n;
         void *after = save(s[i], &n);

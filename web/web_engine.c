@@ -18,8 +18,12 @@
  *      connection is not behind on reading (backpressure is per
  *      connection): sample each next token from the sequence's logits, then
  *      feed all of them in ONE forward pass (eng_decode_batch);
- *   4. finish generations that ended: save the session (a new snapshot as
- *      its head, with the turn in its transcript), then send `done`.
+ *   4. hand the generations that ended to the saver thread, which saves
+ *      each session (a new snapshot as its head, with the turn in its
+ *      transcript; a durable LMDB commit), and answer (`done`, the HTTP
+ *      response) those whose save is over. A save never stalls the other
+ *      streams: the session stays busy (its `gen` set) until it is saved,
+ *      and its state is only read meanwhile.
  *
  * A generation ends on a stop token (kept in the context, as in the REPL),
  * at max_tokens, or on cancel / disconnect; in the chat format a reply cut
@@ -64,7 +68,8 @@ typedef struct hot {
 } hot;
 
 /* G_WAIT: an ingest that has fed every token it has and waits for the next chunk. */
-typedef enum gen_phase { G_PREFILL, G_DECODE, G_CLOSE, G_FINISH, G_WAIT } gen_phase;
+/* G_SAVE: over, out of the batching loop, its session being saved by the saver thread. */
+typedef enum gen_phase { G_PREFILL, G_DECODE, G_CLOSE, G_FINISH, G_WAIT, G_SAVE } gen_phase;
 
 /* Tokens of an ingest waiting to be prefilled above which its next chunk
  * waits in the connection's queue (the client's flow control: the answer to
@@ -123,7 +128,7 @@ struct gen {
     int32_t feed;                 /* token fed in this step, -1 = none */
     gen_phase after;              /* phase after this step's feed */
     char error[512];              /* reason "error" */
-    double t_arrive, t_start, t_first, t_prefill_end, t_decode0;
+    double t_arrive, t_start, t_first, t_prefill_end, t_decode0, t_end;
     /* One turn, whichever front end asked (WebSocket op or HTTP endpoint):
      * the turn logic below (feed, sample, stop, close, save) is the same. */
     web_route route; /* WEB_ROUTE_WS, or the HTTP endpoint answered */
@@ -136,6 +141,17 @@ struct gen {
     char save_as[SESS_NAME_MAX + 1]; /* HTTP: the session the turn is saved to */
     sess_prefix_hasher *hasher;      /* HTTP: the whole token sequence, to index the turn end */
     ingest *ing;                     /* an ingest (op append) rather than a reply */
+    /* The save (G_SAVE): asked by the engine thread, done by the saver
+     * thread, which writes only these fields and reads the gen and its
+     * session (h->seq, name, base, mode), which nobody changes meanwhile. */
+    gen *save_next;                   /* the saver's queue, then the done list */
+    bool save_failed;                 /* the engine could not hand the state over */
+    kds_status save_rc;
+    kds_err save_err;
+    uint64_t save_snap;               /* the new head (h->base when nothing was saved) */
+    char saved_to[SESS_NAME_MAX + 1]; /* HTTP: the session it went to (a fork, maybe) */
+    double save_ms;
+    int64_t doc_keep;                 /* ingest: bytes of the document's text kept */
 };
 
 /* The requests of one connection that the engine took and has not answered
@@ -163,6 +179,17 @@ struct web_engine {
     gen **b_gens;
     double rate_t0;
     uint64_t rate_tokens;
+    /* The saver thread: gens in G_SAVE, oldest first, under save_lock;
+     * saved ones come back on `saved` under s->lock (so the engine thread's
+     * wait on s->wake sees them). */
+    pthread_t saver;
+    bool saver_started;
+    pthread_mutex_t save_lock;
+    pthread_cond_t save_wake;
+    gen *save_head, *save_tail;
+    bool save_stop;
+    gen *saved;   /* under s->lock */
+    int n_saving; /* engine thread: handed over and not answered yet */
 };
 
 /* ------------------------------------------------------------------------ */
@@ -489,6 +516,18 @@ static bool free_name(web_engine *E, const web_req *r, const cJSON *id, const ch
     return false;
 }
 
+/* The `busy` error for session h (store name `store`): what it is doing. */
+static void fail_busy(web_engine *E, const web_req *r, const cJSON *id, const hot *h,
+                      const char *store, const char *then) {
+    const gen *g = h->gen;
+    if (g->phase == G_SAVE)
+        fail(E, r, id, WEB_ERR_BUSY, "session '%s' is saving its last turn; try again in a moment",
+             client_name(r, store));
+    else
+        fail(E, r, id, WEB_ERR_BUSY, "session '%s' is %s%s", client_name(r, store),
+             g->ing ? "taking a document" : "generating", then);
+}
+
 /* An existing session of the tenant that is not generating (rename and
  * delete need one); *h: its entry in memory, or NULL. False: error sent. */
 static bool idle_session(web_engine *E, const web_req *r, const cJSON *id, const char *store,
@@ -497,8 +536,7 @@ static bool idle_session(web_engine *E, const web_req *r, const cJSON *id, const
     if (!get_session(E, r, id, store, &info)) return false;
     *h = find_hot(E, store);
     if (*h && (*h)->gen) {
-        fail(E, r, id, WEB_ERR_BUSY, "session '%s' is generating; cancel it first",
-             client_name(r, store));
+        fail_busy(E, r, id, *h, store, "; cancel it first");
         return false;
     }
     return true;
@@ -898,7 +936,7 @@ static void op_generate(web_engine *E, const web_req *r, const cJSON *id) {
     }
     hot *h = find_hot(E, store);
     if (h && h->gen) {
-        fail(E, r, id, WEB_ERR_BUSY, "session '%s' is already generating", client_name(r, store));
+        fail_busy(E, r, id, h, store, "");
         return;
     }
     if (!(h = ensure_hot(E, r, id, store))) return;
@@ -1002,7 +1040,7 @@ static void op_cancel(web_engine *E, const web_req *r, const cJSON *id) {
 
 static void gen_error(gen *g, const kds_err *e);
 static void prefix_scope(web_engine *E, const web_req *r, char *out, size_t cap);
-static void index_turn(web_engine *E, gen *g, uint64_t snap);
+static void index_turn(web_engine *E, gen *g, uint64_t snap, const char *session);
 
 /* Text tokens of an ingest that were fed. */
 static int64_t ingest_fed_text(const ingest *in) {
@@ -1179,78 +1217,77 @@ static void ingest_step(web_engine *E, gen *g) {
 
 /* The end of an ingest: save the session with one transcript entry (the
  * document's text that went in), then send `done`. */
-static void ingest_finish(web_engine *E, gen *g) {
+/* The engine thread's half of an ingest that ended: how much of the text is
+ * kept (text tokens taken but not fed, when cancelled, are not) and the
+ * rate. The save is the saver's (save_document). */
+static void ingest_end(web_engine *E, gen *g) {
     hot *h = g->h;
     ingest *in = g->ing;
-    kds_err e = {0};
     const eng_tokenizer *tok = eng_model_tokenizer(E->s->m);
-    /* text tokens taken but not fed (cancelled): their text is not kept */
     int64_t from = g->fed + in->prefix_left, unfed = g->n_ids - from;
     int64_t unfed_len = unfed > 0 ? eng_tok_decode(tok, g->ids + from, unfed, 0, NULL, 0) : 0;
     int64_t keep = in->spool_bytes - (unfed_len > 0 ? unfed_len : 0);
-    if (keep < 0) keep = 0;
+    g->doc_keep = keep < 0 ? 0 : keep;
+    double prefill_s = (g->t_prefill_end ? g->t_prefill_end : g->t_end) - g->t_start;
+    h->last_prefill_tok_s = prefill_s > 0 ? (double)ingest_fed_text(in) / prefill_s : 0.0;
+}
+
+/* Saver thread: the document's turn, its text read back from the spool. */
+static void save_document(web_engine *E, gen *g) {
+    hot *h = g->h;
+    ingest *in = g->ing;
+    size_t keep = (size_t)g->doc_keep;
     void *map = NULL;
+    if (keep > 0) {
+        map = mmap(NULL, keep, PROT_READ, MAP_PRIVATE, fileno(in->spool), 0);
+        if (map == MAP_FAILED) {
+            g->save_rc = kds_err_set(&g->save_err, KDS_IO,
+                                     "cannot read the document's text back: %s", strerror(errno));
+            return;
+        }
+    }
+    sess_turn turn = {.prompt = map ? map : "",
+                      .prompt_len = keep,
+                      .output = "",
+                      .prompt_tokens = ingest_fed_text(in),
+                      .mode = h->chat ? "chat" : "plain",
+                      .doc_name = in->name,
+                      .doc_bytes = (int64_t)keep};
+    g->save_rc = sess_save(E->s->st, h->name, h->base, E->s->m, h->seq, &turn, &g->save_snap,
+                           &g->save_err);
+    if (g->save_rc == KDS_OK) index_turn(E, g, g->save_snap, h->name);
+    if (map) munmap(map, keep);
+}
+
+/* The answer to an ingest, once saved (or not). */
+static void ingest_answer(web_engine *E, gen *g) {
+    hot *h = g->h;
+    ingest *in = g->ing;
+    if (g->gone) return;
     bool failed = !strcmp(g->reason, "error");
-    bool changed = eng_seq_pos(h->seq) != g->context0;
-    uint64_t snap = h->base;
-    kds_status rc = KDS_OK;
-    double t_end = web__now_s();
-    if (!failed && changed) {
-        if (keep > 0) {
-            map = mmap(NULL, (size_t)keep, PROT_READ, MAP_PRIVATE, fileno(in->spool), 0);
-            if (map == MAP_FAILED) {
-                map = NULL;
-                rc = kds_err_set(&e, KDS_IO, "cannot read the document's text back: %s",
-                                 strerror(errno));
-            }
-        }
-        if (rc == KDS_OK) {
-            sess_turn turn = {.prompt = map ? map : "",
-                              .prompt_len = (size_t)keep,
-                              .output = "",
-                              .prompt_tokens = ingest_fed_text(in),
-                              .mode = h->chat ? "chat" : "plain",
-                              .doc_name = in->name,
-                              .doc_bytes = keep};
-            double t0 = web__now_s();
-            rc = sess_save(E->s->st, h->name, h->base, E->s->m, h->seq, &turn, &snap, &e);
-            if (rc == KDS_OK) {
-                web__hist_add(&E->s->metrics.save_ms, (web__now_s() - t0) * 1e3);
-                h->base = snap;
-                index_turn(E, g, snap);
-            }
-        }
-        if (map) munmap(map, (size_t)keep);
+    kds_status rc = g->save_rc;
+    double prefill_s = (g->t_prefill_end ? g->t_prefill_end : g->t_end) - g->t_start;
+    cJSON *o = web__event(g->id, "done");
+    cJSON_AddStringToObject(o, "reason", rc == KDS_OK ? g->reason : "error");
+    cJSON_AddStringToObject(o, "session", in->client);
+    cJSON *d = cJSON_AddObjectToObject(o, "document");
+    cJSON_AddStringToObject(d, "name", in->name);
+    cJSON_AddNumberToObject(d, "bytes", (double)g->doc_keep);
+    cJSON_AddNumberToObject(d, "tokens", (double)ingest_fed_text(in));
+    cJSON_AddNumberToObject(o, "received", (double)in->bytes);
+    cJSON_AddNumberToObject(o, "prompt_tokens", (double)in->fed_total);
+    cJSON_AddNumberToObject(o, "context", (double)eng_seq_pos(h->seq));
+    cJSON_AddNumberToObject(o, "snapshot", (double)g->save_snap);
+    cJSON_AddNumberToObject(o, "prefill_ms", prefill_s * 1e3);
+    cJSON_AddNumberToObject(o, "tok_s", h->last_prefill_tok_s);
+    if (rc != KDS_OK || failed) {
+        cJSON *err = cJSON_AddObjectToObject(o, "error");
+        int code = rc != KDS_OK ? web__code_of(rc) : WEB_ERR_INTERNAL;
+        cJSON_AddStringToObject(err, "code", web__code_name(code));
+        cJSON_AddStringToObject(err, "message", rc != KDS_OK ? g->save_err.msg : g->error);
+        atomic_fetch_add(&E->s->metrics.errors[code], 1);
     }
-    double prefill_s = (g->t_prefill_end ? g->t_prefill_end : t_end) - g->t_start;
-    int64_t text_tokens = ingest_fed_text(in);
-    h->last_prefill_tok_s = prefill_s > 0 ? (double)text_tokens / prefill_s : 0.0;
-    h->gen = NULL;
-    h->last_used = t_end;
-    if (!g->gone) {
-        cJSON *o = web__event(g->id, "done");
-        cJSON_AddStringToObject(o, "reason", rc == KDS_OK ? g->reason : "error");
-        cJSON_AddStringToObject(o, "session", g->ing->client);
-        cJSON *d = cJSON_AddObjectToObject(o, "document");
-        cJSON_AddStringToObject(d, "name", in->name);
-        cJSON_AddNumberToObject(d, "bytes", (double)keep);
-        cJSON_AddNumberToObject(d, "tokens", (double)text_tokens);
-        cJSON_AddNumberToObject(o, "received", (double)in->bytes);
-        cJSON_AddNumberToObject(o, "prompt_tokens", (double)in->fed_total);
-        cJSON_AddNumberToObject(o, "context", (double)eng_seq_pos(h->seq));
-        cJSON_AddNumberToObject(o, "snapshot", (double)snap);
-        cJSON_AddNumberToObject(o, "prefill_ms", prefill_s * 1e3);
-        cJSON_AddNumberToObject(o, "tok_s", h->last_prefill_tok_s);
-        if (rc != KDS_OK || failed) {
-            cJSON *err = cJSON_AddObjectToObject(o, "error");
-            int code = rc != KDS_OK ? web__code_of(rc) : WEB_ERR_INTERNAL;
-            cJSON_AddStringToObject(err, "code", web__code_name(code));
-            cJSON_AddStringToObject(err, "message", rc != KDS_OK ? e.msg : g->error);
-            atomic_fetch_add(&E->s->metrics.errors[code], 1);
-        }
-        web__send(E->s, g->conn, o, g->msgpack);
-    }
-    if (rc != KDS_OK || failed) drop_hot(E, h);
+    web__send(E->s, g->conn, o, g->msgpack);
 }
 
 /* A new ingest on hot session h (not launched). */
@@ -1346,8 +1383,7 @@ static void op_append(web_engine *E, const web_req *r, const cJSON *id) {
     if (begin) {
         hot *h = find_hot(E, store);
         if (h && h->gen) {
-            fail(E, r, id, WEB_ERR_BUSY, "session '%s' is %s", client_name(r, store),
-                 h->gen->ing ? "taking a document already" : "generating");
+            fail_busy(E, r, id, h, store, "");
             return;
         }
         if (E->n_gens >= E->s->p.max_generations) {
@@ -1355,7 +1391,8 @@ static void op_append(web_engine *E, const web_req *r, const cJSON *id) {
                  "%d generations are running (--max-generations); try again later", E->n_gens);
             return;
         }
-    } else if (!g || g->conn != r->conn || g->cancel || g->gone || g->ing->last) {
+    } else if (!g || g->conn != r->conn || g->cancel || g->gone || g->ing->last ||
+               g->phase == G_SAVE) {
         hot *h = find_hot(E, store);
         if (h && h->gen && !h->gen->ing)
             fail(E, r, id, WEB_ERR_BUSY, "session '%s' is generating", client_name(r, store));
@@ -1485,11 +1522,13 @@ static void prefix_scope(web_engine *E, const web_req *r, char *out, size_t cap)
     snprintf(out, cap, "%s|%s", r->auth ? r->tenant : "", eng_model_fingerprint(E->s->m));
 }
 
-static void index_turn(web_engine *E, gen *g, uint64_t snap) {
+/* Saver thread (the store is thread-safe): the turn's end in the prefix
+ * index, under the session it was saved to. */
+static void index_turn(web_engine *E, gen *g, uint64_t snap, const char *session) {
     /* only a sequence known token for token (fed whole, nothing cut) */
     if (!g->hasher || sess_prefix_hasher_count(g->hasher) != eng_seq_pos(g->h->seq)) return;
     sess_prefix_entry pe = {.snapshot = snap, .tokens = eng_seq_pos(g->h->seq)};
-    snprintf(pe.session, sizeof pe.session, "%s", g->h->name);
+    snprintf(pe.session, sizeof pe.session, "%s", session);
     unsigned char key[SESS_PREFIX_KEY_LEN];
     sess_prefix_hasher_key(g->hasher, key);
     kds_err e = {0};
@@ -1897,93 +1936,196 @@ static void emit_text(web_engine *E, gen *g, const char *p, size_t n) {
 }
 
 static void http_done(web_engine *E, gen *g, kds_status rc, const kds_err *e, uint64_t snap);
-static void index_turn(web_engine *E, gen *g, uint64_t snap);
+static void index_turn(web_engine *E, gen *g, uint64_t snap, const char *session);
 
-/* Save the session and send `done`. */
-static void finish(web_engine *E, gen *g) {
+/* The engine thread's half of a reply that ended: send what was held back
+ * and note the rates. */
+static void reply_end(web_engine *E, gen *g) {
     hot *h = g->h;
-    kds_err e = {0};
     size_t len;
     const char *rest = srv_reply_finish(g->rp, &len); /* what was held back */
     if (strcmp(g->reason, "error")) emit_text(E, g, rest, len);
+    double decode_s = g->t_decode0 ? g->t_end - g->t_decode0 : 0.0;
+    double prefill_s = g->t_prefill_end ? g->t_prefill_end - g->t_start : 0.0;
+    h->last_prefill_tok_s = prefill_s > 0 ? (double)g->fed / prefill_s : 0.0;
+    h->last_decode_tok_s = decode_s > 0 ? (double)g->produced / decode_s : 0.0;
+}
+
+/* Saver thread: the reply's turn. */
+static void save_reply(web_engine *E, gen *g) {
+    hot *h = g->h;
     size_t reply_len;
     const char *reply = srv_reply_text(g->rp, &reply_len);
-    double t_end = web__now_s();
-    double decode_s = g->t_decode0 ? t_end - g->t_decode0 : 0.0;
+    sess_turn turn = {.prompt = g->prompt,
+                      .prompt_len = g->prompt_len,
+                      .output = reply,
+                      .output_len = reply_len,
+                      .prompt_tokens = g->fed,
+                      .output_tokens = g->produced,
+                      .mode = h->chat ? "chat" : "plain",
+                      .sampler = &g->sp};
+    if (g->route == WEB_ROUTE_WS) {
+        g->save_rc = sess_save(E->s->st, h->name, h->base, E->s->m, h->seq, &turn, &g->save_snap,
+                               &g->save_err);
+        return;
+    }
+    /* a stateless client's turn continues the session it resumed, or forks
+     * it when that session moved on since (the branch of an edited
+     * conversation) */
+    sess_save_result res;
+    g->save_rc = sess_save_ex(E->s->st, g->save_as, h->base, E->s->m, h->seq, &turn,
+                              SESS_CONFLICT_FORK, &res, &g->save_err);
+    if (g->save_rc != KDS_OK) return;
+    g->save_snap = res.snapshot;
+    snprintf(g->saved_to, sizeof g->saved_to, "%s", res.session);
+    index_turn(E, g, g->save_snap, g->saved_to);
+}
+
+/* The answer to a WebSocket generate, once saved (or not). */
+static void reply_answer(web_engine *E, gen *g) {
+    hot *h = g->h;
+    kds_status rc = g->save_rc;
+    if (g->route != WEB_ROUTE_WS) {
+        http_done(E, g, rc, &g->save_err, g->save_snap);
+        return;
+    }
+    if (g->gone) return;
+    double decode_s = g->t_decode0 ? g->t_end - g->t_decode0 : 0.0;
     double prefill_s = g->t_prefill_end ? g->t_prefill_end - g->t_start : 0.0;
-    /* Save when the context moved. After an engine error the sequence is
-     * not trusted: nothing is saved and it is dropped from memory below
-     * (the next use reloads the last saved turn). */
+    cJSON *o = web__event(g->id, "done");
+    cJSON_AddStringToObject(o, "reason", rc == KDS_OK ? g->reason : "error");
+    cJSON_AddNumberToObject(o, "tokens", (double)g->produced);
+    cJSON_AddNumberToObject(o, "prompt_tokens", (double)g->n_ids);
+    cJSON_AddNumberToObject(o, "context", (double)eng_seq_pos(h->seq));
+    cJSON_AddNumberToObject(o, "snapshot", (double)g->save_snap);
+    cJSON_AddStringToObject(o, "reply", srv_reply_text(g->rp, NULL));
+    cJSON_AddNumberToObject(o, "prefill_ms", prefill_s * 1e3);
+    cJSON_AddNumberToObject(o, "decode_ms", decode_s * 1e3);
+    cJSON_AddNumberToObject(o, "decode_tok_s", h->last_decode_tok_s);
+    cJSON_AddNumberToObject(o, "queue_ms", (g->t_start - g->t_arrive) * 1e3);
+    if (rc != KDS_OK || !strcmp(g->reason, "error")) {
+        cJSON *err = cJSON_AddObjectToObject(o, "error");
+        int code = rc != KDS_OK ? web__code_of(rc) : WEB_ERR_INTERNAL;
+        cJSON_AddStringToObject(err, "code", web__code_name(code));
+        cJSON_AddStringToObject(err, "message", rc != KDS_OK ? g->save_err.msg : g->error);
+        atomic_fetch_add(&E->s->metrics.errors[code], 1);
+    }
+    web__send(E->s, g->conn, o, g->msgpack);
+}
+
+/* Saver thread: one turn's durable save. It reads the gen and its session
+ * and writes only the gen's save_* fields. */
+static void save_turn(web_engine *E, gen *g) {
+    double t0 = web__now_s();
+    if (g->ing)
+        save_document(E, g);
+    else
+        save_reply(E, g);
+    g->save_ms = (web__now_s() - t0) * 1e3;
+}
+
+static void *saver_main(void *arg) {
+    web_engine *E = arg;
+    pthread_mutex_lock(&E->save_lock);
+    for (;;) {
+        while (!E->save_head && !E->save_stop)
+            pthread_cond_wait(&E->save_wake, &E->save_lock);
+        gen *g = E->save_head;
+        if (!g) break; /* stopping, and nothing is left to save */
+        E->save_head = g->save_next;
+        if (!E->save_head) E->save_tail = NULL;
+        pthread_mutex_unlock(&E->save_lock);
+        save_turn(E, g);
+        pthread_mutex_lock(&E->s->lock);
+        g->save_next = E->saved;
+        E->saved = g;
+        pthread_cond_signal(&E->s->wake);
+        pthread_mutex_unlock(&E->s->lock);
+        pthread_mutex_lock(&E->save_lock);
+    }
+    pthread_mutex_unlock(&E->save_lock);
+    return NULL;
+}
+
+/* A turn is over, saved or not: the session is free again and the client
+ * is answered. A failed save leaves memory ahead of the store: the session
+ * is forgotten, the next use reloads what is stored (so is an engine
+ * error's sequence, which is not trusted, and an HTTP turn that saved
+ * nothing: its sequence belongs to no session). */
+static void turn_done(web_engine *E, gen *g) {
+    hot *h = g->h;
     bool failed = !strcmp(g->reason, "error");
-    bool changed = eng_seq_pos(h->seq) != g->context0;
-    uint64_t snap = h->base;
-    kds_status rc = KDS_OK;
-    if (!failed && changed) {
-        sess_turn turn = {.prompt = g->prompt,
-                          .prompt_len = g->prompt_len,
-                          .output = reply,
-                          .output_len = reply_len,
-                          .prompt_tokens = g->fed,
-                          .output_tokens = g->produced,
-                          .mode = h->chat ? "chat" : "plain",
-                          .sampler = &g->sp};
-        double t0 = web__now_s();
-        if (g->route == WEB_ROUTE_WS) {
-            rc = sess_save(E->s->st, h->name, h->base, E->s->m, h->seq, &turn, &snap, &e);
-        } else {
-            /* a stateless client's turn continues the session it resumed,
-             * or forks it when that session moved on since (the branch of an
-             * edited conversation) */
-            sess_save_result res;
-            rc = sess_save_ex(E->s->st, g->save_as, h->base, E->s->m, h->seq, &turn,
-                              SESS_CONFLICT_FORK, &res, &e);
-            if (rc == KDS_OK) {
-                snap = res.snapshot;
-                snprintf(h->name, sizeof h->name, "%s", res.session);
-                index_turn(E, g, snap);
-            }
-        }
-        if (rc == KDS_OK) {
-            web__hist_add(&E->s->metrics.save_ms, (web__now_s() - t0) * 1e3);
-            h->base = snap;
-            if (g->route == WEB_ROUTE_WS) { /* what the session now records */
+    if (g->phase == G_SAVE) {
+        E->n_saving--;
+        if (g->save_rc == KDS_OK) {
+            web__hist_add(&E->s->metrics.save_ms, g->save_ms);
+            h->base = g->save_snap;
+            if (g->saved_to[0]) snprintf(h->name, sizeof h->name, "%s", g->saved_to);
+            if (g->route == WEB_ROUTE_WS && !g->ing) { /* what the session now records */
                 h->has_sampler = true;
                 h->sampler = g->sp;
             }
         }
     }
-    h->last_prefill_tok_s = prefill_s > 0 ? (double)g->fed / prefill_s : 0.0;
-    h->last_decode_tok_s = decode_s > 0 ? (double)g->produced / decode_s : 0.0;
     h->gen = NULL;
-    h->last_used = t_end;
-    if (g->route != WEB_ROUTE_WS) {
-        http_done(E, g, rc, &e, snap);
-    } else if (!g->gone) {
-        cJSON *o = web__event(g->id, "done");
-        const char *reason = rc == KDS_OK ? g->reason : "error";
-        cJSON_AddStringToObject(o, "reason", reason);
-        cJSON_AddNumberToObject(o, "tokens", (double)g->produced);
-        cJSON_AddNumberToObject(o, "prompt_tokens", (double)g->n_ids);
-        cJSON_AddNumberToObject(o, "context", (double)eng_seq_pos(h->seq));
-        cJSON_AddNumberToObject(o, "snapshot", (double)snap);
-        cJSON_AddStringToObject(o, "reply", reply);
-        cJSON_AddNumberToObject(o, "prefill_ms", prefill_s * 1e3);
-        cJSON_AddNumberToObject(o, "decode_ms", decode_s * 1e3);
-        cJSON_AddNumberToObject(o, "decode_tok_s", h->last_decode_tok_s);
-        cJSON_AddNumberToObject(o, "queue_ms", (g->t_start - g->t_arrive) * 1e3);
-        if (rc != KDS_OK || !strcmp(g->reason, "error")) {
-            cJSON *err = cJSON_AddObjectToObject(o, "error");
-            int code = rc != KDS_OK ? web__code_of(rc) : WEB_ERR_INTERNAL;
-            cJSON_AddStringToObject(err, "code", web__code_name(code));
-            cJSON_AddStringToObject(err, "message", rc != KDS_OK ? e.msg : g->error);
-            atomic_fetch_add(&E->s->metrics.errors[code], 1);
-        }
-        web__send(E->s, g->conn, o, g->msgpack);
+    if (g->ing)
+        ingest_answer(E, g);
+    else
+        reply_answer(E, g);
+    if (g->save_rc != KDS_OK || failed || !h->name[0]) drop_hot(E, h);
+    gen_free(g);
+    atomic_fetch_sub(&E->s->metrics.generations_active, 1);
+}
+
+/* A turn that ended leaves the batching loop: saved by the saver thread
+ * when its context moved (the engine thread goes on with the others),
+ * answered at once otherwise. */
+static void turn_end(web_engine *E, gen *g) {
+    hot *h = g->h;
+    g->t_end = web__now_s();
+    h->last_used = g->t_end;
+    if (g->ing)
+        ingest_end(E, g);
+    else
+        reply_end(E, g);
+    g->save_rc = KDS_OK;
+    g->save_snap = h->base;
+    if (!strcmp(g->reason, "error") || eng_seq_pos(h->seq) == g->context0) {
+        turn_done(E, g);
+        return;
     }
-    /* A failed save leaves memory ahead of the store: forget it, the next
-     * use reloads what is stored (so does an HTTP turn that saved nothing:
-     * its sequence belongs to no session). */
-    if (rc != KDS_OK || failed || !h->name[0]) drop_hot(E, h);
+    /* no context touches the sequence while the saver reads it */
+    if ((g->save_rc = eng_ctx_release(E->c, h->seq, &g->save_err)) != KDS_OK) {
+        turn_done(E, g);
+        return;
+    }
+    g->phase = G_SAVE;
+    g->save_next = NULL;
+    E->n_saving++;
+    pthread_mutex_lock(&E->save_lock);
+    if (E->save_tail)
+        E->save_tail->save_next = g;
+    else
+        E->save_head = g;
+    E->save_tail = g;
+    pthread_cond_signal(&E->save_wake);
+    pthread_mutex_unlock(&E->save_lock);
+}
+
+/* Turns the saver has saved, answered in the order they were saved. */
+static void answer_saved(web_engine *E, gen *list) {
+    gen *fifo = NULL;
+    while (list) {
+        gen *g = list;
+        list = g->save_next;
+        g->save_next = fifo;
+        fifo = g;
+    }
+    while (fifo) {
+        gen *g = fifo;
+        fifo = g->save_next;
+        turn_done(E, g);
+    }
 }
 
 static void remove_finished(web_engine *E) {
@@ -1991,13 +2133,8 @@ static void remove_finished(web_engine *E) {
         gen *g = *pp;
         if (g->phase == G_FINISH) {
             *pp = g->next;
-            if (g->ing)
-                ingest_finish(E, g);
-            else
-                finish(E, g);
-            gen_free(g);
             E->n_gens--;
-            atomic_fetch_sub(&E->s->metrics.generations_active, 1);
+            turn_end(E, g);
         } else {
             pp = &g->next;
         }
@@ -2254,7 +2391,10 @@ static void *engine_main(void *arg) {
         pthread_mutex_lock(&s->lock);
         web_req *list = s->req_head;
         s->req_head = s->req_tail = NULL;
+        gen *saved = E->saved;
+        E->saved = NULL;
         pthread_mutex_unlock(&s->lock);
+        answer_saved(E, saved); /* first: their sessions are free for what comes */
         while (list) {
             web_req *r = list;
             list = r->next;
@@ -2267,16 +2407,17 @@ static void *engine_main(void *arg) {
         decode_step(E);
         remove_finished(E);
         update_rate(E);
-        if (E->stopping && !E->gens) break;
+        if (E->stopping && !E->gens && E->n_saving == 0) break;
         pthread_mutex_lock(&s->lock);
-        bool idle = !s->req_head && !E->gens && !E->queues;
+        /* (the saver signals `wake` when it hands a save back) */
+        bool idle = !s->req_head && !E->gens && !E->queues && !E->saved;
         if (idle) {
             pthread_cond_wait(&s->wake, &s->lock);
         } else if (!s->req_head && !E->queues) {
             pthread_mutex_unlock(&s->lock);
             bool run = runnable(E);
             pthread_mutex_lock(&s->lock);
-            if (!run && !s->req_head) {
+            if (!run && !s->req_head && !E->saved) {
                 /* every reader is behind: look again shortly */
                 struct timespec ts;
                 clock_gettime(CLOCK_REALTIME, &ts);
@@ -2354,6 +2495,18 @@ void web__submit_closed(web_server *s, uint64_t conn) {
     }
 }
 
+/* The saver thread ends once its queue is empty (the engine thread has
+ * answered every save before it stops). */
+static void saver_stop(web_engine *E) {
+    if (!E->saver_started) return;
+    pthread_mutex_lock(&E->save_lock);
+    E->save_stop = true;
+    pthread_cond_signal(&E->save_wake);
+    pthread_mutex_unlock(&E->save_lock);
+    pthread_join(E->saver, NULL);
+    E->saver_started = false;
+}
+
 kds_status web__engine_start(web_server *s, kds_err *err) {
     web_engine *E = calloc(1, sizeof *E);
     if (!E) return kds_err_set(err, KDS_NOMEM, "out of memory");
@@ -2376,21 +2529,26 @@ kds_status web__engine_start(web_server *s, kds_err *err) {
         rc = kds_err_set(err, KDS_NOMEM, "out of memory");
         goto fail;
     }
+    pthread_mutex_init(&E->save_lock, NULL);
+    pthread_cond_init(&E->save_wake, NULL);
     s->eng = E;
-    /* the engine thread must not take SIGINT/SIGTERM (the caller handles them) */
+    /* neither thread may take SIGINT/SIGTERM (the caller handles them) */
     sigset_t all, old;
     sigfillset(&all);
     pthread_sigmask(SIG_BLOCK, &all, &old);
-    int prc = pthread_create(&s->engine_thread, NULL, engine_main, s);
+    int prc = pthread_create(&E->saver, NULL, saver_main, E);
+    E->saver_started = prc == 0;
+    if (prc == 0) prc = pthread_create(&s->engine_thread, NULL, engine_main, s);
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     if (prc != 0) {
         s->eng = NULL;
-        rc = kds_err_set(err, KDS_INTERNAL, "cannot start the engine thread");
+        rc = kds_err_set(err, KDS_INTERNAL, "cannot start the engine and saver threads");
         goto fail;
     }
     s->engine_started = true;
     return KDS_OK;
 fail:
+    saver_stop(E);
     eng_ctx_free(E->c);
     free(E->hots);
     free(E->b_seqs);
@@ -2415,6 +2573,7 @@ void web__engine_stop(web_server *s) {
     pthread_join(s->engine_thread, NULL);
     s->engine_started = false;
     web_engine *E = s->eng;
+    saver_stop(E);
     /* none are left (stopping answers all that wait), but free what is */
     while (E->queues) drop_queue(E, &E->queues);
     for (int i = 0; i < E->n_hot_max; i++)
@@ -2424,6 +2583,8 @@ void web__engine_stop(web_server *s) {
     free(E->b_seqs);
     free(E->b_ids);
     free(E->b_gens);
+    pthread_mutex_destroy(&E->save_lock);
+    pthread_cond_destroy(&E->save_wake);
     free(E);
     s->eng = NULL;
 }

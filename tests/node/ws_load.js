@@ -22,6 +22,12 @@
 //        [--json FILE] [--markdown]
 //
 // --per-conn K: K sessions per connection (N connections x K streams).
+// --turns T: every stream runs T turns one after the other on its session,
+// turn k of stream i asking for --tokens x (1 + ((i + 3k) mod 4) / 4) tokens,
+// so turns end (and their sessions save) at different moments while the
+// other streams decode: the inter-token gaps then show what a save costs
+// the streams around it (docs/benchmarks.md "Saves and the other streams").
+// Gaps are measured inside a turn, never across done -> next generate.
 // Exit status 0 when no stream had an error, 1 otherwise, 2 for bad usage.
 "use strict";
 const fs = require("fs");
@@ -32,7 +38,7 @@ function usage(msg) {
   const out = msg ? console.error : console.log;
   if (msg) console.error(`ws_load.js: ${msg}`);
   out("usage: node ws_load.js --url ws://HOST:PORT/ [--conns 1,8,32,64] [--tokens 128] " +
-      "[--per-conn K] [--repeats R] [--seed S] [--prompt TEXT] [--token T] [--json FILE] [--markdown]\n" +
+      "[--per-conn K] [--turns T] [--repeats R] [--seed S] [--prompt TEXT] [--token T] [--json FILE] [--markdown]\n" +
       "  N connections per level (--conns), each with its own fresh session, all generating\n" +
       "  --tokens tokens at once; prints aggregate and per-stream tokens/s, time to first\n" +
       "  token and inter-token latency percentiles, the server's mean batch (/metrics) and\n" +
@@ -40,7 +46,7 @@ function usage(msg) {
   process.exit(msg ? 2 : 0);
 }
 
-const opt = { conns: [1, 8, 32, 64], tokens: 128, perConn: 1, repeats: 1, seed: 1,
+const opt = { conns: [1, 8, 32, 64], tokens: 128, perConn: 1, turns: 1, repeats: 1, seed: 1,
               prompt: "It is a truth universally acknowledged", markdown: false };
 {
   const a = process.argv.slice(2);
@@ -52,6 +58,7 @@ const opt = { conns: [1, 8, 32, 64], tokens: 128, perConn: 1, repeats: 1, seed: 
     else if (k === "--conns") opt.conns = v().split(",").map(Number);
     else if (k === "--tokens") opt.tokens = Number(v());
     else if (k === "--per-conn") opt.perConn = Number(v());
+    else if (k === "--turns") opt.turns = Number(v());
     else if (k === "--repeats") opt.repeats = Number(v());
     else if (k === "--seed") opt.seed = Number(v());
     else if (k === "--prompt") opt.prompt = v();
@@ -65,6 +72,7 @@ const opt = { conns: [1, 8, 32, 64], tokens: 128, perConn: 1, repeats: 1, seed: 
   if (!(Number.isInteger(opt.tokens) && opt.tokens > 0)) usage("--tokens: a positive integer");
   if (!(Number.isInteger(opt.perConn) && opt.perConn > 0)) usage("--per-conn: a positive integer");
   if (!(Number.isInteger(opt.repeats) && opt.repeats > 0)) usage("--repeats: a positive integer");
+  if (!(Number.isInteger(opt.turns) && opt.turns > 0)) usage("--turns: a positive integer");
 }
 
 function pct(xs, p) {
@@ -98,6 +106,27 @@ function decodeCounters() {
   });
 }
 
+// The server's save-time histogram from GET /metrics: count and sum (s).
+function saveCounters() {
+  const u = new URL(opt.url);
+  return new Promise((resolve) => {
+    http.get({ host: u.hostname, port: u.port, path: "/metrics" }, (res) => {
+      let body = "";
+      res.setEncoding("utf8");
+      res.on("data", (d) => (body += d));
+      res.on("end", () => {
+        const get = (name) => {
+          const m = body.match(new RegExp(`^${name} ([0-9.eE+]+)$`, "m"));
+          return m ? Number(m[1]) : null;
+        };
+        const n = get("kdaserve_snapshot_save_seconds_count");
+        const sum = get("kdaserve_snapshot_save_seconds_sum");
+        resolve(n === null || sum === null ? null : { count: n, sum_s: sum });
+      });
+    }).on("error", () => resolve(null));
+  });
+}
+
 async function runLevel(n) {
   runNo++;
   const errors = [];
@@ -120,13 +149,27 @@ async function runLevel(n) {
     }
   }
   const m0 = await decodeCounters();
+  const sv0 = await saveCounters();
   const t0 = nowMs();
-  const runs = streams.map((s) =>
-    s.c.startGenerate({ session: s.session, text: opt.prompt, max_tokens: opt.tokens,
-                        temperature: 0.8, seed: s.seed }, { timeoutMs: 600000 }));
-  const results = await Promise.all(runs.map((r) => r.finished.catch((e) => ({ failed: e }))));
+  // One promise per stream: its turns in a row; one result per turn.
+  const turnTokens = (i, k) => opt.turns === 1 ? opt.tokens
+    : Math.round(opt.tokens * (1 + ((i + 3 * k) % 4) / 4));
+  const runs = streams.map(async (s, i) => {
+    const out = [];
+    for (let k = 0; k < opt.turns; k++) {
+      const r = await s.c.startGenerate({ session: s.session, text: opt.prompt,
+                                          max_tokens: turnTokens(i, k), temperature: 0.8,
+                                          seed: s.seed + 1000 * k }, { timeoutMs: 600000 })
+        .finished.catch((e) => ({ failed: e }));
+      out.push(r);
+      if (r.failed || r.error || !r.done || r.done.reason === "error") break;
+    }
+    return out;
+  });
+  const results = (await Promise.all(runs)).flat();
   const t1 = nowMs();
   const m1 = await decodeCounters();
+  const saves = await saveCounters();
 
   let tokens = 0, events = 0;
   const ttft = [], itl = [], perStream = [], serverTokS = [], queueMs = [];
@@ -152,7 +195,12 @@ async function runLevel(n) {
     per_stream_tok_s: { p50: r1(pct(perStream, 50)), p10: r1(pct(perStream, 10)), min: r1(Math.min(...perStream)) },
     server_decode_tok_s_p50: r1(pct(serverTokS, 50)),
     ttft_ms: { p50: r1(pct(ttft, 50)), p90: r1(pct(ttft, 90)), p99: r1(pct(ttft, 99)) },
-    itl_ms: { p50: r2(pct(itl, 50)), p90: r2(pct(itl, 90)), p99: r2(pct(itl, 99)) },
+    itl_ms: { p50: r2(pct(itl, 50)), p90: r2(pct(itl, 90)), p99: r2(pct(itl, 99)),
+              p999: r2(pct(itl, 99.9)), max: r2(Math.max(...itl)) },
+    turns: results.length,
+    saves: sv0 && saves && saves.count > sv0.count
+      ? { count: saves.count - sv0.count,
+          mean_ms: r2(((saves.sum_s - sv0.sum_s) / (saves.count - sv0.count)) * 1e3) } : null,
     tokens_per_event: r2(tokens / Math.max(1, events)),
     queue_ms_p50: r2(pct(queueMs, 50)),
     batch_mean: m0 && m1 && m1.steps > m0.steps ? r2((m1.rows - m0.rows) / (m1.steps - m0.steps)) : null,

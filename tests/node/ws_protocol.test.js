@@ -1133,6 +1133,54 @@ async function groupConcurrent() {
     for (const d of cs) ok(!d.peek(() => true), `unexpected extra event ${describe(d.peek(() => true))}`);
   });
 
+  // Turns end (and their sessions are saved) at different moments while the
+  // other streams go on: each stream's next generate follows its done at
+  // once, so a session answered before its save was over would be `busy`.
+  const TURNS = 3, turnLen = (i, k) => 6 + 6 * ((i + k) % 3);
+  await check(`${NCONC} connections, ${TURNS} turns each ending at different moments: every turn saved in order, replies as alone`, async () => {
+    const alone = [];
+    for (let i = 0; i < NCONC; i++) {
+      const s = nm(`turnref${i}`);
+      isResult(await c.request({ op: "create", session: s }), "create");
+      const replies = [];
+      for (let k = 0; k < TURNS; k++)
+        replies.push((await greedy(c, s, PROMPTS[(i + k) % PROMPTS.length], turnLen(i, k))).done.reply);
+      alone.push(replies);
+    }
+    const cs = [];
+    for (let i = 0; i < NCONC; i++) {
+      const d = await connect();
+      isResult(await d.request({ op: "create", session: nm(`turns${i}`) }), "create");
+      cs.push(d);
+    }
+    const runs = await Promise.all(cs.map(async (d, i) => {
+      const dones = [];
+      for (let k = 0; k < TURNS; k++)
+        dones.push((await greedy(d, nm(`turns${i}`), PROMPTS[(i + k) % PROMPTS.length], turnLen(i, k))).done);
+      return dones;
+    }));
+    const diffs = [];
+    for (let i = 0; i < NCONC; i++) {
+      const dones = runs[i];
+      for (let k = 1; k < TURNS; k++) {
+        ok(dones[k].snapshot > dones[k - 1].snapshot, `stream ${i} turn ${k}: snapshot ${dones[k].snapshot} ` +
+                                                      `after ${dones[k - 1].snapshot}`);
+        ok(dones[k].context > dones[k - 1].context, `stream ${i} turn ${k}: context did not grow`);
+      }
+      dones.forEach((x, k) => { if (x.reply !== alone[i][k]) diffs.push(`stream ${i} turn ${k}`); });
+      const h = isResult(await c.request({ op: "history", session: nm(`turns${i}`) }), "history").turns;
+      eq(h.length, TURNS, `stream ${i}: turns in the history`);
+      h.forEach((t, k) => {
+        eq(t.reply, dones[k].reply, `stream ${i} turn ${k}: saved reply`);
+        eq(t.snapshot, dones[k].snapshot, `stream ${i} turn ${k}: saved snapshot`);
+      });
+      const l = await listed(c, nm(`turns${i}`));
+      eq(l.tokens, dones[TURNS - 1].context, `stream ${i}: the session's tokens are its last turn's context`);
+    }
+    ok(diffs.length === 0, `replies differ from the same turns run alone: ${diffs.join(", ")}`);
+    for (const d of cs) await d.close();
+  });
+
   await check("stats after concurrent streams: batch_mean and counters", async () => {
     const r = isResult(await c.request({ op: "stats" }), "stats");
     ok(r.server.tokens_generated >= 3 * NCONC * CONC_TOKENS, `tokens_generated ${r.server.tokens_generated}`);
