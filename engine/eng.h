@@ -334,6 +334,23 @@ kds_status eng_sample(eng_ctx *c, eng_seq *s, const eng_sampler_params *p, int32
 kds_status eng_decode_batch_sample(eng_ctx *c, eng_seq *const *seqs, const int32_t *ids, int n,
                                    const eng_sampler_params *p, int32_t *next, kds_err *err);
 
+/*
+ * A token for each of n distinct sequences from its last logits, sequence
+ * i with its own settings p[i] (a batch of streams that sample differently:
+ * the server's continuous-batching step): tokens[i] is exactly what
+ * eng_sample(c, seqs[i], &p[i]) gives (the same algorithm, RNG step and
+ * repetition penalty). On a GPU context every sequence whose logits a
+ * device decode left there, with settings the device sampler has, is
+ * sampled in ONE device call (only the tokens cross the bus); the others
+ * sample on the host. n <= eng_ctx_max_seqs(c). Uses the context's
+ * scratch; allocates nothing.
+ * Errors: KDS_INVALID_ARG (n out of range, a NULL or repeated sequence,
+ * another model's, one with no logits yet: checked before any draw, so no
+ * RNG moves), KDS_CUDA.
+ */
+kds_status eng_sample_batch(eng_ctx *c, eng_seq *const *seqs, int n, const eng_sampler_params *p,
+                            int32_t *tokens, kds_err *err);
+
 /* ------------------------------------------------------------------------ */
 /* Tokenizer                                                                 */
 /*

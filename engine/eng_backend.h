@@ -241,8 +241,9 @@ typedef struct eng_backend_ops {
     void (*moe_experts)(eng_backend *b, const eng_moe_args *a);
     void (*moe_combine)(eng_backend *b, const eng_moe_args *a);
 
-    /* Sampling where the logits are: tokens[i] for seqs[i] with p, exactly
-     * eng_sample's algorithm; only when supports says so for p. */
+    /* Sampling where the logits are: tokens[i] for seqs[i] with its own
+     * settings p[i] (p has n entries), exactly eng_sample's algorithm; only
+     * when supports says so for every p[i]. */
     kds_status (*sample)(eng_backend *b, eng_seq *const *seqs, int n, const eng_sampler_params *p,
                          int32_t *tokens, kds_err *err);
 

@@ -586,7 +586,7 @@ static kds_status cpu_sample(eng_backend *b, eng_seq *const *seqs, int n,
     for (int i = 0; i < n; i++) {
         if (!seqs[i]->has_logits)
             return kds_err_set(err, KDS_INVALID_ARG, "nothing to sample from: the sequence is empty");
-        tokens[i] = eng__sample_host(seqs[i], p, c->cand_p, c->cand_id);
+        tokens[i] = eng__sample_host(seqs[i], &p[i], c->cand_p, c->cand_id);
     }
     return KDS_OK;
 }

@@ -102,7 +102,8 @@ struct eng_cuda {
     float *slot_logits;              /* [max_seqs, vocab] */
     int32_t *d_pen, *d_tok;          /* [max_seqs, ENG_RECENT_TOKENS], [max_seqs] */
     uint64_t *d_rng;                 /* [max_seqs, 4] */
-    unsigned char *h_samp;           /* pinned staging of the three */
+    kern_sample_params *d_sp;        /* [max_seqs]: each row's settings, when they differ */
+    unsigned char *h_samp;           /* pinned staging of the four */
     /* MLA: per MLA layer and slot a latent cache [cap, dc + dr] (grown
      * geometrically), and its device pointer table */
     float ***mla_cache;              /* [n_mla][max_seqs] device pointers (host array) */
@@ -266,7 +267,8 @@ kds_status eng__cuda_create(const eng_model *m, int max_batch, int max_seqs, boo
         (rc = dalloc(g, (void **)&g->slot_logits, (size_t)max_seqs * d->vocab * 4, err)) ||
         (rc = dalloc(g, (void **)&g->d_pen, (size_t)max_seqs * ENG_RECENT_TOKENS * 4, err)) ||
         (rc = dalloc(g, (void **)&g->d_tok, (size_t)max_seqs * 4, err)) ||
-        (rc = dalloc(g, (void **)&g->d_rng, (size_t)max_seqs * 32, err)))
+        (rc = dalloc(g, (void **)&g->d_rng, (size_t)max_seqs * 32, err)) ||
+        (rc = dalloc(g, (void **)&g->d_sp, (size_t)max_seqs * sizeof(kern_sample_params), err)))
         goto fail;
     if (d->n_mla) {
         const kern_mla_shape msh = {d->mla_heads, d->dc, d->dr, d->dn, d->dv};
@@ -323,7 +325,9 @@ kds_status eng__cuda_create(const eng_model *m, int max_batch, int max_seqs, boo
         (rc = kern_cuda_host_alloc((void **)&g->h_ids, B * sizeof(int32_t), err)) ||
         (rc = kern_cuda_host_alloc((void **)&g->h_pos, (size_t)max_seqs * sizeof(int32_t), err)) ||
         (rc = kern_cuda_host_alloc((void **)&g->h_samp,
-                                   (size_t)max_seqs * (ENG_RECENT_TOKENS * 4 + 4 + 32), err)))
+                                   (size_t)max_seqs * (ENG_RECENT_TOKENS * 4 + 4 + 32 +
+                                                       sizeof(kern_sample_params)),
+                                   err)))
         goto fail;
     /* everything the set-up queued (any library initialisation on the
      * default stream too): a device-wide sync */
@@ -1126,10 +1130,12 @@ static kds_status cuda_run(eng_backend *b, const eng_pass *p, eng_pass_fn fn, vo
 /* ------------------------------------------------------------------------ */
 /* Sampling                                                                  */
 
-/* Sample the n rows now in g->logits (rows of seqs, in order) with p on the
- * device: the repetition penalty from each sequence's recent tokens, its
- * RNG state up and back; next[i] out. g->logits is scratch (the sampler
- * rewrites penalised entries in place; the slot rows keep the logits). */
+/* Sample the n rows now in g->logits (rows of seqs, in order) on the
+ * device, row i with p[i]: the repetition penalty from each sequence's
+ * recent tokens, its RNG state up and back; next[i] out. One launch for
+ * all rows; when the settings differ they go up as one array. g->logits is
+ * scratch (the sampler rewrites penalised entries in place; the slot rows
+ * keep the logits). */
 static kds_status sample_rows(eng_cuda *g, eng_seq *const *seqs, int n, const eng_sampler_params *p,
                               int32_t *next, kds_err *err) {
     kds_status rc;
@@ -1137,12 +1143,13 @@ static kds_status sample_rows(eng_cuda *g, eng_seq *const *seqs, int n, const en
     int32_t *h_pen = (int32_t *)g->h_samp;
     uint64_t *h_rng = (uint64_t *)(g->h_samp + (size_t)g->max_seqs * ENG_RECENT_TOKENS * 4);
     int32_t *h_tok = (int32_t *)((unsigned char *)h_rng + (size_t)g->max_seqs * 32);
+    kern_sample_params *h_sp = (kern_sample_params *)(h_tok + g->max_seqs);
     /* each row's penalised ids as eng_sample picks them, padded with -1
      * (ignored by the sampler) to one width */
     int any = 0;
     for (int i = 0; i < n; i++) {
         int32_t *row = h_pen + (size_t)i * ENG_RECENT_TOKENS;
-        int k = eng__seq_penalty_ids(seqs[i], p, row);
+        int k = eng__seq_penalty_ids(seqs[i], &p[i], row);
         for (int j = k; j < ENG_RECENT_TOKENS; j++) row[j] = -1;
         any |= k;
         memcpy(h_rng + (size_t)i * 4, seqs[i]->rng, 32);
@@ -1152,10 +1159,18 @@ static kds_status sample_rows(eng_cuda *g, eng_seq *const *seqs, int n, const en
         (rc = kern_cuda_memcpy_h2d(g->d_pen, h_pen, (size_t)n * n_pen * sizeof(int32_t), g->stream, err)))
         return rc;
     if ((rc = kern_cuda_memcpy_h2d(g->d_rng, h_rng, (size_t)n * 32, g->stream, err))) return rc;
+    bool same = true;
+    for (int i = 0; i < n; i++) {
+        h_sp[i] = (kern_sample_params){.temperature = p[i].temperature, .top_k = p[i].top_k,
+                                       .top_p = p[i].top_p, .min_p = p[i].min_p,
+                                       .repeat_penalty = p[i].repeat_penalty};
+        same = same && memcmp(&h_sp[i], &h_sp[0], sizeof h_sp[0]) == 0;
+    }
+    if (!same && (rc = kern_cuda_memcpy_h2d(g->d_sp, h_sp, (size_t)n * sizeof *h_sp, g->stream, err)))
+        return rc;
     kern_cuda_sample_args sa = {.N = n, .V = V, .logits = g->logits,
-                                .params = {.temperature = p->temperature, .top_k = p->top_k,
-                                           .top_p = p->top_p, .min_p = p->min_p,
-                                           .repeat_penalty = p->repeat_penalty},
+                                .params = h_sp[0],
+                                .row_params = same ? NULL : g->d_sp,
                                 .penalty_ids = n_pen ? g->d_pen : NULL, .n_penalty = n_pen,
                                 .rng = g->d_rng, .tokens = g->d_tok};
     if ((rc = kern_cuda_sample(&sa, g->stream, err)) ||

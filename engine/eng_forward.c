@@ -59,6 +59,12 @@ struct eng_ctx {
     /* host sampling (logits on the host, or settings the backend's sampler lacks) */
     float *cand_p;                       /* [vocab] */
     int32_t *cand_id;                    /* [vocab] */
+    /* batched sampling: the settings of each row, and the rows the backend
+     * samples where their logits are (eng_sample_batch), [max_seqs] each */
+    eng_sampler_params *samp_p, *samp_dev_p;
+    eng_seq **samp_dev_seqs;
+    int *samp_dev_idx;
+    int32_t *samp_dev_tok;
 };
 
 eng_ctx_params eng_ctx_default_params(void) {
@@ -549,8 +555,56 @@ kds_status eng_decode_batch_sample(eng_ctx *c, eng_seq *const *seqs, const int32
     if (rc != KDS_OK || n == 0) return rc;
     if ((rc = forward(c, seqs, n, ids, n, false, NULL, true, err)) != KDS_OK) return rc;
     /* on a device only the tokens cross the bus; else the host samples */
-    if (backend_samples(c, p)) return c->b->ops->sample(c->b, seqs, n, p, next, err);
+    if (backend_samples(c, p)) {
+        for (int i = 0; i < n; i++) c->samp_p[i] = *p;
+        return c->b->ops->sample(c->b, seqs, n, c->samp_p, next, err);
+    }
     for (int i = 0; i < n && rc == KDS_OK; i++) rc = eng_sample(c, seqs[i], p, &next[i], err);
+    return rc;
+}
+
+kds_status eng_sample_batch(eng_ctx *c, eng_seq *const *seqs, int n, const eng_sampler_params *p,
+                            int32_t *tokens, kds_err *err) {
+    if (n < 0 || n > c->max_seqs)
+        return kds_err_set(err, KDS_INVALID_ARG,
+                           "sampling %d sequences: this context takes 0 to %d (max_seqs)", n,
+                           c->max_seqs);
+    if (n == 0) return KDS_OK;
+    if (!seqs || !p || !tokens)
+        return kds_err_set(err, KDS_INVALID_ARG, "eng_sample_batch without %s",
+                           !seqs ? "sequences" : !p ? "sampler settings" : "an output array");
+    /* every check before any draw: a refusal moves no RNG */
+    for (int i = 0; i < n; i++) {
+        if (!seqs[i]) return kds_err_set(err, KDS_INVALID_ARG, "sequence %d to sample is NULL", i);
+        if (seqs[i]->model != c->m)
+            return kds_err_set(err, KDS_INVALID_ARG,
+                               "sequence %d to sample and the context belong to different models", i);
+        if (!seqs[i]->has_logits)
+            return kds_err_set(err, KDS_INVALID_ARG,
+                               "sequence %d has nothing to sample from: it is empty", i);
+        for (int j = 0; j < i; j++)
+            if (seqs[j] == seqs[i])
+                return kds_err_set(err, KDS_INVALID_ARG,
+                                   "sequence %d to sample is the same as sequence %d (each "
+                                   "sequence may appear once)", i, j);
+    }
+    /* the rows whose logits a device decode left there, with settings the
+     * device sampler has: one call; the rest on the host, in order */
+    int m = 0;
+    kds_status rc = KDS_OK;
+    for (int i = 0; i < n && rc == KDS_OK; i++) {
+        eng_seq *s = seqs[i];
+        if (s->gpu && s->gpu == c->b && s->logits_on_gpu && backend_samples(c, &p[i])) {
+            c->samp_dev_seqs[m] = s;
+            c->samp_dev_p[m] = p[i];
+            c->samp_dev_idx[m++] = i;
+        } else {
+            rc = eng_sample(c, s, &p[i], &tokens[i], err);
+        }
+    }
+    if (rc != KDS_OK || m == 0) return rc;
+    rc = c->b->ops->sample(c->b, c->samp_dev_seqs, m, c->samp_dev_p, c->samp_dev_tok, err);
+    for (int j = 0; j < m && rc == KDS_OK; j++) tokens[c->samp_dev_idx[j]] = c->samp_dev_tok[j];
     return rc;
 }
 
@@ -646,7 +700,14 @@ static kds_status alloc_activations(eng_ctx *c, kds_err *err) {
     }
     c->cand_p = calloc((size_t)d->vocab + 1, sizeof *c->cand_p);
     c->cand_id = calloc((size_t)d->vocab + 1, sizeof *c->cand_id);
-    if (!c->cand_p || !c->cand_id)
+    const size_t S = (size_t)c->max_seqs;
+    c->samp_p = calloc(S, sizeof *c->samp_p);
+    c->samp_dev_p = calloc(S, sizeof *c->samp_dev_p);
+    c->samp_dev_seqs = calloc(S, sizeof *c->samp_dev_seqs);
+    c->samp_dev_idx = calloc(S, sizeof *c->samp_dev_idx);
+    c->samp_dev_tok = calloc(S, sizeof *c->samp_dev_tok);
+    if (!c->cand_p || !c->cand_id || !c->samp_p || !c->samp_dev_p || !c->samp_dev_seqs ||
+        !c->samp_dev_idx || !c->samp_dev_tok)
         return kds_err_set(err, KDS_NOMEM, "out of memory creating a context");
     return KDS_OK;
 }
@@ -709,6 +770,11 @@ void eng_ctx_free(eng_ctx *c) {
     if (c->b) c->b->ops->free(c->b); /* the activations with it */
     free(c->cand_p);
     free(c->cand_id);
+    free(c->samp_p);
+    free(c->samp_dev_p);
+    free(c->samp_dev_seqs);
+    free(c->samp_dev_idx);
+    free(c->samp_dev_tok);
     free(c);
 }
 

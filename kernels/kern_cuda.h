@@ -468,15 +468,21 @@ kds_status kern_cuda_moe_combine(const float *yg, const int32_t *row_of, const f
  *                repeats penalised once)
  *   rng          [N, 4] uint64: advanced once per row, not when greedy
  *   tokens       [N] int32 output
- * One kern_sample_params for all rows. Limits: with temperature > 0 the
- * effective top-k (V when top_k is off) must be <= KERN_CUDA_SAMPLE_MAX_K,
- * else KDS_UNSUPPORTED (sample such rows on the CPU). NaN logits:
- * unspecified. Errors: KDS_INVALID_ARG, KDS_UNSUPPORTED, KDS_CUDA.
+ *   row_params   [N] kern_sample_params, or NULL: each row's own settings
+ *                (a batch of streams that sample differently), instead of
+ *                `params` for every row
+ * Limits: with temperature > 0 the effective top-k (V when top_k is off)
+ * must be <= KERN_CUDA_SAMPLE_MAX_K, else KDS_UNSUPPORTED (sample such rows
+ * on the CPU). `params` is checked here; row_params live on the device and
+ * are not: the caller checks each row first (eng_cuda does, through the
+ * backend's supports). NaN logits: unspecified. Errors: KDS_INVALID_ARG,
+ * KDS_UNSUPPORTED, KDS_CUDA.
  */
 typedef struct kern_cuda_sample_args {
     int N, V;
     float *logits;
     kern_sample_params params;
+    const kern_sample_params *row_params;
     const int32_t *penalty_ids;
     int n_penalty;
     uint64_t *rng;

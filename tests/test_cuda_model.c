@@ -707,6 +707,78 @@ Test(cuda_model, device_sampling_equals_host_sampling, .timeout = 3600) {
     close_fixture(&f);
 }
 
+/* eng_sample_batch on a GPU context: three sequences, each with its own
+ * settings (greedy; the defaults with a repetition penalty; a hot
+ * temperature with top-k off and top-p), sampled where a batched decode
+ * left their logits, in one device call, give the tokens and RNG states
+ * that host sampling of the same logits gives, step after step; a
+ * refusal (a repeated sequence) moves no RNG. */
+Test(cuda_model, per_sequence_settings_in_one_batched_sample, .timeout = 3600) {
+    require_device();
+    fixture f = open_preset("tiny");
+    kds_err err = {0};
+    eng_ctx_params cp = eng_ctx_default_params();
+    cp.n_threads = 1;
+    cp.max_batch = 16;
+    cp.max_seqs = 4;
+    cp.device = "cuda";
+    eng_ctx *ga = NULL, *gb = NULL;
+    cr_assert_eq(eng_ctx_create(f.m, &cp, &ga, &err), KDS_OK, "%s", err.msg);
+    cr_assert_eq(eng_ctx_create(f.m, &cp, &gb, &err), KDS_OK, "%s", err.msg);
+    const int V = f.vocab, lens[3] = {5, 8, 2};
+    eng_sampler_params sp[3] = {eng_sampler_default_params(), eng_sampler_default_params(),
+                                eng_sampler_default_params()};
+    sp[0].temperature = 0.0f;
+    sp[1].repeat_penalty = 1.3f;
+    sp[2].temperature = 1.3f;
+    sp[2].top_k = 0;
+    sp[2].top_p = 0.9f;
+    sp[2].min_p = 0.0f;
+    eng_seq *a[3], *b[3];
+    int32_t ids[8], tok[3];
+    for (int i = 0; i < 3; i++) {
+        cr_assert_eq(eng_seq_create(f.m, 40 + (uint64_t)i, &a[i], &err), KDS_OK, "%s", err.msg);
+        cr_assert_eq(eng_seq_create(f.m, 40 + (uint64_t)i, &b[i], &err), KDS_OK, "%s", err.msg);
+        prompt(ids, lens[i], V, 500u + (uint32_t)i);
+        cr_assert_eq(eng_prefill(ga, a[i], ids, lens[i], NULL, NULL, NULL, &err), KDS_OK, "%s", err.msg);
+        cr_assert_eq(eng_prefill(gb, b[i], ids, lens[i], NULL, NULL, NULL, &err), KDS_OK, "%s", err.msg);
+        tok[i] = (int32_t)(i + 1);
+    }
+    int on_device = 0;
+    for (int step = 0; step < 6; step++) {
+        int32_t out_a[3], out_b[3];
+        cr_assert_eq(eng_decode_batch(ga, a, tok, 3, &err), KDS_OK, "%s", err.msg);
+        cr_assert_eq(eng_decode_batch(gb, b, tok, 3, &err), KDS_OK, "%s", err.msg);
+        for (int i = 0; i < 3; i++) on_device += a[i]->logits_on_gpu;
+        if (step == 2) { /* a refusal first: nothing drawn */
+            eng_seq *dup[2] = {a[0], a[0]};
+            uint64_t rng0[4];
+            memcpy(rng0, a[0]->rng, sizeof rng0);
+            cr_assert_eq(eng_sample_batch(ga, dup, 2, sp, out_a, &err), KDS_INVALID_ARG);
+            cr_expect(strstr(err.msg, "same as sequence 0"), "%s", err.msg);
+            cr_expect_eq(memcmp(rng0, a[0]->rng, sizeof rng0), 0, "a refused batch moved an RNG");
+        }
+        cr_assert_eq(eng_sample_batch(ga, a, 3, sp, out_a, &err), KDS_OK, "%s", err.msg);
+        for (int i = 0; i < 3; i++) {
+            cr_assert_not_null(eng_seq_logits(b[i])); /* to the host: eng_sample samples there */
+            cr_assert_eq(eng_sample(gb, b[i], &sp[i], &out_b[i], &err), KDS_OK, "%s", err.msg);
+            cr_expect_eq(out_a[i], out_b[i], "step %d, sequence %d: batched device sample %d, host %d",
+                         step, i, out_a[i], out_b[i]);
+            cr_expect_eq(memcmp(a[i]->rng, b[i]->rng, sizeof a[i]->rng), 0,
+                         "step %d, sequence %d: RNG states differ", step, i);
+            tok[i] = out_b[i];
+        }
+    }
+    cr_expect_eq(on_device, 18, "only %d of 18 rows had their logits on the device", on_device);
+    for (int i = 0; i < 3; i++) {
+        eng_seq_free(a[i]);
+        eng_seq_free(b[i]);
+    }
+    eng_ctx_free(ga);
+    eng_ctx_free(gb);
+    close_fixture(&f);
+}
+
 /* gpu_bf16: the prefill's products (20 rows: cuBLAS) with bf16 activations
  * stay within a bf16-sized tolerance of the CPU, and the exact default is
  * much closer (so the mode really changes the products). */

@@ -346,8 +346,11 @@ Test(cuda_ops, moe_gather_and_combine_match_the_engine_loops) {
 
 /* ---- sampling ------------------------------------------------------------------ */
 
-static void sample_case(int N, int V, const kern_sample_params *sp, int n_pen, int steps, bool ties,
-                        uint64_t seed) {
+/* N rows sampled on the device against kern_sample on the CPU, `steps`
+ * times. sp: one set of settings for every row (n_sp 1) or each row's own
+ * (n_sp N: kern_cuda_sample_args.row_params). */
+static void sample_case_rows(int N, int V, const kern_sample_params *sp, int n_sp, int n_pen,
+                             int steps, bool ties, uint64_t seed) {
     uint64_t rs = seed;
     float *logits = tcu_malloc((size_t)N * V * 4);
     int32_t *pen = tcu_malloc((size_t)N * (n_pen ? n_pen : 1) * 4);
@@ -359,6 +362,11 @@ static void sample_case(int N, int V, const kern_sample_params *sp, int n_pen, i
     int32_t *d_pen = tcu_dev_alloc((size_t)N * (n_pen ? n_pen : 1) * 4);
     uint64_t *d_rng = tcu_dev_alloc((size_t)N * 4 * 8);
     int32_t *d_tok = tcu_dev_alloc((size_t)N * 4);
+    kern_sample_params *d_sp = NULL;
+    if (n_sp > 1) {
+        d_sp = tcu_dev_alloc((size_t)N * sizeof *d_sp);
+        tcu_h2d(d_sp, sp, (size_t)N * sizeof *d_sp);
+    }
     tcu_h2d(d_rng, rng, (size_t)N * 4 * 8);
     int matches = 0;
     for (int step = 0; step < steps; step++) {
@@ -370,6 +378,7 @@ static void sample_case(int N, int V, const kern_sample_params *sp, int n_pen, i
         tcu_h2d(d_logits, logits, (size_t)N * V * 4);
         if (n_pen) tcu_h2d(d_pen, pen, (size_t)N * n_pen * 4);
         kern_cuda_sample_args a = {.N = N, .V = V, .logits = d_logits, .params = *sp,
+                                   .row_params = d_sp,
                                    .penalty_ids = n_pen ? d_pen : NULL, .n_penalty = n_pen,
                                    .rng = d_rng, .tokens = d_tok};
         kds_err err;
@@ -378,19 +387,21 @@ static void sample_case(int N, int V, const kern_sample_params *sp, int n_pen, i
         tcu_d2h(tok, d_tok, (size_t)N * 4);
         tcu_d2h(g_rng, d_rng, (size_t)N * 4 * 8);
         for (int n = 0; n < N; n++) {
-            int32_t want = kern_sample(logits + (size_t)n * V, V, sp, pen + (size_t)n * n_pen, n_pen,
+            const kern_sample_params *rp = n_sp > 1 ? &sp[n] : sp;
+            int32_t want = kern_sample(logits + (size_t)n * V, V, rp, pen + (size_t)n * n_pen, n_pen,
                                        rng + 4 * n, sp_, si);
             cr_assert_eq(tok[n], want, "step %d row %d: gpu token %d, cpu %d (T=%g k=%d p=%g "
-                         "min_p=%g)", step, n, tok[n], want, (double)sp->temperature, sp->top_k,
-                         (double)sp->top_p, (double)sp->min_p);
+                         "min_p=%g)", step, n, tok[n], want, (double)rp->temperature, rp->top_k,
+                         (double)rp->top_p, (double)rp->min_p);
             cr_assert(memcmp(g_rng + 4 * n, rng + 4 * n, 32) == 0, "step %d row %d: RNG state",
                       step, n);
             matches++;
         }
     }
-    printf("cuda check sample N=%d V=%d T=%g k=%d p=%g min_p=%g pen=%d: %d draws identical\n", N,
+    printf("cuda check sample N=%d V=%d T=%g k=%d p=%g min_p=%g pen=%d%s: %d draws identical\n", N,
            V, (double)sp->temperature, sp->top_k, (double)sp->top_p, (double)sp->min_p, n_pen,
-           matches);
+           n_sp > 1 ? " (settings per row)" : "", matches);
+    if (d_sp) kern_cuda_free(d_sp);
     kern_cuda_free(d_logits);
     kern_cuda_free(d_pen);
     kern_cuda_free(d_rng);
@@ -402,6 +413,11 @@ static void sample_case(int N, int V, const kern_sample_params *sp, int n_pen, i
     free(sp_);
     free(si);
     free(tok);
+}
+
+static void sample_case(int N, int V, const kern_sample_params *sp, int n_pen, int steps, bool ties,
+                        uint64_t seed) {
+    sample_case_rows(N, V, sp, 1, n_pen, steps, ties, seed);
 }
 
 Test(cuda_ops, sample_greedy) {
@@ -436,6 +452,23 @@ Test(cuda_ops, sample_top_p_min_p_penalty) {
     const kern_sample_params f = {.temperature = 1.0f, .top_k = 200, .top_p = 1.0f, .min_p = 0.3f,
                                   .repeat_penalty = 1.0f};
     sample_case(3, 2000, &f, 0, 4, false, 8);
+}
+
+/* One launch, each row with its own settings (streams of one batched
+ * decode step that sample differently): greedy, the defaults, a hot
+ * temperature with a small top-k, top-k off with top-p, min-p, penalties. */
+Test(cuda_ops, sample_settings_per_row) {
+    tcu_require_device();
+    const kern_sample_params rows[6] = {
+        {.temperature = 0.0f, .top_k = 0, .top_p = 1.0f, .min_p = 0.0f, .repeat_penalty = 1.0f},
+        {.temperature = 0.8f, .top_k = 40, .top_p = 0.95f, .min_p = 0.05f, .repeat_penalty = 1.0f},
+        {.temperature = 1.7f, .top_k = 5, .top_p = 1.0f, .min_p = 0.0f, .repeat_penalty = 1.3f},
+        {.temperature = 0.7f, .top_k = 0, .top_p = 0.6f, .min_p = 0.0f, .repeat_penalty = 1.2f},
+        {.temperature = 1.0f, .top_k = 200, .top_p = 1.0f, .min_p = 0.3f, .repeat_penalty = 1.0f},
+        {.temperature = 0.0f, .top_k = 0, .top_p = 1.0f, .min_p = 0.0f, .repeat_penalty = 1.5f},
+    };
+    sample_case_rows(6, 900, rows, 6, 16, 4, false, 11); /* top_k off keeps V = 900 <= 1024 */
+    sample_case_rows(6, 900, rows, 6, 0, 3, true, 12);
 }
 
 /* Kimi-Linear's vocabulary: 163,840 logits per row. */

@@ -300,6 +300,78 @@ Test(decode_batch, refusals_change_nothing, .timeout = 120) {
     close_fixture(&f);
 }
 
+/* eng_sample_batch: each sequence with its own settings gives what
+ * eng_sample of that sequence with those settings gives (tokens and the
+ * RNG, so the saved state), over several decode steps; refusals name the
+ * problem and move no RNG. */
+Test(decode_batch, sample_batch_each_its_own_settings, .timeout = 120) {
+    fixture f = open_preset("tiny", 1, 16, 4);
+    kds_err err = {0};
+    eng_seq *a[4], *b[4];
+    make_seqs(&f, a, 4);
+    make_seqs(&f, b, 4);
+    eng_sampler_params sp[4] = {eng_sampler_default_params(), eng_sampler_default_params(),
+                                eng_sampler_default_params(), eng_sampler_default_params()};
+    sp[0].temperature = 0.0f;
+    sp[1].repeat_penalty = 1.3f;
+    sp[2].temperature = 1.4f;
+    sp[2].top_k = 0;
+    sp[2].top_p = 0.8f;
+    sp[3].temperature = 0.5f;
+    sp[3].min_p = 0.2f;
+    int32_t ta[4], tb[4];
+    for (int step = 0; step < 5; step++) {
+        cr_assert_eq(eng_sample_batch(f.c, a, 4, sp, ta, &err), KDS_OK, "%s", err.msg);
+        for (int i = 0; i < 4; i++) {
+            cr_assert_eq(eng_sample(f.c, b[i], &sp[i], &tb[i], &err), KDS_OK, "%s", err.msg);
+            cr_expect_eq(ta[i], tb[i], "step %d sequence %d: batch %d, alone %d", step, i, ta[i], tb[i]);
+        }
+        cr_assert_eq(eng_decode_batch(f.c, a, ta, 4, &err), KDS_OK, "%s", err.msg);
+        cr_assert_eq(eng_decode_batch(f.c, b, tb, 4, &err), KDS_OK, "%s", err.msg);
+    }
+    for (int i = 0; i < 4; i++) {
+        size_t na, nb;
+        void *xa = save(a[i], &na), *xb = save(b[i], &nb);
+        cr_expect(na == nb && memcmp(xa, xb, na) == 0, "sequence %d: state bytes differ", i);
+        free(xa);
+        free(xb);
+    }
+    /* refusals */
+    eng_seq *empty;
+    cr_assert_eq(eng_seq_create(f.m, 5, &empty, &err), KDS_OK, "%s", err.msg);
+    size_t n0;
+    void *before = save(a[1], &n0);
+    struct {
+        eng_seq *seqs[5];
+        int n;
+        const char *says;
+    } bad[] = {
+        {{a[0], a[1], a[2], a[3], b[0]}, 5, "max_seqs"},
+        {{a[0], a[1]}, -1, "max_seqs"},
+        {{a[1], a[2], a[1]}, 3, "same as sequence 0"},
+        {{a[1], empty}, 2, "empty"},
+        {{a[1], NULL}, 2, "NULL"},
+    };
+    for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
+        err.msg[0] = '\0';
+        cr_expect_eq(eng_sample_batch(f.c, bad[k].seqs, bad[k].n, sp, ta, &err), KDS_INVALID_ARG,
+                     "case %zu accepted", k);
+        cr_expect(strstr(err.msg, bad[k].says), "case %zu: '%s' lacks '%s'", k, err.msg, bad[k].says);
+    }
+    size_t n1;
+    void *after = save(a[1], &n1);
+    cr_expect(n0 == n1 && memcmp(before, after, n0) == 0, "a refused sample moved an RNG");
+    cr_expect_eq(eng_sample_batch(f.c, a, 0, sp, ta, &err), KDS_OK, "an empty batch is refused");
+    free(before);
+    free(after);
+    eng_seq_free(empty);
+    for (int i = 0; i < 4; i++) {
+        eng_seq_free(a[i]);
+        eng_seq_free(b[i]);
+    }
+    close_fixture(&f);
+}
+
 /* `kdaserve bench --seqs` runs both ways for each count and refuses bad
  * counts with one line. */
 Test(decode_batch, bench_seqs_cli, .timeout = 120) {

@@ -126,6 +126,7 @@ struct gen {
     bool cancel, gone;
     bool ignore_eos;              /* stop tokens do not end the reply */
     int32_t feed;                 /* token fed in this step, -1 = none */
+    int sample_row;               /* this step's row of the batched sample, -1 = none */
     gen_phase after;              /* phase after this step's feed */
     char error[512];              /* reason "error" */
     double t_arrive, t_start, t_first, t_prefill_end, t_decode0, t_end;
@@ -177,6 +178,8 @@ struct web_engine {
     eng_seq **b_seqs;
     int32_t *b_ids;
     gen **b_gens;
+    eng_sampler_params *b_params; /* each sampled row's own settings */
+    int32_t *b_sampled;
     double rate_t0;
     uint64_t rate_tokens;
     /* The saver thread: gens in G_SAVE, oldest first, under save_lock;
@@ -2178,15 +2181,32 @@ static void prefill_step(web_engine *E) {
     }
 }
 
-/* One batched decode step over every decoding generation whose reader keeps up. */
+/* One batched decode step over every decoding generation whose reader
+ * keeps up: their next tokens sampled in one call, each with its own
+ * settings (eng_sample_batch: one device launch on a GPU), then fed in one
+ * forward pass. */
 static void decode_step(web_engine *E) {
-    int n = 0;
+    int ns = 0;
     for (gen *g = E->gens; g; g = g->next) {
         g->feed = -1;
+        g->sample_row = -1;
         if (g->phase == G_DECODE && (g->cancel || g->gone)) {
             g->reason = g->gone ? "disconnected" : "cancelled";
             g->phase = G_CLOSE;
         }
+        if (g->phase != G_DECODE) continue;
+        bool gone = false;
+        if (!g->gone && web__pending(E->s, g->conn, &gone) > E->s->p.max_pending) continue;
+        if (gone) g->gone = true;
+        if (ns >= E->s->p.max_generations) continue;
+        E->b_seqs[ns] = g->h->seq;
+        E->b_params[ns] = g->sp;
+        g->sample_row = ns++;
+    }
+    kds_err se = {0};
+    kds_status src = eng_sample_batch(E->c, E->b_seqs, ns, E->b_params, E->b_sampled, &se);
+    int n = 0;
+    for (gen *g = E->gens; g; g = g->next) {
         if (g->phase == G_CLOSE) {
             /* a chat reply cut short is closed with <|im_end|> */
             int32_t close = srv_reply_close_token(g->rp);
@@ -2196,19 +2216,15 @@ static void decode_step(web_engine *E) {
             } else {
                 g->phase = G_FINISH;
             }
-        } else if (g->phase == G_DECODE) {
-            bool gone = false;
-            if (!g->gone && web__pending(E->s, g->conn, &gone) > E->s->p.max_pending) continue;
-            if (gone) g->gone = true;
-            kds_err e = {0};
-            int32_t next;
-            if (eng_sample(E->c, g->h->seq, &g->sp, &next, &e) != KDS_OK) {
-                gen_error(g, &e);
+        } else if (g->sample_row >= 0) {
+            if (src != KDS_OK) {
+                gen_error(g, &se);
                 continue;
             }
             if (!g->t_decode0) g->t_decode0 = web__now_s();
             srv_step st;
-            if (srv_reply_token(g->rp, next, &st, &e) != KDS_OK) {
+            kds_err e = {0};
+            if (srv_reply_token(g->rp, E->b_sampled[g->sample_row], &st, &e) != KDS_OK) {
                 gen_error(g, &e);
                 continue;
             }
@@ -2525,7 +2541,9 @@ kds_status web__engine_start(web_server *s, kds_err *err) {
     E->b_seqs = calloc((size_t)s->p.max_generations, sizeof *E->b_seqs);
     E->b_ids = calloc((size_t)s->p.max_generations, sizeof *E->b_ids);
     E->b_gens = calloc((size_t)s->p.max_generations, sizeof *E->b_gens);
-    if (!E->hots || !E->b_seqs || !E->b_ids || !E->b_gens) {
+    E->b_params = calloc((size_t)s->p.max_generations, sizeof *E->b_params);
+    E->b_sampled = calloc((size_t)s->p.max_generations, sizeof *E->b_sampled);
+    if (!E->hots || !E->b_seqs || !E->b_ids || !E->b_gens || !E->b_params || !E->b_sampled) {
         rc = kds_err_set(err, KDS_NOMEM, "out of memory");
         goto fail;
     }
@@ -2554,6 +2572,8 @@ fail:
     free(E->b_seqs);
     free(E->b_ids);
     free(E->b_gens);
+    free(E->b_params);
+    free(E->b_sampled);
     free(E);
     return rc;
 }
@@ -2583,6 +2603,8 @@ void web__engine_stop(web_server *s) {
     free(E->b_seqs);
     free(E->b_ids);
     free(E->b_gens);
+    free(E->b_params);
+    free(E->b_sampled);
     pthread_mutex_destroy(&E->save_lock);
     pthread_cond_destroy(&E->save_wake);
     free(E);

@@ -32,6 +32,7 @@ struct sample_params {
     float *logits;
     int V, n_penalty;
     kern_sample_params sp;
+    const kern_sample_params *row_sp; /* [N] device, or NULL: sp for every row */
     const int32_t *pen;
     uint64_t *rng;
     int32_t *tokens;
@@ -84,6 +85,8 @@ __device__ int block_exclusive_scan(int x, int *s, int *total) {
 }
 
 __global__ void __launch_bounds__(kThreads) sample_kernel(const sample_params p) {
+    /* this row's settings (one CTA per row) */
+    const kern_sample_params sp = p.row_sp ? p.row_sp[blockIdx.x] : p.sp;
     __shared__ unsigned s_hist[256];
     __shared__ int s_scan[kThreads / 32 + 1];
     __shared__ unsigned long long s_cand[kMaxK];
@@ -98,7 +101,7 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(const sample_params p)
     float *lp = p.logits + (size_t)row * V;
 
     /* repetition penalty: the first occurrence of each id rewrites it */
-    if (p.pen && p.sp.repeat_penalty > 0.0f && p.sp.repeat_penalty != 1.0f) {
+    if (p.pen && sp.repeat_penalty > 0.0f && sp.repeat_penalty != 1.0f) {
         const int32_t *pen = p.pen + (size_t)row * p.n_penalty;
         for (int i = tid; i < p.n_penalty; i += kThreads) {
             const int32_t id = pen[i];
@@ -107,13 +110,13 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(const sample_params p)
             for (int j = 0; j < i; j++) seen |= pen[j] == id;
             if (!seen) {
                 const float x = lp[id];
-                lp[id] = x > 0 ? x / p.sp.repeat_penalty : x * p.sp.repeat_penalty;
+                lp[id] = x > 0 ? x / sp.repeat_penalty : x * sp.repeat_penalty;
             }
         }
         __syncthreads(); /* global writes of the block are visible after it */
     }
 
-    if (p.sp.temperature <= 0.0f) {
+    if (sp.temperature <= 0.0f) {
         float bv = 0.0f;
         int bi = -1;
         for (int i = tid; i < V; i += kThreads) {
@@ -152,8 +155,8 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(const sample_params p)
         return;
     }
 
-    const float temp = p.sp.temperature;
-    const int k = p.sp.top_k > 0 && p.sp.top_k < V ? p.sp.top_k : V; /* <= kMaxK (host) */
+    const float temp = sp.temperature;
+    const int k = sp.top_k > 0 && sp.top_k < V ? sp.top_k : V; /* <= kMaxK (host) */
 
     /* radix select: the k-th largest key, 8 bits at a time from the top */
     if (tid == 0) {
@@ -258,17 +261,17 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(const sample_params p)
     __syncthreads();
     if (tid == 0) {
         int keep = k;
-        if (p.sp.min_p > 0.0f) {
-            const float floor_p = p.sp.min_p * s_p[0];
+        if (sp.min_p > 0.0f) {
+            const float floor_p = sp.min_p * s_p[0];
             while (keep > 1 && s_p[keep - 1] < floor_p) keep--;
         }
-        if (p.sp.top_p < 1.0f) {
+        if (sp.top_p < 1.0f) {
             double kept_sum = 0.0;
             for (int i = 0; i < keep; i++) kept_sum += s_p[i];
             double acc = 0.0;
             for (int i = 0; i < keep; i++) {
                 acc += s_p[i];
-                if (acc >= p.sp.top_p * kept_sum) {
+                if (acc >= sp.top_p * kept_sum) {
                     keep = i + 1;
                     break;
                 }
@@ -311,7 +314,7 @@ extern "C" kds_status kern_cuda_sample(const kern_cuda_sample_args *a, void *str
         return kern_cuda__err(err, KDS_INVALID_ARG, "sample: N=%d V=%d n_penalty=%d", a->N, a->V,
                               a->n_penalty);
     const kern_sample_params *sp = &a->params;
-    if (sp->temperature > 0.0f) {
+    if (!a->row_params && sp->temperature > 0.0f) {
         const int k = sp->top_k > 0 && sp->top_k < a->V ? sp->top_k : a->V;
         if (k > KERN_CUDA_SAMPLE_MAX_K)
             return kern_cuda__err(err, KDS_UNSUPPORTED,
@@ -330,6 +333,7 @@ extern "C" kds_status kern_cuda_sample(const kern_cuda_sample_args *a, void *str
     p.V = a->V;
     p.n_penalty = a->penalty_ids ? a->n_penalty : 0;
     p.sp = *sp;
+    p.row_sp = a->row_params;
     p.pen = a->penalty_ids;
     p.rng = a->rng;
     p.tokens = a->tokens;

@@ -1133,6 +1133,39 @@ async function groupConcurrent() {
     for (const d of cs) ok(!d.peek(() => true), `unexpected extra event ${describe(d.peek(() => true))}`);
   });
 
+  // Streams of one batched step that sample differently: each keeps its own
+  // settings (and seed), so each reply equals the same request run alone.
+  const SETTINGS = [
+    { temperature: 0 },
+    { temperature: 0.8, seed: 5 },
+    { temperature: 1.3, top_k: 5, seed: 6 },
+    { temperature: 0.7, top_p: 0.5, repeat_penalty: 1.3, seed: 7 },
+    { temperature: 1.0, top_k: 0, top_p: 1, min_p: 0.2, seed: 8 },
+  ];
+  await check(`${SETTINGS.length} streams at once, each with its own sampler settings: replies as alone`, async () => {
+    const run = async (d, s, i) => checkStream(await d.generate({ session: s, text: PROMPTS[i],
+                                                                 max_tokens: CONC_TOKENS, ...SETTINGS[i] }),
+                                               `generate on ${s}`).done.reply;
+    const alone = [];
+    for (let i = 0; i < SETTINGS.length; i++) {
+      const s = nm(`spref${i}`);
+      isResult(await c.request({ op: "create", session: s }), "create");
+      alone.push(await run(c, s, i));
+    }
+    const cs = [];
+    for (let i = 0; i < SETTINGS.length; i++) {
+      const d = await connect();
+      isResult(await d.request({ op: "create", session: nm(`sp${i}`) }), "create");
+      cs.push(d);
+    }
+    const got = await Promise.all(cs.map((d, i) => run(d, nm(`sp${i}`), i)));
+    const diffs = got.map((r, i) => (r === alone[i] ? null : `stream ${i} ${JSON.stringify(SETTINGS[i])}: ` +
+                                     `${JSON.stringify(r)} vs alone ${JSON.stringify(alone[i])}`)).filter(Boolean);
+    ok(diffs.length === 0, `replies differ from the same requests run alone: ${diffs.join("; ")}`);
+    ok(new Set(got).size > 1, "every setting gave the same reply: the settings were not applied");
+    for (const d of cs) await d.close();
+  });
+
   // Turns end (and their sessions are saved) at different moments while the
   // other streams go on: each stream's next generate follows its done at
   // once, so a session answered before its save was over would be `busy`.
