@@ -541,6 +541,10 @@ static void print_gc(const sess_gc_stats *g, bool dry) {
            (unsigned long long)g->chunks_freed, b, (unsigned long long)g->snapshots_kept,
            (unsigned long long)g->restore_points_kept, (unsigned long long)g->chunks_kept,
            g->unreadable ? " (unreadable records: kept all they might reference)" : "");
+    if (g->index_freed)
+        printf("%s %llu resume-index entries of snapshots that are gone; kept %llu\n",
+               dry ? "would drop" : "dropped", (unsigned long long)g->index_freed,
+               (unsigned long long)g->index_kept);
 }
 
 static int snap_gc(sess_store *st, const sub_opts *o) {

@@ -444,11 +444,16 @@ typedef struct sess_gc_stats {
     /* Restore points: snapshots of a session's history that are not its
      * head (of snapshots_freed / snapshots_kept). */
     uint64_t restore_points_freed, restore_points_kept;
+    /* Prefix-index entries (the HTTP API's resume) that named a snapshot
+     * freed here, or no stored snapshot at all, or were damaged: deleted
+     * with it, so the index never outgrows what it can resume. */
+    uint64_t index_freed, index_kept;
 } sess_gc_stats;
 
 /* Delete every snapshot that is no session's head, then every chunk that
- * no remaining snapshot references: every restore point goes (the same as
- * sess_prune with SESS_PRUNE_HEADS_ONLY). One transaction. */
+ * no remaining snapshot references, then every prefix-index entry of a
+ * snapshot that is gone: every restore point goes (the same as sess_prune
+ * with SESS_PRUNE_HEADS_ONLY). One transaction. */
 kds_status sess_gc(sess_store *st, sess_gc_stats *out, kds_err *err);
 
 /*

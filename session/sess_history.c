@@ -420,7 +420,7 @@ nomem:
 static kds_status sweep(sess_store *st, MDB_txn *txn, sess__wtxn *w, prune_ctx *p, kds_err *err) {
     sess_gc_stats *g = p->g;
     memset(g, 0, sizeof *g);
-    idset heads = {0}, hist = {0}, keep = {0}, used = {0};
+    idset heads = {0}, hist = {0}, keep = {0}, used = {0}, alive = {0};
     bool unknown, keep_chunks = false;
     MDB_cursor *c = NULL;
     kds_status rc = plan(st, txn, p, &heads, &hist, &keep, &unknown, err);
@@ -456,6 +456,11 @@ static kds_status sweep(sess_store *st, MDB_txn *txn, sess__wtxn *w, prune_ctx *
         }
         g->snapshots_kept++;
         g->restore_points_kept += restore_point;
+        if (!idset_add(&alive, id)) {
+            if (readable) sess__snap_hdr_free(&h);
+            rc = kds_err_set(err, KDS_NOMEM, "out of memory in gc");
+            goto out;
+        }
         if (!readable) { /* its chunks are unknown, so none may go */
             g->unreadable++;
             keep_chunks = true;
@@ -496,6 +501,34 @@ static kds_status sweep(sess_store *st, MDB_txn *txn, sess__wtxn *w, prune_ctx *
         g->chunks_freed++;
         g->bytes_freed += bytes;
     }
+    if (m != MDB_NOTFOUND) {
+        rc = w ? sess__write_err(w, m, "gc", err) : sess__mdb_err(m, "gc", err);
+        goto out;
+    }
+    mdb_cursor_close(c);
+    c = NULL;
+    /* the prefix index: entries of snapshots that are gone (freed now, or
+     * earlier by a version that left them) would only be misses */
+    if (!atomic_load(&st->has_prefix)) goto out;
+    idset_sort(&alive);
+    if ((m = mdb_cursor_open(txn, st->db_prefix, &c)) != 0) {
+        rc = sess__mdb_err(m, "gc", err);
+        goto out;
+    }
+    for (m = mdb_cursor_get(c, &k, &v, MDB_FIRST); m == 0;
+         m = mdb_cursor_get(c, &k, &v, MDB_NEXT)) {
+        sess_prefix_entry e;
+        if (sess__prefix_parse(v.mv_data, v.mv_size, &e) && idset_has(&alive, e.snapshot)) {
+            g->index_kept++;
+            continue;
+        }
+        if (w) {
+            if ((m = mdb_cursor_del(c, 0)) != 0) break;
+            w->freed = true;
+        }
+        g->index_freed++;
+        g->bytes_freed += v.mv_size;
+    }
     if (m != MDB_NOTFOUND) rc = w ? sess__write_err(w, m, "gc", err) : sess__mdb_err(m, "gc", err);
 out:
     if (c) mdb_cursor_close(c);
@@ -503,6 +536,7 @@ out:
     free(hist.v);
     free(keep.v);
     free(used.v);
+    free(alive.v);
     return rc;
 }
 

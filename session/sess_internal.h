@@ -317,6 +317,8 @@ kds_status sess__free_fork_name(sess__wtxn *w, const char *base, char out[SESS_N
 /* 8-byte big-endian key, so LMDB's byte order is id order. */
 void sess__key64(unsigned char k[8], uint64_t id);
 uint64_t sess__key64_get(const unsigned char k[8]);
+/* A prefix-index value (sess_prefix.c); false when damaged. */
+bool sess__prefix_parse(const void *p, size_t n, sess_prefix_entry *e);
 /* Transcript key: session id then turn number. */
 void sess__turn_key(unsigned char k[12], uint64_t session_id, uint32_t turn);
 

@@ -102,7 +102,7 @@ typedef struct find_ctx {
     sess_prefix_entry out;
 } find_ctx;
 
-static bool parse_value(const void *p, size_t n, sess_prefix_entry *e) {
+bool sess__prefix_parse(const void *p, size_t n, sess_prefix_entry *e) {
     const unsigned char *v = p;
     if (n < 17 || v[16] > SESS_NAME_MAX || n != 17u + v[16]) return false;
     e->snapshot = kds_get64(v);
@@ -123,7 +123,7 @@ static kds_status find_fn(sess_store *st, MDB_txn *txn, void *ctx, kds_err *err)
         if (rc != KDS_OK) return rc;
         sess_prefix_entry e;
         /* a damaged record, or one whose count disagrees, is no match */
-        if (!parse_value(v, vn, &e) || e.tokens != c->lens[i]) continue;
+        if (!sess__prefix_parse(v, vn, &e) || e.tokens != c->lens[i]) continue;
         c->found = i;
         c->out = e;
         return KDS_OK;

@@ -111,3 +111,63 @@ Test(sess_prefix, longest_indexed_candidate_wins_and_survives_reopen, .timeout =
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmp);
     th_system(cmd);
 }
+
+/* gc drops the index entries of the snapshots it frees (and of snapshots
+ * that were already gone, and damaged ones) and keeps the rest, so the
+ * index never outgrows what it can resume; a dry run only counts. */
+Test(sess_prefix, gc_drops_entries_of_freed_snapshots, .timeout = 60) {
+    char *tmp = tmu_mkdtemp();
+    char *model = tsu_gen_model(tmp, "m", "tiny", 4);
+    char *db = tmu_path(tmp, "db");
+    tsu_model f = tsu_open_model(model);
+    sess_store *st = tsu_open_store(db);
+    kds_err err = {0};
+    eng_seq *s = NULL;
+    cr_assert_eq(eng_seq_create(f.m, 1, &s, &err), KDS_OK);
+    int32_t ids[12];
+    for (int i = 0; i < 12; i++)
+        ids[i] = 300 + i;
+    /* three turns of one session, each end indexed; then an entry of a
+     * snapshot that never existed */
+    uint64_t snap[3], base = 0;
+    unsigned char keys[4][SESS_PREFIX_KEY_LEN];
+    int64_t lens[4] = {4, 8, 12, 12};
+    for (int t = 0; t < 3; t++) {
+        tsu_feed(&f, s, 4, (uint32_t)t);
+        cr_assert_eq(sess_save(st, "doc", base, f.m, s, NULL, &snap[t], &err), KDS_OK, "%s", err.msg);
+        base = snap[t];
+        key_of("|fp", ids, lens[t], keys[t]);
+        sess_prefix_entry e = {.snapshot = snap[t], .tokens = lens[t], .session = "doc"};
+        cr_assert_eq(sess_prefix_put(st, keys[t], &e, &err), KDS_OK, "%s", err.msg);
+    }
+    key_of("|other", ids, 12, keys[3]);
+    sess_prefix_entry ghost = {.snapshot = snap[2] + 1000, .tokens = 12, .session = "doc"};
+    cr_assert_eq(sess_prefix_put(st, keys[3], &ghost, &err), KDS_OK, "%s", err.msg);
+    sess_gc_stats g;
+    sess_retention none = {0}; /* sess_gc's: heads only, whatever their age */
+    cr_assert_eq(sess_prune(st, &none, SESS_PRUNE_HEADS_ONLY | SESS_PRUNE_DRY_RUN, &g, &err), KDS_OK,
+                 "%s", err.msg);
+    cr_expect_eq(g.index_freed, 3, "a dry run counts %llu", (unsigned long long)g.index_freed);
+    cr_assert_eq(sess_gc(st, &g, &err), KDS_OK, "%s", err.msg);
+    cr_expect_eq(g.snapshots_freed, 2, "the two restore points");
+    cr_expect_eq(g.index_freed, 3, "their two entries and the ghost's");
+    cr_expect_eq(g.index_kept, 1, "the head's entry");
+    size_t found = 99;
+    sess_prefix_entry e;
+    for (int t = 0; t < 4; t++) {
+        kds_status rc = sess_prefix_find(st, (const unsigned char(*)[16]) & keys[t], &lens[t], 1,
+                                         &found, &e, &err);
+        cr_expect_eq(rc, t == 2 ? KDS_OK : KDS_NOT_FOUND, "entry %d after gc: %s", t, kds_status_str(rc));
+    }
+    cr_expect_eq(e.snapshot, snap[2]);
+    cr_assert_eq(sess_gc(st, &g, &err), KDS_OK, "%s", err.msg);
+    cr_expect_eq(g.index_freed, 0, "a second gc finds nothing to drop");
+    eng_seq_free(s);
+    sess_close(st);
+    tsu_close_model(&f);
+    char cmd[700];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmp);
+    th_system(cmd);
+    free(model);
+    free(db);
+}
