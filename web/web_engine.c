@@ -68,7 +68,8 @@ typedef struct hot {
 } hot;
 
 /* G_WAIT: an ingest that has fed every token it has and waits for the next chunk. */
-/* G_SAVE: over, out of the batching loop, its session being saved by the saver thread. */
+/* G_SAVE: its session being saved by the saver thread: over and out of the
+ * batching loop, or (point_saving) paused at a resume point, to go on after. */
 typedef enum gen_phase { G_PREFILL, G_DECODE, G_CLOSE, G_FINISH, G_WAIT, G_SAVE } gen_phase;
 
 /* Tokens of an ingest waiting to be prefilled above which its next chunk
@@ -82,6 +83,13 @@ typedef enum gen_phase { G_PREFILL, G_DECODE, G_CLOSE, G_FINISH, G_WAIT, G_SAVE 
 #define INGEST_MIN_SPLIT 65536
 /* progress events of one ingest: at most one per this many seconds */
 #define INGEST_PROGRESS_S 0.25
+/* A plain document of at least this many tokens also leaves a resume point:
+ * the state at the last prefill slice boundary before its last two
+ * pre-tokens (which text after the document may change), saved and indexed,
+ * so a stateless client whose prompt is the document plus a question
+ * resumes there (prefilling < max_batch tokens of the document's end and
+ * the question) instead of replaying it. */
+#define RESUME_POINT_MIN 4096
 
 /* An ingest (op `append`, docs/protocol.md): a document streamed in chunks
  * into one session, tokenized as it comes (the last pre-tokens held back,
@@ -146,6 +154,10 @@ struct gen {
      * thread, which writes only these fields and reads the gen and its
      * session (h->seq, name, base, mode), which nobody changes meanwhile. */
     gen *save_next;                   /* the saver's queue, then the done list */
+    int64_t point_at;                 /* save a resume point when `fed` reaches it; 0 = none */
+    bool point_saving;                /* this G_SAVE is that resume point: the turn goes on */
+    bool point_keyed;                 /* HTTP: point_key is the key of the tokens up to it */
+    unsigned char point_key[SESS_PREFIX_KEY_LEN];
     bool save_failed;                 /* the engine could not hand the state over */
     kds_status save_rc;
     kds_err save_err;
@@ -523,7 +535,7 @@ static bool free_name(web_engine *E, const web_req *r, const cJSON *id, const ch
 static void fail_busy(web_engine *E, const web_req *r, const cJSON *id, const hot *h,
                       const char *store, const char *then) {
     const gen *g = h->gen;
-    if (g->phase == G_SAVE)
+    if (g->phase == G_SAVE && !g->point_saving)
         fail(E, r, id, WEB_ERR_BUSY, "session '%s' is saving its last turn; try again in a moment",
              client_name(r, store));
     else
@@ -1082,9 +1094,21 @@ static kds_status ingest_add(web_engine *E, gen *g, const unsigned char *p, size
         return kds_err_set(e, KDS_IO, "the document's temporary file failed; cancel it");
     kds_status rc = kds_buf_append(&in->text, p, n, e);
     if (rc != KDS_OK) return rc;
-    size_t cut = 0, len = in->text.len;
+    size_t cut = 0, len = in->text.len, stable = 0;
     if (last) {
         cut = len;
+        /* where text after the document can no longer change the tokens:
+         * before its last two pre-tokens (as the hold-back rule) */
+        int64_t np = 0;
+        if (g->hasher && !g->h->chat &&
+            (rc = eng_tok_split(tok, (const char *)in->text.p, len, NULL, 0, &np, e)) != KDS_OK)
+            goto fail;
+        if (np >= 3) {
+            if (!(ends = malloc((size_t)np * sizeof *ends))) goto nomem;
+            if ((rc = eng_tok_split(tok, (const char *)in->text.p, len, ends, np, &np, e)) != KDS_OK)
+                goto fail;
+            stable = ends[np - 3];
+        }
     } else if (len >= INGEST_MIN_SPLIT) {
         int64_t np = 0;
         if ((rc = eng_tok_split(tok, (const char *)in->text.p, len, NULL, 0, &np, e)) != KDS_OK)
@@ -1099,11 +1123,24 @@ static kds_status ingest_add(web_engine *E, gen *g, const unsigned char *p, size
         if (!cut && len > INGEST_HOLD_MAX) cut = len; /* one pre-token of megabytes */
     }
     if (cut) {
-        int64_t k = 0;
-        if ((rc = ingest_reserve(g, (int64_t)cut, e)) != KDS_OK) goto fail;
-        if ((rc = eng_tok_encode_ex(tok, (const char *)in->text.p, cut, 0, g->ids + g->n_ids,
-                                    (int64_t)cut, &k, e)) != KDS_OK)
+        /* The tokens of text[0, cut) as they are inside the whole text. Text
+         * cut at a pre-token boundary and encoded alone may end otherwise
+         * (a run of spaces before a digit is two pre-tokens, at the end of a
+         * text one), so the whole text is encoded and the tokens of
+         * text[cut, len) dropped: text that starts on a pre-token boundary
+         * encodes alone as it does inside (the split looks ahead, never
+         * back). k1: the tokens before `stable`, the same way. */
+        const char *t = (const char *)in->text.p;
+        int64_t k = 0, k1 = 0, tail = 0;
+        if ((rc = ingest_reserve(g, (int64_t)len, e)) != KDS_OK) goto fail;
+        if ((rc = eng_tok_encode_ex(tok, t, len, 0, g->ids + g->n_ids, (int64_t)len, &k, e)) != KDS_OK ||
+            (cut < len &&
+             (rc = eng_tok_encode_ex(tok, t + cut, len - cut, 0, NULL, 0, &tail, e)) != KDS_OK))
             goto fail;
+        k -= tail;
+        if (stable && (rc = eng_tok_encode_ex(tok, t + stable, cut - stable, 0, NULL, 0, &k1, e)) != KDS_OK)
+            goto fail;
+        k1 = stable ? k - k1 : 0;
         if (fwrite(in->text.p, 1, cut, in->spool) != cut || fflush(in->spool) != 0) {
             int why = errno;
             /* what was written after spool_bytes is never read (the end maps
@@ -1114,6 +1151,18 @@ static kds_status ingest_add(web_engine *E, gen *g, const unsigned char *p, size
             goto fail;
         }
         in->spool_bytes += (int64_t)cut;
+        if (last && g->hasher && !g->h->chat) {
+            /* the resume point: the last slice boundary at or before the
+             * stable end. Counted in g->ids, which ingest_reserve has just
+             * compacted (fed 0): every feed before the last is a whole
+             * slice, so what was fed is a multiple of the slice and the
+             * boundaries in g->ids are those of the document */
+            int64_t slice = E->s->p.ctx.max_batch > 0 ? E->s->p.ctx.max_batch : 256;
+            int64_t point = (g->n_ids + k1) / slice * slice;
+            if (g->n_ids + k >= RESUME_POINT_MIN && point > 0 && point < g->n_ids + k &&
+                point >= g->fed)
+                g->point_at = point;
+        }
         g->n_ids += k;
         in->tokens += k;
         memmove(in->text.p, in->text.p + cut, len - cut);
@@ -1183,12 +1232,18 @@ static void ingest_progress(web_engine *E, gen *g, bool force) {
 /* One prefill slice of an ingest (the loop's prefill step). Slices are
  * aligned on the ingest's start as a generate's prompt slices are, so the
  * state equals that of the whole text given to one generate. */
+static void point_begin(web_engine *E, gen *g);
+
 static void ingest_step(web_engine *E, gen *g) {
     ingest *in = g->ing;
     if (g->cancel || g->gone) {
         g->reason = g->gone ? "disconnected" : "cancelled";
         /* a chat turn begun is closed with <|im_end|> */
         g->phase = g->h->chat && in->fed_total > 0 ? G_CLOSE : G_FINISH;
+        return;
+    }
+    if (g->point_at && g->fed == g->point_at) {
+        point_begin(E, g);
         return;
     }
     int64_t avail = g->n_ids - g->fed,
@@ -1527,17 +1582,22 @@ static void prefix_scope(web_engine *E, const web_req *r, char *out, size_t cap)
 
 /* Saver thread (the store is thread-safe): the turn's end in the prefix
  * index, under the session it was saved to. */
-static void index_turn(web_engine *E, gen *g, uint64_t snap, const char *session) {
-    /* only a sequence known token for token (fed whole, nothing cut) */
-    if (!g->hasher || sess_prefix_hasher_count(g->hasher) != eng_seq_pos(g->h->seq)) return;
-    sess_prefix_entry pe = {.snapshot = snap, .tokens = eng_seq_pos(g->h->seq)};
+static void index_key(web_engine *E, const unsigned char key[SESS_PREFIX_KEY_LEN], uint64_t snap,
+                      int64_t tokens, const char *session) {
+    sess_prefix_entry pe = {.snapshot = snap, .tokens = tokens};
     snprintf(pe.session, sizeof pe.session, "%s", session);
-    unsigned char key[SESS_PREFIX_KEY_LEN];
-    sess_prefix_hasher_key(g->hasher, key);
     kds_err e = {0};
     /* advisory: a turn that is not indexed is replayed next time, no more */
     if (sess_prefix_put(E->s->st, key, &pe, &e) != KDS_OK && !E->s->p.quiet)
         fprintf(stderr, "kdaserve serve: indexing turn @%" PRIu64 ": %s\n", snap, e.msg);
+}
+
+static void index_turn(web_engine *E, gen *g, uint64_t snap, const char *session) {
+    /* only a sequence known token for token (fed whole, nothing cut) */
+    if (!g->hasher || sess_prefix_hasher_count(g->hasher) != eng_seq_pos(g->h->seq)) return;
+    unsigned char key[SESS_PREFIX_KEY_LEN];
+    sess_prefix_hasher_key(g->hasher, key);
+    index_key(E, key, snap, eng_seq_pos(g->h->seq), session);
 }
 
 /* Find the state to start from: the longest indexed prefix of q's tokens
@@ -1686,6 +1746,39 @@ static void send_sse(web_engine *E, const gen *g, cJSON *o, bool last) {
     free(j);
 }
 
+/* A long plain prompt's resume point (RESUME_POINT_MIN): the last prefill
+ * slice boundary before the prompt's last two pre-tokens, which text after
+ * the prompt may change; its key is computed now, from the request's
+ * tokens. Advisory: anything odd, and there is none. */
+static void http_point(web_engine *E, gen *g, const web_oai *q, int64_t cached, const char *scope) {
+    if (q->chat || q->n_ids - cached < RESUME_POINT_MIN || !q->prompt) return;
+    const eng_tokenizer *tok = eng_model_tokenizer(E->s->m);
+    int64_t np = 0, k1 = 0, whole = 0;
+    size_t *ends = NULL;
+    sess_prefix_hasher *hs = NULL;
+    /* the request's tokens must be the prompt's own (no BOS before them) */
+    if (eng_tok_encode_ex(tok, q->prompt, q->prompt_len, 0, NULL, 0, &whole, NULL) != KDS_OK ||
+        whole != q->n_ids ||
+        eng_tok_split(tok, q->prompt, q->prompt_len, NULL, 0, &np, NULL) != KDS_OK || np < 3 ||
+        !(ends = malloc((size_t)np * sizeof *ends)) ||
+        eng_tok_split(tok, q->prompt, q->prompt_len, ends, np, &np, NULL) != KDS_OK ||
+        eng_tok_encode_ex(tok, q->prompt + ends[np - 3], q->prompt_len - ends[np - 3], 0, NULL, 0,
+                          &k1, NULL) != KDS_OK)
+        goto out;
+    k1 = whole - k1; /* the tokens before the last two pre-tokens, as inside the prompt */
+    int64_t slice = E->s->p.ctx.max_batch > 0 ? E->s->p.ctx.max_batch : 256;
+    int64_t point = cached + (k1 - cached) / slice * slice; /* prefill_step's slices */
+    if (point <= cached || point >= q->n_ids || sess_prefix_hasher_create(scope, &hs, NULL) != KDS_OK)
+        goto out;
+    sess_prefix_hasher_add(hs, q->ids, point);
+    sess_prefix_hasher_key(hs, g->point_key);
+    g->point_keyed = true;
+    g->point_at = point - cached; /* g->fed counts from the resumed state */
+out:
+    free(ends);
+    sess_prefix_hasher_free(hs);
+}
+
 static void http_generate(web_engine *E, const web_req *r) {
     web_oai q;
     web_oai_err oe;
@@ -1748,6 +1841,7 @@ static void http_generate(web_engine *E, const web_req *r) {
     prefix_scope(E, r, scope, sizeof scope);
     if (sess_prefix_hasher_create(scope, &g->hasher, &e) != KDS_OK) goto fail;
     sess_prefix_hasher_add(g->hasher, q.ids, q.n_ids);
+    http_point(E, g, &q, cached, scope);
     /* feed only what the stored state lacks */
     g->n_ids = q.n_ids - cached;
     memmove(q.ids, q.ids + cached, (size_t)g->n_ids * sizeof *q.ids);
@@ -2016,11 +2110,34 @@ static void reply_answer(web_engine *E, gen *g) {
     web__send(E->s, g->conn, o, g->msgpack);
 }
 
-/* Saver thread: one turn's durable save. It reads the gen and its session
- * and writes only the gen's save_* fields. */
+/* Saver thread: a resume point (RESUME_POINT_MIN): the state so far as the
+ * session's head, no transcript entry (the turn's own save adds it), and
+ * its token sequence in the prefix index. */
+static void save_point(web_engine *E, gen *g) {
+    hot *h = g->h;
+    if (g->route == WEB_ROUTE_WS) {
+        g->save_rc = sess_save(E->s->st, h->name, h->base, E->s->m, h->seq, NULL, &g->save_snap,
+                               &g->save_err);
+        if (g->save_rc == KDS_OK) index_turn(E, g, g->save_snap, h->name);
+        return;
+    }
+    /* HTTP: into the session the turn is saved to (a fork when it moved on) */
+    sess_save_result res;
+    g->save_rc = sess_save_ex(E->s->st, g->save_as, h->base, E->s->m, h->seq, NULL,
+                              SESS_CONFLICT_FORK, &res, &g->save_err);
+    if (g->save_rc != KDS_OK) return;
+    g->save_snap = res.snapshot;
+    snprintf(g->saved_to, sizeof g->saved_to, "%s", res.session);
+    if (g->point_keyed) index_key(E, g->point_key, g->save_snap, eng_seq_pos(h->seq), res.session);
+}
+
+/* Saver thread: one turn's durable save (or a resume point). It reads the
+ * gen and its session and writes only the gen's save_* fields. */
 static void save_turn(web_engine *E, gen *g) {
     double t0 = web__now_s();
-    if (g->ing)
+    if (g->point_saving)
+        save_point(E, g);
+    else if (g->ing)
         save_document(E, g);
     else
         save_reply(E, g);
@@ -2080,6 +2197,53 @@ static void turn_done(web_engine *E, gen *g) {
     atomic_fetch_sub(&E->s->metrics.generations_active, 1);
 }
 
+static void save_enqueue(web_engine *E, gen *g) {
+    g->phase = G_SAVE;
+    g->save_next = NULL;
+    E->n_saving++;
+    pthread_mutex_lock(&E->save_lock);
+    if (E->save_tail)
+        E->save_tail->save_next = g;
+    else
+        E->save_head = g;
+    E->save_tail = g;
+    pthread_cond_signal(&E->save_wake);
+    pthread_mutex_unlock(&E->save_lock);
+}
+
+/* A turn reached its resume point: it pauses (G_SAVE, skipped by the loop)
+ * while the saver saves it, then goes on (point_done). Advisory: when the
+ * state cannot be handed over, the turn goes on without one. */
+static void point_begin(web_engine *E, gen *g) {
+    g->point_at = 0; /* once */
+    kds_err e = {0};
+    if (eng_ctx_release(E->c, g->h->seq, &e) != KDS_OK) return;
+    g->point_saving = true;
+    g->save_rc = KDS_OK;
+    save_enqueue(E, g);
+}
+
+static void point_done(web_engine *E, gen *g) {
+    hot *h = g->h;
+    E->n_saving--;
+    g->point_saving = false;
+    if (g->save_rc == KDS_OK) {
+        web__hist_add(&E->s->metrics.save_ms, g->save_ms);
+        h->base = g->save_snap;
+        if (g->saved_to[0]) { /* HTTP: the turn's own save goes there too */
+            snprintf(h->name, sizeof h->name, "%s", g->saved_to);
+            snprintf(g->save_as, sizeof g->save_as, "%s", g->saved_to);
+            g->saved_to[0] = '\0';
+        }
+    } else if (!E->s->p.quiet) {
+        fprintf(stderr, "kdaserve serve: resume point of '%s' not saved (the turn goes on): %s\n",
+                h->name, g->save_err.msg);
+    }
+    g->save_rc = KDS_OK;
+    kds_err_clear(&g->save_err);
+    g->phase = G_PREFILL;
+}
+
 /* A turn that ended leaves the batching loop: saved by the saver thread
  * when its context moved (the engine thread goes on with the others),
  * answered at once otherwise. */
@@ -2102,20 +2266,11 @@ static void turn_end(web_engine *E, gen *g) {
         turn_done(E, g);
         return;
     }
-    g->phase = G_SAVE;
-    g->save_next = NULL;
-    E->n_saving++;
-    pthread_mutex_lock(&E->save_lock);
-    if (E->save_tail)
-        E->save_tail->save_next = g;
-    else
-        E->save_head = g;
-    E->save_tail = g;
-    pthread_cond_signal(&E->save_wake);
-    pthread_mutex_unlock(&E->save_lock);
+    save_enqueue(E, g);
 }
 
-/* Turns the saver has saved, answered in the order they were saved. */
+/* Turns the saver has saved, answered in the order they were saved (a
+ * resume point goes back into the loop). */
 static void answer_saved(web_engine *E, gen *list) {
     gen *fifo = NULL;
     while (list) {
@@ -2127,7 +2282,10 @@ static void answer_saved(web_engine *E, gen *list) {
     while (fifo) {
         gen *g = fifo;
         fifo = g->save_next;
-        turn_done(E, g);
+        if (g->point_saving)
+            point_done(E, g);
+        else
+            turn_done(E, g);
     }
 }
 
@@ -2162,6 +2320,10 @@ static void prefill_step(web_engine *E) {
             /* stop before feeding the rest of the prompt */
             g->reason = g->gone ? "disconnected" : "cancelled";
             g->phase = g->fed > 0 ? G_CLOSE : G_FINISH; /* nothing fed: nothing to close */
+            continue;
+        }
+        if (g->point_at && g->fed == g->point_at) {
+            point_begin(E, g);
             continue;
         }
         int64_t n = g->n_ids - g->fed, slice = E->s->p.ctx.max_batch > 0 ? E->s->p.ctx.max_batch : 256;
@@ -2274,7 +2436,8 @@ static void update_rate(web_engine *E) {
 static bool runnable(web_engine *E) {
     for (gen *g = E->gens; g; g = g->next) {
         if (g->cancel || g->gone) return true;
-        if (g->phase == G_WAIT) continue; /* an ingest waiting for its next chunk */
+        /* an ingest waiting for its next chunk, a turn paused at its resume point */
+        if (g->phase == G_WAIT || g->phase == G_SAVE) continue;
         if (g->phase != G_DECODE) return true;
     }
     /* only decoding generations: runnable unless every reader is behind */

@@ -455,6 +455,31 @@ async function resume() {
     eq(again.r.usage.prompt_tokens_details.cached_tokens, st.ctx, "the main line still resumes");
     eq(again.r.kdaserve.session, st.session, "in its own session");
   });
+  await check("a long plain prompt leaves a resume point: it plus a question resumes there, the reply as a stateful session's", async () => {
+    // about 6,000 tokens of varied prose (>= the 4,096 that earn a resume point)
+    const words = ["whale", "captain", "sea", "ship", "harpoon", "crew", "dawn", "storm", "deck", "sail"];
+    let doc = "", x = 7;
+    for (let i = 0; i < 3000; i++) {
+      x = (Math.imul(x, 1103515245) + 12345) >>> 0;
+      doc += words[(x >>> 16) % words.length] + (i % 17 === 16 ? ".\n" : " ");
+    }
+    const question = "\n\nQuestion: who was on the deck?\nAnswer:";
+    const first = await c.completions.create({ model: MODEL, prompt: doc, max_tokens: 4, temperature: 0 });
+    const n = first.usage.prompt_tokens;
+    ok(n >= 4096, `the document is ${n} tokens, too few for a resume point`);
+    const r = await c.completions.create({ model: MODEL, prompt: doc + question, ...TURN });
+    const cached = r.usage.prompt_tokens_details.cached_tokens;
+    // the last prefill slice boundary (256 tokens by default) before the
+    // document's last two pre-tokens: never its end (which the question's
+    // newlines change), never more than a slice and those before it
+    ok(cached > n - 256 - 8 && cached < n, `cached ${cached} of the document's ${n} tokens`);
+    eq(cached % 256, 0, "the resume point is on a prefill slice boundary");
+    const session = "longdoc-" + process.pid;
+    await ws.ok({ op: "create", session, mode: "plain" });
+    const g = await ws.generate({ session, text: doc + question, ...TURN });
+    ok(g.done && !g.error, `WebSocket generate: ${JSON.stringify(g.error || g.done)}`);
+    eq(r.choices[0].text, g.done.reply, "the resumed reply equals a session fed the whole text");
+  });
   await ws.close();
 }
 

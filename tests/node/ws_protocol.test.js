@@ -2183,6 +2183,32 @@ async function groupIngest() {
     eq(t.reply, "", "reply of a document turn");
   });
 
+  await check("chunks that end where a cut would leave spaces before a digit: the tokens of one generate", async () => {
+    // Lines of 64 bytes "whale N ship ----\n<spaces>7.\n": 65,536-byte
+    // chunks end on a line end, so the text held back is the last line's
+    // "7" and ".\n" and the cut falls after the single space before the
+    // digit. Encoded alone, "\n" and spaces at the end of a text tokenize
+    // otherwise than inside it (the last space waits for the digit): the
+    // tokens must be those of the whole text.
+    const S = nm("ing-cut"), T = nm("ing-cut-one");
+    await c.ok({ op: "create", session: S, mode: "plain" });
+    await c.ok({ op: "create", session: T, mode: "plain" });
+    const line = (i) => {
+      const head = `whale ${i % 97} ship ` + "-".repeat(20) + "\n";
+      return head + " ".repeat(64 - head.length - 3) + `${i % 10}.\n`;
+    };
+    let text = "";
+    for (let i = 0; i < 4096; i++) text += line(i);
+    const b = Buffer.from(text, "utf8");
+    eq(b.length, 4096 * 64, "document bytes");
+    const r = await ingestBytes(c, S, "cut.txt", b, 65536);
+    eq(r.done && r.done.reason, "complete", "reason");
+    const one = await greedy(c, T, text, 8);
+    eq(one.started.prompt_tokens, r.done.document.tokens, "tokens of the whole text in one generate vs the ingest");
+    const cont = await greedy(c, S, "", 8);
+    eq(cont.text, one.text, "greedy reply after the ingest vs after one generate");
+  });
+
   await check("a chunk boundary inside a 2-byte and a 4-byte character", async () => {
     const S = nm("ing-utf8"), T = nm("ing-utf8-one");
     await c.ok({ op: "create", session: S, mode: "plain" });
