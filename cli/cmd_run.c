@@ -14,6 +14,7 @@
 #include "eng_safetensors.h"
 #include "repl.h"
 #include "sess.h"
+#include "srv.h"
 
 /* Options shared by the sampling commands. */
 enum {
@@ -53,6 +54,28 @@ static void print_piece(FILE *f, const char *p, size_t n) {
         else
             fputc(ch, f);
     }
+}
+
+/* generate's hooks of its turn (core/srv.h): text to stdout as it comes;
+ * with --logits-out, every draw's logits and token. */
+typedef struct gen_out {
+    float *logits; /* [max_tokens, vocab] or NULL */
+    int32_t *ids;
+    int64_t rows, cap;
+    int vocab;
+} gen_out;
+
+static void gen_text(void *user, const char *text, size_t len) {
+    (void)user;
+    print_piece(stdout, text, len);
+    fflush(stdout);
+}
+
+static void gen_drawn(void *user, const float *logits, int32_t token) {
+    gen_out *o = user;
+    if (!o->logits || o->rows >= o->cap) return;
+    memcpy(o->logits + (size_t)o->rows * o->vocab, logits, (size_t)o->vocab * sizeof(float));
+    o->ids[o->rows++] = token;
 }
 
 static void generate_usage(FILE *f) {
@@ -246,12 +269,11 @@ int cmd_generate(int argc, char **argv) {
     eng_model *m = NULL;
     eng_ctx *c = NULL;
     eng_seq *s = NULL;
-    int32_t *ids = NULL, *out_ids = NULL;
-    float *out_logits = NULL;
+    int32_t *ids = NULL;
+    gen_out go = {0};
+    srv_turn_result tr = {0};
     sess_store *store = NULL;
     bool claimed = false;
-    eng_tok_stream *stream = NULL;
-    kds_buf text = {0}; /* the turn's text, for the transcript */
     kds_err err = {0};
     int rc = 0;
     /* The session decides where the model comes from (unless --model says)
@@ -315,37 +337,25 @@ int cmd_generate(int argc, char **argv) {
         rc = cli_fail("generate", &err);
         goto out;
     }
+    /* the turn's ids as every front end renders them (eng_chat_turn): a
+     * chat message in the chat format, or the text itself (BOS when the
+     * context and the text are both empty) */
     int64_t n = 0;
-    if (chat && plen) {
-        if (eng_chat_turn(tok, true, si.tokens, NULL, prompt, plen, true, &ids, &n, &err) !=
-            KDS_OK) {
-            rc = cli_fail("generate", &err);
-            goto out;
-        }
-    } else {
-        n = eng_tok_encode(tok, prompt, plen, NULL, 0);
-        if (n < 0) {
-            rc = cli_failf("generate", "cannot tokenize the prompt");
-            goto out;
-        }
-        ids = malloc(((size_t)n + 1) * sizeof *ids);
-        if (!ids) {
-            rc = cli_failf("generate", "out of memory for %lld prompt tokens", (long long)n);
-            goto out;
-        }
-        eng_tok_encode(tok, prompt, plen, ids, n);
+    int64_t pos = resume ? si.tokens : 0;
+    if (eng_chat_turn(tok, chat && plen, pos, NULL, prompt, plen, true, &ids, &n, &err) != KDS_OK) {
+        rc = cli_fail("generate", &err);
+        goto out;
     }
-    /* nothing to continue from: a fresh sequence starts at BOS; a resumed
-     * one already has the logits of its last token */
-    if (n == 0 && !resume && eng_tok_bos(tok) >= 0) ids[n++] = eng_tok_bos(tok);
-    if (n == 0 && !resume) {
+    if (n == 0 && pos == 0) {
         rc = cli_failf("generate", "empty prompt and the model has no BOS token to start from");
         goto out;
     }
     if (logits_out && max_tokens > 0) {
-        out_ids = malloc((size_t)max_tokens * sizeof *out_ids);
-        out_logits = malloc((size_t)max_tokens * (size_t)vocab * sizeof *out_logits);
-        if (!out_ids || !out_logits) {
+        go.vocab = vocab;
+        go.cap = max_tokens;
+        go.ids = malloc((size_t)max_tokens * sizeof *go.ids);
+        go.logits = malloc((size_t)max_tokens * (size_t)vocab * sizeof *go.logits);
+        if (!go.ids || !go.logits) {
             rc = cli_failf("generate", "out of memory for %lld x %d logits (--logits-out)",
                            (long long)max_tokens, vocab);
             goto out;
@@ -361,93 +371,42 @@ int cmd_generate(int argc, char **argv) {
         rc = cli_failf("generate", "cannot resume session '%s': %s", session, err.msg);
         goto out;
     }
+    /* the turn (core/srv.h): a session keeps every token in its state (the
+     * end of turn too, and a chat reply cut short is closed), so its next
+     * turn starts right after; plain generation skips the decodes nobody
+     * would read */
+    srv_turn_params tp = srv_turn_default_params();
+    tp.sampler = sp;
+    tp.keep_context = session != NULL;
+    tp.reply.max_tokens = max_tokens;
+    tp.reply.ignore_eos = ignore_eos;
+    tp.reply.chat = chat;
+    tp.reply.specials_as_text = true;
+    srv_turn_hooks hooks = {.user = &go, .text = gen_text, .drawn = logits_out ? gen_drawn : NULL};
     double t0 = cli_now();
-    if (n > 0 && eng_prefill(c, s, ids, n, NULL, NULL, NULL, &err) != KDS_OK) {
+    if (srv_turn_run(c, s, tok, ids, n, &tp, &hooks, &tr, &err) != KDS_OK) {
         rc = cli_fail("generate", &err);
         goto out;
-    }
-    double t1 = cli_now();
-    int64_t produced = 0, sampled = 0;
-    /* Tokens may end inside a UTF-8 character: print through a stream that
-     * holds such bytes until the character is complete. */
-    if (eng_tok_stream_create(tok, 0, &stream, &err) != KDS_OK) {
-        rc = cli_fail("generate", &err);
-        goto out;
-    }
-    for (; produced < max_tokens; produced++) {
-        int32_t next;
-        if (out_logits)
-            memcpy(out_logits + (size_t)sampled * vocab, eng_seq_logits(s),
-                   (size_t)vocab * sizeof(float));
-        if (eng_sample(c, s, &sp, &next, &err) != KDS_OK) {
-            rc = cli_fail("generate", &err);
-            goto out;
-        }
-        if (out_ids) out_ids[sampled] = next;
-        sampled++;
-        /* A session keeps every sampled token in its state (the end of turn
-         * too), so its next turn starts right after it; plain generation
-         * skips the decodes nobody would read. */
-        if (eng_tok_is_stop(tok, next) && !ignore_eos) {
-            if (session && eng_decode(c, s, next, &err) != KDS_OK) {
-                rc = cli_fail("generate", &err);
-                goto out;
-            }
-            break;
-        }
-        size_t len;
-        const char *piece;
-        if (eng_tok_stream_put(stream, next, &piece, &len, &err) != KDS_OK) {
-            rc = cli_fail("generate", &err);
-            goto out;
-        }
-        print_piece(stdout, piece, len);
-        fflush(stdout);
-        if (session && kds_buf_append(&text, piece, len, NULL) != KDS_OK) {
-            rc = cli_failf("generate", "out of memory keeping the turn's text");
-            goto out;
-        }
-        if ((session || produced + 1 < max_tokens) && eng_decode(c, s, next, &err) != KDS_OK) {
-            rc = cli_fail("generate", &err);
-            goto out;
-        }
-    }
-    /* a chat reply cut short is closed, so the session ends on a finished
-     * turn and the next message renders on (as the REPL and server do) */
-    if (chat && session && produced == max_tokens) {
-        int32_t end = eng_tok_special_id(tok, "<|im_end|>");
-        if (end >= 0 && eng_decode(c, s, end, &err) != KDS_OK) {
-            rc = cli_fail("generate", &err);
-            goto out;
-        }
-    }
-    double t2 = cli_now();
-    {
-        size_t len;
-        const char *rest = eng_tok_stream_flush(stream, &len);
-        print_piece(stdout, rest, len);
-        if (session && kds_buf_append(&text, rest, len, NULL) != KDS_OK) {
-            rc = cli_failf("generate", "out of memory keeping the turn's text");
-            goto out;
-        }
     }
     fputc('\n', stdout);
     fflush(stdout);
+    int64_t produced = tr.tokens;
     fprintf(stderr,
             "[kdaserve] prompt %lld tokens in %.3f s (%.1f tok/s); generated %lld tokens in "
             "%.3f s (%.1f tok/s); %d threads\n",
-            (long long)n, t1 - t0, n / (t1 - t0 > 0 ? t1 - t0 : 1e-9), (long long)produced,
-            t2 - t1, produced / (t2 - t1 > 0 ? t2 - t1 : 1e-9), eng_ctx_threads(c));
+            (long long)n, tr.prefill_s, n / (tr.prefill_s > 0 ? tr.prefill_s : 1e-9),
+            (long long)produced, tr.decode_s, produced / (tr.decode_s > 0 ? tr.decode_s : 1e-9),
+            eng_ctx_threads(c));
     if (logits_out) {
-        int64_t rows = sampled;
+        int64_t rows = go.rows;
         if (rows == 0) {
             fprintf(stderr, "[kdaserve] no token generated: %s not written\n", logits_out);
         } else {
             eng_st_out_tensor t[2] = {
                 {.name = "ids", .dtype = ENG_ST_I32, .n_dims = 1, .shape = {rows},
-                 .data = out_ids},
+                 .data = go.ids},
                 {.name = "logits", .dtype = ENG_ST_F32, .n_dims = 2, .shape = {rows, vocab},
-                 .data = out_logits},
+                 .data = go.logits},
             };
             const char *meta[] = {"path", "generate", "model_fingerprint",
                                   eng_model_fingerprint(m), NULL};
@@ -463,13 +422,10 @@ int cmd_generate(int argc, char **argv) {
         fprintf(stderr, "[kdaserve] session '%s': nothing new, head stays @%llu\n", session,
                 (unsigned long long)si.head);
     } else if (session) {
-        sess_turn turn = {.prompt = prompt, .prompt_len = plen, .output = kds_buf_str(&text),
-                          .output_len = text.len, .prompt_tokens = n, .output_tokens = produced,
-                          .mode = chat ? "chat" : "plain", .sampler = &sp};
         double ts0 = cli_now();
         sess_save_result res;
-        if (sess_save_ex(store, session, resume ? si.head : 0, m, s, &turn, SESS_CONFLICT_FORK,
-                         &res, &err) != KDS_OK) {
+        if (srv_turn_save(store, session, resume ? si.head : 0, m, s, prompt, plen, chat, &tp, &tr,
+                          &res, &err) != KDS_OK) {
             rc = cli_failf("generate", "session '%s' not saved: %s", session, err.msg);
             goto out;
         }
@@ -496,11 +452,10 @@ int cmd_generate(int argc, char **argv) {
     }
 out:
     free(ids);
-    free(out_ids);
-    free(out_logits);
-    kds_buf_free(&text);
+    free(go.ids);
+    free(go.logits);
+    srv_turn_result_free(&tr);
     kds_buf_free(&file_text);
-    eng_tok_stream_free(stream);
     eng_seq_free(s);
     eng_ctx_free(c);
     eng_model_free(m);

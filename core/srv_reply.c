@@ -41,7 +41,8 @@ kds_status srv_reply_create(const eng_tokenizer *tok, const srv_reply_params *p,
                                SRV_STOP_MAX);
     srv_reply *r = calloc(1, sizeof *r);
     if (!r) return kds_err_set(err, KDS_NOMEM, "out of memory");
-    kds_status rc = eng_tok_stream_create(tok, ENG_TOK_SKIP_SPECIAL, &r->dec, err);
+    kds_status rc =
+        eng_tok_stream_create(tok, p->specials_as_text ? 0 : ENG_TOK_SKIP_SPECIAL, &r->dec, err);
     if (rc != KDS_OK) {
         free(r);
         return rc;

@@ -17,6 +17,7 @@
 #include <cJSON.h>
 
 #include "eng_ep.h"
+#include "srv.h"
 #include "kds_buf.h"
 #include "repl_internal.h"
 
@@ -430,94 +431,62 @@ bool repl__render(repl *r, const char *text, bool gen_prompt, int32_t **ids, int
     return true;
 }
 
+/* The turn's hooks (core/srv.h): text as it comes (terminal or JSON token
+ * events); Ctrl-C stops the reply before the next draw. */
+static void turn_text(void *user, const char *text, size_t len) {
+    emit_piece(user, text, len);
+}
+
+static bool turn_go_on(void *user) {
+    (void)user;
+    return !repl__interrupted();
+}
+
 static bool user_turn(repl *r, const char *text) {
     kds_err e = {0};
     int32_t *ids = NULL;
-    int64_t n = 0, produced = 0;
-    kds_buf reply = {0};
-    eng_tok_stream *stream = NULL;
+    int64_t n = 0;
+    srv_turn_result tr = {0};
     bool ok = false;
-    const char *stopped = "length";
     if (!repl__render(r, text, true, &ids, &n)) return false;
     if (n == 0 && eng_seq_pos(r->s) == 0) {
         repl__error(r, "empty message and the model has no BOS token to start from");
         goto out;
     }
     repl__clear_interrupt();
-    double t0 = now_s();
-    if (n > 0 && eng_prefill(r->c, r->s, ids, n, NULL, NULL, NULL, &e) != KDS_OK) {
+    /* the turn as every front end runs it: the stop token stays in the
+     * context (the next turn follows it), a chat reply cut short (length,
+     * Ctrl-C) is closed so the context ends on a finished turn */
+    srv_turn_params tp = srv_turn_default_params();
+    tp.sampler = r->sp;
+    tp.keep_context = true;
+    tp.reply.max_tokens = r->max_tokens;
+    tp.reply.ignore_eos = r->ignore_eos;
+    tp.reply.chat = r->chat;
+    srv_turn_hooks hooks = {.user = r, .text = turn_text, .go_on = turn_go_on};
+    int64_t pos0 = eng_seq_pos(r->s);
+    kds_status rc = srv_turn_run(r->c, r->s, r->tok, ids, n, &tp, &hooks, &tr, &e);
+    if (eng_seq_pos(r->s) != pos0) r->dirty = true;
+    if (rc != KDS_OK) {
         repl__error(r, "%s", e.msg);
         goto out;
-    }
-    double t1 = now_s();
-    r->dirty = true;
-    if (eng_tok_stream_create(r->tok, ENG_TOK_SKIP_SPECIAL, &stream, &e) != KDS_OK) {
-        repl__error(r, "%s", e.msg);
-        goto out;
-    }
-    for (; produced < r->max_tokens; produced++) {
-        if (repl__interrupted()) {
-            stopped = "interrupt";
-            break;
-        }
-        int32_t next;
-        if (eng_sample(r->c, r->s, &r->sp, &next, &e) != KDS_OK ||
-            eng_decode(r->c, r->s, next, &e) != KDS_OK) {
-            repl__error(r, "%s", e.msg);
-            goto out;
-        }
-        /* the stop token stays in the context: the next turn follows it */
-        if (eng_tok_is_stop(r->tok, next) && !r->ignore_eos) {
-            stopped = "stop";
-            break;
-        }
-        const char *piece;
-        size_t len;
-        if (eng_tok_stream_put(stream, next, &piece, &len, &e) != KDS_OK) {
-            repl__error(r, "%s", e.msg);
-            goto out;
-        }
-        emit_piece(r, piece, len);
-        if (kds_buf_append(&reply, piece, len, NULL) != KDS_OK) {
-            repl__error(r, "out of memory keeping the reply");
-            goto out;
-        }
-    }
-    double t2 = now_s();
-    {
-        size_t len;
-        const char *rest = eng_tok_stream_flush(stream, &len);
-        emit_piece(r, rest, len);
-        if (kds_buf_append(&reply, rest, len, NULL) != KDS_OK && len) {
-            repl__error(r, "out of memory keeping the reply");
-            goto out;
-        }
-    }
-    /* A chat reply cut short (length, Ctrl-C) is closed here, so the
-     * context always ends on a finished turn and the next one renders on. */
-    if (r->chat && strcmp(stopped, "stop")) {
-        int32_t end = eng_tok_special_id(r->tok, "<|im_end|>");
-        if (end >= 0 && eng_decode(r->c, r->s, end, &e) != KDS_OK) {
-            repl__error(r, "%s", e.msg);
-            goto out;
-        }
     }
     if (!r->json) {
         fputc('\n', r->out);
         fflush(r->out);
     }
     r->last_prefill_n = n;
-    r->last_prefill_s = t1 - t0;
-    r->last_decode_n = produced;
-    r->last_decode_s = t2 - t1;
+    r->last_prefill_s = tr.prefill_s;
+    r->last_decode_n = tr.tokens;
+    r->last_decode_s = tr.decode_s;
     free(r->system);
     r->system = NULL;
     sess_turn turn = {.prompt = text,
                       .prompt_len = strlen(text),
-                      .output = kds_buf_str(&reply),
-                      .output_len = reply.len,
+                      .output = tr.reply,
+                      .output_len = tr.reply_len,
                       .prompt_tokens = n,
-                      .output_tokens = produced,
+                      .output_tokens = tr.tokens,
                       .mode = repl__mode_name(r),
                       .sampler = &r->sp};
     uint64_t snap = 0;
@@ -526,25 +495,25 @@ static bool user_turn(repl *r, const char *text) {
     if (r->json) {
         cJSON *o = cJSON_CreateObject();
         cJSON_AddStringToObject(o, "event", "done");
-        cJSON_AddNumberToObject(o, "tokens", (double)produced);
+        cJSON_AddNumberToObject(o, "tokens", (double)tr.tokens);
         cJSON_AddNumberToObject(o, "prompt_tokens", (double)n);
         cJSON_AddNumberToObject(o, "context", (double)eng_seq_pos(r->s));
         cJSON_AddStringToObject(o, "session", r->session);
         cJSON_AddNumberToObject(o, "snapshot", (double)snap);
-        cJSON_AddStringToObject(o, "stopped", stopped);
-        cJSON_AddStringToObject(o, "reply", kds_buf_str(&reply));
-        cJSON_AddNumberToObject(o, "prefill_tok_s", t1 > t0 ? n / (t1 - t0) : 0.0);
-        cJSON_AddNumberToObject(o, "decode_tok_s", t2 > t1 ? produced / (t2 - t1) : 0.0);
+        cJSON_AddStringToObject(o, "stopped", tr.reason);
+        cJSON_AddStringToObject(o, "reply", tr.reply);
+        cJSON_AddNumberToObject(o, "prefill_tok_s", tr.prefill_s > 0 ? n / tr.prefill_s : 0.0);
+        cJSON_AddNumberToObject(o, "decode_tok_s",
+                                tr.decode_s > 0 ? tr.tokens / tr.decode_s : 0.0);
         repl__emit_json(r, o);
-    } else if (!strcmp(stopped, "interrupt")) {
-        repl__info(r, "(stopped after %lld tokens; kept)", (long long)produced);
+    } else if (!strcmp(tr.reason, "interrupt")) {
+        repl__info(r, "(stopped after %lld tokens; kept)", (long long)tr.tokens);
     }
     ok = true;
 out:
     repl__clear_interrupt();
     free(ids);
-    kds_buf_free(&reply);
-    eng_tok_stream_free(stream);
+    srv_turn_result_free(&tr);
     return ok;
 }
 
