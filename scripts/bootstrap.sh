@@ -9,6 +9,7 @@ cd "$(dirname "$0")/.."
 PKGS=(build-essential cmake pkg-config git
       libopenblas-dev libcjson-dev libxxhash-dev libcriterion-dev
       liblmdb-dev libmsgpack-dev libwebsockets-dev libpcre2-dev libreadline-dev
+      libzstd-dev  # long transcript texts (documents) are stored compressed
       libopenmpi-dev openmpi-bin  # expert parallelism over MPI ranks (docs/expert-parallel.md)
       chromium   # chromium: the web page test's headless browser (tests/test_web_page.c)
       clang-14 libclang-rt-14-dev llvm-14)  # the sanitizer and fuzz passes (docs/testing.md)

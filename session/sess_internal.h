@@ -39,7 +39,13 @@
 #define SESS_VERSION_SNAPSHOT 1u
 #define SESS_VERSION_CHUNK 1u
 #define SESS_VERSION_SESSION 1u
-#define SESS_VERSION_TURN 1u
+#define SESS_VERSION_TURN 2u      /* a long prompt in the payload, zstd (1 still read and
+                                     written for short turns, so older builds read them) */
+#define SESS_VERSION_TURN_INLINE 1u
+/* A prompt of at least this many bytes goes to a version-2 turn's payload,
+ * compressed: a document's text (megabytes) no longer counts against the
+ * header's SESS_HEADER_MAX, and takes about a third of the space. */
+#define SESS_TURN_PAYLOAD_MIN 4096u
 #define SESS_VERSION_STORE 1u
 #define SESS_VERSION_EXPORT 1u
 #define SESS_VERSION_WRITER 1u
@@ -142,8 +148,12 @@ kds_status sess__session_parse(const void *rec, size_t len, const char *what,
                                sess_session_info *out, kds_err *err);
 
 typedef struct sess__turn_hdr {
-    const char *prompt;   /* borrowed from the record */
-    size_t prompt_len;
+    const char *prompt;   /* borrowed from the record; parse: NULL when it is in
+                             the payload (prompt_z), see sess__turn_prompt */
+    size_t prompt_len;    /* the prompt's bytes (uncompressed) */
+    const unsigned char *prompt_z; /* parse, version 2: the payload, zstd or raw */
+    size_t prompt_z_len;
+    bool prompt_zstd;              /* the payload is a zstd frame (else the bytes) */
     const char *output;
     size_t output_len;
     int64_t prompt_tokens, output_tokens, tokens, time_us;
@@ -157,6 +167,10 @@ kds_status sess__turn_encode(const sess__turn_hdr *t, unsigned char **out, size_
                              kds_err *err);
 kds_status sess__turn_parse(const void *rec, size_t len, const char *what, sess__turn_hdr *out,
                             kds_err *err);
+/* A parsed turn's prompt as a NUL-terminated copy (decompressed from the
+ * payload when it is there). Caller frees *out. Errors: KDS_CORRUPT (the
+ * payload does not decompress to the header's size), KDS_NOMEM. */
+kds_status sess__turn_prompt(const sess__turn_hdr *t, const char *what, char **out, kds_err *err);
 
 /* The snapshot payload is a KDSSTATE fixed state at the header's position
  * (sess_snap.c). */

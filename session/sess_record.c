@@ -11,6 +11,7 @@
 #include <string.h>
 #include <time.h>
 #include <xxhash.h>
+#include <zstd.h>
 
 #include "sess_internal.h"
 
@@ -721,6 +722,25 @@ kds_status sess__session_parse(const void *rec, size_t len, const char *what,
 
 kds_status sess__turn_encode(const sess__turn_hdr *t, unsigned char **out, size_t *len,
                              kds_err *err) {
+    *out = NULL;
+    /* A long prompt (a document) goes to the payload, zstd-compressed when
+     * that is smaller: version 2. Short turns stay version 1. */
+    bool in_payload = t->prompt_len >= SESS_TURN_PAYLOAD_MIN;
+    void *z = NULL;
+    size_t z_len = 0;
+    bool zstd = false;
+    if (in_payload) {
+        size_t cap = ZSTD_compressBound(t->prompt_len);
+        if (!(z = malloc(cap))) return kds_err_set(err, KDS_NOMEM, "out of memory compressing a turn");
+        size_t r = ZSTD_compress(z, cap, t->prompt, t->prompt_len, 3);
+        if (!ZSTD_isError(r) && r < t->prompt_len) {
+            z_len = r;
+            zstd = true;
+        } else { /* incompressible: the bytes as they are */
+            memcpy(z, t->prompt, t->prompt_len);
+            z_len = t->prompt_len;
+        }
+    }
     msgpack_sbuffer sb;
     msgpack_packer pk;
     msgpack_sbuffer_init(&sb);
@@ -728,9 +748,17 @@ kds_status sess__turn_encode(const sess__turn_hdr *t, unsigned char **out, size_
     bool doc = t->doc_name && t->doc_name[0];
     /* "doc" and "doc_bytes" are optional (an ingested document; added
      * without a version bump: readers ignore unknown keys) */
-    msgpack_pack_map(&pk, doc ? 9 : 7);
+    msgpack_pack_map(&pk, (doc ? 9 : 7) + (in_payload ? 3 : 0));
     /* bin, not str: a byte-level model's text need not be valid UTF-8 */
-    pk_bin(&pk, "prompt", t->prompt, t->prompt_len);
+    if (in_payload) {
+        pk_u64(&pk, "prompt_bytes", t->prompt_len);
+        pk_str(&pk, "prompt_codec", zstd ? "zstd" : "none");
+        pk_u64(&pk, "payload_bytes", z_len);
+        pk_key(&pk, "payload_xxh3");
+        msgpack_pack_uint64(&pk, sess__xxh3(z, z_len));
+    } else {
+        pk_bin(&pk, "prompt", t->prompt, t->prompt_len);
+    }
     pk_bin(&pk, "output", t->output, t->output_len);
     pk_i64(&pk, "prompt_tokens", t->prompt_tokens);
     pk_i64(&pk, "output_tokens", t->output_tokens);
@@ -741,19 +769,59 @@ kds_status sess__turn_encode(const sess__turn_hdr *t, unsigned char **out, size_
         pk_str(&pk, "doc", t->doc_name);
         pk_i64(&pk, "doc_bytes", t->doc_bytes);
     }
-    return finish(&sb, SESS_MAGIC_TURN, SESS_VERSION_TURN, out, len, err);
+    kds_status rc = finish(&sb, SESS_MAGIC_TURN,
+                           in_payload ? SESS_VERSION_TURN : SESS_VERSION_TURN_INLINE, out, len, err);
+    if (rc == KDS_OK && in_payload) {
+        unsigned char *r = realloc(*out, *len + z_len);
+        if (!r) {
+            free(*out);
+            *out = NULL;
+            rc = kds_err_set(err, KDS_NOMEM, "out of memory encoding a turn");
+        } else {
+            memcpy(r + *len, z, z_len);
+            *out = r;
+            *len += z_len;
+        }
+    }
+    free(z);
+    return rc;
 }
 
 kds_status sess__turn_parse(const void *rec, size_t len, const char *what, sess__turn_hdr *t,
                             kds_err *err) {
     memset(t, 0, sizeof *t);
     sess__frame f;
-    kds_status rc = sess__frame_parse(rec, len, SESS_MAGIC_TURN, SESS_VERSION_TURN, what, &f, err);
+    /* both versions are read: 1 (the prompt in the header), 2 (a long one
+     * in the payload) */
+    uint32_t v = len >= 12 ? kds_get32((const unsigned char *)rec + 8) : 0;
+    if (v != SESS_VERSION_TURN_INLINE) v = SESS_VERSION_TURN;
+    kds_status rc = sess__frame_parse(rec, len, SESS_MAGIC_TURN, v, what, &f, err);
     if (rc != KDS_OK) return rc;
+    if (v == SESS_VERSION_TURN_INLINE && f.payload_len != 0)
+        return kds_err_set(err, KDS_CORRUPT, "%s: %zu stray bytes after the header", what,
+                           f.payload_len);
     dec d;
     if ((rc = dec_open(&d, &f, what, err)) != KDS_OK) return rc;
     /* the texts point into the record (the header bytes), not the zone */
-    t->prompt = get_bin(&d, "prompt", &t->prompt_len);
+    if (v == SESS_VERSION_TURN_INLINE) {
+        t->prompt = get_bin(&d, "prompt", &t->prompt_len);
+    } else {
+        t->prompt_len = (size_t)get_u64(&d, "prompt_bytes", SIZE_MAX / 2);
+        char codec[8];
+        get_str(&d, "prompt_codec", codec, sizeof codec, true);
+        uint64_t pb = get_u64(&d, "payload_bytes", UINT64_MAX);
+        uint64_t px = get_u64(&d, "payload_xxh3", UINT64_MAX);
+        if (d.rc == KDS_OK && strcmp(codec, "zstd") && strcmp(codec, "none"))
+            d.rc = kds_err_set(err, KDS_UNSUPPORTED, "%s: prompt codec '%s' (this build reads "
+                               "zstd and none)", what, codec);
+        if (d.rc == KDS_OK) d.rc = sess__check_payload(&f, pb, px, what, err);
+        if (d.rc == KDS_OK && !strcmp(codec, "none") && pb != t->prompt_len)
+            d.rc = kds_err_set(err, KDS_CORRUPT, "%s: a prompt of %zu bytes in a payload of %llu",
+                               what, t->prompt_len, (unsigned long long)pb);
+        t->prompt_z = f.payload;
+        t->prompt_z_len = f.payload_len;
+        t->prompt_zstd = !strcmp(codec, "zstd");
+    }
     t->output = get_bin(&d, "output", &t->output_len);
     t->prompt_tokens = get_i64(&d, "prompt_tokens");
     t->output_tokens = get_i64(&d, "output_tokens");
@@ -765,6 +833,37 @@ kds_status sess__turn_parse(const void *rec, size_t len, const char *what, sess_
     rc = d.rc;
     dec_close(&d);
     return rc;
+}
+
+kds_status sess__turn_prompt(const sess__turn_hdr *t, const char *what, char **out, kds_err *err) {
+    *out = NULL;
+    if (!t->prompt_z && t->prompt_len > 0 && !t->prompt)
+        return kds_err_set(err, KDS_INTERNAL, "%s: no prompt", what);
+    if (t->prompt_zstd) {
+        /* the frame says its size: it must be the header's, before any
+         * memory is reserved for it */
+        unsigned long long fs = ZSTD_getFrameContentSize(t->prompt_z, t->prompt_z_len);
+        if (fs != (unsigned long long)t->prompt_len)
+            return kds_err_set(err, KDS_CORRUPT, "%s: the compressed prompt is not the header's "
+                               "%zu bytes (record damaged)", what, t->prompt_len);
+    }
+    char *p = malloc(t->prompt_len + 1);
+    if (!p) return kds_err_set(err, KDS_NOMEM, "out of memory reading a turn's %zu-byte prompt",
+                               t->prompt_len);
+    if (t->prompt_zstd) {
+        size_t r = ZSTD_decompress(p, t->prompt_len, t->prompt_z, t->prompt_z_len);
+        if (ZSTD_isError(r) || r != t->prompt_len) {
+            free(p);
+            return kds_err_set(err, KDS_CORRUPT, "%s: the compressed prompt does not decompress "
+                               "(record damaged): %s", what,
+                               ZSTD_isError(r) ? ZSTD_getErrorName(r) : "short");
+        }
+    } else if (t->prompt_len) {
+        memcpy(p, t->prompt_z ? (const char *)t->prompt_z : t->prompt, t->prompt_len);
+    }
+    p[t->prompt_len] = '\0';
+    *out = p;
+    return KDS_OK;
 }
 
 /* ------------------------------------------------------------------------ */

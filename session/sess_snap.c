@@ -1105,10 +1105,11 @@ static kds_status transcript_fn(sess_store *st, MDB_txn *txn, void *ctx, kds_err
         sess__turn_hdr h;
         if ((rc = sess__turn_parse(recs[i].val, recs[i].len, what, &h, err)) != KDS_OK) goto out;
         sess_turn_record *r = &T->t[i];
-        r->prompt = dup_bytes(h.prompt, h.prompt_len);
+        rc = sess__turn_prompt(&h, what, &r->prompt, err);
         r->output = dup_bytes(h.output, h.output_len);
         T->n = i + 1;
-        if (!r->prompt || !r->output) {
+        if (rc != KDS_OK) goto out;
+        if (!r->output) {
             rc = kds_err_set(err, KDS_NOMEM, "out of memory reading a transcript");
             goto out;
         }
