@@ -219,7 +219,51 @@ static void dot8_bf16(const uint16_t *W, int in, const float *xd, int nt, int r0
     int r = r0;
     for (; r + 8 <= r1; r += 8) {
         const uint16_t *w = W + (size_t)r * in;
-        for (int t = 0; t < nt; t++) {
+        int t = 0;
+        /* Four tokens at a time, in two halves of four rows: each widened W
+         * vector feeds four tokens' FMAs instead of one, so a batch of
+         * sequences spends its time on FMAs rather than on re-reading and
+         * re-widening the rows (which for rows of 2,304 no longer fit L1
+         * eight at a time). Every (row, token) sum keeps its own accumulator
+         * and the same order of FMAs, and reduce8 sums each vector the same
+         * way whatever vectors share the call: the results are bit for bit
+         * those of one token at a time. */
+        for (; t + 4 <= nt; t += 4) {
+            const float *x0 = xd + (size_t)t * in;
+            for (int h = 0; h < 8; h += 4) {
+                __m512 acc[4][4];
+                for (int k = 0; k < 4; k++)
+                    for (int j = 0; j < 4; j++) acc[k][j] = _mm512_setzero_ps();
+                for (int i = 0; i < in; i += 32) {
+                    if (t == 0 && h == 0)
+                        for (int k = 0; k < 8; k++)
+                            _mm_prefetch((const char *)(w + (size_t)(k + pf_rows) * in + i),
+                                         _MM_HINT_T0);
+                    __m512 xe[4], xo[4];
+                    for (int j = 0; j < 4; j++) {
+                        xe[j] = _mm512_loadu_ps(x0 + (size_t)j * in + i);
+                        xo[j] = _mm512_loadu_ps(x0 + (size_t)j * in + i + 16);
+                    }
+                    for (int k = 0; k < 4; k++) {
+                        __m512i v = _mm512_loadu_si512((const void *)(w + (size_t)(h + k) * in + i));
+                        __m512 ve = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+                        __m512 vo = _mm512_castsi512_ps(_mm512_and_si512(v, hi_mask));
+                        for (int j = 0; j < 4; j++) {
+                            acc[k][j] = _mm512_fmadd_ps(ve, xe[j], acc[k][j]);
+                            acc[k][j] = _mm512_fmadd_ps(vo, xo[j], acc[k][j]);
+                        }
+                    }
+                }
+                for (int j = 0; j < 4; j += 2) {
+                    const __m512 q[8] = {acc[0][j],     acc[1][j],     acc[2][j],     acc[3][j],
+                                         acc[0][j + 1], acc[1][j + 1], acc[2][j + 1], acc[3][j + 1]};
+                    __m256 sum = reduce8(q);
+                    _mm_storeu_ps(y + (size_t)(t + j) * ldy + r + h, _mm256_castps256_ps128(sum));
+                    _mm_storeu_ps(y + (size_t)(t + j + 1) * ldy + r + h, _mm256_extractf128_ps(sum, 1));
+                }
+            }
+        }
+        for (; t < nt; t++) {
             const float *x = xd + (size_t)t * in;
             __m512 acc[8];
             for (int k = 0; k < 8; k++) acc[k] = _mm512_setzero_ps();
