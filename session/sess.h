@@ -335,6 +335,11 @@ typedef enum sess_conflict {
      * of `session` up to `base`, then this turn. `session` keeps the other
      * writer's head. Nothing is lost and nothing is overwritten. */
     SESS_CONFLICT_FORK = 1,
+    /* The same fork whether or not the head moved: the turn never goes
+     * into `session` itself (a stateless HTTP client resuming a state that
+     * a stateful client's session stored: it branches off, that session
+     * keeps only its own turns). */
+    SESS_CONFLICT_FORK_ALWAYS = 2,
 } sess_conflict;
 
 typedef struct sess_save_result {
@@ -583,9 +588,15 @@ typedef struct sess_prefix_entry {
     uint64_t snapshot;               /* the state after the sequence */
     int64_t tokens;                  /* the sequence's length */
     char session[SESS_NAME_MAX + 1]; /* the session that saved it */
+    /* The session is a stateful client's (a WebSocket conversation): a
+     * stateless client that resumes here forks it (SESS_CONFLICT_FORK_ALWAYS)
+     * instead of adding its turn to it; and such an entry never replaces
+     * one already indexed under its key (the stateless client's own). */
+    bool fork;
 } sess_prefix_entry;
 
-/* Index `key` -> `e` (replacing an older entry of the same key). One write
+/* Index `key` -> `e`, replacing an older entry of the same key unless e is
+ * a `fork` entry and one is there (then nothing changes). One write
  * transaction. Errors: KDS_INVALID_ARG, KDS_UNSUPPORTED (read-only), KDS_IO. */
 kds_status sess_prefix_put(sess_store *st, const unsigned char key[SESS_PREFIX_KEY_LEN],
                            const sess_prefix_entry *e, kds_err *err);

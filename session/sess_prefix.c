@@ -4,7 +4,9 @@
  *
  * Database "prefixes": key = XXH3-128 of (scope, NUL, the token ids as
  * 32-bit little-endian integers), 16 bytes; value = snapshot id (u64 LE),
- * token count (i64 LE), session name length (u8), session name. One key per
+ * token count (i64 LE), session name length (u8), session name, and for a
+ * `fork` entry one flags byte (1) after it (a value without it is a plain
+ * entry: the form of every entry before the flag existed). One key per
  * indexed turn end, so the index grows by one small record per turn and a
  * lookup is one B-tree search per candidate length, all in one read
  * transaction. A 128-bit hash makes a false match (two different sequences
@@ -74,13 +76,24 @@ static kds_status put_fn(sess__wtxn *w, void *ctx, kds_err *err) {
         int m = mdb_dbi_open(w->txn, "prefixes", MDB_CREATE, &st->db_prefix);
         if (m) return sess__mdb_err(m, "creating the prefix index", err);
     }
-    unsigned char v[17 + SESS_NAME_MAX];
+    unsigned char v[18 + SESS_NAME_MAX];
     size_t nl = strlen(c->e->session);
     kds_put64(v, c->e->snapshot);
     kds_put64(v + 8, (uint64_t)c->e->tokens);
     v[16] = (unsigned char)nl;
     memcpy(v + 17, c->e->session, nl);
-    return sess__put(w, st->db_prefix, c->key, SESS_PREFIX_KEY_LEN, v, 17 + nl, 0, err);
+    if (c->e->fork) {
+        v[17 + nl] = 1;
+        /* a stateful session's turn never displaces an entry already there */
+        const void *old;
+        size_t on;
+        kds_status g = sess__get(w->txn, st->db_prefix, c->key, SESS_PREFIX_KEY_LEN, &old, &on, err);
+        if (g == KDS_OK) return KDS_OK;
+        if (g != KDS_NOT_FOUND) return g;
+        kds_err_clear(err);
+    }
+    return sess__put(w, st->db_prefix, c->key, SESS_PREFIX_KEY_LEN, v, 17 + nl + (c->e->fork ? 1 : 0),
+                     0, err);
 }
 
 kds_status sess_prefix_put(sess_store *st, const unsigned char key[SESS_PREFIX_KEY_LEN],
@@ -104,11 +117,13 @@ typedef struct find_ctx {
 
 bool sess__prefix_parse(const void *p, size_t n, sess_prefix_entry *e) {
     const unsigned char *v = p;
-    if (n < 17 || v[16] > SESS_NAME_MAX || n != 17u + v[16]) return false;
+    if (n < 17 || v[16] > SESS_NAME_MAX || (n != 17u + v[16] && n != 18u + v[16])) return false;
     e->snapshot = kds_get64(v);
     e->tokens = (int64_t)kds_get64(v + 8);
     memcpy(e->session, v + 17, v[16]);
     e->session[v[16]] = '\0';
+    e->fork = n == 18u + v[16];
+    if (e->fork && v[17 + v[16]] != 1) return false;
     return e->snapshot != 0 && sess_name_valid(e->session);
 }
 

@@ -619,13 +619,15 @@ static kds_status save_fn(sess__wtxn *w, void *ctx, kds_err *err) {
             rc = another_model(err, what, se.fingerprint, se.model_dir, c->m);
             goto out;
         }
-        if (se.head != c->base && c->on_conflict != SESS_CONFLICT_FORK) {
+        if (se.head != c->base && c->on_conflict == SESS_CONFLICT_REFUSE) {
             rc = kds_err_set(err, KDS_BUSY, "session '%s' moved to @%llu while this turn ran "
                              "from @%llu (another writer saved it); nothing was saved", c->name,
                              (unsigned long long)se.head, (unsigned long long)c->base);
             goto out;
         }
-        if (se.head != c->base && (rc = conflict_fork(w, c, &se, err)) != KDS_OK) goto out;
+        if ((se.head != c->base || c->on_conflict == SESS_CONFLICT_FORK_ALWAYS) &&
+            (rc = conflict_fork(w, c, &se, err)) != KDS_OK)
+            goto out;
     } else if (rc != KDS_NOT_FOUND) {
         goto out;
     }

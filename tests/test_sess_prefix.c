@@ -171,3 +171,64 @@ Test(sess_prefix, gc_drops_entries_of_freed_snapshots, .timeout = 60) {
     free(model);
     free(db);
 }
+
+/* A `fork` entry (a WebSocket session's turn) never replaces an entry
+ * already under its key, reads back with its flag, and is replaced by a
+ * plain one; SESS_CONFLICT_FORK_ALWAYS branches off a session whose head
+ * has not moved, which keeps its own head. */
+Test(sess_prefix, fork_entries_and_forced_forks, .timeout = 60) {
+    char *tmp = tmu_mkdtemp();
+    char *model = tsu_gen_model(tmp, "m", "tiny", 4);
+    char *db = tmu_path(tmp, "db");
+    tsu_model f = tsu_open_model(model);
+    sess_store *st = tsu_open_store(db);
+    kds_err err = {0};
+    int32_t ids[8] = {5, 6, 7, 8, 9, 10, 11, 12};
+    unsigned char k1[SESS_PREFIX_KEY_LEN], k2[SESS_PREFIX_KEY_LEN];
+    int64_t l1 = 4, l2 = 8;
+    key_of("|fp", ids, l1, k1);
+    key_of("|fp", ids, l2, k2);
+    sess_prefix_entry plain = {.snapshot = 5, .tokens = 4, .session = "api"};
+    sess_prefix_entry fork = {.snapshot = 9, .tokens = 4, .session = "ws", .fork = true};
+    cr_assert_eq(sess_prefix_put(st, k1, &plain, &err), KDS_OK, "%s", err.msg);
+    cr_assert_eq(sess_prefix_put(st, k1, &fork, &err), KDS_OK, "%s", err.msg);
+    size_t found;
+    sess_prefix_entry e;
+    cr_assert_eq(sess_prefix_find(st, (const unsigned char(*)[16])k1, &l1, 1, &found, &e, &err), KDS_OK);
+    cr_expect_eq(e.snapshot, 5, "a fork entry replaced the stateless client's own");
+    cr_expect(!e.fork);
+    fork.tokens = 8;
+    cr_assert_eq(sess_prefix_put(st, k2, &fork, &err), KDS_OK, "%s", err.msg);
+    cr_assert_eq(sess_prefix_find(st, (const unsigned char(*)[16])k2, &l2, 1, &found, &e, &err), KDS_OK);
+    cr_expect(e.fork && e.snapshot == 9 && !strcmp(e.session, "ws"), "the fork entry reads back");
+    plain.tokens = 8;
+    cr_assert_eq(sess_prefix_put(st, k2, &plain, &err), KDS_OK, "%s", err.msg);
+    cr_assert_eq(sess_prefix_find(st, (const unsigned char(*)[16])k2, &l2, 1, &found, &e, &err), KDS_OK);
+    cr_expect(!e.fork && e.snapshot == 5, "a plain entry replaces a fork entry");
+    /* the forced fork */
+    eng_seq *s = NULL;
+    cr_assert_eq(eng_seq_create(f.m, 1, &s, &err), KDS_OK);
+    tsu_feed(&f, s, 4, 1);
+    uint64_t head = 0;
+    cr_assert_eq(sess_save(st, "ws", 0, f.m, s, NULL, &head, &err), KDS_OK, "%s", err.msg);
+    tsu_feed(&f, s, 3, 2);
+    sess_save_result res;
+    cr_assert_eq(sess_save_ex(st, "ws", head, f.m, s, NULL, SESS_CONFLICT_FORK_ALWAYS, &res, &err),
+                 KDS_OK, "%s", err.msg);
+    cr_expect(res.forked, "not saved as a fork");
+    cr_expect_str_eq(res.session, "ws-2");
+    sess_session_info si;
+    cr_assert_eq(sess_session_get(st, "ws", &si, &err), KDS_OK, "%s", err.msg);
+    cr_expect_eq(si.head, head, "the forked-from session moved");
+    cr_assert_eq(sess_session_get(st, "ws-2", &si, &err), KDS_OK, "%s", err.msg);
+    cr_expect_eq(si.head, res.snapshot);
+    cr_expect_str_eq(si.parent, "ws");
+    eng_seq_free(s);
+    sess_close(st);
+    tsu_close_model(&f);
+    char cmd[700];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmp);
+    th_system(cmd);
+    free(model);
+    free(db);
+}

@@ -65,6 +65,12 @@ typedef struct hot {
     double last_used;
     gen *gen;                     /* the generation running on it */
     double last_resume_ms, last_prefill_tok_s, last_decode_tok_s;
+    /* The session's whole token sequence, when this server saw every token
+     * of it (created here, or empty when loaded): its WebSocket turns' ends
+     * then go into the prefix index too (as `fork` entries: a stateless
+     * client that resumes one branches off, docs/http-api.md). A running
+     * turn holds it (gen.hasher) and hands it back while it is whole. */
+    sess_prefix_hasher *hash;
 } hot;
 
 /* G_WAIT: an ingest that has fed every token it has and waits for the next chunk. */
@@ -148,6 +154,8 @@ struct gen {
     int64_t cached;                  /* prompt tokens that came from a stored state */
     int64_t prompt_total;            /* the request's tokens (usage.prompt_tokens) */
     char save_as[SESS_NAME_MAX + 1]; /* HTTP: the session the turn is saved to */
+    bool fork_always;                /* HTTP: save_as is a stateful client's session: branch
+                                        off it (SESS_CONFLICT_FORK_ALWAYS), never add to it */
     sess_prefix_hasher *hasher;      /* HTTP: the whole token sequence, to index the turn end */
     ingest *ing;                     /* an ingest (op append) rather than a reply */
     /* The save (G_SAVE): asked by the engine thread, done by the saver
@@ -209,6 +217,10 @@ struct web_engine {
 
 /* ------------------------------------------------------------------------ */
 /* Helpers                                                                   */
+
+static void prefix_scope(web_engine *E, const web_req *r, char *out, size_t cap);
+static void index_key(web_engine *E, const unsigned char key[SESS_PREFIX_KEY_LEN], uint64_t snap,
+                      int64_t tokens, const char *session, bool fork);
 
 static void send_ev(web_engine *E, const web_req *r, cJSON *ev) {
     web__send(E->s, r->conn, ev, r->msgpack);
@@ -325,6 +337,7 @@ static hot *find_hot(web_engine *E, const char *store) {
 
 static void drop_hot(web_engine *E, hot *h) {
     eng_seq_free(h->seq);
+    sess_prefix_hasher_free(h->hash);
     memset(h, 0, sizeof *h);
     atomic_fetch_sub(&E->s->metrics.sessions_hot, 1);
 }
@@ -397,6 +410,11 @@ static hot *ensure_hot(web_engine *E, const web_req *r, const cJSON *id, const c
     h->sampler = info.sampler;
     h->last_used = web__now_s();
     h->last_resume_ms = ms;
+    if (eng_seq_pos(seq) == 0) { /* every token to come passes through here */
+        char scope[WEB_TENANT_MAX + SESS_FP_LEN + 8];
+        prefix_scope(E, r, scope, sizeof scope);
+        if (sess_prefix_hasher_create(scope, &h->hash, NULL) != KDS_OK) h->hash = NULL;
+    }
     atomic_fetch_add(&E->s->metrics.sessions_hot, 1);
     return h;
 }
@@ -641,8 +659,22 @@ static void op_create(web_engine *E, const web_req *r, const cJSON *id) {
         goto fail;
     }
     web__hist_add(&E->s->metrics.save_ms, (web__now_s() - t0) * 1e3);
-    free(ids);
     memset(h, 0, sizeof *h);
+    /* every token of the new session is known: its sequence is hashed from
+     * here on (see hot.hash), and a system text's end is indexed */
+    char scope[WEB_TENANT_MAX + SESS_FP_LEN + 8];
+    prefix_scope(E, r, scope, sizeof scope);
+    if (sess_prefix_hasher_create(scope, &h->hash, NULL) == KDS_OK) {
+        sess_prefix_hasher_add(h->hash, ids, n);
+        if (n > 0) {
+            unsigned char key[SESS_PREFIX_KEY_LEN];
+            sess_prefix_hasher_key(h->hash, key);
+            index_key(E, key, snap, n, store, true);
+        }
+    } else {
+        h->hash = NULL;
+    }
+    free(ids);
     h->used = true;
     snprintf(h->name, sizeof h->name, "%s", store);
     h->seq = seq;
@@ -1007,6 +1039,13 @@ static void op_generate(web_engine *E, const web_req *r, const cJSON *id) {
     }
     if (seed >= 0) eng_seq_reseed(h->seq, (uint64_t)seed);
     g->route = WEB_ROUTE_WS;
+    if (h->hash && sess_prefix_hasher_count(h->hash) == g->context0) {
+        /* the turn carries the session's sequence: its prompt now, each
+         * token as decode_step feeds it, its end indexed at the save */
+        g->hasher = h->hash;
+        h->hash = NULL;
+        sess_prefix_hasher_add(g->hasher, g->ids, g->n_ids);
+    }
     gen_launch(E, g);
     cJSON *o = web__event(id, "started");
     cJSON_AddStringToObject(o, "session", client_name(r, store));
@@ -1372,10 +1411,14 @@ static gen *ingest_create(web_engine *E, const web_req *r, const cJSON *id, hot 
     g->t_arrive = r->t_arrive;
     g->t_start = web__now_s();
     g->route = WEB_ROUTE_WS;
-    if (g->context0 == 0) {
-        /* a session that starts with the document: every token is known, so
-         * its end goes into the prefix index and an HTTP client that sends
-         * the same text resumes there (advisory: without it, it replays) */
+    if (h->hash && sess_prefix_hasher_count(h->hash) == g->context0) {
+        /* every token of the session is known (hot.hash): the document's
+         * end goes into the prefix index and an HTTP client that sends the
+         * same conversation resumes there (advisory: without it, it
+         * replays) */
+        g->hasher = h->hash;
+        h->hash = NULL;
+    } else if (g->context0 == 0) {
         char scope[WEB_TENANT_MAX + SESS_FP_LEN + 8];
         prefix_scope(E, r, scope, sizeof scope);
         if (sess_prefix_hasher_create(scope, &g->hasher, NULL) != KDS_OK) g->hasher = NULL;
@@ -1583,8 +1626,8 @@ static void prefix_scope(web_engine *E, const web_req *r, char *out, size_t cap)
 /* Saver thread (the store is thread-safe): the turn's end in the prefix
  * index, under the session it was saved to. */
 static void index_key(web_engine *E, const unsigned char key[SESS_PREFIX_KEY_LEN], uint64_t snap,
-                      int64_t tokens, const char *session) {
-    sess_prefix_entry pe = {.snapshot = snap, .tokens = tokens};
+                      int64_t tokens, const char *session, bool fork) {
+    sess_prefix_entry pe = {.snapshot = snap, .tokens = tokens, .fork = fork};
     snprintf(pe.session, sizeof pe.session, "%s", session);
     kds_err e = {0};
     /* advisory: a turn that is not indexed is replayed next time, no more */
@@ -1597,7 +1640,9 @@ static void index_turn(web_engine *E, gen *g, uint64_t snap, const char *session
     if (!g->hasher || sess_prefix_hasher_count(g->hasher) != eng_seq_pos(g->h->seq)) return;
     unsigned char key[SESS_PREFIX_KEY_LEN];
     sess_prefix_hasher_key(g->hasher, key);
-    index_key(E, key, snap, eng_seq_pos(g->h->seq), session);
+    /* a WebSocket session's turn (a stateful client's): resumed over HTTP
+     * it is forked, never added to */
+    index_key(E, key, snap, eng_seq_pos(g->h->seq), session, g->route == WEB_ROUTE_WS);
 }
 
 /* Find the state to start from: the longest indexed prefix of q's tokens
@@ -1606,8 +1651,10 @@ static void index_turn(web_engine *E, gen *g, uint64_t snap, const char *session
  * NULL when every slot is generating. `target` gets the session the turn
  * is saved to when the request named none. */
 static hot *http_resume(web_engine *E, const web_req *r, const web_oai *q, bool named,
-                        char target[SESS_NAME_MAX + 1], int64_t *cached, kds_err *e) {
+                        char target[SESS_NAME_MAX + 1], int64_t *cached, bool *fork_always,
+                        kds_err *e) {
     *cached = 0;
+    *fork_always = false;
     const eng_tokenizer *tok = eng_model_tokenizer(E->s->m);
     int64_t n = q->n_ids;
     /* candidate lengths, shortest first */
@@ -1667,7 +1714,10 @@ static hot *http_resume(web_engine *E, const web_req *r, const web_oai *q, bool 
             h = slot;
         }
         *cached = pe.tokens;
-        if (!named) snprintf(target, SESS_NAME_MAX + 1, "%s", pe.session);
+        if (!named) {
+            snprintf(target, SESS_NAME_MAX + 1, "%s", pe.session);
+            *fork_always = pe.fork; /* a WebSocket conversation: branch off it */
+        }
         break;
     }
     free(keys);
@@ -1804,7 +1854,8 @@ static void http_generate(web_engine *E, const web_req *r) {
         goto out;
     }
     int64_t cached = 0;
-    hot *h = http_resume(E, r, &q, named != NULL, target, &cached, &e);
+    bool fork_always = false;
+    hot *h = http_resume(E, r, &q, named != NULL, target, &cached, &fork_always, &e);
     if (!h) {
         if (e.status)
             web__http_error(E->s, r->conn, 500, "server_error", NULL, NULL, "%s", e.msg);
@@ -1837,6 +1888,7 @@ static void http_generate(web_engine *E, const web_req *r) {
     g->cached = cached;
     g->prompt_total = q.n_ids;
     snprintf(g->save_as, sizeof g->save_as, "%s", target);
+    g->fork_always = fork_always;
     char scope[WEB_TENANT_MAX + SESS_FP_LEN + 8];
     prefix_scope(E, r, scope, sizeof scope);
     if (sess_prefix_hasher_create(scope, &g->hasher, &e) != KDS_OK) goto fail;
@@ -2064,6 +2116,7 @@ static void save_reply(web_engine *E, gen *g) {
     if (g->route == WEB_ROUTE_WS) {
         g->save_rc = sess_save(E->s->st, h->name, h->base, E->s->m, h->seq, &turn, &g->save_snap,
                                &g->save_err);
+        if (g->save_rc == KDS_OK) index_turn(E, g, g->save_snap, h->name);
         return;
     }
     /* a stateless client's turn continues the session it resumed, or forks
@@ -2071,7 +2124,8 @@ static void save_reply(web_engine *E, gen *g) {
      * conversation) */
     sess_save_result res;
     g->save_rc = sess_save_ex(E->s->st, g->save_as, h->base, E->s->m, h->seq, &turn,
-                              SESS_CONFLICT_FORK, &res, &g->save_err);
+                              g->fork_always ? SESS_CONFLICT_FORK_ALWAYS : SESS_CONFLICT_FORK, &res,
+                              &g->save_err);
     if (g->save_rc != KDS_OK) return;
     g->save_snap = res.snapshot;
     snprintf(g->saved_to, sizeof g->saved_to, "%s", res.session);
@@ -2124,11 +2178,13 @@ static void save_point(web_engine *E, gen *g) {
     /* HTTP: into the session the turn is saved to (a fork when it moved on) */
     sess_save_result res;
     g->save_rc = sess_save_ex(E->s->st, g->save_as, h->base, E->s->m, h->seq, NULL,
-                              SESS_CONFLICT_FORK, &res, &g->save_err);
+                              g->fork_always ? SESS_CONFLICT_FORK_ALWAYS : SESS_CONFLICT_FORK, &res,
+                              &g->save_err);
     if (g->save_rc != KDS_OK) return;
     g->save_snap = res.snapshot;
     snprintf(g->saved_to, sizeof g->saved_to, "%s", res.session);
-    if (g->point_keyed) index_key(E, g->point_key, g->save_snap, eng_seq_pos(h->seq), res.session);
+    if (g->point_keyed)
+        index_key(E, g->point_key, g->save_snap, eng_seq_pos(h->seq), res.session, false);
 }
 
 /* Saver thread: one turn's durable save (or a resume point). It reads the
@@ -2188,6 +2244,13 @@ static void turn_done(web_engine *E, gen *g) {
         }
     }
     h->gen = NULL;
+    /* the sequence's hash goes back to the session while it is whole */
+    if (g->hasher && g->save_rc == KDS_OK && !failed &&
+        sess_prefix_hasher_count(g->hasher) == eng_seq_pos(h->seq)) {
+        sess_prefix_hasher_free(h->hash);
+        h->hash = g->hasher;
+        g->hasher = NULL;
+    }
     if (g->ing)
         ingest_answer(E, g);
     else
@@ -2234,6 +2297,7 @@ static void point_done(web_engine *E, gen *g) {
             snprintf(h->name, sizeof h->name, "%s", g->saved_to);
             snprintf(g->save_as, sizeof g->save_as, "%s", g->saved_to);
             g->saved_to[0] = '\0';
+            g->fork_always = false; /* the branch is the client's own now */
         }
     } else if (!E->s->p.quiet) {
         fprintf(stderr, "kdaserve serve: resume point of '%s' not saved (the turn goes on): %s\n",

@@ -455,6 +455,30 @@ async function resume() {
     eq(again.r.usage.prompt_tokens_details.cached_tokens, st.ctx, "the main line still resumes");
     eq(again.r.kdaserve.session, st.session, "in its own session");
   });
+  await check("a WebSocket conversation resumes over HTTP as a branch: its turns are indexed, the session keeps its own", async () => {
+    // a chat session made over WebSocket, with a system text and one turn
+    const session = "wsconv-" + process.pid, system = "You are brief.", user = "Tell me about the whale.";
+    await ws.ok({ op: "create", session, mode: "chat", system });
+    const d = await wsTurn(ws, session, user);
+    // the same conversation from a stateless client, one message more
+    const msgs = [{ role: "system", content: system }, { role: "user", content: user },
+                  { role: "assistant", content: d.reply }];
+    const r = await chat(c, [...msgs, { role: "user", content: "And the crew?" }], TURN);
+    eq(r.usage.prompt_tokens_details.cached_tokens, d.context, "cached_tokens: the WebSocket turn's context");
+    ok(r.kdaserve.session !== session && r.kdaserve.session.startsWith(session + "-"),
+       `saved to a branch of ${session}, not ${r.kdaserve.session}`);
+    // the WebSocket session is as its client left it: its next turn follows its own
+    const h = await ws.ok({ op: "history", session });
+    eq(h.turns.length, 2, "the WebSocket session's turns (the system text and its one turn)");
+    const d2 = await wsTurn(ws, session, "And the crew?");
+    eq(d2.reply, r.choices[0].message.content, "the WebSocket session's next turn = the branch's reply");
+    // the stateless client goes on in its branch
+    const r2 = await chat(c, [...msgs, { role: "user", content: "And the crew?" },
+                              { role: "assistant", content: r.choices[0].message.content },
+                              { role: "user", content: "Thank you." }], TURN);
+    eq(r2.kdaserve.session, r.kdaserve.session, "the next stateless turn continues its branch");
+    ok(r2.usage.prompt_tokens_details.cached_tokens >= r.kdaserve.context, "and resumes it");
+  });
   await check("a long plain prompt leaves a resume point: it plus a question resumes there, the reply as a stateful session's", async () => {
     // about 6,000 tokens of varied prose (>= the 4,096 that earn a resume point)
     const words = ["whale", "captain", "sea", "ship", "harpoon", "crew", "dawn", "storm", "deck", "sail"];
