@@ -498,6 +498,28 @@ static void on_progress(void *user, int64_t slice_done, int64_t slice_total) {
  * Ctrl-C is answered within a second or two. */
 #define INGEST_SLICE 4096
 
+/* Bytes of `text` that the first `done` of its rendered ids (ids[0, n))
+ * cover: the text's own tokens are one run inside them; -1 when that run
+ * is not there (then nothing but a note is kept). */
+static int64_t fed_text_bytes(repl *r, const char *text, const int32_t *ids, int64_t n,
+                              int64_t done) {
+    size_t len = strlen(text);
+    int64_t nt = eng_tok_encode(r->tok, text, len, NULL, 0);
+    if (nt <= 0 || nt > n) return -1;
+    int32_t *t = malloc((size_t)nt * sizeof *t);
+    if (!t) return -1;
+    eng_tok_encode(r->tok, text, len, t, nt);
+    int64_t bytes = -1;
+    for (int64_t p = 0; p + nt <= n; p++)
+        if (!memcmp(ids + p, t, (size_t)nt * sizeof *t)) {
+            int64_t fed = done - p < 0 ? 0 : done - p > nt ? nt : done - p;
+            bytes = eng_tok_decode(r->tok, t, fed, 0, NULL, 0);
+            break;
+        }
+    free(t);
+    return bytes;
+}
+
 static bool c_ingest(repl *r, char *arg) {
     while (*arg == ' ' || *arg == '\t')
         arg++;
@@ -583,21 +605,24 @@ static bool c_ingest(repl *r, char *arg) {
                       .prompt_tokens = done,
                       .mode = repl__mode_name(r),
                       .sampler = &r->sp};
-    /* A whole document is kept as the turn's text under its file name, as
-     * the server's `append` keeps one (an export carries it); one cut
-     * short keeps only the note above, since the text its tokens cover is
-     * not known apart from the chat rendering around it. */
+    /* The document is kept as the turn's text under its file name, as the
+     * server's `append` keeps one (an export carries it). One cut short
+     * keeps the text its fed tokens cover: the text's own tokens are one
+     * run inside the rendered ids (a chat turn's opener before them, its
+     * close after), so the bytes kept are those the fed part of that run
+     * decodes to. Where the run is not found, only the note above. */
     char doc_name[SESS_DOC_NAME_MAX + 1];
-    if (done == n) {
+    int64_t kept = done == n ? (int64_t)strlen(text) : fed_text_bytes(r, text, ids, n, done);
+    if (kept >= 0) {
         const char *base = strrchr(arg, '/');
         base = base && base[1] ? base + 1 : arg;
         const size_t bl = repl__utf8_head(base, strlen(base), SESS_DOC_NAME_MAX);
         memcpy(doc_name, base, bl);
         doc_name[bl] = '\0';
         turn.prompt = text;
-        turn.prompt_len = strlen(text);
+        turn.prompt_len = (size_t)kept;
         turn.doc_name = bl ? doc_name : NULL;
-        turn.doc_bytes = (int64_t)turn.prompt_len;
+        turn.doc_bytes = kept;
     }
     uint64_t snap;
     if (!repl__save(r, &turn, &snap)) goto out;

@@ -15,6 +15,7 @@
  */
 #define _GNU_SOURCE
 #include <criterion/criterion.h>
+#include <sys/stat.h>
 #include <cJSON.h>
 #include <errno.h>
 #include <poll.h>
@@ -552,6 +553,21 @@ Test(repl_pty, ingest_progress_redrawn_in_place_and_ctrl_c_stops_it, .timeout = 
         c = strstr(stats, "context tokens");
         cr_assert(c && sscanf(c, "context tokens %lld", &ctx) == 1, "%s", stats);
         cr_expect_eq(ctx, n + kept, "%s", stats);
+        /* the history keeps the part that went in: the document, with the
+         * bytes of its fed tokens (fewer than the file's) */
+        term_send(&t, "/history\r");
+        char *hist = term_until(&t, "doc> ");
+        const char *last = NULL;
+        for (const char *h = hist; (h = strstr(h, "[document doc.txt: ")); h++) last = h;
+        long long bytes = 0, toks = 0;
+        cr_assert(last && sscanf(last, "[document doc.txt: %lld bytes, %lld tokens]", &bytes, &toks) == 2,
+                  "%s", hist);
+        struct stat sb;
+        cr_assert_eq(stat(doc, &sb), 0);
+        cr_expect(bytes > 0 && bytes < (long long)sb.st_size, "kept %lld of %lld bytes", bytes,
+                  (long long)sb.st_size);
+        cr_expect_eq(toks, kept, "%s", hist);
+        free(hist);
     } else {
         cr_log_warn("the second ingest ended before Ctrl-C arrived: %s", rest);
     }
