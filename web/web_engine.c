@@ -2824,7 +2824,10 @@ void web__engine_stop(web_server *s) {
     /* none are left (stopping answers all that wait), but free what is */
     while (E->queues) drop_queue(E, &E->queues);
     for (int i = 0; i < E->n_hot_max; i++)
-        if (E->hots[i].used) eng_seq_free(E->hots[i].seq);
+        if (E->hots[i].used) {
+            eng_seq_free(E->hots[i].seq);
+            sess_prefix_hasher_free(E->hots[i].hash);
+        }
     eng_ctx_free(E->c);
     free(E->hots);
     free(E->b_seqs);
