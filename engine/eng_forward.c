@@ -495,6 +495,23 @@ kds_status eng_decode(eng_ctx *c, eng_seq *s, int32_t id, kds_err *err) {
     return forward(c, &s, 1, &id, 1, false, NULL, true, err);
 }
 
+/* Sequence i of a batch (`what`: "of the batch", "to sample"): there, of
+ * this context's model, and not one of seqs[0, i). n <= max_seqs, so the
+ * quadratic scan is a few thousand compares at most. */
+static kds_status check_seq(const eng_ctx *c, eng_seq *const *seqs, int i, const char *what,
+                            kds_err *err) {
+    if (!seqs[i]) return kds_err_set(err, KDS_INVALID_ARG, "sequence %d %s is NULL", i, what);
+    if (seqs[i]->model != c->m)
+        return kds_err_set(err, KDS_INVALID_ARG,
+                           "sequence %d %s and the context belong to different models", i, what);
+    for (int j = 0; j < i; j++)
+        if (seqs[j] == seqs[i])
+            return kds_err_set(err, KDS_INVALID_ARG,
+                               "sequence %d %s is the same as sequence %d (each sequence may "
+                               "appear once)", i, what, j);
+    return KDS_OK;
+}
+
 /* The checks of eng_decode_batch, and room in the MLA caches. */
 static kds_status decode_batch_prepare(eng_ctx *c, eng_seq *const *seqs, const int32_t *ids, int n,
                                        kds_err *err) {
@@ -506,16 +523,8 @@ static kds_status decode_batch_prepare(eng_ctx *c, eng_seq *const *seqs, const i
     if (!seqs || !ids) return kds_err_set(err, KDS_INVALID_ARG, "batch of %d sequences without %s", n,
                                           !seqs ? "sequences" : "token ids");
     for (int i = 0; i < n; i++) {
-        if (!seqs[i]) return kds_err_set(err, KDS_INVALID_ARG, "sequence %d of the batch is NULL", i);
-        if (seqs[i]->model != c->m)
-            return kds_err_set(err, KDS_INVALID_ARG,
-                               "sequence %d of the batch and the context belong to different models", i);
-        /* n <= max_seqs, so the quadratic scan is a few thousand compares at most */
-        for (int j = 0; j < i; j++)
-            if (seqs[j] == seqs[i])
-                return kds_err_set(err, KDS_INVALID_ARG,
-                                   "sequence %d of the batch is the same as sequence %d "
-                                   "(each sequence may appear once)", i, j);
+        kds_status rc = check_seq(c, seqs, i, "of the batch", err);
+        if (rc != KDS_OK) return rc;
         if (ids[i] < 0 || ids[i] >= c->d.vocab)
             return kds_err_set(err, KDS_INVALID_ARG,
                                "token id %d for sequence %d of the batch is outside the "
@@ -575,18 +584,11 @@ kds_status eng_sample_batch(eng_ctx *c, eng_seq *const *seqs, int n, const eng_s
                            !seqs ? "sequences" : !p ? "sampler settings" : "an output array");
     /* every check before any draw: a refusal moves no RNG */
     for (int i = 0; i < n; i++) {
-        if (!seqs[i]) return kds_err_set(err, KDS_INVALID_ARG, "sequence %d to sample is NULL", i);
-        if (seqs[i]->model != c->m)
-            return kds_err_set(err, KDS_INVALID_ARG,
-                               "sequence %d to sample and the context belong to different models", i);
+        kds_status rc = check_seq(c, seqs, i, "to sample", err);
+        if (rc != KDS_OK) return rc;
         if (!seqs[i]->has_logits)
             return kds_err_set(err, KDS_INVALID_ARG,
                                "sequence %d has nothing to sample from: it is empty", i);
-        for (int j = 0; j < i; j++)
-            if (seqs[j] == seqs[i])
-                return kds_err_set(err, KDS_INVALID_ARG,
-                                   "sequence %d to sample is the same as sequence %d (each "
-                                   "sequence may appear once)", i, j);
     }
     /* the rows whose logits a device decode left there, with settings the
      * device sampler has: one call; the rest on the host, in order */

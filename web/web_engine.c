@@ -164,8 +164,7 @@ struct gen {
     gen *save_next;                   /* the saver's queue, then the done list */
     int64_t point_at;                 /* save a resume point when `fed` reaches it; 0 = none */
     bool point_saving;                /* this G_SAVE is that resume point: the turn goes on */
-    bool point_keyed;                 /* HTTP: point_key is the key of the tokens up to it */
-    unsigned char point_key[SESS_PREFIX_KEY_LEN];
+    unsigned char point_key[SESS_PREFIX_KEY_LEN]; /* HTTP: the key of the tokens up to it */
     bool save_failed;                 /* the engine could not hand the state over */
     kds_status save_rc;
     kds_err save_err;
@@ -1329,6 +1328,28 @@ static void ingest_end(web_engine *E, gen *g) {
     h->last_prefill_tok_s = prefill_s > 0 ? (double)ingest_fed_text(in) / prefill_s : 0.0;
 }
 
+/* Saver thread: g's state into its session, continuing h->base, with
+ * `turn` (NULL: a resume point, no transcript entry). A WebSocket session
+ * (a generate, an append) is saved in place; an HTTP turn goes to save_as,
+ * or a fork of it when it moved on, or always one when save_as is a
+ * stateful client's (fork_always); saved_to then names where it went.
+ * Fills g->save_rc, save_err, save_snap. */
+static void save_state(web_engine *E, gen *g, const sess_turn *turn) {
+    hot *h = g->h;
+    if (g->route == WEB_ROUTE_WS) {
+        g->save_rc = sess_save(E->s->st, h->name, h->base, E->s->m, h->seq, turn, &g->save_snap,
+                               &g->save_err);
+        return;
+    }
+    sess_save_result res;
+    g->save_rc = sess_save_ex(E->s->st, g->save_as, h->base, E->s->m, h->seq, turn,
+                              g->fork_always ? SESS_CONFLICT_FORK_ALWAYS : SESS_CONFLICT_FORK, &res,
+                              &g->save_err);
+    if (g->save_rc != KDS_OK) return;
+    g->save_snap = res.snapshot;
+    snprintf(g->saved_to, sizeof g->saved_to, "%s", res.session);
+}
+
 /* Saver thread: the document's turn, its text read back from the spool. */
 static void save_document(web_engine *E, gen *g) {
     hot *h = g->h;
@@ -1350,10 +1371,19 @@ static void save_document(web_engine *E, gen *g) {
                       .mode = h->chat ? "chat" : "plain",
                       .doc_name = in->name,
                       .doc_bytes = (int64_t)keep};
-    g->save_rc = sess_save(E->s->st, h->name, h->base, E->s->m, h->seq, &turn, &g->save_snap,
-                           &g->save_err);
+    save_state(E, g, &turn);
     if (g->save_rc == KDS_OK) index_turn(E, g, g->save_snap, h->name);
     if (map) munmap(map, keep);
+}
+
+/* The `error` object of a `done` event: the save's failure, else the
+ * turn's own (an engine error), counted in the metrics. */
+static void done_error(web_engine *E, cJSON *o, const gen *g) {
+    cJSON *err = cJSON_AddObjectToObject(o, "error");
+    int code = g->save_rc != KDS_OK ? web__code_of(g->save_rc) : WEB_ERR_INTERNAL;
+    cJSON_AddStringToObject(err, "code", web__code_name(code));
+    cJSON_AddStringToObject(err, "message", g->save_rc != KDS_OK ? g->save_err.msg : g->error);
+    atomic_fetch_add(&E->s->metrics.errors[code], 1);
 }
 
 /* The answer to an ingest, once saved (or not). */
@@ -1377,13 +1407,7 @@ static void ingest_answer(web_engine *E, gen *g) {
     cJSON_AddNumberToObject(o, "snapshot", (double)g->save_snap);
     cJSON_AddNumberToObject(o, "prefill_ms", prefill_s * 1e3);
     cJSON_AddNumberToObject(o, "tok_s", h->last_prefill_tok_s);
-    if (rc != KDS_OK || failed) {
-        cJSON *err = cJSON_AddObjectToObject(o, "error");
-        int code = rc != KDS_OK ? web__code_of(rc) : WEB_ERR_INTERNAL;
-        cJSON_AddStringToObject(err, "code", web__code_name(code));
-        cJSON_AddStringToObject(err, "message", rc != KDS_OK ? g->save_err.msg : g->error);
-        atomic_fetch_add(&E->s->metrics.errors[code], 1);
-    }
+    if (rc != KDS_OK || failed) done_error(E, o, g);
     web__send(E->s, g->conn, o, g->msgpack);
 }
 
@@ -1798,35 +1822,28 @@ static void send_sse(web_engine *E, const gen *g, cJSON *o, bool last) {
 
 /* A long plain prompt's resume point (RESUME_POINT_MIN): the last prefill
  * slice boundary before the prompt's last two pre-tokens, which text after
- * the prompt may change; its key is computed now, from the request's
- * tokens. Advisory: anything odd, and there is none. */
-static void http_point(web_engine *E, gen *g, const web_oai *q, int64_t cached, const char *scope) {
-    if (q->chat || q->n_ids - cached < RESUME_POINT_MIN || !q->prompt) return;
+ * the prompt may change; 0 = none. A string prompt's ids are exactly its
+ * tokens (web__oai_parse: BOS only for an empty one), so the boundary is
+ * counted from the end: the tokens of the last two pre-tokens, which start
+ * on a boundary and so encode alone as inside. Advisory: anything odd, and
+ * there is none. */
+static int64_t http_point(web_engine *E, const web_oai *q, int64_t cached) {
+    if (q->chat || q->n_ids - cached < RESUME_POINT_MIN || !q->prompt || !q->prompt_len) return 0;
     const eng_tokenizer *tok = eng_model_tokenizer(E->s->m);
-    int64_t np = 0, k1 = 0, whole = 0;
+    int64_t np = 0, tail = 0, point = 0;
     size_t *ends = NULL;
-    sess_prefix_hasher *hs = NULL;
-    /* the request's tokens must be the prompt's own (no BOS before them) */
-    if (eng_tok_encode_ex(tok, q->prompt, q->prompt_len, 0, NULL, 0, &whole, NULL) != KDS_OK ||
-        whole != q->n_ids ||
-        eng_tok_split(tok, q->prompt, q->prompt_len, NULL, 0, &np, NULL) != KDS_OK || np < 3 ||
+    if (eng_tok_split(tok, q->prompt, q->prompt_len, NULL, 0, &np, NULL) != KDS_OK || np < 3 ||
         !(ends = malloc((size_t)np * sizeof *ends)) ||
         eng_tok_split(tok, q->prompt, q->prompt_len, ends, np, &np, NULL) != KDS_OK ||
         eng_tok_encode_ex(tok, q->prompt + ends[np - 3], q->prompt_len - ends[np - 3], 0, NULL, 0,
-                          &k1, NULL) != KDS_OK)
+                          &tail, NULL) != KDS_OK)
         goto out;
-    k1 = whole - k1; /* the tokens before the last two pre-tokens, as inside the prompt */
     int64_t slice = E->s->p.ctx.max_batch > 0 ? E->s->p.ctx.max_batch : 256;
-    int64_t point = cached + (k1 - cached) / slice * slice; /* prefill_step's slices */
-    if (point <= cached || point >= q->n_ids || sess_prefix_hasher_create(scope, &hs, NULL) != KDS_OK)
-        goto out;
-    sess_prefix_hasher_add(hs, q->ids, point);
-    sess_prefix_hasher_key(hs, g->point_key);
-    g->point_keyed = true;
-    g->point_at = point - cached; /* g->fed counts from the resumed state */
+    point = cached + (q->n_ids - tail - cached) / slice * slice; /* prefill_step's slices */
+    if (point <= cached || point >= q->n_ids) point = 0;
 out:
     free(ends);
-    sess_prefix_hasher_free(hs);
+    return point;
 }
 
 static void http_generate(web_engine *E, const web_req *r) {
@@ -1892,8 +1909,14 @@ static void http_generate(web_engine *E, const web_req *r) {
     char scope[WEB_TENANT_MAX + SESS_FP_LEN + 8];
     prefix_scope(E, r, scope, sizeof scope);
     if (sess_prefix_hasher_create(scope, &g->hasher, &e) != KDS_OK) goto fail;
-    sess_prefix_hasher_add(g->hasher, q.ids, q.n_ids);
-    http_point(E, g, &q, cached, scope);
+    /* the whole sequence, in one pass, taking the resume point's key on the way */
+    int64_t point = http_point(E, &q, cached);
+    sess_prefix_hasher_add(g->hasher, q.ids, point);
+    if (point) {
+        sess_prefix_hasher_key(g->hasher, g->point_key);
+        g->point_at = point - cached; /* g->fed counts from the resumed state */
+    }
+    sess_prefix_hasher_add(g->hasher, q.ids + point, q.n_ids - point);
     /* feed only what the stored state lacks */
     g->n_ids = q.n_ids - cached;
     memmove(q.ids, q.ids + cached, (size_t)g->n_ids * sizeof *q.ids);
@@ -2113,23 +2136,12 @@ static void save_reply(web_engine *E, gen *g) {
                       .output_tokens = g->produced,
                       .mode = h->chat ? "chat" : "plain",
                       .sampler = &g->sp};
-    if (g->route == WEB_ROUTE_WS) {
-        g->save_rc = sess_save(E->s->st, h->name, h->base, E->s->m, h->seq, &turn, &g->save_snap,
-                               &g->save_err);
-        if (g->save_rc == KDS_OK) index_turn(E, g, g->save_snap, h->name);
-        return;
-    }
     /* a stateless client's turn continues the session it resumed, or forks
      * it when that session moved on since (the branch of an edited
-     * conversation) */
-    sess_save_result res;
-    g->save_rc = sess_save_ex(E->s->st, g->save_as, h->base, E->s->m, h->seq, &turn,
-                              g->fork_always ? SESS_CONFLICT_FORK_ALWAYS : SESS_CONFLICT_FORK, &res,
-                              &g->save_err);
-    if (g->save_rc != KDS_OK) return;
-    g->save_snap = res.snapshot;
-    snprintf(g->saved_to, sizeof g->saved_to, "%s", res.session);
-    index_turn(E, g, g->save_snap, g->saved_to);
+     * conversation), or when it is a WebSocket conversation's */
+    save_state(E, g, &turn);
+    if (g->save_rc == KDS_OK)
+        index_turn(E, g, g->save_snap, g->route == WEB_ROUTE_WS ? h->name : g->saved_to);
 }
 
 /* The answer to a WebSocket generate, once saved (or not). */
@@ -2154,13 +2166,7 @@ static void reply_answer(web_engine *E, gen *g) {
     cJSON_AddNumberToObject(o, "decode_ms", decode_s * 1e3);
     cJSON_AddNumberToObject(o, "decode_tok_s", h->last_decode_tok_s);
     cJSON_AddNumberToObject(o, "queue_ms", (g->t_start - g->t_arrive) * 1e3);
-    if (rc != KDS_OK || !strcmp(g->reason, "error")) {
-        cJSON *err = cJSON_AddObjectToObject(o, "error");
-        int code = rc != KDS_OK ? web__code_of(rc) : WEB_ERR_INTERNAL;
-        cJSON_AddStringToObject(err, "code", web__code_name(code));
-        cJSON_AddStringToObject(err, "message", rc != KDS_OK ? g->save_err.msg : g->error);
-        atomic_fetch_add(&E->s->metrics.errors[code], 1);
-    }
+    if (rc != KDS_OK || !strcmp(g->reason, "error")) done_error(E, o, g);
     web__send(E->s, g->conn, o, g->msgpack);
 }
 
@@ -2169,22 +2175,12 @@ static void reply_answer(web_engine *E, gen *g) {
  * its token sequence in the prefix index. */
 static void save_point(web_engine *E, gen *g) {
     hot *h = g->h;
-    if (g->route == WEB_ROUTE_WS) {
-        g->save_rc = sess_save(E->s->st, h->name, h->base, E->s->m, h->seq, NULL, &g->save_snap,
-                               &g->save_err);
-        if (g->save_rc == KDS_OK) index_turn(E, g, g->save_snap, h->name);
-        return;
-    }
-    /* HTTP: into the session the turn is saved to (a fork when it moved on) */
-    sess_save_result res;
-    g->save_rc = sess_save_ex(E->s->st, g->save_as, h->base, E->s->m, h->seq, NULL,
-                              g->fork_always ? SESS_CONFLICT_FORK_ALWAYS : SESS_CONFLICT_FORK, &res,
-                              &g->save_err);
+    save_state(E, g, NULL);
     if (g->save_rc != KDS_OK) return;
-    g->save_snap = res.snapshot;
-    snprintf(g->saved_to, sizeof g->saved_to, "%s", res.session);
-    if (g->point_keyed)
-        index_key(E, g->point_key, g->save_snap, eng_seq_pos(h->seq), res.session, false);
+    if (g->route == WEB_ROUTE_WS)
+        index_turn(E, g, g->save_snap, h->name);
+    else
+        index_key(E, g->point_key, g->save_snap, eng_seq_pos(h->seq), g->saved_to, false);
 }
 
 /* Saver thread: one turn's durable save (or a resume point). It reads the

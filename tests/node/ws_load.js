@@ -86,45 +86,34 @@ const r2 = (x) => (Number.isFinite(x) ? Math.round(x * 100) / 100 : null);
 const RUN = "load" + Date.now().toString(36);
 let runNo = 0;
 
-// The server's decode counters from GET /metrics (null when missing).
-function decodeCounters() {
+// The values of these samples in the server's GET /metrics (a missing one
+// null; all null when the server cannot be asked).
+function metricValues(names) {
   const u = new URL(opt.url);
   return new Promise((resolve) => {
     http.get({ host: u.hostname, port: u.port, path: "/metrics" }, (res) => {
       let body = "";
       res.setEncoding("utf8");
       res.on("data", (d) => (body += d));
-      res.on("end", () => {
-        const get = (name) => {
-          const m = body.match(new RegExp(`^${name} ([0-9.eE+]+)$`, "m"));
-          return m ? Number(m[1]) : null;
-        };
-        const steps = get("kdaserve_decode_steps_total"), rows = get("kdaserve_decode_rows_total");
-        resolve(steps === null || rows === null ? null : { steps, rows });
-      });
-    }).on("error", () => resolve(null));
+      res.on("end", () => resolve(names.map((name) => {
+        const m = body.match(new RegExp(`^${name} ([0-9.eE+]+)$`, "m"));
+        return m ? Number(m[1]) : null;
+      })));
+    }).on("error", () => resolve(names.map(() => null)));
   });
 }
 
-// The server's save-time histogram from GET /metrics: count and sum (s).
-function saveCounters() {
-  const u = new URL(opt.url);
-  return new Promise((resolve) => {
-    http.get({ host: u.hostname, port: u.port, path: "/metrics" }, (res) => {
-      let body = "";
-      res.setEncoding("utf8");
-      res.on("data", (d) => (body += d));
-      res.on("end", () => {
-        const get = (name) => {
-          const m = body.match(new RegExp(`^${name} ([0-9.eE+]+)$`, "m"));
-          return m ? Number(m[1]) : null;
-        };
-        const n = get("kdaserve_snapshot_save_seconds_count");
-        const sum = get("kdaserve_snapshot_save_seconds_sum");
-        resolve(n === null || sum === null ? null : { count: n, sum_s: sum });
-      });
-    }).on("error", () => resolve(null));
-  });
+// The server's decode counters (null when missing).
+async function decodeCounters() {
+  const [steps, rows] = await metricValues(["kdaserve_decode_steps_total", "kdaserve_decode_rows_total"]);
+  return steps === null || rows === null ? null : { steps, rows };
+}
+
+// The server's save-time histogram: count and sum (s); null when missing.
+async function saveCounters() {
+  const [count, sum] = await metricValues(["kdaserve_snapshot_save_seconds_count",
+                                           "kdaserve_snapshot_save_seconds_sum"]);
+  return count === null || sum === null ? null : { count, sum_s: sum };
 }
 
 async function runLevel(n) {
