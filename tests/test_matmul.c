@@ -1,10 +1,13 @@
 /*
- * kern_matmul on every path (direct dot products for few tokens, widened
- * rows + BLAS for many; F32, BF16, F16; widths that are and are not a
- * multiple of 32; row ranges with ragged ends) against a double-precision
- * reference, and the property batched decoding relies on: on the direct
- * path, row t of a T-token product is bit-identical to the one-token
- * product of that row.
+ * kern_matmul on every path (direct dot products for few tokens, the
+ * register-blocked GEMM of kern_gemm.h for many; F32, BF16, F16; widths
+ * that are and are not a multiple of 32, and wider than one panel; row
+ * ranges with ragged ends) against a double-precision reference, and the
+ * two properties the engine relies on: on the direct path, row t of a
+ * T-token product is bit-identical to the one-token product of that row
+ * (batched decoding); on the GEMM path every output is the left-to-right
+ * fma sum of its row, bit for bit, whatever T, the token's place or the
+ * row range (so prefill's results do not depend on the thread cut).
  */
 #include <criterion/criterion.h>
 #include <math.h>
@@ -45,8 +48,8 @@ static void *make_w(kern_dtype dt, int rows, int in, float *wf, uint64_t seed) {
 }
 
 static void check_shape(kern_dtype dt, int rows, int in) {
-    const int Ts[] = {1, 2, 3, 5, 7, 8, 11, 12, 13, 20, 31, 32, 40};
-    const int maxT = 40, r0 = 3, r1 = rows - 5, ldy = rows + 3;
+    const int Ts[] = {1, 2, 3, 5, 7, 8, 11, 12, 13, 20, 31, 32, 40, 63, 64, 65, 77, 100};
+    const int maxT = 100, r0 = 3, r1 = rows - 5, ldy = rows + 3;
     float *wf = malloc((size_t)rows * in * sizeof(float));
     float *x = malloc((size_t)maxT * in * sizeof(float));
     float *y = malloc((size_t)maxT * ldy * sizeof(float));
@@ -103,6 +106,49 @@ Test(matmul, all_paths_match_reference) {
         check_shape(dts[d], 77, 256); /* 8-row blocks plus ragged ends */
         check_shape(dts[d], 300, 96);
         check_shape(dts[d], 41, 80); /* width not a multiple of 32 */
+    }
+}
+
+/* The GEMM path (T >= 64 with scratch) against its specification: each
+ * output the sequential fmaf chain over its row, compared bit for bit,
+ * for row ranges cut anywhere (a thread's share of a product). */
+static void check_gemm_exact(kern_dtype dt, int rows, int in, int T) {
+    float *wf = malloc((size_t)rows * in * sizeof(float));
+    float *x = malloc((size_t)T * in * sizeof(float));
+    float *y = malloc((size_t)T * rows * sizeof(float));
+    float *scratch = malloc(kern_matmul_scratch_floats(in) * sizeof(float));
+    cr_assert(wf && x && y && scratch);
+    void *w = make_w(dt, rows, in, wf, 0x5bd1e995ull * (uint64_t)(rows + in + T) + dt);
+    uint64_t seed = 777 + (uint64_t)T;
+    for (size_t i = 0; i < (size_t)T * in; i++)
+        x[i] = unit(&seed);
+    /* three ragged row ranges, as three threads would compute them */
+    const int cut[4] = {0, rows / 3 + 1, 2 * rows / 3 - 2, rows};
+    for (int k = 0; k < 3; k++)
+        kern_matmul(dt, w, in, x, T, y, rows, cut[k], cut[k + 1], scratch);
+    for (int t = 0; t < T; t++)
+        for (int r = 0; r < rows; r++) {
+            float acc = 0.0f;
+            for (int i = 0; i < in; i++)
+                acc = fmaf(wf[(size_t)r * in + i], x[(size_t)t * in + i], acc);
+            float got = y[(size_t)t * rows + r];
+            cr_assert(memcmp(&got, &acc, sizeof acc) == 0,
+                      "dt %d [%d, %d] T %d: y[%d, %d] = %a, the fma chain gives %a", dt, rows, in,
+                      T, t, r, got, acc);
+        }
+    free(w);
+    free(wf);
+    free(x);
+    free(y);
+    free(scratch);
+}
+
+Test(matmul, gemm_path_is_the_fma_chain) {
+    const kern_dtype dts[] = {KERN_F32, KERN_BF16, KERN_F16};
+    for (int d = 0; d < 3; d++) {
+        check_gemm_exact(dts[d], 70, 96, 64);
+        check_gemm_exact(dts[d], 45, 81, 77); /* odd width: the last column alone */
+        check_gemm_exact(dts[d], 33, 4200, 65); /* two panels of columns */
     }
 }
 

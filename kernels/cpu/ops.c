@@ -5,12 +5,14 @@
  * Dense products have two paths. Decode-sized batches (few tokens) are
  * memory-bound: they stream each weight row once from the mmap in its stored
  * dtype and dot it with every token, 16 lanes at a time. Prefill-sized
- * batches are compute-bound: row blocks of W are widened to float32 in the
- * caller's scratch and handed to BLAS (sgemm), or F32 weights go straight to
- * BLAS. The SIMD paths are chosen at compile time (-march=native); the
+ * batches are compute-bound: panels of 32 rows of W are unpacked to float32
+ * in the caller's scratch, transposed, and run through the register-blocked
+ * kernel of kern_gemm.h (12 tokens x 32 rows of sums per step); without
+ * AVX-512, row blocks are widened and handed to BLAS (sgemm). The SIMD paths are chosen at compile time (-march=native); the
  * scalar loops are the portable fallback and the readable specification.
  */
 #include "kern.h"
+#include "kern_gemm.h"
 #include "kern_math.h"
 
 #include <cblas.h>
@@ -328,31 +330,143 @@ static void dot8(kern_dtype dt, const void *W, int in, const float *x, int nt, i
 
 size_t kern_matmul_scratch_floats(int in) { return (size_t)128 * (size_t)in; }
 
-/* Below this many tokens the direct (streaming) path wins over widen+sgemm.
- * The direct path costs about the same per token at any T (the rows come
- * from memory once, then from L1); widen+sgemm gets cheaper per token as T
- * grows. Measured on the dev machine (Zen 4, one thread, bf16): whole
- * hidden-256 models (batched decode and prefill chunks) ran as fast or
- * faster on the direct path up to 64 tokens; single 48B-width products
- * (2304 x 9216, 16384 x 2304) favour sgemm from about 32-48 tokens.
- * On the CI kind of machine (2 threads, bf16, `wide`: hidden 2304, a
- * 163840-row LM head) the direct path still wins at 32: raising the
- * crossover from 32 to 64 took the aggregate decode of 32 batched
+#if KERN_AVX512
+/* 16 full bf16 rows x 32 columns (row i at row + i * in, columns
+ * [c, c + 32)) into 32 panel columns of 16 lanes: P[j * 32 + i] = row i's
+ * column c + j as f32. A 16 x 16 transpose of 4-byte words (column pairs),
+ * then each word's two halves widened: four shuffle stages of 16 ops for
+ * 512 values, against 16 gathers of 16 words. */
+static inline void transpose_bf16_16x32(const char *row, int in, float *P, int c) {
+    __m512i a[16], b[16];
+    const __m512i hi_mask = _mm512_set1_epi32((int)0xffff0000u);
+    for (int i = 0; i < 16; i++)
+        a[i] = _mm512_loadu_si512((const void *)(row + ((size_t)i * in + c) * 2));
+    for (int i = 0; i < 16; i += 2) {
+        b[i] = _mm512_unpacklo_epi32(a[i], a[i + 1]);
+        b[i + 1] = _mm512_unpackhi_epi32(a[i], a[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        a[i] = _mm512_unpacklo_epi64(b[i], b[i + 2]);
+        a[i + 1] = _mm512_unpackhi_epi64(b[i], b[i + 2]);
+        a[i + 2] = _mm512_unpacklo_epi64(b[i + 1], b[i + 3]);
+        a[i + 3] = _mm512_unpackhi_epi64(b[i + 1], b[i + 3]);
+    }
+    /* a[4 q + k] now holds, in each 128-bit lane l, words k of rows
+     * 4 q .. 4 q + 3 for the column pair 4 l + k. */
+    for (int q = 0; q < 4; q += 2)
+        for (int k = 0; k < 4; k++) {
+            b[4 * q + k] = _mm512_shuffle_i32x4(a[4 * q + k], a[4 * q + 4 + k], 0x88);
+            b[4 * q + 4 + k] = _mm512_shuffle_i32x4(a[4 * q + k], a[4 * q + 4 + k], 0xdd);
+        }
+    for (int k = 0; k < 4; k++) {
+        a[k] = _mm512_shuffle_i32x4(b[k], b[8 + k], 0x88);
+        a[8 + k] = _mm512_shuffle_i32x4(b[k], b[8 + k], 0xdd);
+        a[4 + k] = _mm512_shuffle_i32x4(b[4 + k], b[12 + k], 0x88);
+        a[12 + k] = _mm512_shuffle_i32x4(b[4 + k], b[12 + k], 0xdd);
+    }
+    for (int j = 0; j < 16; j++) {
+        const __m512i g = a[j];
+        _mm512_storeu_ps(P + (size_t)(2 * j) * KERN_PANEL_ROWS,
+                         _mm512_castsi512_ps(_mm512_slli_epi32(g, 16)));
+        _mm512_storeu_ps(P + (size_t)(2 * j + 1) * KERN_PANEL_ROWS,
+                         _mm512_castsi512_ps(_mm512_and_si512(g, hi_mask)));
+    }
+}
+
+/* Rows [r, r + nr) (nr <= 32), columns [c0, c0 + kc), unpacked to f32 and
+ * transposed into a panel P [kc, 32] (kern_gemm.h): P[c * 32 + i] =
+ * W[r + i, c0 + c], rows nr..31 zero. Lane i of a gather reads one 4-byte
+ * word of row r + 16 h + i: two bf16 or f16 columns, or one f32. A last odd
+ * column of a 2-byte format is read alone (a word there would run into the
+ * next row, or past the matrix). */
+static void pack_panel(kern_dtype dt, const void *W, int in, int r, int nr, int c0, int kc,
+                       float *P) {
+    const size_t esz = kern_dtype_size(dt);
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i idx = _mm512_mullo_epi32(lane, _mm512_set1_epi32(in));
+    const __m512i hi_mask = _mm512_set1_epi32((int)0xffff0000u);
+    for (int h = 0; h < 2; h++) {
+        const int left = nr - 16 * h;
+        const __mmask16 m = left >= 16 ? 0xffff : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
+        const char *row = (const char *)W + ((size_t)(r + 16 * h) * in + c0) * esz;
+        float *p = P + 16 * h;
+        int c = 0;
+        if (dt == KERN_F32) {
+            for (; c < kc; c++)
+                _mm512_storeu_ps(p + (size_t)c * KERN_PANEL_ROWS,
+                                 _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, idx,
+                                                          row + (size_t)c * 4, 4));
+            continue;
+        }
+        if (dt == KERN_BF16 && m == 0xffff)
+            for (; c + 32 <= kc; c += 32) transpose_bf16_16x32(row, in, p + (size_t)c * KERN_PANEL_ROWS, c);
+        for (; c + 2 <= kc; c += 2) {
+            const __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, idx,
+                                                          row + (size_t)c * 2, 2);
+            __m512 lo, hi;
+            if (dt == KERN_BF16) {
+                lo = _mm512_castsi512_ps(_mm512_slli_epi32(g, 16));
+                hi = _mm512_castsi512_ps(_mm512_and_si512(g, hi_mask));
+            } else {
+                lo = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
+                hi = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16)));
+            }
+            _mm512_storeu_ps(p + (size_t)c * KERN_PANEL_ROWS, lo);
+            _mm512_storeu_ps(p + (size_t)(c + 1) * KERN_PANEL_ROWS, hi);
+        }
+        for (; c < kc; c++)
+            for (int i = 0; i < 16; i++)
+                p[(size_t)c * KERN_PANEL_ROWS + i] =
+                    i < left ? load1(dt, row + (size_t)i * in * esz, c) : 0.0f;
+    }
+}
+
+/* The prefill product: per panel of 32 rows, per KERN_PANEL_COLS columns,
+ * the panel unpacked (pack_panel) and every token run over it
+ * (kern__panel_gemm), the later column blocks continuing the sums the
+ * earlier ones stored. W is read from memory once; the panel stays in L1. */
+static void gemm_panels(kern_dtype dt, const void *W, int in, const float *x, int T, float *y,
+                        int ldy, int r0, int r1, float *P) {
+    for (int r = r0; r < r1; r += KERN_PANEL_ROWS) {
+        const int nr = r1 - r < KERN_PANEL_ROWS ? r1 - r : KERN_PANEL_ROWS;
+        for (int c0 = 0; c0 < in; c0 += KERN_PANEL_COLS) {
+            const int kc = in - c0 < KERN_PANEL_COLS ? in - c0 : KERN_PANEL_COLS;
+            pack_panel(dt, W, in, r, nr, c0, kc, P);
+            kern__panel_gemm(P, kc, x + c0, in, T, y + r, ldy, nr, c0 > 0);
+        }
+    }
+}
+#endif
+
+/* From this many tokens the product is compute-bound and runs as a GEMM:
+ * the register-blocked panels of kern_gemm.h with AVX-512, widened rows and
+ * BLAS (sgemm) without. Below it the direct (streaming) path wins: it costs
+ * about the same per token at any T (the rows come from memory once, then
+ * from L1), while unpacking a panel is paid once per 32 rows. On the CI
+ * kind of machine (2 threads, bf16, `wide`: hidden 2304, a 163840-row LM
+ * head) the direct path still won at 32 against widen + sgemm: raising
+ * the crossover from 32 to 64 took the aggregate decode of 32 batched
  * sequences from 21.7 to 34.2 tok/s and a 32-token prefill from 27.4 to
  * 60.9 tok/s in one run (docs/benchmarks.md, "Continuous batching").
  * Without AVX-512 the direct path is dot_row, which streams W once per four
  * tokens, so there BLAS takes over at 8 as before. */
 #if KERN_AVX512
-#define MATMUL_BLAS_MIN_T 64
+#define MATMUL_GEMM_MIN_T 64
 #else
-#define MATMUL_BLAS_MIN_T 8
+#define MATMUL_GEMM_MIN_T 8
 #endif
 
 void kern_matmul(kern_dtype dt, const void *W, int in, const float *x, int T, float *y, int ldy,
                  int r0, int r1, float *scratch) {
     if (r1 <= r0 || T <= 0) return;
+#if KERN_AVX512
+    if (T >= MATMUL_GEMM_MIN_T && scratch) {
+        gemm_panels(dt, W, in, x, T, y, ldy, r0, r1, scratch);
+        return;
+    }
+#else
     size_t esz = kern_dtype_size(dt);
-    if (T >= MATMUL_BLAS_MIN_T && (dt == KERN_F32 || scratch)) {
+    if (T >= MATMUL_GEMM_MIN_T && (dt == KERN_F32 || scratch)) {
         if (dt == KERN_F32) {
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, r1 - r0, in, 1.0f, x, in,
                         (const float *)W + (size_t)r0 * in, in, 0.0f, y + r0, ldy);
@@ -366,8 +480,9 @@ void kern_matmul(kern_dtype dt, const void *W, int in, const float *x, int T, fl
         }
         return;
     }
+#endif
 #if KERN_AVX512
-    /* With scratch, T < MATMUL_BLAS_MIN_T here, so the split rows fit it. */
+    /* With scratch, T < MATMUL_GEMM_MIN_T here, so the split rows fit it. */
     if (in % 32 == 0) {
         if (dt == KERN_BF16 && scratch) {
             /* split x into the even/odd halves that dot8_bf16 expects */
@@ -389,11 +504,12 @@ void kern_matmul(kern_dtype dt, const void *W, int in, const float *x, int T, fl
         }
     }
 #endif
+    const size_t ez = kern_dtype_size(dt);
     float out[DOT_TOKENS];
     for (int t0 = 0; t0 < T; t0 += DOT_TOKENS) {
         int nt = T - t0 < DOT_TOKENS ? T - t0 : DOT_TOKENS;
         for (int r = r0; r < r1; r++) {
-            dot_row(dt, (const char *)W + (size_t)r * in * esz, in, x + (size_t)t0 * in, in, nt,
+            dot_row(dt, (const char *)W + (size_t)r * in * ez, in, x + (size_t)t0 * in, in, nt,
                     out);
             for (int t = 0; t < nt; t++) y[(size_t)(t0 + t) * ldy + r] = out[t];
         }

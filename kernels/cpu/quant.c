@@ -30,6 +30,7 @@
  * portable path and the readable specification.
  */
 #include "kern.h"
+#include "kern_gemm.h"
 
 #include <cblas.h>
 #include <math.h>
@@ -488,11 +489,8 @@ static void direct_avx512(const kern_weight *w, const kern_layout *l, const floa
         direct_rows(KERN_Q8_0, w, l, xs, T, y, ldy, r0, r1, sw);
 }
 
-/* Rows and tokens of one step of the prefill kernel: 12 x 2 accumulators
- * of 16 lanes, plus two weight vectors and one broadcast: 27 of the 32
- * registers. */
-#define PANEL_ROWS 32
-#define PANEL_TOKENS 12
+/* Rows of a prefill panel (kern_gemm.h). */
+#define PANEL_ROWS KERN_PANEL_ROWS
 
 /* Rows [r, r + nr) (nr <= 32) dequantised into P [in, 32]: P[c * 32 + i] =
  * W[r + i, c], rows nr..31 zero. sg [nr, nb]: the rows' scales. Lane i of
@@ -541,77 +539,6 @@ static void pack_panel(const kern_weight *w, const kern_layout *l, int r, int nr
     }
 }
 
-/* y[t, i] = sum_c x[t, c] P[c, i] for t < mt (12, 8 or 4), i < nr: per
- * column c, one broadcast of x[t, c] times the panel's 32 values, into 2
- * accumulators per token. mt is a constant at each call (panel_tokens12 /
- * 8 / 4), so the loops unroll and the accumulators stay in registers; the
- * tokens' rows are read through one moving pointer per 4 tokens (rows
- * t, t + 1, t + 2, t + 3 at offsets 0, in, 2 in, 3 in). x [mt, in]; y
- * [mt, ldy]. */
-static inline void panel_tokens(const float *P, int in, const float *x, const int mt, float *y,
-                                int ldy, int nr) {
-    __m512 acc[PANEL_TOKENS][2];
-    const float *xb[PANEL_TOKENS / 4];
-    const size_t s1 = (size_t)in, s3 = 3 * (size_t)in;
-    for (int g = 0; g < mt / 4; g++)
-        xb[g] = x + (size_t)4 * g * in;
-    for (int t = 0; t < mt; t++)
-        acc[t][0] = acc[t][1] = _mm512_setzero_ps();
-    for (int c = 0; c < in; c++, P += PANEL_ROWS) {
-        const __m512 w0 = _mm512_loadu_ps(P), w1 = _mm512_loadu_ps(P + 16);
-        for (int g = 0; g < mt / 4; g++) {
-            const float *p = xb[g]++;
-            const __m512 b0 = _mm512_set1_ps(p[0]), b1 = _mm512_set1_ps(p[s1]);
-            const __m512 b2 = _mm512_set1_ps(p[2 * s1]), b3 = _mm512_set1_ps(p[s3]);
-            acc[4 * g][0] = _mm512_fmadd_ps(w0, b0, acc[4 * g][0]);
-            acc[4 * g][1] = _mm512_fmadd_ps(w1, b0, acc[4 * g][1]);
-            acc[4 * g + 1][0] = _mm512_fmadd_ps(w0, b1, acc[4 * g + 1][0]);
-            acc[4 * g + 1][1] = _mm512_fmadd_ps(w1, b1, acc[4 * g + 1][1]);
-            acc[4 * g + 2][0] = _mm512_fmadd_ps(w0, b2, acc[4 * g + 2][0]);
-            acc[4 * g + 2][1] = _mm512_fmadd_ps(w1, b2, acc[4 * g + 2][1]);
-            acc[4 * g + 3][0] = _mm512_fmadd_ps(w0, b3, acc[4 * g + 3][0]);
-            acc[4 * g + 3][1] = _mm512_fmadd_ps(w1, b3, acc[4 * g + 3][1]);
-        }
-    }
-    const __mmask16 m0 = nr >= 16 ? 0xffff : (__mmask16)((1u << nr) - 1);
-    const __mmask16 m1 = nr >= 32 ? 0xffff : nr > 16 ? (__mmask16)((1u << (nr - 16)) - 1) : 0;
-    for (int t = 0; t < mt; t++) {
-        _mm512_mask_storeu_ps(y + (size_t)t * ldy, m0, acc[t][0]);
-        _mm512_mask_storeu_ps(y + (size_t)t * ldy + 16, m1, acc[t][1]);
-    }
-}
-
-static void panel_tokens12(const float *P, int in, const float *x, float *y, int ldy, int nr) {
-    panel_tokens(P, in, x, 12, y, ldy, nr);
-}
-
-static void panel_tokens8(const float *P, int in, const float *x, float *y, int ldy, int nr) {
-    panel_tokens(P, in, x, 8, y, ldy, nr);
-}
-
-static void panel_tokens4(const float *P, int in, const float *x, float *y, int ldy, int nr) {
-    panel_tokens(P, in, x, 4, y, ldy, nr);
-}
-
-/* All T (>= 4) tokens over one panel: steps of 12, then 8 and 4; a last
- * partial step runs the 4 tokens ending at T, recomputing up to 3 that a
- * step before wrote, with the same sums. */
-static void panel_all_tokens(const float *P, int in, const float *x, int T, float *y, int ldy,
-                             int nr) {
-    int t0 = 0;
-    for (; T - t0 >= 12; t0 += 12)
-        panel_tokens12(P, in, x + (size_t)t0 * in, y + (size_t)t0 * ldy, ldy, nr);
-    if (T - t0 >= 8) {
-        panel_tokens8(P, in, x + (size_t)t0 * in, y + (size_t)t0 * ldy, ldy, nr);
-        t0 += 8;
-    }
-    if (T - t0 >= 4) {
-        panel_tokens4(P, in, x + (size_t)t0 * in, y + (size_t)t0 * ldy, ldy, nr);
-        t0 += 4;
-    }
-    if (t0 < T) panel_tokens4(P, in, x + (size_t)(T - 4) * in, y + (size_t)(T - 4) * ldy, ldy, nr);
-}
-
 /* The prefill path: per panel of 32 rows, the scales (sg [32, nb]) and the
  * transposed f32 panel (P [in, 32], 32 * in floats of scratch, in L2 while
  * every 12 tokens run over it). */
@@ -623,7 +550,7 @@ static void gemm_avx512(const kern_weight *w, const kern_layout *l, const float 
         const int nr = r1 - r < PANEL_ROWS ? r1 - r : PANEL_ROWS;
         row_scales(w, l, r, nr, sg, (size_t)in / KERN_BLOCK);
         pack_panel(w, l, r, nr, sg, P);
-        panel_all_tokens(P, in, x, T, y + r, ldy, nr);
+        kern__panel_gemm(P, in, x, in, T, y + r, ldy, nr, false);
     }
 }
 #endif

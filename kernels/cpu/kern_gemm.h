@@ -1,0 +1,46 @@
+/*
+ * kern_gemm.h - the compute-bound product of prefill (internal to
+ * kernels/cpu): the register-blocked micro-kernel that ops.c (element
+ * formats) and quant.c (block formats) both run over panels of weight rows
+ * they have unpacked to f32.
+ *
+ * A panel is 32 weight rows over kc columns, transposed: P [kc, 32] f32,
+ * P[c * 32 + i] = W[r + i, c0 + c], rows past the matrix's end zero. The
+ * kernel keeps 12 tokens x 32 rows of sums in 24 registers and adds one
+ * column at a time (one broadcast of x[t, c] times the panel's 32 values),
+ * so every output is the plain left-to-right sum
+ *     y[t, r] = fma(W[r, in-1], x[t, in-1], ... fma(W[r, 0], x[t, 0], 0))
+ * whatever the panel's row, the token's place in its step, or how the
+ * columns were cut into panels of kc (a later panel continues the sums the
+ * earlier ones stored in y, and an f32 store and load change no bit). The
+ * result therefore does not depend on T, on the thread cut or on the block
+ * sizes: kern_gemm_ref is its specification, bit for bit.
+ */
+#ifndef KERN_GEMM_H
+#define KERN_GEMM_H
+
+#include <stdbool.h>
+
+#define KERN_PANEL_ROWS 32
+
+/* Columns per panel: P (kc * 32 floats, at most 512 KiB) stays in L2 while
+ * every 12 tokens run over it (the kernel reads 128 bytes of it per 24
+ * fmas). One panel over the whole row, where it fits, lets the unpacking
+ * read each weight row as one long stream the hardware prefetcher follows:
+ * measured on the dev machine (Zen 5, one thread, bf16 [4096, 2304]),
+ * panels of 256 columns ran at 139-175 GFLOP/s, whole rows at 158-208
+ * (T = 64 .. 512), widened rows + OpenBLAS sgemm at 91. */
+#define KERN_PANEL_COLS 4096
+
+/*
+ * y[t, i] = (accumulate ? y[t, i] : 0) + sum_{c < kc} x[t, c] * P[c * 32 + i]
+ * for t < T, i < nr (nr <= 32; columns nr..31 of y are not touched), the
+ * sum taken left to right with one fma per column.
+ *   P: [kc, 32] f32 (see above).   x: [T, ldx] f32, columns [0, kc) read.
+ *   y: [T, ldy] f32.   T >= 1.
+ * AVX-512 builds only.
+ */
+void kern__panel_gemm(const float *P, int kc, const float *x, int ldx, int T, float *y, int ldy,
+                      int nr, bool accumulate);
+
+#endif
