@@ -85,8 +85,11 @@ typedef struct eng_pass {
     int n_seqs;           /* 1: T tokens of seqs[0]; > 1: one token of each, T == n_seqs */
     const int32_t *ids;   /* [T] token ids, checked by the caller */
     int T;
-    bool chunked;         /* one sequence through the KDA chunked (WY) form; else the
-                           * recurrence */
+    bool chunked;         /* a prefill: one sequence through the KDA chunked (WY) form,
+                           * its products free to differ from one-token products row
+                           * for row (the CPU's GEMM from fewer tokens); else the
+                           * recurrence. Also set on a rank holding none of a
+                           * prefill's rows (n_seqs 0) under expert parallelism */
     float *logits;        /* NULL, or host [T, vocab]: every row's logits (one sequence) */
     int first;            /* logits are computed for rows [first, T); T: none this pass */
 } eng_pass;

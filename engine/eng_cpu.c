@@ -50,6 +50,13 @@ typedef struct eng_cpu {
     eng_dims d;
     eng_pool *pool;
     int n_threads, kda_chunk, max_rows, max_seqs;
+    /* The pass being run is a prefill (eng_pass.chunked: one sequence's
+     * tokens), whose products need not equal one-token products row for
+     * row: they take kern_matmul_w_prefill's GEMM from fewer tokens. Taken
+     * from the flag, not from n_seqs, so that an expert-parallel rank
+     * holding none of the pass's rows computes its experts' products as
+     * the owner would. */
+    bool prefill;
     thread_scratch *ts;  /* [n_threads] */
     eng_matmul jobs[MAX_MM_TABLE];
     mm_task tasks[MAX_MM_TASKS];
@@ -77,7 +84,10 @@ static void mm_task_fn(void *arg, int t, int thread) {
     const mm_task *task = &c->tasks[t];
     const eng_matmul *j = &c->jobs[task->job];
     const kern_weight w = eng__kern_weight(j->w);
-    kern_matmul_w(&w, j->x, j->T, j->y, j->ldy, task->r0, task->r1, c->ts[thread].mm);
+    if (c->prefill)
+        kern_matmul_w_prefill(&w, j->x, j->T, j->y, j->ldy, task->r0, task->r1, c->ts[thread].mm);
+    else
+        kern_matmul_w(&w, j->x, j->T, j->y, j->ldy, task->r0, task->r1, c->ts[thread].mm);
 }
 
 /* Run the n_jobs products in c->jobs in one dispatch, cut into row blocks
@@ -556,7 +566,9 @@ static kds_status cpu_run(eng_backend *b, const eng_pass *p, eng_pass_fn fn, voi
         if (rc != KDS_OK) return rc;
     }
     b->rc = KDS_OK;
+    c->prefill = p->chunked;
     fn(arg, p);
+    c->prefill = false;
     if (b->rc != KDS_OK) {
         if (err) *err = b->err;
         return b->rc;

@@ -773,9 +773,10 @@ static kds_status drive(eng_ep *e, const eng_pass *p, eng_pass_fn fn, void *arg,
                   .first = p->first, .want_all = p->logits != NULL,
                   .body = (int64_t)(2 * p->n_seqs + p->T) * (int64_t)sizeof(int32_t)};
     if ((rc = broadcast_cmd(e, &cmd, e->body, err)) != KDS_OK) goto out;
-    /* rank 0's own rows */
-    eng_pass local = {.seqs = e->lseqs, .n_seqs = 0, .ids = e->lids, .T = 0, .chunked = false,
-                      .logits = NULL, .first = 0};
+    /* rank 0's own rows; a prefill stays one without them, as on the
+     * other ranks (the products of its experts take the prefill path) */
+    eng_pass local = {.seqs = e->lseqs, .n_seqs = 0, .ids = e->lids, .T = 0,
+                      .chunked = p->chunked && p->n_seqs == 1, .logits = NULL, .first = 0};
     if (p->n_seqs == 1) {
         if (owners[0] == 0) local = *p;
     } else {

@@ -148,6 +148,18 @@ void kern_matmul_w(const kern_weight *w, const float *x, int T, float *y, int ld
                    float *scratch);
 
 /*
+ * kern_matmul_w for the tokens of one sequence's prefill, where row t of
+ * the result need not be token t's one-token product (batched decoding
+ * needs that; a prompt does not): from KERN_PREFILL_GEMM_MIN_T tokens it
+ * takes the GEMM path of kern_matmul_w's many-token case, which is
+ * compute-bound and faster there than the direct path; below it, and
+ * without AVX-512, it is kern_matmul_w. Same arguments and contract.
+ */
+#define KERN_PREFILL_GEMM_MIN_T 12
+void kern_matmul_w_prefill(const kern_weight *w, const float *x, int T, float *y, int ldy, int r0,
+                           int r1, float *scratch);
+
+/*
  * kern_matmul_w's portable path for a block format, in every build (the
  * one kern_matmul_w takes without AVX-512): below 32 tokens each row's
  * blocks of 32 values dequantised one at a time and dotted with every

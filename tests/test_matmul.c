@@ -11,6 +11,7 @@
  */
 #include <criterion/criterion.h>
 #include <math.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -109,10 +110,11 @@ Test(matmul, all_paths_match_reference) {
     }
 }
 
-/* The GEMM path (T >= 64 with scratch) against its specification: each
- * output the sequential fmaf chain over its row, compared bit for bit,
- * for row ranges cut anywhere (a thread's share of a product). */
-static void check_gemm_exact(kern_dtype dt, int rows, int in, int T) {
+/* The GEMM path (T >= 64 with scratch; kern_matmul_w_prefill from
+ * KERN_PREFILL_GEMM_MIN_T) against its specification: each output the
+ * sequential fmaf chain over its row, compared bit for bit, for row ranges
+ * cut anywhere (a thread's share of a product). */
+static void check_gemm_exact(kern_dtype dt, int rows, int in, int T, bool prefill) {
     float *wf = malloc((size_t)rows * in * sizeof(float));
     float *x = malloc((size_t)T * in * sizeof(float));
     float *y = malloc((size_t)T * rows * sizeof(float));
@@ -124,8 +126,13 @@ static void check_gemm_exact(kern_dtype dt, int rows, int in, int T) {
         x[i] = unit(&seed);
     /* three ragged row ranges, as three threads would compute them */
     const int cut[4] = {0, rows / 3 + 1, 2 * rows / 3 - 2, rows};
-    for (int k = 0; k < 3; k++)
-        kern_matmul(dt, w, in, x, T, y, rows, cut[k], cut[k + 1], scratch);
+    const kern_weight kw = {.dt = dt, .data = w, .scales = NULL, .rows = rows, .cols = in};
+    for (int k = 0; k < 3; k++) {
+        if (prefill)
+            kern_matmul_w_prefill(&kw, x, T, y, rows, cut[k], cut[k + 1], scratch);
+        else
+            kern_matmul(dt, w, in, x, T, y, rows, cut[k], cut[k + 1], scratch);
+    }
     for (int t = 0; t < T; t++)
         for (int r = 0; r < rows; r++) {
             float acc = 0.0f;
@@ -146,9 +153,12 @@ static void check_gemm_exact(kern_dtype dt, int rows, int in, int T) {
 Test(matmul, gemm_path_is_the_fma_chain) {
     const kern_dtype dts[] = {KERN_F32, KERN_BF16, KERN_F16};
     for (int d = 0; d < 3; d++) {
-        check_gemm_exact(dts[d], 70, 96, 64);
-        check_gemm_exact(dts[d], 45, 81, 77); /* odd width: the last column alone */
-        check_gemm_exact(dts[d], 33, 4200, 65); /* two panels of columns */
+        check_gemm_exact(dts[d], 70, 96, 64, false);
+        check_gemm_exact(dts[d], 45, 81, 77, false); /* odd width: the last column alone */
+        check_gemm_exact(dts[d], 33, 4200, 65, false); /* two panels of columns */
+        /* a prefill's products: the same sums from fewer tokens */
+        check_gemm_exact(dts[d], 70, 96, KERN_PREFILL_GEMM_MIN_T, true);
+        check_gemm_exact(dts[d], 45, 81, 23, true);
     }
 }
 

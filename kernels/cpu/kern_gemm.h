@@ -21,6 +21,8 @@
 
 #include <stdbool.h>
 
+#include "kern.h"
+
 #define KERN_PANEL_ROWS 32
 
 /* Columns per panel: P (kc * 32 floats, at most 512 KiB) stays in L2 while
@@ -42,5 +44,14 @@
  */
 void kern__panel_gemm(const float *P, int kc, const float *x, int ldx, int T, float *y, int ldy,
                       int nr, bool accumulate);
+
+/*
+ * The whole GEMM path of an element format (F32, BF16, F16): rows
+ * [r0, r1) of y [T, ldy] = x [T, in] W^T, per panel of 32 rows unpacked
+ * (transposed, f32) into P and run by kern__panel_gemm. P: at least
+ * 32 * min(in, KERN_PANEL_COLS) floats. AVX-512 builds only.
+ */
+void kern__gemm_elem(kern_dtype dt, const void *W, int in, const float *x, int T, float *y,
+                     int ldy, int r0, int r1, float *P);
 
 #endif

@@ -425,8 +425,8 @@ static void pack_panel(kern_dtype dt, const void *W, int in, int r, int nr, int 
  * the panel unpacked (pack_panel) and every token run over it
  * (kern__panel_gemm), the later column blocks continuing the sums the
  * earlier ones stored. W is read from memory once; the panel stays in L1. */
-static void gemm_panels(kern_dtype dt, const void *W, int in, const float *x, int T, float *y,
-                        int ldy, int r0, int r1, float *P) {
+void kern__gemm_elem(kern_dtype dt, const void *W, int in, const float *x, int T, float *y,
+                     int ldy, int r0, int r1, float *P) {
     for (int r = r0; r < r1; r += KERN_PANEL_ROWS) {
         const int nr = r1 - r < KERN_PANEL_ROWS ? r1 - r : KERN_PANEL_ROWS;
         for (int c0 = 0; c0 < in; c0 += KERN_PANEL_COLS) {
@@ -461,7 +461,7 @@ void kern_matmul(kern_dtype dt, const void *W, int in, const float *x, int T, fl
     if (r1 <= r0 || T <= 0) return;
 #if KERN_AVX512
     if (T >= MATMUL_GEMM_MIN_T && scratch) {
-        gemm_panels(dt, W, in, x, T, y, ldy, r0, r1, scratch);
+        kern__gemm_elem(dt, W, in, x, T, y, ldy, r0, r1, scratch);
         return;
     }
 #else

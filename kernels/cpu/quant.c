@@ -585,6 +585,22 @@ void kern_matmul_w(const kern_weight *w, const float *x, int T, float *y, int ld
 #endif
 }
 
+void kern_matmul_w_prefill(const kern_weight *w, const float *x, int T, float *y, int ldy, int r0,
+                           int r1, float *scratch) {
+#if KERN_AVX512
+    if (T >= KERN_PREFILL_GEMM_MIN_T && scratch && r1 > r0) {
+        if (kern_dtype_is_block(w->dt)) {
+            const kern_layout l = kern_weight_layout(w->dt, w->rows, w->cols);
+            gemm_avx512(w, &l, x, T, y, ldy, r0, r1, scratch);
+        } else {
+            kern__gemm_elem(w->dt, w->data, w->cols, x, T, y, ldy, r0, r1, scratch);
+        }
+        return;
+    }
+#endif
+    kern_matmul_w(w, x, T, y, ldy, r0, r1, scratch);
+}
+
 void kern_matmul_w_ref(const kern_weight *w, const float *x, int T, float *y, int ldy, int r0,
                        int r1, float *scratch) {
     if (!kern_dtype_is_block(w->dt) || !scratch || r1 <= r0 || T <= 0) return;
