@@ -197,19 +197,70 @@ static inline __m256 reduce8(const __m512 a[8]) {
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-/* Eight weight rows at a time, for each of nt tokens in turn: the
- * activation vector is loaded once per eight rows and each row gets its own
- * accumulator, so the loop is bound by streaming W. With several tokens (a
- * batched decode: one token of each of nt sequences) the eight rows are
- * read from memory for the first token and from L1 for the rest, and each
- * token's sums are computed exactly as for a lone token.
+/* Rows w[0..8) (row stride in), columns [i0, i1), dotted with nt (1..3,
+ * a constant at each call) tokens x0 [nt, in] (split even/odd as
+ * dot8_bf16's xd), continuing the 8 x nt running sums acc[t][k] (16 lanes
+ * each; zero before the first columns): per 32 columns, each of the eight
+ * rows is loaded and widened once and feeds the nt tokens' FMAs, the eight
+ * rows read as eight streams. pf_rows > 0: the rows that far ahead are
+ * prefetched (the call that reads these rows from memory). */
+static inline __attribute__((always_inline)) void
+rows8_cols(const uint16_t *w, int in, const float *x0, const int nt, int i0, int i1, int pf_rows,
+           __m512 (*acc)[8]) {
+    const __m512i hi_mask = _mm512_set1_epi32((int)0xffff0000u);
+    __m512 a[3][8];
+    for (int j = 0; j < nt; j++)
+        for (int k = 0; k < 8; k++) a[j][k] = acc[j][k];
+    for (int i = i0; i < i1; i += 32) {
+        if (pf_rows > 0)
+            for (int k = 0; k < 8; k++)
+                _mm_prefetch((const char *)(w + (size_t)(k + pf_rows) * in + i), _MM_HINT_T0);
+        __m512 xe[3], xo[3];
+        for (int j = 0; j < nt; j++) {
+            xe[j] = _mm512_loadu_ps(x0 + (size_t)j * in + i);
+            xo[j] = _mm512_loadu_ps(x0 + (size_t)j * in + i + 16);
+        }
+        for (int k = 0; k < 8; k++) {
+            const __m512i v = _mm512_loadu_si512((const void *)(w + (size_t)k * in + i));
+            const __m512 ve = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+            const __m512 vo = _mm512_castsi512_ps(_mm512_and_si512(v, hi_mask));
+            for (int j = 0; j < nt; j++) {
+                a[j][k] = _mm512_fmadd_ps(ve, xe[j], a[j][k]);
+                a[j][k] = _mm512_fmadd_ps(vo, xo[j], a[j][k]);
+            }
+        }
+    }
+    for (int j = 0; j < nt; j++)
+        for (int k = 0; k < 8; k++) acc[j][k] = a[j][k];
+}
+
+/* Columns per block when more than three tokens share eight rows: the
+ * rows' block (8 KiB) and the tokens' (up to 63 x 2 KiB) stay in L1 / L2
+ * while every group of three runs over them. */
+#define DOT_COL_BLOCK 512
+
+/* Eight weight rows at a time, every token over them: the activation
+ * vectors are loaded once per eight rows and each (row, token) pair gets
+ * its own accumulator, so the loop is bound by streaming W. Tokens go in
+ * groups of up to three (rows8_cols: 8 x 3 sums in registers): the first
+ * group reads the eight rows from memory as eight streams, the others from
+ * cache. Eight streams matter: four rows at a time read at half the
+ * bandwidth (batched decode gives each routed expert one to three tokens;
+ * on one thread of the dev machine 2 and 3 tokens went from 16 and 13 GB/s
+ * to 26 and 25, 1 token 25-27 either way). With more than three tokens
+ * the columns go in blocks of DOT_COL_BLOCK, so that the later groups find
+ * the rows and their x in cache (x of 8 tokens over 2,304 columns does
+ * not fit L1 beside the rows), the sums carried from block to block.
+ * Every (row, token) sum gets the same FMAs in the same order and reduce8
+ * sums each vector the same way whatever vectors share the call, so a
+ * token's results are bit for bit those it has alone.
  *
  * BF16 rows are widened without a shuffle: a 512-bit load holds 32 bf16
  * values; shifting each 32-bit lane left by 16 gives the even-indexed ones as
  * f32, masking off the low half gives the odd-indexed ones. The activation
  * vectors are pre-split the same way (xd: [nt, in], per 32-block 16 even then
  * 16 odd values), so each block costs two cheap integer ops and two FMAs per
- * row. y: [nt, ldy]. */
+ * row. nt < 64. y: [nt, ldy]. */
 static void dot8_bf16(const uint16_t *W, int in, const float *xd, int nt, int r0, int r1,
                       float *y, int ldy) {
     const __m512i hi_mask = _mm512_set1_epi32((int)0xffff0000u);
@@ -218,71 +269,27 @@ static void dot8_bf16(const uint16_t *W, int in, const float *xd, int nt, int r0
      * matrices (measured 15-20% more tokens/s with it). x86 prefetches never
      * fault, so running past the last row is harmless. */
     const int pf_rows = 16384 / (2 * in) > 8 ? 16384 / (2 * in) : 8;
+    _Alignas(64) __m512 acc[64][8];
     int r = r0;
     for (; r + 8 <= r1; r += 8) {
         const uint16_t *w = W + (size_t)r * in;
-        int t = 0;
-        /* Four tokens at a time, in two halves of four rows: each widened W
-         * vector feeds four tokens' FMAs instead of one, so a batch of
-         * sequences spends its time on FMAs rather than on re-reading and
-         * re-widening the rows (which for rows of 2,304 no longer fit L1
-         * eight at a time). Every (row, token) sum keeps its own accumulator
-         * and the same order of FMAs, and reduce8 sums each vector the same
-         * way whatever vectors share the call: the results are bit for bit
-         * those of one token at a time. */
-        for (; t + 4 <= nt; t += 4) {
-            const float *x0 = xd + (size_t)t * in;
-            for (int h = 0; h < 8; h += 4) {
-                __m512 acc[4][4];
-                for (int k = 0; k < 4; k++)
-                    for (int j = 0; j < 4; j++) acc[k][j] = _mm512_setzero_ps();
-                for (int i = 0; i < in; i += 32) {
-                    if (t == 0 && h == 0)
-                        for (int k = 0; k < 8; k++)
-                            _mm_prefetch((const char *)(w + (size_t)(k + pf_rows) * in + i),
-                                         _MM_HINT_T0);
-                    __m512 xe[4], xo[4];
-                    for (int j = 0; j < 4; j++) {
-                        xe[j] = _mm512_loadu_ps(x0 + (size_t)j * in + i);
-                        xo[j] = _mm512_loadu_ps(x0 + (size_t)j * in + i + 16);
-                    }
-                    for (int k = 0; k < 4; k++) {
-                        __m512i v = _mm512_loadu_si512((const void *)(w + (size_t)(h + k) * in + i));
-                        __m512 ve = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-                        __m512 vo = _mm512_castsi512_ps(_mm512_and_si512(v, hi_mask));
-                        for (int j = 0; j < 4; j++) {
-                            acc[k][j] = _mm512_fmadd_ps(ve, xe[j], acc[k][j]);
-                            acc[k][j] = _mm512_fmadd_ps(vo, xo[j], acc[k][j]);
-                        }
-                    }
-                }
-                for (int j = 0; j < 4; j += 2) {
-                    const __m512 q[8] = {acc[0][j],     acc[1][j],     acc[2][j],     acc[3][j],
-                                         acc[0][j + 1], acc[1][j + 1], acc[2][j + 1], acc[3][j + 1]};
-                    __m256 sum = reduce8(q);
-                    _mm_storeu_ps(y + (size_t)(t + j) * ldy + r + h, _mm256_castps256_ps128(sum));
-                    _mm_storeu_ps(y + (size_t)(t + j + 1) * ldy + r + h, _mm256_extractf128_ps(sum, 1));
-                }
+        const int cb = nt <= 3 ? in : DOT_COL_BLOCK;
+        for (int t = 0; t < nt; t++)
+            for (int k = 0; k < 8; k++) acc[t][k] = _mm512_setzero_ps();
+        for (int i0 = 0; i0 < in; i0 += cb) {
+            const int i1 = in - i0 < cb ? in : i0 + cb;
+            for (int t = 0; t < nt; t += 3) {
+                const int pf = t == 0 ? pf_rows : 0;
+                const float *x0 = xd + (size_t)t * in;
+                if (nt - t >= 3)
+                    rows8_cols(w, in, x0, 3, i0, i1, pf, acc + t);
+                else if (nt - t == 2)
+                    rows8_cols(w, in, x0, 2, i0, i1, pf, acc + t);
+                else
+                    rows8_cols(w, in, x0, 1, i0, i1, pf, acc + t);
             }
         }
-        for (; t < nt; t++) {
-            const float *x = xd + (size_t)t * in;
-            __m512 acc[8];
-            for (int k = 0; k < 8; k++) acc[k] = _mm512_setzero_ps();
-            for (int i = 0; i < in; i += 32) {
-                __m512 xe = _mm512_loadu_ps(x + i), xo = _mm512_loadu_ps(x + i + 16);
-                if (t == 0)
-                    for (int k = 0; k < 8; k++)
-                        _mm_prefetch((const char *)(w + (size_t)(k + pf_rows) * in + i), _MM_HINT_T0);
-                for (int k = 0; k < 8; k++) {
-                    __m512i v = _mm512_loadu_si512((const void *)(w + (size_t)k * in + i));
-                    acc[k] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), xe, acc[k]);
-                    acc[k] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(v, hi_mask)), xo,
-                                             acc[k]);
-                }
-            }
-            _mm256_storeu_ps(y + (size_t)t * ldy + r, reduce8(acc));
-        }
+        for (int t = 0; t < nt; t++) _mm256_storeu_ps(y + (size_t)t * ldy + r, reduce8(acc[t]));
     }
     for (; r < r1; r++) {
         const uint16_t *w0 = W + (size_t)r * in;
@@ -427,12 +434,26 @@ static void pack_panel(kern_dtype dt, const void *W, int in, int r, int nr, int 
  * earlier ones stored. W is read from memory once; the panel stays in L1. */
 void kern__gemm_elem(kern_dtype dt, const void *W, int in, const float *x, int T, float *y,
                      int ldy, int r0, int r1, float *P) {
+    const size_t esz = kern_dtype_size(dt), stride = (size_t)in * esz;
     for (int r = r0; r < r1; r += KERN_PANEL_ROWS) {
         const int nr = r1 - r < KERN_PANEL_ROWS ? r1 - r : KERN_PANEL_ROWS;
         for (int c0 = 0; c0 < in; c0 += KERN_PANEL_COLS) {
             const int kc = in - c0 < KERN_PANEL_COLS ? in - c0 : KERN_PANEL_COLS;
             pack_panel(dt, W, in, r, nr, c0, kc, P);
-            kern__panel_gemm(P, kc, x + c0, in, T, y + r, ldy, nr, c0 > 0);
+            /* the next panel: the next columns of these rows, else the
+             * first columns of the next rows */
+            kern_prefetch next = {NULL, stride, 0, 0};
+            if (c0 + kc < in) {
+                const int kn = in - c0 - kc < KERN_PANEL_COLS ? in - c0 - kc : KERN_PANEL_COLS;
+                next.base = (const char *)W + (size_t)r * stride + (size_t)(c0 + kc) * esz;
+                next.row_bytes = (size_t)kn * esz, next.rows = nr;
+            } else if (r + nr < r1) {
+                const int kn = in < KERN_PANEL_COLS ? in : KERN_PANEL_COLS;
+                next.base = (const char *)W + (size_t)(r + nr) * stride;
+                next.row_bytes = (size_t)kn * esz;
+                next.rows = r1 - r - nr < KERN_PANEL_ROWS ? r1 - r - nr : KERN_PANEL_ROWS;
+            }
+            kern__panel_gemm(P, kc, x + c0, in, T, y + r, ldy, nr, c0 > 0, &next);
         }
     }
 }
