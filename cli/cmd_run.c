@@ -42,6 +42,7 @@ enum {
     OPT_PROMPT_FILE,
     OPT_GEN,
     OPT_GPU_BF16,
+    OPT_BANDWIDTH_MIB,
 };
 
 /* Print a token's bytes; control bytes other than newline and tab are shown
@@ -592,11 +593,18 @@ out:
 static void bench_usage(FILE *f) {
     fprintf(f, "usage: kdaserve bench [--model DIR | --gen PRESET [--seed S]] [--prompt-tokens N]\n"
                "                      [--gen-tokens N] [--repeats R] [--threads N] [--batch B]\n"
-               "                      [--seqs N,N,...] [--device cpu|cuda] [--gpu-bf16]\n\n"
+               "                      [--seqs N,N,...] [--device cpu|cuda] [--gpu-bf16]\n"
+               "                      [--bandwidth-mib M]\n\n"
                "Measures prefill tokens/s (N random tokens through the prefill path, default\n"
                "512) and decode tokens/s (N tokens one at a time after that prompt, default\n"
                "128), best of R runs (default 3), and prints them with the model, thread\n"
                "count and sizes.\n\n"
+               "On the CPU it also prints what a decoded token reads (the weights of its\n"
+               "top-k experts and every other matrix, one embedding row, the state) as\n"
+               "GB/s at the decode's speed, beside the machine's memory read bandwidth\n"
+               "measured in the same run: a plain streaming read of M MiB (default 1024,\n"
+               "or four times the last-level cache if more; 0 skips it) on as many\n"
+               "threads, best of 3.\n\n"
                "--seqs N,N,... adds continuous batching: for each N, N sequences with\n"
                "different prompts (--prompt-tokens each) decode --gen-tokens greedy tokens\n"
                "each, once together (one eng_decode_batch_sample per step) and once one after\n"
@@ -732,9 +740,11 @@ int cmd_bench(int argc, char **argv) {
         {"gen", required_argument, 0, OPT_GEN},
         {"gpu-bf16", no_argument, 0, OPT_GPU_BF16},
         {"seed", required_argument, 0, OPT_SEED},
+        {"bandwidth-mib", required_argument, 0, OPT_BANDWIDTH_MIB},
         {"help", no_argument, 0, 'h'}, {0, 0, 0, 0}};
     const char *model = NULL, *device = NULL, *gen = NULL;
     int64_t pt = 512, gt = 128, reps = 3, threads = 0, batch = 0, seed = 1;
+    int64_t bw_mib = (int64_t)(eng_read_bandwidth_default_bytes() >> 20);
     bool gpu_bf16 = false;
     int seq_counts[MAX_SEQ_COUNTS], n_counts = 0;
     optind = 1;
@@ -751,6 +761,10 @@ int cmd_bench(int argc, char **argv) {
         } else if (o == OPT_SEED) {
             if (!cli_parse_i64(optarg, 0, INT64_MAX, &seed))
                 return cli_failf("bench", "--seed wants a number, got '%s'", optarg);
+        } else if (o == OPT_BANDWIDTH_MIB) {
+            if (!cli_parse_i64(optarg, 0, 1 << 20, &bw_mib))
+                return cli_failf("bench", "--bandwidth-mib wants MiB in 0..1048576, got '%s'",
+                                 optarg);
         } else if (o == OPT_DEVICE) {
             if (!cli_device_valid(optarg))
                 return cli_failf("bench", "--device wants cpu or cuda, got '%s'", optarg);
@@ -893,6 +907,24 @@ int cmd_bench(int argc, char **argv) {
            "median %.1f; %.3f ms/token)\n",
            dec[reps - 1], (long long)gt, (long long)reps, dec[reps / 2],
            dec[reps - 1] > 0 ? 1000.0 / dec[reps - 1] : 0.0);
+    if (eng_ctx_device_kind(c) == ENG_DEVICE_CPU && gt > 0 && bw_mib > 0) {
+        /* what the decode read per token (at its middle position), against
+         * a streaming read of the machine's memory measured now */
+        const eng_decode_bytes db = eng_model_decode_bytes(m, pt + gt / 2);
+        const double per_tok = db.weights + db.state;
+        double bw = 0.0;
+        if (eng_read_bandwidth(eng_ctx_threads(c), (size_t)bw_mib << 20, 3, &bw, &err) != KDS_OK)
+            goto fail;
+        const double best = per_tok * dec[reps - 1] / 1e9, median = per_tok * dec[reps / 2] / 1e9;
+        printf("memory       a decoded token reads %.1f MB (weights %.1f, state %.1f): %.1f GB/s "
+               "at the best run (median %.1f)\n",
+               per_tok / 1e6, db.weights / 1e6, db.state / 1e6, best, median);
+        printf("             streaming read of %lld MiB on %d threads, this run: %.1f GB/s "
+               "(best of 3) -> decode at %.0f%% of it (median %.0f%%)%s\n",
+               (long long)bw_mib, eng_ctx_threads(c), bw, bw > 0 ? 100.0 * best / bw : 0.0,
+               bw > 0 ? 100.0 * median / bw : 0.0,
+               best > bw ? "; above 100%: the model's bytes fit in the caches" : "");
+    }
     if (ep_on && ep_sum[0].moe_layers > 0) {
         /* each rank's own clock: a collective's time includes waiting for
          * the slowest rank to get there */

@@ -119,6 +119,18 @@ typedef struct eng_state_size {
 
 eng_state_size eng_config_state_size(const eng_config *c);
 
+/* What one decoded token of one sequence reads, in bytes: the figure a
+ * batch-1 decode is judged by against the memory bandwidth. weights: every
+ * matrix as stored (its format's bytes, scales included), but one row of
+ * the embedding table (unless it is also the lm_head) and, of each MoE
+ * layer's routed experts, top-k of E; the small vectors (norms, biases)
+ * are left out. state: each KDA layer's recurrent state and conv tail,
+ * read and written, plus the MLA latent rows of `pos` earlier tokens. */
+typedef struct eng_decode_bytes {
+    double weights, state;
+} eng_decode_bytes;
+eng_decode_bytes eng_model_decode_bytes(const eng_model *m, int64_t pos);
+
 /* Create a fresh sequence (position 0, zero state, RNG seeded with `seed`).
  * Caller owns *out: free with eng_seq_free. */
 kds_status eng_seq_create(const eng_model *m, uint64_t seed, eng_seq **out, kds_err *err);
@@ -240,6 +252,19 @@ kds_status eng_ctx_create(const eng_model *m, const eng_ctx_params *p, eng_ctx *
                           kds_err *err);
 void eng_ctx_free(eng_ctx *c);
 int eng_ctx_threads(const eng_ctx *c);
+
+/*
+ * The machine's memory read bandwidth in GB/s (10^9 bytes/s): the best of
+ * `reps` plain streaming reads (kern_read_sum) of a buffer of `bytes` on
+ * n_threads threads (1..64), each thread reading its share (four per
+ * thread) as the forward pass cuts its products. What decode at batch 1
+ * is judged against (`kdaserve bench` prints both): bytes
+ * eng_read_bandwidth_default_bytes() (1 GiB, or four times the last-level
+ * cache if that is more) come from memory, not from a cache. Allocates and
+ * frees the buffer and a thread pool. Errors: KDS_INVALID_ARG, KDS_NOMEM.
+ */
+kds_status eng_read_bandwidth(int n_threads, size_t bytes, int reps, double *gbs, kds_err *err);
+size_t eng_read_bandwidth_default_bytes(void);
 /* Where this context runs the forward pass, and its name ("cpu", "cuda"). */
 eng_device eng_ctx_device_kind(const eng_ctx *c);
 const char *eng_ctx_device(const eng_ctx *c);

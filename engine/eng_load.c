@@ -887,6 +887,29 @@ const eng_config *eng_model_config(const eng_model *m) {
     return &m->cfg;
 }
 
+static double weight_bytes(const eng_weight *w) {
+    return (double)kern_weight_layout(w->dt, w->rows, w->cols).bytes;
+}
+
+eng_decode_bytes eng_model_decode_bytes(const eng_model *m, int64_t pos) {
+    const eng_config *c = &m->cfg;
+    eng_decode_bytes b = {0.0, 0.0};
+    for (int i = 1; i < m->n_weights; i++) b.weights += weight_bytes(m->weights[i]);
+    if (m->embed_tokens.id != m->lm_head.id && m->embed_tokens.rows > 0)
+        b.weights -= weight_bytes(&m->embed_tokens) * (1.0 - 1.0 / m->embed_tokens.rows);
+    const int E = c->num_experts, k = c->num_experts_per_token;
+    for (int l = 0; l < m->n_moe && E > 0; l++) {
+        const eng_ffn_weights *f = m->banks[l];
+        double bank = 0.0;
+        for (int e = 0; e < E; e++)
+            bank += weight_bytes(&f->w1[e]) + weight_bytes(&f->w3[e]) + weight_bytes(&f->w2[e]);
+        b.weights -= bank * (1.0 - (double)k / E);
+    }
+    const eng_state_size z = eng_config_state_size(c);
+    b.state = 2.0 * (double)(z.kda_state + z.conv_state) + (double)z.per_token * (double)pos;
+    return b;
+}
+
 const char *eng_model_dir(const eng_model *m) {
     return m->dir;
 }

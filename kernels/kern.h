@@ -111,6 +111,12 @@ float kern_gen_normal(uint64_t stream, uint64_t i, float sd);
 /* Convert `n` elements of type `dt` at `src` to float32 at `dst`. */
 void kern_to_f32(kern_dtype dt, const void *src, float *dst, size_t n);
 
+/* A plain streaming read of n bytes at p (64-byte aligned): the sum of
+ * its 64-bit words (wrapping), so the reads cannot be left out. Four
+ * independent 64-byte loads per step, so the loop is bound by memory: the
+ * machine's read bandwidth, which decode is judged against. */
+uint64_t kern_read_sum(const void *p, size_t n);
+
 /* ------------------------------------------------------------------------ */
 /* Dense products                                                            */
 

@@ -8,9 +8,11 @@
  * layer) presets.
  */
 #include <criterion/criterion.h>
+#include <math.h>
 
 #include "eng.h"
 #include "eng_config.h"
+#include "eng_safetensors.h"
 #include "test_helpers.h"
 #include "test_model_util.h"
 
@@ -408,5 +410,80 @@ Test(decode_batch, bench_seqs_cli, .timeout = 120) {
         cr_expect(strstr(out, "--seqs") && strchr(out, '\n') == out + n - 1,
                   "'%s': not one line naming --seqs: %s", bad[i], out);
     }
+    close_fixture(&f);
+}
+
+/* What a decoded token reads (eng_model_decode_bytes), counted here from
+ * the model file itself: every matrix (2-D tensor of more than one row and
+ * column), one embedding row, top-k of E of the routed experts; the state:
+ * KDA states and conv tails twice (read, written), MLA rows of pos tokens. */
+Test(decode_batch, decode_bytes_from_the_file) {
+    fixture f = open_preset("tiny-hybrid", 1, 16, 4);
+    const eng_config *cfg = eng_model_config(f.m);
+    char path[4096];
+    snprintf(path, sizeof path, "%s/model.safetensors", f.dir);
+    eng_st_file *st = NULL;
+    kds_err err = {0};
+    cr_assert_eq(eng_st_open(path, &st, &err), KDS_OK, "%s", err.msg);
+    double want = 0.0, experts = 0.0;
+    for (size_t i = 0; i < eng_st_count(st); i++) {
+        const eng_st_tensor *t = eng_st_at(st, i);
+        if (t->n_dims != 2 || t->shape[0] < 2 || t->shape[1] < 2) continue;
+        if (strstr(t->name, "embed_tokens")) {
+            want += (double)t->n_bytes / (double)t->shape[0];
+            continue;
+        }
+        if (strstr(t->name, ".experts.")) experts += (double)t->n_bytes;
+        else want += (double)t->n_bytes;
+    }
+    cr_assert(experts > 0, "tiny-hybrid has routed experts");
+    want += experts * cfg->num_experts_per_token / cfg->num_experts;
+    eng_st_close(st);
+    const eng_state_size z = eng_config_state_size(cfg);
+    for (int64_t pos = 0; pos <= 100; pos += 100) {
+        const eng_decode_bytes b = eng_model_decode_bytes(f.m, pos);
+        cr_expect(fabs(b.weights - want) < 1e-6 * want, "weights %.1f, the file says %.1f",
+                  b.weights, want);
+        const double state = 2.0 * (double)(z.kda_state + z.conv_state) + (double)z.per_token * pos;
+        cr_expect(fabs(b.state - state) < 0.5, "state %.1f, want %.1f", b.state, state);
+    }
+    cr_expect(z.per_token > 0, "tiny-hybrid has an MLA layer");
+    close_fixture(&f);
+}
+
+/* bench prints that figure against a streaming read measured in the run. */
+Test(decode_batch, bench_prints_bandwidth, .timeout = 120) {
+    fixture f = open_preset("tiny", 1, 16, 4);
+    char cmd[1024], out[8192];
+    snprintf(cmd, sizeof cmd,
+             KDS_BINARY_DIR "/kdaserve bench --model %s --threads 1 --repeats 1 --prompt-tokens 5 "
+                            "--gen-tokens 3 --bandwidth-mib 64 2>&1",
+             f.dir);
+    FILE *p = popen(cmd, "r");
+    cr_assert(p);
+    size_t n = fread(out, 1, sizeof out - 1, p);
+    out[n] = '\0';
+    cr_assert_eq(pclose(p), 0, "%s", out);
+    const char *line = strstr(out, "a decoded token reads ");
+    cr_assert(line, "no memory line in:\n%s", out);
+    double mb = 0, w = 0, st = 0, gbs = 0, bw = 0;
+    cr_assert_eq(sscanf(line, "a decoded token reads %lf MB (weights %lf, state %lf): %lf GB/s",
+                        &mb, &w, &st, &gbs), 4, "%s", line);
+    cr_expect(mb > 0 && fabs(mb - w - st) < 0.11 && gbs > 0, "%.120s", line);
+    line = strstr(out, "streaming read of 64 MiB on 1 threads, this run: ");
+    cr_assert(line, "no bandwidth line in:\n%s", out);
+    cr_assert_eq(sscanf(line, "streaming read of 64 MiB on 1 threads, this run: %lf", &bw), 1);
+    cr_expect(bw > 0.1, "%.120s", line);
+    /* --bandwidth-mib 0 leaves it out */
+    snprintf(cmd, sizeof cmd,
+             KDS_BINARY_DIR "/kdaserve bench --model %s --threads 1 --repeats 1 --prompt-tokens 5 "
+                            "--gen-tokens 3 --bandwidth-mib 0 2>&1",
+             f.dir);
+    p = popen(cmd, "r");
+    cr_assert(p);
+    n = fread(out, 1, sizeof out - 1, p);
+    out[n] = '\0';
+    cr_assert_eq(pclose(p), 0, "%s", out);
+    cr_expect(!strstr(out, "streaming read"), "%s", out);
     close_fixture(&f);
 }

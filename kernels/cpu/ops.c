@@ -140,6 +140,33 @@ void kern_to_f32(kern_dtype dt, const void *src, float *dst, size_t n) {
     }
 }
 
+uint64_t kern_read_sum(const void *p, size_t n) {
+    const unsigned char *b = p;
+    uint64_t sum = 0;
+    size_t i = 0;
+#if KERN_AVX512
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+    for (; i + 256 <= n; i += 256) {
+        a0 = _mm512_add_epi64(a0, _mm512_load_si512((const void *)(b + i)));
+        a1 = _mm512_add_epi64(a1, _mm512_load_si512((const void *)(b + i + 64)));
+        a2 = _mm512_add_epi64(a2, _mm512_load_si512((const void *)(b + i + 128)));
+        a3 = _mm512_add_epi64(a3, _mm512_load_si512((const void *)(b + i + 192)));
+    }
+    a0 = _mm512_add_epi64(_mm512_add_epi64(a0, a1), _mm512_add_epi64(a2, a3));
+    sum = (uint64_t)_mm512_reduce_add_epi64(a0);
+#endif
+    uint64_t s[4] = {0, 0, 0, 0};
+    for (; i + 32 <= n; i += 32)
+        for (int k = 0; k < 4; k++) {
+            uint64_t w;
+            memcpy(&w, b + i + 8 * k, sizeof w);
+            s[k] += w;
+        }
+    sum += s[0] + s[1] + s[2] + s[3];
+    for (; i < n; i++) sum += b[i];
+    return sum;
+}
+
 /* ------------------------------------------------------------------------ */
 /* Dot products of one weight row with up to DOT_TOKENS activation rows.     */
 

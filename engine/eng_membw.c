@@ -1,0 +1,104 @@
+/*
+ * eng_membw.c - the machine's memory read bandwidth, measured the way
+ * decode reads its weights (contract in eng.h): a streaming read of a
+ * buffer several times the last-level cache, on as many threads as a
+ * context uses, each thread reading its own contiguous share.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "eng.h"
+#include "eng_pool.h"
+#include "kern.h"
+
+typedef struct read_job {
+    const unsigned char *p;
+    size_t share; /* bytes per task, a multiple of 256 */
+    uint64_t sum[64];
+} read_job;
+
+static void read_task(void *arg, int task, int thread) {
+    read_job *j = arg;
+    (void)thread;
+    j->sum[task] = kern_read_sum(j->p + j->share * (size_t)task, j->share);
+}
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* The last-level cache's size, from sysfs (0 when unknown). */
+static size_t llc_bytes(void) {
+    size_t best = 0;
+    for (int i = 0; i < 8; i++) {
+        char path[96];
+        snprintf(path, sizeof path, "/sys/devices/system/cpu/cpu0/cache/index%d/size", i);
+        FILE *f = fopen(path, "r");
+        if (!f) continue;
+        unsigned long v = 0;
+        char unit = 0;
+        if (fscanf(f, "%lu%c", &v, &unit) < 1) v = 0;
+        fclose(f);
+        size_t b = unit == 'K' ? (size_t)v << 10 : unit == 'M' ? (size_t)v << 20 : (size_t)v;
+        if (b > best) best = b;
+    }
+    return best;
+}
+
+size_t eng_read_bandwidth_default_bytes(void) {
+    const size_t gib = (size_t)1 << 30, four_llc = 4 * llc_bytes();
+    return four_llc > gib ? four_llc : gib;
+}
+
+kds_status eng_read_bandwidth(int n_threads, size_t bytes, int reps, double *gbs, kds_err *err) {
+    kds_status rc = KDS_OK;
+    eng_pool *pool = NULL;
+    unsigned char *buf = NULL;
+    if (!gbs) return kds_err_set(err, KDS_INVALID_ARG, "eng_read_bandwidth: no output");
+    *gbs = 0.0;
+    if (n_threads < 1 || n_threads > 64 || reps < 1)
+        return kds_err_set(err, KDS_INVALID_ARG,
+                           "eng_read_bandwidth: %d threads, %d repeats (want 1..64, >= 1)",
+                           n_threads, reps);
+    /* four tasks per thread, as the forward pass cuts its products */
+    const int n_tasks = n_threads == 1 ? 1 : 4 * n_threads;
+    const size_t share = bytes / (size_t)n_tasks / 256 * 256;
+    if (share == 0)
+        return kds_err_set(err, KDS_INVALID_ARG, "eng_read_bandwidth: %zu bytes is too few", bytes);
+    const size_t total = share * (size_t)n_tasks;
+    if (!(buf = aligned_alloc(64, total))) {
+        rc = kds_err_set(err, KDS_NOMEM, "out of memory for a %zu MiB read buffer",
+                         total >> 20);
+        goto out;
+    }
+    /* written once, so that every page is real memory, not the zero page */
+    for (size_t i = 0; i < total; i += 8) {
+        uint64_t v = i * 0x9e3779b97f4a7c15ull;
+        memcpy(buf + i, &v, 8);
+    }
+    if (n_threads > 1 && (rc = eng_pool_create(n_threads, &pool, err)) != KDS_OK) goto out;
+    double best = 0.0;
+    for (int r = 0; r < reps; r++) {
+        read_job j = {.p = buf, .share = share};
+        const double t0 = now_s();
+        if (pool)
+            eng_pool_run(pool, read_task, &j, n_tasks);
+        else
+            read_task(&j, 0, 0);
+        const double dt = now_s() - t0;
+        uint64_t sum = 0;
+        for (int t = 0; t < n_tasks; t++) sum += j.sum[t];
+        /* the sum is used (never 1 for these bytes), so no read is dead */
+        if (sum != 1 && dt > 0 && total / dt / 1e9 > best) best = total / dt / 1e9;
+    }
+    *gbs = best;
+out:
+    eng_pool_free(pool);
+    free(buf);
+    return rc;
+}
