@@ -5,6 +5,7 @@
 #include "kern_gemm.h"
 
 #include <stddef.h>
+#include <string.h>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -21,7 +22,7 @@
  * tokens (rows t, t + 1, t + 2, t + 3 at offsets 0, ldx, 2 ldx, 3 ldx). */
 static inline __attribute__((always_inline)) void
 panel_tokens(const float *P, int kc, const float *x, int ldx, const int mt, float *y, int ldy,
-             int nr, bool accumulate) {
+             int nr, bool accumulate, const kern_prefetch *pf) {
     __m512 acc[PANEL_TOKENS][2];
     const float *xb[PANEL_TOKENS / 4];
     const int ng = (mt + 3) / 4;
@@ -38,7 +39,18 @@ panel_tokens(const float *P, int kc, const float *x, int ldx, const int mt, floa
             acc[t][0] = acc[t][1] = _mm512_setzero_ps();
         }
     }
+    /* the prefetch walk: row pr of the next panel, byte po of it, per line */
+    int pr = 0, per_col = 0;
+    size_t po = 0;
+    if (pf) {
+        const size_t lines = (size_t)pf->rows * ((pf->row_bytes + 63) / 64);
+        per_col = (int)((lines + (size_t)kc - 1) / (size_t)kc);
+    }
     for (int c = 0; c < kc; c++, P += KERN_PANEL_ROWS) {
+        for (int k = 0; k < per_col && po < pf->row_bytes; k++) {
+            _mm_prefetch(pf->base + (size_t)pr * pf->stride + po, _MM_HINT_T1);
+            if (++pr == pf->rows) pr = 0, po += 64;
+        }
         const __m512 w0 = _mm512_loadu_ps(P), w1 = _mm512_loadu_ps(P + 16);
         for (int g = 0; g < ng; g++) {
             const float *p = xb[g]++;
@@ -74,8 +86,8 @@ panel_tokens(const float *P, int kc, const float *x, int ldx, const int mt, floa
  * constant mt. */
 #define PANEL_STEP(n)                                                                              \
     static void panel_tokens##n(const float *P, int kc, const float *x, int ldx, float *y,        \
-                                int ldy, int nr, bool accumulate) {                               \
-        panel_tokens(P, kc, x, ldx, n, y, ldy, nr, accumulate);                                   \
+                                int ldy, int nr, bool accumulate, const kern_prefetch *pf) {      \
+        panel_tokens(P, kc, x, ldx, n, y, ldy, nr, accumulate, pf);                               \
     }
 PANEL_STEP(1)
 PANEL_STEP(2)
@@ -90,17 +102,175 @@ PANEL_STEP(10)
 PANEL_STEP(11)
 PANEL_STEP(12)
 
-typedef void (*panel_step_fn)(const float *, int, const float *, int, float *, int, int, bool);
+typedef void (*panel_step_fn)(const float *, int, const float *, int, float *, int, int, bool,
+                              const kern_prefetch *);
 
 void kern__panel_gemm(const float *P, int kc, const float *x, int ldx, int T, float *y, int ldy,
-                      int nr, bool accumulate) {
+                      int nr, bool accumulate, const kern_prefetch *next) {
     static const panel_step_fn step[PANEL_TOKENS + 1] = {
         NULL,           panel_tokens1, panel_tokens2,  panel_tokens3,  panel_tokens4,
         panel_tokens5,  panel_tokens6, panel_tokens7,  panel_tokens8,  panel_tokens9,
         panel_tokens10, panel_tokens11, panel_tokens12};
     for (int t0 = 0; t0 < T; t0 += PANEL_TOKENS) {
         const int mt = T - t0 < PANEL_TOKENS ? T - t0 : PANEL_TOKENS;
-        step[mt](P, kc, x + (size_t)t0 * ldx, ldx, y + (size_t)t0 * ldy, ldy, nr, accumulate);
+        step[mt](P, kc, x + (size_t)t0 * ldx, ldx, y + (size_t)t0 * ldy, ldy, nr, accumulate,
+                 t0 == 0 && next && next->rows > 0 ? next : NULL);
+    }
+}
+
+/* ------------------------------------------------------------------------ */
+/* Unpacking panels                                                          */
+
+/* a[i] (row i, 16 words) -> a[j] = word j of rows 0..15: a 16 x 16
+ * transpose of 4-byte words in four shuffle stages of 16 ops. */
+static inline void transpose16(__m512i a[16]) {
+    __m512i b[16];
+    for (int i = 0; i < 16; i += 2) {
+        b[i] = _mm512_unpacklo_epi32(a[i], a[i + 1]);
+        b[i + 1] = _mm512_unpackhi_epi32(a[i], a[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        a[i] = _mm512_unpacklo_epi64(b[i], b[i + 2]);
+        a[i + 1] = _mm512_unpackhi_epi64(b[i], b[i + 2]);
+        a[i + 2] = _mm512_unpacklo_epi64(b[i + 1], b[i + 3]);
+        a[i + 3] = _mm512_unpackhi_epi64(b[i + 1], b[i + 3]);
+    }
+    /* a[4 q + k] now holds, in each 128-bit lane l, word 4 l + k of rows
+     * 4 q .. 4 q + 3 */
+    for (int q = 0; q < 4; q += 2)
+        for (int k = 0; k < 4; k++) {
+            b[4 * q + k] = _mm512_shuffle_i32x4(a[4 * q + k], a[4 * q + 4 + k], 0x88);
+            b[4 * q + 4 + k] = _mm512_shuffle_i32x4(a[4 * q + k], a[4 * q + 4 + k], 0xdd);
+        }
+    for (int k = 0; k < 4; k++) {
+        a[k] = _mm512_shuffle_i32x4(b[k], b[8 + k], 0x88);
+        a[8 + k] = _mm512_shuffle_i32x4(b[k], b[8 + k], 0xdd);
+        a[4 + k] = _mm512_shuffle_i32x4(b[4 + k], b[12 + k], 0x88);
+        a[12 + k] = _mm512_shuffle_i32x4(b[4 + k], b[12 + k], 0xdd);
+    }
+}
+
+static float elem(kern_dtype dt, const char *p) {
+    uint16_t h;
+    switch (dt) {
+    case KERN_BF16: memcpy(&h, p, 2); return kern_bf16_to_f32(h);
+    case KERN_F16: memcpy(&h, p, 2); return kern_f16_to_f32(h);
+    default: {
+        float f;
+        memcpy(&f, p, 4);
+        return f;
+    }
+    }
+}
+
+/* Rows [r, r + nr) (nr <= 32), columns [c0, c0 + kc) of w, unpacked to f32
+ * and transposed into the panel P [kc, 32]: P[c * 32 + i] = W(r + i, c0 + c),
+ * rows nr..31 zero. Full blocks of 16 rows go through transpose16 (16
+ * rows x 16 words: 32 bf16 / f16 columns, or 16 f32); the rest, and
+ * ragged rows, through masked gathers of one word per row (two 2-byte
+ * columns, or one f32) and a last odd column one value at a time (a word
+ * there would run into the next row, or past the matrix). A cols_major
+ * matrix's panel columns are its rows: plain copies. */
+static void pack_panel(const kern_gemm_w *w, int r, int nr, int c0, int kc, float *P) {
+    const kern_dtype dt = w->dt;
+    const size_t esz = kern_dtype_size(dt), ld = (size_t)w->ld;
+    if (w->cols_major) {
+        const __mmask16 m0 = nr >= 16 ? 0xffff : (__mmask16)((1u << nr) - 1);
+        const __mmask16 m1 = nr >= 32 ? 0xffff : nr > 16 ? (__mmask16)((1u << (nr - 16)) - 1) : 0;
+        const float *src = (const float *)w->data + (size_t)c0 * ld + r;
+        for (int c = 0; c < kc; c++, src += ld) {
+            _mm512_storeu_ps(P + (size_t)c * KERN_PANEL_ROWS, _mm512_maskz_loadu_ps(m0, src));
+            _mm512_storeu_ps(P + (size_t)c * KERN_PANEL_ROWS + 16,
+                             _mm512_maskz_loadu_ps(m1, src + 16));
+        }
+        return;
+    }
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i idx = _mm512_mullo_epi32(lane, _mm512_set1_epi32(w->ld));
+    const __m512i hi_mask = _mm512_set1_epi32((int)0xffff0000u);
+    const int step = dt == KERN_F32 ? 16 : 32; /* columns per transpose16 */
+    for (int h = 0; h < 2; h++) {
+        const int left = nr - 16 * h;
+        const __mmask16 m = left >= 16 ? 0xffff : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
+        const char *row = (const char *)w->data + ((size_t)(r + 16 * h) * ld + c0) * esz;
+        float *p = P + 16 * h;
+        int c = 0;
+        if (m == 0xffff)
+            for (; c + step <= kc; c += step) {
+                __m512i a[16];
+                for (int i = 0; i < 16; i++)
+                    a[i] = _mm512_loadu_si512((const void *)(row + ((size_t)i * ld + c) * esz));
+                transpose16(a);
+                float *q = p + (size_t)c * KERN_PANEL_ROWS;
+                for (int j = 0; j < 16; j++) {
+                    if (dt == KERN_F32) {
+                        _mm512_storeu_si512((void *)(q + (size_t)j * KERN_PANEL_ROWS), a[j]);
+                    } else if (dt == KERN_BF16) {
+                        _mm512_storeu_ps(q + (size_t)(2 * j) * KERN_PANEL_ROWS,
+                                         _mm512_castsi512_ps(_mm512_slli_epi32(a[j], 16)));
+                        _mm512_storeu_ps(q + (size_t)(2 * j + 1) * KERN_PANEL_ROWS,
+                                         _mm512_castsi512_ps(_mm512_and_si512(a[j], hi_mask)));
+                    } else {
+                        _mm512_storeu_ps(q + (size_t)(2 * j) * KERN_PANEL_ROWS,
+                                         _mm512_cvtph_ps(_mm512_cvtepi32_epi16(a[j])));
+                        _mm512_storeu_ps(
+                            q + (size_t)(2 * j + 1) * KERN_PANEL_ROWS,
+                            _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(a[j], 16))));
+                    }
+                }
+            }
+        if (dt == KERN_F32) {
+            for (; c < kc; c++)
+                _mm512_storeu_ps(p + (size_t)c * KERN_PANEL_ROWS,
+                                 _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, idx,
+                                                          row + (size_t)c * 4, 4));
+            continue;
+        }
+        for (; c + 2 <= kc; c += 2) {
+            const __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, idx,
+                                                          row + (size_t)c * 2, 2);
+            __m512 lo, hi;
+            if (dt == KERN_BF16) {
+                lo = _mm512_castsi512_ps(_mm512_slli_epi32(g, 16));
+                hi = _mm512_castsi512_ps(_mm512_and_si512(g, hi_mask));
+            } else {
+                lo = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
+                hi = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16)));
+            }
+            _mm512_storeu_ps(p + (size_t)c * KERN_PANEL_ROWS, lo);
+            _mm512_storeu_ps(p + (size_t)(c + 1) * KERN_PANEL_ROWS, hi);
+        }
+        for (; c < kc; c++)
+            for (int i = 0; i < 16; i++)
+                p[(size_t)c * KERN_PANEL_ROWS + i] =
+                    i < left ? elem(dt, row + ((size_t)i * ld + c) * esz) : 0.0f;
+    }
+}
+
+void kern__gemm(const kern_gemm_w *w, int in, const float *x, int ldx, int T, float *y, int ldy,
+                int r0, int r1, bool accumulate, float *P) {
+    const size_t esz = kern_dtype_size(w->dt), ld = (size_t)w->ld;
+    for (int r = r0; r < r1; r += KERN_PANEL_ROWS) {
+        const int nr = r1 - r < KERN_PANEL_ROWS ? r1 - r : KERN_PANEL_ROWS;
+        for (int c0 = 0; c0 < in; c0 += KERN_PANEL_COLS) {
+            const int kc = in - c0 < KERN_PANEL_COLS ? in - c0 : KERN_PANEL_COLS;
+            pack_panel(w, r, nr, c0, kc, P);
+            /* the next panel's bytes, fetched while this one computes: the
+             * next columns of these rows, else the first of the next rows
+             * (a cols_major matrix's panels are small: not needed) */
+            kern_prefetch next = {NULL, ld * esz, 0, 0};
+            if (!w->cols_major && c0 + kc < in) {
+                const int kn = in - c0 - kc < KERN_PANEL_COLS ? in - c0 - kc : KERN_PANEL_COLS;
+                next.base = (const char *)w->data + ((size_t)r * ld + (size_t)(c0 + kc)) * esz;
+                next.row_bytes = (size_t)kn * esz, next.rows = nr;
+            } else if (!w->cols_major && r + nr < r1) {
+                const int kn = in < KERN_PANEL_COLS ? in : KERN_PANEL_COLS;
+                next.base = (const char *)w->data + (size_t)(r + nr) * ld * esz;
+                next.row_bytes = (size_t)kn * esz;
+                next.rows = r1 - r - nr < KERN_PANEL_ROWS ? r1 - r - nr : KERN_PANEL_ROWS;
+            }
+            kern__panel_gemm(P, kc, x + c0, ldx, T, y + r, ldy, nr, accumulate || c0 > 0, &next);
+        }
     }
 }
 #endif

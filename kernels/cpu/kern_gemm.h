@@ -34,24 +34,49 @@
  * (T = 64 .. 512), widened rows + OpenBLAS sgemm at 91. */
 #define KERN_PANEL_COLS 4096
 
+/* Bytes the next panel's unpacking will read, fetched into L2 while this
+ * panel computes: `rows` rows of `row_bytes` bytes, `stride` bytes apart
+ * from `base` (weights come from memory once per product, and an unpacking
+ * that waits for them is time the fmas do not overlap). */
+typedef struct kern_prefetch {
+    const char *base;
+    size_t stride, row_bytes;
+    int rows;
+} kern_prefetch;
+
 /*
  * y[t, i] = (accumulate ? y[t, i] : 0) + sum_{c < kc} x[t, c] * P[c * 32 + i]
  * for t < T, i < nr (nr <= 32; columns nr..31 of y are not touched), the
  * sum taken left to right with one fma per column.
  *   P: [kc, 32] f32 (see above).   x: [T, ldx] f32, columns [0, kc) read.
  *   y: [T, ldy] f32.   T >= 1.
+ *   next: NULL, or the next panel's bytes, prefetched during the first
+ *   step of 12 tokens (a few lines per column).
  * AVX-512 builds only.
  */
 void kern__panel_gemm(const float *P, int kc, const float *x, int ldx, int T, float *y, int ldy,
-                      int nr, bool accumulate);
+                      int nr, bool accumulate, const kern_prefetch *next);
+
+/* A matrix as the GEMM reads it: element (r, c) of W [rows, in] at
+ * data + (r * ld + c) * size(dt), or, cols_major (f32 only), at
+ * data + (c * ld + r) * 4 (W stored transposed: the B of a product
+ * x B, [in, rows]). */
+typedef struct kern_gemm_w {
+    kern_dtype dt; /* F32, BF16 or F16 */
+    const void *data;
+    int ld;
+    bool cols_major;
+} kern_gemm_w;
 
 /*
- * The whole GEMM path of an element format (F32, BF16, F16): rows
- * [r0, r1) of y [T, ldy] = x [T, in] W^T, per panel of 32 rows unpacked
- * (transposed, f32) into P and run by kern__panel_gemm. P: at least
- * 32 * min(in, KERN_PANEL_COLS) floats. AVX-512 builds only.
+ * The GEMM: y[t, r] = (accumulate ? y[t, r] : 0) + sum_{c < in} x[t, c] W(r, c)
+ * for t < T, r in [r0, r1), each output the left-to-right fma chain (the
+ * accumulate form continues it from y's value). Per panel of 32 rows,
+ * per KERN_PANEL_COLS columns, the panel is unpacked (transposed, f32)
+ * into P and run by kern__panel_gemm. x: [T, ldx]; y: [T, ldy]; P: at
+ * least 32 * min(in, KERN_PANEL_COLS) floats. AVX-512 builds only.
  */
-void kern__gemm_elem(kern_dtype dt, const void *W, int in, const float *x, int T, float *y,
-                     int ldy, int r0, int r1, float *P);
+void kern__gemm(const kern_gemm_w *w, int in, const float *x, int ldx, int T, float *y, int ldy,
+                int r0, int r1, bool accumulate, float *P);
 
 #endif

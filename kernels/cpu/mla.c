@@ -11,15 +11,49 @@
  */
 #include <cblas.h>
 #include <math.h>
+#include <stdbool.h>
 #include <string.h>
 
 #include "kern.h"
+#include "kern_gemm.h"
+#include "kern_math.h"
+
+#if defined(__AVX512F__)
+#define MLA_GEMM 1
+#endif
+
+/* Columns of the widest product's panel (kern_gemm.h): the products
+ * read dn, dc + dr, KEY_BLOCK and dc columns. */
+static size_t panel_floats(const kern_mla_shape *sh) {
+    size_t w = (size_t)sh->dc + sh->dr;
+    if ((size_t)sh->dn > w) w = (size_t)sh->dn;
+    if (KERN_MLA_KEY_BLOCK > w) w = KERN_MLA_KEY_BLOCK;
+    if (w > KERN_PANEL_COLS) w = KERN_PANEL_COLS;
+    return KERN_PANEL_ROWS * w;
+}
 
 size_t kern_mla_attend_head_workspace_floats(const kern_mla_shape *sh, int T) {
     if (!sh || T < 1) return 0;
     const size_t row = (size_t)sh->dc + sh->dr;
-    /* Q [T, dc+dr], S [T, KEY_BLOCK], Lat [T, dc], max and denominator [2, T] */
-    return (size_t)T * (row + KERN_MLA_KEY_BLOCK + (size_t)sh->dc + 2);
+    /* Q [T, dc+dr], S [T, KEY_BLOCK], Lat [T, dc], max and denominator [2, T],
+     * and a GEMM panel */
+    return (size_t)T * (row + KERN_MLA_KEY_BLOCK + (size_t)sh->dc + 2) + panel_floats(sh);
+}
+
+/* y [T, ldy] (+)= x [T, ldx] W^T over `in` columns, rows [0, rows) of W
+ * (W(r, c) at w[r * ldw + c], or at w[c * ldw + r] when cols_major): the
+ * AVX-512 GEMM of kern_gemm.h (about twice OpenBLAS's AVX2 sgemm, which
+ * Debian's 0.3.21 runs on this Zen), else sgemm. */
+static void gemm(const float *w, int ldw, bool cols_major, int rows, int in, const float *x,
+                 int ldx, int T, float *y, int ldy, bool accumulate, float *P) {
+#if MLA_GEMM
+    const kern_gemm_w gw = {KERN_F32, w, ldw, cols_major};
+    kern__gemm(&gw, in, x, ldx, T, y, ldy, 0, rows, accumulate, P);
+#else
+    (void)P;
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, cols_major ? CblasNoTrans : CblasTrans, T, rows, in,
+                1.0f, x, ldx, w, ldw, accumulate ? 1.0f : 0.0f, y, ldy);
+#endif
 }
 
 void kern_mla_attend_head(const kern_mla_shape *sh, const float *wuk, const float *wuv,
@@ -28,13 +62,14 @@ void kern_mla_attend_head(const kern_mla_shape *sh, const float *wuk, const floa
     const int dc = sh->dc, dn = sh->dn, dr = sh->dr, dv = sh->dv, row = dc + dr;
     const float scale = 1.0f / sqrtf((float)(dn + dr));
     float *Q = workspace, *S = Q + (size_t)T * row, *lat = S + (size_t)T * KERN_MLA_KEY_BLOCK;
-    float *mx = lat + (size_t)T * dc, *den = mx + T;
+    float *mx = lat + (size_t)T * dc, *den = mx + T, *P = den + T;
     /* Q[:, :dc] = q_nope W_UK_h; Q[:, dc:] = q_pe; all times the scale. */
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, T, dc, dn, scale, qh, q_stride, wuk, dc,
-                0.0f, Q, row);
-    for (int t = 0; t < T; t++)
+    gemm(wuk, dc, true, dc, dn, qh, q_stride, T, Q, row, false, P);
+    for (int t = 0; t < T; t++) {
+        for (int j = 0; j < dc; j++) Q[(size_t)t * row + j] *= scale;
         for (int j = 0; j < dr; j++)
             Q[(size_t)t * row + dc + j] = scale * qh[(size_t)t * q_stride + dn + j];
+    }
     memset(lat, 0, (size_t)T * dc * sizeof(float));
     for (int t = 0; t < T; t++) {
         mx[t] = -INFINITY;
@@ -51,8 +86,8 @@ void kern_mla_attend_head(const kern_mla_shape *sh, const float *wuk, const floa
             cblas_sgemv(CblasRowMajor, CblasNoTrans, nb, row, 1.0f, Kb, row,
                         Q + (size_t)t0 * row, 1, 0.0f, S, 1);
         else
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nq, nb, row, 1.0f,
-                        Q + (size_t)t0 * row, row, Kb, row, 0.0f, S, KERN_MLA_KEY_BLOCK);
+            gemm(Kb, row, false, nb, row, Q + (size_t)t0 * row, row, nq, S, KERN_MLA_KEY_BLOCK,
+                 false, P);
         for (int i = 0; i < nq; i++) {
             int t = t0 + i;
             float *srow = S + (size_t)i * KERN_MLA_KEY_BLOCK;
@@ -61,11 +96,11 @@ void kern_mla_attend_head(const kern_mla_shape *sh, const float *wuk, const floa
             float bm = mx[t];
             for (int j = 0; j < visible; j++) bm = srow[j] > bm ? srow[j] : bm;
             float corr = expf(mx[t] - bm); /* 0 on the first block (mx = -inf) */
+            /* vexp: branch-free, so the block's exponentials vectorise
+             * (scalar expf took a tenth of a long prefill) */
+            for (int j = 0; j < visible; j++) srow[j] = vexp(srow[j] - bm);
             float sum = 0.0f;
-            for (int j = 0; j < visible; j++) {
-                srow[j] = expf(srow[j] - bm);
-                sum += srow[j];
-            }
+            for (int j = 0; j < visible; j++) sum += srow[j];
             for (int j = visible; j < nb; j++) srow[j] = 0.0f;
             den[t] = den[t] * corr + sum;
             mx[t] = bm;
@@ -78,16 +113,15 @@ void kern_mla_attend_head(const kern_mla_shape *sh, const float *wuk, const floa
             cblas_sgemv(CblasRowMajor, CblasTrans, nb, dc, 1.0f, Kb, row, S, 1, 1.0f,
                         lat + (size_t)t0 * dc, 1);
         else
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nq, dc, nb, 1.0f, S,
-                        KERN_MLA_KEY_BLOCK, Kb, row, 1.0f, lat + (size_t)t0 * dc, dc);
+            gemm(Kb, row, true, dc, nb, S, KERN_MLA_KEY_BLOCK, nq, lat + (size_t)t0 * dc, dc, true,
+                 P);
     }
     for (int t = 0; t < T; t++) {
         float inv = 1.0f / den[t], *lrow = lat + (size_t)t * dc;
         for (int j = 0; j < dc; j++) lrow[j] *= inv;
     }
     /* O_h = Lat W_UV_h^T, written into this head's columns of o */
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, dv, dc, 1.0f, lat, dc, wuv, dc, 0.0f,
-                oh, o_stride);
+    gemm(wuv, dc, false, dv, dc, lat, dc, T, oh, o_stride, false, P);
 }
 
 size_t kern_mla_attend_workspace_floats(const kern_mla_shape *sh, int T) {

@@ -364,128 +364,6 @@ static void dot8(kern_dtype dt, const void *W, int in, const float *x, int nt, i
 
 size_t kern_matmul_scratch_floats(int in) { return (size_t)128 * (size_t)in; }
 
-#if KERN_AVX512
-/* 16 full bf16 rows x 32 columns (row i at row + i * in, columns
- * [c, c + 32)) into 32 panel columns of 16 lanes: P[j * 32 + i] = row i's
- * column c + j as f32. A 16 x 16 transpose of 4-byte words (column pairs),
- * then each word's two halves widened: four shuffle stages of 16 ops for
- * 512 values, against 16 gathers of 16 words. */
-static inline void transpose_bf16_16x32(const char *row, int in, float *P, int c) {
-    __m512i a[16], b[16];
-    const __m512i hi_mask = _mm512_set1_epi32((int)0xffff0000u);
-    for (int i = 0; i < 16; i++)
-        a[i] = _mm512_loadu_si512((const void *)(row + ((size_t)i * in + c) * 2));
-    for (int i = 0; i < 16; i += 2) {
-        b[i] = _mm512_unpacklo_epi32(a[i], a[i + 1]);
-        b[i + 1] = _mm512_unpackhi_epi32(a[i], a[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {
-        a[i] = _mm512_unpacklo_epi64(b[i], b[i + 2]);
-        a[i + 1] = _mm512_unpackhi_epi64(b[i], b[i + 2]);
-        a[i + 2] = _mm512_unpacklo_epi64(b[i + 1], b[i + 3]);
-        a[i + 3] = _mm512_unpackhi_epi64(b[i + 1], b[i + 3]);
-    }
-    /* a[4 q + k] now holds, in each 128-bit lane l, words k of rows
-     * 4 q .. 4 q + 3 for the column pair 4 l + k. */
-    for (int q = 0; q < 4; q += 2)
-        for (int k = 0; k < 4; k++) {
-            b[4 * q + k] = _mm512_shuffle_i32x4(a[4 * q + k], a[4 * q + 4 + k], 0x88);
-            b[4 * q + 4 + k] = _mm512_shuffle_i32x4(a[4 * q + k], a[4 * q + 4 + k], 0xdd);
-        }
-    for (int k = 0; k < 4; k++) {
-        a[k] = _mm512_shuffle_i32x4(b[k], b[8 + k], 0x88);
-        a[8 + k] = _mm512_shuffle_i32x4(b[k], b[8 + k], 0xdd);
-        a[4 + k] = _mm512_shuffle_i32x4(b[4 + k], b[12 + k], 0x88);
-        a[12 + k] = _mm512_shuffle_i32x4(b[4 + k], b[12 + k], 0xdd);
-    }
-    for (int j = 0; j < 16; j++) {
-        const __m512i g = a[j];
-        _mm512_storeu_ps(P + (size_t)(2 * j) * KERN_PANEL_ROWS,
-                         _mm512_castsi512_ps(_mm512_slli_epi32(g, 16)));
-        _mm512_storeu_ps(P + (size_t)(2 * j + 1) * KERN_PANEL_ROWS,
-                         _mm512_castsi512_ps(_mm512_and_si512(g, hi_mask)));
-    }
-}
-
-/* Rows [r, r + nr) (nr <= 32), columns [c0, c0 + kc), unpacked to f32 and
- * transposed into a panel P [kc, 32] (kern_gemm.h): P[c * 32 + i] =
- * W[r + i, c0 + c], rows nr..31 zero. Lane i of a gather reads one 4-byte
- * word of row r + 16 h + i: two bf16 or f16 columns, or one f32. A last odd
- * column of a 2-byte format is read alone (a word there would run into the
- * next row, or past the matrix). */
-static void pack_panel(kern_dtype dt, const void *W, int in, int r, int nr, int c0, int kc,
-                       float *P) {
-    const size_t esz = kern_dtype_size(dt);
-    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i idx = _mm512_mullo_epi32(lane, _mm512_set1_epi32(in));
-    const __m512i hi_mask = _mm512_set1_epi32((int)0xffff0000u);
-    for (int h = 0; h < 2; h++) {
-        const int left = nr - 16 * h;
-        const __mmask16 m = left >= 16 ? 0xffff : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
-        const char *row = (const char *)W + ((size_t)(r + 16 * h) * in + c0) * esz;
-        float *p = P + 16 * h;
-        int c = 0;
-        if (dt == KERN_F32) {
-            for (; c < kc; c++)
-                _mm512_storeu_ps(p + (size_t)c * KERN_PANEL_ROWS,
-                                 _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, idx,
-                                                          row + (size_t)c * 4, 4));
-            continue;
-        }
-        if (dt == KERN_BF16 && m == 0xffff)
-            for (; c + 32 <= kc; c += 32) transpose_bf16_16x32(row, in, p + (size_t)c * KERN_PANEL_ROWS, c);
-        for (; c + 2 <= kc; c += 2) {
-            const __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, idx,
-                                                          row + (size_t)c * 2, 2);
-            __m512 lo, hi;
-            if (dt == KERN_BF16) {
-                lo = _mm512_castsi512_ps(_mm512_slli_epi32(g, 16));
-                hi = _mm512_castsi512_ps(_mm512_and_si512(g, hi_mask));
-            } else {
-                lo = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
-                hi = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16)));
-            }
-            _mm512_storeu_ps(p + (size_t)c * KERN_PANEL_ROWS, lo);
-            _mm512_storeu_ps(p + (size_t)(c + 1) * KERN_PANEL_ROWS, hi);
-        }
-        for (; c < kc; c++)
-            for (int i = 0; i < 16; i++)
-                p[(size_t)c * KERN_PANEL_ROWS + i] =
-                    i < left ? load1(dt, row + (size_t)i * in * esz, c) : 0.0f;
-    }
-}
-
-/* The prefill product: per panel of 32 rows, per KERN_PANEL_COLS columns,
- * the panel unpacked (pack_panel) and every token run over it
- * (kern__panel_gemm), the later column blocks continuing the sums the
- * earlier ones stored. W is read from memory once; the panel stays in L1. */
-void kern__gemm_elem(kern_dtype dt, const void *W, int in, const float *x, int T, float *y,
-                     int ldy, int r0, int r1, float *P) {
-    const size_t esz = kern_dtype_size(dt), stride = (size_t)in * esz;
-    for (int r = r0; r < r1; r += KERN_PANEL_ROWS) {
-        const int nr = r1 - r < KERN_PANEL_ROWS ? r1 - r : KERN_PANEL_ROWS;
-        for (int c0 = 0; c0 < in; c0 += KERN_PANEL_COLS) {
-            const int kc = in - c0 < KERN_PANEL_COLS ? in - c0 : KERN_PANEL_COLS;
-            pack_panel(dt, W, in, r, nr, c0, kc, P);
-            /* the next panel: the next columns of these rows, else the
-             * first columns of the next rows */
-            kern_prefetch next = {NULL, stride, 0, 0};
-            if (c0 + kc < in) {
-                const int kn = in - c0 - kc < KERN_PANEL_COLS ? in - c0 - kc : KERN_PANEL_COLS;
-                next.base = (const char *)W + (size_t)r * stride + (size_t)(c0 + kc) * esz;
-                next.row_bytes = (size_t)kn * esz, next.rows = nr;
-            } else if (r + nr < r1) {
-                const int kn = in < KERN_PANEL_COLS ? in : KERN_PANEL_COLS;
-                next.base = (const char *)W + (size_t)(r + nr) * stride;
-                next.row_bytes = (size_t)kn * esz;
-                next.rows = r1 - r - nr < KERN_PANEL_ROWS ? r1 - r - nr : KERN_PANEL_ROWS;
-            }
-            kern__panel_gemm(P, kc, x + c0, in, T, y + r, ldy, nr, c0 > 0, &next);
-        }
-    }
-}
-#endif
-
 /* From this many tokens the product is compute-bound and runs as a GEMM:
  * the register-blocked panels of kern_gemm.h with AVX-512, widened rows and
  * BLAS (sgemm) without. Below it the direct (streaming) path wins: it costs
@@ -509,7 +387,8 @@ void kern_matmul(kern_dtype dt, const void *W, int in, const float *x, int T, fl
     if (r1 <= r0 || T <= 0) return;
 #if KERN_AVX512
     if (T >= MATMUL_GEMM_MIN_T && scratch) {
-        kern__gemm_elem(dt, W, in, x, T, y, ldy, r0, r1, scratch);
+        const kern_gemm_w gw = {dt, W, in, false};
+        kern__gemm(&gw, in, x, in, T, y, ldy, r0, r1, false, scratch);
         return;
     }
 #else

@@ -550,7 +550,7 @@ static void gemm_avx512(const kern_weight *w, const kern_layout *l, const float 
         const int nr = r1 - r < PANEL_ROWS ? r1 - r : PANEL_ROWS;
         row_scales(w, l, r, nr, sg, (size_t)in / KERN_BLOCK);
         pack_panel(w, l, r, nr, sg, P);
-        kern__panel_gemm(P, in, x, in, T, y + r, ldy, nr, false);
+        kern__panel_gemm(P, in, x, in, T, y + r, ldy, nr, false, NULL);
     }
 }
 #endif
@@ -593,7 +593,8 @@ void kern_matmul_w_prefill(const kern_weight *w, const float *x, int T, float *y
             const kern_layout l = kern_weight_layout(w->dt, w->rows, w->cols);
             gemm_avx512(w, &l, x, T, y, ldy, r0, r1, scratch);
         } else {
-            kern__gemm_elem(w->dt, w->data, w->cols, x, T, y, ldy, r0, r1, scratch);
+            const kern_gemm_w gw = {w->dt, w->data, w->cols, false};
+            kern__gemm(&gw, w->cols, x, w->cols, T, y, ldy, r0, r1, false, scratch);
         }
         return;
     }
