@@ -593,7 +593,7 @@ out:
 static void bench_usage(FILE *f) {
     fprintf(f, "usage: kdaserve bench [--model DIR | --gen PRESET [--seed S]] [--prompt-tokens N]\n"
                "                      [--gen-tokens N] [--repeats R] [--threads N] [--batch B]\n"
-               "                      [--seqs N,N,...] [--device cpu|cuda] [--gpu-bf16]\n"
+               "                      [--seqs N,N,...] [--device cpu|cuda] [--bf16]\n"
                "                      [--bandwidth-mib M]\n\n"
                "Measures prefill tokens/s (N random tokens through the prefill path, default\n"
                "512) and decode tokens/s (N tokens one at a time after that prompt, default\n"
@@ -613,8 +613,11 @@ static void bench_usage(FILE *f) {
                "--device cuda runs the forward pass on the GPU. States stay\n"
                "on the device between steps; each repeat's fresh state is moved there before\n"
                "its clock starts (the restore is `snap bench --device cuda`'s figure).\n\n"
-               "--gpu-bf16 rounds activations to bf16 once in the GPU's products above 8\n"
-               "rows (vLLM's precision; default: exact, split into bf16 hi + lo).\n\n"
+               "--bf16 rounds activations to bf16 in the products where speed is bound by\n"
+               "arithmetic (llama.cpp's and vLLM's precision, ~3e-3 relative error per\n"
+               "product; default: exact): on the CPU the bf16 matrices of a prefill\n"
+               "(AVX-512 BF16), on a GPU the products above 8 rows (default: split into\n"
+               "bf16 hi + lo). --gpu-bf16 is its old name.\n\n"
                "--gen PRESET benchmarks a model generated on the GPU itself (gen-model's\n"
                "weights for that preset and --seed, default 1; no files: e.g. the 98 GB\n"
                "kimi-linear-48b). Needs --device cuda (implied). Presets: see gen-model.\n");
@@ -738,6 +741,7 @@ int cmd_bench(int argc, char **argv) {
         {"seqs", required_argument, 0, OPT_SEQS},
         {"device", required_argument, 0, OPT_DEVICE},
         {"gen", required_argument, 0, OPT_GEN},
+        {"bf16", no_argument, 0, OPT_GPU_BF16},
         {"gpu-bf16", no_argument, 0, OPT_GPU_BF16},
         {"seed", required_argument, 0, OPT_SEED},
         {"bandwidth-mib", required_argument, 0, OPT_BANDWIDTH_MIB},
@@ -745,7 +749,7 @@ int cmd_bench(int argc, char **argv) {
     const char *model = NULL, *device = NULL, *gen = NULL;
     int64_t pt = 512, gt = 128, reps = 3, threads = 0, batch = 0, seed = 1;
     int64_t bw_mib = (int64_t)(eng_read_bandwidth_default_bytes() >> 20);
-    bool gpu_bf16 = false;
+    bool gpu_bf16 = false; /* --bf16 */
     int seq_counts[MAX_SEQ_COUNTS], n_counts = 0;
     optind = 1;
     for (int o; (o = getopt_long(argc, argv, "m:h", opts, NULL)) != -1;) {
@@ -803,7 +807,7 @@ int cmd_bench(int argc, char **argv) {
     eng_ctx_params cp = eng_ctx_default_params();
     cp.n_threads = (int)threads;
     if (batch > 0) cp.max_batch = (int)batch;
-    cp.gpu_bf16 = gpu_bf16;
+    cp.bf16_act = gpu_bf16;
     if (gen) {
         device = "cuda";
         eng_config gcfg;
@@ -898,7 +902,8 @@ int cmd_bench(int argc, char **argv) {
     printf("state        %zu bytes fixed + %zu bytes/token\n", z.fixed, z.per_token);
     printf("threads      %d\n", eng_ctx_threads(c));
     printf("device       %s%s\n", eng_ctx_device(c),
-           eng_ctx_device_kind(c) != ENG_DEVICE_CUDA ? ""
+           eng_ctx_device_kind(c) != ENG_DEVICE_CUDA
+               ? (gpu_bf16 ? " (a prefill's bf16 products: bf16 activations)" : " (exact)")
            : gpu_bf16 ? " (products above 8 rows: bf16 activations)"
                       : " (products above 8 rows: exact, bf16 hi + lo)");
     printf("prefill      %.1f tokens/s  (%lld tokens, best of %lld; median %.1f)\n",

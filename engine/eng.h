@@ -223,12 +223,17 @@ typedef struct eng_ctx_params {
      * GPU the same way; KDS_INVALID_ARG for another name. Environment:
      * KDS_CUDA_GRAPHS=0 runs decode passes without CUDA graphs. */
     const char *device;
-    /* device "cuda": matrix products of more than 8 rows round the fp32
-     * activations to bf16 once (what vLLM does: about half the tensor-core
-     * work, ~3e-3 relative error per product) instead of the default split
-     * into bf16 hi + lo (two products, ~1e-5: about fp32). Decode products
-     * of up to 8 rows are exact either way. Ignored on the CPU. */
-    bool gpu_bf16;
+    /* Products round their fp32 activations to bf16 (~3e-3 relative error
+     * per product: the precision of llama.cpp's bf16 path and of vLLM),
+     * for speed; never the default, which is exact (fp32 sums of the
+     * stored weights). On "cuda": matrix products of more than 8 rows
+     * (about half the tensor-core work of the default split into bf16 hi +
+     * lo, ~1e-5). On the CPU: the bf16 matrices of a prefill from
+     * KERN_PREFILL_GEMM_MIN_T tokens (AVX-512 BF16 dot products, about
+     * twice the multiply-adds per second of the exact kernel; where the
+     * build lacks AVX512_BF16 it stays exact). Decode products (a CPU's
+     * batched decode; a GPU's up to 8 rows) are exact either way. */
+    bool bf16_act;
     /* Expert parallelism (docs/expert-parallel.md): the job's ranks
      * (borrowed; must outlive the context), or NULL for one process as
      * before. With comm, rank 0's context drives every rank: its creation

@@ -57,6 +57,7 @@ typedef struct eng_cpu {
      * holding none of the pass's rows computes its experts' products as
      * the owner would. */
     bool prefill;
+    bool bf16_act;       /* eng_ctx_params.bf16_act: a prefill's bf16 products round x */
     thread_scratch *ts;  /* [n_threads] */
     eng_matmul jobs[MAX_MM_TABLE];
     mm_task tasks[MAX_MM_TASKS];
@@ -85,7 +86,8 @@ static void mm_task_fn(void *arg, int t, int thread) {
     const eng_matmul *j = &c->jobs[task->job];
     const kern_weight w = eng__kern_weight(j->w);
     if (c->prefill)
-        kern_matmul_w_prefill(&w, j->x, j->T, j->y, j->ldy, task->r0, task->r1, c->ts[thread].mm);
+        kern_matmul_w_prefill(&w, j->x, j->T, j->y, j->ldy, task->r0, task->r1, c->ts[thread].mm,
+                              c->bf16_act);
     else
         kern_matmul_w(&w, j->x, j->T, j->y, j->ldy, task->r0, task->r1, c->ts[thread].mm);
 }
@@ -684,6 +686,7 @@ static kds_status cpu_create(const eng_model *m, const eng_ctx_params *p, eng_ba
     long online = sysconf(_SC_NPROCESSORS_ONLN);
     c->n_threads = p->n_threads > 0 ? p->n_threads : (online > 0 ? (int)online : 1);
     c->kda_chunk = p->kda_chunk;
+    c->bf16_act = p->bf16_act;
     c->max_seqs = p->max_seqs;
     c->max_rows = p->max_batch > p->max_seqs ? p->max_batch : p->max_seqs;
     int widest = 1; /* the most inputs of any matrix: the widening scratch */

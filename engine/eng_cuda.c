@@ -491,7 +491,7 @@ void eng__cuda_free(eng_cuda *g) {
 static kds_status cuda_create(const eng_model *m, const eng_ctx_params *p, eng_backend **out,
                               kds_err *err) {
     eng_cuda *g = NULL;
-    kds_status rc = eng__cuda_create(m, p->max_batch, p->max_seqs, p->gpu_bf16, &g, err);
+    kds_status rc = eng__cuda_create(m, p->max_batch, p->max_seqs, p->bf16_act, &g, err);
     *out = g ? &g->base : NULL;
     return rc;
 }

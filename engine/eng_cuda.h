@@ -31,7 +31,7 @@ typedef struct eng_cuda eng_cuda;
 
 /* A CUDA backend for model m with buffers for max_batch tokens of one
  * sequence and max_seqs sequences of one token, its weights not yet
- * copied (eng__cuda_ops.load does that). bf16: eng_ctx_params.gpu_bf16.
+ * copied (eng__cuda_ops.load does that). bf16: eng_ctx_params.bf16_act.
  * Errors: KDS_UNSUPPORTED (no usable device), KDS_NOMEM (device memory),
  * KDS_CUDA. */
 kds_status eng__cuda_create(const eng_model *m, int max_batch, int max_seqs, bool bf16,

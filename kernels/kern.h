@@ -17,6 +17,7 @@
 #ifndef KERN_H
 #define KERN_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -160,10 +161,15 @@ void kern_matmul_w(const kern_weight *w, const float *x, int T, float *y, int ld
  * takes the GEMM path of kern_matmul_w's many-token case, which is
  * compute-bound and faster there than the direct path; below it, and
  * without AVX-512, it is kern_matmul_w. Same arguments and contract.
+ * bf16_act: a bf16 weight's GEMM rounds x to bf16 and runs on AVX-512 BF16
+ * dot products (about twice the multiply-adds per second; x then carries
+ * ~3e-3 relative error: llama.cpp's and vLLM's precision, never the
+ * default); ignored for other formats, below the GEMM's tokens, and in
+ * builds without AVX512_BF16.
  */
 #define KERN_PREFILL_GEMM_MIN_T 12
 void kern_matmul_w_prefill(const kern_weight *w, const float *x, int T, float *y, int ldy, int r0,
-                           int r1, float *scratch);
+                           int r1, float *scratch, bool bf16_act);
 
 /*
  * kern_matmul_w's portable path for a block format, in every build (the

@@ -779,7 +779,7 @@ Test(cuda_model, per_sequence_settings_in_one_batched_sample, .timeout = 3600) {
     close_fixture(&f);
 }
 
-/* gpu_bf16: the prefill's products (20 rows: cuBLAS) with bf16 activations
+/* bf16_act: the prefill's products (20 rows: cuBLAS) with bf16 activations
  * stay within a bf16-sized tolerance of the CPU, and the exact default is
  * much closer (so the mode really changes the products). */
 Test(cuda_model, bf16_activations_within_bf16_error, .timeout = 3600) {
@@ -794,7 +794,7 @@ Test(cuda_model, bf16_activations_within_bf16_error, .timeout = 3600) {
     cr_assert_eq(eng_ctx_create(f.m, &cp, &cc, &err), KDS_OK, "%s", err.msg);
     cp.device = "cuda";
     cr_assert_eq(eng_ctx_create(f.m, &cp, &ge, &err), KDS_OK, "%s", err.msg);
-    cp.gpu_bf16 = true;
+    cp.bf16_act = true;
     cr_assert_eq(eng_ctx_create(f.m, &cp, &gb, &err), KDS_OK, "%s", err.msg);
     const int V = f.vocab, T = 20;
     int32_t ids[20];

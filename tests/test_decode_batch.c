@@ -487,3 +487,41 @@ Test(decode_batch, bench_prints_bandwidth, .timeout = 120) {
     cr_expect(!strstr(out, "streaming read"), "%s", out);
     close_fixture(&f);
 }
+
+/* eng_ctx_params.bf16_act on the CPU: a prefill's bf16 products round
+ * their activations, so the logits move by about bf16's error, no more;
+ * without it a second context gives the same logits bit for bit. */
+Test(decode_batch, cpu_bf16_activations_within_bf16_error) {
+    fixture f = open_preset("tiny", 1, 32, 1);
+    kds_err err = {0};
+    eng_ctx_params cp = eng_ctx_default_params();
+    cp.n_threads = 1;
+    cp.max_batch = 32;
+    cp.max_seqs = 1;
+    cp.bf16_act = true;
+    eng_ctx *cb = NULL;
+    cr_assert_eq(eng_ctx_create(f.m, &cp, &cb, &err), KDS_OK, "%s", err.msg);
+    const int T = 24;
+    int32_t ids[24];
+    prompt(ids, T, f.vocab, 31);
+    eng_seq *a = NULL, *b = NULL;
+    cr_assert_eq(eng_seq_create(f.m, 1, &a, &err), KDS_OK, "%s", err.msg);
+    cr_assert_eq(eng_seq_create(f.m, 1, &b, &err), KDS_OK, "%s", err.msg);
+    cr_assert_eq(eng_prefill(f.c, a, ids, T, NULL, NULL, NULL, &err), KDS_OK, "%s", err.msg);
+    cr_assert_eq(eng_prefill(cb, b, ids, T, NULL, NULL, NULL, &err), KDS_OK, "%s", err.msg);
+    const float *la = eng_seq_logits(a), *lb = eng_seq_logits(b);
+    double big = 0.0, diff = 0.0;
+    for (int i = 0; i < f.vocab; i++) {
+        if (fabs(la[i]) > big) big = fabs(la[i]);
+        if (fabs(la[i] - lb[i]) > diff) diff = fabs(la[i] - lb[i]);
+    }
+    const double ratio = diff / (big > 1.0 ? big : 1.0);
+    cr_log_info("cpu bf16 activations: prefill logits error / largest %g", ratio);
+    cr_expect_leq(ratio, 3e-2, "bf16 activations: %g (limit 3e-2)", ratio);
+    cr_expect_gt(ratio, 1e-7, "bf16 activations changed nothing (%g): the mode did not reach "
+                 "the products", ratio);
+    eng_seq_free(a);
+    eng_seq_free(b);
+    eng_ctx_free(cb);
+    close_fixture(&f);
+}

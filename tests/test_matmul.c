@@ -131,7 +131,7 @@ static void check_gemm_exact(kern_dtype dt, int rows, int in, int T, bool prefil
     const kern_weight kw = {.dt = dt, .data = w, .scales = NULL, .rows = rows, .cols = in};
     for (int k = 0; k < 3; k++) {
         if (prefill)
-            kern_matmul_w_prefill(&kw, x, T, y, rows, cut[k], cut[k + 1], scratch);
+            kern_matmul_w_prefill(&kw, x, T, y, rows, cut[k], cut[k + 1], scratch, false);
         else
             kern_matmul(dt, w, in, x, T, y, rows, cut[k], cut[k + 1], scratch);
     }
@@ -228,5 +228,44 @@ Test(matmul, gemm_f32_strides_transposed_accumulate) {
     free(y);
     free(y0);
     free(P);
+}
+#endif
+
+#if defined(__AVX512BF16__)
+/* kern_matmul_w_prefill's bf16 activations: within the error of rounding x
+ * to bf16 (2^-9 relative per value, so 2^-8 of sum |w x| with room for the
+ * sums' own rounding), and not the exact products (the mode reached them). */
+Test(matmul, prefill_bf16_activations_within_rounding) {
+    const int rows = 70, in = 200, T = 30;
+    float *wf = malloc((size_t)rows * in * sizeof(float)), *x = malloc((size_t)T * in * 4);
+    float *y = malloc((size_t)T * rows * 4), *e = malloc((size_t)T * rows * 4);
+    float *scratch = malloc(kern_matmul_scratch_floats(in) * sizeof(float));
+    void *w = make_w(KERN_BF16, rows, in, wf, 99);
+    uint64_t seed = 5;
+    for (int i = 0; i < T * in; i++) x[i] = unit(&seed);
+    const kern_weight kw = {.dt = KERN_BF16, .data = w, .scales = NULL, .rows = rows, .cols = in};
+    kern_matmul_w_prefill(&kw, x, T, y, rows, 0, rows, scratch, true);
+    kern_matmul_w_prefill(&kw, x, T, e, rows, 0, rows, scratch, false);
+    int differ = 0;
+    for (int t = 0; t < T; t++)
+        for (int r = 0; r < rows; r++) {
+            double ref = 0.0, mag = 0.0;
+            for (int i = 0; i < in; i++) {
+                ref += (double)wf[(size_t)r * in + i] * x[(size_t)t * in + i];
+                mag += fabs((double)wf[(size_t)r * in + i] * x[(size_t)t * in + i]);
+            }
+            const float got = y[(size_t)t * rows + r];
+            cr_assert_leq(fabs(got - ref), 0x1p-8 * mag + 1e-6, "y[%d, %d] = %g, reference %g", t, r,
+                          got, ref);
+            differ += got != e[(size_t)t * rows + r];
+        }
+    cr_expect_gt(differ, T * rows / 2, "only %d of %d outputs differ from the exact products", differ,
+                 T * rows);
+    free(w);
+    free(wf);
+    free(x);
+    free(y);
+    free(e);
+    free(scratch);
 }
 #endif

@@ -5,6 +5,7 @@
 #include "kern_gemm.h"
 
 #include <stddef.h>
+#include <stdint.h>
 #include <string.h>
 
 #if defined(__AVX512F__)
@@ -273,4 +274,174 @@ void kern__gemm(const kern_gemm_w *w, int in, const float *x, int ldx, int T, fl
         }
     }
 }
+
+#if defined(__AVX512BF16__)
+/* ------------------------------------------------------------------------ */
+/* Activations rounded to bf16: AVX-512 BF16 dot products                    */
+
+/* y[t, i] (+)= sum over column pairs c2 of the dot of x's pair and the
+ * panel's pair, for t < mt (1..12, a constant at each call), i < nr. P2:
+ * [kc2, 32] words, each row i's columns 2 c2 and 2 c2 + 1 as bf16 (low,
+ * high); xw: [mt, ldx2] words, the tokens' columns as bf16 pairs the same
+ * way. One vdpbf16ps per 16 rows and token adds both columns' products:
+ * twice the multiply-adds of an f32 fma per instruction. */
+static inline __attribute__((always_inline)) void
+panel_tokens_bf16(const uint32_t *P2, int kc2, const uint32_t *xw, int ldx2, const int mt, float *y,
+                  int ldy, int nr, bool accumulate) {
+    __m512 acc[PANEL_TOKENS][2];
+    const uint32_t *xb[PANEL_TOKENS / 4];
+    const int ng = (mt + 3) / 4;
+    const size_t s1 = (size_t)ldx2, s3 = 3 * (size_t)ldx2;
+    const __mmask16 m0 = nr >= 16 ? 0xffff : (__mmask16)((1u << nr) - 1);
+    const __mmask16 m1 = nr >= 32 ? 0xffff : nr > 16 ? (__mmask16)((1u << (nr - 16)) - 1) : 0;
+    for (int g = 0; g < ng; g++)
+        xb[g] = xw + (size_t)4 * g * ldx2;
+    for (int t = 0; t < mt; t++) {
+        if (accumulate) {
+            acc[t][0] = _mm512_maskz_loadu_ps(m0, y + (size_t)t * ldy);
+            acc[t][1] = _mm512_maskz_loadu_ps(m1, y + (size_t)t * ldy + 16);
+        } else {
+            acc[t][0] = acc[t][1] = _mm512_setzero_ps();
+        }
+    }
+    for (int c = 0; c < kc2; c++, P2 += KERN_PANEL_ROWS) {
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void *)P2);
+        const __m512bh w1 = (__m512bh)_mm512_loadu_si512((const void *)(P2 + 16));
+        for (int g = 0; g < ng; g++) {
+            const uint32_t *p = xb[g]++;
+            const int t = 4 * g;
+            const __m512bh b0 = (__m512bh)_mm512_set1_epi32((int)p[0]);
+            acc[t][0] = _mm512_dpbf16_ps(acc[t][0], w0, b0);
+            acc[t][1] = _mm512_dpbf16_ps(acc[t][1], w1, b0);
+            if (t + 1 < mt) {
+                const __m512bh b1 = (__m512bh)_mm512_set1_epi32((int)p[s1]);
+                acc[t + 1][0] = _mm512_dpbf16_ps(acc[t + 1][0], w0, b1);
+                acc[t + 1][1] = _mm512_dpbf16_ps(acc[t + 1][1], w1, b1);
+            }
+            if (t + 2 < mt) {
+                const __m512bh b2 = (__m512bh)_mm512_set1_epi32((int)p[2 * s1]);
+                acc[t + 2][0] = _mm512_dpbf16_ps(acc[t + 2][0], w0, b2);
+                acc[t + 2][1] = _mm512_dpbf16_ps(acc[t + 2][1], w1, b2);
+            }
+            if (t + 3 < mt) {
+                const __m512bh b3 = (__m512bh)_mm512_set1_epi32((int)p[s3]);
+                acc[t + 3][0] = _mm512_dpbf16_ps(acc[t + 3][0], w0, b3);
+                acc[t + 3][1] = _mm512_dpbf16_ps(acc[t + 3][1], w1, b3);
+            }
+        }
+    }
+    for (int t = 0; t < mt; t++) {
+        _mm512_mask_storeu_ps(y + (size_t)t * ldy, m0, acc[t][0]);
+        _mm512_mask_storeu_ps(y + (size_t)t * ldy + 16, m1, acc[t][1]);
+    }
+}
+
+#define PANEL_STEP_BF16(n)                                                                         \
+    static void panel_bf16_##n(const uint32_t *P2, int kc2, const uint32_t *xw, int ldx2,        \
+                               float *y, int ldy, int nr, bool accumulate) {                      \
+        panel_tokens_bf16(P2, kc2, xw, ldx2, n, y, ldy, nr, accumulate);                          \
+    }
+PANEL_STEP_BF16(1)
+PANEL_STEP_BF16(2)
+PANEL_STEP_BF16(3)
+PANEL_STEP_BF16(4)
+PANEL_STEP_BF16(5)
+PANEL_STEP_BF16(6)
+PANEL_STEP_BF16(7)
+PANEL_STEP_BF16(8)
+PANEL_STEP_BF16(9)
+PANEL_STEP_BF16(10)
+PANEL_STEP_BF16(11)
+PANEL_STEP_BF16(12)
+
+typedef void (*panel_bf16_fn)(const uint32_t *, int, const uint32_t *, int, float *, int, int,
+                              bool);
+
+/* Rows [r, r + nr) of the bf16 matrix W [rows, ld], columns [c0, c0 + kc),
+ * as the word panel P2 [ceil(kc / 2), 32] (rows nr..31 zero; an odd last
+ * column paired with 0): full blocks of 16 rows x 32 columns through
+ * transpose16 (no widening: the words stay bf16 pairs), the rest through
+ * gathers and single values. */
+static void pack_pairs(const uint16_t *W, size_t ld, int r, int nr, int c0, int kc, uint32_t *P2) {
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i idx = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)ld));
+    for (int h = 0; h < 2; h++) {
+        const int left = nr - 16 * h;
+        const __mmask16 m = left >= 16 ? 0xffff : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
+        const uint16_t *row = W + (size_t)(r + 16 * h) * ld + c0;
+        uint32_t *p = P2 + 16 * h;
+        int c = 0;
+        if (m == 0xffff)
+            for (; c + 32 <= kc; c += 32) {
+                __m512i a[16];
+                for (int i = 0; i < 16; i++)
+                    a[i] = _mm512_loadu_si512((const void *)(row + (size_t)i * ld + c));
+                transpose16(a);
+                for (int j = 0; j < 16; j++)
+                    _mm512_storeu_si512((void *)(p + (size_t)(c / 2 + j) * KERN_PANEL_ROWS), a[j]);
+            }
+        for (; c + 2 <= kc; c += 2)
+            _mm512_storeu_si512((void *)(p + (size_t)(c / 2) * KERN_PANEL_ROWS),
+                                _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, idx,
+                                                            row + c, 2));
+        if (c < kc)
+            for (int i = 0; i < 16; i++)
+                p[(size_t)(c / 2) * KERN_PANEL_ROWS + i] = i < left ? row[(size_t)i * ld + c] : 0u;
+    }
+}
+
+/* Tokens [0, mt) of x [.., ldx], columns [c0, c0 + kc), rounded to bf16
+ * (nearest even) as word pairs: xw [mt, ceil(kc / 2)]. */
+static void round_tile(const float *x, int ldx, int mt, int c0, int kc, uint32_t *xw) {
+    const int kc2 = (kc + 1) / 2;
+    for (int t = 0; t < mt; t++) {
+        const float *src = x + (size_t)t * ldx + c0;
+        uint32_t *dst = xw + (size_t)t * kc2;
+        int c = 0;
+        for (; c + 32 <= kc; c += 32)
+            _mm512_storeu_si512((void *)(dst + c / 2),
+                                (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + c + 16),
+                                                             _mm512_loadu_ps(src + c)));
+        for (; c < kc; c += 2) {
+            const uint32_t lo = kern_f32_to_bf16(src[c]);
+            const uint32_t hi = c + 1 < kc ? kern_f32_to_bf16(src[c + 1]) : 0u;
+            dst[c / 2] = lo | hi << 16;
+        }
+    }
+}
+
+void kern__gemm_bf16act(const uint16_t *W, int in, const float *x, int T, float *y, int ldy,
+                        int r0, int r1, float *scratch) {
+    static const panel_bf16_fn step[PANEL_TOKENS + 1] = {
+        NULL,           panel_bf16_1, panel_bf16_2,  panel_bf16_3,  panel_bf16_4,
+        panel_bf16_5,   panel_bf16_6, panel_bf16_7,  panel_bf16_8,  panel_bf16_9,
+        panel_bf16_10,  panel_bf16_11, panel_bf16_12};
+    const int kmax = in < KERN_PANEL_COLS ? in : KERN_PANEL_COLS, in2 = (in + 1) / 2;
+    const size_t p2_words = (size_t)KERN_PANEL_ROWS * ((kmax + 1) / 2);
+    uint32_t *P2 = (uint32_t *)scratch, *xw = P2 + p2_words;
+    /* the tokens whose rounded x fits the rest of the scratch, in steps of
+     * 12 (at least one step; kern_matmul_scratch_floats leaves room for
+     * about 200 tokens): each block's x is rounded once, and W is unpacked
+     * once per block */
+    int cap = (int)((kern_matmul_scratch_floats(in) - p2_words) / (size_t)in2);
+    cap = cap / PANEL_TOKENS * PANEL_TOKENS;
+    if (cap < PANEL_TOKENS) cap = PANEL_TOKENS;
+    for (int tb = 0; tb < T; tb += cap) {
+        const int nb = T - tb < cap ? T - tb : cap;
+        round_tile(x + (size_t)tb * in, in, nb, 0, in, xw);
+        for (int r = r0; r < r1; r += KERN_PANEL_ROWS) {
+            const int nr = r1 - r < KERN_PANEL_ROWS ? r1 - r : KERN_PANEL_ROWS;
+            for (int c0 = 0; c0 < in; c0 += KERN_PANEL_COLS) {
+                const int kc = in - c0 < KERN_PANEL_COLS ? in - c0 : KERN_PANEL_COLS;
+                pack_pairs(W, (size_t)in, r, nr, c0, kc, P2);
+                for (int t0 = 0; t0 < nb; t0 += PANEL_TOKENS) {
+                    const int mt = nb - t0 < PANEL_TOKENS ? nb - t0 : PANEL_TOKENS;
+                    step[mt](P2, (kc + 1) / 2, xw + (size_t)t0 * in2 + c0 / 2, in2,
+                             y + (size_t)(tb + t0) * ldy + r, ldy, nr, c0 > 0);
+                }
+            }
+        }
+    }
+}
+#endif
 #endif

@@ -20,6 +20,7 @@
 #define KERN_GEMM_H
 
 #include <stdbool.h>
+#include <stdint.h>
 
 #include "kern.h"
 
@@ -78,5 +79,19 @@ typedef struct kern_gemm_w {
  */
 void kern__gemm(const kern_gemm_w *w, int in, const float *x, int ldx, int T, float *y, int ldy,
                 int r0, int r1, bool accumulate, float *P);
+
+/*
+ * The GEMM with the activations rounded to bf16 (nearest even), for a bf16
+ * W [rows, in] (row-major, ld = in): rows [r0, r1) of y [T, ldy] =
+ * bf16(x) [T, in] W^T, two columns per AVX-512 BF16 dot product (each pair
+ * of products summed, then added: not the fma chain, and x carries about
+ * 3e-3 relative error). Twice the multiply-adds per instruction of the
+ * exact kernel: llama.cpp's and vLLM's precision, chosen by the caller
+ * (eng_ctx_params.bf16_prefill). scratch: kern_matmul_scratch_floats(in)
+ * (x is rounded once per block of tokens that fits it). Builds with
+ * AVX512_BF16 only.
+ */
+void kern__gemm_bf16act(const uint16_t *W, int in, const float *x, int T, float *y, int ldy,
+                        int r0, int r1, float *scratch);
 
 #endif

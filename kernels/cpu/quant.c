@@ -586,9 +586,15 @@ void kern_matmul_w(const kern_weight *w, const float *x, int T, float *y, int ld
 }
 
 void kern_matmul_w_prefill(const kern_weight *w, const float *x, int T, float *y, int ldy, int r0,
-                           int r1, float *scratch) {
+                           int r1, float *scratch, bool bf16_act) {
 #if KERN_AVX512
     if (T >= KERN_PREFILL_GEMM_MIN_T && scratch && r1 > r0) {
+#if defined(__AVX512BF16__)
+        if (bf16_act && w->dt == KERN_BF16) {
+            kern__gemm_bf16act(w->data, w->cols, x, T, y, ldy, r0, r1, scratch);
+            return;
+        }
+#endif
         if (kern_dtype_is_block(w->dt)) {
             const kern_layout l = kern_weight_layout(w->dt, w->rows, w->cols);
             gemm_avx512(w, &l, x, T, y, ldy, r0, r1, scratch);
@@ -599,6 +605,7 @@ void kern_matmul_w_prefill(const kern_weight *w, const float *x, int T, float *y
         return;
     }
 #endif
+    (void)bf16_act;
     kern_matmul_w(w, x, T, y, ldy, r0, r1, scratch);
 }
 
