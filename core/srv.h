@@ -203,8 +203,9 @@ kds_status srv_turn_save(sess_store *st, const char *session, uint64_t base, con
  * the saver saves the state there as the session's head (no transcript
  * entry) and indexes it, then the stream goes on.
  *
- * Events reach the front end through each stream's hooks (text, fed, ended,
- * done) and the scheduler's own (wake, log, loaded, saved, sessions).
+ * Events reach the front end through each stream's hooks (text, fed,
+ * reader, ended, done) and the scheduler's own (wake, log, and the metrics:
+ * loaded, saved, sessions, prefilled, decoded).
  *
  * Threads: one owner thread (the server's engine thread) makes every srv_
  * call below and receives every hook call, except `wake` and `log`, which
