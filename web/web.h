@@ -8,12 +8,17 @@
  *                   binary, both into one cJSON tree), checks auth, and
  *                   writes queued events; it never touches the model or
  *                   the store.
- *   engine thread   owns the model context, the store and every session in
- *                   memory. Each turn of its loop it takes the queued
- *                   requests, answers store operations, advances every
- *                   prefill by one slice, and decodes one token of every
- *                   generating session in a single batched forward pass
- *                   (continuous batching, eng_decode_batch).
+ *   engine thread   the one caller of the serving core's scheduler
+ *                   (core/srv.h, srv_sched), which owns the model context
+ *                   and every session in memory. Each turn of its loop it
+ *                   takes the queued requests, answers store operations,
+ *                   starts turns as the scheduler's streams, and makes one
+ *                   scheduler step: every prefill advances by one slice, and
+ *                   every generating session decodes one token in a single
+ *                   batched forward pass (continuous batching,
+ *                   eng_decode_batch).
+ *   saver thread    the scheduler's: makes finished turns durable off the
+ *                   batching loop.
  *   The two talk through a request queue (service -> engine) and a
  *   per-connection event queue (engine -> service, woken with
  *   lws_cancel_service, the one lws call allowed from another thread).

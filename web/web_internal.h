@@ -145,7 +145,7 @@ struct web_server {
     size_t n_tenants;
     /* shared state */
     pthread_mutex_t lock;
-    pthread_cond_t wake;         /* engine thread waits here for requests */
+    pthread_cond_t wake;         /* engine thread waits here for requests and saved turns */
     web_req *req_head, *req_tail;
     int n_queued;                /* requests of every connection waiting or being handled */
     web_conn *conns;
