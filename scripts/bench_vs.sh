@@ -18,7 +18,7 @@ usage() {
     cat <<'EOF'
 usage: scripts/bench_vs.sh --llama-bench PATH --model DIR [--gguf FILE] [--rounds N]
                            [--threads T] [--prompt P] [--gen G] [--repeats R]
-                           [--kdaserve PATH] [--llama-args "ARGS"]
+                           [--kdaserve PATH] [--kdaserve-args "ARGS"] [--llama-args "ARGS"]
 
   --llama-bench PATH  llama.cpp's llama-bench (or llama-cli: llama-bench beside it)
   --model DIR         the kdaserve model directory (safetensors)
@@ -31,6 +31,9 @@ usage: scripts/bench_vs.sh --llama-bench PATH --model DIR [--gguf FILE] [--round
   --repeats R         repeats per engine per round, best taken (default 3)
   --kdaserve PATH     the kdaserve binary (default: build/kdaserve of this tree,
                       else kdaserve on PATH)
+  --kdaserve-args ARGS  more kdaserve bench options, e.g. "--bf16" (llama.cpp's
+                      precision: a prefill's bf16 products round their activations
+                      to bf16, as llama.cpp's bf16 path does; default: exact)
   --llama-args ARGS   more llama-bench options, e.g. "-fa 0"
 EOF
 }
@@ -41,7 +44,7 @@ die() {
 }
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-llama="" model="" gguf="" rounds=4 threads="" prompt=512 gen=128 repeats=3 kds="" largs=""
+llama="" model="" gguf="" rounds=4 threads="" prompt=512 gen=128 repeats=3 kds="" largs="" kargs=""
 while [[ $# -gt 0 ]]; do
     case "$1" in
     --llama-bench) llama=${2:-}; shift 2 ;;
@@ -54,6 +57,7 @@ while [[ $# -gt 0 ]]; do
     --repeats) repeats=${2:-}; shift 2 ;;
     --kdaserve) kds=${2:-}; shift 2 ;;
     --llama-args) largs=${2:-}; shift 2 ;;
+    --kdaserve-args) kargs=${2:-}; shift 2 ;;
     -h | --help) usage; exit 0 ;;
     *) usage >&2; die "unknown argument '$1'" ;;
     esac
@@ -89,10 +93,13 @@ fi
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 
-# kdaserve bench: the best prefill and decode tokens/s of R repeats
+# kdaserve bench: the best prefill and decode tokens/s of R repeats (its
+# streaming read of the memory left out: it would only lengthen the round)
 run_kds() {
+    # shellcheck disable=SC2086
     "$kds" bench --model "$model" --threads "$threads" --prompt-tokens "$prompt" \
-        --gen-tokens "$gen" --repeats "$repeats" >"$tmp/kds.out" 2>"$tmp/kds.err" ||
+        --gen-tokens "$gen" --repeats "$repeats" --bandwidth-mib 0 $kargs >"$tmp/kds.out" \
+        2>"$tmp/kds.err" ||
         { cat "$tmp/kds.err" >&2; die "kdaserve bench failed"; }
     awk '$1 == "prefill" {p = $2} $1 == "decode" {d = $2} END {
         if (p == "" || d == "") exit 1; print p, d }' "$tmp/kds.out" ||
@@ -133,6 +140,7 @@ echo "llama.cpp: $llama"
 echo "model:     $model"
 echo "gguf:      $gguf"
 echo "threads $threads, prompt $prompt, gen $gen, best of $repeats per round, $rounds rounds"
+echo "kdaserve bench options: ${kargs:-(none: exact products)}; llama-bench options: ${largs:-(none)}"
 echo "load average at start: $(loadavg)"
 echo
 printf '%-6s %-10s %14s %14s %14s %14s %9s %9s  %s\n' round first "kds prefill" "llama prefill" \

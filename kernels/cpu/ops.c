@@ -224,24 +224,32 @@ static inline __m256 reduce8(const __m512 a[8]) {
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
+/* Columns per block when more than three tokens share eight rows: the
+ * rows' block (8 KiB) and the tokens' (up to 63 x 2 KiB) stay in L1 / L2
+ * while every group of three runs over them. */
+#define DOT_COL_BLOCK 512
+
 /* Rows w[0..8) (row stride in), columns [i0, i1), dotted with nt (1..3,
  * a constant at each call) tokens x0 [nt, in] (split even/odd as
  * dot8_bf16's xd), continuing the 8 x nt running sums acc[t][k] (16 lanes
  * each; zero before the first columns): per 32 columns, each of the eight
- * rows is loaded and widened once and feeds the nt tokens' FMAs, the eight
- * rows read as eight streams. pf_rows > 0: the rows that far ahead are
- * prefetched (the call that reads these rows from memory). */
+ * rows' vectors feeds the nt tokens' FMAs, the eight rows read as eight
+ * streams. pf > 0: each row is prefetched pf elements ahead of column i
+ * (pf_wrap: past the row's end, into the same row of the next eight). */
 static inline __attribute__((always_inline)) void
-rows8_cols(const uint16_t *w, int in, const float *x0, const int nt, int i0, int i1, int pf_rows,
-           __m512 (*acc)[8]) {
+rows8_cols(const uint16_t *w, int in, const float *x0, const int nt, int i0, int i1, int pf,
+           bool pf_wrap, __m512 (*acc)[8]) {
     const __m512i hi_mask = _mm512_set1_epi32((int)0xffff0000u);
     __m512 a[3][8];
     for (int j = 0; j < nt; j++)
         for (int k = 0; k < 8; k++) a[j][k] = acc[j][k];
     for (int i = i0; i < i1; i += 32) {
-        if (pf_rows > 0)
+        if (pf > 0) {
+            size_t off = (size_t)i + (size_t)pf;
+            if (pf_wrap && off >= (size_t)in) off += (size_t)7 * in; /* the next eight rows */
             for (int k = 0; k < 8; k++)
-                _mm_prefetch((const char *)(w + (size_t)(k + pf_rows) * in + i), _MM_HINT_T0);
+                _mm_prefetch((const char *)(w + (size_t)k * in + off), _MM_HINT_T0);
+        }
         __m512 xe[3], xo[3];
         for (int j = 0; j < nt; j++) {
             xe[j] = _mm512_loadu_ps(x0 + (size_t)j * in + i);
@@ -260,11 +268,6 @@ rows8_cols(const uint16_t *w, int in, const float *x0, const int nt, int i0, int
     for (int j = 0; j < nt; j++)
         for (int k = 0; k < 8; k++) acc[j][k] = a[j][k];
 }
-
-/* Columns per block when more than three tokens share eight rows: the
- * rows' block (8 KiB) and the tokens' (up to 63 x 2 KiB) stay in L1 / L2
- * while every group of three runs over them. */
-#define DOT_COL_BLOCK 512
 
 /* Eight weight rows at a time, every token over them: the activation
  * vectors are loaded once per eight rows and each (row, token) pair gets
@@ -303,17 +306,22 @@ static void dot8_bf16(const uint16_t *W, int in, const float *xd, int nt, int r0
         const int cb = nt <= 3 ? in : DOT_COL_BLOCK;
         for (int t = 0; t < nt; t++)
             for (int k = 0; k < 8; k++) acc[t][k] = _mm512_setzero_ps();
+        /* the first group's prefetch: with whole rows (up to three
+         * tokens), the same columns pf_rows rows on; with column blocks,
+         * the next block, which the other groups give time to arrive
+         * (T = 5, 6 read 10-17% faster than with the rows on) */
+        const int pf_first = nt <= 3 ? pf_rows * in : DOT_COL_BLOCK;
         for (int i0 = 0; i0 < in; i0 += cb) {
             const int i1 = in - i0 < cb ? in : i0 + cb;
             for (int t = 0; t < nt; t += 3) {
-                const int pf = t == 0 ? pf_rows : 0;
+                const int pf = t > 0 ? 0 : pf_first;
                 const float *x0 = xd + (size_t)t * in;
                 if (nt - t >= 3)
-                    rows8_cols(w, in, x0, 3, i0, i1, pf, acc + t);
+                    rows8_cols(w, in, x0, 3, i0, i1, pf, nt > 3, acc + t);
                 else if (nt - t == 2)
-                    rows8_cols(w, in, x0, 2, i0, i1, pf, acc + t);
+                    rows8_cols(w, in, x0, 2, i0, i1, pf, nt > 3, acc + t);
                 else
-                    rows8_cols(w, in, x0, 1, i0, i1, pf, acc + t);
+                    rows8_cols(w, in, x0, 1, i0, i1, pf, nt > 3, acc + t);
             }
         }
         for (int t = 0; t < nt; t++) _mm256_storeu_ps(y + (size_t)t * ldy + r, reduce8(acc[t]));
