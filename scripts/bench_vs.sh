@@ -9,6 +9,11 @@
 # llama.cpp: medians over the rounds, and the load average. On a shared
 # machine only the ratios of one run mean anything (docs/benchmarks.md).
 #
+# kdaserve's prefill is measured twice a round: exact (its default: f32
+# sums of the stored bf16 weights) and with --bf16, which rounds a
+# prefill's activations to bf16 as llama.cpp's bf16 path does (equal
+# precision; ~3e-3 relative error per product). Decode is exact in both.
+#
 # It does not build llama.cpp: give it a llama-bench that is already built
 # (or a llama-cli, beside which llama-bench is looked for). The project's
 # tests do not use this script.
@@ -31,9 +36,8 @@ usage: scripts/bench_vs.sh --llama-bench PATH --model DIR [--gguf FILE] [--round
   --repeats R         repeats per engine per round, best taken (default 3)
   --kdaserve PATH     the kdaserve binary (default: build/kdaserve of this tree,
                       else kdaserve on PATH)
-  --kdaserve-args ARGS  more kdaserve bench options, e.g. "--bf16" (llama.cpp's
-                      precision: a prefill's bf16 products round their activations
-                      to bf16, as llama.cpp's bf16 path does; default: exact)
+  --kdaserve-args ARGS  more kdaserve bench options for both of its runs
+  --no-bf16           leave out kdaserve's --bf16 prefill run
   --llama-args ARGS   more llama-bench options, e.g. "-fa 0"
 EOF
 }
@@ -45,6 +49,7 @@ die() {
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 llama="" model="" gguf="" rounds=4 threads="" prompt=512 gen=128 repeats=3 kds="" largs="" kargs=""
+nobf16=0
 while [[ $# -gt 0 ]]; do
     case "$1" in
     --llama-bench) llama=${2:-}; shift 2 ;;
@@ -58,6 +63,7 @@ while [[ $# -gt 0 ]]; do
     --kdaserve) kds=${2:-}; shift 2 ;;
     --llama-args) largs=${2:-}; shift 2 ;;
     --kdaserve-args) kargs=${2:-}; shift 2 ;;
+    --no-bf16) nobf16=1; shift ;;
     -h | --help) usage; exit 0 ;;
     *) usage >&2; die "unknown argument '$1'" ;;
     esac
@@ -94,11 +100,14 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 
 # kdaserve bench: the best prefill and decode tokens/s of R repeats (its
-# streaming read of the memory left out: it would only lengthen the round)
+# streaming read of the memory left out: it would only lengthen the round);
+# extra options in $1 (--bf16 runs the prefill only: decode is exact either way)
 run_kds() {
+    local extra=${1:-} g=$gen
+    [[ -n $extra ]] && g=0
     # shellcheck disable=SC2086
     "$kds" bench --model "$model" --threads "$threads" --prompt-tokens "$prompt" \
-        --gen-tokens "$gen" --repeats "$repeats" --bandwidth-mib 0 $kargs >"$tmp/kds.out" \
+        --gen-tokens "$g" --repeats "$repeats" --bandwidth-mib 0 $kargs $extra >"$tmp/kds.out" \
         2>"$tmp/kds.err" ||
         { cat "$tmp/kds.err" >&2; die "kdaserve bench failed"; }
     awk '$1 == "prefill" {p = $2} $1 == "decode" {d = $2} END {
@@ -140,29 +149,36 @@ echo "llama.cpp: $llama"
 echo "model:     $model"
 echo "gguf:      $gguf"
 echo "threads $threads, prompt $prompt, gen $gen, best of $repeats per round, $rounds rounds"
-echo "kdaserve bench options: ${kargs:-(none: exact products)}; llama-bench options: ${largs:-(none)}"
+echo "kdaserve bench options: ${kargs:-(none)}; llama-bench options: ${largs:-(none)}"
+((nobf16)) || echo "kdaserve's prefill: exact, and with --bf16 (llama.cpp's precision)"
 echo "load average at start: $(loadavg)"
 echo
-printf '%-6s %-10s %14s %14s %14s %14s %9s %9s  %s\n' round first "kds prefill" "llama prefill" \
-    "kds decode" "llama decode" "prefill x" "decode x" "load"
+printf '%-6s %-10s %12s %12s %13s %12s %12s %9s %9s %9s  %s\n' round first "kds prefill" \
+    "kds bf16 pf" "llama prefill" "kds decode" "llama decode" "prefill x" "bf16 pf x" "decode x" \
+    "load"
 : >"$tmp/rounds"
 for ((r = 1; r <= rounds; r++)); do
+    bres="0 0"
     if ((r % 2)); then
         first=kdaserve
         kres=$(run_kds)
+        ((nobf16)) || bres=$(run_kds --bf16)
         lres=$(run_llama)
     else
         first=llama.cpp
         lres=$(run_llama)
         kres=$(run_kds)
+        ((nobf16)) || bres=$(run_kds --bf16)
     fi
     read -r kp kd <<<"$kres"
+    read -r bp _ <<<"$bres"
     read -r lp ld <<<"$lres"
     rp=$(awk -v a="$kp" -v b="$lp" 'BEGIN { printf "%.3f", a / b }')
+    rb=$(awk -v a="$bp" -v b="$lp" 'BEGIN { printf "%.3f", a / b }')
     rd=$(awk -v a="$kd" -v b="$ld" 'BEGIN { printf "%.3f", a / b }')
-    echo "$kp $lp $kd $ld $rp $rd" >>"$tmp/rounds"
-    printf '%-6s %-10s %14.1f %14.1f %14.2f %14.2f %8sx %8sx  %s\n' "$r" "$first" "$kp" "$lp" \
-        "$kd" "$ld" "$rp" "$rd" "$(loadavg)"
+    echo "$kp $lp $kd $ld $rp $rd $bp $rb" >>"$tmp/rounds"
+    printf '%-6s %-10s %12.1f %12.1f %13.1f %12.2f %12.2f %8sx %8sx %8sx  %s\n' "$r" "$first" \
+        "$kp" "$bp" "$lp" "$kd" "$ld" "$rp" "$rb" "$rd" "$(loadavg)"
 done
 
 col() { awk -v c="$1" '{print $c}' "$tmp/rounds" | median; }
@@ -171,7 +187,10 @@ echo "medians over $rounds rounds (each round: best of $repeats per engine):"
 echo
 echo "| | kdaserve tok/s | llama.cpp tok/s | kdaserve / llama.cpp |"
 echo "|---|---|---|---|"
-printf '| prefill, %s tokens | %.1f | %.1f | %.2fx |\n' "$prompt" "$(col 1)" "$(col 2)" "$(col 5)"
+printf '| prefill, %s tokens (kdaserve exact) | %.1f | %.1f | %.2fx |\n' "$prompt" "$(col 1)" \
+    "$(col 2)" "$(col 5)"
+((nobf16)) || printf '| prefill, %s tokens (kdaserve --bf16: llama.cpp'"'"'s precision) | %.1f | %.1f | %.2fx |\n' \
+    "$prompt" "$(col 7)" "$(col 2)" "$(col 8)"
 printf '| decode, %s tokens | %.2f | %.2f | %.2fx |\n' "$gen" "$(col 3)" "$(col 4)" "$(col 6)"
 echo
 echo "load average at end: $(loadavg)"
