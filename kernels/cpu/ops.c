@@ -303,6 +303,27 @@ static void dot8_bf16(const uint16_t *W, int in, const float *xd, int nt, int r0
     int r = r0;
     for (; r + 8 <= r1; r += 8) {
         const uint16_t *w = W + (size_t)r * in;
+        if (nt == 1) {
+            /* one token (decode at batch 1): its own loop, the eight sums
+             * in registers; the row group's generic path below costs a
+             * fifth of the bandwidth here (measured 20-26 against 29-30
+             * GB/s on one thread, 1 GiB of rows) */
+            __m512 a1[8];
+            for (int k = 0; k < 8; k++) a1[k] = _mm512_setzero_ps();
+            for (int i = 0; i < in; i += 32) {
+                const __m512 xe = _mm512_loadu_ps(xd + i), xo = _mm512_loadu_ps(xd + i + 16);
+                for (int k = 0; k < 8; k++)
+                    _mm_prefetch((const char *)(w + (size_t)(k + pf_rows) * in + i), _MM_HINT_T0);
+                for (int k = 0; k < 8; k++) {
+                    const __m512i v = _mm512_loadu_si512((const void *)(w + (size_t)k * in + i));
+                    a1[k] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), xe, a1[k]);
+                    a1[k] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(v, hi_mask)), xo,
+                                            a1[k]);
+                }
+            }
+            _mm256_storeu_ps(y + r, reduce8(a1));
+            continue;
+        }
         const int cb = nt <= 3 ? in : DOT_COL_BLOCK;
         for (int t = 0; t < nt; t++)
             for (int k = 0; k < 8; k++) acc[t][k] = _mm512_setzero_ps();
