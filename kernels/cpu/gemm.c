@@ -287,7 +287,7 @@ void kern__gemm(const kern_gemm_w *w, int in, const float *x, int ldx, int T, fl
  * twice the multiply-adds of an f32 fma per instruction. */
 static inline __attribute__((always_inline)) void
 panel_tokens_bf16(const uint32_t *P2, int kc2, const uint32_t *xw, int ldx2, const int mt, float *y,
-                  int ldy, int nr, bool accumulate) {
+                  int ldy, int nr, bool accumulate, const kern_prefetch *pf) {
     __m512 acc[PANEL_TOKENS][2];
     const uint32_t *xb[PANEL_TOKENS / 4];
     const int ng = (mt + 3) / 4;
@@ -304,7 +304,18 @@ panel_tokens_bf16(const uint32_t *P2, int kc2, const uint32_t *xw, int ldx2, con
             acc[t][0] = acc[t][1] = _mm512_setzero_ps();
         }
     }
+    /* the prefetch walk, as panel_tokens's */
+    int pr = 0, per_col = 0;
+    size_t po = 0;
+    if (pf) {
+        const size_t lines = (size_t)pf->rows * ((pf->row_bytes + 63) / 64);
+        per_col = (int)((lines + (size_t)kc2 - 1) / (size_t)kc2);
+    }
     for (int c = 0; c < kc2; c++, P2 += KERN_PANEL_ROWS) {
+        for (int k = 0; k < per_col && po < pf->row_bytes; k++) {
+            _mm_prefetch(pf->base + (size_t)pr * pf->stride + po, _MM_HINT_T1);
+            if (++pr == pf->rows) pr = 0, po += 64;
+        }
         const __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void *)P2);
         const __m512bh w1 = (__m512bh)_mm512_loadu_si512((const void *)(P2 + 16));
         for (int g = 0; g < ng; g++) {
@@ -338,8 +349,9 @@ panel_tokens_bf16(const uint32_t *P2, int kc2, const uint32_t *xw, int ldx2, con
 
 #define PANEL_STEP_BF16(n)                                                                         \
     static void panel_bf16_##n(const uint32_t *P2, int kc2, const uint32_t *xw, int ldx2,        \
-                               float *y, int ldy, int nr, bool accumulate) {                      \
-        panel_tokens_bf16(P2, kc2, xw, ldx2, n, y, ldy, nr, accumulate);                          \
+                               float *y, int ldy, int nr, bool accumulate,                        \
+                               const kern_prefetch *pf) {                                         \
+        panel_tokens_bf16(P2, kc2, xw, ldx2, n, y, ldy, nr, accumulate, pf);                      \
     }
 PANEL_STEP_BF16(1)
 PANEL_STEP_BF16(2)
@@ -355,7 +367,7 @@ PANEL_STEP_BF16(11)
 PANEL_STEP_BF16(12)
 
 typedef void (*panel_bf16_fn)(const uint32_t *, int, const uint32_t *, int, float *, int, int,
-                              bool);
+                              bool, const kern_prefetch *);
 
 /* Rows [r, r + nr) of the bf16 matrix W [rows, ld], columns [c0, c0 + kc),
  * as the word panel P2 [ceil(kc / 2), 32] (rows nr..31 zero; an odd last
@@ -434,10 +446,23 @@ void kern__gemm_bf16act(const uint16_t *W, int in, const float *x, int T, float 
             for (int c0 = 0; c0 < in; c0 += KERN_PANEL_COLS) {
                 const int kc = in - c0 < KERN_PANEL_COLS ? in - c0 : KERN_PANEL_COLS;
                 pack_pairs(W, (size_t)in, r, nr, c0, kc, P2);
+                /* the next panel's bytes, fetched while this one computes
+                 * (as kern__gemm does) */
+                kern_prefetch next = {NULL, (size_t)in * 2, 0, 0};
+                if (c0 + kc < in) {
+                    const int kn = in - c0 - kc < KERN_PANEL_COLS ? in - c0 - kc : KERN_PANEL_COLS;
+                    next.base = (const char *)(W + (size_t)r * in + (size_t)(c0 + kc));
+                    next.row_bytes = (size_t)kn * 2, next.rows = nr;
+                } else if (r + nr < r1) {
+                    next.base = (const char *)(W + (size_t)(r + nr) * in);
+                    next.row_bytes = (size_t)kmax * 2;
+                    next.rows = r1 - r - nr < KERN_PANEL_ROWS ? r1 - r - nr : KERN_PANEL_ROWS;
+                }
                 for (int t0 = 0; t0 < nb; t0 += PANEL_TOKENS) {
                     const int mt = nb - t0 < PANEL_TOKENS ? nb - t0 : PANEL_TOKENS;
                     step[mt](P2, (kc + 1) / 2, xw + (size_t)t0 * in2 + c0 / 2, in2,
-                             y + (size_t)(tb + t0) * ldy + r, ldy, nr, c0 > 0);
+                             y + (size_t)(tb + t0) * ldy + r, ldy, nr, c0 > 0,
+                             t0 == 0 && next.rows > 0 ? &next : NULL);
                 }
             }
         }
