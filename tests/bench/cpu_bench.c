@@ -28,7 +28,15 @@
  *   (e) T = 1 MXFP4 and bf16 on [3072, 3584] stacks, each round a read of
  *       the stack's bytes then a product sweep over them, so the fraction
  *       of bandwidth is a ratio measured a second apart (medians over
- *       rounds), which holds on a machine whose load moves.
+ *       rounds), which holds on a machine whose load moves;
+ *   (f) long prompts: one 256-token prefill slice at context position P
+ *       (0 .. 128K; 16K with --quick) of Kimi-Linear-48B's attention, one
+ *       thread: the MLA layer's attention (kern_mla_attend, 32 heads, dc
+ *       512, dr 64) and a KDA layer's chunked core (kern_kda_chunked, 32
+ *       heads of 128, chunks of 64), each in microseconds per token, beside
+ *       a layer's matrix products (about 100 M bf16 weights per token at
+ *       these widths) at the GEMM's rate measured in the same run: where the
+ *       attention would start to dominate a long prefill.
  * Threads: products go through the engine's pool (eng_pool), their rows cut
  * into 4 tasks per thread as eng_cpu.c's run_mm does; with one thread the
  * call is made inline, as there. OpenBLAS is pinned to one thread (the
@@ -120,7 +128,7 @@ static void cpu_model(char *out, size_t n) {
 static eng_pool *g_pool[3]; /* [threads] */
 static float *g_scratch[2]; /* one kern_matmul_scratch_floats(widest) per thread */
 static int g_runs = 7, g_quick;
-static const char *g_only = "abcde";
+static const char *g_only = "abcdef";
 static size_t g_l3;
 static double g_bw[3]; /* measured read bandwidth, GB/s, [threads] */
 
@@ -345,8 +353,8 @@ static void bench_prefill(void) {
     const int Ts[2] = {64, 256};
     printf("### (d) Prefill, GFLOP/s (2 T rows cols / time), median of %d\n\n", g_runs);
     printf("`fast`: kern_matmul_w; `portable`: kern_matmul_w_ref (rows dequantised to f32 by the "
-           "scalar loop, then OpenBLAS sgemm); bf16: kern_matmul (rows widened, then sgemm); "
-           "f32: OpenBLAS sgemm alone (kern_matmul on f32 weights).\n\n");
+           "scalar loop, then OpenBLAS sgemm); bf16 and f32: kern_matmul (the GEMM of "
+           "kernels/cpu/kern_gemm.h, panels unpacked to f32).\n\n");
     printf("| shape | T | threads | mxfp4 fast | mxfp4 portable | q8_0 fast | q8_0 portable | bf16 "
            "| f32 |\n|---|---|---|---|---|---|---|---|---|\n");
     const kern_dtype dts[4] = {KERN_MXFP4, KERN_Q8_0, KERN_BF16, KERN_F32};
@@ -439,6 +447,86 @@ static void bench_alternating(void) {
     printf("\n");
 }
 
+/* (f) Long prompts: the attention of one prefill slice at context
+ * position P against a layer's products. */
+static double now_cpu(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static void bench_long(void) {
+    const int T = 256, H = 32, K = 128;
+    const int64_t P[5] = {0, 4096, 16384, 65536, 131072};
+    const int nP = g_quick ? 3 : 5;
+    const kern_mla_shape msh = {H, 512, 64, 128, 128};
+    const int row = msh.dc + msh.dr;
+    /* the products' rate: a [4096, 2304] bf16 GEMM of T tokens, one thread */
+    stack w = make_stack(KERN_BF16, 4096, 2304, 1);
+    float *x = random_x((size_t)T * 2304, 3), *y = xalloc((size_t)T * 4096 * sizeof(float));
+    double t_mm = 1e30;
+    for (int r = 0; r < g_runs; r++) {
+        const double t0 = now_cpu();
+        kern_matmul_w(&w.w[0], x, T, y, 4096, 0, 4096, g_scratch[0]);
+        const double dt = now_cpu() - t0;
+        if (dt < t_mm) t_mm = dt;
+    }
+    const double gemm_flops = 2.0 * T * 4096 * 2304 / t_mm;
+    const double layer_us = 2.0 * 100e6 / gemm_flops * 1e6; /* per token */
+    printf("### (f) Long prompts: attention per token of a 256-token slice at position P, one "
+           "thread, best of %d (CPU time)\n\n", g_runs);
+    printf("Kimi-Linear-48B widths. A layer's products (~100 M bf16 weights a token) take %.0f us "
+           "a token at the GEMM's %.0f GFLOP/s measured now.\n\n", layer_us, gemm_flops / 1e9);
+    printf("| P | MLA attention, us/token | x a layer's products | KDA chunked core, us/token | "
+           "x a layer's products |\n|---|---|---|---|---|\n");
+    /* KDA: position does not matter (a fixed-size state) */
+    const kern_kda_shape ksh = {H, H, K, K, 1.0f / sqrtf((float)K)};
+    const size_t nq = (size_t)T * H * K;
+    float *q = random_x(nq, 11), *k = random_x(nq, 12), *v = random_x(nq, 13), *g = xalloc(nq * 4);
+    float *beta = xalloc((size_t)T * H * 4), *o = xalloc(nq * 4);
+    float *state = xalloc((size_t)H * K * K * 4), *ws = xalloc(kern_kda_chunked_workspace_floats(&ksh, 64) * 4);
+    for (size_t i = 0; i < nq; i++) {
+        q[i] *= 0.1f, k[i] *= 0.1f;
+        g[i] = -0.05f;
+    }
+    for (int i = 0; i < T * H; i++) beta[i] = 0.5f;
+    double t_kda = 1e30;
+    for (int r = 0; r < g_runs; r++) {
+        memset(state, 0, (size_t)H * K * K * 4);
+        const double t0 = now_cpu();
+        kern_kda_chunked(&ksh, T, 64, q, k, v, g, beta, state, o, 0, H, ws);
+        const double dt = now_cpu() - t0;
+        if (dt < t_kda) t_kda = dt;
+    }
+    const double kda_us = t_kda / T * 1e6;
+    /* MLA: the cache of P + T rows, the slice's queries, 32 heads */
+    stack kvb = make_stack(KERN_BF16, H * (msh.dn + msh.dv), msh.dc, 1);
+    float *mq = random_x((size_t)T * H * (msh.dn + msh.dr), 14), *mo = xalloc((size_t)T * H * msh.dv * 4);
+    float *mws = xalloc(kern_mla_attend_workspace_floats(&msh, T) * 4);
+    for (int p = 0; p < nP; p++) {
+        const size_t rows = (size_t)P[p] + T;
+        float *cache = random_x(rows * row, 15 + p);
+        double t_mla = 1e30;
+        const int runs = P[p] >= 65536 ? 1 : g_runs;
+        for (int r = 0; r < runs; r++) {
+            const double t0 = now_cpu();
+            kern_mla_attend(&msh, KERN_BF16, kvb.codes, mq, T, P[p], cache, mo, 0, H, mws);
+            const double dt = now_cpu() - t0;
+            if (dt < t_mla) t_mla = dt;
+        }
+        const double mla_us = t_mla / T * 1e6;
+        printf("| %lldK | %.0f | %.2f | %.0f | %.2f |\n", (long long)(P[p] / 1024), mla_us,
+               mla_us / layer_us, kda_us, kda_us / layer_us);
+        fflush(stdout);
+        free(cache);
+    }
+    printf("\n");
+    free(q), free(k), free(v), free(g), free(beta), free(o), free(state), free(ws);
+    free(mq), free(mo), free(mws), free(x), free(y);
+    free_stack(&kvb);
+    free_stack(&w);
+}
+
 int main(int argc, char **argv) {
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--quick")) {
@@ -450,7 +538,7 @@ int main(int argc, char **argv) {
         } else if (!strcmp(argv[i], "--only") && i + 1 < argc) {
             g_only = argv[++i];
         } else {
-            fprintf(stderr, "usage: %s [--quick] [--runs N (1..63)] [--only abcde]\n", argv[0]);
+            fprintf(stderr, "usage: %s [--quick] [--runs N (1..63)] [--only abcdef]\n", argv[0]);
             return 2;
         }
     }
@@ -486,6 +574,7 @@ int main(int argc, char **argv) {
     if (strchr(g_only, 'c')) bench_tokens();
     if (strchr(g_only, 'd')) bench_prefill();
     if (strchr(g_only, 'e')) bench_alternating();
+    if (strchr(g_only, 'f')) bench_long();
     for (int t = 0; t < 2; t++)
         free(g_scratch[t]);
     for (int th = 1; th <= 2; th++)
