@@ -81,51 +81,69 @@ int cmd_gen_model(int argc, char **argv) {
 
 static void quantize_usage(FILE *f) {
     fprintf(f,
-            "usage: kdaserve quantize [--model DIR] --experts mxfp4|q8_0 --out DIR\n\n"
-            "Writes the model with its routed experts quantised, everything else as it is:\n"
+            "usage: kdaserve quantize [--model DIR] --experts mxfp4|q8_0 [--dense mxfp4|q8_0]\n"
+            "                         --out DIR\n\n"
+            "Writes the model with its routed experts quantised, and with --dense its\n"
+            "other matrices too; everything else as it is:\n"
             "  mxfp4   4-bit E2M1 codes with one E8M0 scale per 32 inputs, as compressed-\n"
             "          tensors stores them (Kimi K3's experts): 4.25 bits a weight\n"
             "  q8_0    int8 with one f16 scale per 32 inputs: 8.5 bits a weight\n"
+            "--dense quantises every other matrix the forward pass multiplies by\n"
+            "(attention and its gates, shared experts, dense MLPs, the lm_head): what a\n"
+            "decoded token reads besides its experts. The embedding table and the MoE\n"
+            "routers stay as stored. q8_0 there costs little accuracy; mxfp4 more.\n"
             "The new directory loads as any model; it has its own fingerprint, so sessions\n"
             "saved with the original model do not resume on it (start new ones).\n\n"
             "  --model DIR      the model (default $KDASERVE_MODEL, else ./models/default)\n"
             "  --experts FMT    mxfp4 or q8_0\n"
+            "  --dense FMT      mxfp4 or q8_0 for the other matrices (default: as stored)\n"
             "  --out DIR        where to write it (created if missing; not the model's own)\n");
+}
+
+static bool block_format(const char *name, kern_dtype *out) {
+    if (!strcmp(name, "mxfp4")) *out = KERN_MXFP4;
+    else if (!strcmp(name, "q8_0")) *out = KERN_Q8_0;
+    else return false;
+    return true;
 }
 
 int cmd_quantize(int argc, char **argv) {
     static const struct option opts[] = {{"model", required_argument, 0, 'm'},
                                          {"experts", required_argument, 0, 'e'},
+                                         {"dense", required_argument, 0, 'd'},
                                          {"out", required_argument, 0, 'o'},
                                          {"help", no_argument, 0, 'h'},
                                          {0, 0, 0, 0}};
-    const char *model = NULL, *experts = NULL, *out = NULL;
+    const char *model = NULL, *experts = NULL, *dense = NULL, *out = NULL;
     optind = 1;
     for (int o; (o = getopt_long(argc, argv, "h", opts, NULL)) != -1;) {
         switch (o) {
         case 'm': model = optarg; break;
         case 'e': experts = optarg; break;
+        case 'd': dense = optarg; break;
         case 'o': out = optarg; break;
         case 'h': quantize_usage(stdout); return 0;
         default: return cli_usage_error("quantize", NULL);
         }
     }
     if (!experts || !out) return cli_usage_error("quantize", "--experts and --out are required");
-    kern_dtype fmt;
-    if (!strcmp(experts, "mxfp4"))
-        fmt = KERN_MXFP4;
-    else if (!strcmp(experts, "q8_0"))
-        fmt = KERN_Q8_0;
-    else
+    eng_quantize_params qp = eng_quantize_default_params();
+    qp.progress = true;
+    if (!block_format(experts, &qp.experts))
         return cli_failf("quantize", "--experts wants mxfp4 or q8_0, got '%s'", experts);
+    if (dense) {
+        if (!block_format(dense, &qp.dense_fmt))
+            return cli_failf("quantize", "--dense wants mxfp4 or q8_0, got '%s'", dense);
+        qp.dense = true;
+    }
     const char *dir = cli_model_dir("quantize", model);
     if (!dir) return 1;
     if (!strcmp(dir, out)) return cli_failf("quantize", "--out must not be the model's own directory");
     kds_err err = {0};
     char fp[33] = "";
-    if (eng_model_quantize(dir, fmt, out, true, fp, &err) != KDS_OK) return cli_fail("quantize", &err);
-    fprintf(stderr, "[kdaserve] wrote %s with %s experts to %s (fingerprint %s)\n", dir, experts,
-            out, fp);
+    if (eng_model_quantize(dir, &qp, out, fp, &err) != KDS_OK) return cli_fail("quantize", &err);
+    fprintf(stderr, "[kdaserve] wrote %s with %s experts%s%s to %s (fingerprint %s)\n", dir,
+            experts, dense ? " and other matrices in " : "", dense ? dense : "", out, fp);
     return 0;
 }
 

@@ -732,8 +732,10 @@ static cJSON *layer_list(const eng_config *c, eng_layer_kind kind) {
 }
 
 /* compressed-tensors' MXFP4 for the routed experts, as K3 ships it
- * (kimi-k3.md §2): everything but the experts in `ignore`. */
-void eng__config_add_mxfp4(void *text_object) {
+ * (kimi-k3.md §2): everything but the experts in `ignore`; dense: every
+ * Linear but the embedding, the routers and the vision tower (`kdaserve
+ * quantize --dense mxfp4`). */
+void eng__config_add_mxfp4(void *text_object, bool dense) {
     cJSON *o = text_object;
     cJSON *q = cJSON_AddObjectToObject(o, "quantization_config");
     if (!q) return;
@@ -760,7 +762,10 @@ void eng__config_add_mxfp4(void *text_object) {
     const char *ignore[] = {"re:.*self_attn.*", "re:.*shared_experts.*",
                             "re:.*mlp\\.(gate|up|gate_up|down)_proj.*", "re:.*lm_head.*",
                             "re:.*vision_tower.*", "re:.*mm_projector.*"};
-    cJSON_AddItemToObject(q, "ignore", cJSON_CreateStringArray(ignore, 6));
+    const char *ignore_dense[] = {"re:.*embed_tokens.*", "re:.*\\.gate$", "re:.*vision_tower.*",
+                                  "re:.*mm_projector.*"};
+    cJSON_AddItemToObject(q, "ignore", dense ? cJSON_CreateStringArray(ignore_dense, 4)
+                                             : cJSON_CreateStringArray(ignore, 6));
 }
 
 /* A K3 checkpoint's config: the text model in text_config (no vision
@@ -842,7 +847,7 @@ char *eng_config_to_json(const eng_config *c) {
         add_num(o, "routed_expert_hidden_size", c->latent_size);
         cJSON_AddBoolToObject(o, "latent_moe_use_norm", c->latent_moe_use_norm);
     }
-    if (c->experts_mxfp4) eng__config_add_mxfp4(o);
+    if (c->experts_mxfp4) eng__config_add_mxfp4(o, false);
     add_opt(o, "num_experts", c->num_experts > 0, c->num_experts);
     add_opt(o, "num_experts_per_token", c->num_experts_per_token > 0, c->num_experts_per_token);
     add_num(o, "num_shared_experts", c->num_shared_experts);

@@ -146,8 +146,9 @@ kds_status eng_config_load(const char *path, eng_config *out, kds_err *err);
 char *eng_config_to_json(const eng_config *c);
 
 /* Engine-internal: add K3's compressed-tensors MXFP4 quantization_config
- * (routed experts only) to a config's text object (a cJSON *). */
-void eng__config_add_mxfp4(void *text_object);
+ * to a config's text object (a cJSON *): the routed experts only, or with
+ * dense every Linear but the embedding, the routers and a vision tower. */
+void eng__config_add_mxfp4(void *text_object, bool dense);
 
 /* Derived sizes. Per-sequence state layout: see docs/formats.md. */
 size_t eng_config_param_count(const eng_config *c);

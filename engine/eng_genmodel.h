@@ -131,21 +131,37 @@ void eng__genmodel_tensors_free(eng_gen_tensor *t, size_t n);
 kds_status eng_model_generate(const eng_config *c, uint64_t seed, const char *label,
                               eng_model **out, kds_err *err);
 
+/* What eng_model_quantize writes in a block format. */
+typedef struct eng_quantize_params {
+    kern_dtype experts;   /* the routed experts: KERN_MXFP4 or KERN_Q8_0 */
+    /* Also every other matrix the forward pass multiplies by (attention and
+     * its gates, the shared experts, dense MLPs, K3's latent projections,
+     * the lm_head), in dense_fmt: not the embedding table (read one row a
+     * token), not the MoE routers (their scores pick the experts), and
+     * not a matrix whose width is not a multiple of 32 (kept as stored). */
+    bool dense;
+    kern_dtype dense_fmt; /* KERN_MXFP4 or KERN_Q8_0 */
+    bool progress;        /* a progress line with an ETA on stderr */
+} eng_quantize_params;
+
+/* experts KERN_MXFP4, nothing else, no progress. */
+eng_quantize_params eng_quantize_default_params(void);
+
 /*
  * Write model `src_dir` into `out_dir` (created if missing) with its routed
- * experts in block format `experts` (KERN_MXFP4: compressed-tensors pairs
- * NAME_packed + NAME_scale and the quantization_config K3 ships; KERN_Q8_0:
- * NAME I8 + NAME_scale F16), quantised row by row (kern_quantize_row);
- * every other tensor and file (tokenizer, chat template) copied. The result
- * loads back (checked) and has its own fingerprint, so sessions of the
- * source model are refused by it. `progress` prints a line with an ETA;
- * *fingerprint (33 bytes, or NULL) gets the new model's. Errors: what
+ * experts (and, with p->dense, its other matrices) in a block format
+ * (KERN_MXFP4: compressed-tensors pairs NAME_packed + NAME_scale and the
+ * quantization_config K3 ships; KERN_Q8_0: NAME I8 + NAME_scale F16),
+ * quantised row by row (kern_quantize_row); every other tensor and file
+ * (tokenizer, chat template) copied. The result loads back (checked) and
+ * has its own fingerprint, so sessions of the source model are refused by
+ * it. *fingerprint (33 bytes, or NULL) gets the new model's. Errors: what
  * loading the source gives, KDS_INVALID_ARG (no experts, already block
- * format, another format asked), KDS_UNSUPPORTED (widths not a multiple of
- * 32), KDS_IO, KDS_NOMEM.
+ * format, another format asked), KDS_UNSUPPORTED (an expert's width not a
+ * multiple of 32), KDS_IO, KDS_NOMEM.
  */
-kds_status eng_model_quantize(const char *src_dir, kern_dtype experts, const char *out_dir,
-                              bool progress, char fingerprint[33], kds_err *err);
+kds_status eng_model_quantize(const char *src_dir, const eng_quantize_params *p,
+                              const char *out_dir, char fingerprint[33], kds_err *err);
 
 /* Print a summary: layout, tensor and parameter counts, bytes at the
  * config's torch_dtype (bf16 when unset) and the per-sequence state size. */

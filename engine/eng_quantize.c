@@ -1,10 +1,13 @@
 /*
- * eng_quantize.c - a model directory with its routed experts rewritten in
- * a block format (eng_genmodel.h: eng_model_quantize, `kdaserve quantize`).
+ * eng_quantize.c - a model directory with its routed experts (and, asked,
+ * its other matrices) rewritten in a block format (eng_genmodel.h:
+ * eng_model_quantize, `kdaserve quantize`).
  *
- * The source is loaded and checked as any model; the experts are found by
- * the layer plan (the tensors it marks as routed experts), every other
- * tensor of the checkpoint (a vision tower included) is copied as it is.
+ * The source is loaded and checked as any model; the experts and the other
+ * matrices are found by the layer plan (the tensors it marks as routed
+ * experts, and its other matrices but the embedding and the routers),
+ * every other tensor of the checkpoint (a vision tower included) is copied
+ * as it is.
  * MXFP4 experts become compressed-tensors pairs (NAME_packed + NAME_scale
  * U8) with the quantization_config K3 ships; Q8_0 experts NAME (I8) +
  * NAME_scale (F16), which the loader recognises by their tensors. Tensors
@@ -38,12 +41,20 @@ typedef struct out_tensor {
     uint64_t bytes;
 } out_tensor;
 
+/* A list of tensor names, sorted for bsearch. */
+typedef struct name_list {
+    char **v;
+    size_t n, cap;
+} name_list;
+
 typedef struct quantizer {
-    kern_dtype fmt;
+    kern_dtype fmt;    /* the experts' */
+    bool dense;        /* the other matrices too, in dense_fmt */
+    kern_dtype dense_fmt;
     out_tensor *t;
     size_t n, cap;
-    char **experts;    /* the plan's expert names, sorted */
-    size_t n_experts, cap_experts;
+    name_list experts; /* the plan's routed experts */
+    name_list others;  /* the plan's other matrices that may be quantised */
     const out_tensor *shard; /* the tensors of the shard being written */
     float *row;        /* [cols] one expert row in f32 */
     unsigned char *codes, *scales;
@@ -64,26 +75,45 @@ static int cmp_str(const void *a, const void *b) {
     return strcmp(*(char *const *)a, *(char *const *)b);
 }
 
-/* eng_tensor_fn: remember the routed experts' names. */
-static void note_expert(void *user, const eng_tensor_spec *s) {
-    quantizer *q = user;
-    if (s->expert < 0 || q->rc != KDS_OK) return;
-    if (q->n_experts == q->cap_experts) {
-        size_t cap = q->cap_experts ? 2 * q->cap_experts : 1024;
-        char **e = realloc(q->experts, cap * sizeof *e);
-        if (!e) {
-            q->rc = kds_err_set(q->err, KDS_NOMEM, "out of memory listing the experts");
-            return;
-        }
-        q->experts = e;
-        q->cap_experts = cap;
+static bool list_add(name_list *l, const char *name) {
+    if (l->n == l->cap) {
+        size_t cap = l->cap ? 2 * l->cap : 1024;
+        char **v = realloc(l->v, cap * sizeof *v);
+        if (!v) return false;
+        l->v = v;
+        l->cap = cap;
     }
-    if (!(q->experts[q->n_experts++] = strdup(s->name)))
-        q->rc = kds_err_set(q->err, KDS_NOMEM, "out of memory listing the experts");
+    return (l->v[l->n++] = strdup(name)) != NULL;
 }
 
-static bool is_expert(const quantizer *q, const char *name) {
-    return bsearch(&name, q->experts, q->n_experts, sizeof *q->experts, cmp_str) != NULL;
+static bool list_has(const name_list *l, const char *name) {
+    return bsearch(&name, l->v, l->n, sizeof *l->v, cmp_str) != NULL;
+}
+
+static void list_free(name_list *l) {
+    for (size_t i = 0; i < l->n; i++) free(l->v[i]);
+    free(l->v);
+}
+
+static bool ends_with(const char *s, const char *tail) {
+    const size_t n = strlen(s), k = strlen(tail);
+    return n >= k && strcmp(s + n - k, tail) == 0;
+}
+
+/* eng_tensor_fn: remember the routed experts' names, and the other
+ * matrices that --dense may quantise: not the embedding table (one row is
+ * read a token: nothing to gain, and every token's input would carry the
+ * rounding), not a MoE router (`gate.weight`: its scores choose the
+ * experts, and it is small). */
+static void note_matrix(void *user, const eng_tensor_spec *s) {
+    quantizer *q = user;
+    if (!s->matrix || q->rc != KDS_OK) return;
+    bool ok = true;
+    if (s->expert >= 0)
+        ok = list_add(&q->experts, s->name);
+    else if (!strstr(s->name, "embed_tokens") && !ends_with(s->name, ".gate.weight"))
+        ok = list_add(&q->others, s->name);
+    if (!ok) q->rc = kds_err_set(q->err, KDS_NOMEM, "out of memory listing the matrices");
 }
 
 static out_tensor *push(quantizer *q) {
@@ -108,17 +138,28 @@ static kern_dtype element_format(eng_st_dtype d, bool *ok) {
     return KERN_F32;
 }
 
-/* The output list: every tensor of every shard in order, experts as two. */
+/* The output list: every tensor of every shard in order, a quantised one
+ * as two (codes, scales). */
 static kds_status plan_outputs(quantizer *q, const eng_model *m) {
     for (int s = 0; s < m->n_shards; s++)
         for (size_t i = 0; i < eng_st_count(m->shards[s]); i++) {
             const eng_st_tensor *t = eng_st_at(m->shards[s], i);
-            const bool expert = is_expert(q, t->name);
+            const bool expert = list_has(&q->experts, t->name);
+            kern_dtype fmt = q->fmt;
+            bool quantise = expert;
+            if (!expert && q->dense && list_has(&q->others, t->name)) {
+                bool ok;
+                (void)element_format(t->dtype, &ok);
+                /* as stored when it cannot be: a width off the blocks, or
+                 * a format other than f32/bf16/f16 */
+                quantise = ok && t->n_dims == 2 && t->shape[1] % KERN_BLOCK == 0;
+                fmt = q->dense_fmt;
+            }
             out_tensor *o = push(q);
             if (!o) return kds_err_set(q->err, KDS_NOMEM, "out of memory listing tensors");
             o->src = t;
             snprintf(o->name, sizeof o->name, "%s", t->name);
-            if (!expert) {
+            if (!quantise) {
                 o->bytes = t->n_bytes;
                 continue;
             }
@@ -129,12 +170,12 @@ static kds_status plan_outputs(quantizer *q, const eng_model *m) {
                                    "%s: expert tensor '%s' is %s, not an f32/bf16/f16 matrix "
                                    "(already quantised?)",
                                    eng_model_dir(m), t->name, eng_st_dtype_name(t->dtype));
-            const kern_layout l = kern_weight_layout(q->fmt, t->shape[0], t->shape[1]);
+            const kern_layout l = kern_weight_layout(fmt, t->shape[0], t->shape[1]);
             if (!l.bytes)
                 return kds_err_set(q->err, KDS_UNSUPPORTED,
                                    "expert tensor '%s' has %lld input columns: %s needs a "
                                    "multiple of %d",
-                                   t->name, (long long)t->shape[1], kern_dtype_name(q->fmt),
+                                   t->name, (long long)t->shape[1], kern_dtype_name(fmt),
                                    KERN_BLOCK);
             out_tensor *sc = push(q);
             if (!sc) return kds_err_set(q->err, KDS_NOMEM, "out of memory listing tensors");
@@ -142,10 +183,10 @@ static kds_status plan_outputs(quantizer *q, const eng_model *m) {
             *sc = *o;
             o->part = 1;
             sc->part = 2;
-            o->fmt = sc->fmt = q->fmt;
+            o->fmt = sc->fmt = fmt;
             o->bytes = l.data_bytes;
             sc->bytes = l.scale_bytes;
-            if (q->fmt == KERN_MXFP4) snprintf(o->name, sizeof o->name, "%s_packed", t->name);
+            if (fmt == KERN_MXFP4) snprintf(o->name, sizeof o->name, "%s_packed", t->name);
             snprintf(sc->name, sizeof sc->name, "%s_scale", t->name);
         }
     return KDS_OK;
@@ -218,8 +259,11 @@ static kds_status write_shard(quantizer *q, size_t begin, size_t end, const char
 }
 
 /* config.json with MXFP4's quantization_config in its text model (K3:
- * text_config). Q8_0 experts need none: their tensors say what they are. */
-static kds_status write_config(const eng_model *m, kern_dtype fmt, const char *src_dir,
+ * text_config) when any matrix is MXFP4; its `ignore` names what stays
+ * bf16 (all but the experts, or with dense MXFP4 only the embedding, the
+ * routers and the vision tower). Q8_0 needs none: its tensors say what they
+ * are. */
+static kds_status write_config(const eng_model *m, const quantizer *q, const char *src_dir,
                                const char *out_dir, kds_err *err) {
     char *src = eng__path_join(src_dir, "config.json"), *dst = eng__path_join(out_dir, "config.json");
     char *text = NULL, *json = NULL;
@@ -237,9 +281,10 @@ static kds_status write_config(const eng_model *m, kern_dtype fmt, const char *s
     }
     cJSON *tc = m->cfg.family == ENG_FAMILY_KIMI_K3
                     ? cJSON_GetObjectItemCaseSensitive(root, "text_config") : root;
-    if (fmt == KERN_MXFP4 && tc) {
+    const bool dense_mxfp4 = q->dense && q->dense_fmt == KERN_MXFP4;
+    if ((q->fmt == KERN_MXFP4 || dense_mxfp4) && tc) {
         cJSON_DeleteItemFromObjectCaseSensitive(tc, "quantization_config");
-        eng__config_add_mxfp4(tc);
+        eng__config_add_mxfp4(tc, dense_mxfp4);
     }
     if (!(json = cJSON_Print(root))) {
         rc = kds_err_set(err, KDS_NOMEM, "out of memory writing the config");
@@ -291,11 +336,23 @@ static kds_status copy_others(const char *src_dir, const char *out_dir, kds_err 
     return rc;
 }
 
-kds_status eng_model_quantize(const char *src_dir, kern_dtype experts, const char *out_dir,
-                              bool progress, char fingerprint[33], kds_err *err) {
+eng_quantize_params eng_quantize_default_params(void) {
+    return (eng_quantize_params){.experts = KERN_MXFP4, .dense = false, .dense_fmt = KERN_Q8_0,
+                                 .progress = false};
+}
+
+kds_status eng_model_quantize(const char *src_dir, const eng_quantize_params *p,
+                              const char *out_dir, char fingerprint[33], kds_err *err) {
+    if (!p) return kds_err_set(err, KDS_INVALID_ARG, "eng_model_quantize: no parameters");
+    const kern_dtype experts = p->experts;
+    const bool progress = p->progress;
     if (experts != KERN_MXFP4 && experts != KERN_Q8_0)
         return kds_err_set(err, KDS_INVALID_ARG, "experts can be quantised to mxfp4 or q8_0");
-    quantizer q = {.fmt = experts, .progress = progress, .err = err, .rc = KDS_OK};
+    if (p->dense && p->dense_fmt != KERN_MXFP4 && p->dense_fmt != KERN_Q8_0)
+        return kds_err_set(err, KDS_INVALID_ARG,
+                           "the other matrices can be quantised to mxfp4 or q8_0");
+    quantizer q = {.fmt = experts, .dense = p->dense, .dense_fmt = p->dense_fmt,
+                   .progress = progress, .err = err, .rc = KDS_OK};
     eng_model *m = NULL, *back = NULL;
     eng_model_params mp = eng_model_default_params();
     mp.progress = progress;
@@ -312,9 +369,10 @@ kds_status eng_model_quantize(const char *src_dir, kern_dtype experts, const cha
                          kern_dtype_name(m->banks[0]->w1[0].dt));
         goto out;
     }
-    eng__plan_tensors(&m->cfg, NULL, note_expert, &q);
+    eng__plan_tensors(&m->cfg, NULL, note_matrix, &q);
     if ((rc = q.rc) != KDS_OK) goto out;
-    qsort(q.experts, q.n_experts, sizeof *q.experts, cmp_str);
+    qsort(q.experts.v, q.experts.n, sizeof *q.experts.v, cmp_str);
+    qsort(q.others.v, q.others.n, sizeof *q.others.v, cmp_str);
     if ((rc = plan_outputs(&q, m)) != KDS_OK) goto out;
     int widest = 1;
     for (size_t i = 0; i < q.n; i++)
@@ -382,7 +440,7 @@ kds_status eng_model_quantize(const char *src_dir, kern_dtype experts, const cha
         cJSON_Delete(root);
     }
     free(cuts);
-    if (rc == KDS_OK) rc = write_config(m, experts, src_dir, out_dir, err);
+    if (rc == KDS_OK) rc = write_config(m, &q, src_dir, out_dir, err);
     if (rc == KDS_OK) rc = copy_others(src_dir, out_dir, err);
     /* it must load back, as a model with these experts */
     if (rc == KDS_OK && (rc = eng_model_load(out_dir, &mp, &back, err)) == KDS_OK) {
@@ -395,8 +453,8 @@ kds_status eng_model_quantize(const char *src_dir, kern_dtype experts, const cha
 out:
     for (int s = 0; shard_names && s < n_shards; s++) free(shard_names[s]);
     free(shard_names);
-    for (size_t i = 0; i < q.n_experts; i++) free(q.experts[i]);
-    free(q.experts);
+    list_free(&q.experts);
+    list_free(&q.others);
     free(q.t);
     free(q.row);
     free(q.codes);

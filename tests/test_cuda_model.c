@@ -595,7 +595,9 @@ Test(cuda_model, q8_0_experts_refused_by_name) {
     eng_model *m = tmu_gen_load("tiny", 7, &dir, &err);
     cr_assert(m, "%s", err.msg);
     qdir = tmu_mkdtemp();
-    cr_assert_eq(eng_model_quantize(dir, KERN_Q8_0, qdir, false, NULL, &err), KDS_OK, "%s", err.msg);
+    eng_quantize_params qp = eng_quantize_default_params();
+    qp.experts = KERN_Q8_0;
+    cr_assert_eq(eng_model_quantize(dir, &qp, qdir, NULL, &err), KDS_OK, "%s", err.msg);
     eng_model *q = NULL;
     eng_model_params mp = eng_model_default_params();
     mp.no_fingerprint_cache = true;

@@ -592,7 +592,9 @@ Test(gguf, refuses_what_llama_cpp_cannot_run) {
     cr_assert(m, "%s", err.msg);
     eng_model_free(m);
     char *q = tmu_mkdtemp(), *out = tmu_path(q, "x.gguf");
-    cr_assert_eq(eng_model_quantize(dir, KERN_Q8_0, q, false, NULL, &err), KDS_OK, "%s", err.msg);
+    eng_quantize_params qp = eng_quantize_default_params();
+    qp.experts = KERN_Q8_0;
+    cr_assert_eq(eng_model_quantize(dir, &qp, q, NULL, &err), KDS_OK, "%s", err.msg);
     cr_expect_eq(eng_model_export_gguf(q, out, false, &err), KDS_UNSUPPORTED);
     cr_expect(strstr(err.msg, "I8") && strstr(err.msg, "experts.0.w1"), "%s", err.msg);
     FILE *f = fopen(out, "rb");

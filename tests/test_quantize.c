@@ -34,7 +34,9 @@ static void check_format(kern_dtype fmt) {
     eng_model *ms = tmu_gen_load("tiny-hybrid", 3, &src, &err);
     cr_assert(ms, "%s", err.msg);
     char fp[33];
-    cr_assert_eq(eng_model_quantize(src, fmt, out, false, fp, &err), KDS_OK, "%s", err.msg);
+    eng_quantize_params qp = eng_quantize_default_params();
+    qp.experts = fmt;
+    cr_assert_eq(eng_model_quantize(src, &qp, out, fp, &err), KDS_OK, "%s", err.msg);
     eng_model *mq = load(out);
     cr_expect_str_eq(fp, eng_model_fingerprint(mq));
     cr_expect_str_neq(fp, eng_model_fingerprint(ms), "a quantised model is another model");
@@ -91,9 +93,99 @@ static void check_format(kern_dtype fmt) {
 Test(quantize, mxfp4_experts, .timeout = 60) { check_format(KERN_MXFP4); }
 Test(quantize, q8_0_experts, .timeout = 60) { check_format(KERN_Q8_0); }
 
+/* --dense: every other matrix the forward pass multiplies by in the asked
+ * format too, row for row kern_quantize_row's; the embedding table and the
+ * routers byte for byte the source's; it loads, runs near the source (Q8_0)
+ * and reads fewer bytes a token. */
+static void check_dense(kern_dtype experts, kern_dtype dense, double tol) {
+    char *src = NULL, *out = tmu_mkdtemp();
+    kds_err err = {0};
+    eng_model *ms = tmu_gen_load("tiny-hybrid", 5, &src, &err);
+    cr_assert(ms, "%s", err.msg);
+    eng_quantize_params qp = eng_quantize_default_params();
+    qp.experts = experts;
+    qp.dense = true;
+    qp.dense_fmt = dense;
+    cr_assert_eq(eng_model_quantize(src, &qp, out, NULL, &err), KDS_OK, "%s", err.msg);
+    eng_model *mq = load(out);
+    cr_assert_eq(ms->n_weights, mq->n_weights);
+    int dense_seen = 0;
+    for (int i = 1; i < ms->n_weights; i++) {
+        const eng_weight *a = ms->weights[i], *b = mq->weights[i];
+        cr_assert_eq(a->rows, b->rows);
+        cr_assert_eq(a->cols, b->cols);
+        bool router = false;
+        for (int l = 0; l < ms->cfg.num_hidden_layers; l++) router |= a == &ms->layers[l].ffn.router;
+        if (a == &ms->embed_tokens || router) {
+            cr_expect_eq(b->dt, a->dt, "weight %d changed format", i);
+            cr_expect_eq(memcmp(a->data, b->data, (size_t)a->rows * a->cols * kern_dtype_size(a->dt)),
+                         0, "weight %d changed", i);
+            continue;
+        }
+        cr_assert(kern_dtype_is_block(b->dt), "weight %d [%d, %d] stayed %s", i, a->rows, a->cols,
+                  kern_dtype_name(b->dt));
+        if (b->dt != dense) continue; /* an expert: check_format's business */
+        dense_seen++;
+        const kern_layout lay = kern_weight_layout(dense, a->rows, a->cols);
+        float *row = malloc((size_t)a->cols * sizeof *row);
+        unsigned char *codes = malloc(lay.row_bytes + 64), *scales = malloc(lay.scale_row_bytes + 64);
+        cr_assert(row && codes && scales);
+        const kern_weight ka = eng__kern_weight(a);
+        for (int r = 0; r < a->rows; r += 7) {
+            kern_weight_row_f32(&ka, r, 0, a->cols, row);
+            kern_quantize_row(dense, row, a->cols, codes, scales);
+            cr_assert_eq(memcmp(codes, (const char *)b->data + r * lay.row_bytes, lay.row_bytes), 0,
+                         "weight %d row %d", i, r);
+            cr_assert_eq(memcmp(scales, (const char *)b->scales + r * lay.scale_row_bytes,
+                                lay.scale_row_bytes), 0, "weight %d scales of row %d", i, r);
+        }
+        free(row);
+        free(codes);
+        free(scales);
+    }
+    cr_expect_gt(dense_seen, 10, "only %d matrices in the dense format", dense_seen);
+    cr_expect_eq(mq->lm_head.dt, dense);
+    cr_expect_lt(eng_model_decode_bytes(mq, 0).weights, 0.6 * eng_model_decode_bytes(ms, 0).weights);
+    /* it runs, near the source */
+    eng_ctx *cs = NULL, *cq = NULL;
+    cr_assert_eq(eng_ctx_create(ms, NULL, &cs, &err), KDS_OK, "%s", err.msg);
+    cr_assert_eq(eng_ctx_create(mq, NULL, &cq, &err), KDS_OK, "%s", err.msg);
+    eng_seq *a = NULL, *b = NULL;
+    cr_assert_eq(eng_seq_create(ms, 0, &a, &err), KDS_OK);
+    cr_assert_eq(eng_seq_create(mq, 0, &b, &err), KDS_OK);
+    const int32_t ids[6] = {1, 20, 300, 4, 50, 7};
+    cr_assert_eq(eng_prefill(cs, a, ids, 6, NULL, NULL, NULL, &err), KDS_OK, "%s", err.msg);
+    cr_assert_eq(eng_prefill(cq, b, ids, 6, NULL, NULL, NULL, &err), KDS_OK, "%s", err.msg);
+    double big = 0, diff = 0;
+    for (int i = 0; i < ms->cfg.vocab_size; i++) {
+        const float x = eng_seq_logits(a)[i], y = eng_seq_logits(b)[i];
+        cr_assert(isfinite(y), "logit %d", i);
+        big = fabs(x) > big ? fabs(x) : big;
+        diff = fabs(x - y) > diff ? fabs(x - y) : diff;
+    }
+    cr_log_info("quantize --experts %s --dense %s: logits off by %g of the largest",
+                kern_dtype_name(experts), kern_dtype_name(dense), diff / big);
+    cr_expect_leq(diff / big, tol, "logits off by %g of the largest (limit %g)", diff / big, tol);
+    eng_seq_free(a);
+    eng_seq_free(b);
+    eng_ctx_free(cs);
+    eng_ctx_free(cq);
+    eng_model_free(mq);
+    eng_model_free(ms);
+    tmu_rmtree(src);
+    tmu_rmtree(out);
+    free(src);
+    free(out);
+}
+
+Test(quantize, dense_q8_0, .timeout = 60) { check_dense(KERN_Q8_0, KERN_Q8_0, 0.05); }
+Test(quantize, dense_q8_0_mxfp4_experts, .timeout = 60) { check_dense(KERN_MXFP4, KERN_Q8_0, 0.3); }
+Test(quantize, dense_mxfp4, .timeout = 60) { check_dense(KERN_Q8_0, KERN_MXFP4, 1.0); }
+
 Test(quantize, refusals, .timeout = 60) {
     char *tmp = tmu_mkdtemp();
     kds_err err = {0};
+    char msg0[4096];
     /* a dense model has nothing to quantise */
     eng_config c;
     cr_assert_eq(eng_genmodel_preset("tiny", &c, &err), KDS_OK);
@@ -101,13 +193,26 @@ Test(quantize, refusals, .timeout = 60) {
     for (int l = 0; l < c.num_hidden_layers; l++) c.layer_is_moe[l] = false;
     char *dense = tmu_path(tmp, "dense"), *out = tmu_path(tmp, "out");
     cr_assert_eq(eng_genmodel_write(&c, 1, KERN_BF16, dense, false, &err), KDS_OK, "%s", err.msg);
-    cr_expect_eq(eng_model_quantize(dense, KERN_MXFP4, out, false, NULL, &err), KDS_INVALID_ARG);
+    eng_quantize_params qp = eng_quantize_default_params();
+    cr_expect_eq(eng_model_quantize(dense, &qp, out, NULL, &err), KDS_INVALID_ARG);
     cr_expect(strstr(err.msg, "no routed experts"), "%s", err.msg);
     /* K3's experts are MXFP4 already */
     char *k3 = tsu_gen_model(tmp, "k3", "k3-micro", 2);
-    cr_expect_eq(eng_model_quantize(k3, KERN_Q8_0, out, false, NULL, &err), KDS_INVALID_ARG);
+    qp.experts = KERN_Q8_0;
+    cr_expect_eq(eng_model_quantize(k3, &qp, out, NULL, &err), KDS_INVALID_ARG);
     cr_expect(strstr(err.msg, "mxfp4 already"), "%s", err.msg);
-    cr_expect_eq(eng_model_quantize(k3, KERN_BF16, out, false, NULL, &err), KDS_INVALID_ARG);
+    qp.experts = KERN_BF16;
+    cr_expect_eq(eng_model_quantize(k3, &qp, out, NULL, &err), KDS_INVALID_ARG);
+    qp.experts = KERN_MXFP4;
+    qp.dense = true;
+    qp.dense_fmt = KERN_F16;
+    cr_expect_eq(eng_model_quantize(dense, &qp, out, NULL, &err), KDS_INVALID_ARG);
+    cr_expect(strstr(err.msg, "mxfp4 or q8_0"), "%s", err.msg);
+    cr_expect_neq(tsu_run(msg0, sizeof msg0, NULL,
+                          TSU_KDASERVE " quantize --model %s --experts mxfp4 --dense q4 --out %s 2>&1",
+                          dense, out),
+                  0);
+    cr_expect(strstr(msg0, "--dense wants mxfp4 or q8_0"), "%s", msg0);
     /* the command refuses its own directory as the output */
     char msg[4096];
     cr_expect_neq(tsu_run(msg, sizeof msg, NULL,
