@@ -652,9 +652,22 @@ Test(gguf, bench_vs_script_with_a_stand_in) {
     cr_assert_eq(th_system(cmd), 0, "%s", cmd);
     char *out = tmu_read(log, NULL);
     cr_assert(out);
-    cr_expect(strstr(out, "| prefill, 16 tokens |") && strstr(out, "| 100.0 |"), "%s", out);
+    cr_expect(strstr(out, "| prefill, 16 tokens (kdaserve exact) |") && strstr(out, "| 100.0 |"),
+              "%s", out);
+    cr_expect(strstr(out, "| prefill, 16 tokens (kdaserve --bf16: llama.cpp's precision) |"), "%s",
+              out);
     cr_expect(strstr(out, "| decode, 4 tokens |") && strstr(out, "| 10.00 |"), "%s", out);
     cr_expect(strstr(out, "load average at end"), "%s", out);
+    free(out);
+    /* --no-bf16: kdaserve's prefill once a round, exact */
+    snprintf(cmd, sizeof cmd,
+             "%s/scripts/bench_vs.sh --kdaserve %s --llama-bench %s --model %s --gguf %s "
+             "--rounds 1 --repeats 1 --prompt 16 --gen 4 --threads 1 --no-bf16 > %s 2>&1",
+             KDS_SOURCE_DIR, KDASERVE, fake, dir, gguf, log);
+    cr_assert_eq(th_system(cmd), 0, "%s", cmd);
+    out = tmu_read(log, NULL);
+    cr_assert(out);
+    cr_expect(strstr(out, "(kdaserve exact)") && !strstr(out, "--bf16: llama.cpp"), "%s", out);
     FILE *f = fopen(gguf, "rb");
     cr_expect(f, "the GGUF was written");
     if (f) fclose(f);
