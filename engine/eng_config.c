@@ -733,8 +733,8 @@ static cJSON *layer_list(const eng_config *c, eng_layer_kind kind) {
 
 /* compressed-tensors' MXFP4 for the routed experts, as K3 ships it
  * (kimi-k3.md §2): everything but the experts in `ignore`; dense: every
- * Linear but the embedding, the routers and the vision tower (`kdaserve
- * quantize --dense mxfp4`). */
+ * Linear but the embedding, the routers, MLA's kv_b_proj and the vision
+ * tower (`kdaserve quantize --dense mxfp4`). */
 void eng__config_add_mxfp4(void *text_object, bool dense) {
     cJSON *o = text_object;
     cJSON *q = cJSON_AddObjectToObject(o, "quantization_config");
@@ -762,9 +762,9 @@ void eng__config_add_mxfp4(void *text_object, bool dense) {
     const char *ignore[] = {"re:.*self_attn.*", "re:.*shared_experts.*",
                             "re:.*mlp\\.(gate|up|gate_up|down)_proj.*", "re:.*lm_head.*",
                             "re:.*vision_tower.*", "re:.*mm_projector.*"};
-    const char *ignore_dense[] = {"re:.*embed_tokens.*", "re:.*\\.gate$", "re:.*vision_tower.*",
-                                  "re:.*mm_projector.*"};
-    cJSON_AddItemToObject(q, "ignore", dense ? cJSON_CreateStringArray(ignore_dense, 4)
+    const char *ignore_dense[] = {"re:.*embed_tokens.*", "re:.*\\.gate$", "re:.*kv_b_proj.*",
+                                  "re:.*vision_tower.*", "re:.*mm_projector.*"};
+    cJSON_AddItemToObject(q, "ignore", dense ? cJSON_CreateStringArray(ignore_dense, 5)
                                              : cJSON_CreateStringArray(ignore, 6));
 }
 

@@ -137,8 +137,9 @@ typedef struct eng_quantize_params {
     /* Also every other matrix the forward pass multiplies by (attention and
      * its gates, the shared experts, dense MLPs, K3's latent projections,
      * the lm_head), in dense_fmt: not the embedding table (read one row a
-     * token), not the MoE routers (their scores pick the experts), and
-     * not a matrix whose width is not a multiple of 32 (kept as stored). */
+     * token), not the MoE routers (their scores pick the experts), not
+     * the MLA layers' kv_b_proj (widened per head at every step), and not
+     * a matrix whose width is not a multiple of 32 (kept as stored). */
     bool dense;
     kern_dtype dense_fmt; /* KERN_MXFP4 or KERN_Q8_0 */
     bool progress;        /* a progress line with an ETA on stderr */

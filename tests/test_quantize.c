@@ -94,8 +94,8 @@ Test(quantize, mxfp4_experts, .timeout = 60) { check_format(KERN_MXFP4); }
 Test(quantize, q8_0_experts, .timeout = 60) { check_format(KERN_Q8_0); }
 
 /* --dense: every other matrix the forward pass multiplies by in the asked
- * format too, row for row kern_quantize_row's; the embedding table and the
- * routers byte for byte the source's; it loads, runs near the source (Q8_0)
+ * format too, row for row kern_quantize_row's; the embedding table, the
+ * routers and MLA's kv_b_proj byte for byte the source's; it loads, runs near the source (Q8_0)
  * and reads fewer bytes a token. */
 static void check_dense(kern_dtype experts, kern_dtype dense, double tol) {
     char *src = NULL, *out = tmu_mkdtemp();
@@ -114,9 +114,12 @@ static void check_dense(kern_dtype experts, kern_dtype dense, double tol) {
         const eng_weight *a = ms->weights[i], *b = mq->weights[i];
         cr_assert_eq(a->rows, b->rows);
         cr_assert_eq(a->cols, b->cols);
-        bool router = false;
-        for (int l = 0; l < ms->cfg.num_hidden_layers; l++) router |= a == &ms->layers[l].ffn.router;
-        if (a == &ms->embed_tokens || router) {
+        bool router = false, kv_b = false;
+        for (int l = 0; l < ms->cfg.num_hidden_layers; l++) {
+            router |= a == &ms->layers[l].ffn.router;
+            kv_b |= a == &ms->layers[l].mla.kv_b_proj;
+        }
+        if (a == &ms->embed_tokens || router || kv_b) {
             cr_expect_eq(b->dt, a->dt, "weight %d changed format", i);
             cr_expect_eq(memcmp(a->data, b->data, (size_t)a->rows * a->cols * kern_dtype_size(a->dt)),
                          0, "weight %d changed", i);

@@ -103,17 +103,25 @@ void kern_weight_row_f32(const kern_weight *w, int r, int c0, int c1, float *out
     case KERN_F16:
         kern_to_f32(w->dt, row + (size_t)c0 * kern_dtype_size(w->dt), out, (size_t)(c1 - c0));
         return;
+    /* block formats: each block's scale converted once (MLA attention
+     * widens its kv_b rows this way for every head at every step) */
     case KERN_MXFP4:
-        for (int c = c0; c < c1; c++) {
-            const unsigned byte = row[c / 2], code = c % 2 ? byte >> 4 : byte & 15u;
-            out[c - c0] = kern_e2m1_to_f32(code) * kern_e8m0_to_f32(sc[c / KERN_BLOCK]);
+        for (int c = c0; c < c1;) {
+            const int b = c / KERN_BLOCK, end = (b + 1) * KERN_BLOCK < c1 ? (b + 1) * KERN_BLOCK : c1;
+            const float scale = kern_e8m0_to_f32(sc[b]);
+            for (; c < end; c++) {
+                const unsigned byte = row[c / 2], code = c % 2 ? byte >> 4 : byte & 15u;
+                out[c - c0] = kern_e2m1_to_f32(code) * scale;
+            }
         }
         return;
     case KERN_Q8_0:
-        for (int c = c0; c < c1; c++) {
+        for (int c = c0; c < c1;) {
+            const int b = c / KERN_BLOCK, end = (b + 1) * KERN_BLOCK < c1 ? (b + 1) * KERN_BLOCK : c1;
             uint16_t h;
-            memcpy(&h, sc + (size_t)(c / KERN_BLOCK) * 2, sizeof h);
-            out[c - c0] = (float)(int8_t)row[c] * kern_f16_to_f32(h);
+            memcpy(&h, sc + (size_t)b * 2, sizeof h);
+            const float scale = kern_f16_to_f32(h);
+            for (; c < end; c++) out[c - c0] = (float)(int8_t)row[c] * scale;
         }
         return;
     }
