@@ -15,6 +15,7 @@
 #include "eng_safetensors.h"
 #include "test_helpers.h"
 #include "test_model_util.h"
+#include "test_sess_util.h"
 
 /* Logits may differ by float summation order only (matrix products cut
  * into other row blocks, BLAS from 32 rows): a relative bound on the
@@ -378,16 +379,12 @@ Test(decode_batch, sample_batch_each_its_own_settings, .timeout = 120) {
  * counts with one line. */
 Test(decode_batch, bench_seqs_cli, .timeout = 120) {
     fixture f = open_preset("tiny-hybrid", 1, 16, 4);
-    char cmd[1024], out[8192];
-    snprintf(cmd, sizeof cmd,
-             KDS_BINARY_DIR "/kdaserve bench --model %s --threads 1 --repeats 1 --prompt-tokens 5 "
-                            "--gen-tokens 3 --seqs 1,3,70 2>&1",
-             f.dir);
-    FILE *p = popen(cmd, "r");
-    cr_assert(p);
-    size_t n = fread(out, 1, sizeof out - 1, p);
-    out[n] = '\0';
-    cr_assert_eq(pclose(p), 0, "%s", out);
+    char out[8192];
+    cr_assert_eq(tsu_run(out, sizeof out, NULL,
+                         TSU_KDASERVE " bench --model %s --threads 1 --repeats 1 --prompt-tokens 5 "
+                                      "--gen-tokens 3 --seqs 1,3,70 2>&1",
+                         f.dir),
+                 0, "%s", out);
     const char *want[] = {"N=1 ", "N=3 ", "N=70 "}; /* 70 > the default 64: a bigger context */
     for (int i = 0; i < 3; i++) {
         const char *line = strstr(out, want[i]);
@@ -399,13 +396,9 @@ Test(decode_batch, bench_seqs_cli, .timeout = 120) {
     }
     const char *bad[] = {"--seqs 0", "--seqs 2,,3", "--seqs 5000", "--seqs 2 --gen-tokens 0"};
     for (int i = 0; i < 4; i++) {
-        snprintf(cmd, sizeof cmd, KDS_BINARY_DIR "/kdaserve bench --model %s %s 2>&1", f.dir,
-                 bad[i]);
-        p = popen(cmd, "r");
-        cr_assert(p);
-        n = fread(out, 1, sizeof out - 1, p);
-        out[n] = '\0';
-        int rc = pclose(p);
+        size_t n = 0;
+        int rc = tsu_run(out, sizeof out, &n, TSU_KDASERVE " bench --model %s %s 2>&1", f.dir,
+                         bad[i]);
         cr_expect(rc != 0, "'%s' accepted", bad[i]);
         cr_expect(strstr(out, "--seqs") && strchr(out, '\n') == out + n - 1,
                   "'%s': not one line naming --seqs: %s", bad[i], out);
@@ -454,16 +447,11 @@ Test(decode_batch, decode_bytes_from_the_file) {
 /* bench prints that figure against a streaming read measured in the run. */
 Test(decode_batch, bench_prints_bandwidth, .timeout = 120) {
     fixture f = open_preset("tiny", 1, 16, 4);
-    char cmd[1024], out[8192];
-    snprintf(cmd, sizeof cmd,
-             KDS_BINARY_DIR "/kdaserve bench --model %s --threads 1 --repeats 1 --prompt-tokens 5 "
-                            "--gen-tokens 3 --bandwidth-mib 64 2>&1",
-             f.dir);
-    FILE *p = popen(cmd, "r");
-    cr_assert(p);
-    size_t n = fread(out, 1, sizeof out - 1, p);
-    out[n] = '\0';
-    cr_assert_eq(pclose(p), 0, "%s", out);
+    char out[8192];
+    const char *args = "--threads 1 --repeats 1 --prompt-tokens 5 --gen-tokens 3";
+    cr_assert_eq(tsu_run(out, sizeof out, NULL,
+                         TSU_KDASERVE " bench --model %s %s --bandwidth-mib 64 2>&1", f.dir, args),
+                 0, "%s", out);
     const char *line = strstr(out, "a decoded token reads ");
     cr_assert(line, "no memory line in:\n%s", out);
     double mb = 0, w = 0, st = 0, gbs = 0, bw = 0;
@@ -475,15 +463,9 @@ Test(decode_batch, bench_prints_bandwidth, .timeout = 120) {
     cr_assert_eq(sscanf(line, "streaming read of 64 MiB on 1 threads, this run: %lf", &bw), 1);
     cr_expect(bw > 0.1, "%.120s", line);
     /* --bandwidth-mib 0 leaves it out */
-    snprintf(cmd, sizeof cmd,
-             KDS_BINARY_DIR "/kdaserve bench --model %s --threads 1 --repeats 1 --prompt-tokens 5 "
-                            "--gen-tokens 3 --bandwidth-mib 0 2>&1",
-             f.dir);
-    p = popen(cmd, "r");
-    cr_assert(p);
-    n = fread(out, 1, sizeof out - 1, p);
-    out[n] = '\0';
-    cr_assert_eq(pclose(p), 0, "%s", out);
+    cr_assert_eq(tsu_run(out, sizeof out, NULL,
+                         TSU_KDASERVE " bench --model %s %s --bandwidth-mib 0 2>&1", f.dir, args),
+                 0, "%s", out);
     cr_expect(!strstr(out, "streaming read"), "%s", out);
     close_fixture(&f);
 }

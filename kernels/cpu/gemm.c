@@ -15,6 +15,59 @@
  * vectors and the broadcasts: 28 of the 32 registers. */
 #define PANEL_TOKENS 12
 
+/* The lanes of a panel's two 16-row halves that hold rows < nr. */
+static inline void panel_masks(int nr, __mmask16 *m0, __mmask16 *m1) {
+    *m0 = nr >= 16 ? 0xffff : (__mmask16)((1u << nr) - 1);
+    *m1 = nr >= 32 ? 0xffff : nr > 16 ? (__mmask16)((1u << (nr - 16)) - 1) : 0;
+}
+
+/* The mt tokens' sums at the start of a step: y's values (accumulate: a
+ * later panel of columns continues them) or zero; and back at its end. */
+static inline __attribute__((always_inline)) void
+sums_start(__m512 (*acc)[2], const int mt, const float *y, int ldy, __mmask16 m0, __mmask16 m1,
+           bool accumulate) {
+    for (int t = 0; t < mt; t++) {
+        if (accumulate) {
+            acc[t][0] = _mm512_maskz_loadu_ps(m0, y + (size_t)t * ldy);
+            acc[t][1] = _mm512_maskz_loadu_ps(m1, y + (size_t)t * ldy + 16);
+        } else {
+            acc[t][0] = acc[t][1] = _mm512_setzero_ps();
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void
+sums_store(__m512 (*acc)[2], const int mt, float *y, int ldy, __mmask16 m0, __mmask16 m1) {
+    for (int t = 0; t < mt; t++) {
+        _mm512_mask_storeu_ps(y + (size_t)t * ldy, m0, acc[t][0]);
+        _mm512_mask_storeu_ps(y + (size_t)t * ldy + 16, m1, acc[t][1]);
+    }
+}
+
+/* The next panel's prefetch (kern_prefetch) spread over a step's `cols`
+ * columns, a few lines each: row `row` of it, byte `off` of that row. */
+typedef struct pf_walk {
+    const kern_prefetch *pf;
+    int row, per_col;
+    size_t off;
+} pf_walk;
+
+static inline pf_walk pf_walk_start(const kern_prefetch *pf, int cols) {
+    pf_walk w = {pf, 0, 0, 0};
+    if (pf) {
+        const size_t lines = (size_t)pf->rows * ((pf->row_bytes + 63) / 64);
+        w.per_col = (int)((lines + (size_t)cols - 1) / (size_t)cols);
+    }
+    return w;
+}
+
+static inline void pf_walk_column(pf_walk *w) {
+    for (int k = 0; k < w->per_col && w->off < w->pf->row_bytes; k++) {
+        _mm_prefetch(w->pf->base + (size_t)w->row * w->pf->stride + w->off, _MM_HINT_T1);
+        if (++w->row == w->pf->rows) w->row = 0, w->off += 64;
+    }
+}
+
 /* y[t, i] (+)= sum_c x[t, c] P[c, i] for t < mt (1..12), i < nr: per
  * column c, one broadcast of x[t, c] times the panel's 32 values, into 2
  * accumulators per token. mt is a constant at each call (the switch in
@@ -28,30 +81,14 @@ panel_tokens(const float *P, int kc, const float *x, int ldx, const int mt, floa
     const float *xb[PANEL_TOKENS / 4];
     const int ng = (mt + 3) / 4;
     const size_t s1 = (size_t)ldx, s3 = 3 * (size_t)ldx;
-    const __mmask16 m0 = nr >= 16 ? 0xffff : (__mmask16)((1u << nr) - 1);
-    const __mmask16 m1 = nr >= 32 ? 0xffff : nr > 16 ? (__mmask16)((1u << (nr - 16)) - 1) : 0;
+    __mmask16 m0, m1;
+    panel_masks(nr, &m0, &m1);
     for (int g = 0; g < ng; g++)
         xb[g] = x + (size_t)4 * g * ldx;
-    for (int t = 0; t < mt; t++) {
-        if (accumulate) {
-            acc[t][0] = _mm512_maskz_loadu_ps(m0, y + (size_t)t * ldy);
-            acc[t][1] = _mm512_maskz_loadu_ps(m1, y + (size_t)t * ldy + 16);
-        } else {
-            acc[t][0] = acc[t][1] = _mm512_setzero_ps();
-        }
-    }
-    /* the prefetch walk: row pr of the next panel, byte po of it, per line */
-    int pr = 0, per_col = 0;
-    size_t po = 0;
-    if (pf) {
-        const size_t lines = (size_t)pf->rows * ((pf->row_bytes + 63) / 64);
-        per_col = (int)((lines + (size_t)kc - 1) / (size_t)kc);
-    }
+    sums_start(acc, mt, y, ldy, m0, m1, accumulate);
+    pf_walk walk = pf_walk_start(pf, kc);
     for (int c = 0; c < kc; c++, P += KERN_PANEL_ROWS) {
-        for (int k = 0; k < per_col && po < pf->row_bytes; k++) {
-            _mm_prefetch(pf->base + (size_t)pr * pf->stride + po, _MM_HINT_T1);
-            if (++pr == pf->rows) pr = 0, po += 64;
-        }
+        pf_walk_column(&walk);
         const __m512 w0 = _mm512_loadu_ps(P), w1 = _mm512_loadu_ps(P + 16);
         for (int g = 0; g < ng; g++) {
             const float *p = xb[g]++;
@@ -77,10 +114,7 @@ panel_tokens(const float *P, int kc, const float *x, int ldx, const int mt, floa
             }
         }
     }
-    for (int t = 0; t < mt; t++) {
-        _mm512_mask_storeu_ps(y + (size_t)t * ldy, m0, acc[t][0]);
-        _mm512_mask_storeu_ps(y + (size_t)t * ldy + 16, m1, acc[t][1]);
-    }
+    sums_store(acc, mt, y, ldy, m0, m1);
 }
 
 /* One function per step size, so that each is compiled with its own
@@ -292,30 +326,14 @@ panel_tokens_bf16(const uint32_t *P2, int kc2, const uint32_t *xw, int ldx2, con
     const uint32_t *xb[PANEL_TOKENS / 4];
     const int ng = (mt + 3) / 4;
     const size_t s1 = (size_t)ldx2, s3 = 3 * (size_t)ldx2;
-    const __mmask16 m0 = nr >= 16 ? 0xffff : (__mmask16)((1u << nr) - 1);
-    const __mmask16 m1 = nr >= 32 ? 0xffff : nr > 16 ? (__mmask16)((1u << (nr - 16)) - 1) : 0;
+    __mmask16 m0, m1;
+    panel_masks(nr, &m0, &m1);
     for (int g = 0; g < ng; g++)
         xb[g] = xw + (size_t)4 * g * ldx2;
-    for (int t = 0; t < mt; t++) {
-        if (accumulate) {
-            acc[t][0] = _mm512_maskz_loadu_ps(m0, y + (size_t)t * ldy);
-            acc[t][1] = _mm512_maskz_loadu_ps(m1, y + (size_t)t * ldy + 16);
-        } else {
-            acc[t][0] = acc[t][1] = _mm512_setzero_ps();
-        }
-    }
-    /* the prefetch walk, as panel_tokens's */
-    int pr = 0, per_col = 0;
-    size_t po = 0;
-    if (pf) {
-        const size_t lines = (size_t)pf->rows * ((pf->row_bytes + 63) / 64);
-        per_col = (int)((lines + (size_t)kc2 - 1) / (size_t)kc2);
-    }
+    sums_start(acc, mt, y, ldy, m0, m1, accumulate);
+    pf_walk walk = pf_walk_start(pf, kc2);
     for (int c = 0; c < kc2; c++, P2 += KERN_PANEL_ROWS) {
-        for (int k = 0; k < per_col && po < pf->row_bytes; k++) {
-            _mm_prefetch(pf->base + (size_t)pr * pf->stride + po, _MM_HINT_T1);
-            if (++pr == pf->rows) pr = 0, po += 64;
-        }
+        pf_walk_column(&walk);
         const __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void *)P2);
         const __m512bh w1 = (__m512bh)_mm512_loadu_si512((const void *)(P2 + 16));
         for (int g = 0; g < ng; g++) {
@@ -341,10 +359,7 @@ panel_tokens_bf16(const uint32_t *P2, int kc2, const uint32_t *xw, int ldx2, con
             }
         }
     }
-    for (int t = 0; t < mt; t++) {
-        _mm512_mask_storeu_ps(y + (size_t)t * ldy, m0, acc[t][0]);
-        _mm512_mask_storeu_ps(y + (size_t)t * ldy + 16, m1, acc[t][1]);
-    }
+    sums_store(acc, mt, y, ldy, m0, m1);
 }
 
 #define PANEL_STEP_BF16(n)                                                                         \
