@@ -300,7 +300,9 @@ typedef struct srv_sess_info {
     int64_t tokens;     /* its length */
     size_t state_bytes; /* eng_seq_state_bytes */
     bool chat;          /* its mode */
-    bool has_sampler;   /* the sampler settings its last turn recorded */
+    bool has_sampler;   /* the sampler settings its turns recorded: always the
+                           store's (sess_session_info), a reply's saved turn
+                           records its `sampler`, a document's keeps them */
     eng_sampler_params sampler;
     double load_ms;       /* the load from the store that brought it here (0: made here) */
     double prefill_tok_s; /* its last turn's prefill and decode rates (0 = none) */
@@ -458,6 +460,9 @@ typedef struct srv_stream_params {
     /* max_tokens, stop rules, chat; the session takes this mode. A
      * document: max_tokens is ignored (0), chat closes it with <|im_end|>. */
     srv_reply_params reply;
+    /* A reply's settings: its saved turn records them as the session's
+     * (sess_turn.sampler), in the store and in memory alike (srv_sess_info).
+     * A document samples nothing and records none. */
     eng_sampler_params sampler;
     bool reseed; /* re-seed the session's sampler with `seed` at the start */
     uint64_t seed;
@@ -468,9 +473,6 @@ typedef struct srv_stream_params {
      * becomes SESS_CONFLICT_FORK: the branch is the turn's own). */
     const char *save_as;
     sess_conflict conflict;
-    /* The session in memory records `sampler` as its settings at a saved end
-     * (the store records them with every reply's turn). */
-    bool record_sampler;
     /* Prefix hasher (ownership taken, also on failure; NULL = none): a
      * reply's holds the session's tokens and its prompt (the scheduler adds
      * every token it decodes); a document's ends before the stream (the

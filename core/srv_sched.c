@@ -30,7 +30,7 @@ struct srv_sess {
     uint64_t base; /* head snapshot the sequence equals */
     bool chat;
     bool has_sampler;           /* the session's recorded sampler settings */
-    eng_sampler_params sampler; /* (sess_session_info.sampler), kept current */
+    eng_sampler_params sampler; /* (sess_session_info.sampler): what its saves recorded */
     double last_used;
     srv_stream *st; /* the stream running on it */
     double load_ms, prefill_tok_s, decode_tok_s;
@@ -62,7 +62,6 @@ struct srv_stream {
     /* saving */
     char save_as[SESS_NAME_MAX + 1]; /* "" = the session itself */
     sess_conflict conflict;
-    bool record_sampler;
     sess_prefix_hasher *hasher;
     bool index_fork;
     int64_t point_at;
@@ -439,7 +438,6 @@ kds_status srv_stream_start(srv_sched *S, srv_sess *h, const srv_stream_params *
     g->sample_row = -1;
     snprintf(g->save_as, sizeof g->save_as, "%s", p->save_as ? p->save_as : "");
     g->conflict = p->conflict;
-    g->record_sampler = p->record_sampler;
     g->hasher = hasher;
     hasher = NULL;
     g->index_fork = p->index_fork;
@@ -638,9 +636,13 @@ static void turn_done(srv_sched *S, srv_stream *g) {
             if (S->p.hooks.saved) S->p.hooks.saved(S->p.hooks.user, g->save_ms);
             h->base = g->save_snap;
             if (g->saved_to[0]) snprintf(h->name, sizeof h->name, "%s", g->saved_to);
-            if (g->record_sampler) { /* what the session now records */
+            if (g->save_turn && g->turn.sampler) {
+                /* what the store now records for the session (a save keeps
+                 * the settings last declared): memory follows, so a turn
+                 * that takes the recorded settings samples alike whether
+                 * the session stays here or is loaded again */
                 h->has_sampler = true;
-                h->sampler = g->sp;
+                h->sampler = *g->turn.sampler;
             }
         }
     }

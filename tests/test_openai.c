@@ -131,3 +131,17 @@ Test(openai, resume_across_restart) {
     stop_clean(&s);
     rm_tmp(dir);
 }
+
+/* An HTTP turn's sampler settings are what its session records: a later
+ * WebSocket generate without sampling fields samples with them, whether the
+ * session stayed in memory or was loaded from the store. */
+Test(openai, http_turn_records_its_sampler) {
+    need_node();
+    char dir[64];
+    make_tmp(dir, sizeof dir);
+    ts_server s;
+    start(&s, dir, NULL);
+    expect_groups(&s, "recorded", NULL);
+    stop_clean(&s);
+    rm_tmp(dir);
+}

@@ -8,7 +8,8 @@
  * and the other streams keep stepping until srv_sched_collect answers it; a
  * document appended in pieces equals its tokens fed as one prompt, and its
  * resume point is saved and indexed on the way; idle sessions are evicted
- * least recently used first, busy ones never.
+ * least recently used first, busy ones never; a session in memory records
+ * the sampler settings the store records for it.
  */
 #include <criterion/criterion.h>
 #include <errno.h>
@@ -275,7 +276,9 @@ Test(srv_sched, batched_streams_equal_each_alone, .timeout = 120) {
         srv_sess_get(h[i], &hi);
         cr_expect_eq(hi.tokens, eng_seq_pos(s), "case %d", i);
         cr_expect_eq(hi.base, si.head, "case %d: the session in memory is at its head", i);
-        cr_expect(hi.has_sampler == false, "record_sampler was not asked");
+        cr_expect(hi.has_sampler == si.has_sampler &&
+                      !memcmp(&hi.sampler, &si.sampler, sizeof hi.sampler),
+                  "case %d: the session in memory records the settings the store does", i);
         cr_expect_null(srv_sess_stream(h[i]), "case %d: the session is idle again", i);
         free(sa);
         free(sb);
@@ -406,7 +409,6 @@ Test(srv_sched, a_save_goes_to_the_saver_while_others_step, .timeout = 120) {
     srv_stream *sta, *stb;
     srv_stream_params p = case_params(&f, &short_case, &ids_a, &na);
     p.user = &sa;
-    p.record_sampler = true;
     cr_assert_eq(srv_stream_start(f.S, ha, &p, &sta, &e), KDS_OK, "%s", e.msg);
     p = case_params(&f, &long_case, &ids_b, &nb);
     p.user = &sb;
@@ -432,7 +434,7 @@ Test(srv_sched, a_save_goes_to_the_saver_while_others_step, .timeout = 120) {
     srv_sess_get(ha, &ai);
     cr_expect_eq(ai.base, sa.snapshot);
     cr_expect(ai.has_sampler && ai.sampler.temperature == p.sampler.temperature,
-              "record_sampler: the session keeps the turn's settings");
+              "the session keeps the turn's settings");
     sess_session_info si;
     cr_assert_eq(sess_session_get(f.st, "sa", &si, &e), KDS_OK, "%s", e.msg);
     cr_expect_eq(si.head, sa.snapshot);
@@ -556,6 +558,79 @@ Test(srv_sched, document_in_pieces_and_its_resume_point, .timeout = 120) {
     eng_seq_free(t);
     eng_ctx_free(c);
     free(ids);
+    close_fixture(&f);
+}
+
+/* The sampler settings a session in memory records are the store's, turn
+ * after turn, whatever the turn (a reply records its settings, a document
+ * keeps those before it), so a later turn that takes the recorded settings
+ * (a WebSocket generate without sampling fields) samples as it would after
+ * the session was evicted and loaded again. */
+static void expect_records_as_stored(fixture *f, srv_sess *h, const char *name, const char *when) {
+    kds_err e = {0};
+    srv_sess_info hi;
+    srv_sess_get(h, &hi);
+    sess_session_info si;
+    cr_assert_eq(sess_session_get(f->st, name, &si, &e), KDS_OK, "%s", e.msg);
+    cr_expect_eq(hi.has_sampler, si.has_sampler, "%s: has_sampler %d in memory, %d stored", when,
+                 hi.has_sampler, si.has_sampler);
+    cr_expect(!si.has_sampler || !memcmp(&hi.sampler, &si.sampler, sizeof hi.sampler),
+              "%s: temperature %g in memory, %g stored", when, hi.sampler.temperature,
+              si.sampler.temperature);
+    /* and what a load from the store gives */
+    srv_sess *back = NULL;
+    srv_sched_drop(f->S, h);
+    cr_assert_eq(srv_sched_open(f->S, &si, NULL, &back, &e), KDS_OK, "%s", e.msg);
+    srv_sess_info bi;
+    srv_sess_get(back, &bi);
+    cr_expect(bi.has_sampler == hi.has_sampler &&
+                  (!bi.has_sampler || !memcmp(&bi.sampler, &hi.sampler, sizeof bi.sampler)),
+              "%s: reloaded, the session records other settings than in memory", when);
+}
+
+Test(srv_sched, session_in_memory_records_the_stored_sampler, .timeout = 60) {
+    fixture f;
+    open_fixture(&f, 4, 4);
+    kds_err e = {0};
+    srv_sess *h;
+    sess_turn decl = {.mode = "plain"};
+    cr_assert_eq(srv_sched_new(f.S, "rs", false, NULL, 0, &decl, NULL, &h, NULL, &e), KDS_OK);
+    expect_records_as_stored(&f, h, "rs", "new");
+    h = srv_sched_find(f.S, "rs");
+    /* a reply with its own settings (a front end that sets nothing else) */
+    seen s1 = {0};
+    int32_t *ids;
+    int64_t n;
+    turn_case t = {"Call me Ishmael.", false, 1.7f, 3, 0.5f, 4, true, NULL, 41};
+    srv_stream_params p = case_params(&f, &t, &ids, &n);
+    p.user = &s1;
+    srv_stream *st;
+    cr_assert_eq(srv_stream_start(f.S, h, &p, &st, &e), KDS_OK, "%s", e.msg);
+    run_all(&f);
+    cr_assert_eq(s1.save_rc, KDS_OK);
+    expect_records_as_stored(&f, h, "rs", "after a reply");
+    srv_sess_info hi;
+    h = srv_sched_find(f.S, "rs");
+    srv_sess_get(h, &hi);
+    cr_expect(hi.has_sampler && hi.sampler.temperature == 1.7f && hi.sampler.top_k == 3,
+              "the reply's settings are recorded");
+    /* a document records none: the reply's stay */
+    seen s2 = {0};
+    srv_stream_params d = srv_stream_default_params();
+    d.kind = SRV_STREAM_DOCUMENT;
+    d.ids = ids;
+    d.n_ids = n;
+    d.hooks = &HOOKS;
+    d.user = &s2;
+    cr_assert_eq(srv_stream_start(f.S, h, &d, &st, &e), KDS_OK, "%s", e.msg);
+    cr_assert_eq(srv_stream_append(st, NULL, 0, true, &e), KDS_OK);
+    run_all(&f);
+    cr_assert_eq(s2.save_rc, KDS_OK);
+    cr_assert_str_eq(s2.reason, "complete");
+    expect_records_as_stored(&f, srv_sched_find(f.S, "rs"), "rs", "after a document");
+    free(ids);
+    kds_buf_free(&s1.text);
+    kds_buf_free(&s2.text);
     close_fixture(&f);
 }
 

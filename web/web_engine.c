@@ -960,8 +960,7 @@ static void op_generate(web_engine *E, const web_req *r, const cJSON *id) {
     p.sampler = sp;
     p.reseed = seed >= 0;
     p.seed = seed >= 0 ? (uint64_t)seed : 0;
-    p.record_sampler = true; /* the session in memory keeps what the store records */
-    p.index_fork = true;     /* a stateful client's turns: resumed over HTTP, they fork */
+    p.index_fork = true; /* a stateful client's turns: resumed over HTTP, they fork */
     p.t_start = t_start;
     p.hooks = &GENERATE_HOOKS;
     /* the turn carries the session's sequence: its prompt now, each token as

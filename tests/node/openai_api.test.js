@@ -25,13 +25,17 @@
 //            edited-and-regenerated turn forks from the turn before. With
 //            --phase save the first 5 turns, with --phase check (after a
 //            server restart) the other 5, from the store.
+//   recorded an HTTP turn's sampler settings are the session's recorded ones
+//            (docs/protocol.md, generate): a later WebSocket generate that
+//            gives none samples with them, the same whether the session
+//            stayed in memory or was loaded from the store
 "use strict";
 const fs = require("fs");
 const http = require("http");
 const OpenAI = require("openai");
 const { KdsClient } = require("./ws_client.js");
 
-const ALL = ["basic", "errors", "auth", "resume"];
+const ALL = ["basic", "errors", "auth", "resume", "recorded"];
 const opt = { groups: [] };
 {
   const a = process.argv.slice(2);
@@ -507,12 +511,47 @@ async function resume() {
   await ws.close();
 }
 
+// ---------------------------------------------------------------- recorded
+async function recorded() {
+  group = "recorded";
+  const c = client(opt.tokenA);
+  const ws = await KdsClient.connect(WS_URL, opt.tokenA ? { token: opt.tokenA } : {});
+  await check("an HTTP turn records its sampler settings in memory as in the store", async () => {
+    // a WebSocket conversation, greedy: the session records temperature 0
+    const session = "rec-" + process.pid, system = "You are brief.", user = "Tell me about the whale.";
+    await ws.ok({ op: "create", session, mode: "chat", system });
+    const d = await wsTurn(ws, session, user);
+    // continued over HTTP in that very session (idle in memory), hot sampling
+    const hot = { temperature: 2, top_p: 1, top_k: 0, min_p: 0, repeat_penalty: 1 };
+    const r = await chat(c, [{ role: "system", content: system }, { role: "user", content: user },
+                             { role: "assistant", content: d.reply }, { role: "user", content: "And the crew?" }],
+                         { ...hot, seed: 3, max_tokens: 4, session });
+    eq(r.kdaserve.session, session, "the HTTP turn went into the named session");
+    eq(r.usage.prompt_tokens_details.cached_tokens, d.context, "it resumed the session's state");
+    // the next WebSocket turns sample with what the session recorded: the
+    // HTTP turn's settings, in memory (a) as loaded from the store (b, a
+    // fork made at the same head) and as given explicitly (c)
+    await ws.ok({ op: "fork", session, name: session + "-b" });
+    await ws.ok({ op: "fork", session, name: session + "-c" });
+    const next = { message: "Go on.", max_tokens: 16, ignore_eos: true, seed: 9 };
+    const a = await ws.generate({ session, ...next });
+    const b = await ws.generate({ session: session + "-b", ...next });
+    const x = await ws.generate({ session: session + "-c", ...next, ...hot });
+    for (const [g, w] of [[a, "in memory"], [b, "loaded"], [x, "explicit"]])
+      ok(g.done && !g.error, `${w}: ${JSON.stringify(g.error || g.done)}`);
+    eq(b.done.reply, x.done.reply, "loaded from the store, the session samples with the HTTP turn's settings");
+    eq(a.done.reply, x.done.reply, "in memory, the session samples with the HTTP turn's settings");
+  });
+  await ws.close();
+}
+
 (async () => {
   for (const g of opt.groups) {
     if (g === "basic") await basic();
     else if (g === "errors") await errors();
     else if (g === "auth") await auth();
     else if (g === "resume") await resume();
+    else if (g === "recorded") await recorded();
   }
   console.log(`# ${nCheck - nFail} passed, ${nFail} failed`);
   process.exit(nFail ? 1 : 0);
