@@ -145,3 +145,18 @@ Test(openai, http_turn_records_its_sampler) {
     stop_clean(&s);
     rm_tmp(dir);
 }
+
+/* A WebSocket generate cancelled, or left by its client, while its prompt
+ * is prefilled leaves its session's token hash whole: the turn's end and
+ * the session's later turns stay in the prefix index, and a stateless
+ * client resumes from them. */
+Test(openai, cancelled_prefill_keeps_the_index) {
+    need_node();
+    char dir[64];
+    make_tmp(dir, sizeof dir);
+    ts_server s;
+    start(&s, dir, NULL);
+    expect_groups(&s, "cancelled", NULL);
+    stop_clean(&s);
+    rm_tmp(dir);
+}

@@ -29,13 +29,16 @@
 //            (docs/protocol.md, generate): a later WebSocket generate that
 //            gives none samples with them, the same whether the session
 //            stayed in memory or was loaded from the store
+//   cancelled a WebSocket generate cancelled during its prompt's prefill
+//            keeps its session's turns in the prefix index: a stateless
+//            client resumes from what went in and from the turns after
 "use strict";
 const fs = require("fs");
 const http = require("http");
 const OpenAI = require("openai");
 const { KdsClient } = require("./ws_client.js");
 
-const ALL = ["basic", "errors", "auth", "resume", "recorded"];
+const ALL = ["basic", "errors", "auth", "resume", "recorded", "cancelled"];
 const opt = { groups: [] };
 {
   const a = process.argv.slice(2);
@@ -545,6 +548,62 @@ async function recorded() {
   await ws.close();
 }
 
+// ---------------------------------------------------------------- cancelled
+async function cancelled() {
+  group = "cancelled";
+  const c = client(opt.tokenA);
+  const ws = await KdsClient.connect(WS_URL, opt.tokenA ? { token: opt.tokenA } : {});
+  // "a a a ..." is one token a word, so a client can write any prefix of it
+  const words = (n) => (n > 0 ? "a" + " a".repeat(n - 1) : "");
+  const N = 20000;
+  for (const how of ["cancel", "disconnect"]) {
+    await check(`a generate ended by ${how} during its prefill: its session's turns stay resumable over HTTP`, async () => {
+      const session = `cut-${how}-${process.pid}`;
+      await ws.ok({ op: "create", session, mode: "plain" });
+      // a long prompt, stopped after its first slices went in
+      const cw = how === "cancel" ? ws : await KdsClient.connect(WS_URL, opt.tokenA ? { token: opt.tokenA } : {});
+      let onStarted;
+      const startedP = new Promise((r) => { onStarted = r; });
+      const g = cw.startGenerate({ session, text: words(N), max_tokens: 0 },
+                                 { onEvent: (e) => { if (e.event === "started") onStarted(e); } });
+      const started = await Promise.race([startedP, g.finished.then(() => g.started || { prompt_tokens: -1 })]);
+      ok(started.prompt_tokens === N, `the prompt is ${started.prompt_tokens} tokens, not ${N}`);
+      if (how === "cancel") {
+        isResult(await ws.request({ op: "cancel", target: g.id }), "cancel");
+        const d = (await g.finished).done;
+        ok(d && d.reason === "cancelled", `done: ${JSON.stringify(d)}`);
+      } else {
+        cw.terminate();
+      }
+      // the session holds what went in (a whole number of slices)
+      let ctx = -1;
+      for (let t = 0; t < 600; t++) {
+        const l = await ws.ok({ op: "list" });
+        const e = l.sessions.find((x) => x.name === session);
+        if (e && e.state !== "generating") { ctx = e.tokens; break; }
+        await new Promise((r) => setTimeout(r, 50));
+      }
+      ok(ctx > 0 && ctx < N, `the turn was not stopped during its prefill: the session holds ${ctx} of ${N} tokens`);
+      // the next turn of the session
+      const d2 = (await ws.generate({ session, text: " b c d", max_tokens: 0 })).done;
+      ok(d2 && !d2.error, `generate: ${JSON.stringify(d2)}`);
+      eq(d2.context, ctx + 3, "context after ' b c d'");
+      // a stateless client that sends the same tokens resumes at each end
+      const r1 = await c.completions.create({ model: MODEL, prompt: words(ctx) + " z", max_tokens: 1, temperature: 0 });
+      eq(r1.usage.prompt_tokens, ctx + 1, "the request's tokens");
+      eq(r1.usage.prompt_tokens_details.cached_tokens, ctx, "resumed where the stopped turn ended");
+      const r2 = await c.completions.create({ model: MODEL, prompt: words(ctx) + " b c d e", max_tokens: 1, temperature: 0 });
+      eq(r2.usage.prompt_tokens_details.cached_tokens, ctx + 3, "resumed where the turn after it ended");
+    });
+  }
+  await ws.close();
+}
+
+function isResult(r, what) {
+  ok(r && r.event === "result", `${what}: ${JSON.stringify(r)}`);
+  return r;
+}
+
 (async () => {
   for (const g of opt.groups) {
     if (g === "basic") await basic();
@@ -552,6 +611,7 @@ async function recorded() {
     else if (g === "auth") await auth();
     else if (g === "resume") await resume();
     else if (g === "recorded") await recorded();
+    else if (g === "cancelled") await cancelled();
   }
   console.log(`# ${nCheck - nFail} passed, ${nFail} failed`);
   process.exit(nFail ? 1 : 0);
