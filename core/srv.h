@@ -300,7 +300,9 @@ typedef struct srv_sess_info {
     int64_t tokens;     /* its length */
     size_t state_bytes; /* eng_seq_state_bytes */
     bool chat;          /* its mode */
-    bool has_sampler;   /* the sampler settings its last turn recorded */
+    bool has_sampler;   /* the sampler settings its turns recorded: always the
+                           store's (sess_session_info), a reply's saved turn
+                           records its `sampler`, a document's keeps them */
     eng_sampler_params sampler;
     double load_ms;       /* the load from the store that brought it here (0: made here) */
     double prefill_tok_s; /* its last turn's prefill and decode rates (0 = none) */
@@ -357,10 +359,16 @@ srv_stream *srv_sess_stream(const srv_sess *h);
 void srv_sess_touch(srv_sess *h);
 /* The session was renamed in the store: its name here follows. */
 void srv_sess_rename(srv_sess *h, const char *name);
-/* The session's prefix hasher when it holds every token of the session
- * (caller owns it: hand it to a stream, which gives it back at a saved
- * end); NULL when the session has none that is whole. */
-sess_prefix_hasher *srv_sess_take_hash(srv_sess *h);
+/* Whether the session knows its whole token sequence: its prefix hasher (a
+ * new session's, an empty loaded one's, or a stream's, srv_stream_params.
+ * hasher) holds every token of it. Then the end of each of its turns, and
+ * each resume point, goes into the prefix index as it is saved. The
+ * scheduler adds every token to the hasher as it is fed, so a turn stopped
+ * anywhere (cancelled, its client gone, during its prompt or its reply)
+ * leaves it whole; only a session dropped from memory loses it (an engine
+ * error, a failed save, an eviction), and a session loaded with tokens in
+ * it has none (the store keeps no token sequence). */
+bool srv_sess_hashed(const srv_sess *h);
 
 /* -- streams --------------------------------------------------------------- */
 
@@ -458,6 +466,9 @@ typedef struct srv_stream_params {
     /* max_tokens, stop rules, chat; the session takes this mode. A
      * document: max_tokens is ignored (0), chat closes it with <|im_end|>. */
     srv_reply_params reply;
+    /* A reply's settings: its saved turn records them as the session's
+     * (sess_turn.sampler), in the store and in memory alike (srv_sess_info).
+     * A document samples nothing and records none. */
     eng_sampler_params sampler;
     bool reseed; /* re-seed the session's sampler with `seed` at the start */
     uint64_t seed;
@@ -468,22 +479,18 @@ typedef struct srv_stream_params {
      * becomes SESS_CONFLICT_FORK: the branch is the turn's own). */
     const char *save_as;
     sess_conflict conflict;
-    /* The session in memory records `sampler` as its settings at a saved end
-     * (the store records them with every reply's turn). */
-    bool record_sampler;
-    /* Prefix hasher (ownership taken, also on failure; NULL = none): a
-     * reply's holds the session's tokens and its prompt (the scheduler adds
-     * every token it decodes); a document's ends before the stream (the
-     * scheduler adds every token it feeds). A saved end is indexed when the
-     * hasher holds the whole sequence (index_fork: as a fork entry), and the
-     * hasher goes back to the session. */
+    /* NULL: the session's own prefix hasher goes on (srv_sess_hashed).
+     * Else a hasher that holds exactly the session's tokens as they are
+     * now (an HTTP resume's: the request's tokens up to the state resumed),
+     * which becomes the session's when the stream starts (ownership taken,
+     * also on failure, when the session keeps its own). The scheduler adds
+     * every token as it is fed; a saved end or resume point is indexed
+     * while the hasher is whole (index_fork: as a fork entry). */
     sess_prefix_hasher *hasher;
     bool index_fork;
     /* A resume point when `fed` reaches point_at (0 = none; also
-     * srv_stream_point), indexed under point_key (NULL: the hasher's key
-     * there, which must then hold exactly that sequence). */
+     * srv_stream_point). */
     int64_t point_at;
-    const unsigned char *point_key;
     double t_start;                /* srv_now_s when the turn began (0 = now) */
     const srv_stream_hooks *hooks; /* borrowed: outlives the stream */
     void *user;
@@ -504,7 +511,7 @@ kds_status srv_stream_start(srv_sched *S, srv_sess *h, const srv_stream_params *
  * KDS_NOMEM; the stream is unchanged then. */
 kds_status srv_stream_append(srv_stream *st, const int32_t *ids, int64_t n, bool last,
                              kds_err *err);
-/* Set st's resume point (as srv_stream_params.point_at, key NULL). */
+/* Set st's resume point (as srv_stream_params.point_at). */
 void srv_stream_point(srv_stream *st, int64_t at);
 /* The tokens given and not fed yet of a document's own (borrowed, until the
  * next call on st). */

@@ -30,14 +30,17 @@ struct srv_sess {
     uint64_t base; /* head snapshot the sequence equals */
     bool chat;
     bool has_sampler;           /* the session's recorded sampler settings */
-    eng_sampler_params sampler; /* (sess_session_info.sampler), kept current */
+    eng_sampler_params sampler; /* (sess_session_info.sampler): what its saves recorded */
     double last_used;
     srv_stream *st; /* the stream running on it */
     double load_ms, prefill_tok_s, decode_tok_s;
     /* The session's whole token sequence, when this server saw every token
-     * of it (created here, or empty when loaded): its turns' ends then go
-     * into the prefix index too. A running turn holds it (the stream's
-     * hasher) and hands it back while it is whole. */
+     * of it (created here, or empty when loaded, or given by a stream's
+     * params): its turns' ends then go into the prefix index too. Every
+     * token fed to the sequence is added as it goes in (a prefill slice,
+     * a decoded token), so it stays whole whatever stops a turn (a cancel,
+     * a client gone); it is whole while its count is the sequence's
+     * length. NULL: none. */
     sess_prefix_hasher *hash;
 };
 
@@ -62,12 +65,8 @@ struct srv_stream {
     /* saving */
     char save_as[SESS_NAME_MAX + 1]; /* "" = the session itself */
     sess_conflict conflict;
-    bool record_sampler;
-    sess_prefix_hasher *hasher;
     bool index_fork;
     int64_t point_at;
-    bool has_point_key;
-    unsigned char point_key[SESS_PREFIX_KEY_LEN];
     sess_turn turn;        /* the transcript entry the save writes (set at the end) */
     bool save_turn;        /* a turn (else a resume point) */
     srv_stream *save_next; /* the saver's queue, then the list handed back */
@@ -352,11 +351,13 @@ void srv_sess_rename(srv_sess *h, const char *name) {
     snprintf(h->name, sizeof h->name, "%s", name);
 }
 
-sess_prefix_hasher *srv_sess_take_hash(srv_sess *h) {
-    if (!h->hash || sess_prefix_hasher_count(h->hash) != eng_seq_pos(h->seq)) return NULL;
-    sess_prefix_hasher *hs = h->hash;
-    h->hash = NULL;
-    return hs;
+/* Whether h's hasher holds exactly its sequence. */
+static bool hash_whole(const srv_sess *h) {
+    return h->hash && sess_prefix_hasher_count(h->hash) == eng_seq_pos(h->seq);
+}
+
+bool srv_sess_hashed(const srv_sess *h) {
+    return hash_whole(h);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -367,7 +368,6 @@ static void stream_free(srv_stream *g) {
     free(g->ids);
     free(g->prompt);
     srv_reply_free(g->rp);
-    sess_prefix_hasher_free(g->hasher);
     free(g);
 }
 
@@ -439,15 +439,8 @@ kds_status srv_stream_start(srv_sched *S, srv_sess *h, const srv_stream_params *
     g->sample_row = -1;
     snprintf(g->save_as, sizeof g->save_as, "%s", p->save_as ? p->save_as : "");
     g->conflict = p->conflict;
-    g->record_sampler = p->record_sampler;
-    g->hasher = hasher;
-    hasher = NULL;
     g->index_fork = p->index_fork;
     g->point_at = p->point_at;
-    if (p->point_key) {
-        memcpy(g->point_key, p->point_key, sizeof g->point_key);
-        g->has_point_key = true;
-    }
     srv_stream_info *i = &g->i;
     i->kind = p->kind;
     i->sess = h;
@@ -465,7 +458,12 @@ kds_status srv_stream_start(srv_sched *S, srv_sess *h, const srv_stream_params *
         i->phase = SRV_PHASE_FINISH;
         i->reason = "length";
     }
-    /* the session takes the turn's mode and seed */
+    /* the session takes the turn's mode and seed, and the hasher given */
+    if (hasher) {
+        sess_prefix_hasher_free(h->hash);
+        h->hash = hasher;
+        hasher = NULL;
+    }
     h->chat = p->reply.chat;
     if (p->reseed) eng_seq_reseed(h->seq, p->seed);
     h->st = g;
@@ -478,8 +476,7 @@ kds_status srv_stream_start(srv_sched *S, srv_sess *h, const srv_stream_params *
 nomem:
     rc = kds_err_set(err, KDS_NOMEM, "out of memory");
 fail:
-    sess_prefix_hasher_free(hasher);
-    if (g) g->hasher = NULL;
+    sess_prefix_hasher_free(hasher); /* the session keeps its own */
     stream_free(g);
     return rc;
 }
@@ -502,7 +499,6 @@ kds_status srv_stream_append(srv_stream *g, const int32_t *ids, int64_t n, bool 
 
 void srv_stream_point(srv_stream *g, int64_t at) {
     g->point_at = at;
-    g->has_point_key = false;
 }
 
 const int32_t *srv_stream_unfed(const srv_stream *g, int64_t *n) {
@@ -563,12 +559,13 @@ static void save_state(srv_sched *S, srv_stream *g, const sess_turn *turn) {
     snprintf(g->saved_to, sizeof g->saved_to, "%s", res.session);
 }
 
-/* Saver thread: the end of g's sequence in the prefix index, when its hasher
- * holds every token of it (fed whole, nothing cut). */
-static void index_turn(srv_sched *S, srv_stream *g, const char *session) {
-    if (!g->hasher || sess_prefix_hasher_count(g->hasher) != eng_seq_pos(g->h->seq)) return;
+/* Saver thread: the state just saved (a turn's end, a resume point) in the
+ * prefix index, when the session's hasher holds every token of it. The loop
+ * leaves the hasher alone meanwhile: the stream is out of it or paused. */
+static void index_saved(srv_sched *S, srv_stream *g, const char *session) {
+    if (!hash_whole(g->h)) return;
     unsigned char key[SESS_PREFIX_KEY_LEN];
-    sess_prefix_hasher_key(g->hasher, key);
+    sess_prefix_hasher_key(g->h->hash, key);
     index_key(S, key, g->save_snap, eng_seq_pos(g->h->seq), session, g->index_fork);
 }
 
@@ -576,14 +573,7 @@ static void index_turn(srv_sched *S, srv_stream *g, const char *session) {
 static void save_one(srv_sched *S, srv_stream *g) {
     double t0 = srv_now_s();
     save_state(S, g, g->save_turn ? &g->turn : NULL);
-    if (g->save_rc == KDS_OK) {
-        const char *session = g->save_as[0] ? g->saved_to : g->h->name;
-        if (!g->save_turn && g->has_point_key)
-            index_key(S, g->point_key, g->save_snap, eng_seq_pos(g->h->seq), session,
-                      g->index_fork);
-        else
-            index_turn(S, g, session);
-    }
+    if (g->save_rc == KDS_OK) index_saved(S, g, g->save_as[0] ? g->saved_to : g->h->name);
     g->save_ms = (srv_now_s() - t0) * 1e3;
 }
 
@@ -638,20 +628,17 @@ static void turn_done(srv_sched *S, srv_stream *g) {
             if (S->p.hooks.saved) S->p.hooks.saved(S->p.hooks.user, g->save_ms);
             h->base = g->save_snap;
             if (g->saved_to[0]) snprintf(h->name, sizeof h->name, "%s", g->saved_to);
-            if (g->record_sampler) { /* what the session now records */
+            if (g->save_turn && g->turn.sampler) {
+                /* what the store now records for the session (a save keeps
+                 * the settings last declared): memory follows, so a turn
+                 * that takes the recorded settings samples alike whether
+                 * the session stays here or is loaded again */
                 h->has_sampler = true;
-                h->sampler = g->sp;
+                h->sampler = *g->turn.sampler;
             }
         }
     }
     h->st = NULL;
-    /* the sequence's hash goes back to the session while it is whole */
-    if (g->hasher && g->save_rc == KDS_OK && !failed &&
-        sess_prefix_hasher_count(g->hasher) == eng_seq_pos(h->seq)) {
-        sess_prefix_hasher_free(h->hash);
-        h->hash = g->hasher;
-        g->hasher = NULL;
-    }
     srv_stream_end end = {.reason = g->i.reason,
                           .error = g->error,
                           .save_rc = g->save_rc,
@@ -847,7 +834,7 @@ static void prefill_one(srv_sched *S, srv_stream *g) {
         stream_error(g, &e);
         return;
     }
-    if (doc && g->hasher) sess_prefix_hasher_add(g->hasher, ids, n);
+    if (g->h->hash) sess_prefix_hasher_add(g->h->hash, ids, n); /* what went in, as it did */
     if (doc && i->fed + n > g->opener) /* the document's own tokens in this slice */
         i->doc_fed += i->fed + n - (i->fed > g->opener ? i->fed : g->opener);
     i->fed += n;
@@ -948,7 +935,7 @@ static void decode_step(srv_sched *S) {
             stream_error(g, &e);
         } else {
             g->i.phase = g->after;
-            if (g->hasher) sess_prefix_hasher_add(g->hasher, &S->b_ids[k], 1);
+            if (g->h->hash) sess_prefix_hasher_add(g->h->hash, &S->b_ids[k], 1);
         }
     }
     if (S->p.hooks.decoded) S->p.hooks.decoded(S->p.hooks.user, n);

@@ -131,3 +131,56 @@ Test(openai, resume_across_restart) {
     stop_clean(&s);
     rm_tmp(dir);
 }
+
+/* An HTTP turn's sampler settings are what its session records: a later
+ * WebSocket generate without sampling fields samples with them, whether the
+ * session stayed in memory or was loaded from the store. */
+Test(openai, http_turn_records_its_sampler) {
+    need_node();
+    char dir[64];
+    make_tmp(dir, sizeof dir);
+    ts_server s;
+    start(&s, dir, NULL);
+    expect_groups(&s, "recorded", NULL);
+    stop_clean(&s);
+    rm_tmp(dir);
+}
+
+/* A WebSocket generate cancelled, or left by its client, while its prompt
+ * is prefilled leaves its session's token hash whole: the turn's end and
+ * the session's later turns stay in the prefix index, and a stateless
+ * client resumes from them. */
+Test(openai, cancelled_prefill_keeps_the_index) {
+    need_node();
+    char dir[64];
+    make_tmp(dir, sizeof dir);
+    ts_server s;
+    start(&s, dir, NULL);
+    expect_groups(&s, "cancelled", NULL);
+    stop_clean(&s);
+    rm_tmp(dir);
+}
+
+/* Keep-alive: a connection carries request after request, each answered
+ * whole; a request pipelined after a POST closes the connection instead of
+ * being answered as part of the POST; the openai client's pooled
+ * connections under load get every answer right (with --auth-file, so that
+ * the Bearer header goes through the kept connection too). */
+Test(openai, keep_alive_and_pipelining) {
+    need_node();
+    char dir[64], auth[128], extra[256];
+    make_tmp(dir, sizeof dir);
+    const char *ta = "tok-alice-0123456789abcdef";
+    snprintf(auth, sizeof auth, "%s/tokens", dir);
+    FILE *f = fopen(auth, "w");
+    cr_assert(f, "cannot write %s", auth);
+    fprintf(f, "%s alice\n", ta);
+    fclose(f);
+    chmod(auth, 0600);
+    ts_server s;
+    start(&s, dir, "--auth-file", auth, NULL);
+    snprintf(extra, sizeof extra, "--token-a %s", ta);
+    expect_groups(&s, "keepalive", extra);
+    stop_clean(&s);
+    rm_tmp(dir);
+}

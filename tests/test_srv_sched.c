@@ -8,7 +8,10 @@
  * and the other streams keep stepping until srv_sched_collect answers it; a
  * document appended in pieces equals its tokens fed as one prompt, and its
  * resume point is saved and indexed on the way; idle sessions are evicted
- * least recently used first, busy ones never.
+ * least recently used first, busy ones never; a session in memory records
+ * the sampler settings the store records for it; a session's token hash
+ * follows what is fed, so a turn stopped during its prompt keeps the
+ * session's turns in the prefix index.
  */
 #include <criterion/criterion.h>
 #include <errno.h>
@@ -275,7 +278,9 @@ Test(srv_sched, batched_streams_equal_each_alone, .timeout = 120) {
         srv_sess_get(h[i], &hi);
         cr_expect_eq(hi.tokens, eng_seq_pos(s), "case %d", i);
         cr_expect_eq(hi.base, si.head, "case %d: the session in memory is at its head", i);
-        cr_expect(hi.has_sampler == false, "record_sampler was not asked");
+        cr_expect(hi.has_sampler == si.has_sampler &&
+                      !memcmp(&hi.sampler, &si.sampler, sizeof hi.sampler),
+                  "case %d: the session in memory records the settings the store does", i);
         cr_expect_null(srv_sess_stream(h[i]), "case %d: the session is idle again", i);
         free(sa);
         free(sb);
@@ -406,7 +411,6 @@ Test(srv_sched, a_save_goes_to_the_saver_while_others_step, .timeout = 120) {
     srv_stream *sta, *stb;
     srv_stream_params p = case_params(&f, &short_case, &ids_a, &na);
     p.user = &sa;
-    p.record_sampler = true;
     cr_assert_eq(srv_stream_start(f.S, ha, &p, &sta, &e), KDS_OK, "%s", e.msg);
     p = case_params(&f, &long_case, &ids_b, &nb);
     p.user = &sb;
@@ -432,7 +436,7 @@ Test(srv_sched, a_save_goes_to_the_saver_while_others_step, .timeout = 120) {
     srv_sess_get(ha, &ai);
     cr_expect_eq(ai.base, sa.snapshot);
     cr_expect(ai.has_sampler && ai.sampler.temperature == p.sampler.temperature,
-              "record_sampler: the session keeps the turn's settings");
+              "the session keeps the turn's settings");
     sess_session_info si;
     cr_assert_eq(sess_session_get(f.st, "sa", &si, &e), KDS_OK, "%s", e.msg);
     cr_expect_eq(si.head, sa.snapshot);
@@ -546,9 +550,7 @@ Test(srv_sched, document_in_pieces_and_its_resume_point, .timeout = 120) {
     cr_expect_eq(sess_prefix_find(f.st, (const unsigned char(*)[SESS_PREFIX_KEY_LEN])key, &len, 1,
                                   &found, &pe, &e),
                  KDS_OK, "the document's end is not indexed");
-    sess_prefix_hasher *back = srv_sess_take_hash(h);
-    cr_expect_not_null(back, "the hasher went back to the session");
-    sess_prefix_hasher_free(back);
+    cr_expect(srv_sess_hashed(h), "the session's hasher is whole");
     free(sa);
     free(sb);
     sess_prefix_hasher_free(k);
@@ -556,6 +558,198 @@ Test(srv_sched, document_in_pieces_and_its_resume_point, .timeout = 120) {
     eng_seq_free(t);
     eng_ctx_free(c);
     free(ids);
+    close_fixture(&f);
+}
+
+/* The index entry of `ids[0..n)` (SCOPE): its snapshot and length, or
+ * KDS_NOT_FOUND. */
+static kds_status find_key(fixture *f, const int32_t *ids, int64_t n, sess_prefix_entry *pe) {
+    sess_prefix_hasher *k = NULL;
+    cr_assert_eq(sess_prefix_hasher_create(SCOPE, &k, NULL), KDS_OK);
+    sess_prefix_hasher_add(k, ids, n);
+    unsigned char key[1][SESS_PREFIX_KEY_LEN];
+    sess_prefix_hasher_key(k, key[0]);
+    sess_prefix_hasher_free(k);
+    size_t found;
+    return sess_prefix_find(f->st, (const unsigned char(*)[SESS_PREFIX_KEY_LEN])key, &n, 1, &found,
+                            pe, NULL);
+}
+
+/* A session's token hash follows what is fed: a turn stopped during its
+ * prompt (cancelled, its client gone, before or after a slice went in)
+ * leaves it whole, its end indexed under what went in (a chat turn's with
+ * the <|im_end|> that closed it), and so are the turns after it; a stream
+ * that fails to start leaves the session's hash as it was. */
+Test(srv_sched, a_stopped_prefill_leaves_the_session_hash_whole, .timeout = 120) {
+    fixture f;
+    open_fixture(&f, 4, 4);
+    kds_err e = {0};
+    int64_t slice = srv_sched_slice(f.S), nl = 3 * slice;
+    int32_t *w = NULL, *big = malloc((size_t)nl * sizeof *big), *all = NULL;
+    int64_t nw = 0;
+    const char *words = "It was the best of times, it was the worst of times, it was the age";
+    cr_assert_eq(eng_chat_turn(f.tok, false, 1, NULL, words, strlen(words), false, &w, &nw, &e),
+                 KDS_OK);
+    for (int64_t i = 0; i < nl; i++)
+        big[i] = w[i % nw];
+    srv_sess *hp, *hc;
+    sess_turn plain = {.mode = "plain"}, chat = {.mode = "chat"};
+    cr_assert_eq(srv_sched_new(f.S, "hp", false, NULL, 0, &plain, SCOPE, &hp, NULL, &e), KDS_OK);
+    cr_assert_eq(srv_sched_new(f.S, "hc", true, NULL, 0, &chat, SCOPE, &hc, NULL, &e), KDS_OK);
+    cr_expect(srv_sess_hashed(hp) && srv_sess_hashed(hc), "new sessions are hashed");
+    seen s1 = {0}, s2 = {0}, s3 = {0}, s4 = {0};
+    srv_stream_params p = srv_stream_default_params();
+    p.ids = big;
+    p.n_ids = nl;
+    p.reply.max_tokens = 5;
+    p.hooks = &HOOKS;
+    srv_stream *st;
+    /* gone before anything went in: nothing saved, the hash as it was */
+    p.user = &s1;
+    cr_assert_eq(srv_stream_start(f.S, hp, &p, &st, &e), KDS_OK, "%s", e.msg);
+    srv_stream_cancel(st, SRV_CANCEL_GONE);
+    srv_sched_step(f.S);
+    cr_assert_eq(s1.done, 1);
+    cr_expect_eq(s1.fed, 0);
+    cr_expect(srv_sess_hashed(hp), "a turn that fed nothing leaves the hash whole");
+    /* a plain turn and a chat turn, each cancelled after one slice */
+    p.user = &s2;
+    cr_assert_eq(srv_stream_start(f.S, hp, &p, &st, &e), KDS_OK, "%s", e.msg);
+    srv_stream *stc;
+    p.user = &s3;
+    p.reply.chat = true;
+    cr_assert_eq(srv_stream_start(f.S, hc, &p, &stc, &e), KDS_OK, "%s", e.msg);
+    srv_sched_step(f.S);
+    cr_assert_eq(srv_stream_get(st)->fed, slice);
+    cr_assert_eq(srv_stream_get(stc)->fed, slice);
+    srv_stream_cancel(st, SRV_CANCEL_ASKED);
+    srv_stream_cancel(stc, SRV_CANCEL_GONE);
+    run_all(&f);
+    cr_expect_str_eq(s2.reason, "cancelled");
+    cr_expect_str_eq(s3.reason, "disconnected");
+    cr_assert_eq(s2.save_rc, KDS_OK);
+    cr_assert_eq(s3.save_rc, KDS_OK);
+    srv_sess_info pi, ci;
+    srv_sess_get(hp, &pi);
+    srv_sess_get(hc, &ci);
+    cr_expect_eq(pi.tokens, slice);
+    cr_expect_eq(ci.tokens, slice + 1, "the chat turn was closed with <|im_end|>");
+    cr_expect(srv_sess_hashed(hp), "the plain session's hash holds what went in");
+    cr_expect(srv_sess_hashed(hc), "the chat session's hash holds what went in");
+    sess_prefix_entry pe;
+    cr_expect_eq(find_key(&f, big, slice, &pe), KDS_OK, "the cancelled turn's end is not indexed");
+    cr_expect_eq(pe.snapshot, s2.snapshot);
+    cr_expect_eq(pe.tokens, slice);
+    all = malloc((size_t)(nl + 64) * sizeof *all);
+    memcpy(all, big, (size_t)slice * sizeof *all);
+    all[slice] = eng_tok_special_id(f.tok, "<|im_end|>");
+    cr_assert_geq(all[slice], 0);
+    cr_expect_eq(find_key(&f, all, slice + 1, &pe), KDS_OK,
+                 "the closed chat turn's end is not indexed");
+    cr_expect_eq(pe.snapshot, s3.snapshot);
+    /* a stream that cannot start (an empty stop string) leaves the hash */
+    sess_prefix_hasher *bogus = NULL;
+    cr_assert_eq(sess_prefix_hasher_create(SCOPE, &bogus, NULL), KDS_OK);
+    p.hasher = bogus; /* taken, also on failure */
+    p.reply.chat = false;
+    p.reply.stop[0] = "";
+    p.reply.n_stop = 1;
+    cr_expect_eq(srv_stream_start(f.S, hp, &p, &st, &e), KDS_INVALID_ARG);
+    cr_expect(srv_sess_hashed(hp), "a failed start took the session's hash");
+    /* the next turn: its end is indexed after the stopped one's */
+    p = srv_stream_default_params();
+    p.ids = w;
+    p.n_ids = nw;
+    p.reply.max_tokens = 0;
+    p.hooks = &HOOKS;
+    p.user = &s4;
+    cr_assert_eq(srv_stream_start(f.S, hp, &p, &st, &e), KDS_OK, "%s", e.msg);
+    run_all(&f);
+    cr_assert_eq(s4.save_rc, KDS_OK);
+    memcpy(all + slice, w, (size_t)nw * sizeof *all);
+    cr_expect_eq(find_key(&f, all, slice + nw, &pe), KDS_OK,
+                 "the turn after the stopped one is not indexed");
+    cr_expect_eq(pe.snapshot, s4.snapshot);
+    free(all);
+    free(big);
+    free(w);
+    kds_buf_free(&s1.text);
+    kds_buf_free(&s2.text);
+    kds_buf_free(&s3.text);
+    kds_buf_free(&s4.text);
+    close_fixture(&f);
+}
+
+/* The sampler settings a session in memory records are the store's, turn
+ * after turn, whatever the turn (a reply records its settings, a document
+ * keeps those before it), so a later turn that takes the recorded settings
+ * (a WebSocket generate without sampling fields) samples as it would after
+ * the session was evicted and loaded again. */
+static void expect_records_as_stored(fixture *f, srv_sess *h, const char *name, const char *when) {
+    kds_err e = {0};
+    srv_sess_info hi;
+    srv_sess_get(h, &hi);
+    sess_session_info si;
+    cr_assert_eq(sess_session_get(f->st, name, &si, &e), KDS_OK, "%s", e.msg);
+    cr_expect_eq(hi.has_sampler, si.has_sampler, "%s: has_sampler %d in memory, %d stored", when,
+                 hi.has_sampler, si.has_sampler);
+    cr_expect(!si.has_sampler || !memcmp(&hi.sampler, &si.sampler, sizeof hi.sampler),
+              "%s: temperature %g in memory, %g stored", when, hi.sampler.temperature,
+              si.sampler.temperature);
+    /* and what a load from the store gives */
+    srv_sess *back = NULL;
+    srv_sched_drop(f->S, h);
+    cr_assert_eq(srv_sched_open(f->S, &si, NULL, &back, &e), KDS_OK, "%s", e.msg);
+    srv_sess_info bi;
+    srv_sess_get(back, &bi);
+    cr_expect(bi.has_sampler == hi.has_sampler &&
+                  (!bi.has_sampler || !memcmp(&bi.sampler, &hi.sampler, sizeof bi.sampler)),
+              "%s: reloaded, the session records other settings than in memory", when);
+}
+
+Test(srv_sched, session_in_memory_records_the_stored_sampler, .timeout = 60) {
+    fixture f;
+    open_fixture(&f, 4, 4);
+    kds_err e = {0};
+    srv_sess *h;
+    sess_turn decl = {.mode = "plain"};
+    cr_assert_eq(srv_sched_new(f.S, "rs", false, NULL, 0, &decl, NULL, &h, NULL, &e), KDS_OK);
+    expect_records_as_stored(&f, h, "rs", "new");
+    h = srv_sched_find(f.S, "rs");
+    /* a reply with its own settings (a front end that sets nothing else) */
+    seen s1 = {0};
+    int32_t *ids;
+    int64_t n;
+    turn_case t = {"Call me Ishmael.", false, 1.7f, 3, 0.5f, 4, true, NULL, 41};
+    srv_stream_params p = case_params(&f, &t, &ids, &n);
+    p.user = &s1;
+    srv_stream *st;
+    cr_assert_eq(srv_stream_start(f.S, h, &p, &st, &e), KDS_OK, "%s", e.msg);
+    run_all(&f);
+    cr_assert_eq(s1.save_rc, KDS_OK);
+    expect_records_as_stored(&f, h, "rs", "after a reply");
+    srv_sess_info hi;
+    h = srv_sched_find(f.S, "rs");
+    srv_sess_get(h, &hi);
+    cr_expect(hi.has_sampler && hi.sampler.temperature == 1.7f && hi.sampler.top_k == 3,
+              "the reply's settings are recorded");
+    /* a document records none: the reply's stay */
+    seen s2 = {0};
+    srv_stream_params d = srv_stream_default_params();
+    d.kind = SRV_STREAM_DOCUMENT;
+    d.ids = ids;
+    d.n_ids = n;
+    d.hooks = &HOOKS;
+    d.user = &s2;
+    cr_assert_eq(srv_stream_start(f.S, h, &d, &st, &e), KDS_OK, "%s", e.msg);
+    cr_assert_eq(srv_stream_append(st, NULL, 0, true, &e), KDS_OK);
+    run_all(&f);
+    cr_assert_eq(s2.save_rc, KDS_OK);
+    cr_assert_str_eq(s2.reason, "complete");
+    expect_records_as_stored(&f, srv_sched_find(f.S, "rs"), "rs", "after a document");
+    free(ids);
+    kds_buf_free(&s1.text);
+    kds_buf_free(&s2.text);
     close_fixture(&f);
 }
 

@@ -960,13 +960,11 @@ static void op_generate(web_engine *E, const web_req *r, const cJSON *id) {
     p.sampler = sp;
     p.reseed = seed >= 0;
     p.seed = seed >= 0 ? (uint64_t)seed : 0;
-    p.record_sampler = true; /* the session in memory keeps what the store records */
-    p.index_fork = true;     /* a stateful client's turns: resumed over HTTP, they fork */
+    p.index_fork = true; /* a stateful client's turns: resumed over HTTP, they fork */
     p.t_start = t_start;
     p.hooks = &GENERATE_HOOKS;
-    /* the turn carries the session's sequence: its prompt now, each token as
-     * the scheduler feeds it, its end indexed at the save */
-    if ((p.hasher = srv_sess_take_hash(h))) sess_prefix_hasher_add(p.hasher, ids, n);
+    /* a session whose every token this server saw (srv_sess_hashed) has the
+     * turn's end indexed: the scheduler hashes each token as it goes in */
     if (turn_start(E, w, h, &p, &e) != KDS_OK) {
         fail(E, r, id, web__code_of(e.status), "%s", e.msg);
         goto out;
@@ -1044,7 +1042,7 @@ static kds_status ingest_room(ingest *in, int64_t n, kds_err *e) {
  * starts the stream on session h with `sp` (its opener, a chat turn's
  * start, already in in->ids[0 .. sp->n_ids)); later ones append. All or
  * nothing: on error the ingest and the stream are as they were (the first
- * chunk's hasher, sp->hasher, is freed).
+ * chunk's new hasher, sp->hasher, is freed; the session keeps its own).
  */
 static kds_status ingest_take(web_engine *E, wturn *w, srv_sess *h, srv_stream_params *sp,
                               const unsigned char *p, size_t n, bool last, kds_err *e) {
@@ -1316,17 +1314,16 @@ static wturn *ingest_create(web_engine *E, const web_req *r, const cJSON *id, sr
     sp->index_fork = true;
     sp->t_start = web__now_s();
     sp->hooks = &INGEST_HOOKS;
-    if ((sp->hasher = srv_sess_take_hash(h))) {
-        /* every token of the session is known (the scheduler's session
-         * hash): the document's end goes into the prefix index and an HTTP
-         * client that sends the same conversation resumes there (advisory:
-         * without it, it replays) */
-    } else if (si.tokens == 0) {
+    /* When every token of the session is known (the scheduler's session
+     * hash, or an empty session's new one), the document's end goes into the
+     * prefix index and an HTTP client that sends the same conversation
+     * resumes there (advisory: without it, it replays). */
+    if (!srv_sess_hashed(h) && si.tokens == 0) {
         char scope[WEB_TENANT_MAX + SESS_FP_LEN + 8];
         prefix_scope(E, r, scope, sizeof scope);
         if (sess_prefix_hasher_create(scope, &sp->hasher, NULL) != KDS_OK) sp->hasher = NULL;
     }
-    in->hashed = sp->hasher && !si.chat;
+    in->hashed = (srv_sess_hashed(h) || sp->hasher) && !si.chat;
     if (si.chat) {
         /* the document is one user turn: its opener now, its text as it
          * comes, <|im_end|> at the end (the stream's close) */
@@ -1828,17 +1825,13 @@ static void http_generate(web_engine *E, const web_req *r) {
     g->prompt_total = q.n_ids;
     char scope[WEB_TENANT_MAX + SESS_FP_LEN + 8];
     prefix_scope(E, r, scope, sizeof scope);
+    /* the session's tokens are the request's up to the state resumed; the
+     * scheduler hashes the rest as it feeds them, so the resume point and
+     * the turn's end are indexed under what went in */
     if (sess_prefix_hasher_create(scope, &p.hasher, &e) != KDS_OK) goto fail;
-    /* the whole sequence, in one pass, taking the resume point's key on the way */
-    unsigned char point_key[SESS_PREFIX_KEY_LEN];
+    sess_prefix_hasher_add(p.hasher, q.ids, cached);
     int64_t point = http_point(E, &q, cached);
-    sess_prefix_hasher_add(p.hasher, q.ids, point);
-    if (point) {
-        sess_prefix_hasher_key(p.hasher, point_key);
-        p.point_at = point - cached; /* the stream counts from the resumed state */
-        p.point_key = point_key;
-    }
-    sess_prefix_hasher_add(p.hasher, q.ids + point, q.n_ids - point);
+    if (point) p.point_at = point - cached; /* the stream counts from the resumed state */
     /* feed only what the stored state lacks */
     p.ids = q.ids + cached;
     p.n_ids = q.n_ids - cached;

@@ -21,6 +21,26 @@
  * libwebsockets rules kept (reference/libs.md §1): one lws_write per
  * WRITEABLE (the head with lws_finalize_write_http_header, each body event
  * in a later WRITEABLE), other threads only lws_cancel_service.
+ *
+ * Keep-alive: the transaction ends (lws_http_transaction_completed) in the
+ * WRITEABLE of the response's last write, so lws reads nothing of the
+ * connection in between: lws 4.1 takes bytes of the next request read
+ * before the end as part of the current one. After a POST body it calls
+ * LWS_CALLBACK_HTTP_BODY_COMPLETION again for them, at every service while
+ * they wait, without end (lws_read_h1 in LRS_BODY with nothing left to
+ * read consumes none of them), and each was answered "the request body is
+ * empty" into the running request's response: a keep-alive client whose
+ * next request came before the next WRITEABLE read a stranger's answer
+ * (or bytes after it), and a client that pipelines two requests got an
+ * endless stream of them while the service thread spun. Only a client that
+ * pipelines a request after a POST still causes a repeated completion: its
+ * connection is closed then (the POST's generation stops as for a client
+ * gone; RFC 9112 §9.3.2: the client retries unanswered requests), since
+ * lws cannot read those bytes and cannot be told to wait
+ * (lws_rx_flow_control also stops an HTTP connection's WRITEABLE, lws
+ * 4.1.6 rops_handle_POLLIN_h1). After a GET lws reads nothing until the
+ * answer (LRS_DOING_TRANSACTION), and with a pipelined request waiting it
+ * sends no answer at all: its 5-second timeout closes the connection.
  */
 #include <inttypes.h>
 #include <stdarg.h>
@@ -50,6 +70,7 @@ typedef struct http_pss {
     uint64_t discarded;
     bool finishing;    /* the last event was written */
     bool stream_close; /* a response without length: close after it */
+    bool received;     /* its body completed (a repeated completion is not) */
     bool authed;
     char tenant[WEB_TENANT_MAX + 1];
     char session_hdr[SESS_NAME_MAX + 1];
@@ -234,6 +255,7 @@ static void submit(web_server *s, http_pss *pss, cJSON *body) {
 /* LWS_CALLBACK_HTTP of a /v1 path: register the request, check method and
  * auth, and for GET submit it at once (POST waits for its body). */
 static int v1_begin(web_server *s, struct lws *wsi, http_pss *pss, const char *uri, bool post) {
+    v1_end(s, pss); /* a request not ended (never, above): abandoned, not leaked */
     web_conn *c = calloc(1, sizeof *c);
     if (!c) return -1;
     c->wsi = wsi;
@@ -344,8 +366,13 @@ static int v1_body(web_server *s, http_pss *pss, const void *in, size_t len) {
     return 0;
 }
 
-static void v1_body_done(web_server *s, http_pss *pss) {
-    if (!pss->c) return;
+/* Returns the callback's value: -1 closes the connection. */
+static int v1_body_done(web_server *s, http_pss *pss) {
+    if (!pss->c) return 0;
+    /* lws again, for bytes of a pipelined request that it read before this
+     * one is answered and will never consume (above) */
+    if (pss->received) return -1;
+    pss->received = true;
     char msg[256];
     if (pss->too_big && !pss->refused) {
         snprintf(msg, sizeof msg,
@@ -356,14 +383,14 @@ static void v1_body_done(web_server *s, http_pss *pss) {
     if (pss->refused) {
         send_refusal(s, pss);
         kds_buf_free(&pss->rx);
-        return;
+        return 0;
     }
     size_t bad = 0;
     if (!web__utf8_valid(pss->rx.p, pss->rx.len, &bad)) {
         web__http_error(s, pss->c->id, 400, "invalid_request_error", NULL, "invalid_json",
                         "the request body is not valid UTF-8 (first bad byte at offset %zu)", bad);
         kds_buf_free(&pss->rx);
-        return;
+        return 0;
     }
     /* the WebSocket frames' parser: UTF-8 and NUL checks, trailing bytes */
     kds_err pe = {0};
@@ -380,10 +407,11 @@ static void v1_body_done(web_server *s, http_pss *pss) {
                             "the request body must be a JSON object");
         cJSON_Delete(body);
         kds_buf_free(&pss->rx);
-        return;
+        return 0;
     }
     kds_buf_free(&pss->rx);
     submit(s, pss, body);
+    return 0;
 }
 
 /* Build the server-sent event of joined token text from the template. */
@@ -424,11 +452,9 @@ static int write_http(web_server *s, struct lws *wsi, http_pss *pss) {
     if (e && e->token_of) chunk = sse_chunk(c, kds_buf_str(&e->text), &chunk_len);
     pthread_mutex_unlock(&s->lock);
     if (!e) {
-        if (pss->finishing) {
-            bool close = pss->stream_close;
+        if (pss->finishing) { /* a response that ends its connection, written */
             v1_end(s, pss);
-            if (close) return -1;
-            return lws_http_transaction_completed(wsi) ? -1 : 0;
+            return -1;
         }
         if (close_code) {
             v1_end(s, pss);
@@ -441,11 +467,7 @@ static int write_http(web_server *s, struct lws *wsi, http_pss *pss) {
         unsigned char hdr[LWS_PRE + 1024], *start = hdr + LWS_PRE, *p = start,
                                            *end = hdr + sizeof hdr;
         bool stream = e->http_len < 0;
-        /* Every /v1 response ends its connection (Connection: close). Under
-         * a loaded sanitizer run a keep-alive client once read a response
-         * that did not start with "HTTP/" on a reused connection: until
-         * that race is found, no connection carries a second request. */
-        pss->stream_close = true;
+        pss->stream_close = pss->stream_close || stream;
         if (lws_add_http_common_headers(
                 wsi, (unsigned)e->http_status, e->http_type,
                 stream ? LWS_ILLEGAL_HTTP_CONTENT_LEN : (lws_filepos_t)e->http_len, &p, end) ||
@@ -477,6 +499,13 @@ static int write_http(web_server *s, struct lws *wsi, http_pss *pss) {
     if (rc) {
         v1_end(s, pss);
         return -1;
+    }
+    if (pss->finishing && !pss->stream_close) {
+        /* the response is whole: the transaction ends now, before lws reads
+         * anything more of the connection, and reading goes on (the next
+         * request's bytes, if any came, are parsed as new headers) */
+        v1_end(s, pss); /* nothing after the last event belongs to it */
+        return lws_http_transaction_completed(wsi) ? -1 : 0;
     }
     if (more || pss->finishing || close_code) lws_callback_on_writable(wsi);
     return 0;
@@ -535,7 +564,7 @@ int web__http_cb(struct lws *wsi, enum lws_callback_reasons reason, void *user, 
         return lws_http_transaction_completed(wsi) ? -1 : 0;
     }
     case LWS_CALLBACK_HTTP_BODY: return v1_body(s, pss, in, len);
-    case LWS_CALLBACK_HTTP_BODY_COMPLETION: v1_body_done(s, pss); return 0;
+    case LWS_CALLBACK_HTTP_BODY_COMPLETION: return v1_body_done(s, pss);
     case LWS_CALLBACK_HTTP_WRITEABLE:
         if (pss && pss->c) return write_http(s, wsi, pss);
         if (pss && pss->body) return metrics_write(wsi, pss);

@@ -25,13 +25,27 @@
 //            edited-and-regenerated turn forks from the turn before. With
 //            --phase save the first 5 turns, with --phase check (after a
 //            server restart) the other 5, from the store.
+//   recorded an HTTP turn's sampler settings are the session's recorded ones
+//            (docs/protocol.md, generate): a later WebSocket generate that
+//            gives none samples with them, the same whether the session
+//            stayed in memory or was loaded from the store
+//   cancelled a WebSocket generate cancelled during its prompt's prefill
+//            keeps its session's turns in the prefix index: a stateless
+//            client resumes from what went in and from the turns after
+//   keepalive a kept-alive connection carries request after request (JSON
+//            answers, errors, /metrics), a streamed answer ends its own; two
+//            requests pipelined after a POST close the connection without a
+//            wrong answer; the openai client's pooled connections under load
+//            (concurrent loops of completions, streams and refusals) get
+//            every answer right
 "use strict";
 const fs = require("fs");
 const http = require("http");
+const net = require("net");
 const OpenAI = require("openai");
 const { KdsClient } = require("./ws_client.js");
 
-const ALL = ["basic", "errors", "auth", "resume"];
+const ALL = ["basic", "errors", "auth", "resume", "recorded", "cancelled", "keepalive"];
 const opt = { groups: [] };
 {
   const a = process.argv.slice(2);
@@ -507,12 +521,227 @@ async function resume() {
   await ws.close();
 }
 
+// ---------------------------------------------------------------- recorded
+async function recorded() {
+  group = "recorded";
+  const c = client(opt.tokenA);
+  const ws = await KdsClient.connect(WS_URL, opt.tokenA ? { token: opt.tokenA } : {});
+  await check("an HTTP turn records its sampler settings in memory as in the store", async () => {
+    // a WebSocket conversation, greedy: the session records temperature 0
+    const session = "rec-" + process.pid, system = "You are brief.", user = "Tell me about the whale.";
+    await ws.ok({ op: "create", session, mode: "chat", system });
+    const d = await wsTurn(ws, session, user);
+    // continued over HTTP in that very session (idle in memory), hot sampling
+    const hot = { temperature: 2, top_p: 1, top_k: 0, min_p: 0, repeat_penalty: 1 };
+    const r = await chat(c, [{ role: "system", content: system }, { role: "user", content: user },
+                             { role: "assistant", content: d.reply }, { role: "user", content: "And the crew?" }],
+                         { ...hot, seed: 3, max_tokens: 4, session });
+    eq(r.kdaserve.session, session, "the HTTP turn went into the named session");
+    eq(r.usage.prompt_tokens_details.cached_tokens, d.context, "it resumed the session's state");
+    // the next WebSocket turns sample with what the session recorded: the
+    // HTTP turn's settings, in memory (a) as loaded from the store (b, a
+    // fork made at the same head) and as given explicitly (c)
+    await ws.ok({ op: "fork", session, name: session + "-b" });
+    await ws.ok({ op: "fork", session, name: session + "-c" });
+    const next = { message: "Go on.", max_tokens: 16, ignore_eos: true, seed: 9 };
+    const a = await ws.generate({ session, ...next });
+    const b = await ws.generate({ session: session + "-b", ...next });
+    const x = await ws.generate({ session: session + "-c", ...next, ...hot });
+    for (const [g, w] of [[a, "in memory"], [b, "loaded"], [x, "explicit"]])
+      ok(g.done && !g.error, `${w}: ${JSON.stringify(g.error || g.done)}`);
+    eq(b.done.reply, x.done.reply, "loaded from the store, the session samples with the HTTP turn's settings");
+    eq(a.done.reply, x.done.reply, "in memory, the session samples with the HTTP turn's settings");
+  });
+  await ws.close();
+}
+
+// ---------------------------------------------------------------- cancelled
+async function cancelled() {
+  group = "cancelled";
+  const c = client(opt.tokenA);
+  const ws = await KdsClient.connect(WS_URL, opt.tokenA ? { token: opt.tokenA } : {});
+  // "a a a ..." is one token a word, so a client can write any prefix of it
+  const words = (n) => (n > 0 ? "a" + " a".repeat(n - 1) : "");
+  const N = 20000;
+  for (const how of ["cancel", "disconnect"]) {
+    await check(`a generate ended by ${how} during its prefill: its session's turns stay resumable over HTTP`, async () => {
+      const session = `cut-${how}-${process.pid}`;
+      await ws.ok({ op: "create", session, mode: "plain" });
+      // a long prompt, stopped after its first slices went in
+      const cw = how === "cancel" ? ws : await KdsClient.connect(WS_URL, opt.tokenA ? { token: opt.tokenA } : {});
+      let onStarted;
+      const startedP = new Promise((r) => { onStarted = r; });
+      const g = cw.startGenerate({ session, text: words(N), max_tokens: 0 },
+                                 { onEvent: (e) => { if (e.event === "started") onStarted(e); } });
+      const started = await Promise.race([startedP, g.finished.then(() => g.started || { prompt_tokens: -1 })]);
+      ok(started.prompt_tokens === N, `the prompt is ${started.prompt_tokens} tokens, not ${N}`);
+      if (how === "cancel") {
+        isResult(await ws.request({ op: "cancel", target: g.id }), "cancel");
+        const d = (await g.finished).done;
+        ok(d && d.reason === "cancelled", `done: ${JSON.stringify(d)}`);
+      } else {
+        cw.terminate();
+      }
+      // the session holds what went in (a whole number of slices)
+      let ctx = -1;
+      for (let t = 0; t < 600; t++) {
+        const l = await ws.ok({ op: "list" });
+        const e = l.sessions.find((x) => x.name === session);
+        if (e && e.state !== "generating") { ctx = e.tokens; break; }
+        await new Promise((r) => setTimeout(r, 50));
+      }
+      ok(ctx > 0 && ctx < N, `the turn was not stopped during its prefill: the session holds ${ctx} of ${N} tokens`);
+      // the next turn of the session
+      const d2 = (await ws.generate({ session, text: " b c d", max_tokens: 0 })).done;
+      ok(d2 && !d2.error, `generate: ${JSON.stringify(d2)}`);
+      eq(d2.context, ctx + 3, "context after ' b c d'");
+      // a stateless client that sends the same tokens resumes at each end
+      const r1 = await c.completions.create({ model: MODEL, prompt: words(ctx) + " z", max_tokens: 1, temperature: 0 });
+      eq(r1.usage.prompt_tokens, ctx + 1, "the request's tokens");
+      eq(r1.usage.prompt_tokens_details.cached_tokens, ctx, "resumed where the stopped turn ended");
+      const r2 = await c.completions.create({ model: MODEL, prompt: words(ctx) + " b c d e", max_tokens: 1, temperature: 0 });
+      eq(r2.usage.prompt_tokens_details.cached_tokens, ctx + 3, "resumed where the turn after it ended");
+    });
+  }
+  await ws.close();
+}
+
+// ---------------------------------------------------------------- keepalive
+// One request on a kept-alive agent: status, body, whether the socket was reused.
+function agentRequest(agent, method, path, body, extra = {}) {
+  return new Promise((resolve, reject) => {
+    const u = new URL(opt.url + path);
+    const headers = { ...extra, ...(body === undefined ? {} : { "content-type": "application/json",
+                                                               "content-length": Buffer.byteLength(body) }) };
+    const req = http.request({ host: u.hostname, port: u.port, path: u.pathname, method, agent, headers }, (res) => {
+      const chunks = [];
+      res.on("data", (d) => chunks.push(d));
+      res.on("end", () => resolve({ status: res.statusCode, headers: res.headers, reused: req.reusedSocket,
+                                    text: Buffer.concat(chunks).toString("utf8") }));
+    });
+    req.on("error", reject);
+    if (body !== undefined) req.write(body);
+    req.end();
+  });
+}
+
+// Raw bytes to the server; everything it sends back until it closes (or 20 s).
+function rawExchange(bytes) {
+  return new Promise((resolve, reject) => {
+    const u = new URL(opt.url);
+    const s = net.connect(+u.port, u.hostname, () => s.write(bytes));
+    const chunks = [];
+    const timer = setTimeout(() => { s.destroy(); resolve({ closed: false, text: Buffer.concat(chunks).toString("utf8") }); }, 20000);
+    s.on("data", (d) => chunks.push(d));
+    s.on("error", () => {}); /* a reset is a close too */
+    s.on("close", () => { clearTimeout(timer); resolve({ closed: true, text: Buffer.concat(chunks).toString("utf8") }); });
+  });
+}
+
+async function keepalive() {
+  group = "keepalive";
+  const c = client(opt.tokenA);
+  const auth = opt.tokenA ? { authorization: "Bearer " + opt.tokenA } : {};
+  const body = (prompt) => JSON.stringify({ model: MODEL, prompt, max_tokens: 2, temperature: 0 });
+  await check("a kept-alive connection carries request after request, each answered whole", async () => {
+    const agent = new http.Agent({ keepAlive: true, maxSockets: 1 });
+    try {
+      const reqs = [["GET", "/v1/models"], ["POST", "/v1/completions", body("It is a truth")],
+                    ["POST", "/v1/completions", "{bad"], ["GET", "/v1/nope"], ["GET", "/metrics"],
+                    ["POST", "/v1/completions", body("Call me")], ["GET", "/v1/models"]];
+      if (opt.tokenA) reqs.push(["POST", "/v1/completions", body("No key")], ["GET", "/v1/models"]);
+      for (let k = 0; k < reqs.length; k++) {
+        const [m, p, b] = reqs[k];
+        const noKey = k === 7; /* refused, the connection kept */
+        const r = await agentRequest(agent, m, p, b, noKey ? {} : auth);
+        const want = noKey ? 401 : p === "/v1/nope" ? 404 : b === "{bad" ? 400 : 200;
+        eq(r.status, want, `${m} ${p}: status`);
+        if (p !== "/metrics") JSON.parse(r.text); /* whole: its Content-Length's bytes, JSON */
+        ok(k === 0 || r.reused, `${m} ${p}: a new connection, not the kept one`);
+        ok(r.headers.connection !== "close", `${m} ${p}: 'Connection: close'`);
+      }
+    } finally {
+      agent.destroy();
+    }
+  });
+  await check("a streamed answer ends its connection; the next request gets a new one", async () => {
+    const agent = new http.Agent({ keepAlive: true, maxSockets: 1 });
+    try {
+      const sb = JSON.stringify({ model: MODEL, prompt: "The sea", max_tokens: 3, stream: true });
+      const a = await agentRequest(agent, "POST", "/v1/completions", sb, auth);
+      eq(a.status, 200, "status");
+      ok(a.text.endsWith("data: [DONE]\n\n"), `the stream ends with [DONE]: ${JSON.stringify(a.text.slice(-40))}`);
+      const b = await agentRequest(agent, "POST", "/v1/completions", body("It is"), auth);
+      eq(b.status, 200, "the request after it");
+      ok(!b.reused, "the streamed answer's connection was reused");
+    } finally {
+      agent.destroy();
+    }
+  });
+  await check("requests pipelined after a POST: the connection closes, no wrong answer is sent", async () => {
+    const post = (b) => `POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n` +
+      Object.entries(auth).map(([k, v]) => `${k}: ${v}\r\n`).join("") +
+      `Content-Length: ${Buffer.byteLength(b)}\r\n\r\n${b}`;
+    const r = await rawExchange(post(body("It is a truth")) + post(body("Call me")));
+    ok(r.closed, `the connection stayed open; it sent ${JSON.stringify(r.text.slice(0, 200))}`);
+    /* what came (nothing: lws cannot read a request pipelined after a POST)
+     * is whole answers, none of them made up */
+    ok(!/request body is empty/.test(r.text), `an answer to no request: ${JSON.stringify(r.text.slice(0, 300))}`);
+    ok(r.text === "" || r.text.startsWith("HTTP/1.1 200"), `not an answer: ${JSON.stringify(r.text.slice(0, 300))}`);
+    const m = await c.models.list();
+    eq(m.data.map((x) => x.id), [MODEL], "the server still answers");
+  });
+  await check("the openai client's pooled connections under load: every answer right", async () => {
+    const workers = 16, until = Date.now() + 6000;
+    let done = 0;
+    const bad = [];
+    const one = async (k) => {
+      switch (k % 6) {
+        case 0: eq((await c.models.list()).data.length, 1, "models"); break;
+        case 1: {
+          const r = await chat(c, [{ role: "user", content: "Hi " + k }], { max_tokens: 2 });
+          ok(typeof r.choices[0].message.content === "string" && r.usage.completion_tokens >= 1, "chat");
+          break;
+        }
+        case 2: {
+          const r = await c.completions.create({ model: MODEL, prompt: "It is a truth " + k, max_tokens: 2 });
+          ok(r.object === "text_completion", "completion");
+          break;
+        }
+        case 3: await refused(c.completions.create({ model: "nope", prompt: "x" }), 404, "unknown model"); break;
+        case 4: await refused(c.completions.create({ model: MODEL, prompt: "x", n: 2 }), 400, "n = 2"); break;
+        case 5: {
+          const s = await c.chat.completions.create({ model: MODEL, messages: [{ role: "user", content: "Yo" }],
+                                                      max_tokens: 2, stream: true });
+          eq((await collect(s)).finish !== null, true, "a stream's end");
+          break;
+        }
+      }
+    };
+    await Promise.all(Array.from({ length: workers }, async (_, w) => {
+      for (let k = w; Date.now() < until; k += workers) {
+        try { await one(k); done++; } catch (e) { if (bad.length < 5) bad.push(`request kind ${k % 6}: ${e.message}`); }
+      }
+    }));
+    ok(bad.length === 0, `${bad.length} of ${done + bad.length} requests went wrong: ${bad.join("; ")}`);
+    ok(done > workers, `only ${done} requests`);
+  });
+}
+
+function isResult(r, what) {
+  ok(r && r.event === "result", `${what}: ${JSON.stringify(r)}`);
+  return r;
+}
+
 (async () => {
   for (const g of opt.groups) {
     if (g === "basic") await basic();
     else if (g === "errors") await errors();
     else if (g === "auth") await auth();
     else if (g === "resume") await resume();
+    else if (g === "recorded") await recorded();
+    else if (g === "cancelled") await cancelled();
+    else if (g === "keepalive") await keepalive();
   }
   console.log(`# ${nCheck - nFail} passed, ${nFail} failed`);
   process.exit(nFail ? 1 : 0);
