@@ -270,6 +270,8 @@ int eng_ctx_threads(const eng_ctx *c);
  */
 kds_status eng_read_bandwidth(int n_threads, size_t bytes, int reps, double *gbs, kds_err *err);
 size_t eng_read_bandwidth_default_bytes(void);
+/* The largest CPU cache's size in bytes (sysfs; 0 when unknown). */
+size_t eng_llc_bytes(void);
 /* Where this context runs the forward pass, and its name ("cpu", "cuda"). */
 eng_device eng_ctx_device_kind(const eng_ctx *c);
 const char *eng_ctx_device(const eng_ctx *c);

@@ -32,8 +32,7 @@ static double now_s(void) {
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-/* The last-level cache's size, from sysfs (0 when unknown). */
-static size_t llc_bytes(void) {
+size_t eng_llc_bytes(void) {
     size_t best = 0;
     for (int i = 0; i < 8; i++) {
         char path[96];
@@ -51,7 +50,7 @@ static size_t llc_bytes(void) {
 }
 
 size_t eng_read_bandwidth_default_bytes(void) {
-    const size_t gib = (size_t)1 << 30, four_llc = 4 * llc_bytes();
+    const size_t gib = (size_t)1 << 30, four_llc = 4 * eng_llc_bytes();
     return four_llc > gib ? four_llc : gib;
 }
 
