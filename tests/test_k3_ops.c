@@ -9,8 +9,10 @@
 #include <criterion/criterion.h>
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "kern.h"
+#include "cpu/kern_math.h"
 
 static uint64_t next(uint64_t *x) {
     *x ^= *x << 13, *x ^= *x >> 7, *x ^= *x << 17;
@@ -20,6 +22,42 @@ static uint64_t next(uint64_t *x) {
 static float unit(uint64_t *x) { return (float)((next(x) >> 11) * 0x1.0p-53) * 2.0f - 1.0f; }
 
 static double sig(double x) { return 1.0 / (1.0 + exp(-x)); }
+
+/* ulps between two floats of the same sign (or both zero). */
+static double ulps(float a, float b) {
+    if (a == b) return 0;
+    int32_t ia, ib;
+    memcpy(&ia, &a, 4);
+    memcpy(&ib, &b, 4);
+    if ((ia < 0) != (ib < 0)) return 1e9;
+    return fabs((double)ia - (double)ib);
+}
+
+/* vtanh (kern_math.h), SiTU's tanh: within 3 ulp of tanh in double,
+ * rounded to float, over one float in 61 from 2^-30 to 16 (every exponent,
+ * mantissas all over; beyond 16 tanh is 1 in float) and their negatives;
+ * saturates and keeps NaN. */
+Test(k3_ops, vtanh_within_3_ulp) {
+    double worst = 0;
+    float at = 0;
+    for (float x = 0x1p-30f; x < 16.0f;) {
+        uint32_t bits;
+        memcpy(&bits, &x, 4);
+        bits += 61;
+        memcpy(&x, &bits, 4);
+        for (int sign = 0; sign < 2; sign++) {
+            const float v = sign ? -x : x, want = (float)tanh((double)v);
+            const double e = ulps(vtanh(v), want);
+            if (e > worst) worst = e, at = v;
+        }
+    }
+    cr_log_info("vtanh: worst %.0f ulp at %a", worst, (double)at);
+    cr_expect(worst <= 3, "vtanh is %.0f ulp from tanh at %a", worst, (double)at);
+    cr_expect_eq(vtanh(0.0f), 0.0f);
+    cr_expect_eq(vtanh(100.0f), 1.0f);
+    cr_expect_eq(vtanh(-1e30f), -1.0f);
+    cr_expect(isnan(vtanh(NAN)));
+}
 
 Test(k3_ops, situ_matches_its_definition) {
     enum { N = 4096 };

@@ -12,8 +12,8 @@
 void kern_situ(float *a, const float *b, size_t n, float beta, float beta_l) {
     for (size_t i = 0; i < n; i++) {
         const float g = a[i], u = b[i];
-        const float gate = beta * tanhf(g / beta) * vsigmoid(g);
-        a[i] = gate * (beta_l * tanhf(u / beta_l));
+        const float gate = beta * vtanh(g / beta) * vsigmoid(g);
+        a[i] = gate * (beta_l * vtanh(u / beta_l));
     }
 }
 

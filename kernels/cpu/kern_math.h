@@ -44,4 +44,26 @@ static inline float vexp(float x) {
 /* 1 / (1 + e^-x), within 2.5 ulp. */
 static inline float vsigmoid(float x) { return 1.0f / (1.0f + vexp(-x)); }
 
+/*
+ * tanh(x), branch-free so that loops calling it vectorise (libm's tanhf is
+ * a call per value: SiTU, K3's expert activation, spent a tenth of a K3
+ * slice's decode in tanhf and expm1f). Cephes' tanhf: below 0.625 in
+ * magnitude an odd polynomial in x (no cancellation near 0), above it
+ * 1 - 2 / (e^(2|x|) + 1) with the sign of x; both are computed and one is
+ * kept. Within 3 ulp of tanhf (tests/test_k3_ops.c checks the whole float
+ * range it can reach); saturates to +-1 (vexp's clamp) and keeps NaN.
+ */
+static inline float vtanh(float x) {
+    const float ax = fabsf(x), z = x * x;
+    float p = -5.70498872745e-3f;
+    p = fmaf(p, z, 2.06390887954e-2f);
+    p = fmaf(p, z, -5.37397155531e-2f);
+    p = fmaf(p, z, 1.33314422036e-1f);
+    p = fmaf(p, z, -3.33332819422e-1f);
+    const float small = fmaf(p * z, x, x);
+    const float big = 1.0f - 2.0f / (vexp(2.0f * ax) + 1.0f);
+    const float sbig = x < 0.0f ? -big : big;
+    return ax < 0.625f ? small : (x != x ? x : sbig);
+}
+
 #endif
