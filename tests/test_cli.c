@@ -107,6 +107,19 @@ Test(cli, generate_is_deterministic_per_seed, .timeout = 120) {
     rm_tmp();
 }
 
+/* generate --bf16: the prompt's products round their activations (the
+ * stats line says so), and it still generates. */
+Test(cli, generate_bf16_prompt, .timeout = 120) {
+    char out[4096];
+    cr_assert_eq(run(out, sizeof out,
+                     KDASERVE " generate --model " KDS_SOURCE_DIR "/models/default --prompt "
+                              "'It is a truth universally acknowledged, that a single man in "
+                              "possession of a good fortune' --max-tokens 4 --bf16 2>&1"),
+                 0, "%s", out);
+    cr_expect(strstr(out, "prompt products with bf16 activations"), "%s", out);
+    cr_expect(strstr(out, "generated 4 tokens"), "%s", out);
+}
+
 /* --prompt-file FILE and --prompt-file - (standard input) feed the same text
  * as --prompt; a prompt longer than the kernel's argument limit (ARG_MAX,
  * 2 MiB here; "Argument list too long" as --prompt) goes through the file;

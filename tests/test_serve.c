@@ -115,6 +115,23 @@ TestSuite(serve, .timeout = 900);
 Test(serve, basic_operations) {
     one_group("basic");
 }
+/* --bf16: the server says so at start, and serves (a prefill's products
+ * round their activations; the protocol does not change). */
+Test(serve, bf16_prefill_flag) {
+    need_node();
+    char dir[64];
+    make_tmp(dir, sizeof dir);
+    ts_server s;
+    start(&s, dir, "--bf16", NULL);
+    expect_groups(&s, "basic", NULL);
+    char *log = tmu_read(s.log, NULL);
+    cr_assert(log);
+    cr_expect(strstr(log, "products with bf16 activations in a prefill (--bf16)"), "%s", log);
+    free(log);
+    stop_clean(&s);
+    rm_tmp(dir);
+}
+
 Test(serve, generate_streams_and_forks) {
     one_group("generate");
 }
