@@ -462,6 +462,14 @@ Test(decode_batch, bench_prints_bandwidth, .timeout = 120) {
     cr_assert(line, "no bandwidth line in:\n%s", out);
     cr_assert_eq(sscanf(line, "streaming read of 64 MiB on 1 threads, this run: %lf", &bw), 1);
     cr_expect(bw > 0.1, "%.120s", line);
+    /* a read buffer the machine cannot give: said, and the bench stands */
+    cr_assert_eq(tsu_run(out, sizeof out, NULL,
+                         TSU_KDASERVE " bench --model %s %s --bandwidth-mib 1048576 2>&1", f.dir,
+                         args),
+                 0, "%s", out);
+    cr_expect(strstr(out, "a decoded token reads ") &&
+                  strstr(out, "no streaming read this run: out of memory"),
+              "%s", out);
     /* --bandwidth-mib 0 leaves it out */
     cr_assert_eq(tsu_run(out, sizeof out, NULL,
                          TSU_KDASERVE " bench --model %s %s --bandwidth-mib 0 2>&1", f.dir, args),
