@@ -481,10 +481,13 @@ out:
 
 static void logits_usage(FILE *f) {
     fprintf(f, "usage: kdaserve logits [--model DIR] --ids 1,2,3 --out FILE.safetensors "
-               "[--decode] [--threads N]\n\n"
+               "[--decode] [--threads N] [--bf16]\n\n"
                "Writes the float32 logits of every position (tensor 'logits', shape [T, vocab],\n"
                "and the input as tensor 'ids', I32 [T]). By default the whole list goes through\n"
-               "the prefill path; --decode feeds it token by token through the decode path.\n");
+               "the prefill path; --decode feeds it token by token through the decode path.\n"
+               "--bf16 runs the prefill's products with bf16 activations (llama.cpp's\n"
+               "precision; see bench --help): for comparing the mode, not for checks against\n"
+               "reference logits, which the exact default is.\n");
 }
 
 /* Parse "1,2,3" into a new array; returns the count or -1 with a message. */
@@ -521,10 +524,12 @@ int cmd_logits(int argc, char **argv) {
     static const struct option opts[] = {
         {"model", required_argument, 0, 'm'},  {"ids", required_argument, 0, OPT_IDS},
         {"out", required_argument, 0, OPT_OUT}, {"decode", no_argument, 0, OPT_DECODE},
+        {"bf16", no_argument, 0, OPT_GPU_BF16},
         {"threads", required_argument, 0, OPT_THREADS}, {"help", no_argument, 0, 'h'},
         {0, 0, 0, 0}};
     const char *model = NULL, *ids_arg = NULL, *out_path = NULL;
     bool decode = false;
+    bool bf16_act = false;
     int64_t threads = 0;
     optind = 1;
     for (int o; (o = getopt_long(argc, argv, "m:h", opts, NULL)) != -1;) {
@@ -532,6 +537,7 @@ int cmd_logits(int argc, char **argv) {
         case 'm': model = optarg; break;
         case OPT_IDS: ids_arg = optarg; break;
         case OPT_OUT: out_path = optarg; break;
+        case OPT_GPU_BF16: bf16_act = true; break;
         case OPT_DECODE: decode = true; break;
         case OPT_THREADS:
             if (!cli_parse_i64(optarg, 1, 1024, &threads))
@@ -558,7 +564,10 @@ int cmd_logits(int argc, char **argv) {
     eng_ctx *c = NULL;
     eng_seq *s = NULL;
     float *logits = NULL;
-    int rc = cli_open("logits", dir, (int)threads, 0, &m, &c);
+    eng_ctx_params cp = eng_ctx_default_params();
+    cp.n_threads = (int)threads;
+    cp.bf16_act = bf16_act;
+    int rc = cli_open_with("logits", dir, &cp, &m, &c);
     if (rc) {
         free(ids);
         return rc;

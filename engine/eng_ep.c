@@ -139,7 +139,7 @@ typedef struct ep_cmd {
     int64_t from;                                /* FETCH: MLA rows [from, pos) */
     int64_t body;
     int32_t n_threads, max_batch, kda_chunk, max_seqs, placement; /* OPEN */
-    int32_t pad1;
+    int32_t bf16_act;                                             /* OPEN */
     char fingerprint[40];
 } ep_cmd;
 
@@ -989,6 +989,7 @@ static kds_status ep_load(eng_backend *b, kds_err *err) {
     ep_cmd cmd = {.op = EP_OPEN, .n_threads = e->params.n_threads,
                   .max_batch = e->params.max_batch, .kda_chunk = e->params.kda_chunk,
                   .max_seqs = e->params.max_seqs, .placement = (int32_t)e->m->ep_placement,
+                  .bf16_act = e->params.bf16_act,
                   .body = (int64_t)strlen(path) + 1};
     snprintf(cmd.fingerprint, sizeof cmd.fingerprint, "%s", e->m->fingerprint);
     if ((rc = broadcast_cmd(e, &cmd, path, err)) != KDS_OK) return rc;
@@ -1136,6 +1137,7 @@ static kds_status worker_open(worker *w, const ep_cmd *cmd, kds_err *err) {
         cp.max_batch = cmd->max_batch;
         cp.kda_chunk = cmd->kda_chunk;
         cp.max_seqs = cmd->max_seqs;
+        cp.bf16_act = cmd->bf16_act != 0; /* every rank's experts as rank 0's */
         cp.comm = w->comm;
         lrc = eng_ctx_create(w->m, &cp, &w->c, &lerr);
     }

@@ -167,8 +167,9 @@ static void long_ids(char *out, size_t cap) {
 }
 
 /* logits on the prefill path (300 tokens) and the decode path, one rank
- * against `ranks` ranks, 2 threads each. */
-static void logits_equal(const char *preset, const int *ranks, int n_ranks, const char *env) {
+ * against `ranks` ranks, 2 threads each, with `opts` given to every run. */
+static void logits_equal_opts(const char *preset, const int *ranks, int n_ranks, const char *env,
+                              const char *opts) {
     make_tmp();
     gen_model(preset, "m");
     char out[8192], ids_long[2048];
@@ -176,24 +177,30 @@ static void logits_equal(const char *preset, const int *ranks, int n_ranks, cons
     const char *mpi = mpirun(1); /* skips before any work when there is no MPI */
     (void)mpi;
     cr_assert_eq(run(out, sizeof out, KDASERVE " logits --model %s/m --ids %s --out %s/p1.st "
-                     "--threads 2 2>&1", tmpdir, ids_long, tmpdir), 0, "%s", out);
+                     "--threads 2 %s 2>&1", tmpdir, ids_long, tmpdir, opts), 0, "%s", out);
     cr_assert_eq(run(out, sizeof out, KDASERVE " logits --model %s/m --ids %s --out %s/d1.st "
-                     "--decode --threads 2 2>&1", tmpdir, IDS_SHORT, tmpdir), 0, "%s", out);
+                     "--decode --threads 2 %s 2>&1", tmpdir, IDS_SHORT, tmpdir, opts), 0, "%s",
+                 out);
     for (int i = 0; i < n_ranks; i++) {
         const int n = ranks[i];
         char what[128];
         cr_assert_eq(run(out, sizeof out, "%s %s " KDASERVE " logits --model %s/m --ids %s --out "
-                         "%s/pn.st --threads 2 2>&1", env, mpirun(n), tmpdir, ids_long, tmpdir),
+                         "%s/pn.st --threads 2 %s 2>&1", env, mpirun(n), tmpdir, ids_long, tmpdir,
+                         opts),
                      0, "%d ranks: %s", n, out);
         snprintf(what, sizeof what, "%s prefill, %d ranks %s", preset, n, env);
         expect_same_logits("p1.st", "pn.st", what);
         cr_assert_eq(run(out, sizeof out, "%s %s " KDASERVE " logits --model %s/m --ids %s --out "
-                         "%s/dn.st --decode --threads 2 2>&1", env, mpirun(n), tmpdir, IDS_SHORT,
-                         tmpdir), 0, "%d ranks: %s", n, out);
+                         "%s/dn.st --decode --threads 2 %s 2>&1", env, mpirun(n), tmpdir,
+                         IDS_SHORT, tmpdir, opts), 0, "%d ranks: %s", n, out);
         snprintf(what, sizeof what, "%s decode, %d ranks %s", preset, n, env);
         expect_same_logits("d1.st", "dn.st", what);
     }
     rm_tmp();
+}
+
+static void logits_equal(const char *preset, const int *ranks, int n_ranks, const char *env) {
+    logits_equal_opts(preset, ranks, n_ranks, env, "");
 }
 
 TestSuite(ep, .timeout = 600);
@@ -203,6 +210,12 @@ static const int R23[] = {2, 3};
 Test(ep, logits_equal_one_rank_tiny) { logits_equal("tiny", R23, 2, ""); }
 Test(ep, logits_equal_one_rank_tiny_hybrid) { logits_equal("tiny-hybrid", R23, 2, ""); }
 Test(ep, logits_equal_one_rank_k3_micro) { logits_equal("k3-micro", R23, 2, ""); }
+/* --bf16 reaches every rank: their experts' prefill products round as
+ * rank 0's do, so the logits are one rank's, bit for bit */
+Test(ep, logits_equal_one_rank_bf16) {
+    static const int r2[] = {2};
+    logits_equal_opts("tiny", r2, 1, "", "--bf16");
+}
 Test(ep, logits_equal_one_rank_cyclic_placement) {
     static const int r3[] = {3};
     logits_equal("k3-micro", r3, 1, "KDASERVE_EP_PLACEMENT=cyclic");
