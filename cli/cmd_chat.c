@@ -14,7 +14,7 @@ static void chat_usage(FILE *f) {
     fprintf(f, "usage: kdaserve chat [--model DIR] [--db DIR] [--session NAME | --new] [--json]\n"
                "                     [--chat | --plain] [--max-tokens N] [--ignore-eos]\n"
                "                     [--temperature T] [--top-k K] [--top-p P] [--min-p M]\n"
-               "                     [--seed S] [--threads N]\n\n"
+               "                     [--seed S] [--threads N] [--bf16]\n\n"
                "Talk with a model. The conversation is a session of the snapshot store: saved\n"
                "after every turn and on leaving, and resumed by `kdaserve chat --session NAME`\n"
                "exactly where it was (its state is loaded, nothing is replayed). Opening a saved\n"
@@ -50,7 +50,10 @@ static void chat_usage(FILE *f) {
                "                    opened without these options continues with its own\n"
                "  --seed S          sampler seed of a new session (default 0); a saved session\n"
                "                    continues its own random stream\n"
-               "  --threads N       worker threads (default: all CPUs)\n\n"
+               "  --threads N       worker threads (default: all CPUs)\n"
+               "  --bf16            prompts and /ingest prefilled with bf16 activations\n"
+               "                    (llama.cpp's precision; about twice as fast on the CPU;\n"
+               "                    default exact)\n\n"
                "More: docs/repl.md.\n");
 }
 
@@ -68,7 +71,8 @@ enum {
     OPT_SEED,
     OPT_THREADS,
     OPT_CHAT,
-    OPT_IGNORE_EOS
+    OPT_IGNORE_EOS,
+    OPT_BF16
 };
 
 /* <db or default store dir>/chat_history (the directory exists once the
@@ -101,6 +105,7 @@ int cmd_chat(int argc, char **argv) {
                                          {"min-p", required_argument, 0, OPT_MINP},
                                          {"seed", required_argument, 0, OPT_SEED},
                                          {"threads", required_argument, 0, OPT_THREADS},
+                                         {"bf16", no_argument, 0, OPT_BF16},
                                          {"help", no_argument, 0, 'h'},
                                          {0, 0, 0, 0}};
     repl_params p = repl_default_params();
@@ -134,6 +139,7 @@ int cmd_chat(int argc, char **argv) {
                 return cli_failf("chat", "--threads wants 1..1024, got '%s'", optarg);
             p.threads = (int)v;
             break;
+        case OPT_BF16: p.bf16_act = true; break;
         case OPT_TEMP:
             if (!cli_parse_f32(optarg, 0.0f, 100.0f, &p.sampler.temperature))
                 return cli_failf("chat", "bad value '%s' for --temperature", optarg);

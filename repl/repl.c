@@ -355,6 +355,7 @@ kds_status repl_create(const repl_params *p, FILE *out, FILE *errf, repl **out_r
     if (eng_model_load(dir, &mp, &r->m, e) != KDS_OK) goto fail;
     eng_ctx_params cp = eng_ctx_default_params();
     cp.n_threads = p->threads;
+    cp.bf16_act = p->bf16_act;
     cp.comm = p->comm;
     if (eng_ctx_create(r->m, &cp, &r->c, e) != KDS_OK) goto fail;
     if (eng_seq_create(r->m, r->seed, &r->s, e) != KDS_OK) goto fail;

@@ -58,6 +58,8 @@ typedef struct repl_params {
      * fed as is); CHAT / PLAIN force one. */
     enum { REPL_MODE_AUTO, REPL_MODE_CHAT, REPL_MODE_PLAIN } mode;
     int threads;            /* 0 = all CPUs */
+    bool bf16_act;          /* prompts' (and /ingest's) products with bf16 activations
+                             * (eng_ctx_params.bf16_act); default exact */
     int64_t max_tokens;     /* reply limit per turn; default 256 */
     bool ignore_eos;        /* go on past stop tokens (a reply ends at max_tokens or Ctrl-C) */
     uint64_t seed;          /* sampler seed of a new sequence; default 0 */
