@@ -322,6 +322,7 @@ kds_status repl_create(const repl_params *p, FILE *out, FILE *errf, repl **out_r
     r->sp_given = p->sampler_given;
     r->max_tokens = p->max_tokens > 0 ? p->max_tokens : 256;
     r->ignore_eos = p->ignore_eos;
+    r->bf16_act = p->bf16_act;
     r->seed = p->seed;
     r->mode = p->mode;
     if (p->history_file) r->history_file = strdup(p->history_file);

@@ -369,6 +369,8 @@ static bool c_stats(repl *r, char *arg) {
         else
             fprintf(f, "last resume      (none)\n");
         fprintf(f, "threads          %d\n", eng_ctx_threads(r->c));
+        fprintf(f, "products         %s\n",
+                r->bf16_act ? "bf16 activations in a prefill (--bf16)" : "exact");
     }
     out_end(r, &o, "stats");
     return true;

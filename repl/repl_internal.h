@@ -26,6 +26,7 @@ struct repl {
     bool sp_given; /* repl_params.sampler_given */
     int64_t max_tokens;
     bool ignore_eos;
+    bool bf16_act; /* repl_params.bf16_act: /stats says which products run */
     uint64_t seed;
     char *history_file;
     char model_path[4096];     /* the model directory, resolved (for notices) */

@@ -193,6 +193,27 @@ Test(repl, unknown_command_is_one_line_and_continues) {
     rm_tmp();
 }
 
+/* --bf16: /stats says the prompts' products run with bf16 activations
+ * (exact without it), and the turn is answered. */
+Test(repl, bf16_flag_in_stats) {
+    make_tmp();
+    static char out[65536], err[8192];
+    cr_expect_eq(chat("--session b --max-tokens 4 --bf16",
+                      "It is a truth universally acknowledged, that a single man\n/stats\n", out,
+                      sizeof out, err, sizeof err),
+                 0, "%s", err);
+    cr_expect(strstr(out, "products         bf16 activations in a prefill (--bf16)"), "%s", out);
+    const char *ctx = strstr(out, "context tokens   ");
+    long long n = 0;
+    cr_assert(ctx && sscanf(ctx, "context tokens   %lld", &n) == 1, "%s", out);
+    cr_expect_gt(n, 10, "the prompt went in: %s", out);
+    cr_expect_eq(chat("--session c --max-tokens 2", "Hello\n/stats\n", out, sizeof out, err,
+                      sizeof err),
+                 0, "%s", err);
+    cr_expect(strstr(out, "products         exact"), "%s", out);
+    rm_tmp();
+}
+
 Test(repl, json_events_parse) {
     make_tmp();
     static char out[65536], err[8192];
