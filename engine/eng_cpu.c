@@ -390,7 +390,7 @@ static void mla_head_fn(void *arg, int task, int thread) {
     if (r->p->n_seqs == 1) {
         const eng_seq *s = r->p->seqs[0];
         kern_mla_attend_head(&sh, wuk, wuv, qh, (int)qstride, T, s->pos, s->mla_cache[a->layer], oh,
-                             (int)ostride, ts->mla_ws);
+                             (int)ostride, c->bf16_act && c->prefill, ts->mla_ws);
         return;
     }
     int t0 = (int)((int64_t)T * group / r->n_groups);
@@ -399,7 +399,7 @@ static void mla_head_fn(void *arg, int task, int thread) {
         const eng_seq *s = r->p->seqs[t];
         kern_mla_attend_head(&sh, wuk, wuv, qh + (size_t)t * qstride, (int)qstride, 1, s->pos,
                              s->mla_cache[a->layer], oh + (size_t)t * ostride, (int)ostride,
-                             ts->mla_ws);
+                             false, ts->mla_ws);
     }
 }
 

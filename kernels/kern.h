@@ -337,11 +337,14 @@ typedef struct kern_mla_shape {
  *   qh:  row t at qh + t*q_stride: [q_nope (dn) | q_pe (dr)];
  *   cache: [pos + T, dc + dr] fp32;
  *   oh:  row t at oh + t*o_stride, dv values written;
+ *   bf16_act: from 12 queries the scores and the weighted latent round both
+ *        operands to bf16 (AVX-512 BF16 dot products, ~3e-3 relative error:
+ *        a prefill under eng_ctx_params.bf16_act); false: exact;
  *   workspace: kern_mla_attend_head_workspace_floats(sh, T) floats.
  */
 void kern_mla_attend_head(const kern_mla_shape *sh, const float *wuk, const float *wuv,
                           const float *qh, int q_stride, int T, int64_t pos, const float *cache,
-                          float *oh, int o_stride, float *workspace);
+                          float *oh, int o_stride, bool bf16_act, float *workspace);
 size_t kern_mla_attend_head_workspace_floats(const kern_mla_shape *sh, int T);
 
 /*

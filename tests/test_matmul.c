@@ -232,6 +232,58 @@ Test(matmul, gemm_f32_strides_transposed_accumulate) {
 #endif
 
 #if defined(__AVX512BF16__)
+/* kern__gemm_bf16x on f32 matrices (rows and cols_major, own strides, the
+ * accumulate form): every value of W and x rounded to bf16 first, then the
+ * exact products summed in f32, so against a double sum of the rounded
+ * values it is within f32 summation error, and it is not the f32 product. */
+Test(matmul, gemm_bf16x_f32_matrices) {
+    const int rows = 45, in = 70, T = 29, ldw = 77, ldx = 75, ldy = 50;
+    float *w = malloc((size_t)ldw * 80 * sizeof(float)), *x = malloc((size_t)T * ldx * 4);
+    float *y = malloc((size_t)T * ldy * 4), *y0 = malloc((size_t)T * ldy * 4);
+    const size_t scratch_floats = 64 * 1024;
+    float *scratch = malloc(scratch_floats * sizeof(float));
+    cr_assert(w && x && y && y0 && scratch);
+    uint64_t seed = 99;
+    for (int i = 0; i < ldw * 80; i++) w[i] = unit(&seed);
+    for (int i = 0; i < T * ldx; i++) x[i] = unit(&seed);
+    for (int cm = 0; cm < 2; cm++)
+        for (int acc = 0; acc < 2; acc++) {
+            for (int i = 0; i < T * ldy; i++) y0[i] = y[i] = unit(&seed);
+            const kern_gemm_w gw = {KERN_F32, w, ldw, cm != 0};
+            kern__gemm_bf16x(&gw, in, x, ldx, T, y, ldy, 2, rows, acc != 0, scratch,
+                             scratch_floats);
+            int differ = 0;
+            for (int t = 0; t < T; t++)
+                for (int r = 0; r < ldy; r++) {
+                    const float got = y[(size_t)t * ldy + r];
+                    if (r < 2 || r >= rows) {
+                        cr_assert(got == y0[(size_t)t * ldy + r], "column %d written", r);
+                        continue;
+                    }
+                    double ref = acc ? y0[(size_t)t * ldy + r] : 0.0, mag = fabs(ref), exact = ref;
+                    for (int c = 0; c < in; c++) {
+                        const float wv = cm ? w[(size_t)c * ldw + r] : w[(size_t)r * ldw + c];
+                        const float xv = x[(size_t)t * ldx + c];
+                        const double p = (double)kern_bf16_to_f32(kern_f32_to_bf16(wv)) *
+                                         kern_bf16_to_f32(kern_f32_to_bf16(xv));
+                        ref += p;
+                        mag += fabs(p);
+                        exact += (double)wv * xv;
+                    }
+                    cr_assert_leq(fabs(got - ref), 1e-6 * mag + 1e-7,
+                                  "cols_major %d accumulate %d: y[%d, %d] = %g, rounded %g", cm,
+                                  acc, t, r, got, ref);
+                    differ += fabs(got - exact) > 1e-6 * mag;
+                }
+            cr_expect_gt(differ, T * (rows - 2) / 2, "cols_major %d: the f32 product's values", cm);
+        }
+    free(w);
+    free(x);
+    free(y);
+    free(y0);
+    free(scratch);
+}
+
 /* kern_matmul_w_prefill's bf16 activations: within the error of rounding x
  * to bf16 (2^-9 relative per value, so 2^-8 of sum |w x| with room for the
  * sums' own rounding), and not the exact products (the mode reached them). */

@@ -417,6 +417,54 @@ static void pack_pairs(const uint16_t *W, size_t ld, int r, int nr, int c0, int 
     }
 }
 
+/* The same word panel from an f32 matrix, each value rounded to bf16
+ * (nearest even): rows stored as rows (16 rows x 32 columns converted and
+ * transposed), or cols_major (a panel column pair is two stored rows of 32
+ * values, converted and interleaved); ragged edges one value at a time. */
+static void pack_pairs_f32(const kern_gemm_w *w, int r, int nr, int c0, int kc, uint32_t *P2) {
+    const float *W = w->data;
+    const size_t ld = (size_t)w->ld;
+    int c = 0;
+    if (w->cols_major) {
+        if (nr == KERN_PANEL_ROWS)
+            for (; c + 2 <= kc; c += 2) {
+                const float *a = W + (size_t)(c0 + c) * ld + r, *b = a + ld;
+                for (int h = 0; h < 2; h++) {
+                    const __m512i lo = _mm512_cvtepu16_epi32(
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(a + 16 * h)));
+                    const __m512i hi = _mm512_cvtepu16_epi32(
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(b + 16 * h)));
+                    _mm512_storeu_si512((void *)(P2 + (size_t)(c / 2) * KERN_PANEL_ROWS + 16 * h),
+                                        _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+                }
+            }
+    } else if (nr == KERN_PANEL_ROWS) {
+        for (; c + 32 <= kc; c += 32)
+            for (int h = 0; h < 2; h++) {
+                __m512i a[16];
+                for (int i = 0; i < 16; i++) {
+                    const float *row = W + (size_t)(r + 16 * h + i) * ld + c0 + c;
+                    a[i] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + 16),
+                                                        _mm512_loadu_ps(row));
+                }
+                transpose16(a);
+                for (int j = 0; j < 16; j++)
+                    _mm512_storeu_si512(
+                        (void *)(P2 + (size_t)(c / 2 + j) * KERN_PANEL_ROWS + 16 * h), a[j]);
+            }
+    }
+    for (; c < kc; c += 2)
+        for (int i = 0; i < KERN_PANEL_ROWS; i++) {
+            uint32_t word = 0;
+            for (int e = 0; e < 2 && i < nr && c + e < kc; e++) {
+                const size_t at = w->cols_major ? (size_t)(c0 + c + e) * ld + (size_t)(r + i)
+                                                : (size_t)(r + i) * ld + (size_t)(c0 + c + e);
+                word |= (uint32_t)kern_f32_to_bf16(W[at]) << (16 * e);
+            }
+            P2[(size_t)(c / 2) * KERN_PANEL_ROWS + i] = word;
+        }
+}
+
 /* Tokens [0, mt) of x [.., ldx], columns [c0, c0 + kc), rounded to bf16
  * (nearest even) as word pairs: xw [mt, ceil(kc / 2)]. */
 static void round_tile(const float *x, int ldx, int mt, int c0, int kc, uint32_t *xw) {
@@ -437,51 +485,63 @@ static void round_tile(const float *x, int ldx, int mt, int c0, int kc, uint32_t
     }
 }
 
-void kern__gemm_bf16act(const uint16_t *W, int in, const float *x, int T, float *y, int ldy,
-                        int r0, int r1, float *scratch) {
+void kern__gemm_bf16x(const kern_gemm_w *w, int in, const float *x, int ldx, int T, float *y,
+                      int ldy, int r0, int r1, bool accumulate, float *scratch,
+                      size_t scratch_floats) {
     static const panel_bf16_fn step[PANEL_TOKENS + 1] = {
         NULL,           panel_bf16_1, panel_bf16_2,  panel_bf16_3,  panel_bf16_4,
         panel_bf16_5,   panel_bf16_6, panel_bf16_7,  panel_bf16_8,  panel_bf16_9,
         panel_bf16_10,  panel_bf16_11, panel_bf16_12};
     const int kmax = in < KERN_PANEL_COLS ? in : KERN_PANEL_COLS, in2 = (in + 1) / 2;
     const size_t p2_words = (size_t)KERN_PANEL_ROWS * ((kmax + 1) / 2);
+    const size_t esz = kern_dtype_size(w->dt), ld = (size_t)w->ld;
     uint32_t *P2 = (uint32_t *)scratch, *xw = P2 + p2_words;
     /* the tokens whose rounded x fits the rest of the scratch, in steps of
-     * 12 (at least one step; kern_matmul_scratch_floats leaves room for
-     * about 200 tokens): each block's x is rounded once, and W is unpacked
-     * once per block */
-    int cap = (int)((kern_matmul_scratch_floats(in) - p2_words) / (size_t)in2);
+     * 12 (at least one step): each block's x is rounded once, and W is
+     * unpacked once per block */
+    int cap = scratch_floats > p2_words ? (int)((scratch_floats - p2_words) / (size_t)in2) : 0;
     cap = cap / PANEL_TOKENS * PANEL_TOKENS;
     if (cap < PANEL_TOKENS) cap = PANEL_TOKENS;
     for (int tb = 0; tb < T; tb += cap) {
         const int nb = T - tb < cap ? T - tb : cap;
-        round_tile(x + (size_t)tb * in, in, nb, 0, in, xw);
+        round_tile(x + (size_t)tb * ldx, ldx, nb, 0, in, xw);
         for (int r = r0; r < r1; r += KERN_PANEL_ROWS) {
             const int nr = r1 - r < KERN_PANEL_ROWS ? r1 - r : KERN_PANEL_ROWS;
             for (int c0 = 0; c0 < in; c0 += KERN_PANEL_COLS) {
                 const int kc = in - c0 < KERN_PANEL_COLS ? in - c0 : KERN_PANEL_COLS;
-                pack_pairs(W, (size_t)in, r, nr, c0, kc, P2);
+                if (w->dt == KERN_BF16)
+                    pack_pairs(w->data, ld, r, nr, c0, kc, P2);
+                else
+                    pack_pairs_f32(w, r, nr, c0, kc, P2);
                 /* the next panel's bytes, fetched while this one computes
-                 * (as kern__gemm does) */
-                kern_prefetch next = {NULL, (size_t)in * 2, 0, 0};
-                if (c0 + kc < in) {
+                 * (as kern__gemm does; a cols_major matrix's panels are
+                 * small) */
+                kern_prefetch next = {NULL, ld * esz, 0, 0};
+                if (!w->cols_major && c0 + kc < in) {
                     const int kn = in - c0 - kc < KERN_PANEL_COLS ? in - c0 - kc : KERN_PANEL_COLS;
-                    next.base = (const char *)(W + (size_t)r * in + (size_t)(c0 + kc));
-                    next.row_bytes = (size_t)kn * 2, next.rows = nr;
-                } else if (r + nr < r1) {
-                    next.base = (const char *)(W + (size_t)(r + nr) * in);
-                    next.row_bytes = (size_t)kmax * 2;
+                    next.base = (const char *)w->data + ((size_t)r * ld + (size_t)(c0 + kc)) * esz;
+                    next.row_bytes = (size_t)kn * esz, next.rows = nr;
+                } else if (!w->cols_major && r + nr < r1) {
+                    next.base = (const char *)w->data + (size_t)(r + nr) * ld * esz;
+                    next.row_bytes = (size_t)kmax * esz;
                     next.rows = r1 - r - nr < KERN_PANEL_ROWS ? r1 - r - nr : KERN_PANEL_ROWS;
                 }
                 for (int t0 = 0; t0 < nb; t0 += PANEL_TOKENS) {
                     const int mt = nb - t0 < PANEL_TOKENS ? nb - t0 : PANEL_TOKENS;
                     step[mt](P2, (kc + 1) / 2, xw + (size_t)t0 * in2 + c0 / 2, in2,
-                             y + (size_t)(tb + t0) * ldy + r, ldy, nr, c0 > 0,
+                             y + (size_t)(tb + t0) * ldy + r, ldy, nr, accumulate || c0 > 0,
                              t0 == 0 && next.rows > 0 ? &next : NULL);
                 }
             }
         }
     }
+}
+
+void kern__gemm_bf16act(const uint16_t *W, int in, const float *x, int T, float *y, int ldy,
+                        int r0, int r1, float *scratch) {
+    const kern_gemm_w w = {KERN_BF16, W, in, false};
+    kern__gemm_bf16x(&w, in, x, in, T, y, ldy, r0, r1, false, scratch,
+                     kern_matmul_scratch_floats(in));
 }
 #endif
 #endif

@@ -94,4 +94,16 @@ void kern__gemm(const kern_gemm_w *w, int in, const float *x, int ldx, int T, fl
 void kern__gemm_bf16act(const uint16_t *W, int in, const float *x, int T, float *y, int ldy,
                         int r0, int r1, float *scratch);
 
+/*
+ * The same for any matrix kern__gemm reads (bf16 rows, or f32 rows or
+ * cols_major, each value then rounded to bf16 too), x with its own stride,
+ * and the accumulate form: y[t, r] (+)= bf16(x) . bf16(W(r, .)) over `in`
+ * columns. scratch: scratch_floats floats, at least 32 * ceil(min(in,
+ * KERN_PANEL_COLS) / 2) + 12 * ceil(in / 2) (more: x rounded once for more
+ * tokens). MLA attention's products under bf16_act.
+ */
+void kern__gemm_bf16x(const kern_gemm_w *w, int in, const float *x, int ldx, int T, float *y,
+                      int ldy, int r0, int r1, bool accumulate, float *scratch,
+                      size_t scratch_floats);
+
 #endif

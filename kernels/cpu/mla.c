@@ -32,12 +32,18 @@ static size_t panel_floats(const kern_mla_shape *sh) {
     return KERN_PANEL_ROWS * w;
 }
 
+/* The GEMM's scratch: a panel, and with bf16 activations the queries'
+ * rows rounded to bf16 pairs ([T, (dc + dr) / 2] words at most). */
+static size_t gemm_floats(const kern_mla_shape *sh, int T) {
+    return panel_floats(sh) + (size_t)T * (((size_t)sh->dc + sh->dr + 1) / 2 + 1);
+}
+
 size_t kern_mla_attend_head_workspace_floats(const kern_mla_shape *sh, int T) {
     if (!sh || T < 1) return 0;
     const size_t row = (size_t)sh->dc + sh->dr;
     /* Q [T, dc+dr], S [T, KEY_BLOCK], Lat [T, dc], max and denominator [2, T],
-     * and a GEMM panel */
-    return (size_t)T * (row + KERN_MLA_KEY_BLOCK + (size_t)sh->dc + 2) + panel_floats(sh);
+     * and the GEMM's scratch */
+    return (size_t)T * (row + KERN_MLA_KEY_BLOCK + (size_t)sh->dc + 2) + gemm_floats(sh, T);
 }
 
 /* y [T, ldy] (+)= x [T, ldx] W^T over `in` columns, rows [0, rows) of W
@@ -56,13 +62,32 @@ static void gemm(const float *w, int ldw, bool cols_major, int rows, int in, con
 #endif
 }
 
+/* The attention's two big products (scores, weighted latent) with
+ * bf16_act: both operands rounded to bf16, AVX-512 BF16 dot products
+ * (kern_gemm.h); an exact gemm otherwise, and below 12 queries. */
+static void gemm_att(const float *w, int ldw, bool cols_major, int rows, int in, const float *x,
+                     int ldx, int T, float *y, int ldy, bool accumulate, float *P, size_t P_floats,
+                     bool bf16_act) {
+#if MLA_GEMM && defined(__AVX512BF16__)
+    if (bf16_act && T >= KERN_PREFILL_GEMM_MIN_T) {
+        const kern_gemm_w gw = {KERN_F32, w, ldw, cols_major};
+        kern__gemm_bf16x(&gw, in, x, ldx, T, y, ldy, 0, rows, accumulate, P, P_floats);
+        return;
+    }
+#endif
+    (void)P_floats;
+    (void)bf16_act;
+    gemm(w, ldw, cols_major, rows, in, x, ldx, T, y, ldy, accumulate, P);
+}
+
 void kern_mla_attend_head(const kern_mla_shape *sh, const float *wuk, const float *wuv,
                           const float *qh, int q_stride, int T, int64_t pos, const float *cache,
-                          float *oh, int o_stride, float *workspace) {
+                          float *oh, int o_stride, bool bf16_act, float *workspace) {
     const int dc = sh->dc, dn = sh->dn, dr = sh->dr, dv = sh->dv, row = dc + dr;
     const float scale = 1.0f / sqrtf((float)(dn + dr));
     float *Q = workspace, *S = Q + (size_t)T * row, *lat = S + (size_t)T * KERN_MLA_KEY_BLOCK;
     float *mx = lat + (size_t)T * dc, *den = mx + T, *P = den + T;
+    const size_t P_floats = gemm_floats(sh, T);
     /* Q[:, :dc] = q_nope W_UK_h; Q[:, dc:] = q_pe; all times the scale. */
     gemm(wuk, dc, true, dc, dn, qh, q_stride, T, Q, row, false, P);
     for (int t = 0; t < T; t++) {
@@ -86,8 +111,8 @@ void kern_mla_attend_head(const kern_mla_shape *sh, const float *wuk, const floa
             cblas_sgemv(CblasRowMajor, CblasNoTrans, nb, row, 1.0f, Kb, row,
                         Q + (size_t)t0 * row, 1, 0.0f, S, 1);
         else
-            gemm(Kb, row, false, nb, row, Q + (size_t)t0 * row, row, nq, S, KERN_MLA_KEY_BLOCK,
-                 false, P);
+            gemm_att(Kb, row, false, nb, row, Q + (size_t)t0 * row, row, nq, S, KERN_MLA_KEY_BLOCK,
+                     false, P, P_floats, bf16_act);
         for (int i = 0; i < nq; i++) {
             int t = t0 + i;
             float *srow = S + (size_t)i * KERN_MLA_KEY_BLOCK;
@@ -113,8 +138,8 @@ void kern_mla_attend_head(const kern_mla_shape *sh, const float *wuk, const floa
             cblas_sgemv(CblasRowMajor, CblasTrans, nb, dc, 1.0f, Kb, row, S, 1, 1.0f,
                         lat + (size_t)t0 * dc, 1);
         else
-            gemm(Kb, row, true, dc, nb, S, KERN_MLA_KEY_BLOCK, nq, lat + (size_t)t0 * dc, dc, true,
-                 P);
+            gemm_att(Kb, row, true, dc, nb, S, KERN_MLA_KEY_BLOCK, nq, lat + (size_t)t0 * dc, dc,
+                     true, P, P_floats, bf16_act);
     }
     for (int t = 0; t < T; t++) {
         float inv = 1.0f / den[t], *lrow = lat + (size_t)t * dc;
@@ -139,6 +164,6 @@ void kern_mla_attend(const kern_mla_shape *sh, kern_dtype dt, const void *kv_b, 
         kern_to_f32(dt, (const char *)kv_b + (size_t)h * wfl * esz, w, wfl);
         kern_mla_attend_head(sh, w, w + (size_t)dn * dc, q + (size_t)h * (dn + dr),
                              sh->nh * (dn + dr), T, pos, cache, o + (size_t)h * dv, sh->nh * dv,
-                             workspace + wfl);
+                             false, workspace + wfl);
     }
 }
