@@ -42,6 +42,7 @@ typedef struct thread_scratch {
     float *kda_ws; /* chunked KDA workspace */
     float *mla_w;  /* one head's kv_b rows, widened: [(dn+dv), dc] */
     float *mla_ws; /* kern_mla_attend_head workspace for B queries */
+    float *mla_dec_ws; /* kern_mla_decode_heads workspace */
 } thread_scratch;
 
 typedef struct eng_cpu {
@@ -403,6 +404,31 @@ static void mla_head_fn(void *arg, int task, int thread) {
     }
 }
 
+/* Decode (one row per sequence): task = row * n_groups + head group; each
+ * group's heads attend together, so the row's cache is read once per group
+ * rather than twice per head. */
+typedef struct mla_dec_run {
+    eng_cpu *c;
+    const eng_pass *p;
+    const eng_mla_args *a;
+    int n_groups;
+} mla_dec_run;
+
+static void mla_decode_fn(void *arg, int task, int thread) {
+    mla_dec_run *r = arg;
+    eng_cpu *c = r->c;
+    const eng_dims *d = &c->d;
+    const eng_mla_args *a = r->a;
+    const int nh = d->mla_heads, t = task / r->n_groups, g = task % r->n_groups;
+    const int h0 = nh * g / r->n_groups, h1 = nh * (g + 1) / r->n_groups;
+    const kern_mla_shape sh = {nh, d->dc, d->dr, d->dn, d->dv};
+    const kern_weight kvb = eng__kern_weight(&a->w->kv_b_proj);
+    const eng_seq *s = r->p->seqs[r->p->n_seqs > 1 ? t : 0];
+    kern_mla_decode_heads(&sh, &kvb, a->q + (size_t)t * nh * (d->dn + d->dr), h0, h1, s->pos,
+                          s->mla_cache[a->layer], a->o + (size_t)t * nh * d->dv,
+                          c->ts[thread].mla_dec_ws);
+}
+
 static void cpu_mla(eng_backend *b, const eng_pass *p, const eng_mla_args *a) {
     eng_cpu *c = cpu_of(b);
     if (b->rc != KDS_OK) return;
@@ -416,6 +442,23 @@ static void cpu_mla(eng_backend *b, const eng_pass *p, const eng_mla_args *a) {
         float *dst = s->mla_cache[a->layer] + (size_t)(s->pos + (multi ? 0 : t)) * d->mla_row;
         kern_rmsnorm(kva, a->w->kv_a_layernorm, KERN_F32, d->dc, a->eps, dst);
         memcpy(dst + d->dc, kva + d->dc, (size_t)d->dr * sizeof(float));
+    }
+    if (multi || T == 1) {
+        /* one query per sequence: its heads in groups, a task per (row,
+         * group). Every group reads the row's cache once, so as few groups
+         * as keep the threads evenly busy: the fewest that split the tasks
+         * evenly among them, or give each four. */
+        mla_dec_run r = {c, p, a, 1};
+        if (c->n_threads > 1)
+            while (r.n_groups < d->mla_heads && (T * r.n_groups) % c->n_threads != 0 &&
+                   T * r.n_groups < 4 * c->n_threads)
+                r.n_groups++;
+        const int n_tasks = T * r.n_groups;
+        if (c->n_threads == 1 || n_tasks == 1)
+            for (int i = 0; i < n_tasks; i++) mla_decode_fn(&r, i, 0);
+        else
+            eng_pool_run(c->pool, mla_decode_fn, &r, n_tasks);
+        return;
     }
     mla_run r = {c, p, a, 1};
     /* Across sequences, cut the rows into groups until there are a few
@@ -663,6 +706,7 @@ static void cpu_free(eng_backend *b) {
             free(c->ts[i].kda_ws);
             free(c->ts[i].mla_w);
             free(c->ts[i].mla_ws);
+            free(c->ts[i].mla_dec_ws);
         }
     free(c->ts);
     for (int i = 0; i < c->n_allocs; i++) free(c->allocs[i]);
@@ -709,7 +753,9 @@ static kds_status cpu_create(const eng_model *m, const eng_ctx_params *p, eng_ba
         if (d->n_mla &&
             (!(ts->mla_w = calloc((size_t)(d->dn + d->dv) * d->dc + 1, sizeof(float))) ||
              !(ts->mla_ws = calloc(kern_mla_attend_head_workspace_floats(&msh, c->max_rows) + 1,
-                                   sizeof(float)))))
+                                   sizeof(float))) ||
+             !(ts->mla_dec_ws =
+                   calloc(kern_mla_decode_heads_workspace_floats(&msh) + 1, sizeof(float)))))
             goto nomem;
     }
     kds_status rc = eng_pool_create(c->n_threads, &c->pool, err);

@@ -359,6 +359,26 @@ void kern_mla_attend(const kern_mla_shape *sh, kern_dtype dt, const void *kv_b, 
                      float *workspace);
 size_t kern_mla_attend_workspace_floats(const kern_mla_shape *sh, int T);
 
+/*
+ * Heads [h0, h1) of absorbed MLA for one query (a decode step) at position
+ * pos, all at once. The heads share the latent cache (MLA is MQA in the
+ * latent), so each block of it is read once for all of them, not once per
+ * head as kern_mla_attend_head would: at 16K of context a 32-head layer's
+ * cache (38 MB, past L3) was read 64 times a token.
+ *   Q = [q_nope_h W_UK_h | q_pe_h] / sqrt(dn + dr), one row per head
+ *   per block of the cache K_b: S = Q K_b^T, online softmax, Lat += P K_b[:, :dc]
+ *   o_h = (Lat_h / l_h) W_UV_h^T
+ * kv_b: kv_b_proj [nh*(dn+dv), dc], any dtype (a head's rows are widened
+ * into the workspace); q: [nh*(dn+dr)]; cache: [pos + 1, dc + dr] fp32;
+ * o: [nh*dv], the heads' columns written. A head's result does not depend
+ * on which heads share the call. Exact (fp32).
+ * workspace: kern_mla_decode_heads_workspace_floats(sh) floats.
+ */
+void kern_mla_decode_heads(const kern_mla_shape *sh, const kern_weight *kv_b, const float *q,
+                           int h0, int h1, int64_t pos, const float *cache, float *o,
+                           float *workspace);
+size_t kern_mla_decode_heads_workspace_floats(const kern_mla_shape *sh);
+
 /* ------------------------------------------------------------------------ */
 /* MoE routing (CPU reference of the CUDA routing kernels)                   */
 

@@ -192,6 +192,50 @@ Test(mla_ref, attend_matches_naive_softmax_attention) {
     ref_case(&sh, KERN_F32, 300, 200, 0, 2, 6); /* queries spanning blocks */
 }
 
+/* kern_mla_decode_heads (one decode token, heads together) against the
+ * naive loops, and a head's output the same bits whichever heads share the
+ * call; heads outside [h0, h1) untouched. */
+static void decode_heads_case(const kern_mla_shape *sh, kern_dtype dt, int64_t pos, uint64_t seed) {
+    mla_case c;
+    case_make(&c, sh, dt, 1, seed);
+    float *cache = cache_make(sh, pos + 1, seed + 1);
+    const size_t no = (size_t)sh->nh * sh->dv;
+    float *want = mla_alloc(no * 4), *all = mla_alloc(no * 4), *one = mla_alloc(no * 4);
+    float *ws = mla_alloc(kern_mla_decode_heads_workspace_floats(sh) * 4);
+    const kern_weight kw = {dt, c.kvb_st, NULL, sh->nh * (sh->dn + sh->dv), sh->dc};
+    naive_mla(sh, c.kvb, c.q, 1, pos, cache, want);
+    for (size_t i = 0; i < no; i++) all[i] = one[i] = NAN;
+    kern_mla_decode_heads(sh, &kw, c.q, 0, sh->nh, pos, cache, all, ws);
+    double r = max_rel(all, want, no);
+    printf("mla_ref decode_heads nh=%d dc=%d pos=%lld dt=%d: max err / max|ref| = %.2e\n", sh->nh,
+           sh->dc, (long long)pos, (int)dt, r);
+    cr_assert(r <= 2e-5, "kern_mla_decode_heads vs naive, pos=%lld: %.3e", (long long)pos, r);
+    /* head by head, then the upper half alone: the same bits */
+    for (int h = 0; h < sh->nh; h++) kern_mla_decode_heads(sh, &kw, c.q, h, h + 1, pos, cache, one, ws);
+    cr_assert(!memcmp(all, one, no * 4), "pos=%lld: a head's output depends on its neighbours",
+              (long long)pos);
+    for (size_t i = 0; i < no; i++) one[i] = NAN;
+    const int h0 = sh->nh / 2;
+    kern_mla_decode_heads(sh, &kw, c.q, h0, sh->nh, pos, cache, one, ws);
+    for (size_t i = 0; i < no; i++) {
+        if ((int)(i / sh->dv) < h0)
+            cr_assert(isnan(one[i]), "pos=%lld: head %zu written", (long long)pos, i / sh->dv);
+        else
+            cr_assert(one[i] == all[i], "pos=%lld: heads [%d, nh) differ", (long long)pos, h0);
+    }
+    free(want), free(all), free(one), free(ws), free(cache);
+    case_free(&c);
+}
+
+Test(mla_ref, decode_heads_match_naive_and_each_other) {
+    const kern_mla_shape sh = {3, 64, 16, 32, 24};
+    decode_heads_case(&sh, KERN_F32, 0, 11);
+    decode_heads_case(&sh, KERN_BF16, 1, 12);
+    decode_heads_case(&sh, KERN_F32, 300, 13); /* two key blocks */
+    const kern_mla_shape wide = {16, 64, 16, 32, 32}; /* more heads than a GEMM tile */
+    decode_heads_case(&wide, KERN_BF16, 700, 14);
+}
+
 #ifdef KDS_HAVE_CUDA
 
 #include "test_cuda_util.h"

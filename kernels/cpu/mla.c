@@ -80,34 +80,33 @@ static void gemm_att(const float *w, int ldw, bool cols_major, int rows, int in,
     gemm(w, ldw, cols_major, rows, in, x, ldx, T, y, ldy, accumulate, P);
 }
 
-void kern_mla_attend_head(const kern_mla_shape *sh, const float *wuk, const float *wuv,
-                          const float *qh, int q_stride, int T, int64_t pos, const float *cache,
-                          float *oh, int o_stride, bool bf16_act, float *workspace) {
-    const int dc = sh->dc, dn = sh->dn, dr = sh->dr, dv = sh->dv, row = dc + dr;
-    const float scale = 1.0f / sqrtf((float)(dn + dr));
-    float *Q = workspace, *S = Q + (size_t)T * row, *lat = S + (size_t)T * KERN_MLA_KEY_BLOCK;
-    float *mx = lat + (size_t)T * dc, *den = mx + T, *P = den + T;
-    const size_t P_floats = gemm_floats(sh, T);
-    /* Q[:, :dc] = q_nope W_UK_h; Q[:, dc:] = q_pe; all times the scale. */
-    gemm(wuk, dc, true, dc, dn, qh, q_stride, T, Q, row, false, P);
-    for (int t = 0; t < T; t++) {
-        for (int j = 0; j < dc; j++) Q[(size_t)t * row + j] *= scale;
-        for (int j = 0; j < dr; j++)
-            Q[(size_t)t * row + dc + j] = scale * qh[(size_t)t * q_stride + dn + j];
-    }
-    memset(lat, 0, (size_t)T * dc * sizeof(float));
-    for (int t = 0; t < T; t++) {
+/* The online-softmax attention of nq absorbed, scaled query rows Q [nq, dc + dr]
+ * over the latent cache: row i sees keys 0 .. last0 + step * i (step 1: the
+ * tokens of a prefill slice, causal; step 0: the heads of one decode token,
+ * which all see the same keys). lat [nq, dc] gets the softmax-weighted
+ * latent, normalised. S [nq, KEY_BLOCK], mx, den [nq] and P (P_floats of
+ * GEMM scratch) are workspace. With step 0 each row's result depends on its
+ * own query and the keys only (every GEMM output is its own fma chain), not
+ * on the rows beside it, so even one row goes through the GEMM; with step 1
+ * a block seen by one query alone takes the cheaper gemv. */
+static void attend_rows(const kern_mla_shape *sh, const float *Q, int nq_all, int64_t last0,
+                        int step, const float *cache, float *S, float *lat, float *mx, float *den,
+                        float *P, size_t P_floats, bool bf16_act) {
+    const int dc = sh->dc, row = dc + sh->dr;
+    memset(lat, 0, (size_t)nq_all * dc * sizeof(float));
+    for (int t = 0; t < nq_all; t++) {
         mx[t] = -INFINITY;
         den[t] = 0.0f;
     }
-    const int64_t n_ctx = pos + T;
+    const int64_t n_ctx = last0 + (int64_t)step * (nq_all - 1) + 1;
     for (int64_t k0 = 0; k0 < n_ctx; k0 += KERN_MLA_KEY_BLOCK) {
         int nb = n_ctx - k0 < KERN_MLA_KEY_BLOCK ? (int)(n_ctx - k0) : KERN_MLA_KEY_BLOCK;
         const float *Kb = cache + (size_t)k0 * row;
-        /* queries that see none of this block (k0 > pos + t) are skipped */
-        int t0 = k0 > pos ? (int)(k0 - pos) : 0;
-        int nq = T - t0;
-        if (nq == 1) /* decode: gemv, which packs nothing */
+        /* rows that see none of this block (last key < k0) are skipped */
+        int t0 = step && k0 > last0 ? (int)(k0 - last0) : 0;
+        int nq = nq_all - t0;
+        const bool gemv = nq == 1 && step;
+        if (gemv) /* one query: gemv, which packs nothing */
             cblas_sgemv(CblasRowMajor, CblasNoTrans, nb, row, 1.0f, Kb, row,
                         Q + (size_t)t0 * row, 1, 0.0f, S, 1);
         else
@@ -116,8 +115,8 @@ void kern_mla_attend_head(const kern_mla_shape *sh, const float *wuk, const floa
         for (int i = 0; i < nq; i++) {
             int t = t0 + i;
             float *srow = S + (size_t)i * KERN_MLA_KEY_BLOCK;
-            int visible = (int)(pos + t - k0 + 1); /* keys k0 .. pos+t */
-            if (visible > nb) visible = nb;
+            int64_t last = last0 + (int64_t)step * t;
+            int visible = last - k0 + 1 < nb ? (int)(last - k0 + 1) : nb;
             float bm = mx[t];
             for (int j = 0; j < visible; j++) bm = srow[j] > bm ? srow[j] : bm;
             float corr = expf(mx[t] - bm); /* 0 on the first block (mx = -inf) */
@@ -134,19 +133,75 @@ void kern_mla_attend_head(const kern_mla_shape *sh, const float *wuk, const floa
                 for (int j = 0; j < dc; j++) lrow[j] *= corr;
         }
         /* Lat[t0:] += P C_b, C_b = the first dc columns of the key rows */
-        if (nq == 1)
+        if (gemv)
             cblas_sgemv(CblasRowMajor, CblasTrans, nb, dc, 1.0f, Kb, row, S, 1, 1.0f,
                         lat + (size_t)t0 * dc, 1);
         else
             gemm_att(Kb, row, true, dc, nb, S, KERN_MLA_KEY_BLOCK, nq, lat + (size_t)t0 * dc, dc,
                      true, P, P_floats, bf16_act);
     }
-    for (int t = 0; t < T; t++) {
+    for (int t = 0; t < nq_all; t++) {
         float inv = 1.0f / den[t], *lrow = lat + (size_t)t * dc;
         for (int j = 0; j < dc; j++) lrow[j] *= inv;
     }
+}
+
+void kern_mla_attend_head(const kern_mla_shape *sh, const float *wuk, const float *wuv,
+                          const float *qh, int q_stride, int T, int64_t pos, const float *cache,
+                          float *oh, int o_stride, bool bf16_act, float *workspace) {
+    const int dc = sh->dc, dn = sh->dn, dr = sh->dr, dv = sh->dv, row = dc + dr;
+    const float scale = 1.0f / sqrtf((float)(dn + dr));
+    float *Q = workspace, *S = Q + (size_t)T * row, *lat = S + (size_t)T * KERN_MLA_KEY_BLOCK;
+    float *mx = lat + (size_t)T * dc, *den = mx + T, *P = den + T;
+    /* Q[:, :dc] = q_nope W_UK_h; Q[:, dc:] = q_pe; all times the scale. */
+    gemm(wuk, dc, true, dc, dn, qh, q_stride, T, Q, row, false, P);
+    for (int t = 0; t < T; t++) {
+        for (int j = 0; j < dc; j++) Q[(size_t)t * row + j] *= scale;
+        for (int j = 0; j < dr; j++)
+            Q[(size_t)t * row + dc + j] = scale * qh[(size_t)t * q_stride + dn + j];
+    }
+    attend_rows(sh, Q, T, pos, 1, cache, S, lat, mx, den, P, gemm_floats(sh, T), bf16_act);
     /* O_h = Lat W_UV_h^T, written into this head's columns of o */
     gemm(wuv, dc, false, dv, dc, lat, dc, T, oh, o_stride, false, P);
+}
+
+size_t kern_mla_decode_heads_workspace_floats(const kern_mla_shape *sh) {
+    if (!sh || sh->nh < 1) return 0;
+    const size_t nh = (size_t)sh->nh, row = (size_t)sh->dc + sh->dr;
+    /* one head's widened kv_b rows [dn + dv, dc], Q [nh, row], S [nh,
+     * KEY_BLOCK], Lat [nh, dc], max and denominator [2, nh], GEMM scratch */
+    return (size_t)(sh->dn + sh->dv) * sh->dc +
+           nh * (row + KERN_MLA_KEY_BLOCK + (size_t)sh->dc + 2) + gemm_floats(sh, sh->nh);
+}
+
+void kern_mla_decode_heads(const kern_mla_shape *sh, const kern_weight *kv_b, const float *q,
+                           int h0, int h1, int64_t pos, const float *cache, float *o,
+                           float *workspace) {
+    const int dc = sh->dc, dn = sh->dn, dr = sh->dr, dv = sh->dv, row = dc + dr, nq = h1 - h0;
+    if (nq < 1) return;
+    const float scale = 1.0f / sqrtf((float)(dn + dr));
+    float *w = workspace, *Q = w + (size_t)(dn + dv) * dc, *S = Q + (size_t)nq * row;
+    float *lat = S + (size_t)nq * KERN_MLA_KEY_BLOCK, *mx = lat + (size_t)nq * dc, *den = mx + nq;
+    float *P = den + nq;
+    /* Q[h] = [q_nope_h W_UK_h | q_pe_h] * scale, one head's W_UK_h widened at a time */
+    for (int h = h0; h < h1; h++) {
+        const float *qh = q + (size_t)h * (dn + dr);
+        float *Qh = Q + (size_t)(h - h0) * row;
+        for (int i = 0; i < dn; i++)
+            kern_weight_row_f32(kv_b, h * (dn + dv) + i, 0, dc, w + (size_t)i * dc);
+        gemm(w, dc, true, dc, dn, qh, dn + dr, 1, Qh, row, false, P);
+        for (int j = 0; j < dc; j++) Qh[j] *= scale;
+        for (int j = 0; j < dr; j++) Qh[dc + j] = scale * qh[dn + j];
+    }
+    /* every head against the same keys 0 .. pos: each cache block read once */
+    attend_rows(sh, Q, nq, pos, 0, cache, S, lat, mx, den, P, gemm_floats(sh, sh->nh), false);
+    /* o_h = Lat[h] W_UV_h^T */
+    for (int h = h0; h < h1; h++) {
+        for (int i = 0; i < dv; i++)
+            kern_weight_row_f32(kv_b, h * (dn + dv) + dn + i, 0, dc, w + (size_t)i * dc);
+        gemm(w, dc, false, dv, dc, lat + (size_t)(h - h0) * dc, dc, 1, o + (size_t)h * dv, dv,
+             false, P);
+    }
 }
 
 size_t kern_mla_attend_workspace_floats(const kern_mla_shape *sh, int T) {

@@ -7,7 +7,7 @@
  *   kds_cpu_bench [--quick] [--runs N] [--only PARTS]
  *       --quick: 3 runs per figure and smaller stacks (a smoke test);
  *       --runs N: N runs per figure (default 7); every figure is a median;
- *       --only PARTS: some of the parts below, e.g. `--only ab` (the
+ *       --only PARTS: some of the parts below (a-g), e.g. `--only ab` (the
  *       percentages of (b) need (a)).
  *
  * Prints markdown tables (the same lines go to docs/benchmarks.md):
@@ -36,7 +36,11 @@
  *       heads of 128, chunks of 64), each in microseconds per token, beside
  *       a layer's matrix products (about 100 M bf16 weights per token at
  *       these widths) at the GEMM's rate measured in the same run: where the
- *       attention would start to dominate a long prefill.
+ *       attention would start to dominate a long prefill;
+ *   (g) decode: one token's MLA attention (same widths) at context 4K ..
+ *       128K (16K with --quick), one thread, head by head (kern_mla_attend,
+ *       T = 1) against all heads at once (kern_mla_decode_heads), with the
+ *       largest difference between the two outputs.
  * Threads: products go through the engine's pool (eng_pool), their rows cut
  * into 4 tasks per thread as eng_cpu.c's run_mm does; with one thread the
  * call is made inline, as there. OpenBLAS is pinned to one thread (the
@@ -128,7 +132,7 @@ static void cpu_model(char *out, size_t n) {
 static eng_pool *g_pool[3]; /* [threads] */
 static float *g_scratch[2]; /* one kern_matmul_scratch_floats(widest) per thread */
 static int g_runs = 7, g_quick;
-static const char *g_only = "abcdef";
+static const char *g_only = "abcdefg";
 static size_t g_l3;
 static double g_bw[3]; /* measured read bandwidth, GB/s, [threads] */
 
@@ -527,6 +531,56 @@ static void bench_long(void) {
     free_stack(&w);
 }
 
+/* (g) one decode step's MLA attention at context P, one thread: head by
+ * head (kern_mla_attend, T = 1: each head reads the cache twice) against
+ * all heads at once (kern_mla_decode_heads: each cache block read once),
+ * with the largest difference between their outputs. */
+static void bench_decode_attention(void) {
+    const int H = 32;
+    const int64_t P[4] = {4096, 16384, 65536, 131072};
+    const int nP = g_quick ? 2 : 4;
+    const kern_mla_shape msh = {H, 512, 64, 128, 128};
+    const int row = msh.dc + msh.dr;
+    stack kvb = make_stack(KERN_BF16, H * (msh.dn + msh.dv), msh.dc, 1);
+    const kern_weight kw = kvb.w[0];
+    float *q = random_x((size_t)H * (msh.dn + msh.dr), 21);
+    float *o_head = xalloc((size_t)H * msh.dv * 4), *o_all = xalloc((size_t)H * msh.dv * 4);
+    float *ws_head = xalloc(kern_mla_attend_workspace_floats(&msh, 1) * 4);
+    float *ws_all = xalloc(kern_mla_decode_heads_workspace_floats(&msh) * 4);
+    printf("### (g) Decode: one token's MLA attention at context P, 32 heads, one thread, best "
+           "of %d (wall time)\n\n", g_runs);
+    printf("| P | cache MB | head by head, ms | all heads at once, ms | ratio | max |diff| |\n"
+           "|---|---|---|---|---|---|\n");
+    for (int p = 0; p < nP; p++) {
+        const size_t rows = (size_t)P[p] + 1;
+        float *cache = random_x(rows * row, 31 + p);
+        double t_head = 1e30, t_all = 1e30;
+        const int runs = P[p] >= 65536 ? 3 : g_runs;
+        for (int r = 0; r < runs; r++) {
+            double t0 = now_s();
+            kern_mla_attend(&msh, KERN_BF16, kvb.codes, q, 1, P[p], cache, o_head, 0, H, ws_head);
+            double dt = now_s() - t0;
+            if (dt < t_head) t_head = dt;
+            t0 = now_s();
+            kern_mla_decode_heads(&msh, &kw, q, 0, H, P[p], cache, o_all, ws_all);
+            dt = now_s() - t0;
+            if (dt < t_all) t_all = dt;
+        }
+        double diff = 0;
+        for (int i = 0; i < H * msh.dv; i++) {
+            const double dd = fabs((double)o_head[i] - o_all[i]);
+            if (dd > diff) diff = dd;
+        }
+        printf("| %lldK | %.0f | %.2f | %.2f | %.1fx | %.1e |\n", (long long)(P[p] / 1024),
+               rows * row * 4 / 1e6, t_head * 1e3, t_all * 1e3, t_head / t_all, diff);
+        fflush(stdout);
+        free(cache);
+    }
+    printf("\n");
+    free(q), free(o_head), free(o_all), free(ws_head), free(ws_all);
+    free_stack(&kvb);
+}
+
 int main(int argc, char **argv) {
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--quick")) {
@@ -538,7 +592,7 @@ int main(int argc, char **argv) {
         } else if (!strcmp(argv[i], "--only") && i + 1 < argc) {
             g_only = argv[++i];
         } else {
-            fprintf(stderr, "usage: %s [--quick] [--runs N (1..63)] [--only abcdef]\n", argv[0]);
+            fprintf(stderr, "usage: %s [--quick] [--runs N (1..63)] [--only abcdefg]\n", argv[0]);
             return 2;
         }
     }
@@ -575,6 +629,7 @@ int main(int argc, char **argv) {
     if (strchr(g_only, 'd')) bench_prefill();
     if (strchr(g_only, 'e')) bench_alternating();
     if (strchr(g_only, 'f')) bench_long();
+    if (strchr(g_only, 'g')) bench_decode_attention();
     for (int t = 0; t < 2; t++)
         free(g_scratch[t]);
     for (int th = 1; th <= 2; th++)
