@@ -38,12 +38,23 @@ static size_t gemm_floats(const kern_mla_shape *sh, int T) {
     return panel_floats(sh) + (size_t)T * (((size_t)sh->dc + sh->dr + 1) / 2 + 1);
 }
 
+/* Floats per query row of Q (absorbed dc + dr, expanded dn + dr) and of the
+ * output accumulator (dc, dv): the larger of the two forms. */
+static size_t qrow_floats(const kern_mla_shape *sh) {
+    const size_t a = (size_t)sh->dc + sh->dr, e = (size_t)sh->dn + sh->dr;
+    return a > e ? a : e;
+}
+static size_t acc_floats(const kern_mla_shape *sh) {
+    return (size_t)(sh->dc > sh->dv ? sh->dc : sh->dv);
+}
+
 size_t kern_mla_attend_head_workspace_floats(const kern_mla_shape *sh, int T) {
     if (!sh || T < 1) return 0;
-    const size_t row = (size_t)sh->dc + sh->dr;
-    /* Q [T, dc+dr], S [T, KEY_BLOCK], Lat [T, dc], max and denominator [2, T],
-     * and the GEMM's scratch */
-    return (size_t)T * (row + KERN_MLA_KEY_BLOCK + (size_t)sh->dc + 2) + gemm_floats(sh, T);
+    /* Q [T, qrow], S [T, KEY_BLOCK], the output accumulator [T, acc], max
+     * and denominator [2, T], the GEMM's scratch, and the expanded form's
+     * projected keys and values [KEY_BLOCK, dn + dr + dv] */
+    return (size_t)T * (qrow_floats(sh) + KERN_MLA_KEY_BLOCK + acc_floats(sh) + 2) +
+           gemm_floats(sh, T) + (size_t)KERN_MLA_KEY_BLOCK * (sh->dn + sh->dr + sh->dv);
 }
 
 /* y [T, ldy] (+)= x [T, ldx] W^T over `in` columns, rows [0, rows) of W
@@ -80,20 +91,41 @@ static void gemm_att(const float *w, int ldw, bool cols_major, int rows, int in,
     gemm(w, ldw, cols_major, rows, in, x, ldx, T, y, ldy, accumulate, P);
 }
 
-/* The online-softmax attention of nq absorbed, scaled query rows Q [nq, dc + dr]
- * over the latent cache: row i sees keys 0 .. last0 + step * i (step 1: the
- * tokens of a prefill slice, causal; step 0: the heads of one decode token,
- * which all see the same keys). lat [nq, dc] gets the softmax-weighted
- * latent, normalised. S [nq, KEY_BLOCK], mx, den [nq] and P (P_floats of
- * GEMM scratch) are workspace. With step 0 each row's result depends on its
- * own query and the keys only (every GEMM output is its own fma chain), not
- * on the rows beside it, so even one row goes through the GEMM; with step 1
- * a block seen by one query alone takes the cheaper gemv. */
-static void attend_rows(const kern_mla_shape *sh, const float *Q, int nq_all, int64_t last0,
-                        int step, const float *cache, float *S, float *lat, float *mx, float *den,
-                        float *P, size_t P_floats, bool bf16_act) {
-    const int dc = sh->dc, row = dc + sh->dr;
-    memset(lat, 0, (size_t)nq_all * dc * sizeof(float));
+/* From this many queries a prefill slice attends in the expanded form
+ * (below). Per key and head the absorbed form does dc + dr + dc multiply-
+ * adds a query (1,088 at Kimi's widths), the expanded one dn + dr + dv
+ * (320) plus projecting the key up once per slice ((dn + dv) dc, 131K):
+ * cheaper from about 171 queries, 0.77 of the arithmetic at 256. */
+#define MLA_EXPANDED_MIN_T 192
+
+/* Where one head's attention reads its keys and values. Absorbed (wuk ==
+ * NULL): the queries are [q_nope W_UK_h | q_pe] (dc + dr wide), the keys the
+ * cache rows, the values their first dc columns, the output the weighted
+ * latent [dc]. Expanded: per block of the cache the keys are projected up,
+ * K_b = [C_b W_UK_h^T | k_pe] [nb, dn + dr] and V_b = C_b W_UV_h^T [nb, dv],
+ * the queries are [q_nope | q_pe] and the output is the head's [dv]. */
+typedef struct attn_form {
+    const float *wuk, *wuv; /* expanded: W_UK_h [dn, dc], W_UV_h [dv, dc] */
+    float *Kx, *Vx;         /* expanded: [KEY_BLOCK, dn + dr], [KEY_BLOCK, dv] */
+} attn_form;
+
+/* The online-softmax attention of nq scaled query rows Q [nq, qw] (qw:
+ * dc + dr absorbed, dn + dr expanded) over the latent cache: row i sees
+ * keys 0 .. last0 + step * i (step 1: the tokens of a prefill slice,
+ * causal; step 0: the heads of one decode token, which all see the same
+ * keys). acc [nq, aw] (aw: dc absorbed, dv expanded) gets the softmax-
+ * weighted values, normalised. S [nq, KEY_BLOCK], mx, den [nq] and P
+ * (P_floats of GEMM scratch) are workspace. With step 0 each row's result
+ * depends on its own query and the keys only (every GEMM output is its own
+ * fma chain), not on the rows beside it, so even one row goes through the
+ * GEMM; with step 1 a block seen by one query alone takes the cheaper gemv. */
+static void attend_rows(const kern_mla_shape *sh, const attn_form *f, const float *Q, int nq_all,
+                        int64_t last0, int step, const float *cache, float *S, float *acc,
+                        float *mx, float *den, float *P, size_t P_floats, bool bf16_act) {
+    const int dc = sh->dc, dr = sh->dr, dn = sh->dn, dv = sh->dv, row = dc + dr;
+    const bool expanded = f->wuk != NULL;
+    const int qw = expanded ? dn + dr : row, aw = expanded ? dv : dc;
+    memset(acc, 0, (size_t)nq_all * aw * sizeof(float));
     for (int t = 0; t < nq_all; t++) {
         mx[t] = -INFINITY;
         den[t] = 0.0f;
@@ -101,16 +133,28 @@ static void attend_rows(const kern_mla_shape *sh, const float *Q, int nq_all, in
     const int64_t n_ctx = last0 + (int64_t)step * (nq_all - 1) + 1;
     for (int64_t k0 = 0; k0 < n_ctx; k0 += KERN_MLA_KEY_BLOCK) {
         int nb = n_ctx - k0 < KERN_MLA_KEY_BLOCK ? (int)(n_ctx - k0) : KERN_MLA_KEY_BLOCK;
-        const float *Kb = cache + (size_t)k0 * row;
+        const float *Cb = cache + (size_t)k0 * row;
         /* rows that see none of this block (last key < k0) are skipped */
         int t0 = step && k0 > last0 ? (int)(k0 - last0) : 0;
         int nq = nq_all - t0;
+        /* keys [nb, qw] (ldk) and values (W(r, key) at vals[key * ldv + r]) */
+        const float *keys = Cb, *vals = Cb;
+        int ldk = row, ldv = row;
+        if (expanded) {
+            gemm(f->wuk, dc, false, dn, dc, Cb, row, nb, f->Kx, dn + dr, false, P);
+            gemm(f->wuv, dc, false, dv, dc, Cb, row, nb, f->Vx, dv, false, P);
+            for (int j = 0; j < nb; j++)
+                memcpy(f->Kx + (size_t)j * (dn + dr) + dn, Cb + (size_t)j * row + dc,
+                       (size_t)dr * sizeof(float));
+            keys = f->Kx, ldk = dn + dr;
+            vals = f->Vx, ldv = dv;
+        }
         const bool gemv = nq == 1 && step;
         if (gemv) /* one query: gemv, which packs nothing */
-            cblas_sgemv(CblasRowMajor, CblasNoTrans, nb, row, 1.0f, Kb, row,
-                        Q + (size_t)t0 * row, 1, 0.0f, S, 1);
+            cblas_sgemv(CblasRowMajor, CblasNoTrans, nb, qw, 1.0f, keys, ldk,
+                        Q + (size_t)t0 * qw, 1, 0.0f, S, 1);
         else
-            gemm_att(Kb, row, false, nb, row, Q + (size_t)t0 * row, row, nq, S, KERN_MLA_KEY_BLOCK,
+            gemm_att(keys, ldk, false, nb, qw, Q + (size_t)t0 * qw, qw, nq, S, KERN_MLA_KEY_BLOCK,
                      false, P, P_floats, bf16_act);
         for (int i = 0; i < nq; i++) {
             int t = t0 + i;
@@ -128,21 +172,21 @@ static void attend_rows(const kern_mla_shape *sh, const float *Q, int nq_all, in
             for (int j = visible; j < nb; j++) srow[j] = 0.0f;
             den[t] = den[t] * corr + sum;
             mx[t] = bm;
-            float *lrow = lat + (size_t)t * dc;
+            float *arow = acc + (size_t)t * aw;
             if (corr != 1.0f)
-                for (int j = 0; j < dc; j++) lrow[j] *= corr;
+                for (int j = 0; j < aw; j++) arow[j] *= corr;
         }
-        /* Lat[t0:] += P C_b, C_b = the first dc columns of the key rows */
+        /* acc[t0:] += P V_b */
         if (gemv)
-            cblas_sgemv(CblasRowMajor, CblasTrans, nb, dc, 1.0f, Kb, row, S, 1, 1.0f,
-                        lat + (size_t)t0 * dc, 1);
+            cblas_sgemv(CblasRowMajor, CblasTrans, nb, aw, 1.0f, vals, ldv, S, 1, 1.0f,
+                        acc + (size_t)t0 * aw, 1);
         else
-            gemm_att(Kb, row, true, dc, nb, S, KERN_MLA_KEY_BLOCK, nq, lat + (size_t)t0 * dc, dc,
+            gemm_att(vals, ldv, true, aw, nb, S, KERN_MLA_KEY_BLOCK, nq, acc + (size_t)t0 * aw, aw,
                      true, P, P_floats, bf16_act);
     }
     for (int t = 0; t < nq_all; t++) {
-        float inv = 1.0f / den[t], *lrow = lat + (size_t)t * dc;
-        for (int j = 0; j < dc; j++) lrow[j] *= inv;
+        float inv = 1.0f / den[t], *arow = acc + (size_t)t * aw;
+        for (int j = 0; j < aw; j++) arow[j] *= inv;
     }
 }
 
@@ -151,8 +195,21 @@ void kern_mla_attend_head(const kern_mla_shape *sh, const float *wuk, const floa
                           float *oh, int o_stride, bool bf16_act, float *workspace) {
     const int dc = sh->dc, dn = sh->dn, dr = sh->dr, dv = sh->dv, row = dc + dr;
     const float scale = 1.0f / sqrtf((float)(dn + dr));
-    float *Q = workspace, *S = Q + (size_t)T * row, *lat = S + (size_t)T * KERN_MLA_KEY_BLOCK;
-    float *mx = lat + (size_t)T * dc, *den = mx + T, *P = den + T;
+    float *Q = workspace, *S = Q + (size_t)T * qrow_floats(sh);
+    float *acc = S + (size_t)T * KERN_MLA_KEY_BLOCK, *mx = acc + (size_t)T * acc_floats(sh);
+    float *den = mx + T, *P = den + T, *Kx = P + gemm_floats(sh, T);
+    if (T >= MLA_EXPANDED_MIN_T) {
+        /* expanded: Q = [q_nope | q_pe] * scale, the head's output straight out */
+        const int qw = dn + dr;
+        for (int t = 0; t < T; t++)
+            for (int j = 0; j < qw; j++)
+                Q[(size_t)t * qw + j] = scale * qh[(size_t)t * q_stride + j];
+        const attn_form f = {wuk, wuv, Kx, Kx + (size_t)KERN_MLA_KEY_BLOCK * (dn + dr)};
+        attend_rows(sh, &f, Q, T, pos, 1, cache, S, acc, mx, den, P, gemm_floats(sh, T), bf16_act);
+        for (int t = 0; t < T; t++)
+            memcpy(oh + (size_t)t * o_stride, acc + (size_t)t * dv, (size_t)dv * sizeof(float));
+        return;
+    }
     /* Q[:, :dc] = q_nope W_UK_h; Q[:, dc:] = q_pe; all times the scale. */
     gemm(wuk, dc, true, dc, dn, qh, q_stride, T, Q, row, false, P);
     for (int t = 0; t < T; t++) {
@@ -160,9 +217,10 @@ void kern_mla_attend_head(const kern_mla_shape *sh, const float *wuk, const floa
         for (int j = 0; j < dr; j++)
             Q[(size_t)t * row + dc + j] = scale * qh[(size_t)t * q_stride + dn + j];
     }
-    attend_rows(sh, Q, T, pos, 1, cache, S, lat, mx, den, P, gemm_floats(sh, T), bf16_act);
+    const attn_form f = {NULL, NULL, NULL, NULL};
+    attend_rows(sh, &f, Q, T, pos, 1, cache, S, acc, mx, den, P, gemm_floats(sh, T), bf16_act);
     /* O_h = Lat W_UV_h^T, written into this head's columns of o */
-    gemm(wuv, dc, false, dv, dc, lat, dc, T, oh, o_stride, false, P);
+    gemm(wuv, dc, false, dv, dc, acc, dc, T, oh, o_stride, false, P);
 }
 
 size_t kern_mla_decode_heads_workspace_floats(const kern_mla_shape *sh) {
@@ -194,7 +252,8 @@ void kern_mla_decode_heads(const kern_mla_shape *sh, const kern_weight *kv_b, co
         for (int j = 0; j < dr; j++) Qh[dc + j] = scale * qh[dn + j];
     }
     /* every head against the same keys 0 .. pos: each cache block read once */
-    attend_rows(sh, Q, nq, pos, 0, cache, S, lat, mx, den, P, gemm_floats(sh, sh->nh), false);
+    const attn_form f = {NULL, NULL, NULL, NULL};
+    attend_rows(sh, &f, Q, nq, pos, 0, cache, S, lat, mx, den, P, gemm_floats(sh, sh->nh), false);
     /* o_h = Lat[h] W_UV_h^T */
     for (int h = h0; h < h1; h++) {
         for (int i = 0; i < dv; i++)
