@@ -14,6 +14,12 @@
 # prefill's activations to bf16 as llama.cpp's bf16 path does (equal
 # precision; ~3e-3 relative error per product). Decode is exact in both.
 #
+# Both engines decode after the prompt: kdaserve's decode follows its
+# prefill, and llama.cpp's tg test runs at depth P (llama-bench -d P, which
+# fills the context first, untimed). Without it llama-bench decodes from an
+# empty context, which at long prompts is another, cheaper measurement.
+# --no-depth gives llama-bench builds from before -d (2025) the old way.
+#
 # It does not build llama.cpp: give it a llama-bench that is already built
 # (or a llama-cli, beside which llama-bench is looked for). The project's
 # tests do not use this script.
@@ -39,6 +45,8 @@ usage: scripts/bench_vs.sh --llama-bench PATH --model DIR [--gguf FILE] [--round
   --kdaserve-args ARGS  more kdaserve bench options for both of its runs
   --no-bf16           leave out kdaserve's --bf16 prefill run
   --llama-args ARGS   more llama-bench options, e.g. "-fa 0"
+  --no-depth          llama.cpp decodes from an empty context, not at depth P
+                      (for llama-bench builds without -d)
 EOF
 }
 
@@ -49,7 +57,7 @@ die() {
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 llama="" model="" gguf="" rounds=4 threads="" prompt=512 gen=128 repeats=3 kds="" largs="" kargs=""
-nobf16=0
+nobf16=0 nodepth=0
 while [[ $# -gt 0 ]]; do
     case "$1" in
     --llama-bench) llama=${2:-}; shift 2 ;;
@@ -64,6 +72,7 @@ while [[ $# -gt 0 ]]; do
     --llama-args) largs=${2:-}; shift 2 ;;
     --kdaserve-args) kargs=${2:-}; shift 2 ;;
     --no-bf16) nobf16=1; shift ;;
+    --no-depth) nodepth=1; shift ;;
     -h | --help) usage; exit 0 ;;
     *) usage >&2; die "unknown argument '$1'" ;;
     esac
@@ -115,12 +124,26 @@ run_kds() {
         die "cannot read kdaserve bench's output: $(cat "$tmp/kds.out")"
 }
 
-# llama-bench: pp and tg tests (jsonl), the best of each test's samples
+# llama-bench: pp and tg tests (jsonl), the best of each test's samples; tg
+# at depth P (after a prompt of P tokens, as kdaserve's decode) unless
+# --no-depth
 run_llama() {
-    # shellcheck disable=SC2086
-    "$llama" -m "$gguf" -t "$threads" -p "$prompt" -n "$gen" -r "$repeats" -o jsonl $largs \
-        >"$tmp/llama.out" 2>"$tmp/llama.err" ||
-        { tail -20 "$tmp/llama.err" >&2; die "llama-bench failed"; }
+    if ((nodepth)); then
+        # shellcheck disable=SC2086
+        "$llama" -m "$gguf" -t "$threads" -p "$prompt" -n "$gen" -r "$repeats" -o jsonl $largs \
+            >"$tmp/llama.out" 2>"$tmp/llama.err" ||
+            { tail -20 "$tmp/llama.err" >&2; die "llama-bench failed"; }
+    else
+        # shellcheck disable=SC2086
+        "$llama" -m "$gguf" -t "$threads" -p "$prompt" -n 0 -r "$repeats" -o jsonl $largs \
+            >"$tmp/llama.out" 2>"$tmp/llama.err" ||
+            { tail -20 "$tmp/llama.err" >&2; die "llama-bench failed"; }
+        # shellcheck disable=SC2086
+        "$llama" -m "$gguf" -t "$threads" -p 0 -n "$gen" -d "$prompt" -r "$repeats" -o jsonl \
+            $largs >>"$tmp/llama.out" 2>"$tmp/llama.err" ||
+            { tail -20 "$tmp/llama.err" >&2
+              die "llama-bench -d failed (a build from before -d? try --no-depth)"; }
+    fi
     awk '
         function best(line,   s, n, i, a, b) {
             s = line; sub(/.*"samples_ts": *\[/, "", s); sub(/\].*/, "", s)
@@ -151,6 +174,11 @@ echo "gguf:      $gguf"
 echo "threads $threads, prompt $prompt, gen $gen, best of $repeats per round, $rounds rounds"
 echo "kdaserve bench options: ${kargs:-(none)}; llama-bench options: ${largs:-(none)}"
 ((nobf16)) || echo "kdaserve's prefill: exact, and with --bf16 (llama.cpp's precision)"
+if ((nodepth)); then
+    echo "decode: kdaserve after the prompt, llama.cpp from an empty context (--no-depth)"
+else
+    echo "decode: both after the prompt (llama-bench -d $prompt)"
+fi
 echo "load average at start: $(loadavg)"
 echo
 printf '%-6s %-10s %12s %12s %13s %12s %12s %9s %9s %9s  %s\n' round first "kds prefill" \
@@ -191,6 +219,7 @@ printf '| prefill, %s tokens (kdaserve exact) | %.1f | %.1f | %.2fx |\n' "$promp
     "$(col 2)" "$(col 5)"
 ((nobf16)) || printf '| prefill, %s tokens (kdaserve --bf16: llama.cpp'"'"'s precision) | %.1f | %.1f | %.2fx |\n' \
     "$prompt" "$(col 7)" "$(col 2)" "$(col 8)"
-printf '| decode, %s tokens | %.2f | %.2f | %.2fx |\n' "$gen" "$(col 3)" "$(col 4)" "$(col 6)"
+printf '| decode, %s tokens after the prompt | %.2f | %.2f | %.2fx |\n' "$gen" "$(col 3)" "$(col 4)" \
+    "$(col 6)"
 echo
 echo "load average at end: $(loadavg)"

@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include "eng.h"
 #include "eng_genmodel.h"
@@ -638,11 +639,22 @@ Test(gguf, bench_vs_script_with_a_stand_in) {
     cr_assert(m, "%s", err.msg);
     eng_model_free(m);
     char *fake = tmu_path(dir, "llama-bench"), *gguf = tmu_path(dir, "m.gguf"),
-         *log = tmu_path(dir, "vs.txt");
-    put(dir, "llama-bench",
-        "#!/bin/sh\n"
-        "echo '{\"n_prompt\": 16, \"n_gen\": 0, \"avg_ts\": 90, \"samples_ts\": [ 80.5, 100 ]}'\n"
-        "echo '{\"n_prompt\": 0, \"n_gen\": 4, \"avg_ts\": 9, \"samples_ts\": [ 10, 8 ]}'\n");
+         *log = tmu_path(dir, "vs.txt"), *args = tmu_path(dir, "args.txt");
+    /* answers the tests it is asked for (pp with -n 0, tg at a depth with
+     * -d, both otherwise) and notes its arguments */
+    char script[1024];
+    snprintf(script, sizeof script,
+             "#!/bin/sh\n"
+             "echo \"$*\" >> %s\n"
+             "pp='{\"n_prompt\": 16, \"n_gen\": 0, \"avg_ts\": 90, \"samples_ts\": [ 80.5, 100 ]}'\n"
+             "tg='{\"n_prompt\": 0, \"n_gen\": 4, \"avg_ts\": 9, \"samples_ts\": [ 10, 8 ]}'\n"
+             "case \" $* \" in\n"
+             "*' -d '*) echo \"$tg\" ;;\n"
+             "*' -n 0 '*) echo \"$pp\" ;;\n"
+             "*) echo \"$pp\"; echo \"$tg\" ;;\n"
+             "esac\n",
+             args);
+    put(dir, "llama-bench", script);
     cr_assert_eq(chmod(fake, 0755), 0);
     char cmd[4096];
     snprintf(cmd, sizeof cmd,
@@ -656,9 +668,16 @@ Test(gguf, bench_vs_script_with_a_stand_in) {
               "%s", out);
     cr_expect(strstr(out, "| prefill, 16 tokens (kdaserve --bf16: llama.cpp's precision) |"), "%s",
               out);
-    cr_expect(strstr(out, "| decode, 4 tokens |") && strstr(out, "| 10.00 |"), "%s", out);
+    cr_expect(strstr(out, "| decode, 4 tokens after the prompt |") && strstr(out, "| 10.00 |"),
+              "%s", out);
     cr_expect(strstr(out, "load average at end"), "%s", out);
     free(out);
+    /* llama.cpp decodes at the prompt's depth, as kdaserve does */
+    out = tmu_read(args, NULL);
+    cr_assert(out);
+    cr_expect(strstr(out, "-p 16 -n 0") && strstr(out, "-p 0 -n 4 -d 16"), "%s", out);
+    free(out);
+    cr_assert_eq(unlink(args), 0);
     /* --no-bf16: kdaserve's prefill once a round, exact */
     snprintf(cmd, sizeof cmd,
              "%s/scripts/bench_vs.sh --kdaserve %s --llama-bench %s --model %s --gguf %s "
@@ -668,6 +687,22 @@ Test(gguf, bench_vs_script_with_a_stand_in) {
     out = tmu_read(log, NULL);
     cr_assert(out);
     cr_expect(strstr(out, "(kdaserve exact)") && !strstr(out, "--bf16: llama.cpp"), "%s", out);
+    free(out);
+    /* --no-depth: one llama-bench run a round, no -d */
+    cr_assert_eq(unlink(args), 0);
+    snprintf(cmd, sizeof cmd,
+             "%s/scripts/bench_vs.sh --kdaserve %s --llama-bench %s --model %s --gguf %s "
+             "--rounds 1 --repeats 1 --prompt 16 --gen 4 --threads 1 --no-bf16 --no-depth > %s "
+             "2>&1",
+             KDS_SOURCE_DIR, KDASERVE, fake, dir, gguf, log);
+    cr_assert_eq(th_system(cmd), 0, "%s", cmd);
+    out = tmu_read(args, NULL);
+    cr_assert(out);
+    cr_expect(strstr(out, "-p 16 -n 4") && !strstr(out, "-d "), "%s", out);
+    free(out);
+    out = tmu_read(log, NULL);
+    cr_assert(out);
+    cr_expect(strstr(out, "from an empty context (--no-depth)"), "%s", out);
     FILE *f = fopen(gguf, "rb");
     cr_expect(f, "the GGUF was written");
     if (f) fclose(f);
@@ -681,6 +716,7 @@ Test(gguf, bench_vs_script_with_a_stand_in) {
     free(fake);
     free(gguf);
     free(log);
+    free(args);
     tmu_rmtree(dir);
     free(dir);
 }
