@@ -91,12 +91,20 @@ static void gemm_att(const float *w, int ldw, bool cols_major, int rows, int in,
     gemm(w, ldw, cols_major, rows, in, x, ldx, T, y, ldy, accumulate, P);
 }
 
-/* From this many queries a prefill slice attends in the expanded form
+/* Whether T queries of a prefill slice attend in the expanded form
  * (below). Per key and head the absorbed form does dc + dr + dc multiply-
  * adds a query (1,088 at Kimi's widths), the expanded one dn + dr + dv
  * (320) plus projecting the key up once per slice ((dn + dv) dc, 131K):
- * cheaper from about 171 queries, 0.77 of the arithmetic at 256. */
-#define MLA_EXPANDED_MIN_T 192
+ * at Kimi's widths cheaper from about 171 queries, 0.77 of the arithmetic
+ * at 256. Taken when it saves a tenth at least (the projections' copies
+ * and extra passes are not counted), so from 199 queries there; never
+ * for heads whose dn + dv outgrows 2 dc. */
+static bool expanded_pays(const kern_mla_shape *sh, int T) {
+    const double absorbed = 2.0 * sh->dc + sh->dr;
+    const double expanded =
+        (double)(sh->dn + sh->dv) * sh->dc / T + (double)(sh->dn + sh->dr + sh->dv);
+    return expanded < 0.9 * absorbed;
+}
 
 /* Where one head's attention reads its keys and values. Absorbed (wuk ==
  * NULL): the queries are [q_nope W_UK_h | q_pe] (dc + dr wide), the keys the
@@ -198,7 +206,7 @@ void kern_mla_attend_head(const kern_mla_shape *sh, const float *wuk, const floa
     float *Q = workspace, *S = Q + (size_t)T * qrow_floats(sh);
     float *acc = S + (size_t)T * KERN_MLA_KEY_BLOCK, *mx = acc + (size_t)T * acc_floats(sh);
     float *den = mx + T, *P = den + T, *Kx = P + gemm_floats(sh, T);
-    if (T >= MLA_EXPANDED_MIN_T) {
+    if (expanded_pays(sh, T)) {
         /* expanded: Q = [q_nope | q_pe] * scale, the head's output straight out */
         const int qw = dn + dr;
         for (int t = 0; t < T; t++)
