@@ -249,25 +249,41 @@ void kern_mla_decode_heads(const kern_mla_shape *sh, const kern_weight *kv_b, co
     float *w = workspace, *Q = w + (size_t)(dn + dv) * dc, *S = Q + (size_t)nq * row;
     float *lat = S + (size_t)nq * KERN_MLA_KEY_BLOCK, *mx = lat + (size_t)nq * dc, *den = mx + nq;
     float *P = den + nq;
-    /* Q[h] = [q_nope_h W_UK_h | q_pe_h] * scale, one head's W_UK_h widened at a time */
+    /* Q[h] = [q_nope_h W_UK_h | q_pe_h] * scale. One query per head, so
+     * no GEMM (whose panel packing cost more than the product here): each
+     * row i of W_UK_h is widened in turn and added in, q[i] W_UK_h[i, :],
+     * every Q[h, j] the same chain over i whatever heads share the call. */
     for (int h = h0; h < h1; h++) {
         const float *qh = q + (size_t)h * (dn + dr);
         float *Qh = Q + (size_t)(h - h0) * row;
-        for (int i = 0; i < dn; i++)
-            kern_weight_row_f32(kv_b, h * (dn + dv) + i, 0, dc, w + (size_t)i * dc);
-        gemm(w, dc, true, dc, dn, qh, dn + dr, 1, Qh, row, false, P);
+        memset(Qh, 0, (size_t)dc * sizeof(float));
+        for (int i = 0; i < dn; i++) {
+            kern_weight_row_f32(kv_b, h * (dn + dv) + i, 0, dc, w);
+            const float qi = qh[i];
+            for (int j = 0; j < dc; j++) Qh[j] += qi * w[j];
+        }
         for (int j = 0; j < dc; j++) Qh[j] *= scale;
         for (int j = 0; j < dr; j++) Qh[dc + j] = scale * qh[dn + j];
     }
     /* every head against the same keys 0 .. pos: each cache block read once */
     const attn_form f = {NULL, NULL, NULL, NULL};
     attend_rows(sh, &f, Q, nq, pos, 0, cache, S, lat, mx, den, P, gemm_floats(sh, sh->nh), false);
-    /* o_h = Lat[h] W_UV_h^T */
+    /* o_h[r] = Lat[h] . W_UV_h[r, :]: sixteen running sums over the
+     * columns, added up in a fixed order */
     for (int h = h0; h < h1; h++) {
-        for (int i = 0; i < dv; i++)
-            kern_weight_row_f32(kv_b, h * (dn + dv) + dn + i, 0, dc, w + (size_t)i * dc);
-        gemm(w, dc, false, dv, dc, lat + (size_t)(h - h0) * dc, dc, 1, o + (size_t)h * dv, dv,
-             false, P);
+        const float *lh = lat + (size_t)(h - h0) * dc;
+        float *oh = o + (size_t)h * dv;
+        for (int r = 0; r < dv; r++) {
+            kern_weight_row_f32(kv_b, h * (dn + dv) + dn + r, 0, dc, w);
+            float part[16] = {0};
+            int j = 0;
+            for (; j + 16 <= dc; j += 16)
+                for (int l = 0; l < 16; l++) part[l] += lh[j + l] * w[j + l];
+            for (; j < dc; j++) part[j % 16] += lh[j] * w[j];
+            float sum = 0.0f;
+            for (int l = 0; l < 16; l++) sum += part[l];
+            oh[r] = sum;
+        }
     }
 }
 
