@@ -282,28 +282,35 @@ static void pack_panel(const kern_gemm_w *w, int r, int nr, int c0, int kc, floa
     }
 }
 
+/* The bytes of the panel after rows [r, r + nr) x columns [c0, c0 + kc) of
+ * rows [.., r1), fetched while this one computes: the next columns of these
+ * rows, else the first columns of the next rows; none for a cols_major
+ * matrix, whose panels are small. */
+static kern_prefetch next_panel(const kern_gemm_w *w, int in, int r, int nr, int r1, int c0,
+                                int kc) {
+    const size_t esz = kern_dtype_size(w->dt), ld = (size_t)w->ld;
+    kern_prefetch next = {NULL, ld * esz, 0, 0};
+    if (!w->cols_major && c0 + kc < in) {
+        const int kn = in - c0 - kc < KERN_PANEL_COLS ? in - c0 - kc : KERN_PANEL_COLS;
+        next.base = (const char *)w->data + ((size_t)r * ld + (size_t)(c0 + kc)) * esz;
+        next.row_bytes = (size_t)kn * esz, next.rows = nr;
+    } else if (!w->cols_major && r + nr < r1) {
+        const int kn = in < KERN_PANEL_COLS ? in : KERN_PANEL_COLS;
+        next.base = (const char *)w->data + (size_t)(r + nr) * ld * esz;
+        next.row_bytes = (size_t)kn * esz;
+        next.rows = r1 - r - nr < KERN_PANEL_ROWS ? r1 - r - nr : KERN_PANEL_ROWS;
+    }
+    return next;
+}
+
 void kern__gemm(const kern_gemm_w *w, int in, const float *x, int ldx, int T, float *y, int ldy,
                 int r0, int r1, bool accumulate, float *P) {
-    const size_t esz = kern_dtype_size(w->dt), ld = (size_t)w->ld;
     for (int r = r0; r < r1; r += KERN_PANEL_ROWS) {
         const int nr = r1 - r < KERN_PANEL_ROWS ? r1 - r : KERN_PANEL_ROWS;
         for (int c0 = 0; c0 < in; c0 += KERN_PANEL_COLS) {
             const int kc = in - c0 < KERN_PANEL_COLS ? in - c0 : KERN_PANEL_COLS;
             pack_panel(w, r, nr, c0, kc, P);
-            /* the next panel's bytes, fetched while this one computes: the
-             * next columns of these rows, else the first of the next rows
-             * (a cols_major matrix's panels are small: not needed) */
-            kern_prefetch next = {NULL, ld * esz, 0, 0};
-            if (!w->cols_major && c0 + kc < in) {
-                const int kn = in - c0 - kc < KERN_PANEL_COLS ? in - c0 - kc : KERN_PANEL_COLS;
-                next.base = (const char *)w->data + ((size_t)r * ld + (size_t)(c0 + kc)) * esz;
-                next.row_bytes = (size_t)kn * esz, next.rows = nr;
-            } else if (!w->cols_major && r + nr < r1) {
-                const int kn = in < KERN_PANEL_COLS ? in : KERN_PANEL_COLS;
-                next.base = (const char *)w->data + (size_t)(r + nr) * ld * esz;
-                next.row_bytes = (size_t)kn * esz;
-                next.rows = r1 - r - nr < KERN_PANEL_ROWS ? r1 - r - nr : KERN_PANEL_ROWS;
-            }
+            const kern_prefetch next = next_panel(w, in, r, nr, r1, c0, kc);
             kern__panel_gemm(P, kc, x + c0, ldx, T, y + r, ldy, nr, accumulate || c0 > 0, &next);
         }
     }
@@ -494,7 +501,7 @@ void kern__gemm_bf16x(const kern_gemm_w *w, int in, const float *x, int ldx, int
         panel_bf16_10,  panel_bf16_11, panel_bf16_12};
     const int kmax = in < KERN_PANEL_COLS ? in : KERN_PANEL_COLS, in2 = (in + 1) / 2;
     const size_t p2_words = (size_t)KERN_PANEL_ROWS * ((kmax + 1) / 2);
-    const size_t esz = kern_dtype_size(w->dt), ld = (size_t)w->ld;
+    const size_t ld = (size_t)w->ld;
     uint32_t *P2 = (uint32_t *)scratch, *xw = P2 + p2_words;
     /* the tokens whose rounded x fits the rest of the scratch, in steps of
      * 12 (at least one step): each block's x is rounded once, and W is
@@ -513,19 +520,7 @@ void kern__gemm_bf16x(const kern_gemm_w *w, int in, const float *x, int ldx, int
                     pack_pairs(w->data, ld, r, nr, c0, kc, P2);
                 else
                     pack_pairs_f32(w, r, nr, c0, kc, P2);
-                /* the next panel's bytes, fetched while this one computes
-                 * (as kern__gemm does; a cols_major matrix's panels are
-                 * small) */
-                kern_prefetch next = {NULL, ld * esz, 0, 0};
-                if (!w->cols_major && c0 + kc < in) {
-                    const int kn = in - c0 - kc < KERN_PANEL_COLS ? in - c0 - kc : KERN_PANEL_COLS;
-                    next.base = (const char *)w->data + ((size_t)r * ld + (size_t)(c0 + kc)) * esz;
-                    next.row_bytes = (size_t)kn * esz, next.rows = nr;
-                } else if (!w->cols_major && r + nr < r1) {
-                    next.base = (const char *)w->data + (size_t)(r + nr) * ld * esz;
-                    next.row_bytes = (size_t)kmax * esz;
-                    next.rows = r1 - r - nr < KERN_PANEL_ROWS ? r1 - r - nr : KERN_PANEL_ROWS;
-                }
+                const kern_prefetch next = next_panel(w, in, r, nr, r1, c0, kc);
                 for (int t0 = 0; t0 < nb; t0 += PANEL_TOKENS) {
                     const int mt = nb - t0 < PANEL_TOKENS ? nb - t0 : PANEL_TOKENS;
                     step[mt](P2, (kc + 1) / 2, xw + (size_t)t0 * in2 + c0 / 2, in2,
