@@ -364,13 +364,11 @@ typedef struct mla_run {
     eng_cpu *c;
     const eng_pass *p;
     const eng_mla_args *a;
-    int n_groups; /* task = group * heads + head; groups split the rows */
 } mla_run;
 
-/* One head for one group of rows: widen the head's kv_b rows once, then
- * attend the whole batch of one sequence, or each row of the group against
- * its own sequence's cache and position. */
-static void mla_head_fn(void *arg, int task, int thread) {
+/* One head of a prefill slice (T rows of one sequence; decode steps go to
+ * mla_decode_fn): widen the head's kv_b rows once, then attend the slice. */
+static void mla_head_fn(void *arg, int h, int thread) {
     mla_run *r = arg;
     eng_cpu *c = r->c;
     const eng_dims *d = &c->d;
@@ -378,30 +376,16 @@ static void mla_head_fn(void *arg, int task, int thread) {
     thread_scratch *ts = &c->ts[thread];
     const int dc = d->dc, dn = d->dn, dr = d->dr, dv = d->dv;
     const kern_mla_shape sh = {d->mla_heads, dc, dr, dn, dv};
-    const int h = task % d->mla_heads, group = task / d->mla_heads;
     /* W_UK_h = rows [h*(dn+dv), +dn) of kv_b_proj [nh*(dn+dv), dc], W_UV_h the next dv rows */
     const kern_weight kvb = eng__kern_weight(&a->w->kv_b_proj);
     for (int i = 0; i < dn + dv; i++)
         kern_weight_row_f32(&kvb, h * (dn + dv) + i, 0, dc, ts->mla_w + (size_t)i * dc);
     const float *wuk = ts->mla_w, *wuv = ts->mla_w + (size_t)dn * dc;
     const size_t qstride = (size_t)d->mla_heads * (dn + dr), ostride = (size_t)d->mla_heads * dv;
-    const float *qh = a->q + (size_t)h * (dn + dr);
-    float *oh = a->o + (size_t)h * dv;
-    const int T = r->p->T;
-    if (r->p->n_seqs == 1) {
-        const eng_seq *s = r->p->seqs[0];
-        kern_mla_attend_head(&sh, wuk, wuv, qh, (int)qstride, T, s->pos, s->mla_cache[a->layer], oh,
-                             (int)ostride, c->bf16_act && c->prefill, ts->mla_ws);
-        return;
-    }
-    int t0 = (int)((int64_t)T * group / r->n_groups);
-    int t1 = (int)((int64_t)T * (group + 1) / r->n_groups);
-    for (int t = t0; t < t1; t++) {
-        const eng_seq *s = r->p->seqs[t];
-        kern_mla_attend_head(&sh, wuk, wuv, qh + (size_t)t * qstride, (int)qstride, 1, s->pos,
-                             s->mla_cache[a->layer], oh + (size_t)t * ostride, (int)ostride,
-                             false, ts->mla_ws);
-    }
+    const eng_seq *s = r->p->seqs[0];
+    kern_mla_attend_head(&sh, wuk, wuv, a->q + (size_t)h * (dn + dr), (int)qstride, r->p->T,
+                         s->pos, s->mla_cache[a->layer], a->o + (size_t)h * dv, (int)ostride,
+                         c->bf16_act && c->prefill, ts->mla_ws);
 }
 
 /* Decode (one row per sequence): task = row * n_groups + head group; each
@@ -460,18 +444,12 @@ static void cpu_mla(eng_backend *b, const eng_pass *p, const eng_mla_args *a) {
             eng_pool_run(c->pool, mla_decode_fn, &r, n_tasks);
         return;
     }
-    mla_run r = {c, p, a, 1};
-    /* Across sequences, cut the rows into groups until there are a few
-     * tasks per thread; each task widens its head's weights once. */
-    if (multi) {
-        int want = (c->n_threads * 4 + d->mla_heads - 1) / d->mla_heads;
-        r.n_groups = c->n_threads == 1 ? 1 : want < T ? want : T;
-    }
-    int n_tasks = d->mla_heads * r.n_groups;
+    /* a prefill slice of one sequence: a task per head */
+    mla_run r = {c, p, a};
     if (c->n_threads == 1)
-        for (int i = 0; i < n_tasks; i++) mla_head_fn(&r, i, 0);
+        for (int h = 0; h < d->mla_heads; h++) mla_head_fn(&r, h, 0);
     else
-        eng_pool_run(c->pool, mla_head_fn, &r, n_tasks);
+        eng_pool_run(c->pool, mla_head_fn, &r, d->mla_heads);
 }
 
 /* ------------------------------------------------------------------------ */
