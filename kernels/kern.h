@@ -368,7 +368,7 @@ size_t kern_mla_attend_workspace_floats(const kern_mla_shape *sh, int T);
  *   Q = [q_nope_h W_UK_h | q_pe_h] / sqrt(dn + dr), one row per head
  *   per block of the cache K_b: S = Q K_b^T, online softmax, Lat += P K_b[:, :dc]
  *   o_h = (Lat_h / l_h) W_UV_h^T
- * kv_b: kv_b_proj [nh*(dn+dv), dc], any dtype (a head's rows are widened
+ * kv_b: kv_b_proj [nh*(dn+dv), dc], any dtype (widened a row at a time
  * into the workspace); q: [nh*(dn+dr)]; cache: [pos + 1, dc + dr] fp32;
  * o: [nh*dv], the heads' columns written. A head's result does not depend
  * on which heads share the call. Exact (fp32).

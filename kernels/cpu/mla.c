@@ -234,9 +234,9 @@ void kern_mla_attend_head(const kern_mla_shape *sh, const float *wuk, const floa
 size_t kern_mla_decode_heads_workspace_floats(const kern_mla_shape *sh) {
     if (!sh || sh->nh < 1) return 0;
     const size_t nh = (size_t)sh->nh, row = (size_t)sh->dc + sh->dr;
-    /* one head's widened kv_b rows [dn + dv, dc], Q [nh, row], S [nh,
+    /* one widened kv_b row [dc], Q [nh, row], S [nh,
      * KEY_BLOCK], Lat [nh, dc], max and denominator [2, nh], GEMM scratch */
-    return (size_t)(sh->dn + sh->dv) * sh->dc +
+    return (size_t)sh->dc +
            nh * (row + KERN_MLA_KEY_BLOCK + (size_t)sh->dc + 2) + gemm_floats(sh, sh->nh);
 }
 
@@ -246,7 +246,7 @@ void kern_mla_decode_heads(const kern_mla_shape *sh, const kern_weight *kv_b, co
     const int dc = sh->dc, dn = sh->dn, dr = sh->dr, dv = sh->dv, row = dc + dr, nq = h1 - h0;
     if (nq < 1) return;
     const float scale = 1.0f / sqrtf((float)(dn + dr));
-    float *w = workspace, *Q = w + (size_t)(dn + dv) * dc, *S = Q + (size_t)nq * row;
+    float *w = workspace, *Q = w + dc, *S = Q + (size_t)nq * row;
     float *lat = S + (size_t)nq * KERN_MLA_KEY_BLOCK, *mx = lat + (size_t)nq * dc, *den = mx + nq;
     float *P = den + nq;
     /* Q[h] = [q_nope_h W_UK_h | q_pe_h] * scale. One query per head, so
