@@ -288,7 +288,7 @@ static void split_even_odd(const float *x, size_t n, float *xs) {
 
 /* Block b of one row as two vectors of f32 weights, w0 for x's (or xs's)
  * values 0-15 of the block, w1 for 16-31. `sw` is the block's scale word
- * (scale_words): MXFP4, the offset of its row of E8M0_E2M1 in floats;
+ * (scale_words): MXFP4, the byte offset of its row of E8M0_E2M1;
  * Q8_0, its f32 scale. MXFP4: the 16 code bytes widened to 16 lanes;
  * vpermps reads the low 4 bits of a lane, so the lane is the even
  * element's index into the row and the lane shifted right by 4 the odd
@@ -296,9 +296,10 @@ static void split_even_odd(const float *x, size_t n, float *xs) {
 static inline void block_values(const kern_dtype dt, const unsigned char *codes, int b,
                                 const unsigned char *sw, __m512 *w0, __m512 *w1) {
     if (dt == KERN_MXFP4) {
-        int32_t off;
+        uint32_t off; /* 64 e: its row's byte offset, used as loaded (a zero-extending load
+                       * and the table address; e * 16 floats cost a shift back and forth) */
         memcpy(&off, sw, sizeof off);
-        const __m512 tab = _mm512_load_ps(E8M0_E2M1[off >> 4]); /* its row: off = 16 e */
+        const __m512 tab = _mm512_load_ps((const float *)((const char *)E8M0_E2M1 + off));
         const __m512i v =
             _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16 * (size_t)b)));
         *w0 = _mm512_permutexvar_ps(v, tab);
@@ -316,8 +317,8 @@ static inline void block_values(const kern_dtype dt, const unsigned char *codes,
 }
 
 /* The scale words of rows [r, r + nr), one 4-byte word per block, row k's
- * at sw + k * ld bytes: MXFP4, e * 16 (the offset of row e of
- * E8M0_E2M1, in floats); Q8_0, the f32 scale (row_scales). */
+ * at sw + k * ld bytes: MXFP4, e * 64 (the byte offset of row e of
+ * E8M0_E2M1); Q8_0, the f32 scale (row_scales). */
 static void scale_words(const kern_weight *w, const kern_layout *l, int r, int nr,
                         unsigned char *sw, size_t ld) {
     if (w->dt != KERN_MXFP4) {
@@ -333,10 +334,10 @@ static void scale_words(const kern_weight *w, const kern_layout *l, int r, int n
         int b = 0;
         for (; b + 16 <= nb; b += 16) {
             const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sc + b)));
-            _mm512_storeu_si512((void *)(out + 4 * (size_t)b), _mm512_slli_epi32(e, 4));
+            _mm512_storeu_si512((void *)(out + 4 * (size_t)b), _mm512_slli_epi32(e, 6));
         }
         for (; b < nb; b++) { /* the scalar form */
-            const int32_t off = 16 * (int32_t)sc[b];
+            const uint32_t off = 64u * sc[b];
             memcpy(out + 4 * (size_t)b, &off, sizeof off);
         }
     }
