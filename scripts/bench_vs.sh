@@ -205,8 +205,10 @@ for ((r = 1; r <= rounds; r++)); do
     rb=$(awk -v a="$bp" -v b="$lp" 'BEGIN { printf "%.3f", a / b }')
     rd=$(awk -v a="$kd" -v b="$ld" 'BEGIN { printf "%.3f", a / b }')
     echo "$kp $lp $kd $ld $rp $rd $bp $rb" >>"$tmp/rounds"
-    printf '%-6s %-10s %12.1f %12.1f %13.1f %12.2f %12.2f %8sx %8sx %8sx  %s\n' "$r" "$first" \
-        "$kp" "$bp" "$lp" "$kd" "$ld" "$rp" "$rb" "$rd" "$(loadavg)"
+    # without the --bf16 run its two columns say so, not 0.0
+    if ((nobf16)); then bcol=-; bx=-; else bcol=$(printf '%.1f' "$bp"); bx=${rb}x; fi
+    printf '%-6s %-10s %12.1f %12s %13.1f %12.2f %12.2f %8sx %9s %8sx  %s\n' "$r" "$first" \
+        "$kp" "$bcol" "$lp" "$kd" "$ld" "$rp" "$bx" "$rd" "$(loadavg)"
 done
 
 col() { awk -v c="$1" '{print $c}' "$tmp/rounds" | median; }
