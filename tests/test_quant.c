@@ -487,7 +487,7 @@ Test(quant, direct_rows_do_not_depend_on_T) {
 /* y[k] [9] = the last token's row of the product of a [9, EDGE_COLS]
  * MXFP4 weight (codes [9, EDGE_COLS / 2], scales [9, EDGE_COLS / 32]), for
  * every token equal to x [EDGE_COLS], at T = 1 (direct, one token), 5
- * (direct, tiles) and 40 (prefill), k = 0, 1, 2. */
+ * (direct, token groups) and 40 (prefill), k = 0, 1, 2. */
 static void product_all_paths(const unsigned char *codes, const unsigned char *scales,
                               const float *x, float y[3][9]) {
     const kern_weight w = {KERN_MXFP4, codes, scales, 9, EDGE_COLS};

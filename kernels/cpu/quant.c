@@ -16,9 +16,9 @@
  *     int8 becomes f32 by a sign-extending widen and a convert, times its
  *     f16 scale.
  *     One token decodes in registers, one FMA per 16 values; several tokens
- *     decode each 8-row x 128-column tile once into L1 and run every token
- *     over it with the same FMAs in the same order, so row t of a T-token
- *     product is the one-token product of row t, bit for bit.
+ *     go in groups of up to three, each block decoded in registers once per
+ *     group and feeding the group's FMAs in the one-token order, so row t
+ *     of a T-token product is the one-token product of row t, bit for bit.
  *   - Prefill, T >= 32, is bound by multiply-adds. Panels of 32 rows are
  *     dequantised into the scratch, transposed to [cols, 32] (gathers pick
  *     one code word per row), and an outer-product kernel keeps 12 tokens x
@@ -343,10 +343,6 @@ static void scale_words(const kern_weight *w, const kern_layout *l, int r, int n
     }
 }
 
-/* Blocks per tile of the several-token direct path: 8 rows x 128 columns
- * of f32 (4 KiB), in L1 beside the tokens' x. */
-#define TILE_BLOCKS 4
-
 /* Prefetch distance of the direct path in rows: ~16 KiB ahead, at least
  * the next eight rows (ops.c's dot8_bf16 found the hardware prefetcher
  * alone left decode well short of bandwidth). x86 prefetches never fault,
@@ -397,53 +393,77 @@ static inline void rows8_one_token(const kern_dtype dt, const unsigned char *c, 
     _mm256_storeu_ps(y, reduce8(acc));
 }
 
-/* T (2..31) tokens, rows [r, r + 8): the eight rows' next TILE_BLOCKS
- * blocks are decoded once into `tile` [8, TILE_BLOCKS, 32] (in L1), and
- * every token's accumulators (acc [T, 8], in L1 between tiles) run over
- * the tile with the FMAs of rows8_one_token in the same order, so each
- * token's sums are the ones it would get alone. xs [T, in]; y [T, ldy]. */
+/* Blocks [b0, b1) of rows [r, r + 8) (codes c, row stride rb; scale words
+ * sw at the same stride) for nt (1..3, a constant at each call) tokens x0
+ * [nt, in] (split even/odd for MXFP4), continuing the running sums acc[t][k]
+ * (16 lanes each): each block of each row is decoded once in registers and
+ * feeds the nt tokens' FMAs, in the order rows8_one_token gives them, so a
+ * token's sums are the ones it gets alone. pf > 0: every row is prefetched
+ * pf rows on (into L2, as rows8_one_token). */
+static inline __attribute__((always_inline)) void
+rows8_group(const kern_dtype dt, const unsigned char *c, size_t rb, int in,
+            const unsigned char *sw, const float *x0, const int nt, int b0, int b1, int pf,
+            __m512 (*acc)[8]) {
+    const int bb = dt == KERN_MXFP4 ? 16 : 32;
+    const int per_line = 64 / bb;
+    __m512 a[3][8];
+    for (int j = 0; j < nt; j++)
+        for (int k = 0; k < 8; k++) a[j][k] = acc[j][k];
+    for (int b = b0; b < b1; b++) {
+        if (pf > 0 && b % per_line == 0)
+            for (int k = 0; k < 8; k++)
+                _mm_prefetch((const char *)(c + (size_t)(k + pf) * rb + (size_t)b * bb),
+                             _MM_HINT_T1);
+        for (int k = 0; k < 8; k++) {
+            __m512 w0, w1;
+            block_values(dt, c + k * rb, b, sw + k * rb + 4 * (size_t)b, &w0, &w1);
+            for (int j = 0; j < nt; j++) {
+                const float *xj = x0 + (size_t)j * in + 32 * (size_t)b;
+                a[j][k] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xj), a[j][k]);
+                a[j][k] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xj + 16), a[j][k]);
+            }
+        }
+    }
+    for (int j = 0; j < nt; j++)
+        for (int k = 0; k < 8; k++) acc[j][k] = a[j][k];
+}
+
+/* Blocks per column block when more than three tokens share eight rows:
+ * the rows' block (8 x 256 MXFP4 / 512 Q8_0 bytes) and the tokens' x
+ * (up to 31 x 2 KiB) stay in L1 / L2 while every group of three runs over
+ * them. */
+#define QUANT_COL_BLOCKS 16
+
+/* T (2..31) tokens, rows [r, r + 8): the tokens go in groups of up to three
+ * (rows8_group: 8 x 3 sums in registers, each block decoded once per
+ * group). Up to three tokens take whole rows, read from memory as eight
+ * streams; more go over column blocks of QUANT_COL_BLOCKS, the first group
+ * reading a block from memory and the others from cache. Decoding a block
+ * once per group costs less than decoding it once into an L1 tile that
+ * every token reads back (the path before: two tokens took 3.5x one
+ * token's time, kds_cpu_bench (c)). xs [T, in]; y [T, ldy]. */
 static inline void rows8_tokens(const kern_dtype dt, const unsigned char *c, size_t rb, int nb,
                                 const unsigned char *sw, const float *xs, int T, float *y,
                                 int ldy) {
-    const int bb = dt == KERN_MXFP4 ? 16 : 32;
-    const int per_line = 64 / bb, pf = prefetch_rows(rb), in = nb * KERN_BLOCK;
+    const int pf = prefetch_rows(rb), in = nb * KERN_BLOCK;
     __m512 acc[QUANT_GEMM_MIN_T][8];
-    _Alignas(64) float tile[8][TILE_BLOCKS][KERN_BLOCK];
     for (int t = 0; t < T; t++)
-        for (int k = 0; k < 8; k++)
-            acc[t][k] = _mm512_setzero_ps();
-    for (int b0 = 0; b0 < nb; b0 += TILE_BLOCKS) {
-        const int n = nb - b0 < TILE_BLOCKS ? nb - b0 : TILE_BLOCKS;
-        for (int k = 0; k < 8; k++) {
-            for (int j = 0; j < n; j += per_line)
-                _mm_prefetch((const char *)(c + (k + pf) * rb + (size_t)(b0 + j) * bb),
-                             _MM_HINT_T1);
-            for (int j = 0; j < n; j++) {
-                __m512 w0, w1;
-                block_values(dt, c + k * rb, b0 + j, sw + k * rb + 4 * (size_t)(b0 + j), &w0, &w1);
-                _mm512_store_ps(tile[k][j], w0);
-                _mm512_store_ps(tile[k][j] + 16, w1);
-            }
-        }
-        for (int t = 0; t < T; t++) {
-            const float *xt = xs + (size_t)t * in + 32 * (size_t)b0;
-            __m512 a[8];
-            for (int k = 0; k < 8; k++)
-                a[k] = acc[t][k];
-            for (int j = 0; j < n; j++) {
-                const __m512 x0 = _mm512_loadu_ps(xt + 32 * j),
-                             x1 = _mm512_loadu_ps(xt + 32 * j + 16);
-                for (int k = 0; k < 8; k++) {
-                    a[k] = _mm512_fmadd_ps(_mm512_load_ps(tile[k][j]), x0, a[k]);
-                    a[k] = _mm512_fmadd_ps(_mm512_load_ps(tile[k][j] + 16), x1, a[k]);
-                }
-            }
-            for (int k = 0; k < 8; k++)
-                acc[t][k] = a[k];
+        for (int k = 0; k < 8; k++) acc[t][k] = _mm512_setzero_ps();
+    const int cb = T <= 3 ? nb : QUANT_COL_BLOCKS;
+    for (int b0 = 0; b0 < nb; b0 += cb) {
+        const int b1 = nb - b0 < cb ? nb : b0 + cb;
+        for (int t = 0; t < T; t += 3) {
+            const float *x0 = xs + (size_t)t * in;
+            const int p = t == 0 ? pf : 0;
+            if (T - t >= 3)
+                rows8_group(dt, c, rb, in, sw, x0, 3, b0, b1, p, acc + t);
+            else if (T - t == 2)
+                rows8_group(dt, c, rb, in, sw, x0, 2, b0, b1, p, acc + t);
+            else
+                rows8_group(dt, c, rb, in, sw, x0, 1, b0, b1, p, acc + t);
         }
     }
-    for (int t = 0; t < T; t++)
-        _mm256_storeu_ps(y + (size_t)t * ldy, reduce8(acc[t]));
+    for (int t = 0; t < T; t++) _mm256_storeu_ps(y + (size_t)t * ldy, reduce8(acc[t]));
 }
 
 /* One row (past the last multiple of 8), every token in turn, at every T
