@@ -141,11 +141,12 @@ size_t kern_matmul_scratch_floats(int in);
  * f32 values (kern_weight_row_f32), so the result is the dequantised
  * matrix's product up to summation order (infinities and NaNs of the
  * values included):
- *   T < 32: the codes and scales are read in place, eight rows per pass,
+ *   T < 64 (32 in builds without AVX-512): the codes and scales are read
+ *   in place, eight rows per pass,
  *   no dequantised copy of the matrix (decode: bound by the code bytes
  *   read). Row t of a T-token product is the 1-token product of row t of
  *   x, bit for bit (what batched decode relies on).
- *   T >= 32: panels of rows are dequantised into `scratch` and multiplied
+ *   T >= 64 (32): panels of rows are dequantised into `scratch` and multiplied
  *   there (prefill).
  *   scratch: kern_matmul_scratch_floats(w->cols) floats, required for
  *   block formats (without it nothing is written; NULL forces kern_matmul's
@@ -160,7 +161,9 @@ void kern_matmul_w(const kern_weight *w, const float *x, int T, float *y, int ld
  * needs that; a prompt does not): from KERN_PREFILL_GEMM_MIN_T tokens it
  * takes the GEMM path of kern_matmul_w's many-token case, which is
  * compute-bound and faster there than the direct path; below it, and
- * without AVX-512, it is kern_matmul_w. Same arguments and contract.
+ * without AVX-512, it is kern_matmul_w. Block formats are kern_matmul_w
+ * at every T (their direct path is as fast as the GEMM up to where
+ * kern_matmul_w changes over). Same arguments and contract.
  * bf16_act: a bf16 weight's GEMM rounds x to bf16 and runs on AVX-512 BF16
  * dot products (about twice the multiply-adds per second; x then carries
  * ~3e-3 relative error: llama.cpp's and vLLM's precision, never the

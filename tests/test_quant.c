@@ -392,22 +392,23 @@ static const int SHAPES[][4] = {
 };
 #define N_SHAPES (int)(sizeof SHAPES / sizeof SHAPES[0])
 
-/* Decode: every T below 32 on the direct path (codes read in place). */
+/* Decode: every T below 64 on the direct path (codes read in place; the
+ * GEMM from 32 in a build without AVX-512). */
 Test(quant, direct_path_every_T_against_dequantised_loop) {
-    int Ts[31];
-    for (int i = 0; i < 31; i++)
+    int Ts[63];
+    for (int i = 0; i < 63; i++)
         Ts[i] = i + 1;
     for (int d = 0; d < 2; d++)
         for (int s = 0; s < N_SHAPES; s++)
             check_against_loop(kern_matmul_w, "direct", d ? KERN_Q8_0 : KERN_MXFP4, SHAPES[s][0],
-                               SHAPES[s][1], SHAPES[s][2], SHAPES[s][3], Ts, 31);
+                               SHAPES[s][1], SHAPES[s][2], SHAPES[s][3], Ts, 63);
 }
 
-/* Prefill: from 32 tokens, token counts that leave every remainder of the
+/* Prefill: from 64 tokens, token counts that leave every remainder of the
  * kernel's 12-token steps, row ranges that leave ragged 32-row panels (of
  * 8, 1, 23 and 2 rows). */
 Test(quant, prefill_path_against_dequantised_loop) {
-    const int Ts[] = {32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 64, 77};
+    const int Ts[] = {64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 77, 96};
     const int nT = (int)(sizeof Ts / sizeof Ts[0]);
     for (int d = 0; d < 2; d++) {
         const kern_dtype dt = d ? KERN_Q8_0 : KERN_MXFP4;
@@ -415,7 +416,7 @@ Test(quant, prefill_path_against_dequantised_loop) {
         check_against_loop(kern_matmul_w, "prefill", dt, 40, 32, 7, 40, Ts, nT);
         check_against_loop(kern_matmul_w, "prefill", dt, 60, 64, 2, 57, Ts, nT); /* 32 + 23 rows */
         /* K3's width, with every kind of last step */
-        const int wide[] = {32, 33, 35, 66};
+        const int wide[] = {64, 65, 67, 98};
         check_against_loop(kern_matmul_w, "prefill", dt, 70, 3584, 1, 67, wide, 4);
     }
 }
@@ -430,12 +431,12 @@ Test(quant, portable_path_against_dequantised_loop) {
                                SHAPES[s][0], SHAPES[s][1], SHAPES[s][2], SHAPES[s][3], Ts, 6);
 }
 
-/* What batched decode relies on: below 32 tokens, row t of a T-token
- * product is the one-token product of x's row t, bit for bit, on the fast
- * and the portable path. */
+/* What batched decode relies on: below maxT + 1 tokens (the fast path's
+ * 64, the portable path's 32), row t of a T-token product is the one-token
+ * product of x's row t, bit for bit. */
 static void check_rows_independent_of_T(product_fn fn, const char *name, kern_dtype dt, int rows,
-                                        int cols, int r0, int r1) {
-    const int maxT = 31, ldy = rows;
+                                        int cols, int r0, int r1, int maxT) {
+    const int ldy = rows;
     double *ref = malloc((size_t)rows * cols * sizeof(double));
     float *x = malloc((size_t)maxT * cols * sizeof(float));
     float *y = malloc((size_t)maxT * ldy * sizeof(float)),
@@ -471,9 +472,9 @@ Test(quant, direct_rows_do_not_depend_on_T) {
         for (int s = 0; s < N_SHAPES; s++) {
             const kern_dtype dt = d ? KERN_Q8_0 : KERN_MXFP4;
             check_rows_independent_of_T(kern_matmul_w, "direct", dt, SHAPES[s][0], SHAPES[s][1],
-                                        SHAPES[s][2], SHAPES[s][3]);
+                                        SHAPES[s][2], SHAPES[s][3], 63);
             check_rows_independent_of_T(kern_matmul_w_ref, "portable", dt, SHAPES[s][0],
-                                        SHAPES[s][1], SHAPES[s][2], SHAPES[s][3]);
+                                        SHAPES[s][1], SHAPES[s][2], SHAPES[s][3], 31);
         }
 }
 
@@ -487,17 +488,17 @@ Test(quant, direct_rows_do_not_depend_on_T) {
 /* y[k] [9] = the last token's row of the product of a [9, EDGE_COLS]
  * MXFP4 weight (codes [9, EDGE_COLS / 2], scales [9, EDGE_COLS / 32]), for
  * every token equal to x [EDGE_COLS], at T = 1 (direct, one token), 5
- * (direct, token groups) and 40 (prefill), k = 0, 1, 2. */
+ * (direct, token groups) and 70 (prefill), k = 0, 1, 2. */
 static void product_all_paths(const unsigned char *codes, const unsigned char *scales,
                               const float *x, float y[3][9]) {
     const kern_weight w = {KERN_MXFP4, codes, scales, 9, EDGE_COLS};
-    float *xs = malloc((size_t)40 * EDGE_COLS * sizeof(float)),
-          *ys = malloc((size_t)40 * 9 * sizeof(float));
+    float *xs = malloc((size_t)70 * EDGE_COLS * sizeof(float)),
+          *ys = malloc((size_t)70 * 9 * sizeof(float));
     float *scratch = malloc(kern_matmul_scratch_floats(EDGE_COLS) * sizeof(float));
     cr_assert(xs && ys && scratch);
-    for (int t = 0; t < 40; t++)
+    for (int t = 0; t < 70; t++)
         memcpy(xs + (size_t)t * EDGE_COLS, x, EDGE_COLS * sizeof(float));
-    const int Ts[3] = {1, 5, 40};
+    const int Ts[3] = {1, 5, 70};
     for (int k = 0; k < 3; k++) {
         kern_matmul_w(&w, xs, Ts[k], ys, 9, 0, 9, scratch);
         memcpy(y[k], ys + (size_t)(Ts[k] - 1) * 9, 9 * sizeof(float));
@@ -600,9 +601,10 @@ Test(quant, e8m0_254_overflow_and_255_nan) {
 }
 
 /* Element formats through kern_matmul_w are kern_matmul bit for bit on
- * every path: direct (T < 32), widen + BLAS (T >= 32), no scratch. */
+ * every path: direct (T < 64 with AVX-512, 8 without), the GEMM or widen +
+ * BLAS beyond, no scratch. */
 Test(quant, element_formats_are_kern_matmul_on_every_path) {
-    const int rows = 45, cols = 96, r0 = 3, r1 = 43, maxT = 40;
+    const int rows = 45, cols = 96, r0 = 3, r1 = 43, maxT = 70;
     float *wf = malloc((size_t)rows * cols * sizeof(float));
     uint16_t *wb = malloc((size_t)rows * cols * sizeof(uint16_t)),
              *wh = malloc((size_t)rows * cols * sizeof(uint16_t));
@@ -621,9 +623,9 @@ Test(quant, element_formats_are_kern_matmul_on_every_path) {
         x[i] = unit(&seed);
     const kern_dtype dts[3] = {KERN_F32, KERN_BF16, KERN_F16};
     const void *ws[3] = {wf, wb, wh};
-    const int Ts[] = {1, 4, 31, 32, 40};
+    const int Ts[] = {1, 4, 31, 32, 40, 64, 70};
     for (int d = 0; d < 3; d++)
-        for (int k = 0; k < 5; k++)
+        for (int k = 0; k < 7; k++)
             for (int with = 0; with < 2; with++) {
                 const int T = Ts[k];
                 float *sc = with ? scratch : NULL;

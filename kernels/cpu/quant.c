@@ -8,7 +8,8 @@
  * int8 * f16 are the same f32 products here), so its result is the
  * dequantised matrix's product up to summation order, infinities and NaNs
  * included. Two paths, as in kern_matmul (ops.c):
- *   - Decode, T < 32 tokens, is bound by the code bytes streamed per token.
+ *   - Decode, T < 64 tokens (32 without AVX-512), is bound by the code
+ *     bytes streamed per token.
  *     The codes and scales are read in place, eight rows per pass. An E2M1
  *     nibble becomes f32 through a 16-entry table held in a register
  *     (vpermps indexes it with the nibble): the row of E8M0_E2M1 for the
@@ -19,7 +20,7 @@
  *     go in groups of up to three, each block decoded in registers once per
  *     group and feeding the group's FMAs in the one-token order, so row t
  *     of a T-token product is the one-token product of row t, bit for bit.
- *   - Prefill, T >= 32, is bound by multiply-adds. Panels of 32 rows are
+ *   - Prefill, T >= 64 (32), is bound by multiply-adds. Panels of 32 rows are
  *     dequantised into the scratch, transposed to [cols, 32] (gathers pick
  *     one code word per row), and an outer-product kernel keeps 12 tokens x
  *     32 rows of sums in registers (OpenBLAS's sgemm, the other choice,
@@ -132,8 +133,19 @@ void kern_weight_row_f32(const kern_weight *w, int r, int c0, int c1, float *out
 
 /* From this many tokens the prefill path (dequantised panels) wins: the
  * direct path's cost grows with every token, the panels' is paid once per
- * 32 rows. The same threshold as kern_matmul's AVX-512 build. */
-#define QUANT_GEMM_MIN_T 32
+ * 32 rows. With AVX-512 the direct path decodes a block once per three
+ * tokens in registers and stays ahead up to 63 (kds_cpu_bench (c), MXFP4
+ * [3072, 3584] from L3, one thread: 32 tokens 3.7 ms direct against 4.5-4.8
+ * ms in panels, 48: 5.8 against 6.4-6.6; the K3 slice's 64-token prefill,
+ * whose experts get ~32 tokens each, 106-108 -> 124-128 tok/s), the same
+ * threshold as kern_matmul's. The portable path keeps 32: its direct loop
+ * is scalar and BLAS is not. */
+#define QUANT_REF_GEMM_MIN_T 32
+#if KERN_AVX512
+#define QUANT_GEMM_MIN_T 64
+#else
+#define QUANT_GEMM_MIN_T QUANT_REF_GEMM_MIN_T
+#endif
 
 /* The f32 scales of rows [r, r + nr), one per block: sg [nr, ld] (the
  * first nb of each row of ld; ld is unused when nr is 1). Row r's scales start at scales + r *
@@ -187,7 +199,7 @@ static void row_scales(const kern_weight *w, const kern_layout *l, int r, int nr
 static void direct_scalar(const kern_weight *w, const float *x, int T, float *y, int ldy, int r0,
                           int r1) {
     const int in = w->cols;
-    float wb[KERN_BLOCK], acc[QUANT_GEMM_MIN_T];
+    float wb[KERN_BLOCK], acc[QUANT_REF_GEMM_MIN_T];
     for (int r = r0; r < r1; r++) {
         for (int t = 0; t < T; t++)
             acc[t] = 0.0f;
@@ -484,7 +496,7 @@ static inline void row1_tokens(const kern_dtype dt, const unsigned char *c, int 
     }
 }
 
-/* The direct path, rows [r0, r1) for T < 32 tokens: eight rows at a time
+/* The direct path, rows [r0, r1) for T < 64 tokens: eight rows at a time
  * (one token: rows8_one_token; several: rows8_tokens), the rest one by
  * one. xs [T, in]: x, split even/odd for MXFP4; sw: 8 * row_bytes bytes
  * of scratch (the scale words of eight rows at the code rows' stride). */
@@ -586,7 +598,7 @@ static void gemm_avx512(const kern_weight *w, const kern_layout *l, const float 
 
 /* Scratch use (floats), within kern_matmul_scratch_floats(in) = 128 * in:
  * direct: T * in (MXFP4's split x) + 8 * row_bytes / 4 (scales; in or
- * 2 * in), T < 32;
+ * 2 * in), T < QUANT_GEMM_MIN_T;
  * prefill: 32 * in (the panel) + 32 * in / 32 (scales). */
 void kern_matmul_w(const kern_weight *w, const float *x, int T, float *y, int ldy, int r0, int r1,
                    float *scratch) {
@@ -617,7 +629,9 @@ void kern_matmul_w(const kern_weight *w, const float *x, int T, float *y, int ld
 void kern_matmul_w_prefill(const kern_weight *w, const float *x, int T, float *y, int ldy, int r0,
                            int r1, float *scratch, bool bf16_act) {
 #if KERN_AVX512
-    if (T >= KERN_PREFILL_GEMM_MIN_T && scratch && r1 > r0) {
+    /* block formats: their direct path is as fast below QUANT_GEMM_MIN_T */
+    const int gemm_min_t = kern_dtype_is_block(w->dt) ? QUANT_GEMM_MIN_T : KERN_PREFILL_GEMM_MIN_T;
+    if (T >= gemm_min_t && scratch && r1 > r0) {
 #if defined(__AVX512BF16__)
         if (bf16_act && w->dt == KERN_BF16) {
             kern__gemm_bf16act(w->data, w->cols, x, T, y, ldy, r0, r1, scratch);
@@ -641,7 +655,7 @@ void kern_matmul_w_prefill(const kern_weight *w, const float *x, int T, float *y
 void kern_matmul_w_ref(const kern_weight *w, const float *x, int T, float *y, int ldy, int r0,
                        int r1, float *scratch) {
     if (!kern_dtype_is_block(w->dt) || !scratch || r1 <= r0 || T <= 0) return;
-    if (T >= QUANT_GEMM_MIN_T)
+    if (T >= QUANT_REF_GEMM_MIN_T)
         gemm_scalar(w, x, T, y, ldy, r0, r1, scratch);
     else
         direct_scalar(w, x, T, y, ldy, r0, r1);
