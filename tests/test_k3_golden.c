@@ -160,6 +160,68 @@ Test(k3_golden, loads_as_k3) {
     eng_model_free(m);
 }
 
+/* micro-k3 as K3 itself ships: its tensors dealt round-robin into three
+ * shards, so an expert's weight_packed and its weight_scale, and a layer's
+ * tensors, live in different files, with model.safetensors.index.json
+ * mapping every name (the vision tower's too). The logits must be those of
+ * the single file's expected.safetensors, on every path. */
+Test(k3_golden, sharded_checkpoint_reproduces_the_logits, .timeout = 300) {
+    char *dir = tmu_mkdtemp();
+    cr_assert(dir);
+    eng_st_file *f = NULL;
+    kds_err err = {0};
+    cr_assert_eq(eng_st_open(K3_ROOT "/micro-k3/model.safetensors", &f, &err), KDS_OK, "%s",
+                 err.msg);
+    const size_t n = eng_st_count(f), parts = 3;
+    eng_st_out_tensor *out = calloc(n, sizeof *out);
+    size_t cap = 64 * 1024 + n * 160, o = 0;
+    char *index = malloc(cap);
+    cr_assert(out && index);
+    o += (size_t)snprintf(index, cap, "{\"metadata\": {\"total_size\": 0}, \"weight_map\": {");
+    size_t listed = 0;
+    for (size_t s = 0; s < parts; s++) {
+        char name[64];
+        snprintf(name, sizeof name, "model-%05zu-of-%05zu.safetensors", s + 1, parts);
+        size_t m = 0;
+        for (size_t i = s; i < n; i += parts) {
+            const eng_st_tensor *t = eng_st_at(f, i);
+            out[m] = (eng_st_out_tensor){
+                .name = t->name, .dtype = t->dtype, .n_dims = t->n_dims, .data = t->data};
+            memcpy(out[m].shape, t->shape, sizeof t->shape);
+            m++;
+            o += (size_t)snprintf(index + o, cap - o, "%s\"%s\": \"%s\"", listed++ ? ", " : "",
+                                  t->name, name);
+        }
+        char *path = tmu_path(dir, name);
+        cr_assert_eq(eng_st_write(path, out, m, NULL, &err), KDS_OK, "%s", err.msg);
+        free(path);
+    }
+    snprintf(index + o, cap - o, "}}");
+    char *ip = tmu_path(dir, "model.safetensors.index.json");
+    cr_assert(tmu_write(ip, index, strlen(index)));
+    const char *copies[2] = {"config.json", "expected.safetensors"};
+    for (int i = 0; i < 2; i++) {
+        char src[512];
+        snprintf(src, sizeof src, "%s/micro-k3/%s", K3_ROOT, copies[i]);
+        char *dst = tmu_path(dir, copies[i]);
+        cr_assert(tmu_copy(src, dst), "copying %s", src);
+        free(dst);
+    }
+    eng_model_params mp = eng_model_default_params();
+    mp.no_fingerprint_cache = true;
+    eng_model *m = NULL;
+    cr_assert_eq(eng_model_load(dir, &mp, &m, &err), KDS_OK, "%s", err.msg);
+    cr_expect_eq(m->n_shards, (int)parts, "loaded from %d files, not %zu", m->n_shards, parts);
+    eng_model_free(m);
+    check_dir(dir);
+    free(ip);
+    free(index);
+    free(out);
+    eng_st_close(f);
+    tmu_rmtree(dir);
+    free(dir);
+}
+
 /* A damaged copy of micro-k3: `edit` renames, retypes or reshapes one
  * tensor (the data bytes as they were), then the load must fail with
  * `want`, naming `needle`. */
