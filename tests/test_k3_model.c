@@ -4,7 +4,8 @@
  * ~104.2 B active, 1.560 TB), a written k3-micro that loads back as K3 with
  * MXFP4 experts whose codes and scales are the quantised values of the
  * plain model's experts (kern_quantize_row), and whose prefill and decode
- * logits agree.
+ * logits agree; so do those of other layouts (MLA layers side by side or
+ * first, residual blocks of 1, 3 and 4 layers).
  */
 #include <criterion/criterion.h>
 #include <math.h>
@@ -100,13 +101,10 @@ Test(k3_model, generated_experts_are_quantised_plain_experts, .timeout = 60) {
     free(df);
 }
 
-/* A generated K3: the prefill (chunked KDA, several batches) and the
- * token-by-token decode give the same logits up to summation order. */
-Test(k3_model, prefill_equals_decode, .timeout = 60) {
-    char *dir = NULL;
+/* Model m: the prefill (chunked KDA, batches of 16) and the token-by-token
+ * decode of 37 tokens give the same logits up to summation order. */
+static void expect_prefill_equals_decode(eng_model *m, const char *what) {
     kds_err err = {0};
-    eng_model *m = tmu_gen_load("k3-micro", 4, &dir, &err);
-    cr_assert(m, "%s", err.msg);
     const int V = eng_model_config(m)->vocab_size, N = 37;
     eng_ctx_params cp = eng_ctx_default_params();
     cp.max_batch = 16;
@@ -126,15 +124,69 @@ Test(k3_model, prefill_equals_decode, .timeout = 60) {
         memcpy(dec + (size_t)t * V, eng_seq_logits(b), (size_t)V * sizeof(float));
     }
     double ref, d = th_max_abs_diff(dec, pre, (size_t)N * V, &ref);
-    cr_log_info("k3-micro: prefill vs decode %.3g of the largest logit %.3g", d / ref, ref);
-    cr_expect(ref > 0.1, "logits are not trivially small");
-    cr_expect_leq(d, 1e-4 * ref, "prefill and decode differ by %g (largest %g)", d, ref);
+    cr_log_info("%s: prefill vs decode %.3g of the largest logit %.3g", what, d / ref, ref);
+    cr_expect(ref > 0.1, "%s: logits are not trivially small", what);
+    cr_expect_leq(d, 1e-4 * ref, "%s: prefill and decode differ by %g (largest %g)", what, d, ref);
     free(pre);
     free(dec);
     eng_seq_free(a);
     eng_seq_free(b);
     eng_ctx_free(c);
+}
+
+/* A generated K3: prefill and decode agree. */
+Test(k3_model, prefill_equals_decode, .timeout = 60) {
+    char *dir = NULL;
+    kds_err err = {0};
+    eng_model *m = tmu_gen_load("k3-micro", 4, &dir, &err);
+    cr_assert(m, "%s", err.msg);
+    expect_prefill_equals_decode(m, "k3-micro");
     eng_model_free(m);
     tmu_rmtree(dir);
     free(dir);
+}
+
+/* Other K3 layouts than k3-micro's (as K3 checkpoints may have): MLA
+ * layers next to each other, one first, and residual blocks of other
+ * sizes (1: every layer its own block; 3 and 4: blocks that end inside an
+ * MLA pair or past the last layer). Each must load back with the layout it
+ * was written with, and its prefill and decode agree. */
+Test(k3_model, other_layouts_prefill_equals_decode, .timeout = 120) {
+    const struct {
+        const char *kinds; /* one letter a layer: K (KDA) or M (MLA) */
+        int block;
+    } layouts[] = {{"KKMMKK", 3}, {"MMKKKM", 4}, {"KMMKKK", 1}};
+    for (size_t i = 0; i < sizeof layouts / sizeof layouts[0]; i++) {
+        kds_err err = {0};
+        eng_config c;
+        cr_assert_eq(eng_genmodel_preset("k3-micro", &c, &err), KDS_OK, "%s", err.msg);
+        const int L = (int)strlen(layouts[i].kinds);
+        cr_assert_eq(c.num_hidden_layers, L, "k3-micro has %d layers", c.num_hidden_layers);
+        c.n_kda_layers = c.n_mla_layers = 0;
+        for (int l = 0; l < L; l++) {
+            const bool mla = layouts[i].kinds[l] == 'M';
+            c.layer_kind[l] = mla ? ENG_LAYER_MLA : ENG_LAYER_KDA;
+            mla ? c.n_mla_layers++ : c.n_kda_layers++;
+        }
+        c.attn_res_block_size = layouts[i].block;
+        char *dir = tmu_mkdtemp();
+        cr_assert(dir);
+        cr_assert_eq(eng_genmodel_write(&c, 11 + i, KERN_BF16, dir, false, &err), KDS_OK, "%s",
+                     err.msg);
+        eng_model_params mp = eng_model_default_params();
+        mp.no_fingerprint_cache = true;
+        eng_model *m = NULL;
+        cr_assert_eq(eng_model_load(dir, &mp, &m, &err), KDS_OK, "%s: %s", layouts[i].kinds,
+                     err.msg);
+        const eng_config *got = eng_model_config(m);
+        cr_expect_eq(got->attn_res_block_size, layouts[i].block);
+        for (int l = 0; l < L; l++)
+            cr_expect_eq(got->layer_kind[l], c.layer_kind[l], "%s: layer %d", layouts[i].kinds, l);
+        char what[64];
+        snprintf(what, sizeof what, "%s, blocks of %d", layouts[i].kinds, layouts[i].block);
+        expect_prefill_equals_decode(m, what);
+        eng_model_free(m);
+        tmu_rmtree(dir);
+        free(dir);
+    }
 }
