@@ -55,7 +55,7 @@ kds_status srv_reply_create(const eng_tokenizer *tok, const srv_reply_params *p,
         if (n - 1 > r->hold) r->hold = n - 1;
     }
     r->tok = tok;
-    r->im_end = eng_tok_special_id(tok, "<|im_end|>");
+    r->im_end = eng_chat_end_token(tok); /* <|im_end|>, or K3's <|end_of_msg|> */
     *out = r;
     return KDS_OK;
 }

@@ -419,7 +419,10 @@ enum {
 
 /* Flags of eng_tok_decode and eng_tok_stream_create. */
 enum {
-    ENG_TOK_SKIP_SPECIAL = 1u << 0, /* specials decode to nothing (not their names) */
+    /* specials decode to nothing (not their names); in a stream
+     * (eng_tok_stream_create), K3's tag headers too: <|open|>response<|sep|>
+     * and <|close|>think<|sep|> vanish whole, the channels' text stays */
+    ENG_TOK_SKIP_SPECIAL = 1u << 0,
 };
 
 typedef struct eng_tok_params {
@@ -482,8 +485,9 @@ int eng_tok_vocab(const eng_tokenizer *t);
 int32_t eng_tok_eos(const eng_tokenizer *t);
 int32_t eng_tok_bos(const eng_tokenizer *t);
 /* True for every id that ends generation: the eos id and the specials that
- * mark an end in the known vocabularies (<|im_end|>, [EOS], <|endoftext|>;
- * Kimi models emit both <|im_end|> and [EOS], kda-model-spec.md section 7). */
+ * mark an end in the known vocabularies (<|im_end|>, [EOS], <|endoftext|>,
+ * K3's <|end_of_msg|>; Kimi models emit both <|im_end|> and [EOS],
+ * kda-model-spec.md section 7). */
 bool eng_tok_is_stop(const eng_tokenizer *t, int32_t id);
 /* True when `id` is a special token. */
 bool eng_tok_is_special(const eng_tokenizer *t, int32_t id);
@@ -539,6 +543,29 @@ const char *eng_tok_stream_flush(eng_tok_stream *s, size_t *len);
  * names typed in a message stay text. Generation ends on eng_tok_is_stop
  * ids (<|im_end|>). A tokenizer without these specials has no chat format:
  * use the model in plain continuation mode.
+ *
+ * Kimi K3's format (kimi-k3.md section 4.10; docs/k3.md) is taken instead
+ * when the tokenizer has its four specials <|open|> <|sep|> <|close|>
+ * <|end_of_msg|>. A tag is <|open|>TAG ATTRS<|sep|> ... <|close|>TAG<|sep|>,
+ * attribute values in double quotes (a quote in a value as \"), and every
+ * message is
+ *   <|open|>message role="ROLE"[ name="NAME"]<|sep|>BODY<|close|>message<|sep|><|end_of_msg|>
+ * Before the messages: a system message with type="tool-declare" when
+ * tools are given (body "# Tools\nHere are the available tools, described
+ * in JSONSchema.\n\n```json\nTOOLS\n```"), then, with thinking on, one with
+ * type="thinking-effort" naming the effort. There is no default system
+ * message. An assistant's body is, with thinking on, a think channel
+ * (<|open|>think<|sep|>REASONING<|close|>think<|sep|>), then the response
+ * channel (<|open|>response<|sep|>CONTENT<|close|>response<|sep|>), then
+ * its calls: <|open|>tools<|sep|> and per call <|open|>call tool="NAME"
+ * index="K"<|sep|>, per argument of the JSON object <|open|>argument key=
+ * "KEY" type="string|number|boolean|null|object|array"<|sep|>VALUE
+ * <|close|>argument<|sep|> (strings as they are, other values as Python's
+ * json.dumps writes them), closed in turn. A "tool" message carries
+ * tool="NAME" index="K", K its place among the results since the last
+ * assistant message. The generation prompt opens an assistant message and
+ * its think channel (thinking on) or its response channel (off).
+ * Generation ends on <|end_of_msg|>.
  */
 
 typedef struct eng_chat_tool_call {
@@ -549,23 +576,38 @@ typedef struct eng_chat_tool_call {
 typedef struct eng_chat_msg {
     const char *role;         /* "system", "user", "assistant", "tool", ... */
     const char *content;      /* NULL = "" */
-    const char *name;         /* NULL = the role */
+    const char *name;         /* NULL = the role; K3: a user/system name attribute, or a
+                               * "tool" message's tool (NULL = its call's name) */
     const char *tool_call_id; /* "tool" messages: the call answered (NULL = "") */
     const eng_chat_tool_call *tool_calls; /* "assistant" messages */
     int n_tool_calls;
+    const char *reasoning; /* K3 "assistant" messages: the think channel (NULL = "") */
 } eng_chat_msg;
 
 typedef struct eng_chat_params {
     const char *tools_json;     /* compact JSON array of tool schemas; NULL/"" = none */
     const char *default_system; /* NULL = "You are Kimi, an AI assistant created by
-                                 * Moonshot AI."; "" = no default system turn */
+                                 * Moonshot AI."; "" = no default system turn (K2 format
+                                 * only: K3's has none) */
     bool add_generation_prompt; /* end with the assistant's opener */
+    /* K3 only: thinking is on unless no_thinking; thinking_effort "low",
+     * "high" or "max" (NULL = "max") */
+    bool no_thinking;
+    const char *thinking_effort;
+    /* the conversation already has turns: no default system turn (K2) and
+     * no tool-declare / thinking-effort messages (K3) */
+    bool continuing;
 } eng_chat_params;
 
 eng_chat_params eng_chat_default_params(void);
 
-/* True when the tokenizer has the specials of the chat format. */
+/* True when the tokenizer has the specials of a chat format. */
 bool eng_chat_supported(const eng_tokenizer *t);
+
+/* The special that ends a message: <|end_of_msg|> with K3's format, else
+ * <|im_end|> (Kimi-K2's); -1 when the tokenizer has neither. A chat reply
+ * or turn cut short is closed with it. */
+int32_t eng_chat_end_token(const eng_tokenizer *t);
 
 /* True when the model should be talked to in the chat format: its tokenizer
  * has the specials and its directory has a chat template (chat_template.jinja,

@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include "eng_tokenizer.h"
+#include <cJSON.h>
 #include "eng_util.h"
 #include "kds_file.h"
 #include "kds_buf.h"
@@ -54,15 +55,36 @@ static const char *const SPECIAL_NAMES[SP_COUNT] = {"<|im_system|>",
                                                     "<|tool_call_end|>"};
 #define SP_BASIC SP_SEC_BEGIN /* the first five make a chat format */
 
-bool eng_chat_supported(const eng_tokenizer *t) {
+/* Kimi K3's four (XTML): a tag opens with <|open|>, its header ends with
+ * <|sep|>, it closes with <|close|>TAG<|sep|>; a message ends with
+ * <|end_of_msg|>. */
+enum { XT_OPEN, XT_SEP, XT_CLOSE, XT_EOM, XT_COUNT };
+static const char *const XTML_NAMES[XT_COUNT] = {"<|open|>", "<|sep|>", "<|close|>",
+                                                 "<|end_of_msg|>"};
+
+static bool xtml_supported(const eng_tokenizer *t) {
+    for (int i = 0; i < XT_COUNT; i++)
+        if (eng_tok_special_id(t, XTML_NAMES[i]) < 0) return false;
+    return true;
+}
+
+static bool k2_supported(const eng_tokenizer *t) {
     for (int i = 0; i < SP_BASIC; i++)
         if (eng_tok_special_id(t, SPECIAL_NAMES[i]) < 0) return false;
     return true;
 }
 
+bool eng_chat_supported(const eng_tokenizer *t) { return xtml_supported(t) || k2_supported(t); }
+
+int32_t eng_chat_end_token(const eng_tokenizer *t) {
+    if (xtml_supported(t)) return eng_tok_special_id(t, XTML_NAMES[XT_EOM]);
+    return eng_tok_special_id(t, SPECIAL_NAMES[SP_END]);
+}
+
 typedef struct render {
     const eng_tokenizer *t;
     int32_t sp[SP_COUNT];
+    int32_t xt[XT_COUNT];
     int32_t *ids;
     int64_t cap, n;
     kds_buf text; /* the run of text since the last special */
@@ -70,10 +92,14 @@ typedef struct render {
     kds_err *err;
 } render;
 
-static void text(render *r, const char *s) {
-    if (r->rc != KDS_OK || !s) return;
-    if (kds_buf_append(&r->text, s, strlen(s), NULL) != KDS_OK)
+static void text_n(render *r, const char *s, size_t n) {
+    if (r->rc != KDS_OK || !s || n == 0) return;
+    if (kds_buf_append(&r->text, s, n, NULL) != KDS_OK)
         r->rc = kds_err_set(r->err, KDS_NOMEM, "out of memory rendering a conversation");
+}
+
+static void text(render *r, const char *s) {
+    if (s) text_n(r, s, strlen(s));
 }
 
 static void flush(render *r) {
@@ -98,6 +124,13 @@ static void special(render *r, int which) {
     r->n++;
 }
 
+static void xspecial(render *r, int which) {
+    flush(r);
+    if (r->rc != KDS_OK) return;
+    if (r->n < r->cap) r->ids[r->n] = r->xt[which];
+    r->n++;
+}
+
 static void turn(render *r, int opener, const char *name, const char *body) {
     special(r, opener);
     text(r, name);
@@ -105,6 +138,273 @@ static void turn(render *r, int opener, const char *name, const char *body) {
     text(r, body);
     special(r, SP_END);
 }
+
+/* ------------------------------------------------------------------------ */
+/* Kimi K3 (XTML)                                                            */
+
+/* TAG and its attributes: <|open|>TAG KEY="VALUE"...<|sep|> is opened by
+ * xopen(TAG), attr()s, xsep(); a value's double quotes become \". */
+static void xopen(render *r, const char *tag) {
+    xspecial(r, XT_OPEN);
+    text(r, tag);
+}
+
+static void attr(render *r, const char *key, const char *value) {
+    text(r, " ");
+    text(r, key);
+    text(r, "=\"");
+    for (const char *s = value ? value : "", *q; *s; s = q + 1) {
+        q = strchr(s, '"');
+        if (!q) {
+            text(r, s);
+            break;
+        }
+        text_n(r, s, (size_t)(q - s));
+        text(r, "\\\"");
+    }
+    text(r, "\"");
+}
+
+static void attr_int(render *r, const char *key, int value) {
+    char v[16];
+    snprintf(v, sizeof v, "%d", value);
+    attr(r, key, v);
+}
+
+static void xsep(render *r) { xspecial(r, XT_SEP); }
+
+static void xclose(render *r, const char *tag) {
+    xspecial(r, XT_CLOSE);
+    text(r, tag);
+    xspecial(r, XT_SEP);
+}
+
+static void xchannel(render *r, const char *tag, const char *body) {
+    xopen(r, tag);
+    xsep(r);
+    text(r, body);
+    xclose(r, tag);
+}
+
+static void xmessage_end(render *r) {
+    xclose(r, "message");
+    xspecial(r, XT_EOM);
+}
+
+/* A system message of K3's own (tool-declare, thinking-effort). */
+static void xsystem_block(render *r, const char *type, const char *body1, const char *body2,
+                          const char *body3) {
+    xopen(r, "message");
+    attr(r, "role", "system");
+    attr(r, "type", type);
+    xsep(r);
+    text(r, body1);
+    text(r, body2);
+    text(r, body3);
+    xmessage_end(r);
+}
+
+/* A JSON value as Python's json.dumps(v, ensure_ascii=False) writes it
+ * (", " and ": " between items; non-ASCII as is). A number is written as
+ * an integer when it is one, else in the shortest form that reads back
+ * (Python's repr; a JSON 5.0 is written 5 here, 5.0 there). */
+static void py_json(render *r, const cJSON *v) {
+    if (cJSON_IsNull(v)) {
+        text(r, "null");
+    } else if (cJSON_IsBool(v)) {
+        text(r, cJSON_IsTrue(v) ? "true" : "false");
+    } else if (cJSON_IsNumber(v)) {
+        char b[40];
+        const double d = v->valuedouble;
+        if (d == (double)(long long)d && d > -9.007199254740992e15 && d < 9.007199254740992e15) {
+            snprintf(b, sizeof b, "%lld", (long long)d);
+        } else {
+            for (int prec = 1; prec <= 17; prec++) { /* the shortest that reads back */
+                snprintf(b, sizeof b, "%.*g", prec, d);
+                if (strtod(b, NULL) == d) break;
+            }
+            /* Python writes a float with a point or an exponent: 1e+20, 0.5 */
+            if (!strpbrk(b, ".eEn")) strcat(b, ".0");
+        }
+        text(r, b);
+    } else if (cJSON_IsString(v)) {
+        text(r, "\"");
+        for (const unsigned char *s = (const unsigned char *)v->valuestring; *s; s++) {
+            char e[8];
+            switch (*s) {
+            case '"': text(r, "\\\""); break;
+            case '\\': text(r, "\\\\"); break;
+            case '\n': text(r, "\\n"); break;
+            case '\r': text(r, "\\r"); break;
+            case '\t': text(r, "\\t"); break;
+            case '\b': text(r, "\\b"); break;
+            case '\f': text(r, "\\f"); break;
+            default:
+                if (*s < 0x20) {
+                    snprintf(e, sizeof e, "\\u%04x", *s);
+                    text(r, e);
+                } else {
+                    text_n(r, (const char *)s, 1);
+                }
+            }
+        }
+        text(r, "\"");
+    } else if (cJSON_IsArray(v) || cJSON_IsObject(v)) {
+        const bool obj = cJSON_IsObject(v);
+        text(r, obj ? "{" : "[");
+        for (const cJSON *c = v->child; c; c = c->next) {
+            if (c != v->child) text(r, ", ");
+            if (obj) {
+                cJSON key = {.type = cJSON_String, .valuestring = c->string};
+                py_json(r, &key);
+                text(r, ": ");
+            }
+            py_json(r, c);
+        }
+        text(r, obj ? "}" : "]");
+    }
+}
+
+static const char *json_type_name(const cJSON *v) {
+    if (cJSON_IsBool(v)) return "boolean";
+    if (cJSON_IsNull(v)) return "null";
+    if (cJSON_IsNumber(v)) return "number";
+    if (cJSON_IsString(v)) return "string";
+    if (cJSON_IsObject(v)) return "object";
+    return "array";
+}
+
+/* The tool of a call id "functions.NAME:IDX" (Kimi's ids; K3 binds results
+ * by position, not id): NAME into out; another id is the name itself. */
+static void call_name(const char *id, char *out, size_t cap) {
+    const char *s = id ? id : "";
+    if (!strncmp(s, "functions.", 10)) s += 10;
+    size_t len = strlen(s);
+    const char *colon = strrchr(s, ':');
+    if (colon && colon != s && strspn(colon + 1, "0123456789") == strlen(colon + 1) && colon[1])
+        len = (size_t)(colon - s);
+    if (len >= cap) len = cap - 1;
+    memcpy(out, s, len);
+    out[len] = '\0';
+}
+
+static void xtool_calls(render *r, const eng_chat_msg *m) {
+    xopen(r, "tools");
+    xsep(r);
+    for (int k = 0; k < m->n_tool_calls && r->rc == KDS_OK; k++) {
+        const eng_chat_tool_call *c = &m->tool_calls[k];
+        char name[256];
+        call_name(c->id, name, sizeof name);
+        xopen(r, "call");
+        attr(r, "tool", name);
+        attr_int(r, "index", k + 1);
+        xsep(r);
+        cJSON *args = c->arguments ? cJSON_Parse(c->arguments) : NULL;
+        if (cJSON_IsObject(args)) {
+            for (const cJSON *a = args->child; a; a = a->next) {
+                xopen(r, "argument");
+                attr(r, "key", a->string);
+                attr(r, "type", json_type_name(a));
+                xsep(r);
+                if (cJSON_IsString(a))
+                    text(r, a->valuestring);
+                else
+                    py_json(r, a);
+                xclose(r, "argument");
+            }
+        } else if (c->arguments) {
+            /* not an object: the whole value in a json tag (text that is
+             * not JSON, as it is) */
+            xopen(r, "json");
+            attr(r, "type", "object");
+            xsep(r);
+            if (args)
+                py_json(r, args);
+            else
+                text(r, c->arguments);
+            xclose(r, "json");
+        }
+        cJSON_Delete(args);
+        xclose(r, "call");
+    }
+    xclose(r, "tools");
+}
+
+static kds_status render_xtml(render *r, const eng_chat_msg *msgs, int n_msgs,
+                              const eng_chat_params *p) {
+    const bool thinking = !p->no_thinking;
+    const char *effort = p->thinking_effort ? p->thinking_effort : "max";
+    if (thinking && strcmp(effort, "low") && strcmp(effort, "high") && strcmp(effort, "max"))
+        return kds_err_set(r->err, KDS_INVALID_ARG,
+                           "thinking effort \"%s\" is not one of low, high, max (K3's)", effort);
+    if (!p->continuing) {
+        if (p->tools_json && p->tools_json[0])
+            xsystem_block(r, "tool-declare",
+                          "# Tools\nHere are the available tools, described in JSONSchema.\n\n"
+                          "```json\n",
+                          p->tools_json, "\n```");
+        if (thinking) {
+            char line[96];
+            snprintf(line, sizeof line, "Now the system is invoked with `thinking_effort=%s`.",
+                     effort);
+            xsystem_block(r, "thinking-effort",
+                          "`thinking_effort` guides on how much to think in your thinking channel "
+                          "(not including the response channel), supported values include "
+                          "`low`, `medium`, `high`, and `max`.\n",
+                          line, NULL);
+        }
+    }
+    const eng_chat_msg *calls = NULL; /* the last assistant message: results bind to its calls */
+    int result_index = 0;
+    for (int i = 0; i < n_msgs && r->rc == KDS_OK; i++) {
+        const eng_chat_msg *m = &msgs[i];
+        xopen(r, "message");
+        attr(r, "role", m->role);
+        if (!strcmp(m->role, "assistant")) {
+            calls = m;
+            result_index = 0;
+            xsep(r);
+            if (thinking) xchannel(r, "think", m->reasoning);
+            xchannel(r, "response", m->content);
+            if (m->n_tool_calls > 0) xtool_calls(r, m);
+        } else if (!strcmp(m->role, "tool")) {
+            result_index++;
+            char name[256] = "";
+            if (m->name && m->name[0])
+                snprintf(name, sizeof name, "%s", m->name);
+            else if (calls && result_index <= calls->n_tool_calls)
+                call_name(calls->tool_calls[result_index - 1].id, name, sizeof name);
+            if (!name[0]) {
+                r->rc = kds_err_set(r->err, KDS_INVALID_ARG,
+                                    "chat message %d: a tool result needs its tool's name (K3 "
+                                    "binds results to calls by position): give it a name, or "
+                                    "follow an assistant message with as many calls",
+                                    i);
+                break;
+            }
+            attr(r, "tool", name);
+            attr_int(r, "index", result_index);
+            xsep(r);
+            text(r, m->content);
+        } else {
+            if (m->name && m->name[0]) attr(r, "name", m->name);
+            xsep(r);
+            text(r, m->content);
+        }
+        xmessage_end(r);
+    }
+    if (p->add_generation_prompt && r->rc == KDS_OK) {
+        xopen(r, "message");
+        attr(r, "role", "assistant");
+        xsep(r);
+        xopen(r, thinking ? "think" : "response");
+        xsep(r);
+    }
+    return r->rc;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Both formats                                                              */
 
 kds_status eng_chat_render(const eng_tokenizer *t, const eng_chat_msg *msgs, int n_msgs,
                            const eng_chat_params *p, int32_t *ids, int64_t cap, int64_t *n,
@@ -118,10 +418,20 @@ kds_status eng_chat_render(const eng_tokenizer *t, const eng_chat_msg *msgs, int
     render r = {.t = t, .ids = ids, .cap = ids ? cap : 0, .err = err};
     for (int i = 0; i < SP_COUNT; i++)
         r.sp[i] = eng_tok_special_id(t, SPECIAL_NAMES[i]);
+    if (xtml_supported(t)) {
+        for (int i = 0; i < XT_COUNT; i++)
+            r.xt[i] = eng_tok_special_id(t, XTML_NAMES[i]);
+        r.rc = render_xtml(&r, msgs, n_msgs, p);
+        flush(&r);
+        kds_buf_free(&r.text);
+        if (r.rc == KDS_OK && n) *n = r.n;
+        return r.rc;
+    }
 
-    if (p->tools_json && p->tools_json[0]) turn(&r, SP_SYSTEM, "tool_declare", p->tools_json);
+    if (p->tools_json && p->tools_json[0] && !p->continuing)
+        turn(&r, SP_SYSTEM, "tool_declare", p->tools_json);
     const char *def = p->default_system ? p->default_system : CHAT_DEFAULT_SYSTEM;
-    if (def[0] && (n_msgs == 0 || strcmp(msgs[0].role, "system") != 0))
+    if (def[0] && !p->continuing && (n_msgs == 0 || strcmp(msgs[0].role, "system") != 0))
         turn(&r, SP_SYSTEM, "system", def);
     for (int i = 0; i < n_msgs && r.rc == KDS_OK; i++) {
         const eng_chat_msg *m = &msgs[i];
@@ -180,7 +490,7 @@ kds_status eng_chat_turn(const eng_tokenizer *t, bool chat, int64_t pos, const c
         msgs[k++] = (eng_chat_msg){.role = "user", .content = copy};
         eng_chat_params cp = eng_chat_default_params();
         cp.add_generation_prompt = gen_prompt;
-        if (pos > 0) cp.default_system = ""; /* only a new conversation gets one */
+        cp.continuing = pos > 0; /* only a new conversation gets a default system turn */
         int64_t count = 0;
         rc = eng_chat_render(t, msgs, k, &cp, NULL, 0, &count, err);
         if (rc == KDS_OK && !(*ids = malloc((size_t)(count + 1) * sizeof **ids)))
@@ -240,5 +550,7 @@ static bool dir_has_chat_template(const char *dir) {
 }
 
 bool eng_model_chat_format(const eng_model *m) {
-    return eng_chat_supported(eng_model_tokenizer(m)) && dir_has_chat_template(eng_model_dir(m));
+    const eng_tokenizer *t = eng_model_tokenizer(m);
+    /* K3 ships no template (its format is code): its specials decide */
+    return xtml_supported(t) || (k2_supported(t) && dir_has_chat_template(eng_model_dir(m)));
 }

@@ -591,7 +591,7 @@ int32_t eng_tok_special_id(const eng_tokenizer *t, const char *name) {
 }
 
 void eng__tok_set_stops(eng_tokenizer *t) {
-    static const char *const ENDS[] = {"<|im_end|>", "[EOS]", "<|endoftext|>"};
+    static const char *const ENDS[] = {"<|im_end|>", "[EOS]", "<|endoftext|>", "<|end_of_msg|>"};
     t->n_stops = 0;
     if (t->eos >= 0) t->stops[t->n_stops++] = t->eos;
     for (int i = 0; i < N_OF(ENDS); i++) {

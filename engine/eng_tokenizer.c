@@ -281,6 +281,10 @@ struct eng_tok_stream {
     size_t n_pend;
     unsigned char *in; /* pend + one token: max_piece + 4 */
     char *out;         /* at most 3 bytes (U+FFFD) per input byte */
+    /* K3's XTML tags (<|open|> or <|close|>, a header, <|sep|>) are markup:
+     * with ENG_TOK_SKIP_SPECIAL their headers are skipped with them */
+    int32_t xt_open, xt_close, xt_sep; /* -1 without K3's specials */
+    bool in_tag;
 };
 
 kds_status eng_tok_stream_create(const eng_tokenizer *t, unsigned flags, eng_tok_stream **out,
@@ -290,6 +294,10 @@ kds_status eng_tok_stream_create(const eng_tokenizer *t, unsigned flags, eng_tok
     if (!s) goto nomem;
     s->t = t;
     s->flags = flags;
+    s->xt_open = eng_tok_special_id(t, "<|open|>");
+    s->xt_close = eng_tok_special_id(t, "<|close|>");
+    s->xt_sep = eng_tok_special_id(t, "<|sep|>");
+    if (s->xt_open < 0 || s->xt_close < 0 || s->xt_sep < 0) s->xt_open = s->xt_close = s->xt_sep = -1;
     s->in = malloc(t->max_piece + 4);
     s->out = malloc(3 * (t->max_piece + 4));
     if (!s->in || !s->out) goto nomem;
@@ -314,7 +322,12 @@ kds_status eng_tok_stream_put(eng_tok_stream *s, int32_t id, const char **text, 
         return kds_err_set(err, KDS_INVALID_ARG, "token id %d is outside the vocabulary [0, %d)",
                            id, t->vocab);
     size_t pl = t->piece[id].len;
-    if ((s->flags & ENG_TOK_SKIP_SPECIAL) && t->kind[id] == TOK_SPECIAL) pl = 0;
+    if (s->flags & ENG_TOK_SKIP_SPECIAL) {
+        if (s->xt_sep >= 0 && (id == s->xt_open || id == s->xt_close)) s->in_tag = true;
+        const bool header = s->in_tag;
+        if (id == s->xt_sep) s->in_tag = false;
+        if (t->kind[id] == TOK_SPECIAL || header) pl = 0;
+    }
     memcpy(s->in, s->pend, s->n_pend);
     memcpy(s->in + s->n_pend, t->arena + t->piece[id].off, pl);
     size_t n = s->n_pend + pl, i = 0, o = 0;
@@ -346,5 +359,6 @@ const char *eng_tok_stream_flush(eng_tok_stream *s, size_t *len) {
         *len = 3;
     }
     s->n_pend = 0;
+    s->in_tag = false;
     return s->out;
 }

@@ -372,7 +372,8 @@ kds_status repl_create(const repl_params *p, FILE *out, FILE *errf, repl **out_r
     if (p->mode == REPL_MODE_CHAT && !r->chat) {
         kds_err_set(e, KDS_UNSUPPORTED,
                     "model %s has no chat format (its tokenizer lacks "
-                    "<|im_user|>, <|im_middle|>, <|im_end|>): use plain mode",
+                    "<|im_user|>, <|im_middle|>, <|im_end|>, and K3's <|open|>, <|sep|>, "
+                    "<|close|>, <|end_of_msg|>): use plain mode",
                     dir);
         goto fail;
     }

@@ -586,7 +586,7 @@ static bool c_ingest(repl *r, char *arg) {
     if (done < n && !r->json && g.tty) fputc('\n', pf); /* end the bar's line */
     /* a chat turn cut short is closed, as a cut reply is */
     if (done < n && r->chat) {
-        int32_t end = eng_tok_special_id(r->tok, "<|im_end|>");
+        int32_t end = eng_chat_end_token(r->tok);
         if (end >= 0 && eng_decode(r->c, r->s, end, &e) != KDS_OK) {
             repl__error(r, "cannot ingest %s: %s", arg, e.msg);
             goto out;

@@ -1326,15 +1326,16 @@ static wturn *ingest_create(web_engine *E, const web_req *r, const cJSON *id, sr
     in->hashed = (srv_sess_hashed(h) || sp->hasher) && !si.chat;
     if (si.chat) {
         /* the document is one user turn: its opener now, its text as it
-         * comes, <|im_end|> at the end (the stream's close) */
+         * comes, its end token (<|im_end|>, K3's <|end_of_msg|>) at the
+         * end (the stream's close) */
         const eng_tokenizer *tok = eng_model_tokenizer(E->s->m);
         int32_t *ids = NULL;
         int64_t n = 0;
         if (eng_chat_turn(tok, true, si.tokens, NULL, "", 0, false, &ids, &n, e) != KDS_OK)
             goto fail;
-        if (n < 1 || ids[n - 1] != eng_tok_special_id(tok, "<|im_end|>")) {
+        if (n < 1 || ids[n - 1] != eng_chat_end_token(tok)) {
             free(ids);
-            kds_err_set(e, KDS_INTERNAL, "this chat format does not end a turn on <|im_end|>");
+            kds_err_set(e, KDS_INTERNAL, "this chat format does not end a turn on its end token");
             goto fail;
         }
         in->ids = ids;
