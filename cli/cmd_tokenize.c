@@ -36,9 +36,11 @@ static void tokenize_usage(FILE *f) {
         "  --split           print the pre-tokens, one JSON string per line\n"
         "  --chat            stdin is a conversation in JSON: [{\"role\": .., \"content\": ..},\n"
         "                    ..] or {\"messages\": [..], \"tools\": [..],\n"
-        "                    \"add_generation_prompt\": true, \"default_system\": \"..\"}\n"
-        "                    (OpenAI message fields: name, tool_call_id, tool_calls); prints\n"
-        "                    the ids of Kimi's chat format\n"
+        "                    \"add_generation_prompt\": true, \"default_system\": \"..\",\n"
+        "                    \"thinking\": true, \"thinking_effort\": \"max\"} (OpenAI message\n"
+        "                    fields: name, tool_call_id, tool_calls, reasoning_content);\n"
+        "                    prints the ids of the tokenizer's chat format (Kimi-K2's, or\n"
+        "                    K3's when it has <|open|> <|sep|> <|close|> <|end_of_msg|>)\n"
         "  --bench N         encode the input N times; print one JSON line with the\n"
         "                    median MB/s (10^6 input bytes per second, one thread)\n");
 }
@@ -174,6 +176,9 @@ static int do_chat(const eng_tokenizer *tok, const char *in, size_t len) {
         const cJSON *g = cJSON_GetObjectItemCaseSensitive(root, "add_generation_prompt");
         if (cJSON_IsBool(g)) p.add_generation_prompt = cJSON_IsTrue(g);
         p.default_system = json_str(root, "default_system");
+        const cJSON *th = cJSON_GetObjectItemCaseSensitive(root, "thinking");
+        if (cJSON_IsBool(th)) p.no_thinking = !cJSON_IsTrue(th);
+        p.thinking_effort = json_str(root, "thinking_effort");
     }
     int n = cJSON_GetArraySize(list), n_calls = 0;
     const cJSON *m, *c;
@@ -194,11 +199,13 @@ static int do_chat(const eng_tokenizer *tok, const char *in, size_t len) {
         e->content = json_str(m, "content");
         e->name = json_str(m, "name");
         e->tool_call_id = json_str(m, "tool_call_id");
+        e->reasoning = json_str(m, "reasoning_content");
         e->tool_calls = calls + k;
         cJSON_ArrayForEach(c, cJSON_GetObjectItemCaseSensitive(m, "tool_calls")) {
             const cJSON *f = cJSON_GetObjectItemCaseSensitive(c, "function");
             calls[k].id = json_str(c, "id");
             calls[k].arguments = json_str(f ? f : c, "arguments");
+            calls[k].name = json_str(f ? f : c, "name");
             k++;
             e->n_tool_calls++;
         }

@@ -571,6 +571,7 @@ const char *eng_tok_stream_flush(eng_tok_stream *s, size_t *len);
 typedef struct eng_chat_tool_call {
     const char *id;        /* "functions.NAME:IDX" */
     const char *arguments; /* JSON text, as the model wrote it */
+    const char *name;      /* K3: the tool (NULL = NAME of a "functions.NAME:IDX" id) */
 } eng_chat_tool_call;
 
 typedef struct eng_chat_msg {

@@ -294,7 +294,10 @@ static void xtool_calls(render *r, const eng_chat_msg *m) {
     for (int k = 0; k < m->n_tool_calls && r->rc == KDS_OK; k++) {
         const eng_chat_tool_call *c = &m->tool_calls[k];
         char name[256];
-        call_name(c->id, name, sizeof name);
+        if (c->name && c->name[0])
+            snprintf(name, sizeof name, "%s", c->name);
+        else
+            call_name(c->id, name, sizeof name);
         xopen(r, "call");
         attr(r, "tool", name);
         attr_int(r, "index", k + 1);
@@ -372,8 +375,13 @@ static kds_status render_xtml(render *r, const eng_chat_msg *msgs, int n_msgs,
             char name[256] = "";
             if (m->name && m->name[0])
                 snprintf(name, sizeof name, "%s", m->name);
-            else if (calls && result_index <= calls->n_tool_calls)
-                call_name(calls->tool_calls[result_index - 1].id, name, sizeof name);
+            else if (calls && result_index <= calls->n_tool_calls) {
+                const eng_chat_tool_call *c = &calls->tool_calls[result_index - 1];
+                if (c->name && c->name[0])
+                    snprintf(name, sizeof name, "%s", c->name);
+                else
+                    call_name(c->id, name, sizeof name);
+            }
             if (!name[0]) {
                 r->rc = kds_err_set(r->err, KDS_INVALID_ARG,
                                     "chat message %d: a tool result needs its tool's name (K3 "

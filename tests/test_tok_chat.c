@@ -102,7 +102,7 @@ Test(tok_chat, tool_declaration_calls_and_results) {
         "weather information. Call this tool when the user needs to get weather information\","
         "\"parameters\":{\"type\":\"object\",\"required\":[\"city\"],\"properties\":{\"city\":{"
         "\"type\":\"string\",\"description\":\"City name\"}}}}}]";
-    eng_chat_tool_call call = {"functions.get_weather:0", "{\"city\": \"Beijing\"}"};
+    eng_chat_tool_call call = {"functions.get_weather:0", "{\"city\": \"Beijing\"}", NULL};
     eng_chat_msg m[] = {
         {.role = "system", .content = "You are Kimi, an AI assistant created by Moonshot AI."},
         {.role = "user",

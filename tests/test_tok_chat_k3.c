@@ -147,14 +147,15 @@ Test(tok_chat_k3, tools_declared_called_and_answered) {
     eng_chat_tool_call calls[] = {
         {"functions.get_weather:0",
          "{\"city\": \"Beijing\", \"days\": 3, \"metric\": true, \"unit\": null, \"ratio\": 0.5, "
-         "\"opts\": {\"a\": [1, 2.25], \"q\": \"x\\\"y\\u00e9\\n\"}}"},
-        {"functions.clock:1", "[1,2]"},
-        {"functions.ping:2", "not json"}};
+         "\"opts\": {\"a\": [1, 2.25], \"q\": \"x\\\"y\\u00e9\\n\"}}",
+         NULL},
+        {"call_9", "[1,2]", "clock"}, /* an OpenAI id: the name given apart */
+        {"functions.ping:2", "not json", NULL}};
     eng_chat_msg m[] = {
         {.role = "user", .content = "Weather?", .name = "ann \"a\""},
         {.role = "assistant", .content = "", .tool_calls = calls, .n_tool_calls = 3},
         {.role = "tool", .content = "{\"weather\": \"Sunny\"}"},
-        {.role = "tool", .content = "12:00", .name = "clock"}};
+        {.role = "tool", .content = "12:00"}};
     eng_chat_params p = eng_chat_default_params();
     p.tools_json = tools;
     p.no_thinking = true;

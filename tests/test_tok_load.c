@@ -463,3 +463,48 @@ Test(tok_cli, refusals) {
     free(rp);
     free(r);
 }
+
+/* `tokenize --chat` with a tokenizer that has K3's four specials renders
+ * K3's format: OpenAI message fields (a tool call's function name,
+ * reasoning_content) and the thinking options; a refused effort exits 1
+ * naming it. */
+Test(tok_cli, k3_chat) {
+    const char *spec = "{\"<|end_of_msg|>\": 8194, \"<|open|>\": 8195, \"<|close|>\": 8196, "
+                       "\"<|sep|>\": 8197}";
+    char *sp = write_tmp(spec), out[8192];
+    char tok[1024];
+    snprintf(tok, sizeof tok,
+             KDASERVE_TOK " --vocab " KDS_SOURCE_DIR "/models/default/tiktoken.model --pattern "
+                          "kimi --specials %s",
+             sp);
+    cr_assert_eq(
+        run(out, sizeof out,
+            "printf '%%s' '{\"messages\":[{\"role\":\"user\",\"content\":\"Hi\"},{\"role\":"
+            "\"assistant\",\"content\":\"Yes\",\"reasoning_content\":\"hm\",\"tool_calls\":[{"
+            "\"id\":\"call_1\",\"function\":{\"name\":\"w\",\"arguments\":\"{\\\"c\\\":1}\"}}]},{"
+            "\"role\":\"tool\",\"tool_call_id\":\"call_1\",\"content\":\"ok\"}],"
+            "\"thinking_effort\":\"low\"}' | %s --chat | %s --decode",
+            tok, tok),
+        0, "%s", out);
+    cr_expect_str_eq(
+        out,
+        "<|open|>message role=\"system\" type=\"thinking-effort\"<|sep|>`thinking_effort` guides "
+        "on how much to think in your thinking channel (not including the response channel), "
+        "supported values include `low`, `medium`, `high`, and `max`.\nNow the system is invoked "
+        "with `thinking_effort=low`.<|close|>message<|sep|><|end_of_msg|><|open|>message role="
+        "\"user\"<|sep|>Hi<|close|>message<|sep|><|end_of_msg|><|open|>message role=\"assistant\""
+        "<|sep|><|open|>think<|sep|>hm<|close|>think<|sep|><|open|>response<|sep|>Yes<|close|>"
+        "response<|sep|><|open|>tools<|sep|><|open|>call tool=\"w\" index=\"1\"<|sep|><|open|>"
+        "argument key=\"c\" type=\"number\"<|sep|>1<|close|>argument<|sep|><|close|>call<|sep|>"
+        "<|close|>tools<|sep|><|close|>message<|sep|><|end_of_msg|><|open|>message role=\"tool\" "
+        "tool=\"w\" index=\"1\"<|sep|>ok<|close|>message<|sep|><|end_of_msg|><|open|>message "
+        "role=\"assistant\"<|sep|><|open|>think<|sep|>");
+    cr_expect_eq(run(out, sizeof out,
+                     "printf '%%s' '{\"messages\":[],\"thinking_effort\":\"medium\"}' | %s --chat "
+                     "2>&1",
+                     tok),
+                 1);
+    cr_expect(strstr(out, "\"medium\" is not one of low, high, max"), "%s", out);
+    unlink(sp);
+    free(sp);
+}
