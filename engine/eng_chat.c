@@ -216,7 +216,8 @@ static void py_json(render *r, const cJSON *v) {
     } else if (cJSON_IsNumber(v)) {
         char b[40];
         const double d = v->valuedouble;
-        if (d == (double)(long long)d && d > -9.007199254740992e15 && d < 9.007199254740992e15) {
+        /* the range first: casting a larger double to an integer is undefined */
+        if (d > -9.007199254740992e15 && d < 9.007199254740992e15 && d == (double)(long long)d) {
             snprintf(b, sizeof b, "%lld", (long long)d);
         } else {
             for (int prec = 1; prec <= 17; prec++) { /* the shortest that reads back */
