@@ -17,8 +17,9 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "eng_tokenizer.h"
 #include <cJSON.h>
+
+#include "eng_tokenizer.h"
 #include "eng_util.h"
 #include "kds_file.h"
 #include "kds_buf.h"
@@ -275,10 +276,15 @@ static const char *json_type_name(const cJSON *v) {
     return "array";
 }
 
-/* The tool of a call id "functions.NAME:IDX" (Kimi's ids; K3 binds results
- * by position, not id): NAME into out; another id is the name itself. */
-static void call_name(const char *id, char *out, size_t cap) {
-    const char *s = id ? id : "";
+/* A call's tool into out: its name, else NAME of a Kimi id
+ * "functions.NAME:IDX" (K3 binds results by position, not id); another id
+ * is the name itself. */
+static void call_name(const eng_chat_tool_call *c, char *out, size_t cap) {
+    if (c->name && c->name[0]) {
+        snprintf(out, cap, "%s", c->name);
+        return;
+    }
+    const char *s = c->id ? c->id : "";
     if (!strncmp(s, "functions.", 10)) s += 10;
     size_t len = strlen(s);
     const char *colon = strrchr(s, ':');
@@ -295,10 +301,7 @@ static void xtool_calls(render *r, const eng_chat_msg *m) {
     for (int k = 0; k < m->n_tool_calls && r->rc == KDS_OK; k++) {
         const eng_chat_tool_call *c = &m->tool_calls[k];
         char name[256];
-        if (c->name && c->name[0])
-            snprintf(name, sizeof name, "%s", c->name);
-        else
-            call_name(c->id, name, sizeof name);
+        call_name(c, name, sizeof name);
         xopen(r, "call");
         attr(r, "tool", name);
         attr_int(r, "index", k + 1);
@@ -334,13 +337,15 @@ static void xtool_calls(render *r, const eng_chat_msg *m) {
     xclose(r, "tools");
 }
 
-static kds_status render_xtml(render *r, const eng_chat_msg *msgs, int n_msgs,
-                              const eng_chat_params *p) {
+static void render_xtml(render *r, const eng_chat_msg *msgs, int n_msgs,
+                        const eng_chat_params *p) {
     const bool thinking = !p->no_thinking;
     const char *effort = p->thinking_effort ? p->thinking_effort : "max";
-    if (thinking && strcmp(effort, "low") && strcmp(effort, "high") && strcmp(effort, "max"))
-        return kds_err_set(r->err, KDS_INVALID_ARG,
-                           "thinking effort \"%s\" is not one of low, high, max (K3's)", effort);
+    if (thinking && strcmp(effort, "low") && strcmp(effort, "high") && strcmp(effort, "max")) {
+        r->rc = kds_err_set(r->err, KDS_INVALID_ARG,
+                            "thinking effort \"%s\" is not one of low, high, max (K3's)", effort);
+        return;
+    }
     if (!p->continuing) {
         if (p->tools_json && p->tools_json[0])
             xsystem_block(r, "tool-declare",
@@ -376,13 +381,8 @@ static kds_status render_xtml(render *r, const eng_chat_msg *msgs, int n_msgs,
             char name[256] = "";
             if (m->name && m->name[0])
                 snprintf(name, sizeof name, "%s", m->name);
-            else if (calls && result_index <= calls->n_tool_calls) {
-                const eng_chat_tool_call *c = &calls->tool_calls[result_index - 1];
-                if (c->name && c->name[0])
-                    snprintf(name, sizeof name, "%s", c->name);
-                else
-                    call_name(c->id, name, sizeof name);
-            }
+            else if (calls && result_index <= calls->n_tool_calls)
+                call_name(&calls->tool_calls[result_index - 1], name, sizeof name);
             if (!name[0]) {
                 r->rc = kds_err_set(r->err, KDS_INVALID_ARG,
                                     "chat message %d: a tool result needs its tool's name (K3 "
@@ -409,11 +409,52 @@ static kds_status render_xtml(render *r, const eng_chat_msg *msgs, int n_msgs,
         xopen(r, thinking ? "think" : "response");
         xsep(r);
     }
-    return r->rc;
 }
 
 /* ------------------------------------------------------------------------ */
-/* Both formats                                                              */
+/* Kimi-K2 (the turns of its template)                                      */
+
+static void render_k2(render *r, const eng_chat_msg *msgs, int n_msgs, const eng_chat_params *p) {
+    if (p->tools_json && p->tools_json[0] && !p->continuing)
+        turn(r, SP_SYSTEM, "tool_declare", p->tools_json);
+    const char *def = p->default_system ? p->default_system : CHAT_DEFAULT_SYSTEM;
+    if (def[0] && !p->continuing && (n_msgs == 0 || strcmp(msgs[0].role, "system") != 0))
+        turn(r, SP_SYSTEM, "system", def);
+    for (int i = 0; i < n_msgs && r->rc == KDS_OK; i++) {
+        const eng_chat_msg *m = &msgs[i];
+        const char *name = m->name && m->name[0] ? m->name : m->role;
+        bool user = !strcmp(m->role, "user"), assistant = !strcmp(m->role, "assistant");
+        special(r, user ? SP_USER : assistant ? SP_ASSISTANT : SP_SYSTEM);
+        text(r, name);
+        special(r, SP_MIDDLE);
+        if (!strcmp(m->role, "tool")) {
+            text(r, "## Return of ");
+            text(r, m->tool_call_id ? m->tool_call_id : "");
+            text(r, "\n");
+        }
+        text(r, m->content);
+        if (assistant && m->n_tool_calls > 0) {
+            special(r, SP_SEC_BEGIN);
+            for (int k = 0; k < m->n_tool_calls; k++) {
+                special(r, SP_CALL_BEGIN);
+                text(r, m->tool_calls[k].id);
+                special(r, SP_CALL_ARG);
+                text(r, m->tool_calls[k].arguments);
+                special(r, SP_CALL_END);
+            }
+            special(r, SP_SEC_END);
+        }
+        special(r, SP_END);
+    }
+    if (p->add_generation_prompt) {
+        special(r, SP_ASSISTANT);
+        text(r, "assistant");
+        special(r, SP_MIDDLE);
+    }
+}
+
+/* ------------------------------------------------------------------------ */
+/* Either format                                                             */
 
 kds_status eng_chat_render(const eng_tokenizer *t, const eng_chat_msg *msgs, int n_msgs,
                            const eng_chat_params *p, int32_t *ids, int64_t cap, int64_t *n,
@@ -425,53 +466,14 @@ kds_status eng_chat_render(const eng_tokenizer *t, const eng_chat_msg *msgs, int
         if (!msgs[i].role || !msgs[i].role[0])
             return kds_err_set(err, KDS_INVALID_ARG, "chat message %d has no role", i);
     render r = {.t = t, .ids = ids, .cap = ids ? cap : 0, .err = err};
-    for (int i = 0; i < SP_COUNT; i++)
-        r.sp[i] = eng_tok_special_id(t, SPECIAL_NAMES[i]);
     if (xtml_supported(t)) {
         for (int i = 0; i < XT_COUNT; i++)
             r.xt[i] = eng_tok_special_id(t, XTML_NAMES[i]);
-        r.rc = render_xtml(&r, msgs, n_msgs, p);
-        flush(&r);
-        kds_buf_free(&r.text);
-        if (r.rc == KDS_OK && n) *n = r.n;
-        return r.rc;
-    }
-
-    if (p->tools_json && p->tools_json[0] && !p->continuing)
-        turn(&r, SP_SYSTEM, "tool_declare", p->tools_json);
-    const char *def = p->default_system ? p->default_system : CHAT_DEFAULT_SYSTEM;
-    if (def[0] && !p->continuing && (n_msgs == 0 || strcmp(msgs[0].role, "system") != 0))
-        turn(&r, SP_SYSTEM, "system", def);
-    for (int i = 0; i < n_msgs && r.rc == KDS_OK; i++) {
-        const eng_chat_msg *m = &msgs[i];
-        const char *name = m->name && m->name[0] ? m->name : m->role;
-        bool user = !strcmp(m->role, "user"), assistant = !strcmp(m->role, "assistant");
-        special(&r, user ? SP_USER : assistant ? SP_ASSISTANT : SP_SYSTEM);
-        text(&r, name);
-        special(&r, SP_MIDDLE);
-        if (!strcmp(m->role, "tool")) {
-            text(&r, "## Return of ");
-            text(&r, m->tool_call_id ? m->tool_call_id : "");
-            text(&r, "\n");
-        }
-        text(&r, m->content);
-        if (assistant && m->n_tool_calls > 0) {
-            special(&r, SP_SEC_BEGIN);
-            for (int k = 0; k < m->n_tool_calls; k++) {
-                special(&r, SP_CALL_BEGIN);
-                text(&r, m->tool_calls[k].id);
-                special(&r, SP_CALL_ARG);
-                text(&r, m->tool_calls[k].arguments);
-                special(&r, SP_CALL_END);
-            }
-            special(&r, SP_SEC_END);
-        }
-        special(&r, SP_END);
-    }
-    if (p->add_generation_prompt) {
-        special(&r, SP_ASSISTANT);
-        text(&r, "assistant");
-        special(&r, SP_MIDDLE);
+        render_xtml(&r, msgs, n_msgs, p);
+    } else {
+        for (int i = 0; i < SP_COUNT; i++)
+            r.sp[i] = eng_tok_special_id(t, SPECIAL_NAMES[i]);
+        render_k2(&r, msgs, n_msgs, p);
     }
     flush(&r);
     kds_buf_free(&r.text);
