@@ -442,13 +442,14 @@ rows8_group(const kern_dtype dt, const unsigned char *c, size_t rb, int in,
 
 /* Blocks per column block when more than three tokens share eight rows:
  * the rows' block (8 x 256 MXFP4 / 512 Q8_0 bytes) and the tokens' x
- * (up to 31 x 2 KiB) stay in L1 / L2 while every group of three runs over
+ * (up to 63 x 2 KiB) stay in L1 / L2 while every group of three runs over
  * them. */
 #define QUANT_COL_BLOCKS 16
 
-/* T (2..31) tokens, rows [r, r + 8): the tokens go in groups of up to three
- * (rows8_group: 8 x 3 sums in registers, each block decoded once per
- * group). Up to three tokens take whole rows, read from memory as eight
+/* T (2 .. QUANT_GEMM_MIN_T - 1) tokens, rows [r, r + 8): the tokens go in
+ * groups of up to three (rows8_group: 8 x 3 sums in registers, each block
+ * decoded once per group). Up to three tokens take whole rows, read from
+ * memory as eight
  * streams; more go over column blocks of QUANT_COL_BLOCKS, the first group
  * reading a block from memory and the others from cache. Decoding a block
  * once per group costs less than decoding it once into an L1 tile that
@@ -629,22 +630,17 @@ void kern_matmul_w(const kern_weight *w, const float *x, int T, float *y, int ld
 void kern_matmul_w_prefill(const kern_weight *w, const float *x, int T, float *y, int ldy, int r0,
                            int r1, float *scratch, bool bf16_act) {
 #if KERN_AVX512
-    /* block formats: their direct path is as fast below QUANT_GEMM_MIN_T */
-    const int gemm_min_t = kern_dtype_is_block(w->dt) ? QUANT_GEMM_MIN_T : KERN_PREFILL_GEMM_MIN_T;
-    if (T >= gemm_min_t && scratch && r1 > r0) {
+    /* block formats take kern_matmul_w's own change-over: their direct path
+     * is as fast as the panels below QUANT_GEMM_MIN_T */
+    if (!kern_dtype_is_block(w->dt) && T >= KERN_PREFILL_GEMM_MIN_T && scratch && r1 > r0) {
 #if defined(__AVX512BF16__)
         if (bf16_act && w->dt == KERN_BF16) {
             kern__gemm_bf16act(w->data, w->cols, x, T, y, ldy, r0, r1, scratch);
             return;
         }
 #endif
-        if (kern_dtype_is_block(w->dt)) {
-            const kern_layout l = kern_weight_layout(w->dt, w->rows, w->cols);
-            gemm_avx512(w, &l, x, T, y, ldy, r0, r1, scratch);
-        } else {
-            const kern_gemm_w gw = {w->dt, w->data, w->cols, false};
-            kern__gemm(&gw, w->cols, x, w->cols, T, y, ldy, r0, r1, false, scratch);
-        }
+        const kern_gemm_w gw = {w->dt, w->data, w->cols, false};
+        kern__gemm(&gw, w->cols, x, w->cols, T, y, ldy, r0, r1, false, scratch);
         return;
     }
 #endif
