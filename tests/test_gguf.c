@@ -629,6 +629,18 @@ Test(gguf, refuses_what_llama_cpp_cannot_run) {
     free(dir);
 }
 
+/* scripts/bench_vs.sh, one repeat of a 16-token prompt and 4 tokens on one
+ * thread, with `extra` options, its output into `log`; it must succeed. */
+static void run_bench_vs(const char *llama, const char *model, const char *gguf, const char *log,
+                         const char *extra) {
+    char cmd[4096];
+    snprintf(cmd, sizeof cmd,
+             "%s/scripts/bench_vs.sh --kdaserve %s --llama-bench %s --model %s --gguf %s "
+             "--repeats 1 --prompt 16 --gen 4 --threads 1 %s > %s 2>&1",
+             KDS_SOURCE_DIR, KDASERVE, llama, model, gguf, extra, log);
+    cr_assert_eq(th_system(cmd), 0, "%s", cmd);
+}
+
 /* scripts/bench_vs.sh against a stand-in llama-bench (the tests never use
  * llama.cpp): the GGUF is written when missing, both engines' best figures
  * are read and the ratio table printed. */
@@ -656,12 +668,7 @@ Test(gguf, bench_vs_script_with_a_stand_in) {
              args);
     put(dir, "llama-bench", script);
     cr_assert_eq(chmod(fake, 0755), 0);
-    char cmd[4096];
-    snprintf(cmd, sizeof cmd,
-             "%s/scripts/bench_vs.sh --kdaserve %s --llama-bench %s --model %s --gguf %s "
-             "--rounds 2 --repeats 1 --prompt 16 --gen 4 --threads 1 > %s 2>&1",
-             KDS_SOURCE_DIR, KDASERVE, fake, dir, gguf, log);
-    cr_assert_eq(th_system(cmd), 0, "%s", cmd);
+    run_bench_vs(fake, dir, gguf, log, "--rounds 2");
     char *out = tmu_read(log, NULL);
     cr_assert(out);
     cr_expect(strstr(out, "| prefill, 16 tokens (kdaserve exact) |") && strstr(out, "| 100.0 |"),
@@ -679,11 +686,7 @@ Test(gguf, bench_vs_script_with_a_stand_in) {
     free(out);
     cr_assert_eq(unlink(args), 0);
     /* --no-bf16: kdaserve's prefill once a round, exact */
-    snprintf(cmd, sizeof cmd,
-             "%s/scripts/bench_vs.sh --kdaserve %s --llama-bench %s --model %s --gguf %s "
-             "--rounds 1 --repeats 1 --prompt 16 --gen 4 --threads 1 --no-bf16 > %s 2>&1",
-             KDS_SOURCE_DIR, KDASERVE, fake, dir, gguf, log);
-    cr_assert_eq(th_system(cmd), 0, "%s", cmd);
+    run_bench_vs(fake, dir, gguf, log, "--rounds 1 --no-bf16");
     out = tmu_read(log, NULL);
     cr_assert(out);
     cr_expect(strstr(out, "(kdaserve exact)") && !strstr(out, "--bf16: llama.cpp"), "%s", out);
@@ -692,12 +695,7 @@ Test(gguf, bench_vs_script_with_a_stand_in) {
     free(out);
     /* --no-depth: one llama-bench run a round, no -d */
     cr_assert_eq(unlink(args), 0);
-    snprintf(cmd, sizeof cmd,
-             "%s/scripts/bench_vs.sh --kdaserve %s --llama-bench %s --model %s --gguf %s "
-             "--rounds 1 --repeats 1 --prompt 16 --gen 4 --threads 1 --no-bf16 --no-depth > %s "
-             "2>&1",
-             KDS_SOURCE_DIR, KDASERVE, fake, dir, gguf, log);
-    cr_assert_eq(th_system(cmd), 0, "%s", cmd);
+    run_bench_vs(fake, dir, gguf, log, "--rounds 1 --no-bf16 --no-depth");
     out = tmu_read(args, NULL);
     cr_assert(out);
     cr_expect(strstr(out, "-p 16 -n 4") && !strstr(out, "-d "), "%s", out);
@@ -710,6 +708,7 @@ Test(gguf, bench_vs_script_with_a_stand_in) {
     if (f) fclose(f);
     free(out);
     /* a missing llama-bench is named */
+    char cmd[4096];
     snprintf(cmd, sizeof cmd,
              "%s/scripts/bench_vs.sh --kdaserve %s --llama-bench /nonexistent/llama-bench "
              "--model %s 2>&1 | grep -q '/nonexistent/llama-bench is not an executable'",
