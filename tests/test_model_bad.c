@@ -422,7 +422,10 @@ Test(model_bad, random_damage_never_crashes) {
 
 /* eng_st_write keeps every tensor aligned to its element size whatever
  * order it is given them in (widest first, as the safetensors library
- * does), so what it writes loads back in place. */
+ * does), so what it writes loads back in place; and every tensor whose
+ * size is a multiple of 64 bytes (a weight matrix) starts on a 64-byte
+ * line, however many odd-sized ones come before it in the caller's order
+ * and however long the header. */
 Test(model_bad, writer_aligns_mixed_dtypes) {
     char *dir = tmu_mkdtemp();
     cr_assert(dir);
@@ -430,13 +433,19 @@ Test(model_bad, writer_aligns_mixed_dtypes) {
     const unsigned char u8[3] = {1, 2, 3};
     const uint16_t bf[3] = {0x3f80, 0x4000, 0x4040};
     const float f32[2] = {1.5f, -2.0f};
-    const eng_st_out_tensor t[3] = {
+    uint16_t mat[3 * 32], mat2[64];
+    for (int i = 0; i < 3 * 32; i++) mat[i] = (uint16_t)(0x3c00 + i);
+    for (int i = 0; i < 64; i++) mat2[i] = (uint16_t)(0x4100 + i);
+    const eng_st_out_tensor t[5] = {
         {.name = "codes", .dtype = ENG_ST_U8, .n_dims = 1, .shape = {3}, .data = u8},
         {.name = "norm", .dtype = ENG_ST_BF16, .n_dims = 1, .shape = {3}, .data = bf},
+        {.name = "w", .dtype = ENG_ST_BF16, .n_dims = 2, .shape = {3, 32}, .data = mat},
         {.name = "bias", .dtype = ENG_ST_F32, .n_dims = 1, .shape = {2}, .data = f32},
+        {.name = "w2", .dtype = ENG_ST_BF16, .n_dims = 2, .shape = {2, 32}, .data = mat2},
     };
+    const char *const meta[] = {"note", "a header of an odd length", NULL};
     kds_err err = {0};
-    cr_assert_eq(eng_st_write(path, t, 3, NULL, &err), KDS_OK, "%s", err.msg);
+    cr_assert_eq(eng_st_write(path, t, 5, meta, &err), KDS_OK, "%s", err.msg);
     eng_st_file *f = NULL;
     cr_assert_eq(eng_st_open(path, &f, &err), KDS_OK, "%s", err.msg);
     for (size_t i = 0; i < eng_st_count(f); i++) {
@@ -444,8 +453,15 @@ Test(model_bad, writer_aligns_mixed_dtypes) {
         cr_expect_eq((uintptr_t)x->data % eng_st_dtype_size(x->dtype), 0, "%s misaligned", x->name);
     }
     const eng_st_tensor *n = eng_st_find(f, "norm"), *b = eng_st_find(f, "bias"),
-                        *c = eng_st_find(f, "codes");
-    cr_assert(n && b && c);
+                        *c = eng_st_find(f, "codes"), *w = eng_st_find(f, "w"),
+                        *w2 = eng_st_find(f, "w2");
+    cr_assert(n && b && c && w && w2);
+    /* the mapping starts on a page, so a pointer's offset is the file's */
+    cr_expect_eq((uintptr_t)w->data % 64, 0, "w at %zu mod 64", (size_t)((uintptr_t)w->data % 64));
+    cr_expect_eq((uintptr_t)w2->data % 64, 0, "w2 at %zu mod 64",
+                 (size_t)((uintptr_t)w2->data % 64));
+    cr_expect_eq(memcmp(w->data, mat, sizeof mat), 0);
+    cr_expect_eq(memcmp(w2->data, mat2, sizeof mat2), 0);
     cr_expect_eq(memcmp(n->data, bf, sizeof bf), 0);
     cr_expect_eq(memcmp(b->data, f32, sizeof f32), 0);
     cr_expect_eq(memcmp(c->data, u8, sizeof u8), 0);
