@@ -59,6 +59,10 @@ typedef struct eng_cpu {
      * the owner would. */
     bool prefill;
     bool bf16_act;       /* eng_ctx_params.bf16_act: a prefill's bf16 products round x */
+    /* A decoded token reads more weight bytes than the last-level cache
+     * holds, so every product's matrix comes from memory (kern_weight's
+     * `streamed`: how the one-token product reads it; results unchanged). */
+    bool streamed;
     thread_scratch *ts;  /* [n_threads] */
     eng_matmul jobs[MAX_MM_TABLE];
     mm_task tasks[MAX_MM_TASKS];
@@ -85,7 +89,8 @@ static void mm_task_fn(void *arg, int t, int thread) {
     eng_cpu *c = arg;
     const mm_task *task = &c->tasks[t];
     const eng_matmul *j = &c->jobs[task->job];
-    const kern_weight w = eng__kern_weight(j->w);
+    kern_weight w = eng__kern_weight(j->w);
+    w.streamed = c->streamed;
     if (c->prefill)
         kern_matmul_w_prefill(&w, j->x, j->T, j->y, j->ldy, task->r0, task->r1, c->ts[thread].mm,
                               c->bf16_act);
@@ -711,6 +716,8 @@ static kds_status cpu_create(const eng_model *m, const eng_ctx_params *p, eng_ba
     c->bf16_act = p->bf16_act;
     c->max_seqs = p->max_seqs;
     c->max_rows = p->max_batch > p->max_seqs ? p->max_batch : p->max_seqs;
+    const size_t llc = eng_llc_bytes();
+    c->streamed = eng_model_decode_bytes(m, 0).weights > (double)(llc ? llc : (size_t)32 << 20);
     int widest = 1; /* the most inputs of any matrix: the widening scratch */
     for (int i = 1; i < m->n_weights; i++)
         if (m->weights[i]->cols > widest) widest = m->weights[i]->cols;

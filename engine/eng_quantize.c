@@ -209,7 +209,7 @@ static kds_status fill(void *user, size_t index, void *buf, size_t n_bytes, kds_
         bool ok;
         const kern_dtype src_dt = element_format(t->dtype, &ok);
         const int rows = (int)t->shape[0], cols = (int)t->shape[1];
-        const kern_weight w = {src_dt, t->data, NULL, rows, cols};
+        const kern_weight w = {.dt = src_dt, .data = t->data, .rows = rows, .cols = cols};
         const kern_layout l = kern_weight_layout(o->fmt, rows, cols);
         for (int r = 0; r < rows; r++) {
             kern_weight_row_f32(&w, r, 0, cols, q->row);

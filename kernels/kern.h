@@ -70,6 +70,12 @@ typedef struct kern_weight {
     const void *data;   /* elements, or a block format's codes */
     const void *scales; /* a block format's scales; NULL for element formats */
     int rows, cols;
+    /* A hint, never a change in the results: the matrix comes from memory
+     * at every product (the model's per-token bytes exceed the last-level
+     * cache), not from cache. A one-token bf16 product with its rows on
+     * 64-byte lines then reads them as one stream, which memory serves
+     * faster and the cache slower than eight rows side by side. */
+    bool streamed;
 } kern_weight;
 
 /* The byte layout of a weight: the one place the size of a format is

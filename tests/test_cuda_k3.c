@@ -345,7 +345,7 @@ static hmat make_mat(const k3_moe_case *c, uint64_t *s) {
 }
 
 static kern_weight weight_of(const k3_moe_case *c, const hmat *m) {
-    kern_weight w = {c->dt, NULL, NULL, c->rows, c->cols};
+    kern_weight w = {.dt = c->dt, .rows = c->rows, .cols = c->cols};
     if (c->dt == KERN_MXFP4)
         w.data = m->codes, w.scales = m->scales;
     else

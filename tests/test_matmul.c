@@ -112,6 +112,61 @@ Test(matmul, all_paths_match_reference) {
     }
 }
 
+/* The one-token bf16 product has two loops: a matrix that comes from
+ * memory (kern_weight's `streamed`) with its rows on 64-byte lines is read
+ * one row after another (one stream); from cache, or off the lines (a
+ * checkpoint whose data does not start on a line), eight rows side by
+ * side. Both must give the bits of the many-token path's rows, so batched
+ * and lone decoding agree whatever the hint and the file's alignment: W
+ * placed on a line and 2, 32 and 34 bytes off it, row ranges with ragged
+ * ends, through kern_matmul and kern_matmul_w with and without the hint. */
+Test(matmul, bf16_one_token_loops_agree_on_and_off_lines) {
+    const int shapes[][2] = {{77, 256}, {300, 96}, {16, 2304}};
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+        const int rows = shapes[s][0], in = shapes[s][1], T = 5, r0 = 3, r1 = rows - 2;
+        float *wf = malloc((size_t)rows * in * sizeof(float));
+        float *x = malloc((size_t)T * in * sizeof(float));
+        float *yT = malloc((size_t)T * rows * sizeof(float)), *y1 = malloc(rows * sizeof(float));
+        float *scratch = malloc(kern_matmul_scratch_floats(in) * sizeof(float));
+        uint16_t *w = make_w(KERN_BF16, rows, in, wf, 0xa5a5ull + (uint64_t)s);
+        const size_t wb = (size_t)rows * in * 2;
+        unsigned char *base = aligned_alloc(64, wb + 128);
+        cr_assert(wf && x && yT && y1 && scratch && w && base);
+        uint64_t seed = 99 + s;
+        for (int i = 0; i < T * in; i++)
+            x[i] = unit(&seed);
+        kern_matmul(KERN_BF16, w, in, x, T, yT, rows, r0, r1, scratch); /* the 5-token path */
+        const size_t offs[] = {0, 2, 32, 34};
+        for (size_t o = 0; o < sizeof offs / sizeof offs[0]; o++) {
+            memcpy(base + offs[o], w, wb);
+            for (int t = 0; t < T; t++)
+                for (int how = 0; how < 3; how++) {
+                    const kern_weight kw = {.dt = KERN_BF16, .data = base + offs[o], .rows = rows,
+                                            .cols = in, .streamed = how == 2};
+                    for (int r = 0; r < rows; r++)
+                        y1[r] = NAN;
+                    if (how == 0)
+                        kern_matmul(KERN_BF16, base + offs[o], in, x + (size_t)t * in, 1, y1, rows,
+                                    r0, r1, scratch);
+                    else
+                        kern_matmul_w(&kw, x + (size_t)t * in, 1, y1, rows, r0, r1, scratch);
+                    cr_assert_eq(
+                        memcmp(y1 + r0, yT + (size_t)t * rows + r0, (size_t)(r1 - r0) * 4), 0,
+                        "[%d, %d], W %zu bytes off a line, %s: token %d alone differs", rows, in,
+                        offs[o], how == 2 ? "streamed" : how == 1 ? "cached" : "kern_matmul", t);
+                    cr_assert(isnan(y1[r0 - 1]) && isnan(y1[r1]), "rows outside [r0, r1) written");
+                }
+        }
+        free(base);
+        free(w);
+        free(wf);
+        free(x);
+        free(yT);
+        free(y1);
+        free(scratch);
+    }
+}
+
 /* The GEMM path (T >= 64 with scratch; kern_matmul_w_prefill from
  * KERN_PREFILL_GEMM_MIN_T) against its specification: each output the
  * sequential fmaf chain over its row, compared bit for bit, for row ranges

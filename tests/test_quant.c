@@ -73,7 +73,7 @@ Test(quant, mxfp4_nibble_order_and_blocks) {
     codes[0] = 0x21;  /* c0 = 0.5, c1 = 1 */
     codes[1] = 0xF7;  /* c2 = 6, c3 = -6 */
     codes[16] = 0x9A; /* c32 = -1 (code 10), c33 = -0.5 (code 9), both x4 */
-    const kern_weight w = {KERN_MXFP4, codes, scales, 1, 64};
+    const kern_weight w = {.dt = KERN_MXFP4, .data = codes, .scales = scales, .rows = 1, .cols = 64};
     float row[64];
     kern_weight_row_f32(&w, 0, 0, 64, row);
     cr_expect_eq(row[0], 0.5f);
@@ -93,12 +93,12 @@ Test(quant, mxfp4_nibble_order_and_blocks) {
  * NULL + 0 undefined; every embedding lookup reads a row this way). */
 Test(quant, element_row_without_scales) {
     const float w32[6] = {1, 2, 3, 4, 5, 6};
-    const kern_weight w = {KERN_F32, w32, NULL, 2, 3};
+    const kern_weight w = {.dt = KERN_F32, .data = w32, .rows = 2, .cols = 3};
     float row[3];
     kern_weight_row_f32(&w, 1, 0, 3, row);
     cr_expect(row[0] == 4.0f && row[1] == 5.0f && row[2] == 6.0f);
     uint16_t b16[4] = {0x3f80, 0x4000, 0x4040, 0x4080}; /* bf16 1, 2, 3, 4 */
-    const kern_weight wb = {KERN_BF16, b16, NULL, 2, 2};
+    const kern_weight wb = {.dt = KERN_BF16, .data = b16, .rows = 2, .cols = 2};
     kern_weight_row_f32(&wb, 1, 1, 2, row);
     cr_expect_eq(row[0], 4.0f);
 }
@@ -107,7 +107,7 @@ Test(quant, q8_0_values) {
     signed char codes[64];
     for (int i = 0; i < 64; i++) codes[i] = (signed char)(i - 32);
     uint16_t scales[2] = {kern_f32_to_f16(0.25f), kern_f32_to_f16(-3.0f)};
-    const kern_weight w = {KERN_Q8_0, codes, scales, 1, 64};
+    const kern_weight w = {.dt = KERN_Q8_0, .data = codes, .scales = scales, .rows = 1, .cols = 64};
     float row[64];
     kern_weight_row_f32(&w, 0, 0, 64, row);
     for (int i = 0; i < 64; i++) {
@@ -154,7 +154,7 @@ static kern_weight make_block(kern_dtype dt, int rows, int cols, double *ref, ui
                 ref[(size_t)r * cols + c] = v * scale;
             }
         }
-    return (kern_weight){dt, data, sc, rows, cols};
+    return (kern_weight){.dt = dt, .data = data, .scales = sc, .rows = rows, .cols = cols};
 }
 
 static void check_product(kern_dtype dt, int rows, int cols) {
@@ -242,7 +242,7 @@ Test(quant, element_formats_are_kern_matmul) {
     const void *ws[2] = {wf, wb};
     for (int k = 0; k < 2; k++) {
         kern_matmul(dts[k], ws[k], cols, x, T, a, rows, 0, rows, scratch);
-        kern_weight w = {dts[k], ws[k], NULL, rows, cols};
+        kern_weight w = {.dt = dts[k], .data = ws[k], .rows = rows, .cols = cols};
         kern_matmul_w(&w, x, T, b, rows, 0, rows, scratch);
         cr_expect_eq(memcmp(a, b, sizeof a), 0, "%s differs", kern_dtype_name(dts[k]));
     }
@@ -267,7 +267,7 @@ Test(quant, quantize_rows) {
         const kern_layout l = kern_weight_layout(dts[k], 1, C);
         unsigned char codes[256], scales[32];
         kern_quantize_row(dts[k], x, C, codes, scales);
-        const kern_weight w = {dts[k], codes, scales, 1, C};
+        const kern_weight w = {.dt = dts[k], .data = codes, .scales = scales, .rows = 1, .cols = C};
         kern_weight_row_f32(&w, 0, 0, C, back);
         for (int b = 0; b < C / 32; b++) {
             float amax = 0;
@@ -491,7 +491,7 @@ Test(quant, direct_rows_do_not_depend_on_T) {
  * (direct, token groups) and 70 (prefill), k = 0, 1, 2. */
 static void product_all_paths(const unsigned char *codes, const unsigned char *scales,
                               const float *x, float y[3][9]) {
-    const kern_weight w = {KERN_MXFP4, codes, scales, 9, EDGE_COLS};
+    const kern_weight w = {.dt = KERN_MXFP4, .data = codes, .scales = scales, .rows = 9, .cols = EDGE_COLS};
     float *xs = malloc((size_t)70 * EDGE_COLS * sizeof(float)),
           *ys = malloc((size_t)70 * 9 * sizeof(float));
     float *scratch = malloc(kern_matmul_scratch_floats(EDGE_COLS) * sizeof(float));
@@ -572,7 +572,7 @@ Test(quant, e8m0_254_overflow_and_255_nan) {
     const unsigned char w0[16] = {0x07};
     float row[32];
     const unsigned char s254 = 254;
-    kern_weight_row_f32(&(kern_weight){KERN_MXFP4, w0, &s254, 1, 32}, 0, 0, 32, row);
+    kern_weight_row_f32(&(kern_weight){.dt = KERN_MXFP4, .data = w0, .scales = &s254, .rows = 1, .cols = 32}, 0, 0, 32, row);
     cr_assert(isinf(row[0]) && row[0] > 0, "the reference dequantises 6 * 2^127 to +inf");
     memset(scales, 254, sizeof scales);
     product_all_paths(codes, scales, x, y);
@@ -632,7 +632,7 @@ Test(quant, element_formats_are_kern_matmul_on_every_path) {
                 memset(a, 0, (size_t)maxT * rows * sizeof(float));
                 memset(b, 0, (size_t)maxT * rows * sizeof(float));
                 kern_matmul(dts[d], ws[d], cols, x, T, a, rows, r0, r1, sc);
-                kern_weight w = {dts[d], ws[d], NULL, rows, cols};
+                kern_weight w = {.dt = dts[d], .data = ws[d], .rows = rows, .cols = cols};
                 kern_matmul_w(&w, x, T, b, rows, r0, r1, sc);
                 cr_expect_eq(memcmp(a, b, (size_t)maxT * rows * sizeof(float)), 0,
                              "%s T=%d %s scratch differs", kern_dtype_name(dts[d]), T,

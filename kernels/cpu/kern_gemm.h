@@ -58,6 +58,10 @@ typedef struct kern_prefetch {
 void kern__panel_gemm(const float *P, int kc, const float *x, int ldx, int T, float *y, int ldy,
                       int nr, bool accumulate, const kern_prefetch *next);
 
+/* kern_matmul with kern_weight's `streamed` hint (kern_matmul_w's element
+ * formats): the same results, bit for bit, either way. */
+void kern__matmul_hinted(kern_dtype dt, const void *W, int in, const float *x, int T, float *y,
+                         int ldy, int r0, int r1, float *scratch, bool streamed);
 /* A matrix as the GEMM reads it: element (r, c) of W [rows, in] at
  * data + (r * ld + c) * size(dt), or, cols_major (f32 only), at
  * data + (c * ld + r) * 4 (W stored transposed: the B of a product

@@ -229,6 +229,13 @@ static inline __m256 reduce8(const __m512 a[8]) {
  * while every group of three runs over them. */
 #define DOT_COL_BLOCK 512
 
+/* How far ahead the one-token product of a streamed matrix prefetches
+ * along its one stream (dot8_bf16): 8 KiB. Decode of `wide` (rows on the
+ * lines), tok/s, two runs each: one thread 2 KiB 15.5-16.0, 4 KiB
+ * 16.8-17.9, 6-10 KiB 18.2-18.9, 16 KiB 17.2-17.4; two threads, three
+ * runs, 4 KiB 24.4-26.0, 8 KiB 26.0-26.5, 12 KiB 25.8-30.1. */
+#define DOT_T1_PF_AHEAD 8192
+
 /* Rows w[0..8) (row stride in), columns [i0, i1), dotted with nt (1..3,
  * a constant at each call) tokens x0 [nt, in] (split even/odd as
  * dot8_bf16's xd), continuing the 8 x nt running sums acc[t][k] (16 lanes
@@ -292,22 +299,64 @@ rows8_cols(const uint16_t *w, int in, const float *x0, const int nt, int i0, int
  * 16 odd values), so each block costs two cheap integer ops and two FMAs per
  * row. nt < 64. y: [nt, ldy]. */
 static void dot8_bf16(const uint16_t *W, int in, const float *xd, int nt, int r0, int r1,
-                      float *y, int ldy) {
+                      float *y, int ldy, bool streamed) {
     const __m512i hi_mask = _mm512_set1_epi32((int)0xffff0000u);
     /* Software prefetch ~16 KiB ahead: the hardware prefetcher alone left
      * decode at about half the machine's streaming bandwidth on lm_head-sized
      * matrices (measured 15-20% more tokens/s with it). x86 prefetches never
      * fault, so running past the last row is harmless. */
     const int pf_rows = 16384 / (2 * in) > 8 ? 16384 / (2 * in) : 8;
+    /* in % 32 == 0, so with W on a line every row is */
+    const bool one_stream = streamed && (uintptr_t)W % 64 == 0;
     _Alignas(64) __m512 acc[64][8];
     int r = r0;
     for (; r + 8 <= r1; r += 8) {
         const uint16_t *w = W + (size_t)r * in;
+        if (nt == 1 && one_stream) {
+            /* One token (decode at batch 1) of a matrix that comes from
+             * memory, rows on 64-byte lines: the eight rows one after
+             * another, so that the matrix is read as one stream from start
+             * to end, with a software prefetch DOT_T1_PF_AHEAD bytes ahead
+             * in it. The eight rows side by side (below) read at 72-79% of
+             * a plain streaming read measured beside them, one stream at
+             * 91-100% (1 GiB of [4096, 2304] bf16 matrices, one and two
+             * threads, medians of 15 alternations; two or four rows side
+             * by side 80-84%). In the engine on `wide`, one thread: a
+             * routed expert's [1024, 2304] product 198 -> 178 us, the
+             * lm_head's 30.5 -> 28 ms. But one row's chain of FMAs at a
+             * time is bound by the FMAs' latency: from cache it reads
+             * 35-42 GB/s against 50-65 side by side, so a model whose
+             * weights stay in cache keeps the loop below (kern_weight's
+             * `streamed`). Each row's sum is the same chain of FMAs as
+             * below and reduce8 adds the eight the same way, so the
+             * results are the same, bit for bit. */
+            __m512 a1[8];
+            for (int k = 0; k < 8; k++) {
+                const uint16_t *wk = w + (size_t)k * in;
+                __m512 s1 = _mm512_setzero_ps();
+                for (int i = 0; i < in; i += 32) {
+                    _mm_prefetch((const char *)(wk + i) + DOT_T1_PF_AHEAD, _MM_HINT_T0);
+                    const __m512i v = _mm512_load_si512((const void *)(wk + i));
+                    s1 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)),
+                                         _mm512_loadu_ps(xd + i), s1);
+                    s1 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(v, hi_mask)),
+                                         _mm512_loadu_ps(xd + i + 16), s1);
+                }
+                a1[k] = s1;
+            }
+            _mm256_storeu_ps(y + r, reduce8(a1));
+            continue;
+        }
         if (nt == 1) {
-            /* one token (decode at batch 1): its own loop, the eight sums
-             * in registers; the row group's generic path below costs a
-             * fifth of the bandwidth here (measured 20-26 against 29-30
-             * GB/s on one thread, 1 GiB of rows) */
+            /* One token, from cache, or rows off the 64-byte lines (a
+             * checkpoint whose tensor data does not start on one: every
+             * 64-byte load straddles two lines): the eight rows side by
+             * side, the eight sums in registers, each row prefetched in
+             * the next eight. One stream suffers more from the split loads
+             * (routed experts of `wide` 32 bytes off the lines, one
+             * thread: 18.7 against 22 GB/s); the row group's generic path
+             * below costs a fifth of the bandwidth here (measured 20-26
+             * against 29-30 GB/s on one thread, 1 GiB of rows). */
             __m512 a1[8];
             for (int k = 0; k < 8; k++) a1[k] = _mm512_setzero_ps();
             for (int i = 0; i < in; i += 32) {
@@ -413,6 +462,12 @@ size_t kern_matmul_scratch_floats(int in) { return (size_t)128 * (size_t)in; }
 
 void kern_matmul(kern_dtype dt, const void *W, int in, const float *x, int T, float *y, int ldy,
                  int r0, int r1, float *scratch) {
+    kern__matmul_hinted(dt, W, in, x, T, y, ldy, r0, r1, scratch, false);
+}
+
+void kern__matmul_hinted(kern_dtype dt, const void *W, int in, const float *x, int T, float *y,
+                         int ldy, int r0, int r1, float *scratch, bool streamed) {
+    (void)streamed; /* used by the AVX-512 one-token bf16 loop only */
     if (r1 <= r0 || T <= 0) return;
 #if KERN_AVX512
     if (T >= MATMUL_GEMM_MIN_T && scratch) {
@@ -451,7 +506,7 @@ void kern_matmul(kern_dtype dt, const void *W, int in, const float *x, int T, fl
                         st[i + 16 + j] = xt[i + 2 * j + 1];
                     }
             }
-            dot8_bf16(W, in, scratch, T, r0, r1, y, ldy);
+            dot8_bf16(W, in, scratch, T, r0, r1, y, ldy, streamed);
             return;
         }
         if (dt != KERN_BF16) {

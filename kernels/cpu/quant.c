@@ -604,7 +604,7 @@ static void gemm_avx512(const kern_weight *w, const kern_layout *l, const float 
 void kern_matmul_w(const kern_weight *w, const float *x, int T, float *y, int ldy, int r0, int r1,
                    float *scratch) {
     if (!kern_dtype_is_block(w->dt)) {
-        kern_matmul(w->dt, w->data, w->cols, x, T, y, ldy, r0, r1, scratch);
+        kern__matmul_hinted(w->dt, w->data, w->cols, x, T, y, ldy, r0, r1, scratch, w->streamed);
         return;
     }
 #if KERN_AVX512

@@ -252,9 +252,16 @@ static stack make_stack(kern_dtype dt, int rows, int cols, int n) {
         }
     }
     for (int e = 0; e < n; e++)
-        s.w[e] = (kern_weight){dt, (const char *)s.codes + l.data_bytes * (size_t)e,
-                               s.scales ? (const char *)s.scales + l.scale_bytes * (size_t)e : NULL,
-                               rows, cols};
+        s.w[e] = (kern_weight){
+            .dt = dt,
+            .data = (const char *)s.codes + l.data_bytes * (size_t)e,
+            .scales = s.scales ? (const char *)s.scales + l.scale_bytes * (size_t)e : NULL,
+            .rows = rows,
+            .cols = cols,
+            /* a stack of several matrices is read from memory (the engine's
+             * hint for a model larger than the cache); one, over and over,
+             * from cache */
+            .streamed = n > 1};
     return s;
 }
 
