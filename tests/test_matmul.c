@@ -112,11 +112,11 @@ Test(matmul, all_paths_match_reference) {
     }
 }
 
-/* The one-token bf16 product has two loops: a matrix that comes from
- * memory (kern_weight's `streamed`) with its rows on 64-byte lines is read
- * one row after another (one stream); from cache, or off the lines (a
- * checkpoint whose data does not start on a line), eight rows side by
- * side. Both must give the bits of the many-token path's rows, so batched
+/* The bf16 product of one to three tokens has two loops: a matrix that
+ * comes from memory (kern_weight's `streamed`) with its rows on 64-byte
+ * lines is read one row after another (one stream); from cache, or off the
+ * lines (a checkpoint whose data does not start on a line), eight rows side
+ * by side. Both must give the bits of the many-token path's rows, so batched
  * and lone decoding agree whatever the hint and the file's alignment: W
  * placed on a line and 2, 32 and 34 bytes off it, row ranges with ragged
  * ends, through kern_matmul and kern_matmul_w with and without the hint. */
@@ -156,6 +156,23 @@ Test(matmul, bf16_one_token_loops_agree_on_and_off_lines) {
                         offs[o], how == 2 ? "streamed" : how == 1 ? "cached" : "kern_matmul", t);
                     cr_assert(isnan(y1[r0 - 1]) && isnan(y1[r1]), "rows outside [r0, r1) written");
                 }
+            /* two and three tokens, streamed (a routed expert's share of a
+             * batch): one stream too, and still each token's lone bits */
+            float *y3 = malloc((size_t)3 * rows * sizeof(float));
+            cr_assert(y3);
+            for (int n = 2; n <= 3; n++)
+                for (int t0 = 0; t0 + n <= T; t0 += n) {
+                    const kern_weight kw = {.dt = KERN_BF16, .data = base + offs[o], .rows = rows,
+                                            .cols = in, .streamed = true};
+                    kern_matmul_w(&kw, x + (size_t)t0 * in, n, y3, rows, r0, r1, scratch);
+                    for (int t = 0; t < n; t++)
+                        cr_assert_eq(memcmp(y3 + (size_t)t * rows + r0,
+                                            yT + (size_t)(t0 + t) * rows + r0,
+                                            (size_t)(r1 - r0) * 4),
+                                     0, "[%d, %d], W %zu bytes off a line, %d tokens streamed: "
+                                        "token %d differs", rows, in, offs[o], n, t0 + t);
+                }
+            free(y3);
         }
         free(base);
         free(w);

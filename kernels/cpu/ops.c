@@ -276,6 +276,45 @@ rows8_cols(const uint16_t *w, int in, const float *x0, const int nt, int i0, int
         for (int k = 0; k < 8; k++) acc[j][k] = a[j][k];
 }
 
+/* Rows w[0..8) (row stride in, each on a 64-byte line) dotted with nt
+ * (1..3, a constant at each call) tokens xd [nt, in] (split even/odd as
+ * dot8_bf16's), into out[t][k] (16 lanes each, for reduce8), reading the
+ * eight rows one after another: the matrix is then one stream from start
+ * to end, prefetched DOT_T1_PF_AHEAD bytes ahead. For a matrix from
+ * memory this beats eight rows side by side (rows8_cols, and the
+ * one-token loop in dot8_bf16): one token read at 91-100% of a plain
+ * streaming read measured beside it against 72-79% (1 GiB of
+ * [4096, 2304] bf16 matrices, one and two threads, medians of 15
+ * alternations; two or four rows side by side 80-84%); in the engine on
+ * `wide`, one thread, a routed expert's [1024, 2304] product went from
+ * 198 to 178 us and the lm_head's from 30.5 to 28 ms. But one row's
+ * chain of FMAs at a time is bound by the FMAs' latency: from cache one
+ * token reads 35-42 GB/s against 50-65 side by side, so a model that
+ * stays in cache keeps the other loops (kern_weight's `streamed`). Each
+ * (row, token) sum is the same chain of FMAs as there, so the results are
+ * the same, bit for bit. */
+static inline __attribute__((always_inline)) void
+rows8_one_stream(const uint16_t *w, int in, const float *xd, const int nt, __m512 (*out)[8]) {
+    const __m512i hi_mask = _mm512_set1_epi32((int)0xffff0000u);
+    for (int k = 0; k < 8; k++) {
+        const uint16_t *wk = w + (size_t)k * in;
+        __m512 s[3];
+        for (int t = 0; t < nt; t++) s[t] = _mm512_setzero_ps();
+        for (int i = 0; i < in; i += 32) {
+            _mm_prefetch((const char *)(wk + i) + DOT_T1_PF_AHEAD, _MM_HINT_T0);
+            const __m512i v = _mm512_load_si512((const void *)(wk + i));
+            const __m512 ve = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+            const __m512 vo = _mm512_castsi512_ps(_mm512_and_si512(v, hi_mask));
+            for (int t = 0; t < nt; t++) {
+                const float *xt = xd + (size_t)t * in;
+                s[t] = _mm512_fmadd_ps(ve, _mm512_loadu_ps(xt + i), s[t]);
+                s[t] = _mm512_fmadd_ps(vo, _mm512_loadu_ps(xt + i + 16), s[t]);
+            }
+        }
+        for (int t = 0; t < nt; t++) out[t][k] = s[t];
+    }
+}
+
 /* Eight weight rows at a time, every token over them: the activation
  * vectors are loaded once per eight rows and each (row, token) pair gets
  * its own accumulator, so the loop is bound by streaming W. Tokens go in
@@ -312,39 +351,19 @@ static void dot8_bf16(const uint16_t *W, int in, const float *xd, int nt, int r0
     int r = r0;
     for (; r + 8 <= r1; r += 8) {
         const uint16_t *w = W + (size_t)r * in;
-        if (nt == 1 && one_stream) {
-            /* One token (decode at batch 1) of a matrix that comes from
-             * memory, rows on 64-byte lines: the eight rows one after
-             * another, so that the matrix is read as one stream from start
-             * to end, with a software prefetch DOT_T1_PF_AHEAD bytes ahead
-             * in it. The eight rows side by side (below) read at 72-79% of
-             * a plain streaming read measured beside them, one stream at
-             * 91-100% (1 GiB of [4096, 2304] bf16 matrices, one and two
-             * threads, medians of 15 alternations; two or four rows side
-             * by side 80-84%). In the engine on `wide`, one thread: a
-             * routed expert's [1024, 2304] product 198 -> 178 us, the
-             * lm_head's 30.5 -> 28 ms. But one row's chain of FMAs at a
-             * time is bound by the FMAs' latency: from cache it reads
-             * 35-42 GB/s against 50-65 side by side, so a model whose
-             * weights stay in cache keeps the loop below (kern_weight's
-             * `streamed`). Each row's sum is the same chain of FMAs as
-             * below and reduce8 adds the eight the same way, so the
-             * results are the same, bit for bit. */
-            __m512 a1[8];
-            for (int k = 0; k < 8; k++) {
-                const uint16_t *wk = w + (size_t)k * in;
-                __m512 s1 = _mm512_setzero_ps();
-                for (int i = 0; i < in; i += 32) {
-                    _mm_prefetch((const char *)(wk + i) + DOT_T1_PF_AHEAD, _MM_HINT_T0);
-                    const __m512i v = _mm512_load_si512((const void *)(wk + i));
-                    s1 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)),
-                                         _mm512_loadu_ps(xd + i), s1);
-                    s1 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(v, hi_mask)),
-                                         _mm512_loadu_ps(xd + i + 16), s1);
-                }
-                a1[k] = s1;
-            }
-            _mm256_storeu_ps(y + r, reduce8(a1));
+        if (one_stream && nt <= 3) {
+            /* One to three tokens (decode; a routed expert's share of a
+             * batch) of a matrix that comes from memory, rows on 64-byte
+             * lines: rows8_one_stream reads the eight rows one after
+             * another, one stream. */
+            __m512 a1[3][8];
+            if (nt == 1)
+                rows8_one_stream(w, in, xd, 1, a1);
+            else if (nt == 2)
+                rows8_one_stream(w, in, xd, 2, a1);
+            else
+                rows8_one_stream(w, in, xd, 3, a1);
+            for (int t = 0; t < nt; t++) _mm256_storeu_ps(y + (size_t)t * ldy + r, reduce8(a1[t]));
             continue;
         }
         if (nt == 1) {
