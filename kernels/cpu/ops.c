@@ -241,11 +241,12 @@ static inline __m256 reduce8(const __m512 a[8]) {
  * dot8_bf16's xd), continuing the 8 x nt running sums acc[t][k] (16 lanes
  * each; zero before the first columns): per 32 columns, each of the eight
  * rows' vectors feeds the nt tokens' FMAs, the eight rows read as eight
- * streams. pf > 0: each row is prefetched pf elements ahead of column i
- * (pf_wrap: past the row's end, into the same row of the next eight). */
+ * streams. pf > 0: rows [pk0, pk1) are prefetched pf elements ahead of
+ * column i (pf_wrap: past the row's end, into the same row of the next
+ * eight; then pf <= in). */
 static inline __attribute__((always_inline)) void
 rows8_cols(const uint16_t *w, int in, const float *x0, const int nt, int i0, int i1, int pf,
-           bool pf_wrap, __m512 (*acc)[8]) {
+           bool pf_wrap, int pk0, int pk1, __m512 (*acc)[8]) {
     const __m512i hi_mask = _mm512_set1_epi32((int)0xffff0000u);
     __m512 a[3][8];
     for (int j = 0; j < nt; j++)
@@ -254,7 +255,7 @@ rows8_cols(const uint16_t *w, int in, const float *x0, const int nt, int i0, int
         if (pf > 0) {
             size_t off = (size_t)i + (size_t)pf;
             if (pf_wrap && off >= (size_t)in) off += (size_t)7 * in; /* the next eight rows */
-            for (int k = 0; k < 8; k++)
+            for (int k = pk0; k < pk1; k++)
                 _mm_prefetch((const char *)(w + (size_t)k * in + off), _MM_HINT_T0);
         }
         __m512 xe[3], xo[3];
@@ -400,17 +401,29 @@ static void dot8_bf16(const uint16_t *W, int in, const float *xd, int nt, int r0
          * the next block, which the other groups give time to arrive
          * (T = 5, 6 read 10-17% faster than with the rows on) */
         const int pf_first = nt <= 3 ? pf_rows * in : DOT_COL_BLOCK;
+        /* Rows on lines, column blocks: the block after next (at most a
+         * row on), its eight rows dealt out among the token groups, so
+         * that the lines are asked for evenly over the block's time:
+         * wide's lm_head for 8 tokens from memory, two threads, 27-28 ->
+         * 21-23 ms in a standalone harness; in the engine (--seqs 8, six
+         * rounds alternating) 80-87 -> 81-98 tok/s, median 86.3 -> 89.7.
+         * Rows off the lines lost 9% that way (83.7 -> 76.3), so they keep
+         * the first group's prefetch. */
+        const bool spread = nt > 3 && (uintptr_t)W % 64 == 0;
+        const int ng = (nt + 2) / 3;
+        const int pf_far = 2 * DOT_COL_BLOCK < in ? 2 * DOT_COL_BLOCK : in;
         for (int i0 = 0; i0 < in; i0 += cb) {
             const int i1 = in - i0 < cb ? in : i0 + cb;
-            for (int t = 0; t < nt; t += 3) {
-                const int pf = t > 0 ? 0 : pf_first;
+            for (int t = 0, g = 0; t < nt; t += 3, g++) {
+                const int pf_dist = spread ? pf_far : t > 0 ? 0 : pf_first;
+                const int pk0 = spread ? 8 * g / ng : 0, pk1 = spread ? 8 * (g + 1) / ng : 8;
                 const float *x0 = xd + (size_t)t * in;
                 if (nt - t >= 3)
-                    rows8_cols(w, in, x0, 3, i0, i1, pf, nt > 3, acc + t);
+                    rows8_cols(w, in, x0, 3, i0, i1, pf_dist, nt > 3, pk0, pk1, acc + t);
                 else if (nt - t == 2)
-                    rows8_cols(w, in, x0, 2, i0, i1, pf, nt > 3, acc + t);
+                    rows8_cols(w, in, x0, 2, i0, i1, pf_dist, nt > 3, pk0, pk1, acc + t);
                 else
-                    rows8_cols(w, in, x0, 1, i0, i1, pf, nt > 3, acc + t);
+                    rows8_cols(w, in, x0, 1, i0, i1, pf_dist, nt > 3, pk0, pk1, acc + t);
             }
         }
         for (int t = 0; t < nt; t++) _mm256_storeu_ps(y + (size_t)t * ldy + r, reduce8(acc[t]));
