@@ -72,9 +72,9 @@ typedef struct kern_weight {
     int rows, cols;
     /* A hint, never a change in the results: the matrix comes from memory
      * at every product (the model's per-token bytes exceed the last-level
-     * cache), not from cache. A one-token bf16 product with its rows on
-     * 64-byte lines then reads them as one stream, which memory serves
-     * faster and the cache slower than eight rows side by side. */
+     * cache), not from cache. A bf16 product of one to three tokens then
+     * reads the rows as one stream, which memory serves faster and the
+     * cache slower than eight rows side by side. */
     bool streamed;
 } kern_weight;
 

@@ -113,13 +113,14 @@ Test(matmul, all_paths_match_reference) {
 }
 
 /* The bf16 product of one to three tokens has two loops: a matrix that
- * comes from memory (kern_weight's `streamed`) with its rows on 64-byte
- * lines is read one row after another (one stream); from cache, or off the
- * lines (a checkpoint whose data does not start on a line), eight rows side
- * by side. Both must give the bits of the many-token path's rows, so batched
- * and lone decoding agree whatever the hint and the file's alignment: W
- * placed on a line and 2, 32 and 34 bytes off it, row ranges with ragged
- * ends, through kern_matmul and kern_matmul_w with and without the hint. */
+ * comes from memory (kern_weight's `streamed`) is read one row after
+ * another (one stream; rows off the 64-byte lines by a multiple of 4 bytes
+ * put together from aligned lines); from cache, or rows only 2-byte
+ * aligned, eight rows side by side. Both must give the bits of the
+ * many-token path's rows, so batched and lone decoding agree whatever the
+ * hint and the file's alignment: W placed on a line and 2, 8, 32 and 34
+ * bytes off it, row ranges with ragged ends, through kern_matmul and
+ * kern_matmul_w with and without the hint. */
 Test(matmul, bf16_one_token_loops_agree_on_and_off_lines) {
     const int shapes[][2] = {{77, 256}, {300, 96}, {16, 2304}};
     for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
@@ -136,7 +137,7 @@ Test(matmul, bf16_one_token_loops_agree_on_and_off_lines) {
         for (int i = 0; i < T * in; i++)
             x[i] = unit(&seed);
         kern_matmul(KERN_BF16, w, in, x, T, yT, rows, r0, r1, scratch); /* the 5-token path */
-        const size_t offs[] = {0, 2, 32, 34};
+        const size_t offs[] = {0, 2, 8, 32, 34};
         for (size_t o = 0; o < sizeof offs / sizeof offs[0]; o++) {
             memcpy(base + offs[o], w, wb);
             for (int t = 0; t < T; t++)

@@ -277,7 +277,7 @@ rows8_cols(const uint16_t *w, int in, const float *x0, const int nt, int i0, int
         for (int k = 0; k < 8; k++) acc[j][k] = a[j][k];
 }
 
-/* Rows w[0..8) (row stride in, each on a 64-byte line) dotted with nt
+/* Rows w[0..8) (row stride in, a multiple of 32; w 4-byte aligned) dotted with nt
  * (1..3, a constant at each call) tokens xd [nt, in] (split even/odd as
  * dot8_bf16's), into out[t][k] (16 lanes each, for reduce8), reading the
  * eight rows one after another: the matrix is then one stream from start
@@ -297,13 +297,34 @@ rows8_cols(const uint16_t *w, int in, const float *x0, const int nt, int i0, int
 static inline __attribute__((always_inline)) void
 rows8_one_stream(const uint16_t *w, int in, const float *xd, const int nt, __m512 (*out)[8]) {
     const __m512i hi_mask = _mm512_set1_epi32((int)0xffff0000u);
+    /* Rows off the lines by a multiple of 4 bytes (a Hugging Face
+     * checkpoint's data is 8-byte aligned): each 64 bytes of a row are
+     * put together from the two aligned lines it straddles (one aligned
+     * load per line, one two-source permute), since a load that straddles
+     * two lines costs the one stream a quarter of its speed. The same
+     * values, so the same sums. The last line read holds the row's last
+     * bytes, so it never crosses into a page the matrix does not touch. */
+    const int shift = (int)((uintptr_t)w % 64) / 4; /* 32-bit words */
+    const __m512i pick = _mm512_add_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32(shift));
     for (int k = 0; k < 8; k++) {
         const uint16_t *wk = w + (size_t)k * in;
+        const char *line = (const char *)((uintptr_t)wk & ~(uintptr_t)63);
+        __m512i lo = _mm512_load_si512((const void *)line);
         __m512 s[3];
         for (int t = 0; t < nt; t++) s[t] = _mm512_setzero_ps();
         for (int i = 0; i < in; i += 32) {
             _mm_prefetch((const char *)(wk + i) + DOT_T1_PF_AHEAD, _MM_HINT_T0);
-            const __m512i v = _mm512_load_si512((const void *)(wk + i));
+            __m512i v;
+            if (shift == 0) {
+                v = _mm512_load_si512((const void *)(wk + i));
+            } else {
+                line += 64;
+                const __m512i hi = _mm512_load_si512((const void *)line);
+                v = _mm512_permutex2var_epi32(lo, pick, hi);
+                lo = hi;
+            }
             const __m512 ve = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
             const __m512 vo = _mm512_castsi512_ps(_mm512_and_si512(v, hi_mask));
             for (int t = 0; t < nt; t++) {
@@ -347,16 +368,18 @@ static void dot8_bf16(const uint16_t *W, int in, const float *xd, int nt, int r0
      * fault, so running past the last row is harmless. */
     const int pf_rows = 16384 / (2 * in) > 8 ? 16384 / (2 * in) : 8;
     /* in % 32 == 0, so with W on a line every row is */
-    const bool one_stream = streamed && (uintptr_t)W % 64 == 0;
+    /* in % 32 == 0, so every row is as far off a 64-byte line as W */
+    const bool one_stream = streamed && (uintptr_t)W % 4 == 0;
     _Alignas(64) __m512 acc[64][8];
     int r = r0;
     for (; r + 8 <= r1; r += 8) {
         const uint16_t *w = W + (size_t)r * in;
         if (one_stream && nt <= 3) {
             /* One to three tokens (decode; a routed expert's share of a
-             * batch) of a matrix that comes from memory, rows on 64-byte
-             * lines: rows8_one_stream reads the eight rows one after
-             * another, one stream. */
+             * batch) of a matrix that comes from memory (rows 4-byte
+             * aligned, as every file's are but a 2-byte odd one):
+             * rows8_one_stream reads the eight rows one after another,
+             * one stream. */
             __m512 a1[3][8];
             if (nt == 1)
                 rows8_one_stream(w, in, xd, 1, a1);
@@ -368,15 +391,11 @@ static void dot8_bf16(const uint16_t *W, int in, const float *xd, int nt, int r0
             continue;
         }
         if (nt == 1) {
-            /* One token, from cache, or rows off the 64-byte lines (a
-             * checkpoint whose tensor data does not start on one: every
-             * 64-byte load straddles two lines): the eight rows side by
-             * side, the eight sums in registers, each row prefetched in
-             * the next eight. One stream suffers more from the split loads
-             * (routed experts of `wide` 32 bytes off the lines, one
-             * thread: 18.7 against 22 GB/s); the row group's generic path
-             * below costs a fifth of the bandwidth here (measured 20-26
-             * against 29-30 GB/s on one thread, 1 GiB of rows). */
+            /* One token from cache (or rows not 4-byte aligned): the
+             * eight rows side by side, the eight sums in registers, each
+             * row prefetched in the next eight; the row group's generic
+             * path below costs a fifth of the bandwidth here (measured
+             * 20-26 against 29-30 GB/s on one thread, 1 GiB of rows). */
             __m512 a1[8];
             for (int k = 0; k < 8; k++) a1[k] = _mm512_setzero_ps();
             for (int i = 0; i < in; i += 32) {
