@@ -38,7 +38,8 @@ typedef struct eng_weight {
 
 /* The kernels' view of a weight (kern.h). */
 static inline kern_weight eng__kern_weight(const eng_weight *w) {
-    return (kern_weight){.dt = w->dt, .data = w->data, .scales = w->scales, .rows = w->rows, .cols = w->cols};
+    return (kern_weight){
+        .dt = w->dt, .data = w->data, .scales = w->scales, .rows = w->rows, .cols = w->cols};
 }
 
 typedef struct eng_kda_weights {

@@ -299,13 +299,14 @@ static kds_status copy_fill(void *user, size_t index, void *buf, size_t n_bytes,
     return KDS_OK;
 }
 
-/* A tensor's place in the data section: element size, then its index. */
 /* Where the tensor data starts in a file this writer makes, and where each
  * tensor whose size is a multiple of it starts: a cache line. A bf16 row
  * read by a 64-byte load that straddles two lines costs the decode product
  * a quarter of its speed (docs/formats.md, "Safetensors"). */
 #define ST_DATA_ALIGN 64
 
+/* A tensor's place in the data section: whole lines first, then element
+ * size, then its index. */
 typedef struct write_slot {
     size_t esz, index;
     bool lines; /* its byte size is a multiple of ST_DATA_ALIGN */
@@ -403,12 +404,9 @@ kds_status eng_st_write_stream(const char *path, const eng_st_out_tensor *tensor
     for (int i = 0; i < 8; i++) lenb[i] = (unsigned char)((uint64_t)padded >> (8 * i));
     if ((rc = write_all(fd, lenb, 8, tmp, err)) != KDS_OK) goto out;
     if ((rc = write_all(fd, header, hlen, tmp, err)) != KDS_OK) goto out;
-    for (size_t left = padded - hlen; left > 0;) {
-        static const char spaces[] = "                                ";
-        const size_t k = left < sizeof spaces - 1 ? left : sizeof spaces - 1;
-        if ((rc = write_all(fd, spaces, k, tmp, err)) != KDS_OK) goto out;
-        left -= k;
-    }
+    char spaces[ST_DATA_ALIGN]; /* padded - hlen < ST_DATA_ALIGN */
+    memset(spaces, ' ', sizeof spaces);
+    if ((rc = write_all(fd, spaces, padded - hlen, tmp, err)) != KDS_OK) goto out;
     buf = malloc(max_bytes ? max_bytes : 1);
     if (!buf) {
         rc = kds_err_set(err, KDS_NOMEM, "out of memory writing %s", path);

@@ -367,7 +367,6 @@ static void dot8_bf16(const uint16_t *W, int in, const float *xd, int nt, int r0
      * matrices (measured 15-20% more tokens/s with it). x86 prefetches never
      * fault, so running past the last row is harmless. */
     const int pf_rows = 16384 / (2 * in) > 8 ? 16384 / (2 * in) : 8;
-    /* in % 32 == 0, so with W on a line every row is */
     /* in % 32 == 0, so every row is as far off a 64-byte line as W */
     const bool one_stream = streamed && (uintptr_t)W % 4 == 0;
     _Alignas(64) __m512 acc[64][8];
@@ -387,7 +386,8 @@ static void dot8_bf16(const uint16_t *W, int in, const float *xd, int nt, int r0
                 rows8_one_stream(w, in, xd, 2, a1);
             else
                 rows8_one_stream(w, in, xd, 3, a1);
-            for (int t = 0; t < nt; t++) _mm256_storeu_ps(y + (size_t)t * ldy + r, reduce8(a1[t]));
+            for (int t = 0; t < nt; t++)
+                _mm256_storeu_ps(y + (size_t)t * ldy + r, reduce8(a1[t]));
             continue;
         }
         if (nt == 1) {
