@@ -7,7 +7,7 @@
  *   kds_cpu_bench [--quick] [--runs N] [--only PARTS]
  *       --quick: 3 runs per figure and smaller stacks (a smoke test);
  *       --runs N: N runs per figure (default 7); every figure is a median;
- *       --only PARTS: some of the parts below (a-g), e.g. `--only ab` (the
+ *       --only PARTS: some of the parts below (a-h), e.g. `--only ab` (the
  *       percentages of (b) need (a)).
  *
  * Prints markdown tables (the same lines go to docs/benchmarks.md):
@@ -41,7 +41,13 @@
  *       128K (16K with --quick), one thread, head by head (kern_mla_attend,
  *       T = 1) against all heads at once (kern_mla_decode_heads), with the
  *       largest difference between the two outputs (relative to the
- *       largest output).
+ *       largest output);
+ *   (h) batched decode: bf16 [4096, 2304] for T = 1 .. 16 tokens on the
+ *       direct path, 1 and 2 threads, with its rows in L2 (128 of them,
+ *       over and over), in the last-level cache (one matrix over and over)
+ *       and in memory (a stack as (b)), against the FMA peak measured in
+ *       the same run and a read of the stack's bytes in the same round:
+ *       where the products of a batched step lose their time.
  * Threads: products go through the engine's pool (eng_pool), their rows cut
  * into 4 tasks per thread as eng_cpu.c's run_mm does; with one thread the
  * call is made inline, as there. OpenBLAS is pinned to one thread (the
@@ -133,7 +139,7 @@ static void cpu_model(char *out, size_t n) {
 static eng_pool *g_pool[3]; /* [threads] */
 static float *g_scratch[2]; /* one kern_matmul_scratch_floats(widest) per thread */
 static int g_runs = 7, g_quick;
-static const char *g_only = "abcdefg";
+static const char *g_only = "abcdefgh";
 static size_t g_l3;
 static double g_bw[3]; /* measured read bandwidth, GB/s, [threads] */
 
@@ -591,6 +597,182 @@ static void bench_decode_attention(void) {
     free_stack(&kvb);
 }
 
+/* (h) Batched decode's products. The FMA peak first: 24 independent
+ * chains of register-only fmas per thread (the most this core's FMA pipes
+ * retire), PEAK_LANES lanes x 2 flops each. Without FMA the peak is not
+ * measured and the percentages of (h) are left out. */
+#if defined(__AVX512F__)
+typedef __m512 peak_vec;
+#define PEAK_LANES 16
+#define peak_set1 _mm512_set1_ps
+#define peak_fmadd _mm512_fmadd_ps
+#elif defined(__FMA__)
+typedef __m256 peak_vec;
+#define PEAK_LANES 8
+#define peak_set1 _mm256_set1_ps
+#define peak_fmadd _mm256_fmadd_ps
+#else
+#define PEAK_LANES 0
+#endif
+
+/* PEAK_TASKS tasks of `iters` steps each, small enough that a thread the
+ * pool wakes late still gets its share. */
+#define PEAK_TASKS 64
+typedef struct peak_job {
+    long iters;
+    float sink[PEAK_TASKS]; /* a sum per task, so that the chains are not optimised away */
+} peak_job;
+
+#if PEAK_LANES
+#define PEAK_CHAINS(M)                                                                             \
+    M(0) M(1) M(2) M(3) M(4) M(5) M(6) M(7) M(8) M(9) M(10) M(11) M(12) M(13) M(14) M(15) M(16)   \
+        M(17) M(18) M(19) M(20) M(21) M(22) M(23)
+#define PEAK_DECL(i) peak_vec a##i = peak_set1(0.001f * (i));
+#define PEAK_FMA(i) a##i = peak_fmadd(a##i, m, c);
+#define PEAK_ADD(i) memcpy(lanes, &a##i, sizeof lanes), s += lanes[0];
+#endif
+
+static void peak_task(void *arg, int task, int thread) {
+    peak_job *j = arg;
+    (void)thread;
+#if PEAK_LANES
+    PEAK_CHAINS(PEAK_DECL)
+    const peak_vec m = peak_set1(0.9999f), c = peak_set1(1e-6f);
+    for (long n = 0; n < j->iters; n++) {
+        PEAK_CHAINS(PEAK_FMA)
+    }
+    float s = 0, lanes[PEAK_LANES];
+    PEAK_CHAINS(PEAK_ADD)
+    j->sink[task] = s;
+#else
+    j->sink[task] = 0;
+#endif
+}
+
+/* GFLOP/s of `threads` threads of peak_task, the best of g_runs: a peak
+ * is what the cores do when nothing else takes them. */
+static double fma_peak(int threads) {
+    double best = 0;
+    for (int run = 0; run <= g_runs; run++) {
+        peak_job j = {g_quick ? 50000 : 250000, {0}};
+        const double t0 = now_s();
+        if (threads == 1)
+            for (int t = 0; t < PEAK_TASKS; t++)
+                peak_task(&j, t, 0);
+        else
+            eng_pool_run(g_pool[threads], peak_task, &j, PEAK_TASKS);
+        const double dt = now_s() - t0;
+        const double gflops = 24.0 * 2 * PEAK_LANES * (double)j.iters * PEAK_TASKS / dt / 1e9;
+        if (run > 0 && gflops > best) best = gflops;
+    }
+    return best;
+}
+
+/* "62%": v as a share of the peak, or "-" where no peak was measured. */
+static const char *pct(char *buf, size_t n, double v, double peak) {
+    if (peak > 0)
+        snprintf(buf, n, "%.0f%%", 100.0 * v / peak);
+    else
+        snprintf(buf, n, "-");
+    return buf;
+}
+
+/* Rows [0, 128) of a matrix, over and over (`reps` products), each thread
+ * its own share of them: they stay in its L2. */
+typedef struct l2_job {
+    const kern_weight *w;
+    const float *x;
+    float *y;
+    int T, reps, n_tasks;
+} l2_job;
+
+static void l2_task(void *arg, int task, int thread) {
+    const l2_job *j = arg;
+    const int r0 = 128 * task / j->n_tasks, r1 = 128 * (task + 1) / j->n_tasks;
+    for (int i = 0; i < j->reps; i++)
+        kern_matmul_w(j->w, j->x, j->T, j->y, j->w->rows, r0, r1, g_scratch[thread]);
+}
+
+/* bf16 [4096, 2304] (wide's q, k, v projections; its lm_head's rows are
+ * as long) for T tokens on the direct path, as a batched decode step runs
+ * them: each round times 128 rows over and over (from L2: the kernel's
+ * compute ceiling), one matrix over and over (from the last-level
+ * cache), a read of the stack's bytes (the memory's speed that second)
+ * and a sweep over the stack (from memory). `overlap`: the larger of the
+ * L3 and read times over the memory time; 100% would mean arithmetic and
+ * memory overlap perfectly. */
+static void bench_batched(void) {
+    const int Ts[] = {1, 2, 3, 4, 6, 8, 12, 16};
+    const int rows = 4096, cols = 2304;
+    const int rounds = g_runs < 5 ? 5 : g_runs;
+    const kern_layout l = kern_weight_layout(KERN_BF16, rows, cols);
+    size_t want = 4 * g_l3 > ((size_t)1 << 30) ? 4 * g_l3 : (size_t)1 << 30;
+    if (g_quick) want /= 4;
+    const int n = (int)((want + l.bytes - 1) / l.bytes);
+    stack st = make_stack(KERN_BF16, rows, cols, n);
+    kern_weight hot = st.w[0];
+    hot.streamed = false;
+    float *x = random_x((size_t)16 * cols, 9), *y = xalloc((size_t)16 * rows * sizeof(float));
+    printf("### (h) Batched decode: bf16 [%d, %d] for T tokens, from cache and from memory\n\n",
+           rows, cols);
+    const double peak[3] = {0, fma_peak(1), fma_peak(2)};
+    printf("FMA peak (24 chains of register fmas, best of %d): %.0f GFLOP/s on 1 thread, %.0f on "
+           "2. Per "
+           "round: its first 128 rows 640 times, each thread its share (`L2`: they stay in "
+           "its L2), one matrix 20 times (`L3`: %.1f MB, in the last-level cache), a read of "
+           "the stack (%d matrices, %.0f MB), a sweep over the stack (`memory`); %d rounds, "
+           "medians. `overlap` = max(L3 time, read time) / memory time, for the same "
+           "bytes.\n\n",
+           g_runs, peak[1], peak[2], (double)l.bytes / 1e6, n, (double)l.bytes * n / 1e6, rounds);
+    printf("| T | threads | L2: %% of peak | L3: %% of peak | memory GFLOP/s | %% of peak | memory "
+           "GB/s | read GB/s | overlap |\n|---|---|---|---|---|---|---|---|---|\n");
+    for (size_t k = 0; k < sizeof Ts / sizeof Ts[0]; k++) {
+        const int T = Ts[k];
+        const double flops = 2.0 * T * rows * cols;
+        for (int th = 1; th <= 2; th++) {
+            double l2_g[64], hot_g[64], mem_g[64], mem_b[64], rd_b[64], ov[64];
+            for (int r = 0; r <= rounds; r++) {
+                const int reps = 20;
+                l2_job lj = {&hot, x, y, T, 32 * reps, th};
+                double t0 = now_s();
+                if (th == 1)
+                    l2_task(&lj, 0, 0);
+                else
+                    eng_pool_run(g_pool[th], l2_task, &lj, th);
+                const double t_l2 = (now_s() - t0) / (32.0 * reps) * (rows / 128.0);
+                t0 = now_s();
+                for (int i = 0; i < reps; i++)
+                    product(&hot, x, T, y, th, 0);
+                const double t_hot = (now_s() - t0) / reps;
+                const double t_read = read_sweep(st.codes, l.data_bytes * (size_t)n, th) / n;
+                t0 = now_s();
+                for (int i = 0; i < n; i++)
+                    product(&st.w[i], x, T, y, th, 0);
+                const double t_mem = (now_s() - t0) / n;
+                if (r == 0) continue; /* warm-up */
+                l2_g[r - 1] = flops / t_l2 / 1e9;
+                hot_g[r - 1] = flops / t_hot / 1e9;
+                mem_g[r - 1] = flops / t_mem / 1e9;
+                mem_b[r - 1] = (double)l.bytes / t_mem / 1e9;
+                rd_b[r - 1] = (double)l.bytes / t_read / 1e9;
+                ov[r - 1] = (t_hot > t_read ? t_hot : t_read) / t_mem;
+            }
+            const double lg = median(l2_g, rounds), hg = median(hot_g, rounds),
+                         mg = median(mem_g, rounds);
+            char p1[16], p2[16], p3[16];
+            printf("| %d | %d | %s | %s | %.0f | %s | %.1f | %.1f | **%.0f%%** |\n", T, th,
+                   pct(p1, sizeof p1, lg, peak[th]), pct(p2, sizeof p2, hg, peak[th]), mg,
+                   pct(p3, sizeof p3, mg, peak[th]), median(mem_b, rounds), median(rd_b, rounds),
+                   100.0 * median(ov, rounds));
+            fflush(stdout);
+        }
+    }
+    printf("\n");
+    free(x);
+    free(y);
+    free_stack(&st);
+}
+
 int main(int argc, char **argv) {
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--quick")) {
@@ -602,7 +784,7 @@ int main(int argc, char **argv) {
         } else if (!strcmp(argv[i], "--only") && i + 1 < argc) {
             g_only = argv[++i];
         } else {
-            fprintf(stderr, "usage: %s [--quick] [--runs N (1..63)] [--only abcdefg]\n", argv[0]);
+            fprintf(stderr, "usage: %s [--quick] [--runs N (1..63)] [--only abcdefgh]\n", argv[0]);
             return 2;
         }
     }
@@ -640,6 +822,7 @@ int main(int argc, char **argv) {
     if (strchr(g_only, 'e')) bench_alternating();
     if (strchr(g_only, 'f')) bench_long();
     if (strchr(g_only, 'g')) bench_decode_attention();
+    if (strchr(g_only, 'h')) bench_batched();
     for (int t = 0; t < 2; t++)
         free(g_scratch[t]);
     for (int th = 1; th <= 2; th++)
