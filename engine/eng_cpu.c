@@ -107,7 +107,13 @@ static void mm_task_fn(void *arg, int t, int thread) {
  * block's bits depend on its rows and tokens only, so equal cuts give equal
  * results wherever a block runs. */
 /* The cut: tasks of about total / (n_threads * per_thread) multiply-adds,
- * each job's blocks starting on multiples of `align` rows (1: anywhere). */
+ * each job's blocks starting on multiples of `align` rows. With 8 (element
+ * formats: the direct path's eight-row groups) or 32 (block formats) every
+ * row lands in the same row group whatever the cut, so a row's bits depend
+ * neither on the thread count nor on the other products and tokens of the
+ * dispatch: a batched decode step gives each sequence its lone decode's
+ * bits. With 1, rows at a cut could fall to the single-row tail, whose sum
+ * is reduced in another order. */
 static void run_mm_cut(eng_cpu *c, int n_jobs, const int *work_T, int per_thread, int align) {
     double total = 0;
     for (int i = 0; i < n_jobs; i++)
@@ -146,7 +152,7 @@ static void run_mm_cut(eng_cpu *c, int n_jobs, const int *work_T, int per_thread
 }
 
 static void run_mm_as(eng_cpu *c, int n_jobs, const int *work_T) {
-    run_mm_cut(c, n_jobs, work_T, 4, 1);
+    run_mm_cut(c, n_jobs, work_T, 4, 8);
 }
 
 static void run_mm(eng_cpu *c, int n_jobs) { run_mm_as(c, n_jobs, NULL); }
@@ -517,11 +523,11 @@ static void cpu_moe_experts(eng_backend *b, const eng_moe_args *a) {
      * projection and small tasks leave the threads at most a small task
      * apart. Each row's sums do not depend on the cut (32-row boundaries:
      * every block of rows is whole eight-row groups and prefill panels).
-     * Element formats keep the dispatches of 8 and the cut of run_mm_as,
-     * so their results are those of before, bit for bit. */
+     * Element formats keep the dispatches of 8 and run_mm_as's cut on
+     * eight-row boundaries. */
     const bool block = E > 0 && kern_dtype_is_block(f->w1[0].dt);
     const int max_jobs = block ? MAX_MM_TABLE : MAX_MM_JOBS;
-    const int per_thread = block ? 16 : 4, align = block ? 32 : 1;
+    const int per_thread = block ? 16 : 4, align = block ? 32 : 8;
     int work_T[MAX_MM_TABLE];
     /* Up projections of all active experts and the shared expert, in as few
      * dispatches as the job table allows. */
