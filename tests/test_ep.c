@@ -5,9 +5,10 @@
  *     tokens in two batches, and decode) and one rank's text (generate,
  *     sampling), on generated tiny,
  *     tiny-hybrid and k3-micro (MXFP4 experts, latent MoE) models, at 2
- *     threads per rank: the products are then cut into blocks, and only a
- *     rank that cuts its share as one rank cuts the whole batch gets the
- *     same bits (1 and 2 threads already differ on one rank);
+ *     threads per rank: the products are then cut into blocks, and each
+ *     rank cuts its share as one rank cuts the whole batch (on row-group
+ *     boundaries, where a row's bits do not depend on the cut:
+ *     test_decode_batch.c, same_bits_on_any_thread_count);
  *   - the cyclic placement gives the same bits as the block one;
  *   - a session saved by a 1-rank run resumes exactly under 2 and 3 ranks
  *     and back, and the store verifies;
