@@ -161,13 +161,20 @@ static void mm_task(void *arg, int task, int thread) {
         kern_matmul_w(j->w, j->x, j->T, j->y, rows, r0, r1, g_scratch[thread]);
 }
 
+/* fn's tasks [0, n_tasks) on `threads` threads: one thread runs them
+ * inline, as the engine does; more go to the pool. */
+static void run_tasks(int threads, eng_pool_fn fn, void *arg, int n_tasks) {
+    if (threads == 1)
+        for (int t = 0; t < n_tasks; t++)
+            fn(arg, t, 0);
+    else
+        eng_pool_run(g_pool[threads], fn, arg, n_tasks);
+}
+
 /* y [T, rows] = x [T, cols] W^T on `threads` threads. */
 static void product(const kern_weight *w, const float *x, int T, float *y, int threads, int ref) {
     mm_job j = {w, x, T, threads == 1 ? 1 : 4 * threads, ref, y};
-    if (threads == 1)
-        mm_task(&j, 0, 0);
-    else
-        eng_pool_run(g_pool[threads], mm_task, &j, j.n_tasks);
+    run_tasks(threads, mm_task, &j, j.n_tasks);
 }
 
 typedef struct read_job {
@@ -187,6 +194,14 @@ static void read_task(void *arg, int task, int thread) {
     (void)thread;
 }
 
+/* Seconds of one streaming read of p[0, n) on `threads` threads. */
+static double read_sweep(const unsigned char *p, size_t n, int threads) {
+    read_job j = {p, n, threads == 1 ? 1 : 4 * threads, {0}};
+    const double t0 = now_s();
+    run_tasks(threads, read_task, &j, j.n_tasks);
+    return now_s() - t0;
+}
+
 /* ------------------------------------------------------------------------ */
 
 static void bench_bandwidth(void) {
@@ -202,13 +217,7 @@ static void bench_bandwidth(void) {
     for (int th = 1; th <= 2; th++) {
         double gbs[64];
         for (int run = 0; run <= g_runs; run++) {
-            read_job j = {buf, n, th == 1 ? 1 : 4 * th, {0}};
-            const double t0 = now_s();
-            if (th == 1)
-                read_task(&j, 0, 0);
-            else
-                eng_pool_run(g_pool[th], read_task, &j, j.n_tasks);
-            const double dt = now_s() - t0;
+            const double dt = read_sweep(buf, n, th);
             if (run > 0) gbs[run - 1] = (double)n / dt / 1e9; /* run 0: warm-up */
         }
         g_bw[th] = median(gbs, g_runs);
@@ -271,6 +280,14 @@ static stack make_stack(kern_dtype dt, int rows, int cols, int n) {
     return s;
 }
 
+/* How many weights of `per` bytes a stack read from memory holds: at least
+ * 1 GiB and 4 x L3 (a quarter of that with --quick). */
+static int stack_count(size_t per) {
+    size_t want = 4 * g_l3 > ((size_t)1 << 30) ? 4 * g_l3 : (size_t)1 << 30;
+    if (g_quick) want /= 4;
+    return (int)((want + per - 1) / per);
+}
+
 static void free_stack(stack *s) {
     free(s->w);
     free(s->codes);
@@ -314,9 +331,7 @@ static void bench_decode(void) {
         for (int s = 0; s < 2; s++) {
             const int rows = SHAPES[s][0], cols = SHAPES[s][1];
             const size_t per = kern_weight_layout(dts[d], rows, cols).bytes;
-            size_t want = 4 * g_l3 > ((size_t)1 << 30) ? 4 * g_l3 : (size_t)1 << 30;
-            if (g_quick) want /= 4;
-            const int n = (int)((want + per - 1) / per);
+            const int n = stack_count(per);
             stack st = make_stack(dts[d], rows, cols, n);
             float *x = random_x((size_t)cols, 3), *y = xalloc((size_t)rows * sizeof(float));
             const double bytes = (double)per + 4.0 * cols;
@@ -410,16 +425,6 @@ static void bench_prefill(void) {
  * (parts a and b) can be off by 2x; a round's two sweeps are a second apart
  * and its ratio is what this part reports: the median over rounds of
  * (product bytes/s) / (read bytes/s) for the same bytes. */
-static double read_sweep(const unsigned char *p, size_t n, int threads) {
-    read_job j = {p, n, threads == 1 ? 1 : 4 * threads, {0}};
-    const double t0 = now_s();
-    if (threads == 1)
-        read_task(&j, 0, 0);
-    else
-        eng_pool_run(g_pool[threads], read_task, &j, j.n_tasks);
-    return now_s() - t0;
-}
-
 static void bench_alternating(void) {
     const kern_dtype dts[2] = {KERN_MXFP4, KERN_BF16};
     const int rounds = g_runs < 5 ? 5 : 2 * g_runs + 1;
@@ -433,9 +438,7 @@ static void bench_alternating(void) {
     for (int d = 0; d < 2; d++) {
         const int rows = SHAPES[0][0], cols = SHAPES[0][1];
         const kern_layout l = kern_weight_layout(dts[d], rows, cols);
-        size_t want = 4 * g_l3 > ((size_t)1 << 30) ? 4 * g_l3 : (size_t)1 << 30;
-        if (g_quick) want /= 4;
-        const int n = (int)((want + l.bytes - 1) / l.bytes);
+        const int n = stack_count(l.bytes);
         stack st = make_stack(dts[d], rows, cols, n);
         float *x = random_x((size_t)cols, 3), *y = xalloc((size_t)rows * sizeof(float));
         const size_t codes = l.data_bytes * (size_t)n;
@@ -656,11 +659,7 @@ static double fma_peak(int threads) {
     for (int run = 0; run <= g_runs; run++) {
         peak_job j = {g_quick ? 50000 : 250000, {0}};
         const double t0 = now_s();
-        if (threads == 1)
-            for (int t = 0; t < PEAK_TASKS; t++)
-                peak_task(&j, t, 0);
-        else
-            eng_pool_run(g_pool[threads], peak_task, &j, PEAK_TASKS);
+        run_tasks(threads, peak_task, &j, PEAK_TASKS);
         const double dt = now_s() - t0;
         const double gflops = 24.0 * 2 * PEAK_LANES * (double)j.iters * PEAK_TASKS / dt / 1e9;
         if (run > 0 && gflops > best) best = gflops;
@@ -706,9 +705,7 @@ static void bench_batched(void) {
     const int rows = 4096, cols = 2304;
     const int rounds = g_runs < 5 ? 5 : g_runs;
     const kern_layout l = kern_weight_layout(KERN_BF16, rows, cols);
-    size_t want = 4 * g_l3 > ((size_t)1 << 30) ? 4 * g_l3 : (size_t)1 << 30;
-    if (g_quick) want /= 4;
-    const int n = (int)((want + l.bytes - 1) / l.bytes);
+    const int n = stack_count(l.bytes);
     stack st = make_stack(KERN_BF16, rows, cols, n);
     kern_weight hot = st.w[0];
     hot.streamed = false;
@@ -735,10 +732,7 @@ static void bench_batched(void) {
                 const int reps = 20;
                 l2_job lj = {&hot, x, y, T, 32 * reps, th};
                 double t0 = now_s();
-                if (th == 1)
-                    l2_task(&lj, 0, 0);
-                else
-                    eng_pool_run(g_pool[th], l2_task, &lj, th);
+                run_tasks(th, l2_task, &lj, th);
                 const double t_l2 = (now_s() - t0) / (32.0 * reps) * (rows / 128.0);
                 t0 = now_s();
                 for (int i = 0; i < reps; i++)
