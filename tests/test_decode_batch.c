@@ -239,23 +239,16 @@ static unsigned char *run_on_threads(eng_model *m, int n_threads, size_t *len) {
     eng_ctx_params cp = eng_ctx_default_params();
     cp.n_threads = n_threads;
     cp.max_seqs = 4;
-    eng_ctx *c;
-    cr_assert_eq(eng_ctx_create(m, &cp, &c, &err), KDS_OK, "%s", err.msg);
-    const int vocab = eng_model_config(m)->vocab_size;
+    fixture f = {.m = m, .vocab = eng_model_config(m)->vocab_size};
+    cr_assert_eq(eng_ctx_create(m, &cp, &f.c, &err), KDS_OK, "%s", err.msg);
     eng_seq *seqs[4];
-    int32_t ids[64];
-    for (int i = 0; i < 4; i++) {
-        const int n = 1 + (i * 17 + 5) % 50;
-        prompt(ids, n, vocab, 300u + (uint32_t)i);
-        cr_assert_eq(eng_seq_create(m, (uint64_t)i, &seqs[i], &err), KDS_OK, "%s", err.msg);
-        cr_assert_eq(eng_prefill(c, seqs[i], ids, n, NULL, NULL, NULL, &err), KDS_OK, "%s",
-                     err.msg);
-    }
+    int32_t ids[4];
+    make_seqs(&f, seqs, 4);
     for (int step = 0; step < 4; step++) {
         float margin;
         for (int i = 0; i < 4; i++)
-            ids[i] = argmax(eng_seq_logits(seqs[i]), vocab, &margin);
-        cr_assert_eq(eng_decode_batch(c, seqs, ids, 4, &err), KDS_OK, "%s", err.msg);
+            ids[i] = argmax(eng_seq_logits(seqs[i]), f.vocab, &margin);
+        cr_assert_eq(eng_decode_batch(f.c, seqs, ids, 4, &err), KDS_OK, "%s", err.msg);
     }
     size_t total = 0, n[4];
     void *st[4];
@@ -270,7 +263,7 @@ static unsigned char *run_on_threads(eng_model *m, int n_threads, size_t *len) {
         free(st[i]);
         eng_seq_free(seqs[i]);
     }
-    eng_ctx_free(c);
+    eng_ctx_free(f.c);
     *len = total;
     return all;
 }
