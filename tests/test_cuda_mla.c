@@ -202,7 +202,8 @@ static void decode_heads_case(const kern_mla_shape *sh, kern_dtype dt, int64_t p
     const size_t no = (size_t)sh->nh * sh->dv;
     float *want = mla_alloc(no * 4), *all = mla_alloc(no * 4), *one = mla_alloc(no * 4);
     float *ws = mla_alloc(kern_mla_decode_heads_workspace_floats(sh) * 4);
-    const kern_weight kw = {.dt = dt, .data = c.kvb_st, .rows = sh->nh * (sh->dn + sh->dv), .cols = sh->dc};
+    const kern_weight kw = {
+        .dt = dt, .data = c.kvb_st, .rows = sh->nh * (sh->dn + sh->dv), .cols = sh->dc};
     naive_mla(sh, c.kvb, c.q, 1, pos, cache, want);
     for (size_t i = 0; i < no; i++) all[i] = one[i] = NAN;
     kern_mla_decode_heads(sh, &kw, c.q, 0, sh->nh, pos, cache, all, ws);

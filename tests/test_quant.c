@@ -73,7 +73,8 @@ Test(quant, mxfp4_nibble_order_and_blocks) {
     codes[0] = 0x21;  /* c0 = 0.5, c1 = 1 */
     codes[1] = 0xF7;  /* c2 = 6, c3 = -6 */
     codes[16] = 0x9A; /* c32 = -1 (code 10), c33 = -0.5 (code 9), both x4 */
-    const kern_weight w = {.dt = KERN_MXFP4, .data = codes, .scales = scales, .rows = 1, .cols = 64};
+    const kern_weight w = {
+        .dt = KERN_MXFP4, .data = codes, .scales = scales, .rows = 1, .cols = 64};
     float row[64];
     kern_weight_row_f32(&w, 0, 0, 64, row);
     cr_expect_eq(row[0], 0.5f);
@@ -491,7 +492,8 @@ Test(quant, direct_rows_do_not_depend_on_T) {
  * (direct, token groups) and 70 (prefill), k = 0, 1, 2. */
 static void product_all_paths(const unsigned char *codes, const unsigned char *scales,
                               const float *x, float y[3][9]) {
-    const kern_weight w = {.dt = KERN_MXFP4, .data = codes, .scales = scales, .rows = 9, .cols = EDGE_COLS};
+    const kern_weight w = {
+        .dt = KERN_MXFP4, .data = codes, .scales = scales, .rows = 9, .cols = EDGE_COLS};
     float *xs = malloc((size_t)70 * EDGE_COLS * sizeof(float)),
           *ys = malloc((size_t)70 * 9 * sizeof(float));
     float *scratch = malloc(kern_matmul_scratch_floats(EDGE_COLS) * sizeof(float));
@@ -572,7 +574,9 @@ Test(quant, e8m0_254_overflow_and_255_nan) {
     const unsigned char w0[16] = {0x07};
     float row[32];
     const unsigned char s254 = 254;
-    kern_weight_row_f32(&(kern_weight){.dt = KERN_MXFP4, .data = w0, .scales = &s254, .rows = 1, .cols = 32}, 0, 0, 32, row);
+    const kern_weight w254 = {
+        .dt = KERN_MXFP4, .data = w0, .scales = &s254, .rows = 1, .cols = 32};
+    kern_weight_row_f32(&w254, 0, 0, 32, row);
     cr_assert(isinf(row[0]) && row[0] > 0, "the reference dequantises 6 * 2^127 to +inf");
     memset(scales, 254, sizeof scales);
     product_all_paths(codes, scales, x, y);
