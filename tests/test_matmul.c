@@ -260,47 +260,60 @@ Test(matmul, no_scratch_forces_direct_path) {
 }
 
 #if defined(__AVX512F__)
-/* The GEMM's other forms (kern_gemm.h), as MLA attention uses them: f32
- * matrices with their own leading dimension, stored as rows or transposed
- * (cols_major), x with its own stride, continuing the sums already in y.
- * Each output is the fma chain from y's old value, bit for bit. */
-Test(matmul, gemm_f32_strides_transposed_accumulate) {
-    const int rows = 45, in = 70, T = 13, ldw = 77, ldx = 75, ldy = 50;
-    float *w = malloc((size_t)ldw * 80 * sizeof(float));
+/* One shape of gemm_f32_strides_transposed_accumulate. */
+static void gemm_f32_case(int rows, int in, int T, int ldw, int ldx, int ldy, uint64_t seed) {
+    float *w = malloc((size_t)ldw * (in + 10) * sizeof(float));
     float *x = malloc((size_t)T * ldx * sizeof(float));
     float *y = malloc((size_t)T * ldy * sizeof(float)), *y0 = malloc((size_t)T * ldy * sizeof(float));
-    float *P = malloc((size_t)KERN_PANEL_ROWS * in * sizeof(float));
+    const size_t scratch[3] = {(size_t)KERN_PANEL_ROWS * in, kern__gemm_scratch_floats(in, 12),
+                               kern__gemm_scratch_floats(in, T)};
+    float *P = malloc(scratch[2] * sizeof(float));
     cr_assert(w && x && y && y0 && P);
-    uint64_t seed = 4242;
-    for (int i = 0; i < ldw * 80; i++) w[i] = unit(&seed);
+    for (int i = 0; i < ldw * (in + 10); i++) w[i] = unit(&seed);
     for (int i = 0; i < T * ldx; i++) x[i] = unit(&seed);
-    for (int cm = 0; cm < 2; cm++)
-        for (int acc = 0; acc < 2; acc++) {
-            for (int i = 0; i < T * ldy; i++) y0[i] = y[i] = unit(&seed);
-            const kern_gemm_w gw = {KERN_F32, w, ldw, cm != 0};
-            kern__gemm(&gw, in, x, ldx, T, y, ldy, 2, rows, acc != 0, P);
-            for (int t = 0; t < T; t++)
-                for (int r = 0; r < ldy; r++) {
-                    float want = y0[(size_t)t * ldy + r];
-                    if (r >= 2 && r < rows) {
-                        float a = acc ? want : 0.0f;
-                        for (int c = 0; c < in; c++) {
-                            float wv = cm ? w[(size_t)c * ldw + r] : w[(size_t)r * ldw + c];
-                            a = fmaf(wv, x[(size_t)t * ldx + c], a);
+    for (int sc = 0; sc < 3; sc++) {
+        for (int cm = 0; cm < 2; cm++) {
+            for (int acc = 0; acc < 2; acc++) {
+                for (int i = 0; i < T * ldy; i++) y0[i] = y[i] = unit(&seed);
+                const kern_gemm_w gw = {KERN_F32, w, ldw, cm != 0};
+                kern__gemm(&gw, in, x, ldx, T, y, ldy, 2, rows, acc != 0, P, scratch[sc]);
+                for (int t = 0; t < T; t++)
+                    for (int r = 0; r < ldy; r++) {
+                        float want = y0[(size_t)t * ldy + r];
+                        if (r >= 2 && r < rows) {
+                            float a = acc ? want : 0.0f;
+                            for (int c = 0; c < in; c++) {
+                                float wv = cm ? w[(size_t)c * ldw + r] : w[(size_t)r * ldw + c];
+                                a = fmaf(wv, x[(size_t)t * ldx + c], a);
+                            }
+                            want = a;
                         }
-                        want = a;
+                        float got = y[(size_t)t * ldy + r];
+                        cr_assert(memcmp(&got, &want, sizeof got) == 0,
+                                  "in %d scratch %zu cols_major %d accumulate %d: y[%d, %d] = %a, "
+                                  "want %a",
+                                  in, scratch[sc], cm, acc, t, r, got, want);
                     }
-                    float got = y[(size_t)t * ldy + r];
-                    cr_assert(memcmp(&got, &want, sizeof got) == 0,
-                              "cols_major %d accumulate %d: y[%d, %d] = %a, want %a", cm, acc, t,
-                              r, got, want);
-                }
+            }
         }
+    }
     free(w);
     free(x);
     free(y);
     free(y0);
     free(P);
+}
+
+/* The GEMM's other forms (kern_gemm.h), as MLA attention uses them: f32
+ * matrices with their own leading dimension, stored as rows or transposed
+ * (cols_major), x with its own stride, continuing the sums already in y.
+ * Each output is the fma chain from y's old value, bit for bit, whether x
+ * is read in place (the panel's scratch alone), packed 12 tokens at a time
+ * (W unpacked for each) or packed whole; in one block of columns and in
+ * two (1,700 columns: blocks of 864 and 836). */
+Test(matmul, gemm_f32_strides_transposed_accumulate) {
+    gemm_f32_case(45, 70, 13, 77, 75, 50, 4242);
+    gemm_f32_case(45, 1700, 30, 1703, 1705, 47, 4343);
 }
 #endif
 

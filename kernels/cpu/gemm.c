@@ -70,13 +70,15 @@ static inline void pf_walk_column(pf_walk *w) {
 
 /* y[t, i] (+)= sum_c x[t, c] P[c, i] for t < mt (1..12), i < nr: per
  * column c, one broadcast of x[t, c] times the panel's 32 values, into 2
- * accumulators per token. mt is a constant at each call (the switch in
- * kern__panel_gemm), so the loops unroll and the accumulators stay in
- * registers; the tokens' rows are read through one moving pointer per 4
- * tokens (rows t, t + 1, t + 2, t + 3 at offsets 0, ldx, 2 ldx, 3 ldx). */
+ * accumulators per token. mt and packed are constants at each call (the
+ * step tables), so the loops unroll and the accumulators stay in
+ * registers. In place, the tokens' rows are read through one moving
+ * pointer per 4 tokens (rows t, t + 1, t + 2, t + 3 at offsets 0, ldx,
+ * 2 ldx, 3 ldx); packed, x is [kc, 12] (pack_tokens): one pointer, column
+ * c's values side by side. */
 static inline __attribute__((always_inline)) void
 panel_tokens(const float *P, int kc, const float *x, int ldx, const int mt, float *y, int ldy,
-             int nr, bool accumulate, const kern_prefetch *pf) {
+             int nr, bool accumulate, const kern_prefetch *pf, const bool packed) {
     __m512 acc[PANEL_TOKENS][2];
     const float *xb[PANEL_TOKENS / 4];
     const int ng = (mt + 3) / 4;
@@ -90,6 +92,16 @@ panel_tokens(const float *P, int kc, const float *x, int ldx, const int mt, floa
     for (int c = 0; c < kc; c++, P += KERN_PANEL_ROWS) {
         pf_walk_column(&walk);
         const __m512 w0 = _mm512_loadu_ps(P), w1 = _mm512_loadu_ps(P + 16);
+        if (packed) {
+            /* x packed (pack_tokens): this column's mt values side by side */
+            for (int t = 0; t < mt; t++) {
+                const __m512 b = _mm512_set1_ps(x[t]);
+                acc[t][0] = _mm512_fmadd_ps(w0, b, acc[t][0]);
+                acc[t][1] = _mm512_fmadd_ps(w1, b, acc[t][1]);
+            }
+            x += PANEL_TOKENS;
+            continue;
+        }
         for (int g = 0; g < ng; g++) {
             const float *p = xb[g]++;
             const int t = 4 * g;
@@ -122,7 +134,11 @@ panel_tokens(const float *P, int kc, const float *x, int ldx, const int mt, floa
 #define PANEL_STEP(n)                                                                              \
     static void panel_tokens##n(const float *P, int kc, const float *x, int ldx, float *y,        \
                                 int ldy, int nr, bool accumulate, const kern_prefetch *pf) {      \
-        panel_tokens(P, kc, x, ldx, n, y, ldy, nr, accumulate, pf);                               \
+        panel_tokens(P, kc, x, ldx, n, y, ldy, nr, accumulate, pf, false);                        \
+    }                                                                                              \
+    static void packed_tokens##n(const float *P, int kc, const float *x, int ldx, float *y,       \
+                                 int ldy, int nr, bool accumulate, const kern_prefetch *pf) {     \
+        panel_tokens(P, kc, x, ldx, n, y, ldy, nr, accumulate, pf, true);                         \
     }
 PANEL_STEP(1)
 PANEL_STEP(2)
@@ -303,8 +319,66 @@ static kern_prefetch next_panel(const kern_gemm_w *w, int in, int r, int nr, int
     return next;
 }
 
-void kern__gemm(const kern_gemm_w *w, int in, const float *x, int ldx, int T, float *y, int ldy,
-                int r0, int r1, bool accumulate, float *P) {
+/* Tokens [0, mt) (mt <= 12) of x [.., ldx], columns [0, in), packed for
+ * packed_tokens: xp[c * 12 + t] = x[t, c]. Blocks of 16 columns go through
+ * transpose16 (12 rows and 4 of zeros in, 16 columns of 12 tokens out, each
+ * stored as 12 floats), the rest one value at a time. */
+static void pack_tokens(const float *x, size_t ldx, int mt, int in, float *xp) {
+    int c = 0;
+    for (; c + 16 <= in; c += 16) {
+        __m512i a[16];
+        for (int t = 0; t < 16; t++)
+            a[t] = t < mt ? _mm512_loadu_si512((const void *)(x + (size_t)t * ldx + c))
+                          : _mm512_setzero_si512();
+        transpose16(a);
+        for (int j = 0; j < 16; j++)
+            _mm512_mask_storeu_epi32(xp + (size_t)(c + j) * PANEL_TOKENS, 0x0fff, a[j]);
+    }
+    for (; c < in; c++)
+        for (int t = 0; t < mt; t++)
+            xp[(size_t)c * PANEL_TOKENS + t] = x[(size_t)t * ldx + c];
+}
+
+/* Columns per block of the packed path: `in` cut into equal blocks of at
+ * most KERN_GEMM_BLOCK_COLS, multiples of 16 (pack_tokens' transposes). */
+static int block_cols(int in) {
+    const int blocks = (in + KERN_GEMM_BLOCK_COLS - 1) / KERN_GEMM_BLOCK_COLS;
+    const int kc = ((in + blocks - 1) / blocks + 15) / 16 * 16;
+    return kc < in ? kc : in;
+}
+
+size_t kern__gemm_scratch_floats(int in, int T) {
+    const size_t kc = (size_t)block_cols(in);
+    const size_t tiles = (size_t)(T + PANEL_TOKENS - 1) / PANEL_TOKENS;
+    return KERN_PANEL_ROWS * kc + tiles * PANEL_TOKENS * kc;
+}
+
+/* The panel after rows [r, r + nr) of rows [r0, r1), columns [c0, c0 + kc)
+ * (blocks of kb columns): the next 32 rows' same columns, else the first
+ * rows' next columns. None for a cols_major matrix, whose panels are
+ * small. */
+static kern_prefetch next_block_panel(const kern_gemm_w *w, int in, int r, int nr, int r0, int r1,
+                                      int c0, int kc, int kb) {
+    const size_t esz = kern_dtype_size(w->dt), ld = (size_t)w->ld;
+    kern_prefetch next = {NULL, ld * esz, 0, 0};
+    if (w->cols_major) return next;
+    if (r + nr < r1) {
+        next.base = (const char *)w->data + ((size_t)(r + nr) * ld + (size_t)c0) * esz;
+        next.row_bytes = (size_t)kc * esz;
+        next.rows = r1 - r - nr < KERN_PANEL_ROWS ? r1 - r - nr : KERN_PANEL_ROWS;
+    } else if (c0 + kc < in) {
+        const int kn = in - c0 - kc < kb ? in - c0 - kc : kb;
+        next.base = (const char *)w->data + ((size_t)r0 * ld + (size_t)(c0 + kc)) * esz;
+        next.row_bytes = (size_t)kn * esz;
+        next.rows = r1 - r0 < KERN_PANEL_ROWS ? r1 - r0 : KERN_PANEL_ROWS;
+    }
+    return next;
+}
+
+/* x read in place: per panel of 32 rows and KERN_PANEL_COLS columns, every
+ * 12 tokens run over the panel reading their rows ldx apart. */
+static void gemm_in_place(const kern_gemm_w *w, int in, const float *x, int ldx, int T, float *y,
+                          int ldy, int r0, int r1, bool accumulate, float *P) {
     for (int r = r0; r < r1; r += KERN_PANEL_ROWS) {
         const int nr = r1 - r < KERN_PANEL_ROWS ? r1 - r : KERN_PANEL_ROWS;
         for (int c0 = 0; c0 < in; c0 += KERN_PANEL_COLS) {
@@ -312,6 +386,52 @@ void kern__gemm(const kern_gemm_w *w, int in, const float *x, int ldx, int T, fl
             pack_panel(w, r, nr, c0, kc, P);
             const kern_prefetch next = next_panel(w, in, r, nr, r1, c0, kc);
             kern__panel_gemm(P, kc, x + c0, ldx, T, y + r, ldy, nr, accumulate || c0 > 0, &next);
+        }
+    }
+}
+
+void kern__gemm(const kern_gemm_w *w, int in, const float *x, int ldx, int T, float *y, int ldy,
+                int r0, int r1, bool accumulate, float *scratch, size_t scratch_floats) {
+    static const panel_step_fn step[PANEL_TOKENS + 1] = {
+        NULL,            packed_tokens1, packed_tokens2,  packed_tokens3,  packed_tokens4,
+        packed_tokens5,  packed_tokens6, packed_tokens7,  packed_tokens8,  packed_tokens9,
+        packed_tokens10, packed_tokens11, packed_tokens12};
+    const int kb = block_cols(in);
+    const size_t panel = (size_t)KERN_PANEL_ROWS * kb, tile = (size_t)PANEL_TOKENS * kb;
+    /* the tokens whose packed x fits the rest of the scratch, in steps of
+     * 12: W is unpacked once per block of them */
+    const size_t room = scratch_floats > panel ? (scratch_floats - panel) / tile : 0;
+    if (room == 0) {
+        gemm_in_place(w, in, x, ldx, T, y, ldy, r0, r1, accumulate, scratch);
+        return;
+    }
+    float *P = scratch, *xp = scratch + panel;
+    const int cap = room * PANEL_TOKENS < (size_t)T ? (int)room * PANEL_TOKENS : T;
+    for (int tb = 0; tb < T; tb += cap) {
+        const int nb = T - tb < cap ? T - tb : cap;
+        const int n_tiles = (nb + PANEL_TOKENS - 1) / PANEL_TOKENS;
+        for (int c0 = 0; c0 < in; c0 += kb) {
+            const int kc = in - c0 < kb ? in - c0 : kb;
+            /* tile i's x at xp + i * 12 * kc: [kc, 12] */
+            for (int t0 = 0; t0 < nb; t0 += PANEL_TOKENS)
+                pack_tokens(x + (size_t)(tb + t0) * ldx + c0, (size_t)ldx,
+                            nb - t0 < PANEL_TOKENS ? nb - t0 : PANEL_TOKENS, kc,
+                            xp + (size_t)t0 * kc);
+            for (int r = r0; r < r1; r += KERN_PANEL_ROWS) {
+                const int nr = r1 - r < KERN_PANEL_ROWS ? r1 - r : KERN_PANEL_ROWS;
+                pack_panel(w, r, nr, c0, kc, P);
+                const kern_prefetch next = next_block_panel(w, in, r, nr, r0, r1, c0, kc, kb);
+                for (int i = 0, t0 = 0; t0 < nb; i++, t0 += PANEL_TOKENS) {
+                    const int mt = nb - t0 < PANEL_TOKENS ? nb - t0 : PANEL_TOKENS;
+                    /* each tile fetches its share of the next panel's rows,
+                     * so that the reads from memory spread over the panel */
+                    const int p0 = next.rows * i / n_tiles, p1 = next.rows * (i + 1) / n_tiles;
+                    const kern_prefetch share = {next.base + (size_t)p0 * next.stride,
+                                                 next.stride, next.row_bytes, p1 - p0};
+                    step[mt](P, kc, xp + (size_t)t0 * kc, 0, y + (size_t)(tb + t0) * ldy + r,
+                             ldy, nr, accumulate || c0 > 0, share.rows > 0 ? &share : NULL);
+                }
+            }
         }
     }
 }

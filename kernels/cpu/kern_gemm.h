@@ -35,6 +35,16 @@
  * (T = 64 .. 512), widened rows + OpenBLAS sgemm at 91. */
 #define KERN_PANEL_COLS 4096
 
+/* Columns per block where kern__gemm packs x (see there): the panel (32 x
+ * at most 1536 floats, 192 KiB) stays in L2 beside the packed x of the
+ * tokens running over it, and W is unpacked once per block of tokens. On
+ * the dev machine (Zen 5, one thread, bf16, T = 128 .. 512) blocks of 1,536
+ * ran at 79-90% of the fma peak where 4,096 (whole rows up to 4,096 wide)
+ * fell to 65% at in = 4,096 (the packed x of 512 tokens, 8 MiB, read from
+ * the last-level cache for every panel) and 256 to 56-71% (y read and
+ * written once per block). */
+#define KERN_GEMM_BLOCK_COLS 1536
+
 /* Bytes the next panel's unpacking will read, fetched into L2 while this
  * panel computes: `rows` rows of `row_bytes` bytes, `stride` bytes apart
  * from `base` (weights come from memory once per product, and an unpacking
@@ -76,13 +86,26 @@ typedef struct kern_gemm_w {
 /*
  * The GEMM: y[t, r] = (accumulate ? y[t, r] : 0) + sum_{c < in} x[t, c] W(r, c)
  * for t < T, r in [r0, r1), each output the left-to-right fma chain (the
- * accumulate form continues it from y's value). Per panel of 32 rows,
- * per KERN_PANEL_COLS columns, the panel is unpacked (transposed, f32)
- * into P and run by kern__panel_gemm. x: [T, ldx]; y: [T, ldy]; P: at
- * least 32 * min(in, KERN_PANEL_COLS) floats. AVX-512 builds only.
+ * accumulate form continues it from y's value); the bits do not depend on
+ * the scratch. x: [T, ldx]; y: [T, ldy]. AVX-512 builds only.
+ *
+ * With scratch_floats >= kern__gemm_scratch_floats(in, 12): per block of
+ * columns (KERN_GEMM_BLOCK_COLS), the tokens' x is packed 12 tokens side
+ * by side ([kc, 12] per 12 tokens), then per panel of 32 rows the panel is
+ * unpacked (transposed, f32) and run over every 12 tokens, which read one
+ * stream of x. As many tokens are packed at once as the scratch holds; W is
+ * unpacked once per such block of tokens. Below that, x is read in place
+ * (the panel alone: 32 * min(in, KERN_PANEL_COLS) floats), 12 rows ldx
+ * apart: rows a multiple of 4 KiB apart (in = 1024, 4096, 9216 f32) fall
+ * into one L1 set and ran at 58-68% of the fma peak where packed ran at
+ * 78-85% (Zen 5, one thread, bf16 [2304, in]).
  */
 void kern__gemm(const kern_gemm_w *w, int in, const float *x, int ldx, int T, float *y, int ldy,
-                int r0, int r1, bool accumulate, float *P);
+                int r0, int r1, bool accumulate, float *scratch, size_t scratch_floats);
+
+/* Scratch floats for kern__gemm to pack T tokens' x at once (and the
+ * panel). */
+size_t kern__gemm_scratch_floats(int in, int T);
 
 /*
  * The GEMM with the activations rounded to bf16 (nearest even), for a bf16

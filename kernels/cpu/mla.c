@@ -65,7 +65,7 @@ static void gemm(const float *w, int ldw, bool cols_major, int rows, int in, con
                  int ldx, int T, float *y, int ldy, bool accumulate, float *P) {
 #if MLA_GEMM
     const kern_gemm_w gw = {KERN_F32, w, ldw, cols_major};
-    kern__gemm(&gw, in, x, ldx, T, y, ldy, 0, rows, accumulate, P);
+    kern__gemm(&gw, in, x, ldx, T, y, ldy, 0, rows, accumulate, P, 0);
 #else
     (void)P;
     cblas_sgemm(CblasRowMajor, CblasNoTrans, cols_major ? CblasNoTrans : CblasTrans, T, rows, in,

@@ -491,7 +491,18 @@ static void dot8(kern_dtype dt, const void *W, int in, const float *x, int nt, i
 }
 #endif
 
-size_t kern_matmul_scratch_floats(int in) { return (size_t)128 * (size_t)in; }
+/* 128 * in (the direct paths' split x and scales), or at least the GEMM's
+ * panel and 516 tokens of packed x (kern__gemm unpacks W once for a prefill
+ * step of up to 516 tokens). */
+size_t kern_matmul_scratch_floats(int in) {
+    const size_t direct = (size_t)128 * (size_t)in;
+#if KERN_AVX512
+    const size_t gemm = kern__gemm_scratch_floats(in, 516);
+    return gemm > direct ? gemm : direct;
+#else
+    return direct;
+#endif
+}
 
 /* From this many tokens the product is compute-bound and runs as a GEMM:
  * the register-blocked panels of kern_gemm.h with AVX-512, widened rows and
@@ -523,7 +534,8 @@ void kern__matmul_hinted(kern_dtype dt, const void *W, int in, const float *x, i
 #if KERN_AVX512
     if (T >= MATMUL_GEMM_MIN_T && scratch) {
         const kern_gemm_w gw = {dt, W, in, false};
-        kern__gemm(&gw, in, x, in, T, y, ldy, r0, r1, false, scratch);
+        kern__gemm(&gw, in, x, in, T, y, ldy, r0, r1, false, scratch,
+                   kern_matmul_scratch_floats(in));
         return;
     }
 #else

@@ -640,7 +640,8 @@ void kern_matmul_w_prefill(const kern_weight *w, const float *x, int T, float *y
         }
 #endif
         const kern_gemm_w gw = {w->dt, w->data, w->cols, false};
-        kern__gemm(&gw, w->cols, x, w->cols, T, y, ldy, r0, r1, false, scratch);
+        kern__gemm(&gw, w->cols, x, w->cols, T, y, ldy, r0, r1, false, scratch,
+                   kern_matmul_scratch_floats(w->cols));
         return;
     }
 #endif

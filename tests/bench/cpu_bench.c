@@ -7,7 +7,7 @@
  *   kds_cpu_bench [--quick] [--runs N] [--only PARTS]
  *       --quick: 3 runs per figure and smaller stacks (a smoke test);
  *       --runs N: N runs per figure (default 7); every figure is a median;
- *       --only PARTS: some of the parts below (a-h), e.g. `--only ab` (the
+ *       --only PARTS: some of the parts below (a-i), e.g. `--only ab` (the
  *       percentages of (b) need (a)).
  *
  * Prints markdown tables (the same lines go to docs/benchmarks.md):
@@ -47,7 +47,13 @@
  *       over and over), in the last-level cache (one matrix over and over)
  *       and in memory (a stack as (b)), against the FMA peak measured in
  *       the same run and a read of the stack's bytes in the same round:
- *       where the products of a batched step lose their time.
+ *       where the products of a batched step lose their time;
+ *   (i) prefill's GEMM (kern__gemm) on bf16 [2304, in] for in = 1024,
+ *       2304, 4096, 9216 (wide's expert down, projections, attention out
+ *       and dense down) and T = 64, 256, one thread, with x read in place
+ *       (the panel's scratch alone) and packed 12 tokens side by side (the
+ *       engine's scratch), alternating round by round, against the FMA peak
+ *       measured in the same run.
  * Threads: products go through the engine's pool (eng_pool), their rows cut
  * into 4 tasks per thread as eng_cpu.c's run_mm does; with one thread the
  * call is made inline, as there. OpenBLAS is pinned to one thread (the
@@ -64,6 +70,7 @@
 #include <cblas.h>
 #include <immintrin.h>
 
+#include "cpu/kern_gemm.h"
 #include "eng_pool.h"
 #include "kern.h"
 
@@ -139,7 +146,7 @@ static void cpu_model(char *out, size_t n) {
 static eng_pool *g_pool[3]; /* [threads] */
 static float *g_scratch[2]; /* one kern_matmul_scratch_floats(widest) per thread */
 static int g_runs = 7, g_quick;
-static const char *g_only = "abcdefgh";
+static const char *g_only = "abcdefghi";
 static size_t g_l3;
 static double g_bw[3]; /* measured read bandwidth, GB/s, [threads] */
 
@@ -767,6 +774,69 @@ static void bench_batched(void) {
     free_stack(&st);
 }
 
+/* (i) The prefill GEMM with x read in place (12 token rows `in` floats
+ * apart: a multiple of 4 KiB for in = 1024, 4096, 9216) against x packed
+ * 12 tokens side by side, the same product and bits, alternating round by
+ * round, one thread. Each matrix is 4.7-42 MB: in the last-level cache up
+ * to in = 4096, from memory at 9216. */
+static void bench_gemm_packing(void) {
+#if defined(__AVX512F__)
+    const int ins[] = {1024, 2304, 4096, 9216}, Ts[] = {64, 256}, rows = 2304;
+    const int rounds = g_runs < 3 ? 3 : g_runs;
+    const double peak = fma_peak(1);
+    printf("### (i) Prefill GEMM: x in place against x packed (bf16 [%d, in], 1 thread)\n\n",
+           rows);
+    printf("FMA peak %.0f GFLOP/s (1 thread). %d rounds, each timing both forms once (the "
+           "better of 2 products); medians.\n\n",
+           peak, rounds);
+    printf("| in | T | in place GFLOP/s | %% of peak | packed GFLOP/s | %% of peak "
+           "| packed / in place |\n|---|---|---|---|---|---|---|\n");
+    for (size_t a = 0; a < sizeof ins / sizeof ins[0]; a++) {
+        const int in = ins[a];
+        uint16_t *W = xalloc((size_t)rows * in * sizeof(uint16_t));
+        fill_bytes(W, (size_t)rows * in * sizeof(uint16_t), 77 + (uint64_t)in);
+        for (size_t i = 0; i < (size_t)rows * in; i++)
+            W[i] = (uint16_t)(0x3c00 + (W[i] & 0xff)); /* finite values near 0.01 */
+        const kern_gemm_w gw = {KERN_BF16, W, in, false};
+        for (size_t b = 0; b < sizeof Ts / sizeof Ts[0]; b++) {
+            const int T = Ts[b];
+            float *x = random_x((size_t)T * in, 5), *y = xalloc((size_t)T * rows * sizeof(float));
+            const int kp = in < KERN_PANEL_COLS ? in : KERN_PANEL_COLS;
+            const size_t panel = (size_t)KERN_PANEL_ROWS * kp;
+            const size_t packed = kern__gemm_scratch_floats(in, T);
+            float *scr = xalloc((panel > packed ? panel : packed) * sizeof(float));
+            double g[2][64];
+            const double flops = 2.0 * rows * in * T;
+            for (int r = 0; r < rounds; r++)
+                for (int form = 0; form < 2; form++) {
+                    double best = 1e30;
+                    for (int k = 0; k < 2; k++) {
+                        const double t0 = now_s();
+                        kern__gemm(&gw, in, x, in, T, y, rows, 0, rows, false, scr,
+                                   form ? packed : panel);
+                        const double dt = now_s() - t0;
+                        if (dt < best) best = dt;
+                    }
+                    g[form][r] = flops / best / 1e9;
+                }
+            const double in_place = median(g[0], rounds), pk = median(g[1], rounds);
+            char p1[16], p2[16];
+            printf("| %d | %d | %.0f | %s | %.0f | %s | %.2fx |\n", in, T, in_place,
+                   pct(p1, sizeof p1, in_place, peak), pk, pct(p2, sizeof p2, pk, peak),
+                   pk / in_place);
+            fflush(stdout);
+            free(x);
+            free(y);
+            free(scr);
+        }
+        free(W);
+    }
+    printf("\n");
+#else
+    printf("### (i) Prefill GEMM: needs AVX-512 (not built)\n\n");
+#endif
+}
+
 int main(int argc, char **argv) {
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--quick")) {
@@ -778,7 +848,7 @@ int main(int argc, char **argv) {
         } else if (!strcmp(argv[i], "--only") && i + 1 < argc) {
             g_only = argv[++i];
         } else {
-            fprintf(stderr, "usage: %s [--quick] [--runs N (1..63)] [--only abcdefgh]\n", argv[0]);
+            fprintf(stderr, "usage: %s [--quick] [--runs N (1..63)] [--only abcdefghi]\n", argv[0]);
             return 2;
         }
     }
@@ -817,6 +887,7 @@ int main(int argc, char **argv) {
     if (strchr(g_only, 'f')) bench_long();
     if (strchr(g_only, 'g')) bench_decode_attention();
     if (strchr(g_only, 'h')) bench_batched();
+    if (strchr(g_only, 'i')) bench_gemm_packing();
     for (int t = 0; t < 2; t++)
         free(g_scratch[t]);
     for (int th = 1; th <= 2; th++)
