@@ -426,10 +426,15 @@ void kern__gemm(const kern_gemm_w *w, int in, const float *x, int ldx, int T, fl
                     /* each tile fetches its share of the next panel's rows,
                      * so that the reads from memory spread over the panel */
                     const int p0 = next.rows * i / n_tiles, p1 = next.rows * (i + 1) / n_tiles;
-                    const kern_prefetch share = {next.base + (size_t)p0 * next.stride,
-                                                 next.stride, next.row_bytes, p1 - p0};
+                    kern_prefetch share;
+                    const kern_prefetch *pf = NULL;
+                    if (p1 > p0) { /* next.base is NULL when there is no next panel */
+                        share = (kern_prefetch){next.base + (size_t)p0 * next.stride, next.stride,
+                                                next.row_bytes, p1 - p0};
+                        pf = &share;
+                    }
                     step[mt](P, kc, xp + (size_t)t0 * kc, 0, y + (size_t)(tb + t0) * ldy + r,
-                             ldy, nr, accumulate || c0 > 0, share.rows > 0 ? &share : NULL);
+                             ldy, nr, accumulate || c0 > 0, pf);
                 }
             }
         }
