@@ -265,9 +265,12 @@ static void gemm_f32_case(int rows, int in, int T, int ldw, int ldx, int ldy, ui
     float *w = malloc((size_t)ldw * (in + 10) * sizeof(float));
     float *x = malloc((size_t)T * ldx * sizeof(float));
     float *y = malloc((size_t)T * ldy * sizeof(float)), *y0 = malloc((size_t)T * ldy * sizeof(float));
-    const size_t scratch[3] = {(size_t)KERN_PANEL_ROWS * in, kern__gemm_scratch_floats(in, 12),
+    /* scratch_floats 0: x in place (as MLA attention calls it; the buffer
+     * still holds the in-place panel); one tile of room; all T tokens */
+    const size_t scratch[3] = {0, kern__gemm_scratch_floats(in, 12),
                                kern__gemm_scratch_floats(in, T)};
-    float *P = malloc(scratch[2] * sizeof(float));
+    const size_t panel = (size_t)KERN_PANEL_ROWS * in;
+    float *P = malloc((scratch[2] > panel ? scratch[2] : panel) * sizeof(float));
     cr_assert(w && x && y && y0 && P);
     for (int i = 0; i < ldw * (in + 10); i++) w[i] = unit(&seed);
     for (int i = 0; i < T * ldx; i++) x[i] = unit(&seed);
@@ -308,7 +311,7 @@ static void gemm_f32_case(int rows, int in, int T, int ldw, int ldx, int ldy, ui
  * matrices with their own leading dimension, stored as rows or transposed
  * (cols_major), x with its own stride, continuing the sums already in y.
  * Each output is the fma chain from y's old value, bit for bit, whether x
- * is read in place (the panel's scratch alone), packed 12 tokens at a time
+ * is read in place (scratch_floats 0), packed 12 tokens at a time
  * (W unpacked for each) or packed whole; in one block of columns and in
  * two (1,700 columns: blocks of 864 and 836). */
 Test(matmul, gemm_f32_strides_transposed_accumulate) {

@@ -94,11 +94,12 @@ typedef struct kern_gemm_w {
  * by side ([kc, 12] per 12 tokens), then per panel of 32 rows the panel is
  * unpacked (transposed, f32) and run over every 12 tokens, which read one
  * stream of x. As many tokens are packed at once as the scratch holds; W is
- * unpacked once per such block of tokens. Below that, x is read in place
- * (the panel alone: 32 * min(in, KERN_PANEL_COLS) floats), 12 rows ldx
- * apart: rows a multiple of 4 KiB apart (in = 1024, 4096, 9216 f32) fall
- * into one L1 set and ran at 58-68% of the fma peak where packed ran at
- * 78-85% (Zen 5, one thread, bf16 [2304, in]).
+ * unpacked once per such block of tokens. Below that (0 included), x is
+ * read in place, 12 rows ldx apart, and scratch must hold that form's
+ * panel, 32 * min(in, KERN_PANEL_COLS) floats, whatever scratch_floats
+ * says. In place, rows a multiple of 4 KiB apart (in = 1024, 4096, 9216
+ * f32) fall into one L1 set and ran at 58-68% of the fma peak where packed
+ * ran at 78-85% (Zen 5, one thread, bf16 [2304, in]).
  */
 void kern__gemm(const kern_gemm_w *w, int in, const float *x, int ldx, int T, float *y, int ldy,
                 int r0, int r1, bool accumulate, float *scratch, size_t scratch_floats);
