@@ -87,5 +87,8 @@ bool cli_device_valid(const char *device);
  * the model directory the store recorded, and what to do. Nothing when all
  * match; a store that cannot be listed is left to the command's own error. */
 void cli_note_other_models(const char *cmd, sess_store *st, const eng_model *m);
+/* --bf16 on the CPU of a build without AVX-512 BF16 dot products: says on
+ * stderr that the products stay exact (eng_cpu_bf16_products). */
+void cli_note_bf16(const char *cmd, const eng_ctx_params *cp);
 
 #endif

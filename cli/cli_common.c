@@ -144,9 +144,19 @@ int cli_open_on(const char *cmd, const char *model_dir, int threads, int max_bat
     return cli_open_with(cmd, model_dir, &cp, m, c);
 }
 
+void cli_note_bf16(const char *cmd, const eng_ctx_params *cp) {
+    const bool cpu = !cp->device || !strcmp(cp->device, "cpu");
+    if (cp->bf16_act && cpu && !eng_cpu_bf16_products())
+        fprintf(stderr,
+                "kdaserve %s: --bf16: this build has no AVX-512 BF16 dot products (this CPU "
+                "lacks them, or it was built with -DKDS_NATIVE=OFF), so the products stay exact\n",
+                cmd);
+}
+
 int cli_open_with(const char *cmd, const char *model_dir, const eng_ctx_params *cp, eng_model **m,
                   eng_ctx **c) {
     kds_err err = {0};
+    cli_note_bf16(cmd, cp);
     eng_model_params mp = eng_model_default_params();
     mp.progress = true;
     cli_model_params_ranks(&mp);

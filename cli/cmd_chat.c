@@ -165,6 +165,11 @@ int cmd_chat(int argc, char **argv) {
         }
     }
     if (optind < argc) return cli_failf("chat", "unexpected argument '%s'", argv[optind]);
+    {
+        eng_ctx_params note = eng_ctx_default_params();
+        note.bf16_act = p.bf16_act;
+        cli_note_bf16("chat", &note);
+    }
     if (fresh && p.session) return cli_failf("chat", "give --session NAME or --new, not both");
     if (!p.model_dir) p.default_model_dir = cli_model_dir("chat", NULL);
     p.interactive = isatty(STDIN_FILENO) && isatty(STDOUT_FILENO) && !p.json;

@@ -409,7 +409,10 @@ int cmd_generate(int argc, char **argv) {
             "%.3f s (%.1f tok/s); %d threads%s\n",
             (long long)n, tr.prefill_s, n / (tr.prefill_s > 0 ? tr.prefill_s : 1e-9),
             (long long)produced, tr.decode_s, produced / (tr.decode_s > 0 ? tr.decode_s : 1e-9),
-            eng_ctx_threads(c), bf16_act ? "; prompt products with bf16 activations" : "");
+            eng_ctx_threads(c),
+            bf16_act && (eng_ctx_device_kind(c) != ENG_DEVICE_CPU || eng_cpu_bf16_products())
+                ? "; prompt products with bf16 activations"
+                : "");
     if (logits_out) {
         int64_t rows = go.rows;
         if (rows == 0) {

@@ -280,6 +280,7 @@ int cmd_serve(int argc, char **argv) {
     sigaction(SIGTERM, &sa, NULL);
     signal(SIGPIPE, SIG_IGN);
     if (!p.quiet) {
+        cli_note_bf16("serve", &p.ctx);
         fprintf(stderr, "kdaserve serve: model %s, store %s, web page %s, products %s\n", dir,
                 sess_store_dir(st), www ? www : "none (no web/www found; --www DIR)",
                 p.ctx.bf16_act ? "with bf16 activations in a prefill (--bf16)" : "exact");

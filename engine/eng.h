@@ -272,6 +272,10 @@ kds_status eng_read_bandwidth(int n_threads, size_t bytes, int reps, double *gbs
 size_t eng_read_bandwidth_default_bytes(void);
 /* The largest CPU cache's size in bytes (sysfs; 0 when unknown). */
 size_t eng_llc_bytes(void);
+/* Whether the CPU backend can honour eng_ctx_params.bf16_act: this build
+ * has AVX-512 BF16 dot products. Without them the mode changes nothing
+ * on the CPU (its products stay exact); front ends say so. */
+bool eng_cpu_bf16_products(void);
 /* Where this context runs the forward pass, and its name ("cpu", "cuda"). */
 eng_device eng_ctx_device_kind(const eng_ctx *c);
 const char *eng_ctx_device(const eng_ctx *c);

@@ -101,3 +101,5 @@ out:
     free(buf);
     return rc;
 }
+
+bool eng_cpu_bf16_products(void) { return kern_bf16_products(); }

@@ -131,8 +131,11 @@ uint64_t kern_read_sum(const void *p, size_t n);
  * y[t, r] = sum_i x[t, i] * W[r, i]  for t in [0, T), r in [r0, r1).
  *   W: [rows, in] of dtype `dt` (a PyTorch Linear weight, row-major).
  *   x: [T, in] float32.   y: [T, ldy] float32 (only columns r0..r1-1 written).
- * Small T uses vectorised dot products straight from W (no conversion);
- * larger T converts row blocks of W to float32 in `scratch` and calls BLAS.
+ * Below 64 tokens, dot products straight from W (no conversion), and row t
+ * of the result is token t's one-token product, bit for bit, in every build
+ * (batched decode relies on it); from 64, with scratch, a GEMM: AVX-512
+ * builds the register-blocked panels of kern_gemm.h (each output one fma
+ * chain), others row blocks of W widened to f32 in `scratch` and BLAS.
  *   scratch: kern_matmul_scratch_floats(in) floats, or NULL to force the
  *   direct path.
  */
@@ -147,12 +150,12 @@ size_t kern_matmul_scratch_floats(int in);
  * f32 values (kern_weight_row_f32), so the result is the dequantised
  * matrix's product up to summation order (infinities and NaNs of the
  * values included):
- *   T < 64 (32 in builds without AVX-512): the codes and scales are read
+ *   T < 64 (in every build): the codes and scales are read
  *   in place, eight rows per pass,
  *   no dequantised copy of the matrix (decode: bound by the code bytes
  *   read). Row t of a T-token product is the 1-token product of row t of
  *   x, bit for bit (what batched decode relies on).
- *   T >= 64 (32): panels of rows are dequantised into `scratch` and multiplied
+ *   T >= 64: panels of rows are dequantised into `scratch` and multiplied
  *   there (prefill).
  *   scratch: kern_matmul_scratch_floats(w->cols) floats, required for
  *   block formats (without it nothing is written; NULL forces kern_matmul's
@@ -166,10 +169,12 @@ void kern_matmul_w(const kern_weight *w, const float *x, int T, float *y, int ld
  * the result need not be token t's one-token product (batched decoding
  * needs that; a prompt does not): from KERN_PREFILL_GEMM_MIN_T tokens it
  * takes the GEMM path of kern_matmul_w's many-token case, which is
- * compute-bound and faster there than the direct path; below it, and
- * without AVX-512, it is kern_matmul_w. Block formats are kern_matmul_w
- * at every T (their direct path is as fast as the GEMM up to where
- * kern_matmul_w changes over). Same arguments and contract.
+ * compute-bound and faster there than the direct path; below it it is
+ * kern_matmul_w. Block formats are kern_matmul_w at every T (their direct
+ * path is as fast as the GEMM up to where kern_matmul_w changes over).
+ * Without AVX-512: element formats by BLAS from 8 tokens (kern_gemm.h),
+ * block formats kern_matmul_w_ref (panels from 32). Same
+ * arguments and contract.
  * bf16_act: a bf16 weight's GEMM rounds x to bf16 and runs on AVX-512 BF16
  * dot products (about twice the multiply-adds per second; x then carries
  * ~3e-3 relative error: llama.cpp's and vLLM's precision, never the
@@ -177,6 +182,9 @@ void kern_matmul_w(const kern_weight *w, const float *x, int T, float *y, int ld
  * builds without AVX512_BF16.
  */
 #define KERN_PREFILL_GEMM_MIN_T 12
+/* Whether this build has bf16 dot products (AVX-512 BF16), which bf16_act
+ * needs; without them the products it would round stay exact. */
+bool kern_bf16_products(void);
 void kern_matmul_w_prefill(const kern_weight *w, const float *x, int T, float *y, int ldy, int r0,
                            int r1, float *scratch, bool bf16_act);
 

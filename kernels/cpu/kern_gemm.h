@@ -72,6 +72,15 @@ void kern__panel_gemm(const float *P, int kc, const float *x, int ldx, int T, fl
  * formats): the same results, bit for bit, either way. */
 void kern__matmul_hinted(kern_dtype dt, const void *W, int in, const float *x, int T, float *y,
                          int ldy, int r0, int r1, float *scratch, bool streamed);
+
+/* kern_matmul's product by BLAS: row blocks of W widened to f32 in
+ * scratch (kern_matmul_scratch_floats(in); unused for f32), then sgemm.
+ * A row's sums depend on the tokens beside it. Builds without AVX-512 take
+ * it for T >= 64, and for a prefill's element formats (kern_matmul_w_prefill)
+ * from KERN_PORTABLE_BLAS_MIN_T tokens, where it beats the direct path. */
+#define KERN_PORTABLE_BLAS_MIN_T 8
+void kern__matmul_blas(kern_dtype dt, const void *W, int in, const float *x, int T, float *y,
+                       int ldy, int r0, int r1, float *scratch);
 /* A matrix as the GEMM reads it: element (r, c) of W [rows, in] at
  * data + (r * ld + c) * size(dt), or, cols_major (f32 only), at
  * data + (c * ld + r) * 4 (W stored transposed: the B of a product

@@ -91,6 +91,24 @@ static void gemm_att(const float *w, int ldw, bool cols_major, int rows, int in,
     gemm(w, ldw, cols_major, rows, in, x, ldx, T, y, ldy, accumulate, P);
 }
 
+/* gemm_att for the rows of a decode token's heads (attend_rows' step 0),
+ * each of whose outputs must not depend on the rows beside it (a head's
+ * result is the same whichever heads share the call: threads split the
+ * heads, and batched decode relies on it). The AVX-512 GEMM gives that
+ * (every output its own fma chain); BLAS does not, so without it each row
+ * goes through the product alone. */
+static void gemm_att_rows_apart(const float *w, int ldw, bool cols_major, int rows, int in,
+                                const float *x, int ldx, int T, float *y, int ldy,
+                                bool accumulate, float *P, size_t P_floats) {
+#if MLA_GEMM
+    gemm_att(w, ldw, cols_major, rows, in, x, ldx, T, y, ldy, accumulate, P, P_floats, false);
+#else
+    for (int t = 0; t < T; t++)
+        gemm_att(w, ldw, cols_major, rows, in, x + (size_t)t * ldx, ldx, 1, y + (size_t)t * ldy,
+                 ldy, accumulate, P, P_floats, false);
+#endif
+}
+
 /* Whether T queries of a prefill slice attend in the expanded form
  * (below). Per key and head the absorbed form does dc + dr + dc multiply-
  * adds a query (1,088 at Kimi's widths), the expanded one dn + dr + dv
@@ -161,6 +179,9 @@ static void attend_rows(const kern_mla_shape *sh, const attn_form *f, const floa
         if (gemv) /* one query: gemv, which packs nothing */
             cblas_sgemv(CblasRowMajor, CblasNoTrans, nb, qw, 1.0f, keys, ldk,
                         Q + (size_t)t0 * qw, 1, 0.0f, S, 1);
+        else if (!step)
+            gemm_att_rows_apart(keys, ldk, false, nb, qw, Q + (size_t)t0 * qw, qw, nq, S,
+                                KERN_MLA_KEY_BLOCK, false, P, P_floats);
         else
             gemm_att(keys, ldk, false, nb, qw, Q + (size_t)t0 * qw, qw, nq, S, KERN_MLA_KEY_BLOCK,
                      false, P, P_floats, bf16_act);
@@ -188,6 +209,9 @@ static void attend_rows(const kern_mla_shape *sh, const attn_form *f, const floa
         if (gemv)
             cblas_sgemv(CblasRowMajor, CblasTrans, nb, aw, 1.0f, vals, ldv, S, 1, 1.0f,
                         acc + (size_t)t0 * aw, 1);
+        else if (!step)
+            gemm_att_rows_apart(vals, ldv, true, aw, nb, S, KERN_MLA_KEY_BLOCK, nq,
+                                acc + (size_t)t0 * aw, aw, true, P, P_floats);
         else
             gemm_att(vals, ldv, true, aw, nb, S, KERN_MLA_KEY_BLOCK, nq, acc + (size_t)t0 * aw, aw,
                      true, P, P_floats, bf16_act);

@@ -27,6 +27,14 @@
 #define KERN_AVX2 1
 #endif
 
+bool kern_bf16_products(void) {
+#if KERN_AVX512 && defined(__AVX512BF16__)
+    return true;
+#else
+    return false;
+#endif
+}
+
 size_t kern_dtype_size(kern_dtype dt) {
     switch (dt) {
     case KERN_F32: return 4;
@@ -514,17 +522,33 @@ size_t kern_matmul_scratch_floats(int in) {
  * the crossover from 32 to 64 took the aggregate decode of 32 batched
  * sequences from 21.7 to 34.2 tok/s and a 32-token prefill from 27.4 to
  * 60.9 tok/s in one run (docs/benchmarks.md, "Continuous batching").
- * Without AVX-512 the direct path is dot_row, which streams W once per four
- * tokens, so there BLAS takes over at 8 as before. */
-#if KERN_AVX512
+ * Below it each token's row is its one-token product, bit for bit, in
+ * every build: batched decode relies on it. Without AVX-512 the direct
+ * path is dot_row, which streams W once per four tokens; there a prefill
+ * (kern__matmul_blas, through kern_matmul_w_prefill) takes BLAS from
+ * KERN_PORTABLE_BLAS_MIN_T tokens instead. */
 #define MATMUL_GEMM_MIN_T 64
-#else
-#define MATMUL_GEMM_MIN_T 8
-#endif
 
 void kern_matmul(kern_dtype dt, const void *W, int in, const float *x, int T, float *y, int ldy,
                  int r0, int r1, float *scratch) {
     kern__matmul_hinted(dt, W, in, x, T, y, ldy, r0, r1, scratch, false);
+}
+
+void kern__matmul_blas(kern_dtype dt, const void *W, int in, const float *x, int T, float *y,
+                       int ldy, int r0, int r1, float *scratch) {
+    if (r1 <= r0 || T <= 0) return;
+    if (dt == KERN_F32) {
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, r1 - r0, in, 1.0f, x, in,
+                    (const float *)W + (size_t)r0 * in, in, 0.0f, y + r0, ldy);
+        return;
+    }
+    const size_t esz = kern_dtype_size(dt);
+    for (int rb = r0; rb < r1; rb += 128) {
+        int nr = r1 - rb < 128 ? r1 - rb : 128;
+        kern_to_f32(dt, (const char *)W + (size_t)rb * in * esz, scratch, (size_t)nr * in);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, nr, in, 1.0f, x, in, scratch, in,
+                    0.0f, y + rb, ldy);
+    }
 }
 
 void kern__matmul_hinted(kern_dtype dt, const void *W, int in, const float *x, int T, float *y,
@@ -539,19 +563,8 @@ void kern__matmul_hinted(kern_dtype dt, const void *W, int in, const float *x, i
         return;
     }
 #else
-    size_t esz = kern_dtype_size(dt);
     if (T >= MATMUL_GEMM_MIN_T && (dt == KERN_F32 || scratch)) {
-        if (dt == KERN_F32) {
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, r1 - r0, in, 1.0f, x, in,
-                        (const float *)W + (size_t)r0 * in, in, 0.0f, y + r0, ldy);
-            return;
-        }
-        for (int rb = r0; rb < r1; rb += 128) {
-            int nr = r1 - rb < 128 ? r1 - rb : 128;
-            kern_to_f32(dt, (const char *)W + (size_t)rb * in * esz, scratch, (size_t)nr * in);
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, nr, in, 1.0f, x, in, scratch,
-                        in, 0.0f, y + rb, ldy);
-        }
+        kern__matmul_blas(dt, W, in, x, T, y, ldy, r0, r1, scratch);
         return;
     }
 #endif

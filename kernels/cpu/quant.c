@@ -141,12 +141,12 @@ void kern_weight_row_f32(const kern_weight *w, int r, int c0, int c1, float *out
  * threshold as kern_matmul's. The portable path keeps 32: its direct loop
  * is scalar and BLAS is not. */
 #define QUANT_REF_GEMM_MIN_T 32
-#if KERN_AVX512
+/* kern_matmul_w's change-over in every build: below it a token's row is its
+ * one-token product (batched decode). The portable build's kern_matmul_w
+ * runs direct_scalar up to it; its prefill keeps kern_matmul_w_ref's 32. */
 #define QUANT_GEMM_MIN_T 64
-#else
-#define QUANT_GEMM_MIN_T QUANT_REF_GEMM_MIN_T
-#endif
 
+#if KERN_AVX512
 /* The f32 scales of rows [r, r + nr), one per block: sg [nr, ld] (the
  * first nb of each row of ld; ld is unused when nr is 1). Row r's scales start at scales + r *
  * scale_row_bytes; f16 scales are read with memcpy, as they need not be
@@ -191,6 +191,7 @@ static void row_scales(const kern_weight *w, const kern_layout *l, int r, int nr
         }
     }
 }
+#endif
 
 /* The portable direct path: per row, one block of 32 values dequantised at
  * a time (kern_weight_row_f32, the definition) and dotted with every
@@ -199,7 +200,7 @@ static void row_scales(const kern_weight *w, const kern_layout *l, int r, int nr
 static void direct_scalar(const kern_weight *w, const float *x, int T, float *y, int ldy, int r0,
                           int r1) {
     const int in = w->cols;
-    float wb[KERN_BLOCK], acc[QUANT_REF_GEMM_MIN_T];
+    float wb[KERN_BLOCK], acc[QUANT_GEMM_MIN_T];
     for (int r = r0; r < r1; r++) {
         for (int t = 0; t < T; t++)
             acc[t] = 0.0f;
@@ -623,7 +624,12 @@ void kern_matmul_w(const kern_weight *w, const float *x, int T, float *y, int ld
     }
     direct_avx512(w, &l, xs, T, y, ldy, r0, r1, (unsigned char *)sw);
 #else
-    kern_matmul_w_ref(w, x, T, y, ldy, r0, r1, scratch);
+    /* kern_matmul_w_ref's loops with kern_matmul_w's change-over */
+    if (!scratch || r1 <= r0 || T <= 0) return;
+    if (T >= QUANT_GEMM_MIN_T)
+        gemm_scalar(w, x, T, y, ldy, r0, r1, scratch);
+    else
+        direct_scalar(w, x, T, y, ldy, r0, r1);
 #endif
 }
 
@@ -643,6 +649,19 @@ void kern_matmul_w_prefill(const kern_weight *w, const float *x, int T, float *y
         kern__gemm(&gw, w->cols, x, w->cols, T, y, ldy, r0, r1, false, scratch,
                    kern_matmul_scratch_floats(w->cols));
         return;
+    }
+#else
+    /* A prompt's rows need not be one-token products: BLAS from a few
+     * tokens, where kern_matmul_w keeps the direct path up to 63. */
+    if (scratch && r1 > r0 && T > 0) {
+        if (kern_dtype_is_block(w->dt)) {
+            kern_matmul_w_ref(w, x, T, y, ldy, r0, r1, scratch);
+            return;
+        }
+        if (T >= KERN_PORTABLE_BLAS_MIN_T) {
+            kern__matmul_blas(w->dt, w->data, w->cols, x, T, y, ldy, r0, r1, scratch);
+            return;
+        }
     }
 #endif
     (void)bf16_act;
