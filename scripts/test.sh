@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # test.sh - set up (install + build) and run the whole test suite, then the
-# same suite under ASan + UBSan and the fuzz targets (docs/testing.md).
-# The normal run's output comes first, as always; the two other passes
+# same suite built for a generic x86-64 (no AVX-512), under ASan + UBSan,
+# and the fuzz targets (docs/testing.md).
+# The normal run's output comes first, as always; the other passes
 # print one summary line each; Criterion's closing "Synthesis" line of the
 # normal run is printed again last, so CI's line reader still ends on it.
 # The exit status is non-zero when any test of any pass fails.
 #
-# KDS_TEST_PASSES (default "suite sanitize fuzz") chooses passes; extra
+# KDS_TEST_PASSES (default "suite portable sanitize fuzz") chooses passes; extra
 # arguments go to the normal run's kdaserve_tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/bootstrap.sh
-PASSES=${KDS_TEST_PASSES:-suite sanitize fuzz}
+PASSES=${KDS_TEST_PASSES:-suite portable sanitize fuzz}
 status=0
 synth=""
 for pass in $PASSES; do
@@ -28,6 +29,7 @@ for pass in $PASSES; do
       [ "$rc" -eq 0 ] || status=1
       synth=$(grep -a "Synthesis:" build/test-stderr.log | tail -1 || true)
       ;;
+    portable) scripts/portable.sh || status=1 ;;
     sanitize) scripts/sanitize.sh || status=1 ;;
     fuzz) scripts/fuzz.sh ci || status=1 ;;
     *) echo "[test] unknown pass '$pass'" >&2; status=1 ;;
