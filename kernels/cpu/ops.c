@@ -208,6 +208,29 @@ static void dot_row(kern_dtype dt, const void *row, int in, const float *x, int 
         for (int t = 0; t < nt; t++) a[t] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + (size_t)t * ldx + i), a[t]);
     }
     for (int t = 0; t < nt; t++) acc[t] = _mm512_reduce_add_ps(a[t]);
+#elif KERN_AVX2
+    /* AVX2 + FMA + F16C (a CPU without AVX-512 built for itself): eight
+     * lanes; each token's chain is the same whatever nt, as above */
+    __m256 a[DOT_TOKENS];
+    for (int t = 0; t < DOT_TOKENS; t++) a[t] = _mm256_setzero_ps();
+    for (; i + 8 <= in; i += 8) {
+        __m256 w;
+        if (dt == KERN_F32)
+            w = _mm256_loadu_ps((const float *)row + i);
+        else if (dt == KERN_BF16)
+            w = _mm256_castsi256_ps(_mm256_slli_epi32(
+                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i))),
+                16));
+        else
+            w = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)));
+        for (int t = 0; t < nt; t++)
+            a[t] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + (size_t)t * ldx + i), a[t]);
+    }
+    for (int t = 0; t < nt; t++) {
+        const __m128 h = _mm_add_ps(_mm256_castps256_ps128(a[t]), _mm256_extractf128_ps(a[t], 1));
+        const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        acc[t] = _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+    }
 #endif
     for (; i < in; i++) {
         float w = load1(dt, row, i);
