@@ -109,6 +109,7 @@ Test(matmul, all_paths_match_reference) {
         check_shape(dts[d], 77, 256); /* 8-row blocks plus ragged ends */
         check_shape(dts[d], 300, 96);
         check_shape(dts[d], 41, 80); /* width not a multiple of 32 */
+        check_shape(dts[d], 19, 83); /* nor of 8: every row's scalar tail */
     }
 }
 

@@ -195,6 +195,24 @@ static inline float load1(kern_dtype dt, const void *row, int i) {
     return kern_f16_to_f32(((const uint16_t *)row)[i]);
 }
 
+#if KERN_AVX2
+static inline __m256 load8(kern_dtype dt, const void *row, int i) {
+    const uint16_t *h = (const uint16_t *)row + i;
+    if (dt == KERN_F32) return _mm256_loadu_ps((const float *)row + i);
+    if (dt == KERN_BF16)
+        return _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)h)), 16));
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+}
+
+/* The sum of a's eight lanes: halves, then pairs, then the last two. */
+static inline float hsum8(__m256 a) {
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+#endif
+
 /* out[t] = row . x[t*ldx ...] for t < nt (nt <= DOT_TOKENS). */
 static void dot_row(kern_dtype dt, const void *row, int in, const float *x, int ldx, int nt,
                     float *out) {
@@ -210,27 +228,15 @@ static void dot_row(kern_dtype dt, const void *row, int in, const float *x, int 
     for (int t = 0; t < nt; t++) acc[t] = _mm512_reduce_add_ps(a[t]);
 #elif KERN_AVX2
     /* AVX2 + FMA + F16C (a CPU without AVX-512 built for itself): eight
-     * lanes; each token's chain is the same whatever nt, as above */
+     * lanes; each token's chain is the same whatever nt, and dot8_avx2's */
     __m256 a[DOT_TOKENS];
     for (int t = 0; t < DOT_TOKENS; t++) a[t] = _mm256_setzero_ps();
     for (; i + 8 <= in; i += 8) {
-        __m256 w;
-        if (dt == KERN_F32)
-            w = _mm256_loadu_ps((const float *)row + i);
-        else if (dt == KERN_BF16)
-            w = _mm256_castsi256_ps(_mm256_slli_epi32(
-                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i))),
-                16));
-        else
-            w = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)));
+        const __m256 w = load8(dt, row, i);
         for (int t = 0; t < nt; t++)
             a[t] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + (size_t)t * ldx + i), a[t]);
     }
-    for (int t = 0; t < nt; t++) {
-        const __m128 h = _mm_add_ps(_mm256_castps256_ps128(a[t]), _mm256_extractf128_ps(a[t], 1));
-        const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        acc[t] = _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
-    }
+    for (int t = 0; t < nt; t++) acc[t] = hsum8(a[t]);
 #endif
     for (; i < in; i++) {
         float w = load1(dt, row, i);
@@ -522,6 +528,78 @@ static void dot8(kern_dtype dt, const void *W, int in, const float *x, int nt, i
 }
 #endif
 
+#if KERN_AVX2
+/* nr rows from w (row stride `stride` bytes) dotted with nt tokens x
+ * [nt, in], into y[t * ldy + k] (nr, nt constants at each call): per eight
+ * columns each row's vector feeds the nt tokens' FMAs, one eight-lane
+ * chain per (row, token), then hsum8 and the scalar tail as dot_row. */
+static inline __attribute__((always_inline)) void
+rows_avx2(kern_dtype dt, const char *w, size_t stride, int in, const float *x, const int nr,
+          const int nt, float *y, int ldy) {
+    const int vec_end = in & ~7;
+    __m256 a[3][8];
+    for (int j = 0; j < nt; j++)
+        for (int k = 0; k < nr; k++) a[j][k] = _mm256_setzero_ps();
+    for (int i = 0; i < vec_end; i += 8) {
+        __m256 xv[3];
+        for (int j = 0; j < nt; j++) xv[j] = _mm256_loadu_ps(x + (size_t)j * in + i);
+        for (int k = 0; k < nr; k++) {
+            const __m256 wv = load8(dt, w + k * stride, i);
+            for (int j = 0; j < nt; j++) a[j][k] = _mm256_fmadd_ps(wv, xv[j], a[j][k]);
+        }
+    }
+    for (int j = 0; j < nt; j++)
+        for (int k = 0; k < nr; k++) {
+            const float *xt = x + (size_t)j * in;
+            float acc = hsum8(a[j][k]);
+            for (int i = vec_end; i < in; i++) acc += load1(dt, w + k * stride, i) * xt[i];
+            y[(size_t)j * ldy + k] = acc;
+        }
+}
+
+/* The direct path with AVX2: eight rows at a time, each token over them in
+ * turn: eight chains at once (one row's chain alone, dot_row's loop, is
+ * bound by the FMA's latency), the rows read from memory as eight streams
+ * by the first token and from cache by the others. Three tokens sharing
+ * each row vector over four rows (12 sums in the 16 registers) was slower
+ * at every T (kds_cpu_bench (h) on a -march=haswell build, one thread,
+ * from memory: T = 2 22 against 28 GFLOP/s, T = 6 38 against 45, T = 12
+ * 45 against 56): four streams read memory slower than eight. Rows left
+ * over go four at a time, then one by one (dot_row). Each (row, token) sum
+ * is the chain dot_row gives it (the same FMAs, hsum8, the same scalar
+ * tail), so a token's results are its lone product's, bit for bit,
+ * however it is grouped. y: [T, ldy]. */
+static void dot8_avx2(kern_dtype dt, const void *W, int in, const float *x, int T, int r0,
+                      int r1, float *y, int ldy) {
+    const size_t stride = (size_t)in * kern_dtype_size(dt);
+    const char *w0 = (const char *)W;
+    int r = r0;
+    for (; r + 8 <= r1; r += 8)
+        for (int t = 0; t < T; t++)
+            rows_avx2(dt, w0 + (size_t)r * stride, stride, in, x + (size_t)t * in, 8, 1,
+                      y + (size_t)t * ldy + r, ldy);
+    for (; r + 4 <= r1; r += 4)
+        for (int t = 0; t < T; t += 3) {
+            const char *w = w0 + (size_t)r * stride;
+            const float *xt = x + (size_t)t * in;
+            float *yt = y + (size_t)t * ldy + r;
+            if (T - t >= 3)
+                rows_avx2(dt, w, stride, in, xt, 4, 3, yt, ldy);
+            else if (T - t == 2)
+                rows_avx2(dt, w, stride, in, xt, 4, 2, yt, ldy);
+            else
+                rows_avx2(dt, w, stride, in, xt, 4, 1, yt, ldy);
+        }
+    float out[DOT_TOKENS];
+    for (; r < r1; r++)
+        for (int t0 = 0; t0 < T; t0 += DOT_TOKENS) {
+            const int nt = T - t0 < DOT_TOKENS ? T - t0 : DOT_TOKENS;
+            dot_row(dt, w0 + (size_t)r * stride, in, x + (size_t)t0 * in, in, nt, out);
+            for (int t = 0; t < nt; t++) y[(size_t)(t0 + t) * ldy + r] = out[t];
+        }
+}
+#endif
+
 /* 128 * in (the direct paths' split x and scales), or at least the GEMM's
  * panel and 516 tokens of packed x (kern__gemm unpacks W once for a prefill
  * step of up to 516 tokens). */
@@ -613,6 +691,9 @@ void kern__matmul_hinted(kern_dtype dt, const void *W, int in, const float *x, i
             return;
         }
     }
+#elif KERN_AVX2
+    dot8_avx2(dt, W, in, x, T, r0, r1, y, ldy);
+    return;
 #endif
     const size_t ez = kern_dtype_size(dt);
     float out[DOT_TOKENS];
