@@ -20,6 +20,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+. scripts/suite_build.sh
 filter=()
 [ -n "${KDS_PORTABLE_FILTER:-}" ] && filter=(--filter "$KDS_PORTABLE_FILTER")
 status=0
@@ -29,18 +30,7 @@ for arch in ${KDS_PORTABLE_ARCHES:-x86-64 x86-64-v3}; do
     x86-64-v3) BUILD=build-portable-v3; flags=(-DCMAKE_C_FLAGS=-march=x86-64-v3) ;;
     *) echo "[portable] unknown arch '$arch' (x86-64, x86-64-v3)" >&2; exit 1 ;;
   esac
-  mkdir -p "$BUILD"
-  cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DKDS_NATIVE=OFF -DKDS_CUDA=OFF "${flags[@]}" \
-    > "$BUILD/build.log" 2>&1 \
-    || { cat "$BUILD/build.log"; echo "[portable] $arch: cmake configure failed" >&2; exit 1; }
-  cmake --build "$BUILD" -j"$(nproc)" >> "$BUILD/build.log" 2>&1 \
-    || { tail -n 60 "$BUILD/build.log"; echo "[portable] $arch: build failed ($BUILD/build.log)" >&2; exit 1; }
-
-  # The tokenizer tests' reference ranks live in the build directory; the
-  # normal build made them already (scripts/bootstrap.sh).
-  if [ -d build/tok-ref ] && [ ! -f "$BUILD/tok-ref/o200k_base.tiktoken" ]; then
-    cp -r build/tok-ref "$BUILD/"
-  fi
+  suite_build "$BUILD" "portable $arch" -DKDS_NATIVE=OFF -DKDS_CUDA=OFF "${flags[@]}"
 
   start=$(date +%s)
   rc=0

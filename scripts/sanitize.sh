@@ -20,18 +20,8 @@ cd "$(dirname "$0")/.."
 BUILD=build-asan
 CC_SAN=${CC:-clang-14}
 command -v "$CC_SAN" >/dev/null 2>&1 || { echo "[sanitize] $CC_SAN not found" >&2; exit 1; }
-mkdir -p "$BUILD"
-CC="$CC_SAN" cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DKDS_SANITIZE=ON -DKDS_CUDA=OFF \
-  > "$BUILD/build.log" 2>&1 \
-  || { cat "$BUILD/build.log"; echo "[sanitize] cmake configure failed" >&2; exit 1; }
-cmake --build "$BUILD" -j"$(nproc)" >> "$BUILD/build.log" 2>&1 \
-  || { tail -n 60 "$BUILD/build.log"; echo "[sanitize] build failed ($BUILD/build.log)" >&2; exit 1; }
-
-# The tokenizer tests' reference ranks live in the build directory; the
-# normal build made them already (scripts/bootstrap.sh).
-if [ -d build/tok-ref ] && [ ! -f "$BUILD/tok-ref/o200k_base.tiktoken" ]; then
-  cp -r build/tok-ref "$BUILD/"
-fi
+. scripts/suite_build.sh
+CC="$CC_SAN" suite_build "$BUILD" sanitize -DKDS_SANITIZE=ON -DKDS_CUDA=OFF
 
 for s in /usr/lib/llvm-14/bin/llvm-symbolizer /usr/bin/llvm-symbolizer; do
   if [ -x "$s" ]; then export ASAN_SYMBOLIZER_PATH="$s"; break; fi
