@@ -927,7 +927,9 @@ int cmd_bench(int argc, char **argv) {
     printf("threads      %d\n", eng_ctx_threads(c));
     printf("device       %s%s\n", eng_ctx_device(c),
            eng_ctx_device_kind(c) != ENG_DEVICE_CUDA
-               ? (gpu_bf16 ? " (a prefill's bf16 products: bf16 activations)" : " (exact)")
+               ? (!gpu_bf16                 ? " (exact)"
+                  : eng_cpu_bf16_products() ? " (a prefill's bf16 products: bf16 activations)"
+                                            : " (exact: this build has no bf16 dot products)")
            : gpu_bf16 ? " (products above 8 rows: bf16 activations)"
                       : " (products above 8 rows: exact, bf16 hi + lo)");
     printf("prefill      %.1f tokens/s  (%lld tokens, best of %lld; median %.1f)\n",

@@ -283,7 +283,10 @@ int cmd_serve(int argc, char **argv) {
         cli_note_bf16("serve", &p.ctx);
         fprintf(stderr, "kdaserve serve: model %s, store %s, web page %s, products %s\n", dir,
                 sess_store_dir(st), www ? www : "none (no web/www found; --www DIR)",
-                p.ctx.bf16_act ? "with bf16 activations in a prefill (--bf16)" : "exact");
+                p.ctx.bf16_act && ((p.ctx.device && strcmp(p.ctx.device, "cpu") != 0) ||
+                                   eng_cpu_bf16_products())
+                    ? "with bf16 activations in a prefill (--bf16)"
+                    : "exact");
         cli_note_other_models("serve", st, m);
     }
     /* the line tests and scripts wait for (the port is known now) */

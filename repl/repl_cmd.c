@@ -370,7 +370,9 @@ static bool c_stats(repl *r, char *arg) {
             fprintf(f, "last resume      (none)\n");
         fprintf(f, "threads          %d\n", eng_ctx_threads(r->c));
         fprintf(f, "products         %s\n",
-                r->bf16_act ? "bf16 activations in a prefill (--bf16)" : "exact");
+                !r->bf16_act               ? "exact"
+                : eng_cpu_bf16_products() ? "bf16 activations in a prefill (--bf16)"
+                                          : "exact (--bf16: this build has no bf16 dot products)");
     }
     out_end(r, &o, "stats");
     return true;
