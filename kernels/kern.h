@@ -189,13 +189,14 @@ void kern_matmul_w_prefill(const kern_weight *w, const float *x, int T, float *y
                            int r1, float *scratch, bool bf16_act);
 
 /*
- * kern_matmul_w's portable path for a block format, in every build (the
- * one kern_matmul_w takes without AVX-512): below 32 tokens each row's
- * blocks of 32 values dequantised one at a time and dotted with every
- * token, from 32 blocks of 128 rows dequantised to f32 in `scratch` and
- * multiplied by BLAS. The readable specification of the fast paths, and
- * slow. Same arguments and contract as kern_matmul_w; w must be a block
- * format.
+ * kern_matmul_w's portable path for a block format, in every build (its
+ * loops are those kern_matmul_w and a prefill take without AVX-512; there
+ * kern_matmul_w changes over at 64 tokens, as everywhere): below 32 tokens
+ * each row's blocks of 32 values dequantised one at a time and dotted with
+ * every token, from 32 blocks of 128 rows dequantised to f32 in `scratch`
+ * and multiplied by BLAS. The readable specification of the fast paths,
+ * and slow. Same arguments and contract as kern_matmul_w (row t a lone
+ * token's product below 32 tokens); w must be a block format.
  */
 void kern_matmul_w_ref(const kern_weight *w, const float *x, int T, float *y, int ldy, int r0,
                        int r1, float *scratch);
