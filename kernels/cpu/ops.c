@@ -532,15 +532,21 @@ static void dot8(kern_dtype dt, const void *W, int in, const float *x, int nt, i
 /* nr rows from w (row stride `stride` bytes) dotted with nt tokens x
  * [nt, in], into y[t * ldy + k] (nr, nt constants at each call): per eight
  * columns each row's vector feeds the nt tokens' FMAs, one eight-lane
- * chain per (row, token), then hsum8 and the scalar tail as dot_row. */
+ * chain per (row, token), then hsum8 and the scalar tail as dot_row.
+ * pf > 0: each row's line of every 32 columns is prefetched pf bytes
+ * ahead (the rows are contiguous, so that is the matrix pf bytes on). */
 static inline __attribute__((always_inline)) void
-rows_avx2(kern_dtype dt, const char *w, size_t stride, int in, const float *x, const int nr,
-          const int nt, float *y, int ldy) {
+rows_avx2(const kern_dtype dt, const char *w, size_t stride, int in, const float *x, const int nr,
+          const int nt, float *y, int ldy, size_t pf) {
     const int vec_end = in & ~7;
+    const size_t esz = dt == KERN_F32 ? 4 : 2;
     __m256 a[3][8];
     for (int j = 0; j < nt; j++)
         for (int k = 0; k < nr; k++) a[j][k] = _mm256_setzero_ps();
     for (int i = 0; i < vec_end; i += 8) {
+        if (pf && (i * esz) % 64 == 0)
+            for (int k = 0; k < nr; k++)
+                _mm_prefetch(w + k * stride + (size_t)i * esz + pf, _MM_HINT_T0);
         __m256 xv[3];
         for (int j = 0; j < nt; j++) xv[j] = _mm256_loadu_ps(x + (size_t)j * in + i);
         for (int k = 0; k < nr; k++) {
@@ -569,26 +575,33 @@ rows_avx2(kern_dtype dt, const char *w, size_t stride, int in, const float *x, c
  * is the chain dot_row gives it (the same FMAs, hsum8, the same scalar
  * tail), so a token's results are its lone product's, bit for bit,
  * however it is grouped. y: [T, ldy]. */
-static void dot8_avx2(kern_dtype dt, const void *W, int in, const float *x, int T, int r0,
-                      int r1, float *y, int ldy) {
-    const size_t stride = (size_t)in * kern_dtype_size(dt);
+static inline __attribute__((always_inline)) void
+dot8_avx2_body(const kern_dtype dt, const void *W, int in, const float *x, int T, int r0, int r1,
+               float *y, int ldy) {
+    const size_t stride = (size_t)in * (dt == KERN_F32 ? 4 : 2);
+    /* The first token's pass over eight rows prefetches the matrix this
+     * far ahead (at least 16 KiB and eight rows, as dot8_bf16): without it
+     * the loads of a matrix from memory or the last-level cache waited on
+     * their lines, and one-token decode of llamacpp-tiny read 6 GB/s on one
+     * thread of a Zen 3 (no AVX-512). */
+    const size_t pf = 8 * stride > 16384 ? 8 * stride : 16384;
     const char *w0 = (const char *)W;
     int r = r0;
     for (; r + 8 <= r1; r += 8)
         for (int t = 0; t < T; t++)
             rows_avx2(dt, w0 + (size_t)r * stride, stride, in, x + (size_t)t * in, 8, 1,
-                      y + (size_t)t * ldy + r, ldy);
+                      y + (size_t)t * ldy + r, ldy, t == 0 ? pf : 0);
     for (; r + 4 <= r1; r += 4)
         for (int t = 0; t < T; t += 3) {
             const char *w = w0 + (size_t)r * stride;
             const float *xt = x + (size_t)t * in;
             float *yt = y + (size_t)t * ldy + r;
             if (T - t >= 3)
-                rows_avx2(dt, w, stride, in, xt, 4, 3, yt, ldy);
+                rows_avx2(dt, w, stride, in, xt, 4, 3, yt, ldy, 0);
             else if (T - t == 2)
-                rows_avx2(dt, w, stride, in, xt, 4, 2, yt, ldy);
+                rows_avx2(dt, w, stride, in, xt, 4, 2, yt, ldy, 0);
             else
-                rows_avx2(dt, w, stride, in, xt, 4, 1, yt, ldy);
+                rows_avx2(dt, w, stride, in, xt, 4, 1, yt, ldy, 0);
         }
     float out[DOT_TOKENS];
     for (; r < r1; r++)
@@ -597,6 +610,18 @@ static void dot8_avx2(kern_dtype dt, const void *W, int in, const float *x, int 
             dot_row(dt, w0 + (size_t)r * stride, in, x + (size_t)t0 * in, in, nt, out);
             for (int t = 0; t < nt; t++) y[(size_t)(t0 + t) * ldy + r] = out[t];
         }
+}
+
+/* dot8_avx2_body with the format a constant in each copy: a format tested
+ * in the inner loop cost a compare and a spill per eight columns. */
+static void dot8_avx2(kern_dtype dt, const void *W, int in, const float *x, int T, int r0,
+                      int r1, float *y, int ldy) {
+    if (dt == KERN_BF16)
+        dot8_avx2_body(KERN_BF16, W, in, x, T, r0, r1, y, ldy);
+    else if (dt == KERN_F16)
+        dot8_avx2_body(KERN_F16, W, in, x, T, r0, r1, y, ldy);
+    else
+        dot8_avx2_body(KERN_F32, W, in, x, T, r0, r1, y, ldy);
 }
 #endif
 
