@@ -1684,12 +1684,16 @@ async function groupLimits() {
     let longDone = false;
     long.then(() => (longDone = true), () => {});
     await sleep(300);
-    const burst = (x, base) => Array.from({ length: 10 }, (_, i) => x.request({ id: base + i, op: "info" }));
+    // The bursts' answers come after z's create, as z's does: the same wait
+    // (on a slow build under load the create outlasts request()'s 60 s).
+    const queued = { timeoutMs: 300000 };
+    const burst = (x, base) =>
+      Array.from({ length: 10 }, (_, i) => x.request({ id: base + i, op: "info" }, queued));
     const pa = burst(a, 100);
     await sleep(200);
     const pb = burst(b, 200);
     await sleep(200);
-    const pd = d.request({ id: 300, op: "stats" });
+    const pd = d.request({ id: 300, op: "stats" }, queued);
     await sleep(200);
     ok(!longDone, "the long create ended before the bursts were read: make BUSY_SYSTEM longer");
     const tally = (rs) => ({ ok: rs.filter((r) => r.event === "result").length,
