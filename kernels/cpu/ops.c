@@ -563,18 +563,25 @@ rows_avx2(const kern_dtype dt, const char *w, size_t stride, int in, const float
         }
 }
 
-/* The direct path with AVX2: eight rows at a time, each token over them in
- * turn: eight chains at once (one row's chain alone, dot_row's loop, is
- * bound by the FMA's latency), the rows read from memory as eight streams
- * by the first token and from cache by the others. Three tokens sharing
- * each row vector over four rows (12 sums in the 16 registers) was slower
- * at every T (kds_cpu_bench (h) on a -march=haswell build, one thread,
- * from memory: T = 2 22 against 28 GFLOP/s, T = 6 38 against 45, T = 12
- * 45 against 56): four streams read memory slower than eight. Rows left
- * over go four at a time, then one by one (dot_row). Each (row, token) sum
- * is the chain dot_row gives it (the same FMAs, hsum8, the same scalar
- * tail), so a token's results are its lone product's, bit for bit,
- * however it is grouped. y: [T, ldy]. */
+/* The direct path with AVX2. One to three tokens (decode, a routed
+ * expert's share of a batch: bound by the bytes): eight rows at a time,
+ * each token over them in turn: eight chains at once (one row's chain
+ * alone, dot_row's loop, is bound by the FMA's latency), the rows read
+ * from memory as eight streams by the first token and from cache by the
+ * others. Four tokens or more (a batched step: bound by the arithmetic):
+ * four rows at a time, three tokens sharing each widened row vector (12
+ * sums in the 16 registers), so a row vector's widening (a shuffle and a
+ * shift, on the FMAs' pipes) is paid once per three FMAs instead of once
+ * per FMA. On a Zen 3 (kds_cpu_bench (h), one thread, alternating) that
+ * took T = 6..16 from 43-49% of the FMA peak to 66-80% with the rows in
+ * L2 and from 37-45% to 51-67% from memory; `wide`, 2 threads, 8 batched
+ * sequences 34.2 / 34.4 -> 44.2 / 37.0 tok/s, 16: 36.6 / 31.5 -> 43.1 /
+ * 53.3. (On a Zen 5 running a -march=haswell build the same tiles were
+ * slower at every T, from memory: four streams read slower than eight
+ * there.) Rows left over go four at a time, then one by one (dot_row).
+ * Each (row, token) sum is the chain dot_row gives it (the same FMAs,
+ * hsum8, the same scalar tail), so a token's results are its lone
+ * product's, bit for bit, however it is grouped. y: [T, ldy]. */
 static inline __attribute__((always_inline)) void
 dot8_avx2_body(const kern_dtype dt, const void *W, int in, const float *x, int T, int r0, int r1,
                float *y, int ldy) {
@@ -587,7 +594,7 @@ dot8_avx2_body(const kern_dtype dt, const void *W, int in, const float *x, int T
     const size_t pf = 8 * stride > 16384 ? 8 * stride : 16384;
     const char *w0 = (const char *)W;
     int r = r0;
-    for (; r + 8 <= r1; r += 8)
+    for (; T < 4 && r + 8 <= r1; r += 8)
         for (int t = 0; t < T; t++)
             rows_avx2(dt, w0 + (size_t)r * stride, stride, in, x + (size_t)t * in, 8, 1,
                       y + (size_t)t * ldy + r, ldy, t == 0 ? pf : 0);
