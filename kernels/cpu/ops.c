@@ -533,8 +533,9 @@ static void dot8(kern_dtype dt, const void *W, int in, const float *x, int nt, i
  * [nt, in], into y[t * ldy + k] (nr, nt constants at each call): per eight
  * columns each row's vector feeds the nt tokens' FMAs, one eight-lane
  * chain per (row, token), then hsum8 and the scalar tail as dot_row.
- * pf > 0: each row's line of every 32 columns is prefetched pf bytes
- * ahead (the rows are contiguous, so that is the matrix pf bytes on). */
+ * pf > 0: each 64-byte line of each row (32 bf16 or f16 columns, 16 f32)
+ * is prefetched pf bytes ahead as the loop reaches it (the rows are
+ * contiguous, so that is the matrix pf bytes on). */
 static inline __attribute__((always_inline)) void
 rows_avx2(const kern_dtype dt, const char *w, size_t stride, int in, const float *x, const int nr,
           const int nt, float *y, int ldy, size_t pf) {
