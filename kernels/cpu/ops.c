@@ -587,8 +587,9 @@ static inline __attribute__((always_inline)) void
 dot8_avx2_body(const kern_dtype dt, const void *W, int in, const float *x, int T, int r0, int r1,
                float *y, int ldy) {
     const size_t stride = (size_t)in * (dt == KERN_F32 ? 4 : 2);
-    /* The first token's pass over eight rows prefetches the matrix this
-     * far ahead (at least 16 KiB and eight rows, as dot8_bf16): without it
+    /* The first token's pass over eight rows (the first group's over
+     * four) prefetches the matrix this far ahead (at least 16 KiB and
+     * eight rows, as dot8_bf16): without it
      * the loads of a matrix from memory or the last-level cache waited on
      * their lines, and one-token decode of llamacpp-tiny read 6 GB/s on one
      * thread of a Zen 3 (no AVX-512). */
@@ -605,11 +606,11 @@ dot8_avx2_body(const kern_dtype dt, const void *W, int in, const float *x, int T
             const float *xt = x + (size_t)t * in;
             float *yt = y + (size_t)t * ldy + r;
             if (T - t >= 3)
-                rows_avx2(dt, w, stride, in, xt, 4, 3, yt, ldy, 0);
+                rows_avx2(dt, w, stride, in, xt, 4, 3, yt, ldy, t == 0 ? pf : 0);
             else if (T - t == 2)
-                rows_avx2(dt, w, stride, in, xt, 4, 2, yt, ldy, 0);
+                rows_avx2(dt, w, stride, in, xt, 4, 2, yt, ldy, t == 0 ? pf : 0);
             else
-                rows_avx2(dt, w, stride, in, xt, 4, 1, yt, ldy, 0);
+                rows_avx2(dt, w, stride, in, xt, 4, 1, yt, ldy, t == 0 ? pf : 0);
         }
     float out[DOT_TOKENS];
     for (; r < r1; r++)
