@@ -540,7 +540,7 @@ static inline __attribute__((always_inline)) void
 rows_avx2(const kern_dtype dt, const char *w, size_t stride, int in, const float *x, const int nr,
           const int nt, float *y, int ldy, size_t pf) {
     const int vec_end = in & ~7;
-    const size_t esz = dt == KERN_F32 ? 4 : 2;
+    const size_t esz = kern_dtype_size(dt);
     __m256 a[3][8];
     for (int j = 0; j < nt; j++)
         for (int k = 0; k < nr; k++) a[j][k] = _mm256_setzero_ps();
@@ -586,13 +586,13 @@ rows_avx2(const kern_dtype dt, const char *w, size_t stride, int in, const float
 static inline __attribute__((always_inline)) void
 dot8_avx2_body(const kern_dtype dt, const void *W, int in, const float *x, int T, int r0, int r1,
                float *y, int ldy) {
-    const size_t stride = (size_t)in * (dt == KERN_F32 ? 4 : 2);
+    const size_t stride = (size_t)in * kern_dtype_size(dt);
     /* The first token's pass over eight rows (the first group's over
      * four) prefetches the matrix this far ahead (at least 16 KiB and
-     * eight rows, as dot8_bf16): without it
-     * the loads of a matrix from memory or the last-level cache waited on
-     * their lines, and one-token decode of llamacpp-tiny read 6 GB/s on one
-     * thread of a Zen 3 (no AVX-512). */
+     * eight rows, as dot8_bf16): without it the loads of a matrix from
+     * memory or the last-level cache waited on their lines, and one-token
+     * decode of llamacpp-tiny read 6 GB/s on one thread of a Zen 3 (no
+     * AVX-512). */
     const size_t pf = 8 * stride > 16384 ? 8 * stride : 16384;
     const char *w0 = (const char *)W;
     int r = r0;
@@ -605,12 +605,13 @@ dot8_avx2_body(const kern_dtype dt, const void *W, int in, const float *x, int T
             const char *w = w0 + (size_t)r * stride;
             const float *xt = x + (size_t)t * in;
             float *yt = y + (size_t)t * ldy + r;
+            const size_t pf_t = t == 0 ? pf : 0; /* the first group reads memory */
             if (T - t >= 3)
-                rows_avx2(dt, w, stride, in, xt, 4, 3, yt, ldy, t == 0 ? pf : 0);
+                rows_avx2(dt, w, stride, in, xt, 4, 3, yt, ldy, pf_t);
             else if (T - t == 2)
-                rows_avx2(dt, w, stride, in, xt, 4, 2, yt, ldy, t == 0 ? pf : 0);
+                rows_avx2(dt, w, stride, in, xt, 4, 2, yt, ldy, pf_t);
             else
-                rows_avx2(dt, w, stride, in, xt, 4, 1, yt, ldy, t == 0 ? pf : 0);
+                rows_avx2(dt, w, stride, in, xt, 4, 1, yt, ldy, pf_t);
         }
     float out[DOT_TOKENS];
     for (; r < r1; r++)
