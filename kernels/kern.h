@@ -134,8 +134,9 @@ uint64_t kern_read_sum(const void *p, size_t n);
  * Below 64 tokens, dot products straight from W (no conversion), and row t
  * of the result is token t's one-token product, bit for bit, in every build
  * (batched decode relies on it); from 64, with scratch, a GEMM: AVX-512
- * builds the register-blocked panels of kern_gemm.h (each output one fma
- * chain), others row blocks of W widened to f32 in `scratch` and BLAS.
+ * and AVX2 builds the register-blocked panels of kern_gemm.h (each output
+ * one fma chain, the same bits in both), others row blocks of W widened to
+ * f32 in `scratch` and BLAS.
  *   scratch: kern_matmul_scratch_floats(in) floats, or NULL to force the
  *   direct path.
  */
@@ -172,8 +173,9 @@ void kern_matmul_w(const kern_weight *w, const float *x, int T, float *y, int ld
  * compute-bound and faster there than the direct path; below it it is
  * kern_matmul_w. Block formats are kern_matmul_w at every T (their direct
  * path is as fast as the GEMM up to where kern_matmul_w changes over).
- * Without AVX-512: element formats by BLAS from 8 tokens (kern_gemm.h),
- * block formats kern_matmul_w_ref (panels from 32). Same
+ * Without AVX-512: element formats by the AVX2 GEMM from
+ * KERN_PREFILL_GEMM_MIN_T tokens, or without AVX2 by BLAS from 8
+ * (kern_gemm.h); block formats kern_matmul_w_ref (panels from 32). Same
  * arguments and contract.
  * bf16_act: a bf16 weight's GEMM rounds x to bf16 and runs on AVX-512 BF16
  * dot products (about twice the multiply-adds per second; x then carries

@@ -227,9 +227,10 @@ static void check_gemm_exact(kern_dtype dt, int rows, int in, int T, bool prefil
 }
 
 Test(matmul, gemm_path_is_the_fma_chain) {
-#if !defined(__AVX512F__)
-    cr_skip_test("the fma-chain GEMM is kern_gemm.h's AVX-512 panels; this build has no AVX-512 "
-                 "(KDS_NATIVE=OFF or such a CPU) and multiplies from 64 tokens by BLAS");
+#if !KERN_GEMM_SIMD
+    cr_skip_test("the fma-chain GEMM is kern_gemm.h's AVX-512 or AVX2 panels; this build has "
+                 "neither (KDS_NATIVE=OFF on x86-64, or such a CPU) and multiplies from 64 "
+                 "tokens by BLAS");
 #endif
     const kern_dtype dts[] = {KERN_F32, KERN_BF16, KERN_F16};
     for (int d = 0; d < 3; d++) {
@@ -264,7 +265,7 @@ Test(matmul, no_scratch_forces_direct_path) {
     free(scratch);
 }
 
-#if defined(__AVX512F__)
+#if KERN_GEMM_SIMD
 /* One shape of gemm_f32_strides_transposed_accumulate. */
 static void gemm_f32_case(int rows, int in, int T, int ldw, int ldx, int ldy, uint64_t seed) {
     float *w = malloc((size_t)ldw * (in + 10) * sizeof(float));
@@ -316,7 +317,7 @@ static void gemm_f32_case(int rows, int in, int T, int ldw, int ldx, int ldy, ui
  * matrices with their own leading dimension, stored as rows or transposed
  * (cols_major), x with its own stride, continuing the sums already in y.
  * Each output is the fma chain from y's old value, bit for bit, whether x
- * is read in place (scratch_floats 0), packed 12 tokens at a time
+ * is read in place (scratch_floats 0), packed one tile of tokens at a time
  * (W unpacked for each) or packed whole; in one block of columns and in
  * two (1,700 columns: blocks of 864 and 836). */
 Test(matmul, gemm_f32_strides_transposed_accumulate) {

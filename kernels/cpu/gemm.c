@@ -1,6 +1,10 @@
 /*
  * gemm.c - the prefill product's register-blocked micro-kernel (contract
- * in kern_gemm.h).
+ * in kern_gemm.h): with AVX-512, 12 tokens x 32 rows of sums in 24 of its
+ * 32 registers; with AVX2 (and FMA, F16C), 6 tokens x 16 rows in 12 of its
+ * 16. Every output is the same fma chain either way, so both give
+ * kern_gemm_ref's bits. The blocking that feeds them (panels, packed x,
+ * prefetch) is shared.
  */
 #include "kern_gemm.h"
 
@@ -8,8 +12,49 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__AVX512F__)
+#if KERN_GEMM_SIMD
 #include <immintrin.h>
+
+/* The next panel's prefetch (kern_prefetch) spread over a step's `cols`
+ * columns, a few lines each: row `row` of it, byte `off` of that row. */
+typedef struct pf_walk {
+    const kern_prefetch *pf;
+    int row, per_col;
+    size_t off;
+} pf_walk;
+
+static inline pf_walk pf_walk_start(const kern_prefetch *pf, int cols) {
+    pf_walk w = {pf, 0, 0, 0};
+    if (pf) {
+        const size_t lines = (size_t)pf->rows * ((pf->row_bytes + 63) / 64);
+        w.per_col = (int)((lines + (size_t)cols - 1) / (size_t)cols);
+    }
+    return w;
+}
+
+static inline void pf_walk_column(pf_walk *w) {
+    for (int k = 0; k < w->per_col && w->off < w->pf->row_bytes; k++) {
+        _mm_prefetch(w->pf->base + (size_t)w->row * w->pf->stride + w->off, _MM_HINT_T1);
+        if (++w->row == w->pf->rows) w->row = 0, w->off += 64;
+    }
+}
+
+static float elem(kern_dtype dt, const char *p) {
+    uint16_t h;
+    switch (dt) {
+    case KERN_BF16: memcpy(&h, p, 2); return kern_bf16_to_f32(h);
+    case KERN_F16: memcpy(&h, p, 2); return kern_f16_to_f32(h);
+    default: {
+        float f;
+        memcpy(&f, p, 4);
+        return f;
+    }
+    }
+}
+
+#endif
+
+#if defined(__AVX512F__)
 
 /* Tokens per step: 12 x 2 accumulators of 16 lanes, plus two weight
  * vectors and the broadcasts: 28 of the 32 registers. */
@@ -41,30 +86,6 @@ sums_store(__m512 (*acc)[2], const int mt, float *y, int ldy, __mmask16 m0, __mm
     for (int t = 0; t < mt; t++) {
         _mm512_mask_storeu_ps(y + (size_t)t * ldy, m0, acc[t][0]);
         _mm512_mask_storeu_ps(y + (size_t)t * ldy + 16, m1, acc[t][1]);
-    }
-}
-
-/* The next panel's prefetch (kern_prefetch) spread over a step's `cols`
- * columns, a few lines each: row `row` of it, byte `off` of that row. */
-typedef struct pf_walk {
-    const kern_prefetch *pf;
-    int row, per_col;
-    size_t off;
-} pf_walk;
-
-static inline pf_walk pf_walk_start(const kern_prefetch *pf, int cols) {
-    pf_walk w = {pf, 0, 0, 0};
-    if (pf) {
-        const size_t lines = (size_t)pf->rows * ((pf->row_bytes + 63) / 64);
-        w.per_col = (int)((lines + (size_t)cols - 1) / (size_t)cols);
-    }
-    return w;
-}
-
-static inline void pf_walk_column(pf_walk *w) {
-    for (int k = 0; k < w->per_col && w->off < w->pf->row_bytes; k++) {
-        _mm_prefetch(w->pf->base + (size_t)w->row * w->pf->stride + w->off, _MM_HINT_T1);
-        if (++w->row == w->pf->rows) w->row = 0, w->off += 64;
     }
 }
 
@@ -129,46 +150,6 @@ panel_tokens(const float *P, int kc, const float *x, int ldx, const int mt, floa
     sums_store(acc, mt, y, ldy, m0, m1);
 }
 
-/* One function per step size, so that each is compiled with its own
- * constant mt. */
-#define PANEL_STEP(n)                                                                              \
-    static void panel_tokens##n(const float *P, int kc, const float *x, int ldx, float *y,        \
-                                int ldy, int nr, bool accumulate, const kern_prefetch *pf) {      \
-        panel_tokens(P, kc, x, ldx, n, y, ldy, nr, accumulate, pf, false);                        \
-    }                                                                                              \
-    static void packed_tokens##n(const float *P, int kc, const float *x, int ldx, float *y,       \
-                                 int ldy, int nr, bool accumulate, const kern_prefetch *pf) {     \
-        panel_tokens(P, kc, x, ldx, n, y, ldy, nr, accumulate, pf, true);                         \
-    }
-PANEL_STEP(1)
-PANEL_STEP(2)
-PANEL_STEP(3)
-PANEL_STEP(4)
-PANEL_STEP(5)
-PANEL_STEP(6)
-PANEL_STEP(7)
-PANEL_STEP(8)
-PANEL_STEP(9)
-PANEL_STEP(10)
-PANEL_STEP(11)
-PANEL_STEP(12)
-
-typedef void (*panel_step_fn)(const float *, int, const float *, int, float *, int, int, bool,
-                              const kern_prefetch *);
-
-void kern__panel_gemm(const float *P, int kc, const float *x, int ldx, int T, float *y, int ldy,
-                      int nr, bool accumulate, const kern_prefetch *next) {
-    static const panel_step_fn step[PANEL_TOKENS + 1] = {
-        NULL,           panel_tokens1, panel_tokens2,  panel_tokens3,  panel_tokens4,
-        panel_tokens5,  panel_tokens6, panel_tokens7,  panel_tokens8,  panel_tokens9,
-        panel_tokens10, panel_tokens11, panel_tokens12};
-    for (int t0 = 0; t0 < T; t0 += PANEL_TOKENS) {
-        const int mt = T - t0 < PANEL_TOKENS ? T - t0 : PANEL_TOKENS;
-        step[mt](P, kc, x + (size_t)t0 * ldx, ldx, y + (size_t)t0 * ldy, ldy, nr, accumulate,
-                 t0 == 0 && next && next->rows > 0 ? next : NULL);
-    }
-}
-
 /* ------------------------------------------------------------------------ */
 /* Unpacking panels                                                          */
 
@@ -198,19 +179,6 @@ static inline void transpose16(__m512i a[16]) {
         a[8 + k] = _mm512_shuffle_i32x4(b[k], b[8 + k], 0xdd);
         a[4 + k] = _mm512_shuffle_i32x4(b[4 + k], b[12 + k], 0x88);
         a[12 + k] = _mm512_shuffle_i32x4(b[4 + k], b[12 + k], 0xdd);
-    }
-}
-
-static float elem(kern_dtype dt, const char *p) {
-    uint16_t h;
-    switch (dt) {
-    case KERN_BF16: memcpy(&h, p, 2); return kern_bf16_to_f32(h);
-    case KERN_F16: memcpy(&h, p, 2); return kern_f16_to_f32(h);
-    default: {
-        float f;
-        memcpy(&f, p, 4);
-        return f;
-    }
     }
 }
 
@@ -298,6 +266,246 @@ static void pack_panel(const kern_gemm_w *w, int r, int nr, int c0, int kc, floa
     }
 }
 
+/* Tokens [0, mt) (mt <= 12) of x [.., ldx], columns [0, in), packed for
+ * packed_tokens: xp[c * 12 + t] = x[t, c]. Blocks of 16 columns go through
+ * transpose16 (12 rows and 4 of zeros in, 16 columns of 12 tokens out, each
+ * stored as 12 floats), the rest one value at a time. */
+static void pack_tokens(const float *x, size_t ldx, int mt, int in, float *xp) {
+    int c = 0;
+    for (; c + 16 <= in; c += 16) {
+        __m512i a[16];
+        for (int t = 0; t < 16; t++)
+            a[t] = t < mt ? _mm512_loadu_si512((const void *)(x + (size_t)t * ldx + c))
+                          : _mm512_setzero_si512();
+        transpose16(a);
+        for (int j = 0; j < 16; j++)
+            _mm512_mask_storeu_epi32(xp + (size_t)(c + j) * PANEL_TOKENS, 0x0fff, a[j]);
+    }
+    for (; c < in; c++)
+        for (int t = 0; t < mt; t++)
+            xp[(size_t)c * PANEL_TOKENS + t] = x[(size_t)t * ldx + c];
+}
+
+#elif KERN_GEMM_SIMD
+/* ------------------------------------------------------------------------ */
+/* AVX2: 6 tokens x 16 rows                                                  */
+
+/* Tokens per step: 6 x 2 accumulators of 8 lanes, plus two weight vectors
+ * and a broadcast: 15 of the 16 registers (the 6 x 16 tile of the classic
+ * AVX2 sgemm kernels; a 32-row panel would leave no register for x). */
+#define PANEL_TOKENS 6
+
+/* Lanes of a panel half that hold rows < n (n may be <= 0 or > 8), as the
+ * sign bits _mm256_maskload_ps / _mm256_maskstore_ps read. */
+static inline __m256i rows_mask(int n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/* y[t, i] (+)= sum_c x[t, c] P[c, i] for t < mt (1..6), i < nr: per column
+ * c, one broadcast of x[t, c] times the panel's 16 values, into 2
+ * accumulators per token (mt and packed constant at each call, as in the
+ * AVX-512 kernel). In place, the tokens' rows are read through one moving
+ * pointer per 3 tokens (offsets 0, ldx, 2 ldx); packed, x is [kc, 6]. A
+ * panel of fewer than 16 rows runs on a copy of its sums (edge), so that
+ * the kernel loads and stores whole vectors. The loops over tokens are
+ * unrolled by pragma: left to GCC 12 (-O3) they kept the 12 sums in
+ * registers but also stored them to the stack every column (a store per
+ * fma, 40% of the fma peak, against 92-108% unrolled: kds_cpu_bench
+ * --only i), and -O2 did not unroll them at all. */
+static inline __attribute__((always_inline)) void
+panel_tokens(const float *P, int kc, const float *x, int ldx, const int mt, float *y, int ldy,
+             int nr, bool accumulate, const kern_prefetch *pf, const bool packed) {
+    float edge[PANEL_TOKENS * KERN_PANEL_ROWS];
+    float *ys = y;
+    size_t lds = (size_t)ldy;
+    if (nr < KERN_PANEL_ROWS) {
+        ys = edge, lds = KERN_PANEL_ROWS;
+        for (int t = 0; t < mt; t++)
+            for (int i = 0; i < KERN_PANEL_ROWS; i++)
+                edge[t * KERN_PANEL_ROWS + i] = accumulate && i < nr ? y[(size_t)t * ldy + i] : 0;
+    }
+    __m256 acc[PANEL_TOKENS][2];
+    #pragma GCC unroll 6
+    for (int t = 0; t < mt; t++) {
+        acc[t][0] = accumulate ? _mm256_loadu_ps(ys + t * lds) : _mm256_setzero_ps();
+        acc[t][1] = accumulate ? _mm256_loadu_ps(ys + t * lds + 8) : _mm256_setzero_ps();
+    }
+    const float *xb[PANEL_TOKENS / 3];
+    const int ng = (mt + 2) / 3;
+    const size_t s1 = (size_t)ldx;
+    for (int g = 0; g < ng; g++)
+        xb[g] = x + (size_t)3 * g * ldx;
+    pf_walk walk = pf_walk_start(pf, kc);
+    for (int c = 0; c < kc; c++, P += KERN_PANEL_ROWS) {
+        pf_walk_column(&walk);
+        const __m256 w0 = _mm256_loadu_ps(P), w1 = _mm256_loadu_ps(P + 8);
+        if (packed) {
+            #pragma GCC unroll 6
+            for (int t = 0; t < mt; t++) {
+                const __m256 b = _mm256_broadcast_ss(x + t);
+                acc[t][0] = _mm256_fmadd_ps(w0, b, acc[t][0]);
+                acc[t][1] = _mm256_fmadd_ps(w1, b, acc[t][1]);
+            }
+            x += PANEL_TOKENS;
+            continue;
+        }
+        #pragma GCC unroll 6
+        for (int t = 0; t < mt; t++) {
+            const __m256 b = _mm256_broadcast_ss(xb[t / 3] + (size_t)(t % 3) * s1);
+            acc[t][0] = _mm256_fmadd_ps(w0, b, acc[t][0]);
+            acc[t][1] = _mm256_fmadd_ps(w1, b, acc[t][1]);
+        }
+        for (int g = 0; g < ng; g++)
+            xb[g]++;
+    }
+    #pragma GCC unroll 6
+    for (int t = 0; t < mt; t++) {
+        _mm256_storeu_ps(ys + t * lds, acc[t][0]);
+        _mm256_storeu_ps(ys + t * lds + 8, acc[t][1]);
+    }
+    if (nr < KERN_PANEL_ROWS)
+        for (int t = 0; t < mt; t++)
+            memcpy(y + (size_t)t * ldy, edge + t * KERN_PANEL_ROWS, (size_t)nr * sizeof(float));
+}
+
+/* a[i] (row i, 8 floats) -> a[j] = column j of rows 0..7. */
+static inline void transpose8(__m256 a[8]) {
+    __m256 t[8], s[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(a[i], a[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(a[i], a[i + 1]);
+    }
+    /* t[2 q], t[2 q + 1]: rows 2 q, 2 q + 1 interleaved, low and high pairs */
+    for (int i = 0; i < 8; i += 4) {
+        s[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        s[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
+        s[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        s[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+    }
+    /* s[4 h + k]: column k (128-bit lane 0) and k + 4 (lane 1) of rows
+     * 4 h .. 4 h + 3 */
+    for (int k = 0; k < 4; k++) {
+        a[k] = _mm256_permute2f128_ps(s[k], s[4 + k], 0x20);
+        a[4 + k] = _mm256_permute2f128_ps(s[k], s[4 + k], 0x31);
+    }
+}
+
+/* 8 values of a row from p, widened to f32. */
+static inline __attribute__((always_inline)) __m256 load8_f32(const kern_dtype dt, const char *p) {
+    if (dt == KERN_F32) return _mm256_loadu_ps((const float *)p);
+    const __m128i h = _mm_loadu_si128((const __m128i *)p);
+    if (dt == KERN_F16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* pack_panel for rows stored as rows, one format: per half of 8 rows,
+ * blocks of 8 columns widened and transposed (rows past nr zero), the
+ * last kc % 8 columns one value at a time. */
+static inline __attribute__((always_inline)) void
+pack_rows(const kern_dtype dt, const char *data, size_t ld, int r, int nr, int c0, int kc,
+          float *P) {
+    const size_t esz = kern_dtype_size(dt);
+    for (int h = 0; h < 2; h++) {
+        const int left = nr - 8 * h;
+        const char *row = data + ((size_t)(r + 8 * h) * ld + c0) * esz;
+        float *p = P + 8 * h;
+        int c = 0;
+        if (left > 0)
+            for (; c + 8 <= kc; c += 8) {
+                __m256 a[8];
+                for (int i = 0; i < 8; i++)
+                    a[i] = i < left ? load8_f32(dt, row + ((size_t)i * ld + c) * esz)
+                                    : _mm256_setzero_ps();
+                transpose8(a);
+                for (int j = 0; j < 8; j++)
+                    _mm256_storeu_ps(p + (size_t)(c + j) * KERN_PANEL_ROWS, a[j]);
+            }
+        for (; c < kc; c++)
+            for (int i = 0; i < 8; i++)
+                p[(size_t)c * KERN_PANEL_ROWS + i] =
+                    i < left ? elem(dt, row + ((size_t)i * ld + c) * esz) : 0.0f;
+    }
+}
+
+/* Rows [r, r + nr) (nr <= 16), columns [c0, c0 + kc) of w, unpacked to f32
+ * and transposed into the panel P [kc, 16]: P[c * 16 + i] = W(r + i, c0 + c),
+ * rows nr..15 zero. A cols_major matrix's panel columns are its rows:
+ * copies. */
+static void pack_panel(const kern_gemm_w *w, int r, int nr, int c0, int kc, float *P) {
+    const size_t ld = (size_t)w->ld;
+    if (w->cols_major) {
+        const __m256i m0 = rows_mask(nr), m1 = rows_mask(nr - 8);
+        const float *src = (const float *)w->data + (size_t)c0 * ld + r;
+        for (int c = 0; c < kc; c++, src += ld) {
+            _mm256_storeu_ps(P + (size_t)c * KERN_PANEL_ROWS, _mm256_maskload_ps(src, m0));
+            _mm256_storeu_ps(P + (size_t)c * KERN_PANEL_ROWS + 8, _mm256_maskload_ps(src + 8, m1));
+        }
+        return;
+    }
+    switch (w->dt) {
+    case KERN_BF16: pack_rows(KERN_BF16, w->data, ld, r, nr, c0, kc, P); break;
+    case KERN_F16: pack_rows(KERN_F16, w->data, ld, r, nr, c0, kc, P); break;
+    default: pack_rows(KERN_F32, w->data, ld, r, nr, c0, kc, P); break;
+    }
+}
+
+/* Tokens [0, mt) (mt <= 6) of x [.., ldx], columns [0, in), packed for
+ * packed_tokens: xp[c * 6 + t] = x[t, c]. Blocks of 8 columns go through
+ * transpose8 (mt rows and zeros in, 8 columns out, 6 floats of each
+ * stored), the rest one value at a time. */
+static void pack_tokens(const float *x, size_t ldx, int mt, int in, float *xp) {
+    int c = 0;
+    for (; c + 8 <= in; c += 8) {
+        __m256 a[8];
+        for (int t = 0; t < 8; t++)
+            a[t] = t < mt ? _mm256_loadu_ps(x + (size_t)t * ldx + c) : _mm256_setzero_ps();
+        transpose8(a);
+        for (int j = 0; j < 8; j++) {
+            float *q = xp + (size_t)(c + j) * PANEL_TOKENS;
+            _mm_storeu_ps(q, _mm256_castps256_ps128(a[j]));
+            _mm_storel_pi((__m64 *)(q + 4), _mm256_extractf128_ps(a[j], 1));
+        }
+    }
+    for (; c < in; c++)
+        for (int t = 0; t < mt; t++)
+            xp[(size_t)c * PANEL_TOKENS + t] = x[(size_t)t * ldx + c];
+}
+#endif
+
+#if KERN_GEMM_SIMD
+/* One function per step size, so that each is compiled with its own
+ * constant mt. */
+#if PANEL_TOKENS == 12
+#define PANEL_STEPS(M) M(1) M(2) M(3) M(4) M(5) M(6) M(7) M(8) M(9) M(10) M(11) M(12)
+#else
+#define PANEL_STEPS(M) M(1) M(2) M(3) M(4) M(5) M(6)
+#endif
+#define PANEL_STEP(n)                                                                              \
+    static void panel_tokens##n(const float *P, int kc, const float *x, int ldx, float *y,        \
+                                int ldy, int nr, bool accumulate, const kern_prefetch *pf) {      \
+        panel_tokens(P, kc, x, ldx, n, y, ldy, nr, accumulate, pf, false);                        \
+    }                                                                                              \
+    static void packed_tokens##n(const float *P, int kc, const float *x, int ldx, float *y,       \
+                                 int ldy, int nr, bool accumulate, const kern_prefetch *pf) {     \
+        panel_tokens(P, kc, x, ldx, n, y, ldy, nr, accumulate, pf, true);                         \
+    }
+PANEL_STEPS(PANEL_STEP)
+#define IN_PLACE_STEP(n) panel_tokens##n,
+#define PACKED_STEP(n) packed_tokens##n,
+
+typedef void (*panel_step_fn)(const float *, int, const float *, int, float *, int, int, bool,
+                              const kern_prefetch *);
+
+void kern__panel_gemm(const float *P, int kc, const float *x, int ldx, int T, float *y, int ldy,
+                      int nr, bool accumulate, const kern_prefetch *next) {
+    static const panel_step_fn step[PANEL_TOKENS + 1] = {NULL, PANEL_STEPS(IN_PLACE_STEP)};
+    for (int t0 = 0; t0 < T; t0 += PANEL_TOKENS) {
+        const int mt = T - t0 < PANEL_TOKENS ? T - t0 : PANEL_TOKENS;
+        step[mt](P, kc, x + (size_t)t0 * ldx, ldx, y + (size_t)t0 * ldy, ldy, nr, accumulate,
+                 t0 == 0 && next && next->rows > 0 ? next : NULL);
+    }
+}
+
 /* The bytes of the panel after rows [r, r + nr) x columns [c0, c0 + kc) of
  * rows [.., r1), fetched while this one computes: the next columns of these
  * rows, else the first columns of the next rows; none for a cols_major
@@ -317,26 +525,6 @@ static kern_prefetch next_panel(const kern_gemm_w *w, int in, int r, int nr, int
         next.rows = r1 - r - nr < KERN_PANEL_ROWS ? r1 - r - nr : KERN_PANEL_ROWS;
     }
     return next;
-}
-
-/* Tokens [0, mt) (mt <= 12) of x [.., ldx], columns [0, in), packed for
- * packed_tokens: xp[c * 12 + t] = x[t, c]. Blocks of 16 columns go through
- * transpose16 (12 rows and 4 of zeros in, 16 columns of 12 tokens out, each
- * stored as 12 floats), the rest one value at a time. */
-static void pack_tokens(const float *x, size_t ldx, int mt, int in, float *xp) {
-    int c = 0;
-    for (; c + 16 <= in; c += 16) {
-        __m512i a[16];
-        for (int t = 0; t < 16; t++)
-            a[t] = t < mt ? _mm512_loadu_si512((const void *)(x + (size_t)t * ldx + c))
-                          : _mm512_setzero_si512();
-        transpose16(a);
-        for (int j = 0; j < 16; j++)
-            _mm512_mask_storeu_epi32(xp + (size_t)(c + j) * PANEL_TOKENS, 0x0fff, a[j]);
-    }
-    for (; c < in; c++)
-        for (int t = 0; t < mt; t++)
-            xp[(size_t)c * PANEL_TOKENS + t] = x[(size_t)t * ldx + c];
 }
 
 /* Columns per block of the packed path: `in` cut into equal blocks of at
@@ -392,10 +580,7 @@ static void gemm_in_place(const kern_gemm_w *w, int in, const float *x, int ldx,
 
 void kern__gemm(const kern_gemm_w *w, int in, const float *x, int ldx, int T, float *y, int ldy,
                 int r0, int r1, bool accumulate, float *scratch, size_t scratch_floats) {
-    static const panel_step_fn step[PANEL_TOKENS + 1] = {
-        NULL,            packed_tokens1, packed_tokens2,  packed_tokens3,  packed_tokens4,
-        packed_tokens5,  packed_tokens6, packed_tokens7,  packed_tokens8,  packed_tokens9,
-        packed_tokens10, packed_tokens11, packed_tokens12};
+    static const panel_step_fn step[PANEL_TOKENS + 1] = {NULL, PANEL_STEPS(PACKED_STEP)};
     const int kb = block_cols(in);
     const size_t panel = (size_t)KERN_PANEL_ROWS * kb, tile = (size_t)PANEL_TOKENS * kb;
     /* the tokens whose packed x fits the rest of the scratch, in steps of
@@ -440,8 +625,9 @@ void kern__gemm(const kern_gemm_w *w, int in, const float *x, int ldx, int T, fl
         }
     }
 }
+#endif
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
 /* ------------------------------------------------------------------------ */
 /* Activations rounded to bf16: AVX-512 BF16 dot products                    */
 
@@ -663,5 +849,4 @@ void kern__gemm_bf16act(const uint16_t *W, int in, const float *x, int T, float 
     kern__gemm_bf16x(&w, in, x, in, T, y, ldy, r0, r1, false, scratch,
                      kern_matmul_scratch_floats(in));
 }
-#endif
 #endif

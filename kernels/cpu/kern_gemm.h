@@ -1,20 +1,23 @@
 /*
  * kern_gemm.h - the compute-bound product of prefill (internal to
  * kernels/cpu): the register-blocked micro-kernel that ops.c (element
- * formats) and quant.c (block formats) both run over panels of weight rows
- * they have unpacked to f32.
+ * formats), quant.c (block formats) and mla.c run over panels of weight
+ * rows they have unpacked to f32.
  *
- * A panel is 32 weight rows over kc columns, transposed: P [kc, 32] f32,
- * P[c * 32 + i] = W[r + i, c0 + c], rows past the matrix's end zero. The
- * kernel keeps 12 tokens x 32 rows of sums in 24 registers and adds one
- * column at a time (one broadcast of x[t, c] times the panel's 32 values),
- * so every output is the plain left-to-right sum
+ * A panel is KERN_PANEL_ROWS weight rows over kc columns, transposed:
+ * P [kc, R] f32 (R = KERN_PANEL_ROWS: 32 with AVX-512, 16 with AVX2),
+ * P[c * R + i] = W[r + i, c0 + c], rows past the matrix's end zero. The
+ * kernel keeps a tile of tokens x R rows of sums in registers (12 x 32 in
+ * 24 of AVX-512's 32, 6 x 16 in 12 of AVX2's 16) and adds one column at a
+ * time (one broadcast of x[t, c] times the panel's R values), so every
+ * output is the plain left-to-right sum
  *     y[t, r] = fma(W[r, in-1], x[t, in-1], ... fma(W[r, 0], x[t, 0], 0))
  * whatever the panel's row, the token's place in its step, or how the
  * columns were cut into panels of kc (a later panel continues the sums the
  * earlier ones stored in y, and an f32 store and load change no bit). The
- * result therefore does not depend on T, on the thread cut or on the block
- * sizes: kern_gemm_ref is its specification, bit for bit.
+ * result therefore does not depend on T, on the thread cut, on the block
+ * sizes or on the instruction set: kern_gemm_ref is its specification, bit
+ * for bit.
  */
 #ifndef KERN_GEMM_H
 #define KERN_GEMM_H
@@ -24,19 +27,32 @@
 
 #include "kern.h"
 
+/* KERN_GEMM_SIMD: this build has the GEMM (AVX-512F, or AVX2 with FMA and
+ * F16C). Builds without it multiply by widened rows and BLAS
+ * (kern__matmul_blas). */
+#if defined(__AVX512F__)
+#define KERN_GEMM_SIMD 1
 #define KERN_PANEL_ROWS 32
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define KERN_GEMM_SIMD 1
+#define KERN_PANEL_ROWS 16
+#else
+#define KERN_GEMM_SIMD 0
+#define KERN_PANEL_ROWS 32 /* sizes scratch only */
+#endif
 
-/* Columns per panel: P (kc * 32 floats, at most 512 KiB) stays in L2 while
- * every 12 tokens run over it (the kernel reads 128 bytes of it per 24
- * fmas). One panel over the whole row, where it fits, lets the unpacking
- * read each weight row as one long stream the hardware prefetcher follows:
+/* Columns per panel: P (kc * R floats, at most 512 KiB) stays in L2 while
+ * every tile of tokens runs over it (the AVX-512 kernel reads 128 bytes of
+ * it per 24 fmas, the AVX2 kernel 64 per 12). One panel over the whole
+ * row, where it fits, lets the unpacking read each weight row as one long
+ * stream the hardware prefetcher follows:
  * measured on the dev machine (Zen 5, one thread, bf16 [4096, 2304]),
  * panels of 256 columns ran at 139-175 GFLOP/s, whole rows at 158-208
  * (T = 64 .. 512), widened rows + OpenBLAS sgemm at 91. */
 #define KERN_PANEL_COLS 4096
 
-/* Columns per block where kern__gemm packs x (see there): the panel (32 x
- * at most 1536 floats, 192 KiB) stays in L2 beside the packed x of the
+/* Columns per block where kern__gemm packs x (see there): the panel (R x
+ * at most 1536 floats, 192 KiB with AVX-512) stays in L2 beside the packed x of the
  * tokens running over it, and W is unpacked once per block of tokens. On
  * the dev machine (Zen 5, one thread, bf16, T = 128 .. 512) blocks of 1,536
  * ran at 79-90% of the fma peak where 4,096 (whole rows up to 4,096 wide)
@@ -56,14 +72,15 @@ typedef struct kern_prefetch {
 } kern_prefetch;
 
 /*
- * y[t, i] = (accumulate ? y[t, i] : 0) + sum_{c < kc} x[t, c] * P[c * 32 + i]
- * for t < T, i < nr (nr <= 32; columns nr..31 of y are not touched), the
- * sum taken left to right with one fma per column.
- *   P: [kc, 32] f32 (see above).   x: [T, ldx] f32, columns [0, kc) read.
+ * y[t, i] = (accumulate ? y[t, i] : 0) + sum_{c < kc} x[t, c] * P[c * R + i]
+ * for t < T, i < nr (nr <= R = KERN_PANEL_ROWS; columns nr.. of y are not
+ * touched), the sum taken left to right with one fma per column.
+ *   P: [kc, R] f32 (see above).   x: [T, ldx] f32, columns [0, kc) read.
  *   y: [T, ldy] f32.   T >= 1.
  *   next: NULL, or the next panel's bytes, prefetched during the first
- *   step of 12 tokens (a few lines per column).
- * AVX-512 builds only.
+ *   tile of tokens (a few lines per column).
+ * Builds with KERN_GEMM_SIMD only (quant.c's block-format panels call it
+ * with AVX-512 alone).
  */
 void kern__panel_gemm(const float *P, int kc, const float *x, int ldx, int T, float *y, int ldy,
                       int nr, bool accumulate, const kern_prefetch *next);
@@ -75,9 +92,11 @@ void kern__matmul_hinted(kern_dtype dt, const void *W, int in, const float *x, i
 
 /* kern_matmul's product by BLAS: row blocks of W widened to f32 in
  * scratch (kern_matmul_scratch_floats(in); unused for f32), then sgemm.
- * A row's sums depend on the tokens beside it. Builds without AVX-512 take
- * it for T >= 64, and for a prefill's element formats (kern_matmul_w_prefill)
- * from KERN_PORTABLE_BLAS_MIN_T tokens, where it beats the direct path. */
+ * A row's sums depend on the tokens beside it. Builds without the GEMM
+ * (KERN_GEMM_SIMD 0) take it for T >= 64, and for a prefill's element
+ * formats (kern_matmul_w_prefill) from KERN_PORTABLE_BLAS_MIN_T tokens,
+ * where it beats the direct path; builds without AVX-512 for f32 rows
+ * without scratch (the block formats' portable prefill). */
 #define KERN_PORTABLE_BLAS_MIN_T 8
 void kern__matmul_blas(kern_dtype dt, const void *W, int in, const float *x, int T, float *y,
                        int ldy, int r0, int r1, float *scratch);
@@ -96,16 +115,17 @@ typedef struct kern_gemm_w {
  * The GEMM: y[t, r] = (accumulate ? y[t, r] : 0) + sum_{c < in} x[t, c] W(r, c)
  * for t < T, r in [r0, r1), each output the left-to-right fma chain (the
  * accumulate form continues it from y's value); the bits do not depend on
- * the scratch. x: [T, ldx]; y: [T, ldy]. AVX-512 builds only.
+ * the scratch. x: [T, ldx]; y: [T, ldy]. Builds with KERN_GEMM_SIMD only.
  *
- * With scratch_floats >= kern__gemm_scratch_floats(in, 12): per block of
- * columns (KERN_GEMM_BLOCK_COLS), the tokens' x is packed 12 tokens side
- * by side ([kc, 12] per 12 tokens), then per panel of 32 rows the panel is
- * unpacked (transposed, f32) and run over every 12 tokens, which read one
+ * A tile is the kernel's tokens: 12 with AVX-512, 6 with AVX2. With
+ * scratch_floats >= kern__gemm_scratch_floats(in, 12): per block of
+ * columns (KERN_GEMM_BLOCK_COLS), the tokens' x is packed a tile side by
+ * side ([kc, tile] per tile), then per panel of R rows the panel is
+ * unpacked (transposed, f32) and run over every tile, which reads one
  * stream of x. As many tokens are packed at once as the scratch holds; W is
  * unpacked once per such block of tokens. Below that (0 included), x is
- * read in place, 12 rows ldx apart, and scratch must hold that form's
- * panel, 32 * min(in, KERN_PANEL_COLS) floats, whatever scratch_floats
+ * read in place, a tile's rows ldx apart, and scratch must hold that form's
+ * panel, R * min(in, KERN_PANEL_COLS) floats, whatever scratch_floats
  * says. In place, rows a multiple of 4 KiB apart (in = 1024, 4096, 9216
  * f32) fall into one L1 set and ran at 58-68% of the fma peak where packed
  * ran at 78-85% (Zen 5, one thread, bf16 [2304, in]).

@@ -18,9 +18,7 @@
 #include "kern_gemm.h"
 #include "kern_math.h"
 
-#if defined(__AVX512F__)
-#define MLA_GEMM 1
-#endif
+#define MLA_GEMM KERN_GEMM_SIMD
 
 /* Columns of the widest product's panel (kern_gemm.h): the products
  * read dn, dc + dr, KEY_BLOCK and dc columns. */
@@ -59,8 +57,9 @@ size_t kern_mla_attend_head_workspace_floats(const kern_mla_shape *sh, int T) {
 
 /* y [T, ldy] (+)= x [T, ldx] W^T over `in` columns, rows [0, rows) of W
  * (W(r, c) at w[r * ldw + c], or at w[c * ldw + r] when cols_major): the
- * AVX-512 GEMM of kern_gemm.h (about twice OpenBLAS's AVX2 sgemm, which
- * Debian's 0.3.21 runs on this Zen), else sgemm. */
+ * GEMM of kern_gemm.h (with AVX-512 about twice OpenBLAS's AVX2 sgemm, which
+ * Debian's 0.3.21 runs on a Zen 5; with AVX2 on a Zen 3 a 256-token slice's
+ * attention took 5-7% less time than sgemm's), else sgemm. */
 static void gemm(const float *w, int ldw, bool cols_major, int rows, int in, const float *x,
                  int ldx, int T, float *y, int ldy, bool accumulate, float *P) {
 #if MLA_GEMM
@@ -94,9 +93,10 @@ static void gemm_att(const float *w, int ldw, bool cols_major, int rows, int in,
 /* gemm_att for the rows of a decode token's heads (attend_rows' step 0),
  * each of whose outputs must not depend on the rows beside it (a head's
  * result is the same whichever heads share the call: threads split the
- * heads, and batched decode relies on it). The AVX-512 GEMM gives that
- * (every output its own fma chain); BLAS does not, so without it each row
- * goes through the product alone. */
+ * heads, and batched decode relies on it). The GEMM gives that (every
+ * output its own fma chain); BLAS does not, so without it each row goes
+ * through the product alone (on a Zen 3 with AVX2, all 32 heads of a token
+ * at 16K context took 10x the GEMM's time: kds_cpu_bench --only g). */
 static void gemm_att_rows_apart(const float *w, int ldw, bool cols_major, int rows, int in,
                                 const float *x, int ldx, int T, float *y, int ldy,
                                 bool accumulate, float *P, size_t P_floats) {

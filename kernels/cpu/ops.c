@@ -5,11 +5,13 @@
  * Dense products have two paths. Decode-sized batches (few tokens) are
  * memory-bound: they stream each weight row once from the mmap in its stored
  * dtype and dot it with every token, 16 lanes at a time. Prefill-sized
- * batches are compute-bound: panels of 32 rows of W are unpacked to float32
+ * batches are compute-bound: panels of rows of W are unpacked to float32
  * in the caller's scratch, transposed, and run through the register-blocked
- * kernel of kern_gemm.h (12 tokens x 32 rows of sums per step); without
- * AVX-512, row blocks are widened and handed to BLAS (sgemm). The SIMD paths are chosen at compile time (-march=native); the
- * scalar loops are the portable fallback and the readable specification.
+ * kernel of kern_gemm.h (12 tokens x 32 rows of sums per step with
+ * AVX-512, 6 x 16 with AVX2); without either, row blocks are widened and
+ * handed to BLAS (sgemm). The SIMD paths are chosen at compile time
+ * (-march=native); the scalar loops are the portable fallback and the
+ * readable specification.
  */
 #include "kern.h"
 #include "kern_gemm.h"
@@ -640,7 +642,7 @@ static void dot8_avx2(kern_dtype dt, const void *W, int in, const float *x, int 
  * step of up to 516 tokens). */
 size_t kern_matmul_scratch_floats(int in) {
     const size_t direct = (size_t)128 * (size_t)in;
-#if KERN_AVX512
+#if KERN_GEMM_SIMD
     const size_t gemm = kern__gemm_scratch_floats(in, 516);
     return gemm > direct ? gemm : direct;
 #else
@@ -649,8 +651,8 @@ size_t kern_matmul_scratch_floats(int in) {
 }
 
 /* From this many tokens the product is compute-bound and runs as a GEMM:
- * the register-blocked panels of kern_gemm.h with AVX-512, widened rows and
- * BLAS (sgemm) without. Below it the direct (streaming) path wins: it costs
+ * the register-blocked panels of kern_gemm.h with AVX-512 or AVX2, widened
+ * rows and BLAS (sgemm) without. Below it the direct (streaming) path wins: it costs
  * about the same per token at any T (the rows come from memory once, then
  * from L1), while unpacking a panel is paid once per 32 rows. On the CI
  * kind of machine (2 threads, bf16, `wide`: hidden 2304, a 163840-row LM
@@ -660,9 +662,9 @@ size_t kern_matmul_scratch_floats(int in) {
  * 60.9 tok/s in one run (docs/benchmarks.md, "Continuous batching").
  * Below it each token's row is its one-token product, bit for bit, in
  * every build: batched decode relies on it. Without AVX-512 the direct
- * path is dot_row, which streams W once per four tokens; there a prefill
- * (kern__matmul_blas, through kern_matmul_w_prefill) takes BLAS from
- * KERN_PORTABLE_BLAS_MIN_T tokens instead. */
+ * path is dot8_avx2 (AVX2) or dot_row; a prefill (kern_matmul_w_prefill)
+ * takes the GEMM from KERN_PREFILL_GEMM_MIN_T tokens, or without it BLAS
+ * (kern__matmul_blas) from KERN_PORTABLE_BLAS_MIN_T. */
 #define MATMUL_GEMM_MIN_T 64
 
 void kern_matmul(kern_dtype dt, const void *W, int in, const float *x, int T, float *y, int ldy,
@@ -691,14 +693,17 @@ void kern__matmul_hinted(kern_dtype dt, const void *W, int in, const float *x, i
                          int ldy, int r0, int r1, float *scratch, bool streamed) {
     (void)streamed; /* used by the AVX-512 one-token bf16 loop only */
     if (r1 <= r0 || T <= 0) return;
-#if KERN_AVX512
+#if KERN_GEMM_SIMD
     if (T >= MATMUL_GEMM_MIN_T && scratch) {
         const kern_gemm_w gw = {dt, W, in, false};
         kern__gemm(&gw, in, x, in, T, y, ldy, r0, r1, false, scratch,
                    kern_matmul_scratch_floats(in));
         return;
     }
-#else
+#endif
+#if !KERN_AVX512
+    /* f32 rows need no scratch for BLAS: the block formats' portable
+     * prefill (quant.c's gemm_scalar) multiplies its dequantised rows so */
     if (T >= MATMUL_GEMM_MIN_T && (dt == KERN_F32 || scratch)) {
         kern__matmul_blas(dt, W, in, x, T, y, ldy, r0, r1, scratch);
         return;

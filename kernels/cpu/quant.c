@@ -635,36 +635,41 @@ void kern_matmul_w(const kern_weight *w, const float *x, int T, float *y, int ld
 
 void kern_matmul_w_prefill(const kern_weight *w, const float *x, int T, float *y, int ldy, int r0,
                            int r1, float *scratch, bool bf16_act) {
-#if KERN_AVX512
-    /* block formats take kern_matmul_w's own change-over: their direct path
-     * is as fast as the panels below QUANT_GEMM_MIN_T */
-    if (!kern_dtype_is_block(w->dt) && T >= KERN_PREFILL_GEMM_MIN_T && scratch && r1 > r0) {
-#if defined(__AVX512BF16__)
-        if (bf16_act && w->dt == KERN_BF16) {
-            kern__gemm_bf16act(w->data, w->cols, x, T, y, ldy, r0, r1, scratch);
-            return;
-        }
-#endif
-        const kern_gemm_w gw = {w->dt, w->data, w->cols, false};
-        kern__gemm(&gw, w->cols, x, w->cols, T, y, ldy, r0, r1, false, scratch,
-                   kern_matmul_scratch_floats(w->cols));
-        return;
-    }
-#else
-    /* A prompt's rows need not be one-token products: BLAS from a few
-     * tokens, where kern_matmul_w keeps the direct path up to 63. */
+    (void)bf16_act;
+    /* A prompt's rows need not be one-token products (kern_matmul_w keeps
+     * the direct path up to 63 tokens): the GEMM from fewer tokens. */
     if (scratch && r1 > r0 && T > 0) {
+#if !KERN_AVX512
+        /* The block formats' panels are AVX-512's: BLAS over dequantised
+         * rows. */
         if (kern_dtype_is_block(w->dt)) {
             kern_matmul_w_ref(w, x, T, y, ldy, r0, r1, scratch);
             return;
         }
+#endif
+        /* With AVX-512 the block formats take kern_matmul_w's own
+         * change-over: their direct path is as fast as the panels below
+         * QUANT_GEMM_MIN_T. */
+#if KERN_GEMM_SIMD
+        if (!kern_dtype_is_block(w->dt) && T >= KERN_PREFILL_GEMM_MIN_T) {
+#if KERN_AVX512 && defined(__AVX512BF16__)
+            if (bf16_act && w->dt == KERN_BF16) {
+                kern__gemm_bf16act(w->data, w->cols, x, T, y, ldy, r0, r1, scratch);
+                return;
+            }
+#endif
+            const kern_gemm_w gw = {w->dt, w->data, w->cols, false};
+            kern__gemm(&gw, w->cols, x, w->cols, T, y, ldy, r0, r1, false, scratch,
+                       kern_matmul_scratch_floats(w->cols));
+            return;
+        }
+#else
         if (T >= KERN_PORTABLE_BLAS_MIN_T) {
             kern__matmul_blas(w->dt, w->data, w->cols, x, T, y, ldy, r0, r1, scratch);
             return;
         }
-    }
 #endif
-    (void)bf16_act;
+    }
     kern_matmul_w(w, x, T, y, ldy, r0, r1, scratch);
 }
 

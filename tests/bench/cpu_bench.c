@@ -780,7 +780,7 @@ static void bench_batched(void) {
  * round, one thread. Each matrix is 4.7-42 MB: in the last-level cache up
  * to in = 4096, from memory at 9216. */
 static void bench_gemm_packing(void) {
-#if defined(__AVX512F__)
+#if KERN_GEMM_SIMD
     const int ins[] = {1024, 2304, 4096, 9216}, Ts[] = {64, 256}, rows = 2304;
     const int rounds = g_runs < 3 ? 3 : g_runs;
     const double peak = fma_peak(1);
@@ -833,7 +833,7 @@ static void bench_gemm_packing(void) {
     }
     printf("\n");
 #else
-    printf("### (i) Prefill GEMM: needs AVX-512 (not built)\n\n");
+    printf("### (i) Prefill GEMM: needs AVX-512 or AVX2 (not built)\n\n");
 #endif
 }
 
