@@ -138,7 +138,8 @@ uint64_t kern_read_sum(const void *p, size_t n);
  * one fma chain, the same bits in both), others row blocks of W widened to
  * f32 in `scratch` and BLAS.
  *   scratch: kern_matmul_scratch_floats(in) floats, or NULL to force the
- *   direct path.
+ *   direct path (but for f32 from 64 tokens without AVX-512: BLAS, which
+ *   needs no scratch).
  */
 void kern_matmul(kern_dtype dt, const void *W, int in, const float *x, int T,
                  float *y, int ldy, int r0, int r1, float *scratch);

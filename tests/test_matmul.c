@@ -273,7 +273,7 @@ static void gemm_f32_case(int rows, int in, int T, int ldw, int ldx, int ldy, ui
     float *y = malloc((size_t)T * ldy * sizeof(float)), *y0 = malloc((size_t)T * ldy * sizeof(float));
     /* scratch_floats 0: x in place (as MLA attention calls it; the buffer
      * still holds the in-place panel); one tile of room; all T tokens */
-    const size_t scratch[3] = {0, kern__gemm_scratch_floats(in, 12),
+    const size_t scratch[3] = {0, kern__gemm_scratch_floats(in, 1),
                                kern__gemm_scratch_floats(in, T)};
     const size_t panel = (size_t)KERN_PANEL_ROWS * in;
     float *P = malloc((scratch[2] > panel ? scratch[2] : panel) * sizeof(float));

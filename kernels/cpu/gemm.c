@@ -542,7 +542,7 @@ size_t kern__gemm_scratch_floats(int in, int T) {
 }
 
 /* The panel after rows [r, r + nr) of rows [r0, r1), columns [c0, c0 + kc)
- * (blocks of kb columns): the next 32 rows' same columns, else the first
+ * (blocks of kb columns): the next KERN_PANEL_ROWS rows' same columns, else the first
  * rows' next columns. None for a cols_major matrix, whose panels are
  * small. */
 static kern_prefetch next_block_panel(const kern_gemm_w *w, int in, int r, int nr, int r0, int r1,

@@ -118,7 +118,7 @@ typedef struct kern_gemm_w {
  * the scratch. x: [T, ldx]; y: [T, ldy]. Builds with KERN_GEMM_SIMD only.
  *
  * A tile is the kernel's tokens: 12 with AVX-512, 6 with AVX2. With
- * scratch_floats >= kern__gemm_scratch_floats(in, 12): per block of
+ * scratch_floats >= kern__gemm_scratch_floats(in, 1) (one tile): per block of
  * columns (KERN_GEMM_BLOCK_COLS), the tokens' x is packed a tile side by
  * side ([kc, tile] per tile), then per panel of R rows the panel is
  * unpacked (transposed, f32) and run over every tile, which reads one

@@ -654,7 +654,7 @@ size_t kern_matmul_scratch_floats(int in) {
  * the register-blocked panels of kern_gemm.h with AVX-512 or AVX2, widened
  * rows and BLAS (sgemm) without. Below it the direct (streaming) path wins: it costs
  * about the same per token at any T (the rows come from memory once, then
- * from L1), while unpacking a panel is paid once per 32 rows. On the CI
+ * from L1), while unpacking a panel is paid once per panel of rows. On the CI
  * kind of machine (2 threads, bf16, `wide`: hidden 2304, a 163840-row LM
  * head) the direct path still won at 32 against widen + sgemm: raising
  * the crossover from 32 to 64 took the aggregate decode of 32 batched
