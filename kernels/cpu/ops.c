@@ -531,34 +531,72 @@ static void dot8(kern_dtype dt, const void *W, int in, const float *x, int nt, i
 #endif
 
 #if KERN_AVX2
-/* nr rows from w (row stride `stride` bytes) dotted with nt tokens x
- * [nt, in], into y[t * ldy + k] (nr, nt constants at each call): per eight
- * columns each row's vector feeds the nt tokens' FMAs, one eight-lane
- * chain per (row, token), then hsum8 and the scalar tail as dot_row.
- * pf > 0: each 64-byte line of each row (32 bf16 or f16 columns, 16 f32)
+/* Eight rows from w (row stride `stride` bytes) dotted with one token x
+ * [in], into y[0..8): per eight columns each row's vector feeds its own
+ * FMA, one eight-lane chain per row, then hsum8 and the scalar tail as
+ * dot_row. Each 64-byte line of each row (32 bf16 or f16 columns, 16 f32)
  * is prefetched pf bytes ahead as the loop reaches it (the rows are
  * contiguous, so that is the matrix pf bytes on). */
 static inline __attribute__((always_inline)) void
-rows_avx2(const kern_dtype dt, const char *w, size_t stride, int in, const float *x, const int nr,
-          const int nt, float *y, int ldy, size_t pf) {
+rows8_avx2(const kern_dtype dt, const char *w, size_t stride, int in, const float *x, float *y,
+           size_t pf) {
     const int vec_end = in & ~7;
     const size_t esz = kern_dtype_size(dt);
-    __m256 a[3][8];
-    for (int j = 0; j < nt; j++)
-        for (int k = 0; k < nr; k++) a[j][k] = _mm256_setzero_ps();
+    __m256 a[8];
+    for (int k = 0; k < 8; k++) a[k] = _mm256_setzero_ps();
     for (int i = 0; i < vec_end; i += 8) {
-        if (pf && (i * esz) % 64 == 0)
-            for (int k = 0; k < nr; k++)
+        if ((i * esz) % 64 == 0)
+            for (int k = 0; k < 8; k++)
                 _mm_prefetch(w + k * stride + (size_t)i * esz + pf, _MM_HINT_T0);
+        const __m256 xv = _mm256_loadu_ps(x + i);
+        for (int k = 0; k < 8; k++) a[k] = _mm256_fmadd_ps(load8(dt, w + k * stride, i), xv, a[k]);
+    }
+    for (int k = 0; k < 8; k++) {
+        float acc = hsum8(a[k]);
+        for (int i = vec_end; i < in; i++) acc += load1(dt, w + k * stride, i) * x[i];
+        y[k] = acc;
+    }
+}
+
+/* Four rows from w (row stride `stride` bytes) dotted with nt (1..3, a
+ * constant at each call) tokens x [nt, in], into y[t * ldy + k]: per eight
+ * columns each row's widened vector feeds the nt tokens' FMAs (12 sums in
+ * the 16 registers at nt = 3), each (row, token) sum the chain rows8_avx2
+ * and dot_row give it (the same FMAs, hsum8, the same scalar tail), so
+ * the same bits. pf > 0: each row's line pf bytes on is prefetched (every
+ * eight columns: a test for the line's start cost more than the repeats).
+ * Written for GCC 12's register allocator:
+ * - the token vectors are pinned in registers (the empty asm). Left to
+ *   itself GCC folds each x load into every FMA that uses it, 16 loads per
+ *   12 FMAs, and Zen 3 issues two 256-bit loads a cycle: the loads, not
+ *   the FMAs, set the pace (in L1, 4 x 3 tiles 70.6 -> 77.0 GFLOP/s of an
+ *   88 peak);
+ * - it is a function of its own (rows4_tile_avx2). Inlined into
+ *   dot8_avx2_body with the asm, it spilled accumulators and fell to 49%
+ *   of the peak. */
+static inline __attribute__((always_inline)) void
+rows4_tile_body(const kern_dtype dt, const char *w, size_t stride, int in, const float *x,
+                const int nt, float *y, int ldy, const size_t pf) {
+    const int vec_end = in & ~7;
+    __m256 a[3][4];
+    for (int j = 0; j < 3; j++)
+        for (int k = 0; k < 4; k++) a[j][k] = _mm256_setzero_ps();
+    for (int i = 0; i < vec_end; i += 8) {
+        if (pf)
+            for (int k = 0; k < 4; k++)
+                _mm_prefetch(w + k * stride + (size_t)i * kern_dtype_size(dt) + pf, _MM_HINT_T0);
         __m256 xv[3];
-        for (int j = 0; j < nt; j++) xv[j] = _mm256_loadu_ps(x + (size_t)j * in + i);
-        for (int k = 0; k < nr; k++) {
+        for (int j = 0; j < nt; j++) {
+            xv[j] = _mm256_loadu_ps(x + (size_t)j * in + i);
+            __asm__("" : "+x"(xv[j]));
+        }
+        for (int k = 0; k < 4; k++) {
             const __m256 wv = load8(dt, w + k * stride, i);
             for (int j = 0; j < nt; j++) a[j][k] = _mm256_fmadd_ps(wv, xv[j], a[j][k]);
         }
     }
     for (int j = 0; j < nt; j++)
-        for (int k = 0; k < nr; k++) {
+        for (int k = 0; k < 4; k++) {
             const float *xt = x + (size_t)j * in;
             float acc = hsum8(a[j][k]);
             for (int i = vec_end; i < in; i++) acc += load1(dt, w + k * stride, i) * xt[i];
@@ -566,25 +604,59 @@ rows_avx2(const kern_dtype dt, const char *w, size_t stride, int in, const float
         }
 }
 
-/* The direct path with AVX2. One to three tokens (decode, a routed
- * expert's share of a batch: bound by the bytes): eight rows at a time,
- * each token over them in turn: eight chains at once (one row's chain
- * alone, dot_row's loop, is bound by the FMA's latency), the rows read
- * from memory as eight streams by the first token and from cache by the
- * others. Four tokens or more (a batched step: bound by the arithmetic):
- * four rows at a time, three tokens sharing each widened row vector (12
- * sums in the 16 registers), so a row vector's widening (a shuffle and a
- * shift, on the FMAs' pipes) is paid once per three FMAs instead of once
- * per FMA. On a Zen 3 (kds_cpu_bench (h), one thread, alternating) that
- * took T = 6..16 from 43-49% of the FMA peak to 66-80% with the rows in
- * L2 and from 37-45% to 51-67% from memory; `wide`, 2 threads, 8 batched
- * sequences 34.2 / 34.4 -> 44.2 / 37.0 tok/s, 16: 36.6 / 31.5 -> 43.1 /
- * 53.3. (On a Zen 5 running a -march=haswell build the same tiles were
- * slower at every T, from memory: four streams read slower than eight
- * there.) Rows left over go four at a time, then one by one (dot_row).
- * Each (row, token) sum is the chain dot_row gives it (the same FMAs,
- * hsum8, the same scalar tail), so a token's results are its lone
- * product's, bit for bit, however it is grouped. y: [T, ldy]. */
+/* rows4_tile_body with the format and the token count constants in each
+ * copy (the format tested in the loop cost a compare and a spill). */
+static __attribute__((noinline)) void rows4_tile_avx2(const kern_dtype dt, const char *w,
+                                                      size_t stride, int in, const float *x,
+                                                      const int nt, float *y, int ldy,
+                                                      size_t pf) {
+    if (dt == KERN_BF16) {
+        if (nt == 3)
+            rows4_tile_body(KERN_BF16, w, stride, in, x, 3, y, ldy, pf);
+        else if (nt == 2)
+            rows4_tile_body(KERN_BF16, w, stride, in, x, 2, y, ldy, pf);
+        else
+            rows4_tile_body(KERN_BF16, w, stride, in, x, 1, y, ldy, pf);
+    } else if (dt == KERN_F16) {
+        if (nt == 3)
+            rows4_tile_body(KERN_F16, w, stride, in, x, 3, y, ldy, pf);
+        else if (nt == 2)
+            rows4_tile_body(KERN_F16, w, stride, in, x, 2, y, ldy, pf);
+        else
+            rows4_tile_body(KERN_F16, w, stride, in, x, 1, y, ldy, pf);
+    } else {
+        if (nt == 3)
+            rows4_tile_body(KERN_F32, w, stride, in, x, 3, y, ldy, pf);
+        else if (nt == 2)
+            rows4_tile_body(KERN_F32, w, stride, in, x, 2, y, ldy, pf);
+        else
+            rows4_tile_body(KERN_F32, w, stride, in, x, 1, y, ldy, pf);
+    }
+}
+
+/* The direct path with AVX2. One token (decode: bound by the bytes):
+ * eight rows at a time, eight chains at once (one row's chain alone,
+ * dot_row's loop, is bound by the FMA's latency), the rows read from
+ * memory as eight streams. Two tokens or more (a batched step, a routed
+ * expert's share of one): four rows at a time, up to three tokens sharing
+ * each widened row vector (rows4_tile_avx2), so a widening (a shuffle and
+ * a shift, on the FMAs' pipes) is paid once per three FMAs instead of once
+ * per FMA; the first group reads the rows from memory, the others from
+ * cache. On a Zen 3 (kds_cpu_bench (h), [4096, 2304] bf16, 2 threads,
+ * alternating with the build before):
+ * - T = 2 and 3, which went eight rows at a time, token after token:
+ *   from memory 25-27 -> 33-38 and 20 -> 33-36 GB/s, the read's speed
+ *   (34-41 GB/s);
+ * - T = 6..16 (rows4_tile_avx2 as it is now): 73-78% -> 79-85% of the FMA
+ *   peak with the rows in L2, 113-126 -> 122-136 GFLOP/s from memory;
+ * - `wide`, batched decode (two runs each, alternating): 8 sequences
+ *   57.1-57.7 -> 62.2-64.5 tok/s, 32 sequences 72.1-73.1 -> 76.5-76.9.
+ * (On a Zen 5 running a -march=haswell build, four-row tiles of the old
+ * form were slower than eight rows from memory.) Four tokens left go as
+ * three and one: two and two measured the same. Rows left over go four at
+ * a time, then one by one (dot_row). Each (row, token) sum is the chain
+ * dot_row gives it, so a token's results are its lone product's, bit for
+ * bit, however it is grouped. y: [T, ldy]. */
 static inline __attribute__((always_inline)) void
 dot8_avx2_body(const kern_dtype dt, const void *W, int in, const float *x, int T, int r0, int r1,
                float *y, int ldy) {
@@ -598,23 +670,13 @@ dot8_avx2_body(const kern_dtype dt, const void *W, int in, const float *x, int T
     const size_t pf = 8 * stride > 16384 ? 8 * stride : 16384;
     const char *w0 = (const char *)W;
     int r = r0;
-    for (; T < 4 && r + 8 <= r1; r += 8)
-        for (int t = 0; t < T; t++)
-            rows_avx2(dt, w0 + (size_t)r * stride, stride, in, x + (size_t)t * in, 8, 1,
-                      y + (size_t)t * ldy + r, ldy, t == 0 ? pf : 0);
+    for (; T == 1 && r + 8 <= r1; r += 8)
+        rows8_avx2(dt, w0 + (size_t)r * stride, stride, in, x, y + r, pf);
     for (; r + 4 <= r1; r += 4)
-        for (int t = 0; t < T; t += 3) {
-            const char *w = w0 + (size_t)r * stride;
-            const float *xt = x + (size_t)t * in;
-            float *yt = y + (size_t)t * ldy + r;
-            const size_t pf_t = t == 0 ? pf : 0; /* the first group reads memory */
-            if (T - t >= 3)
-                rows_avx2(dt, w, stride, in, xt, 4, 3, yt, ldy, pf_t);
-            else if (T - t == 2)
-                rows_avx2(dt, w, stride, in, xt, 4, 2, yt, ldy, pf_t);
-            else
-                rows_avx2(dt, w, stride, in, xt, 4, 1, yt, ldy, pf_t);
-        }
+        for (int t = 0; t < T; t += 3)
+            rows4_tile_avx2(dt, w0 + (size_t)r * stride, stride, in, x + (size_t)t * in,
+                            T - t < 3 ? T - t : 3, y + (size_t)t * ldy + r, ldy,
+                            t == 0 ? pf : 0);
     float out[DOT_TOKENS];
     for (; r < r1; r++)
         for (int t0 = 0; t0 < T; t0 += DOT_TOKENS) {
