@@ -117,6 +117,73 @@ Test(quant, q8_0_values) {
     }
 }
 
+/* Whole rows (the vectorised form in AVX2 builds) give every value bit for
+ * bit as the definition does, element by element: every E2M1 code in
+ * both nibbles at every E8M0 exponent (the denormal 2^-127, overflow to
+ * inf at 254, NaN at 255, -0 for code 8), and every int8 times f16 scales
+ * from the denormal to inf and NaN; a range off the block edges too. */
+Test(quant, whole_rows_are_the_definition_bit_for_bit) {
+    /* MXFP4: 256 rows (one per exponent) of 64 columns; block 0 has the
+     * codes 0..15 in the low nibbles and 15..0 in the high ones, block 1
+     * the nibbles swapped */
+    static unsigned char codes[256 * 32];
+    static unsigned char scales[256 * 2];
+    for (int e = 0; e < 256; e++) {
+        for (int j = 0; j < 16; j++) {
+            codes[e * 32 + j] = (unsigned char)(j | (15 - j) << 4);
+            codes[e * 32 + 16 + j] = (unsigned char)((15 - j) | j << 4);
+        }
+        scales[e * 2] = scales[e * 2 + 1] = (unsigned char)e;
+    }
+    const kern_weight w = {
+        .dt = KERN_MXFP4, .data = codes, .scales = scales, .rows = 256, .cols = 64};
+    float row[64];
+    for (int e = 0; e < 256; e++) {
+        kern_weight_row_f32(&w, e, 0, 64, row);
+        for (int c = 0; c < 64; c++) {
+            const unsigned byte = codes[e * 32 + c / 2], code = c % 2 ? byte >> 4 : byte & 15u;
+            const float want = kern_e2m1_to_f32(code) * kern_e8m0_to_f32((uint8_t)e);
+            if (isnan(want)) {
+                cr_assert(isnan(row[c]), "e8m0 %d, column %d (code %u): %g, want NaN", e, c, code,
+                          (double)row[c]);
+                continue;
+            }
+            cr_assert(memcmp(&row[c], &want, sizeof want) == 0,
+                      "e8m0 %d, column %d (code %u): %a, want %a", e, c, code, (double)row[c],
+                      (double)want);
+        }
+        float part[40];
+        kern_weight_row_f32(&w, e, 13, 53, part); /* both blocks, off their edges */
+        cr_assert(memcmp(part, row + 13, sizeof part) == 0 || e == 255, "e8m0 %d: columns 13..53",
+                  e);
+    }
+    /* Q8_0: rows of the 256 int8 values (8 blocks) under f16 scales */
+    const uint16_t f16s[] = {0x0001 /* the smallest denormal */, 0x3c00 /* 1 */,
+                             0xc500 /* -5 */, 0x7bff /* 65504 */, 0x7c00 /* inf */,
+                             0x7e00 /* NaN */, 0x8000 /* -0 */};
+    const int ns = (int)(sizeof f16s / sizeof f16s[0]);
+    signed char q[256];
+    uint16_t qs[8];
+    for (int i = 0; i < 256; i++) q[i] = (signed char)(i - 128);
+    float qrow[256];
+    for (int k = 0; k < ns; k++) {
+        for (int b = 0; b < 8; b++) qs[b] = f16s[(k + b) % ns];
+        const kern_weight wq = {
+            .dt = KERN_Q8_0, .data = q, .scales = qs, .rows = 1, .cols = 256};
+        kern_weight_row_f32(&wq, 0, 0, 256, qrow);
+        for (int c = 0; c < 256; c++) {
+            const float want = (float)q[c] * kern_f16_to_f32(qs[c / 32]);
+            if (isnan(want)) {
+                cr_assert(isnan(qrow[c]), "q8_0 scale %04x, column %d", qs[c / 32], c);
+                continue;
+            }
+            cr_assert(memcmp(&qrow[c], &want, sizeof want) == 0,
+                      "q8_0 scale %04x, column %d: %a, want %a", qs[c / 32], c, (double)qrow[c],
+                      (double)want);
+        }
+    }
+}
+
 /* A random weight of a block format: codes of every value, a few
  * exponents; `ref` gets its values [rows, cols] as written in the formats'
  * definitions (not through the library). */

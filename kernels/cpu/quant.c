@@ -25,10 +25,19 @@
  *     one code word per row), and an outer-product kernel keeps 12 tokens x
  *     32 rows of sums in registers (OpenBLAS's sgemm, the other choice,
  *     runs its generic SSE3 kernels on this CPU: docs/benchmarks.md).
- * The AVX-512 paths are chosen at compile time; without AVX-512 the scalar
- * loops below run (one block of 32 values dequantised at a time for
- * decode; rows dequantised to f32 and BLAS for prefill): they are the
- * portable path and the readable specification.
+ * The AVX-512 paths are chosen at compile time. With AVX2 (and FMA, F16C)
+ * instead, the same two paths in eight lanes (the "AVX2" section below):
+ *   - Decode: one row at a time, each block decoded in registers once per
+ *     pair of tokens; an E2M1 nibble becomes f32 through vpermps on the
+ *     block's row of E8M0_E2M1 (its eight magnitudes; the sign XORed in),
+ *     an int8 as with AVX-512. Four chains per (row, token), so row t of a
+ *     T-token product is the one-token product of row t, bit for bit.
+ *   - Prefill (from KERN_PREFILL_GEMM_MIN_T tokens; kern_matmul_w from
+ *     64): panels of 16 rows dequantised, transposed and run through the
+ *     AVX2 GEMM (kern_gemm.h).
+ * Without either, the scalar loops below run (one block of 32 values
+ * dequantised at a time for decode; rows dequantised to f32 and BLAS for
+ * prefill): they are the portable path and the readable specification.
  */
 #include "kern.h"
 #include "kern_gemm.h"
@@ -40,6 +49,9 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define KERN_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define KERN_AVX2 1
 #endif
 
 int kern_dtype_is_block(kern_dtype dt) { return dt == KERN_MXFP4 || dt == KERN_Q8_0; }
@@ -91,8 +103,25 @@ float kern_e8m0_to_f32(uint8_t e) {
     return ldexpf(1.0f, (int)e - 127); /* exact: every 2^k, k in [-127, 127], is a float */
 }
 
+#if KERN_AVX2
+static void row_blocks_f32_avx2(const kern_weight *w, const kern_layout *l, int r, int b0, int b1,
+                                float *out);
+#endif
+
 void kern_weight_row_f32(const kern_weight *w, int r, int c0, int c1, float *out) {
     const kern_layout l = kern_weight_layout(w->dt, w->rows, w->cols);
+#if KERN_AVX2
+    /* the whole blocks vectorised (the same values), the ends below */
+    if (kern_dtype_is_block(w->dt) && c1 - c0 >= KERN_BLOCK) {
+        const int b0 = (c0 + KERN_BLOCK - 1) / KERN_BLOCK, b1 = c1 / KERN_BLOCK;
+        if (b0 < b1) {
+            kern_weight_row_f32(w, r, c0, b0 * KERN_BLOCK, out);
+            row_blocks_f32_avx2(w, &l, r, b0, b1, out + (b0 * KERN_BLOCK - c0));
+            kern_weight_row_f32(w, r, b1 * KERN_BLOCK, c1, out + (b1 * KERN_BLOCK - c0));
+            return;
+        }
+    }
+#endif
     const unsigned char *row = (const unsigned char *)w->data + (size_t)r * l.row_bytes;
     /* element formats have no scales (NULL): no arithmetic on that pointer,
      * which is undefined even with a zero offset */
@@ -138,12 +167,14 @@ void kern_weight_row_f32(const kern_weight *w, int r, int c0, int c1, float *out
  * [3072, 3584] from L3, one thread: 32 tokens 3.7 ms direct against 4.5-4.8
  * ms in panels, 48: 5.8 against 6.4-6.6; the K3 slice's 64-token prefill,
  * whose experts get ~32 tokens each, 106-108 -> 124-128 tok/s), the same
- * threshold as kern_matmul's. The portable path keeps 32: its direct loop
- * is scalar and BLAS is not. */
+ * threshold as kern_matmul's. The portable path (kern_matmul_w_ref) keeps
+ * 32: its direct loop is scalar and BLAS is not. */
 #define QUANT_REF_GEMM_MIN_T 32
 /* kern_matmul_w's change-over in every build: below it a token's row is its
  * one-token product (batched decode). The portable build's kern_matmul_w
- * runs direct_scalar up to it; its prefill keeps kern_matmul_w_ref's 32. */
+ * runs direct_scalar up to it; its prefill keeps kern_matmul_w_ref's 32.
+ * An AVX2 build's kern_matmul_w runs direct_avx2 up to it; its prefill
+ * takes the panels from KERN_PREFILL_GEMM_MIN_T. */
 #define QUANT_GEMM_MIN_T 64
 
 #if KERN_AVX512
@@ -228,7 +259,29 @@ static void gemm_scalar(const kern_weight *w, const float *x, int T, float *y, i
     }
 }
 
+#if KERN_AVX512 || KERN_AVX2
+/* x [T, in] -> xs [T, in] with each block of 32 as its 16 even then its 16
+ * odd values: the order of an MXFP4 block's low and high nibbles, so the
+ * 16 bytes of a block widened to 16 lanes give the weights of xs's first
+ * half (low nibbles) and second half (high nibbles). */
+static void split_even_odd(const float *x, size_t n, float *xs) {
+    size_t i = 0;
 #if KERN_AVX512
+    const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i od = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    for (; i + 32 <= n; i += 32) {
+        const __m512 a = _mm512_loadu_ps(x + i), b = _mm512_loadu_ps(x + i + 16);
+        _mm512_storeu_ps(xs + i, _mm512_permutex2var_ps(a, ev, b));
+        _mm512_storeu_ps(xs + i + 16, _mm512_permutex2var_ps(a, od, b));
+    }
+#endif
+    for (; i < n; i += 32) /* the scalar form (n is a multiple of 32), AVX2's */
+        for (int j = 0; j < 16; j++) {
+            xs[i + j] = x[i + 2 * j];
+            xs[i + 16 + j] = x[i + 2 * j + 1];
+        }
+}
+
 /* E8M0_E2M1[e][c] = kern_e2m1_to_f32(c) * kern_e8m0_to_f32(e): the f32
  * values of the dequantised weights (exact; denormal for the smallest e;
  * +-inf where 2^(e - 127) times the code passes f32's range; NaN for e =
@@ -263,6 +316,9 @@ _Alignas(64) static const float E8M0_E2M1[256][16] = {
     E2M1_ROW(NAN),         /* e = 255 */
 };
 #define E2M1 (E8M0_E2M1[127])
+#endif
+
+#if KERN_AVX512
 
 /* [sum(a0), ..., sum(a7)]: ops.c's transposing tree (halve to 256 bits, two
  * levels of hadd, one lane swap), here too so that the sums of eight rows
@@ -279,25 +335,6 @@ static inline __m256 reduce8(const __m512 a[8]) {
                          _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-/* x [T, in] -> xs [T, in] with each block of 32 as its 16 even then its 16
- * odd values: the order of an MXFP4 block's low and high nibbles, so the
- * 16 bytes of a block widened to 16 lanes give the weights of xs's first
- * half (low nibbles) and second half (high nibbles). */
-static void split_even_odd(const float *x, size_t n, float *xs) {
-    const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    const __m512i od = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-    size_t i = 0;
-    for (; i + 32 <= n; i += 32) {
-        const __m512 a = _mm512_loadu_ps(x + i), b = _mm512_loadu_ps(x + i + 16);
-        _mm512_storeu_ps(xs + i, _mm512_permutex2var_ps(a, ev, b));
-        _mm512_storeu_ps(xs + i + 16, _mm512_permutex2var_ps(a, od, b));
-    }
-    for (; i < n; i += 32) /* the scalar form (n is a multiple of 32) */
-        for (int j = 0; j < 16; j++) {
-            xs[i + j] = x[i + 2 * j];
-            xs[i + 16 + j] = x[i + 2 * j + 1];
-        }
-}
 
 /* Block b of one row as two vectors of f32 weights, w0 for x's (or xs's)
  * values 0-15 of the block, w1 for 16-31. `sw` is the block's scale word
@@ -598,10 +635,198 @@ static void gemm_avx512(const kern_weight *w, const kern_layout *l, const float 
 }
 #endif
 
+#if KERN_AVX2
+/* ------------------------------------------------------------------------ */
+/* Without AVX-512: AVX2 + FMA + F16C                                        */
+
+/* Block b of a row (codes c) as four vectors of eight f32 weights, exactly
+ * kern_weight_row_f32's values, in the order of x split as split_even_odd
+ * gives it for MXFP4 (w[0] even values 0-7 of the block, w[1] even 8-15,
+ * w[2] odd 0-7, w[3] odd 8-15) and in column order for Q8_0 (w[h] columns
+ * 8h..8h+7). `tabx` (MXFP4) and `scale` (Q8_0): block_scale_avx2's.
+ * MXFP4: each code byte widened to a 32-bit lane; vpermps reads a lane's
+ * low three bits, the magnitude m of its low nibble (and, shifted right by
+ * 4, of its high one), from tabx, whose entry m is the magnitude's f32
+ * bits XOR m << 28; the nibble shifted left by 28 (m at bits 28-30, the
+ * sign at 31, the rest shifted out) XORed in takes those bits back out
+ * and puts the sign in: the table's negative half with no second table
+ * and no mask (-0 stays -0, NaN stays NaN: XOR twice is the identity on
+ * any bits). Three operations per eight weights. Q8_0: the int8 widened
+ * and converted, times the scale. */
+static inline __attribute__((always_inline)) void
+block_values_avx2(const kern_dtype dt, const unsigned char *c, int b, __m256 tabx, __m256 scale,
+                  __m256 w[4]) {
+    if (dt == KERN_MXFP4) {
+        const unsigned char *p = c + 16 * (size_t)b;
+        for (int h = 0; h < 2; h++) {
+            const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * h)));
+            const __m256i hi = _mm256_srli_epi32(lo, 4);
+            w[h] = _mm256_xor_ps(_mm256_permutevar8x32_ps(tabx, lo),
+                                 _mm256_castsi256_ps(_mm256_slli_epi32(lo, 28)));
+            w[2 + h] = _mm256_xor_ps(_mm256_permutevar8x32_ps(tabx, hi),
+                                     _mm256_castsi256_ps(_mm256_slli_epi32(hi, 28)));
+        }
+    } else {
+        const unsigned char *p = c + 32 * (size_t)b;
+        for (int h = 0; h < 4; h++)
+            w[h] = _mm256_mul_ps(
+                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * h)))),
+                scale);
+    }
+}
+
+/* Block b's table (MXFP4: row sc[b] of E8M0_E2M1, the magnitudes times the
+ * block's scale, entry m XOR m << 28 as block_values_avx2 reads it) or
+ * broadcast scale (Q8_0); sc: the row's scales. */
+static inline __attribute__((always_inline)) void block_scale_avx2(const kern_dtype dt,
+                                                                   const unsigned char *sc, int b,
+                                                                   __m256 *tabx, __m256 *scale) {
+    if (dt == KERN_MXFP4) {
+        const __m256i m28 = _mm256_setr_epi32(0, 1 << 28, 2 << 28, 3 << 28, 4 << 28, 5 << 28,
+                                              6 << 28, 7 << 28);
+        *tabx = _mm256_xor_ps(_mm256_load_ps(E8M0_E2M1[sc[b]]), _mm256_castsi256_ps(m28));
+    } else {
+        uint16_t h;
+        memcpy(&h, sc + 2 * (size_t)b, sizeof h);
+        *scale = _mm256_set1_ps(_cvtsh_ss(h));
+    }
+}
+
+/* One row (codes c, scales sc) dotted with nt (1 or 2, a constant at
+ * each call) tokens xs [nt, in] (split even/odd for MXFP4), into y[t *
+ * ldy]. Each block is decoded once for the nt tokens. Each (row, token)
+ * sum is four eight-lane chains, one per vector h of a block (so that a
+ * row's chains do not wait on the FMA's latency: one chain took four
+ * dependent FMAs a block), added ((h0 + h1) + (h2 + h3)) and then as
+ * ops.c's hsum8: the same whatever nt, so a token's results are its lone
+ * product's, bit for bit. pf > 0: the row's line pf bytes on is
+ * prefetched as the loop passes each block. */
+static inline __attribute__((always_inline)) void
+qrow_avx2(const kern_dtype dt, const unsigned char *c, const unsigned char *sc, int nb,
+          const float *xs, const int nt, float *y, int ldy, size_t pf) {
+    const int in = nb * KERN_BLOCK, bb = dt == KERN_MXFP4 ? 16 : 32;
+    __m256 a[2][4];
+    for (int j = 0; j < nt; j++)
+        for (int h = 0; h < 4; h++) a[j][h] = _mm256_setzero_ps();
+    __m256 tab = _mm256_setzero_ps(), scale = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        if (pf) _mm_prefetch((const char *)(c + (size_t)b * bb) + pf, _MM_HINT_T0);
+        block_scale_avx2(dt, sc, b, &tab, &scale);
+        __m256 w[4];
+        block_values_avx2(dt, c, b, tab, scale, w);
+        for (int j = 0; j < nt; j++) {
+            const float *xb = xs + (size_t)j * in + 32 * (size_t)b;
+            for (int h = 0; h < 4; h++)
+                a[j][h] = _mm256_fmadd_ps(w[h], _mm256_loadu_ps(xb + 8 * h), a[j][h]);
+        }
+    }
+    for (int j = 0; j < nt; j++) {
+        const __m256 v = _mm256_add_ps(_mm256_add_ps(a[j][0], a[j][1]),
+                                       _mm256_add_ps(a[j][2], a[j][3]));
+        /* ops.c's hsum8: halves, then pairs, then the last two */
+        const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        y[(size_t)j * ldy] = _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+    }
+}
+
+/* Rows [r0, r1) of the product, each row over the tokens in pairs:
+ * qrow_avx2 with the format and token count constants, in a function of
+ * its own (GCC 12 spilled tiles inlined into a bigger caller: ops.c's
+ * rows4_tile_body). The rows are read one after another, one stream,
+ * prefetched pf bytes ahead by the first pair. */
+static __attribute__((noinline)) void qrows_avx2(const kern_dtype dt, const unsigned char *codes,
+                                                 size_t rb, const unsigned char *scales,
+                                                 size_t srb, int nb, const float *xs, int T,
+                                                 float *y, int ldy, int r0, int r1, size_t pf) {
+    const int in = nb * KERN_BLOCK;
+    for (int r = r0; r < r1; r++) {
+        const unsigned char *c = codes + (size_t)r * rb, *sc = scales + (size_t)r * srb;
+        for (int t = 0; t < T; t += 2) {
+            const float *xt = xs + (size_t)t * in;
+            float *yt = y + (size_t)t * ldy + r;
+            const size_t p = t == 0 ? pf : 0;
+            if (dt == KERN_MXFP4) {
+                if (T - t >= 2)
+                    qrow_avx2(KERN_MXFP4, c, sc, nb, xt, 2, yt, ldy, p);
+                else
+                    qrow_avx2(KERN_MXFP4, c, sc, nb, xt, 1, yt, ldy, p);
+            } else {
+                if (T - t >= 2)
+                    qrow_avx2(KERN_Q8_0, c, sc, nb, xt, 2, yt, ldy, p);
+                else
+                    qrow_avx2(KERN_Q8_0, c, sc, nb, xt, 1, yt, ldy, p);
+            }
+        }
+    }
+}
+
+/* The AVX2 direct path, rows [r0, r1) for T < QUANT_GEMM_MIN_T tokens
+ * (qrows_avx2), the matrix prefetched about 16 KiB ahead. xs [T, in]: x,
+ * split even/odd for MXFP4; y [T, ldy]. */
+static void direct_avx2(const kern_weight *w, const kern_layout *l, const float *xs, int T,
+                        float *y, int ldy, int r0, int r1) {
+    const size_t pf = 16384;
+    qrows_avx2(w->dt, w->data, l->row_bytes, w->scales, l->scale_row_bytes, w->cols / KERN_BLOCK,
+               xs, T, y, ldy, r0, r1, pf);
+}
+
+/* The AVX2 prefill path: per panel of KERN_PANEL_ROWS (16) rows, the rows
+ * dequantised (row_blocks_f32_avx2: kern_weight_row_f32's values) into
+ * scratch [16, in], transposed into the panel P [in, 16] (kern_gemm.h),
+ * and the AVX2 GEMM over every token with x in place: each output the
+ * left-to-right fma chain over the dequantised row, as the AVX-512 panels
+ * give it. scratch: 2 * 16 * in floats. */
+static void gemm_avx2_blocks(const kern_weight *w, const kern_layout *l, const float *x, int T,
+                             float *y, int ldy, int r0, int r1, float *scratch) {
+    const int in = w->cols, nb = in / KERN_BLOCK;
+    float *rows = scratch, *P = scratch + (size_t)KERN_PANEL_ROWS * in;
+    for (int r = r0; r < r1; r += KERN_PANEL_ROWS) {
+        const int nr = r1 - r < KERN_PANEL_ROWS ? r1 - r : KERN_PANEL_ROWS;
+        for (int i = 0; i < nr; i++) row_blocks_f32_avx2(w, l, r + i, 0, nb, rows + (size_t)i * in);
+        for (int c = 0; c < in; c++) {
+            float *pc = P + (size_t)c * KERN_PANEL_ROWS;
+            for (int i = 0; i < nr; i++) pc[i] = rows[(size_t)i * in + c];
+            for (int i = nr; i < KERN_PANEL_ROWS; i++) pc[i] = 0.0f;
+        }
+        kern__panel_gemm(P, in, x, in, T, y + r, ldy, nr, false, NULL);
+    }
+}
+
+/* kern_weight_row_f32's whole blocks [b0, b1) of row r, in column order:
+ * the same values (block_values_avx2's, put back in order: MXFP4's even
+ * and odd values interleaved). */
+static void row_blocks_f32_avx2(const kern_weight *w, const kern_layout *l, int r, int b0, int b1,
+                                float *out) {
+    const unsigned char *c = (const unsigned char *)w->data + (size_t)r * l->row_bytes;
+    const unsigned char *sc = (const unsigned char *)w->scales + (size_t)r * l->scale_row_bytes;
+    __m256 tab = _mm256_setzero_ps(), scale = _mm256_setzero_ps();
+    for (int b = b0; b < b1; b++, out += KERN_BLOCK) {
+        __m256 v[4];
+        if (w->dt == KERN_MXFP4) {
+            block_scale_avx2(KERN_MXFP4, sc, b, &tab, &scale);
+            block_values_avx2(KERN_MXFP4, c, b, tab, scale, v);
+            for (int h = 0; h < 2; h++) {
+                /* even e0..e7 and odd o0..o7 -> e0 o0 e1 o1 ... e7 o7 */
+                const __m256 lo = _mm256_unpacklo_ps(v[h], v[2 + h]); /* e0 o0 e1 o1 | e4 o4 e5 o5 */
+                const __m256 hi = _mm256_unpackhi_ps(v[h], v[2 + h]); /* e2 o2 e3 o3 | e6 o6 e7 o7 */
+                _mm256_storeu_ps(out + 16 * h, _mm256_permute2f128_ps(lo, hi, 0x20));
+                _mm256_storeu_ps(out + 16 * h + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+            }
+        } else {
+            block_scale_avx2(KERN_Q8_0, sc, b, &tab, &scale);
+            block_values_avx2(KERN_Q8_0, c, b, tab, scale, v);
+            for (int h = 0; h < 4; h++) _mm256_storeu_ps(out + 8 * h, v[h]);
+        }
+    }
+}
+#endif
+
 /* Scratch use (floats), within kern_matmul_scratch_floats(in) = 128 * in:
  * direct: T * in (MXFP4's split x) + 8 * row_bytes / 4 (scales; in or
- * 2 * in), T < QUANT_GEMM_MIN_T;
- * prefill: 32 * in (the panel) + 32 * in / 32 (scales). */
+ * 2 * in; not with AVX2), T < QUANT_GEMM_MIN_T;
+ * prefill: 32 * in (the panel) + 32 * in / 32 (scales); AVX2: 16 * in (the
+ * dequantised rows) + 16 * in (the panel). */
 void kern_matmul_w(const kern_weight *w, const float *x, int T, float *y, int ldy, int r0, int r1,
                    float *scratch) {
     if (!kern_dtype_is_block(w->dt)) {
@@ -624,12 +849,27 @@ void kern_matmul_w(const kern_weight *w, const float *x, int T, float *y, int ld
     }
     direct_avx512(w, &l, xs, T, y, ldy, r0, r1, (unsigned char *)sw);
 #else
-    /* kern_matmul_w_ref's loops with kern_matmul_w's change-over */
+    /* kern_matmul_w_ref's loops with kern_matmul_w's change-over; with
+     * AVX2 its own direct path */
     if (!scratch || r1 <= r0 || T <= 0) return;
+#if KERN_AVX2
+    const kern_layout l = kern_weight_layout(w->dt, w->rows, w->cols);
+    if (T >= QUANT_GEMM_MIN_T) {
+        gemm_avx2_blocks(w, &l, x, T, y, ldy, r0, r1, scratch);
+        return;
+    }
+    const float *xs = x;
+    if (w->dt == KERN_MXFP4) {
+        split_even_odd(x, (size_t)T * w->cols, scratch);
+        xs = scratch;
+    }
+    direct_avx2(w, &l, xs, T, y, ldy, r0, r1);
+#else
     if (T >= QUANT_GEMM_MIN_T)
         gemm_scalar(w, x, T, y, ldy, r0, r1, scratch);
     else
         direct_scalar(w, x, T, y, ldy, r0, r1);
+#endif
 #endif
 }
 
@@ -639,9 +879,21 @@ void kern_matmul_w_prefill(const kern_weight *w, const float *x, int T, float *y
     /* A prompt's rows need not be one-token products (kern_matmul_w keeps
      * the direct path up to 63 tokens): the GEMM from fewer tokens. */
     if (scratch && r1 > r0 && T > 0) {
-#if !KERN_AVX512
-        /* The block formats' panels are AVX-512's: BLAS over dequantised
-         * rows. */
+#if KERN_AVX2
+        /* The block formats' AVX2 direct path decodes each block once per
+         * pair of tokens: from KERN_PREFILL_GEMM_MIN_T tokens the panels,
+         * dequantised once, win. */
+        if (kern_dtype_is_block(w->dt)) {
+            if (T >= KERN_PREFILL_GEMM_MIN_T) {
+                const kern_layout l = kern_weight_layout(w->dt, w->rows, w->cols);
+                gemm_avx2_blocks(w, &l, x, T, y, ldy, r0, r1, scratch);
+            } else {
+                kern_matmul_w(w, x, T, y, ldy, r0, r1, scratch);
+            }
+            return;
+        }
+#elif !KERN_AVX512
+        /* Without AVX2 or AVX-512: BLAS over dequantised rows. */
         if (kern_dtype_is_block(w->dt)) {
             kern_matmul_w_ref(w, x, T, y, ldy, r0, r1, scratch);
             return;
