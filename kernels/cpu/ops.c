@@ -653,8 +653,10 @@ static __attribute__((noinline)) void rows4_tile_avx2(const kern_dtype dt, const
  *   57.1-57.7 -> 62.2-64.5 tok/s, 32 sequences 72.1-73.1 -> 76.5-76.9.
  * (On a Zen 5 running a -march=haswell build, four-row tiles of the old
  * form were slower than eight rows from memory.) Four tokens left go as
- * three and one: two and two measured the same. Rows left over go four at
- * a time, then one by one (dot_row). Each (row, token) sum is the chain
+ * three and one: two and two measured the same. Column blocks that keep
+ * the rows and x in L1 for every group were 7-12% slower: L2 is not what
+ * bounds the tile (docs/benchmarks.md, "AVX2: the direct path's tiles").
+ * Rows left over go four at a time, then one by one (dot_row). Each (row, token) sum is the chain
  * dot_row gives it, so a token's results are its lone product's, bit for
  * bit, however it is grouped. y: [T, ldy]. */
 static inline __attribute__((always_inline)) void
