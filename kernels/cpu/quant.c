@@ -41,18 +41,11 @@
  */
 #include "kern.h"
 #include "kern_gemm.h"
+#include "kern_simd.h"
 
 #include <cblas.h>
 #include <math.h>
 #include <string.h>
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#define KERN_AVX512 1
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define KERN_AVX2 1
-#endif
 
 int kern_dtype_is_block(kern_dtype dt) { return dt == KERN_MXFP4 || dt == KERN_Q8_0; }
 
@@ -319,22 +312,6 @@ _Alignas(64) static const float E8M0_E2M1[256][16] = {
 #endif
 
 #if KERN_AVX512
-
-/* [sum(a0), ..., sum(a7)]: ops.c's transposing tree (halve to 256 bits, two
- * levels of hadd, one lane swap), here too so that the sums of eight rows
- * cost one reduction. */
-static inline __m256 reduce8(const __m512 a[8]) {
-    __m256 b[8];
-    for (int k = 0; k < 8; k++)
-        b[k] = _mm256_add_ps(_mm512_castps512_ps256(a[k]),
-                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[k]), 1)));
-    __m256 t0 = _mm256_hadd_ps(b[0], b[1]), t1 = _mm256_hadd_ps(b[2], b[3]);
-    __m256 t2 = _mm256_hadd_ps(b[4], b[5]), t3 = _mm256_hadd_ps(b[6], b[7]);
-    __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
-                         _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-
 
 /* Block b of one row as two vectors of f32 weights, w0 for x's (or xs's)
  * values 0-15 of the block, w1 for 16-31. `sw` is the block's scale word
@@ -697,9 +674,9 @@ static inline __attribute__((always_inline)) void block_scale_avx2(const kern_dt
  * ldy]. Each block is decoded once for the nt tokens. Each (row, token)
  * sum is four eight-lane chains, one per vector h of a block (so that a
  * row's chains do not wait on the FMA's latency: one chain took four
- * dependent FMAs a block), added ((h0 + h1) + (h2 + h3)) and then as
- * ops.c's hsum8: the same whatever nt, so a token's results are its lone
- * product's, bit for bit. pf > 0: the row's line pf bytes on is
+ * dependent FMAs a block), added ((h0 + h1) + (h2 + h3)) and then by
+ * hsum8 (kern_simd.h): the same whatever nt, so a token's results are its
+ * lone product's, bit for bit. pf > 0: the row's line pf bytes on is
  * prefetched as the loop passes each block. */
 static inline __attribute__((always_inline)) void
 qrow_avx2(const kern_dtype dt, const unsigned char *c, const unsigned char *sc, int nb,
@@ -723,10 +700,7 @@ qrow_avx2(const kern_dtype dt, const unsigned char *c, const unsigned char *sc, 
     for (int j = 0; j < nt; j++) {
         const __m256 v = _mm256_add_ps(_mm256_add_ps(a[j][0], a[j][1]),
                                        _mm256_add_ps(a[j][2], a[j][3]));
-        /* ops.c's hsum8: halves, then pairs, then the last two */
-        const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-        const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        y[(size_t)j * ldy] = _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+        y[(size_t)j * ldy] = hsum8(v);
     }
 }
 
