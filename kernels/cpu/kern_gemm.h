@@ -80,7 +80,7 @@ typedef struct kern_prefetch {
  *   next: NULL, or the next panel's bytes, prefetched during the first
  *   tile of tokens (a few lines per column).
  * Builds with KERN_GEMM_SIMD only (quant.c's block-format panels call it
- * with AVX-512 alone).
+ * with AVX-512 and with AVX2).
  */
 void kern__panel_gemm(const float *P, int kc, const float *x, int ldx, int T, float *y, int ldy,
                       int nr, bool accumulate, const kern_prefetch *next);
