@@ -627,9 +627,9 @@ static __attribute__((noinline)) void rows4_tile_avx2(const kern_dtype dt, const
  * three and one: two and two measured the same. Column blocks that keep
  * the rows and x in L1 for every group were 7-12% slower: L2 is not what
  * bounds the tile (docs/benchmarks.md, "AVX2: the direct path's tiles").
- * Rows left over go four at a time, then one by one (dot_row). Each (row, token) sum is the chain
- * dot_row gives it, so a token's results are its lone product's, bit for
- * bit, however it is grouped. y: [T, ldy]. */
+ * Rows left over go four at a time, then one by one (dot_row). Each (row,
+ * token) sum is the chain dot_row gives it, so a token's results are its
+ * lone product's, bit for bit, however it is grouped. y: [T, ldy]. */
 static inline __attribute__((always_inline)) void
 dot8_avx2_body(const kern_dtype dt, const void *W, int in, const float *x, int T, int r0, int r1,
                float *y, int ldy) {

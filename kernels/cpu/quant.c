@@ -645,10 +645,10 @@ block_values_avx2(const kern_dtype dt, const unsigned char *c, int b, __m256 tab
         }
     } else {
         const unsigned char *p = c + 32 * (size_t)b;
-        for (int h = 0; h < 4; h++)
-            w[h] = _mm256_mul_ps(
-                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * h)))),
-                scale);
+        for (int h = 0; h < 4; h++) {
+            const __m128i q = _mm_loadl_epi64((const __m128i *)(p + 8 * h));
+            w[h] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), scale);
+        }
     }
 }
 
@@ -781,9 +781,10 @@ static void row_blocks_f32_avx2(const kern_weight *w, const kern_layout *l, int 
             block_scale_avx2(KERN_MXFP4, sc, b, &tab, &scale);
             block_values_avx2(KERN_MXFP4, c, b, tab, scale, v);
             for (int h = 0; h < 2; h++) {
-                /* even e0..e7 and odd o0..o7 -> e0 o0 e1 o1 ... e7 o7 */
-                const __m256 lo = _mm256_unpacklo_ps(v[h], v[2 + h]); /* e0 o0 e1 o1 | e4 o4 e5 o5 */
-                const __m256 hi = _mm256_unpackhi_ps(v[h], v[2 + h]); /* e2 o2 e3 o3 | e6 o6 e7 o7 */
+                /* even e0..e7 and odd o0..o7 -> e0 o0 e1 o1 ... e7 o7; lo: e0 o0 e1 o1
+                 * | e4 o4 e5 o5, hi: e2 o2 e3 o3 | e6 o6 e7 o7 */
+                const __m256 lo = _mm256_unpacklo_ps(v[h], v[2 + h]);
+                const __m256 hi = _mm256_unpackhi_ps(v[h], v[2 + h]);
                 _mm256_storeu_ps(out + 16 * h, _mm256_permute2f128_ps(lo, hi, 0x20));
                 _mm256_storeu_ps(out + 16 * h + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
             }
