@@ -269,6 +269,19 @@ int eng_ctx_threads(const eng_ctx *c);
  * frees the buffer and a thread pool. Errors: KDS_INVALID_ARG, KDS_NOMEM.
  */
 kds_status eng_read_bandwidth(int n_threads, size_t bytes, int reps, double *gbs, kds_err *err);
+/*
+ * The same read, kept ready for repeated measurements: a caller that times
+ * something between reads (`kdaserve bench` reads just before and just
+ * after each decode run, so that both see the same load on a shared
+ * machine) allocates and fills the buffer, and starts the threads, once.
+ * eng_membw_create: Errors KDS_INVALID_ARG, KDS_NOMEM (also the pool's).
+ * eng_membw_read: the best of `reps` (>= 1) reads, GB/s. A handle is used
+ * by one thread at a time; eng_membw_free(NULL) is a no-op.
+ */
+typedef struct eng_membw eng_membw;
+kds_status eng_membw_create(int n_threads, size_t bytes, eng_membw **out, kds_err *err);
+double eng_membw_read(eng_membw *b, int reps);
+void eng_membw_free(eng_membw *b);
 size_t eng_read_bandwidth_default_bytes(void);
 /* The largest CPU cache's size in bytes (sysfs; 0 when unknown). */
 size_t eng_llc_bytes(void);

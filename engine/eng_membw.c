@@ -17,7 +17,7 @@
 typedef struct read_job {
     const unsigned char *p;
     size_t share; /* bytes per task, a multiple of 256 */
-    uint64_t sum[64];
+    uint64_t sum[256]; /* a task's sum: up to four tasks on each of 64 threads */
 } read_job;
 
 static void read_task(void *arg, int task, int thread) {
@@ -54,52 +54,86 @@ size_t eng_read_bandwidth_default_bytes(void) {
     return four_llc > gib ? four_llc : gib;
 }
 
-kds_status eng_read_bandwidth(int n_threads, size_t bytes, int reps, double *gbs, kds_err *err) {
+struct eng_membw {
+    eng_pool *pool; /* NULL on one thread */
+    unsigned char *buf;
+    int n_threads, n_tasks;
+    size_t share, total;
+};
+
+kds_status eng_membw_create(int n_threads, size_t bytes, eng_membw **out, kds_err *err) {
     kds_status rc = KDS_OK;
-    eng_pool *pool = NULL;
-    unsigned char *buf = NULL;
-    if (!gbs) return kds_err_set(err, KDS_INVALID_ARG, "eng_read_bandwidth: no output");
-    *gbs = 0.0;
-    if (n_threads < 1 || n_threads > 64 || reps < 1)
-        return kds_err_set(err, KDS_INVALID_ARG,
-                           "eng_read_bandwidth: %d threads, %d repeats (want 1..64, >= 1)",
-                           n_threads, reps);
+    eng_membw *b = NULL;
+    if (!out) return kds_err_set(err, KDS_INVALID_ARG, "eng_membw_create: no output");
+    *out = NULL;
+    if (n_threads < 1 || n_threads > 64)
+        return kds_err_set(err, KDS_INVALID_ARG, "eng_membw_create: %d threads (want 1..64)",
+                           n_threads);
     /* four tasks per thread, as the forward pass cuts its products */
     const int n_tasks = n_threads == 1 ? 1 : 4 * n_threads;
     const size_t share = bytes / (size_t)n_tasks / 256 * 256;
     if (share == 0)
-        return kds_err_set(err, KDS_INVALID_ARG, "eng_read_bandwidth: %zu bytes is too few", bytes);
-    const size_t total = share * (size_t)n_tasks;
-    if (!(buf = aligned_alloc(64, total))) {
+        return kds_err_set(err, KDS_INVALID_ARG, "eng_membw_create: %zu bytes is too few", bytes);
+    if (!(b = calloc(1, sizeof *b))) return kds_err_set(err, KDS_NOMEM, "out of memory");
+    b->n_threads = n_threads;
+    b->n_tasks = n_tasks;
+    b->share = share;
+    b->total = share * (size_t)n_tasks;
+    if (!(b->buf = aligned_alloc(64, b->total))) {
         rc = kds_err_set(err, KDS_NOMEM, "out of memory for a %zu MiB read buffer",
-                         total >> 20);
-        goto out;
+                         b->total >> 20);
+        goto fail;
     }
     /* written once, so that every page is real memory, not the zero page */
-    for (size_t i = 0; i < total; i += 8) {
+    for (size_t i = 0; i < b->total; i += 8) {
         uint64_t v = i * 0x9e3779b97f4a7c15ull;
-        memcpy(buf + i, &v, 8);
+        memcpy(b->buf + i, &v, 8);
     }
-    if (n_threads > 1 && (rc = eng_pool_create(n_threads, &pool, err)) != KDS_OK) goto out;
+    if (n_threads > 1 && (rc = eng_pool_create(n_threads, &b->pool, err)) != KDS_OK) goto fail;
+    *out = b;
+    return KDS_OK;
+fail:
+    eng_membw_free(b);
+    return rc;
+}
+
+double eng_membw_read(eng_membw *b, int reps) {
     double best = 0.0;
     for (int r = 0; r < reps; r++) {
-        read_job j = {.p = buf, .share = share};
+        read_job j = {.p = b->buf, .share = b->share};
         const double t0 = now_s();
-        if (pool)
-            eng_pool_run(pool, read_task, &j, n_tasks);
+        if (b->pool)
+            eng_pool_run(b->pool, read_task, &j, b->n_tasks);
         else
             read_task(&j, 0, 0);
         const double dt = now_s() - t0;
         uint64_t sum = 0;
-        for (int t = 0; t < n_tasks; t++) sum += j.sum[t];
+        for (int t = 0; t < b->n_tasks; t++) sum += j.sum[t];
         /* the sum is used (never 1 for these bytes), so no read is dead */
-        if (sum != 1 && dt > 0 && total / dt / 1e9 > best) best = total / dt / 1e9;
+        if (sum != 1 && dt > 0 && b->total / dt / 1e9 > best) best = b->total / dt / 1e9;
     }
-    *gbs = best;
-out:
-    eng_pool_free(pool);
-    free(buf);
-    return rc;
+    return best;
+}
+
+void eng_membw_free(eng_membw *b) {
+    if (!b) return;
+    eng_pool_free(b->pool);
+    free(b->buf);
+    free(b);
+}
+
+kds_status eng_read_bandwidth(int n_threads, size_t bytes, int reps, double *gbs, kds_err *err) {
+    if (!gbs) return kds_err_set(err, KDS_INVALID_ARG, "eng_read_bandwidth: no output");
+    *gbs = 0.0;
+    if (reps < 1)
+        return kds_err_set(err, KDS_INVALID_ARG, "eng_read_bandwidth: %d repeats (want >= 1)",
+                           reps);
+    eng_membw *b = NULL;
+    const kds_status rc = eng_membw_create(n_threads, bytes, &b, err);
+    if (rc != KDS_OK) return rc;
+    *gbs = eng_membw_read(b, reps);
+    eng_membw_free(b);
+    return KDS_OK;
 }
 
 bool eng_cpu_bf16_products(void) { return kern_bf16_products(); }

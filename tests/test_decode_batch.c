@@ -560,6 +560,8 @@ Test(decode_batch, bench_prints_bandwidth, .timeout = 120) {
     cr_assert(line, "no bandwidth line in:\n%s", out);
     cr_assert_eq(sscanf(line, "streaming read of 64 MiB on 1 threads, this run: %lf", &bw), 1);
     cr_expect(bw > 0.1, "%.120s", line);
+    cr_expect(strstr(out, "(best of 3)") && !strstr(out, "each decode run"),
+              "tiny fits in the cache: one read after the runs, no pairs:\n%s", out);
     /* a read buffer the machine cannot give: said, and the bench stands */
     cr_assert_eq(tsu_run(out, sizeof out, NULL,
                          TSU_KDASERVE " bench --model %s %s --bandwidth-mib 1048576 2>&1", f.dir,
@@ -574,6 +576,59 @@ Test(decode_batch, bench_prints_bandwidth, .timeout = 120) {
                  0, "%s", out);
     cr_expect(!strstr(out, "streaming read"), "%s", out);
     close_fixture(&f);
+}
+
+/* A model whose token reads more than the last-level cache holds: each
+ * decode run is put between two reads, and the run's own ratio is printed
+ * (median and range over the runs); "tiny" fits in the cache and gets the
+ * one read after the runs, no pairs. */
+Test(decode_batch, bench_pairs_reads_with_runs_beyond_the_cache, .timeout = 180) {
+    const size_t llc = eng_llc_bytes();
+    if (llc > ((size_t)256 << 20))
+        cr_skip_test("a %zu MiB last-level cache: the model that outgrows it would be over 1 GiB",
+                     llc >> 20);
+    char *dir = tmu_mkdtemp();
+    cr_assert(dir);
+    char out[8192];
+    /* tiny's layout (hidden 256) with a vocabulary whose lm_head alone is
+     * twice the cache (32 MiB or unknown: 131,072 rows, 64 MiB) */
+    const size_t cache = llc ? llc : (size_t)32 << 20;
+    const long vocab = (long)(2 * cache / (256 * 2));
+    cr_assert_eq(tsu_run(out, sizeof out, NULL,
+                         TSU_KDASERVE " gen-model --preset tiny --out %s/tiny 2>&1", dir),
+                 0, "%s", out);
+    char *cfg = tmu_path(dir, "tiny/config.json");
+    char big_vocab[64];
+    snprintf(big_vocab, sizeof big_vocab, "\"vocab_size\":\t%ld,", vocab);
+    cr_assert(tmu_replace_in_file(cfg, "\"vocab_size\":\t512,", big_vocab), "%s", cfg);
+    cr_assert_eq(tsu_run(out, sizeof out, NULL,
+                         TSU_KDASERVE " gen-model --config %s --out %s/big 2>&1", cfg, dir),
+                 0, "%s", out);
+    cr_assert_eq(tsu_run(out, sizeof out, NULL,
+                         TSU_KDASERVE " bench --model %s/big --threads 1 --repeats 3 "
+                                      "--prompt-tokens 2 --gen-tokens 2 --bandwidth-mib 64 2>&1",
+                         dir),
+                 0, "%s", out);
+    double mb = 0;
+    const char *line = strstr(out, "a decoded token reads ");
+    cr_assert(line && sscanf(line, "a decoded token reads %lf MB", &mb) == 1, "%s", out);
+    cr_expect(mb * 1e6 > (double)cache, "%.1f MB a token against a %zu-byte cache", mb, cache);
+    cr_expect(strstr(out, "streaming read of 64 MiB on 1 threads, this run: ") &&
+                  strstr(out, "(best of 12)"),
+              "two reads of two beside each of 3 runs:\n%s", out);
+    line = strstr(out, "each decode run against the reads just before and after it: ");
+    cr_assert(line, "no paired line in:\n%s", out);
+    double med = 0, lo = 0, hi = 0;
+    int runs = 0;
+    cr_assert_eq(sscanf(line,
+                        "each decode run against the reads just before and after it: %lf%% "
+                        "(median of %d runs; %lf-%lf%%)",
+                        &med, &runs, &lo, &hi),
+                 4, "%s", line);
+    cr_expect(runs == 3 && med > 0 && lo <= med && med <= hi, "%.160s", line);
+    free(cfg);
+    tmu_rmtree(dir);
+    free(dir);
 }
 
 /* eng_ctx_params.bf16_act on the CPU: a prefill's bf16 products round
