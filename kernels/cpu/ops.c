@@ -534,9 +534,12 @@ rows8_avx2(const kern_dtype dt, const char *w, size_t stride, int in, const floa
  * columns each row's widened vector feeds the nt tokens' FMAs (12 sums in
  * the 16 registers at nt = 3), each (row, token) sum the chain rows8_avx2
  * and dot_row give it (the same FMAs, hsum8, the same scalar tail), so
- * the same bits. pf > 0: each row's line pf bytes on is prefetched (every
- * eight columns: a test for the line's start cost more than the repeats).
- * Written for GCC 12's register allocator:
+ * the same bits. Every eight columns it prefetches: with pf_step 0, the
+ * line of each of the four rows at this column in the rows at pf (each
+ * line four times over for bf16: a test for the line's start cost more
+ * than the repeats); otherwise one address, pf, moved on pf_step bytes
+ * (its pass's share of the rows ahead, dot8_avx2_body). Written for GCC
+ * 12's register allocator:
  * - the token vectors are pinned in registers (the empty asm). Left to
  *   itself GCC folds each x load into every FMA that uses it, 16 loads per
  *   12 FMAs, and Zen 3 issues two 256-bit loads a cycle: the loads, not
@@ -547,15 +550,20 @@ rows8_avx2(const kern_dtype dt, const char *w, size_t stride, int in, const floa
  *   of the peak. */
 static inline __attribute__((always_inline)) void
 rows4_tile_body(const kern_dtype dt, const char *w, size_t stride, int in, const float *x,
-                const int nt, float *y, int ldy, const size_t pf) {
+                const int nt, float *y, int ldy, const char *pf, const size_t pf_step) {
     const int vec_end = in & ~7;
     __m256 a[3][4];
     for (int j = 0; j < 3; j++)
         for (int k = 0; k < 4; k++) a[j][k] = _mm256_setzero_ps();
     for (int i = 0; i < vec_end; i += 8) {
-        if (pf)
+        if (pf_step == 0) {
             for (int k = 0; k < 4; k++)
-                _mm_prefetch(w + k * stride + (size_t)i * kern_dtype_size(dt) + pf, _MM_HINT_T0);
+                _mm_prefetch(pf + k * stride + (size_t)i * kern_dtype_size(dt), _MM_HINT_T0);
+        } else {
+            _mm_prefetch(pf, _MM_HINT_T0);
+            if (dt == KERN_F32) _mm_prefetch(pf + 64, _MM_HINT_T0); /* up to 128 bytes a step */
+            pf += pf_step;
+        }
         __m256 xv[3];
         for (int j = 0; j < nt; j++) {
             xv[j] = _mm256_loadu_ps(x + (size_t)j * in + i);
@@ -580,28 +588,28 @@ rows4_tile_body(const kern_dtype dt, const char *w, size_t stride, int in, const
 static __attribute__((noinline)) void rows4_tile_avx2(const kern_dtype dt, const char *w,
                                                       size_t stride, int in, const float *x,
                                                       const int nt, float *y, int ldy,
-                                                      size_t pf) {
+                                                      const char *pf, size_t pf_step) {
     if (dt == KERN_BF16) {
         if (nt == 3)
-            rows4_tile_body(KERN_BF16, w, stride, in, x, 3, y, ldy, pf);
+            rows4_tile_body(KERN_BF16, w, stride, in, x, 3, y, ldy, pf, pf_step);
         else if (nt == 2)
-            rows4_tile_body(KERN_BF16, w, stride, in, x, 2, y, ldy, pf);
+            rows4_tile_body(KERN_BF16, w, stride, in, x, 2, y, ldy, pf, pf_step);
         else
-            rows4_tile_body(KERN_BF16, w, stride, in, x, 1, y, ldy, pf);
+            rows4_tile_body(KERN_BF16, w, stride, in, x, 1, y, ldy, pf, pf_step);
     } else if (dt == KERN_F16) {
         if (nt == 3)
-            rows4_tile_body(KERN_F16, w, stride, in, x, 3, y, ldy, pf);
+            rows4_tile_body(KERN_F16, w, stride, in, x, 3, y, ldy, pf, pf_step);
         else if (nt == 2)
-            rows4_tile_body(KERN_F16, w, stride, in, x, 2, y, ldy, pf);
+            rows4_tile_body(KERN_F16, w, stride, in, x, 2, y, ldy, pf, pf_step);
         else
-            rows4_tile_body(KERN_F16, w, stride, in, x, 1, y, ldy, pf);
+            rows4_tile_body(KERN_F16, w, stride, in, x, 1, y, ldy, pf, pf_step);
     } else {
         if (nt == 3)
-            rows4_tile_body(KERN_F32, w, stride, in, x, 3, y, ldy, pf);
+            rows4_tile_body(KERN_F32, w, stride, in, x, 3, y, ldy, pf, pf_step);
         else if (nt == 2)
-            rows4_tile_body(KERN_F32, w, stride, in, x, 2, y, ldy, pf);
+            rows4_tile_body(KERN_F32, w, stride, in, x, 2, y, ldy, pf, pf_step);
         else
-            rows4_tile_body(KERN_F32, w, stride, in, x, 1, y, ldy, pf);
+            rows4_tile_body(KERN_F32, w, stride, in, x, 1, y, ldy, pf, pf_step);
     }
 }
 
@@ -613,7 +621,18 @@ static __attribute__((noinline)) void rows4_tile_avx2(const kern_dtype dt, const
  * each widened row vector (rows4_tile_avx2), so a widening (a shuffle and
  * a shift, on the FMAs' pipes) is paid once per three FMAs instead of once
  * per FMA; the first group reads the rows from memory, the others from
- * cache. On a Zen 3 (kds_cpu_bench (h), [4096, 2304] bf16, 2 threads,
+ * cache. The four rows pf bytes on (two tiles at wide's widths) are
+ * prefetched while a tile is worked on: with one group (up to three tokens) row by row at the group's
+ * column, as eight rows do; with more, dealt out among the groups, each
+ * pass asking for its share of the bytes (one line-sized step at a time),
+ * so that the lines are asked for over the whole of the tile's time and
+ * not crowded into its first pass (the memory is idle while the later
+ * groups work from cache). A harness of our own, wide's lm_head [163840,
+ * 2304] bf16 from memory, 2 threads, new / old time in 21 alternating
+ * rounds: T = 4 1.09x, 6 1.16-1.19x, 8 1.13x, 12 1.08-1.12x, 16
+ * 1.05-1.09x; the shares for one group too (a single stream through the
+ * next tile) were 0.88-0.93x at T = 2-3, so one group keeps the rows.
+ * On a Zen 3 (kds_cpu_bench (h), [4096, 2304] bf16, 2 threads,
  * alternating with the build before):
  * - T = 2 and 3, which went eight rows at a time, token after token:
  *   from memory 25-27 -> 33-38 and 20 -> 33-36 GB/s, the read's speed
@@ -645,11 +664,15 @@ dot8_avx2_body(const kern_dtype dt, const void *W, int in, const float *x, int T
     int r = r0;
     for (; T == 1 && r + 8 <= r1; r += 8)
         rows8_avx2(dt, w0 + (size_t)r * stride, stride, in, x, y + r, pf);
+    const int ng = (T + 2) / 3, steps = in / 8 > 0 ? in / 8 : 1;
+    const size_t share = (4 * stride + (size_t)ng - 1) / (size_t)ng;
+    const size_t pf_step = (share + (size_t)steps - 1) / (size_t)steps;
     for (; r + 4 <= r1; r += 4)
-        for (int t = 0; t < T; t += 3)
+        for (int t = 0, g = 0; t < T; t += 3, g++)
             rows4_tile_avx2(dt, w0 + (size_t)r * stride, stride, in, x + (size_t)t * in,
                             T - t < 3 ? T - t : 3, y + (size_t)t * ldy + r, ldy,
-                            t == 0 ? pf : 0);
+                            w0 + (size_t)r * stride + pf + (size_t)g * share,
+                            ng == 1 ? 0 : pf_step);
     float out[DOT_TOKENS];
     for (; r < r1; r++)
         for (int t0 = 0; t0 < T; t0 += DOT_TOKENS) {
