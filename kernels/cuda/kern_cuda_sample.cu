@@ -167,7 +167,11 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(const sample_params p)
     for (int shift = 24; shift >= 0; shift -= 8) {
         for (int i = tid; i < 256; i += kThreads) s_hist[i] = 0;
         __syncthreads();
+        /* every thread reads this round's state here, between two
+         * barriers: the one lane's writes below come after the next one
+         * (lanes of a warp are not ordered by shuffles; racecheck) */
         const uint32_t prefix = s_prefix, mask = s_mask;
+        const unsigned rem = (unsigned)s_remaining;
         for (int i = tid; i < V; i += kThreads) {
             const uint32_t key = fkey(lp[i] / temp);
             if ((key & mask) == prefix) atomicAdd(&s_hist[(key >> shift) & 255u], 1u);
@@ -176,9 +180,6 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(const sample_params p)
         if (warp == 0) {
             /* lane l owns digits 8l .. 8l+7; find the digit where the count
              * of keys above reaches `remaining` */
-            /* read before the shuffles: they order it before the one
-             * lane's write below (lanes do not run in lock-step) */
-            const unsigned rem = (unsigned)s_remaining;
             unsigned c8 = 0;
             for (int d = 0; d < 8; d++) c8 += s_hist[lane * 8 + d];
             unsigned suf = c8; /* inclusive suffix sum: lanes >= lane */
