@@ -6,6 +6,11 @@
 #
 #   bash scripts/gpu_check.sh "$OUT"     # on the GPU machine; OUT: where results go
 #   bash scripts/gpu_check.sh --bundle   # on a development machine, beforehand
+#   bash scripts/gpu_check.sh --steps restore,profile "$OUT"   # some steps only
+#
+# Steps, in order: tests, k48 (48B whole-model bench), restore, wide (48B
+# widths logits), bench (kernel benchmarks), model (tiny model, GPU and CPU),
+# ncu, profile (each kernel of a 48B decode step timed by ncu), sanitizer.
 #
 # On the GPU machine the binaries come from a prebuilt bundle when there is
 # one (.gpu-bundle/, made by --bundle here and carried along: the device
@@ -114,6 +119,13 @@ fi
 # ---------------------------------------------------------------------------
 # the check
 # ---------------------------------------------------------------------------
+# --steps a,b,...: only these steps (a second run that repeats one part)
+steps=
+if [ "${1:-}" = "--steps" ]; then
+    steps=${2:-}
+    shift 2
+fi
+want() { [ -z "$steps" ] || [[ ",$steps," == *",$1,"* ]]; }
 out=${1:-${OUT:-$root/build-gpu-check/out}}
 mkdir -p "$out" || { echo "gpu_check: cannot create $out" >&2; exit 3; }
 exec > >(tee "$out/gpu_check.log") 2>&1
@@ -249,19 +261,24 @@ run_suite() { # name, filter, timeout, log
 }
 : >"$out/tests.log"
 : >"$out/golden_cpu.log"
-run_suite "CUDA kernels vs CPU references and golden files" '@(cuda_*/*|genmodel_mem/*)' 180 "$out/tests.log"
-# the whole-model tests again with plain launches instead of CUDA graphs
-KDS_CUDA_GRAPHS=0 run_suite "whole model, graphs off (KDS_CUDA_GRAPHS=0)" 'cuda_model/*' 60 "$out/tests.log"
-run_suite "CPU golden KDA" 'kda_golden/*' 45 "$out/golden_cpu.log"
+: >"$out/bench.md"
+if want tests; then
+    run_suite "CUDA kernels vs CPU references and golden files" '@(cuda_*/*|genmodel_mem/*)' 180 "$out/tests.log"
+    # the whole-model tests again with plain launches instead of CUDA graphs
+    KDS_CUDA_GRAPHS=0 run_suite "whole model, graphs off (KDS_CUDA_GRAPHS=0)" 'cuda_model/*' 60 "$out/tests.log"
+    run_suite "CPU golden KDA" 'kda_golden/*' 45 "$out/golden_cpu.log"
+fi
 
 # ---- Kimi-Linear-48B generated on the GPU (no 98 GB file): whole-model figures ----------
 # (kdaserve bench --gen: prefill tokens/s at 4096, decode at B = 1, then at
 # B = 64; and the restore of a 48B-sized state from the store onto the GPU)
-if [ -x "$BIN/kdaserve" ] && [ $((SECONDS - t0)) -lt 240 ]; then
+if [ -x "$BIN/kdaserve" ] && [ $((SECONDS - t0)) -lt 240 ] && { want k48 || want restore; }; then
     k48_fail=0
-    for spec in "--prompt-tokens 4096 --gen-tokens 128 --repeats 2" \
-        "--prompt-tokens 128 --gen-tokens 32 --repeats 2 --seqs 64" \
-        "--prompt-tokens 4096 --gen-tokens 16 --repeats 2 --gpu-bf16"; do
+    k48_specs=()
+    want k48 && k48_specs=("--prompt-tokens 4096 --gen-tokens 128 --repeats 2"
+        "--prompt-tokens 128 --gen-tokens 32 --repeats 2 --seqs 64"
+        "--prompt-tokens 4096 --gen-tokens 16 --repeats 2 --gpu-bf16")
+    for spec in "${k48_specs[@]}"; do
         lim=$((420 - (SECONDS - t0)))
         [ $lim -gt 90 ] && lim=90
         [ $lim -lt 30 ] && { say "48B bench: out of time for: $spec"; continue; }
@@ -279,7 +296,7 @@ if [ -x "$BIN/kdaserve" ] && [ $((SECONDS - t0)) -lt 240 ]; then
         say "  $(grep -E '^(prefill|decode) |N=|kdaserve bench:' "$out/k48.txt" | tr -s ' ' | cut -c1-90 | paste -sd';')"
     done
     sdir=${TMPDIR:-/tmp}/kds-gpu-check-state48b
-    if [ $((SECONDS - t0)) -lt 400 ] &&
+    if want restore && [ $((SECONDS - t0)) -lt 400 ] &&
         timeout 30 env LD_LIBRARY_PATH="$BIN_LD" "$BIN/kdaserve" gen-model --preset state48b \
             --out "$sdir" >/dev/null 2>&1; then
         say "restore onto the GPU: kdaserve snap bench --device cuda (48B-sized state)"
@@ -298,7 +315,7 @@ else
 fi
 
 # ---- GPU against CPU logits at the 48B's widths (3.3 GB model written and read) ----
-if [ $((SECONDS - t0)) -lt 330 ]; then
+if ! want wide; then :; elif [ $((SECONDS - t0)) -lt 330 ]; then
     KDS_GPU_BIG_TESTS=1 run_suite "48B widths (wide preset), GPU vs CPU logits" 'cuda_model/wide*' 150 "$out/tests.log"
 else
     note "48B-widths logits test: not run (out of time)"
@@ -307,13 +324,14 @@ fi
 # ---- benchmarks ----------------------------------------------------------------------
 left=$((470 - (SECONDS - t0)))
 [ $left -gt 150 ] && left=150
-if [ $left -lt 60 ]; then
+if ! want bench; then :; elif [ $left -lt 60 ]; then
     note "bench: skipped, only $left s left of the budget"
 else
     mode=
     [ $left -lt 150 ] && mode=--quick
     say "bench: $BIN/kds_cuda_bench $mode (limit $left s)"
-    timeout "$left" env LD_LIBRARY_PATH="$BIN_LD" "$BIN/kds_cuda_bench" $mode >"$out/bench.md"
+    # appended: the 48B figures above are in bench.md already
+    timeout "$left" env LD_LIBRARY_PATH="$BIN_LD" "$BIN/kds_cuda_bench" $mode >>"$out/bench.md"
     rc=$?
     if [ $rc -eq 0 ]; then note "bench: done (bench.md)"; elif [ $rc -eq 3 ]; then
         note "bench: no usable CUDA device"
@@ -325,7 +343,7 @@ fi
 # ---- the whole model on the GPU: kdaserve bench --device cuda on a generated tiny model ----
 # (tiny is a correctness run end to end, not a speed figure for real models;
 # appended to bench.md; older bundles have no kdaserve and skip this)
-if [ -x "$BIN/kdaserve" ] && [ $((SECONDS - t0)) -lt 440 ]; then
+if ! want model; then :; elif [ -x "$BIN/kdaserve" ] && [ $((SECONDS - t0)) -lt 440 ]; then
     mdir=${TMPDIR:-/tmp}/kds-gpu-check-tiny
     rm -rf "$mdir"
     say "model bench: kdaserve bench --device cuda / cpu on a generated tiny model"
@@ -361,7 +379,7 @@ fi
 # ---- Nsight Compute: where the prefill's and the decode's time goes --------------------
 : >"$out/ncu.txt"
 ncu=$(cuda_tool ncu || true)
-if [ -n "$ncu" ] && [ -z "${KDS_GPU_CHECK_FORCE:-}" ] && [ $((SECONDS - t0)) -lt 460 ]; then
+if ! want ncu; then :; elif [ -n "$ncu" ] && [ -z "${KDS_GPU_CHECK_FORCE:-}" ] && [ $((SECONDS - t0)) -lt 460 ]; then
     say "ncu: one prefill (fp32, tensor cores) at T = 4096 and one decode step at B = 256"
     timeout $((520 - (SECONDS - t0) < 60 ? 520 - (SECONDS - t0) : 60)) "$ncu" --clock-control none --target-processes all \
         --kernel-name regex:'prefill|decode' --launch-count 5 --section SpeedOfLight \
@@ -373,17 +391,84 @@ else
     note "ncu: not run (not found, no GPU, or out of time)"
 fi
 
+# ---- where a 48B decode step's time goes: every kernel of the last decode run, timed by ncu ----
+# (graphs off, so each launch is its own; the sum of kernel times per token
+# against the bench's ms/token with graphs on is the time between kernels)
+if want profile && [ -n "$ncu" ] && [ -x "$BIN/kdaserve" ] && [ -z "${KDS_GPU_CHECK_FORCE:-}" ] &&
+    [ $((SECONDS - t0)) -lt 440 ]; then
+    csv=${TMPDIR:-/tmp}/kds-decode-profile.csv
+    rm -f "$csv"
+    say "profile: each kernel of a 48B decode (ncu gpu__time_duration, KDS_CUDA_GRAPHS=0)"
+    timeout 150 env KDS_CUDA_GRAPHS=0 "$ncu" --clock-control none --target-processes all \
+        --kernel-name "regex:^(?!gen_normal)" --metrics gpu__time_duration.sum --csv --log-file "$csv" \
+        env LD_LIBRARY_PATH="$BIN_LD" "$BIN/kdaserve" bench --gen kimi-linear-48b --device cuda \
+        --prompt-tokens 16 --gen-tokens 3 --repeats 1 2>&1 | grep -E '^(prefill|decode) ' | sed 's/^/  /'
+    {
+        echo
+        echo "## Where a 48B decode step's time goes (ncu gpu__time_duration, graphs off; kdaserve bench --gen kimi-linear-48b --prompt-tokens 16 --gen-tokens 3 --repeats 1)"
+        echo
+        python3 - "$csv" <<'PY'
+import csv, re, sys
+scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3,
+         "s": 1e6, "second": 1e6}
+rows, header = [], None
+with open(sys.argv[1], newline="") as f:
+    lines = [l for l in f if l.startswith('"')]
+for r in csv.reader(lines):
+    if header is None:
+        header = r
+        continue
+    d = dict(zip(header, r))
+    if d.get("Metric Name") != "gpu__time_duration.sum":
+        continue
+    name = re.sub(r"\(.*", "", d["Kernel Name"]).replace("void ", "")
+    rows.append((int(d["ID"]), name, float(d["Metric Value"].replace(",", "")) * scale.get(d["Metric Unit"], 1.0)))
+rows.sort()
+# forward passes start at the embedding lookup; the decode passes are those
+# with a KDA decode step and no prefill kernel (each ends with the next
+# token's sampling, the launches before the next embedding)
+passes, cur = [], []
+for r in rows:
+    if r[1].endswith("embed_kernel") and cur:
+        passes.append(cur)
+        cur = []
+    cur.append(r)
+passes.append(cur)
+dec_passes = [p for p in passes if any("decode_kernel" in n for _, n, _ in p)
+              and not any("prefill" in n for _, n, _ in p)]
+tokens = len(dec_passes) or 1
+dec = [r for p in dec_passes for r in p]
+total, per = 0.0, {}
+for _, n, us in dec:
+    c, t = per.get(n, (0, 0.0))
+    per[n] = (c + 1, t + us)
+    total += us
+print(f"{len(rows)} kernels profiled; {len(dec_passes)} decode passes of {len(passes)} forward passes: "
+      f"{len(dec) / tokens:.0f} launches and {total / tokens:.1f} µs of kernel time per token")
+print()
+print("| kernel | launches / token | µs / token | share | µs / launch |")
+print("|---|---|---|---|---|")
+for n, (c, t) in sorted(per.items(), key=lambda kv: -kv[1][1]):
+    print(f"| {n[:70]} | {c / tokens:.0f} | {t / tokens:.1f} | {100 * t / total:.1f}% | {t / c:.2f} |")
+PY
+    } >>"$out/bench.md" 2>&1
+    note "profile: done (bench.md: $(grep -m1 'decode passes of' "$out/bench.md" | cut -c1-120))"
+    rm -f "$csv"
+fi
+
 # ---- memory and race checks on small cases ----------------------------------------
 : >"$out/sanitizer.log"
 sanitizer=$(cuda_tool compute-sanitizer || true)
-if [ -n "$sanitizer" ] && [ -z "${KDS_GPU_CHECK_FORCE:-}" ]; then
+if ! want sanitizer; then :; elif [ -n "$sanitizer" ] && [ -z "${KDS_GPU_CHECK_FORCE:-}" ]; then
     san_fail=0
     san_end=$((SECONDS + 100)) # all sanitizer runs together, and the whole
     [ $san_end -gt $((t0 + 540)) ] && san_end=$((t0 + 540)) # the check ends by 9 min
     for spec in "memcheck cuda_prefill/small_heads" "memcheck cuda_prefill/gva_k64_v32" \
         "memcheck cuda_ops/moe_route_grouped_with_ties" "memcheck cuda_ops/sample_top_p_min_p_penalty" \
         "memcheck cuda_kda/decode_gva_k64_lower_bound" "racecheck cuda_ops/sample_temperature_top_k" \
-        "racecheck cuda_prefill/small_heads"; do
+        "racecheck cuda_prefill/small_heads" "memcheck cuda_ops/rmsnorm_matches_cpu" \
+        "racecheck cuda_ops/moe_route_kimi_router" "memcheck cuda_mla/decode_kimi_widths_matches_cpu" \
+        "memcheck cuda_gemm/gemv_variants_match_default_bit_for_bit" "memcheck cuda_gen/rows_scatter"; do
         set -- $spec
         lim=$((san_end - SECONDS))
         [ $lim -gt 45 ] && lim=45
