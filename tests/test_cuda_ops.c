@@ -207,6 +207,9 @@ Test(cuda_ops, gated_rmsnorm_matches_cpu) {
     norm_case(5 * 32, 128, true, KERN_F32, KERN_F32, KERN_F32, true, false, 5);
     norm_case(3 * 32, 128, true, KERN_BF16, KERN_BF16, KERN_F32, true, true, 6);
     norm_case(7, 64, true, KERN_F32, KERN_BF16, KERN_BF16, false, false, 7);
+    /* rows of 512 and more take the CTA-per-row kernel: its gate, in place */
+    norm_case(3, 1000, true, KERN_BF16, KERN_BF16, KERN_F32, true, true, 8);
+    norm_case(2, 512, true, KERN_F32, KERN_F32, KERN_BF16, false, false, 9);
 }
 
 /* ---- MoE ---------------------------------------------------------------------- */

@@ -30,8 +30,14 @@ constexpr int kWarps = 8;        /* attend CTA: 256 threads */
 constexpr int kUnitsPerWarp = 4; /* (row, head) query units per warp */
 constexpr int kUnits = kWarps * kUnitsPerWarp; /* 32 per CTA */
 constexpr int kRowTile = 8;      /* rows per CTA of the absorb and combine kernels */
-constexpr int kAbsorbThreads = 128;
+/* The absorb and combine kernels also split their outputs over grid.z, so
+ * that a decode step (one row: one CTA per head) still covers the GPU: with
+ * a CTA per head alone, 32 of the H200's 132 SMs read the 4 MiB of W_UK /
+ * W_UV in turn (~120 / ~50 µs a layer). Each output keeps its own thread
+ * (absorb) or warp (combine), and its order of summation. */
+constexpr int kAbsorbThreads = 64;   /* latent columns per CTA */
 constexpr int kCombineThreads = 256;
+constexpr int kCombineVPerCta = 16;  /* output columns per CTA: 2 per warp */
 constexpr int kAppendThreads = 256; /* a warp per row */
 constexpr int kMinSplitKeys = 256;  /* do not split the context finer than this */
 
@@ -136,10 +142,11 @@ __global__ void __launch_bounds__(kAbsorbThreads) mla_absorb_kernel(const attn_p
     }
     __syncthreads();
     const size_t wbase = (size_t)h * (p.dn + p.dv) * p.dc;
-    for (int c = threadIdx.x; c < p.dc; c += blockDim.x) {
+    for (int c = blockIdx.z * blockDim.x + threadIdx.x; c < p.dc; c += gridDim.z * blockDim.x) {
         float acc[kRowTile];
 #pragma unroll
         for (int r = 0; r < kRowTile; r++) acc[r] = 0.0f;
+#pragma unroll 8 /* eight weight loads in flight */
         for (int n = 0; n < p.dn; n++) {
             const float w = ld_w(p.kvb, BF16, wbase + (size_t)n * p.dc + c);
 #pragma unroll
@@ -149,6 +156,7 @@ __global__ void __launch_bounds__(kAbsorbThreads) mla_absorb_kernel(const attn_p
         for (int r = 0; r < kRowTile; r++)
             if (r < nr) p.qa[((size_t)(r0 + r) * p.nh + h) * row + c] = acc[r] * p.scale;
     }
+    if (blockIdx.z != 0) return;
     for (int i = threadIdx.x; i < nr * p.dr; i += blockDim.x) {
         const int r = i / p.dr, j = i % p.dr;
         p.qa[((size_t)(r0 + r) * p.nh + h) * row + p.dc + j] =
@@ -349,10 +357,11 @@ __global__ void __launch_bounds__(kCombineThreads) mla_combine_kernel(const attn
     }
     __syncthreads();
     const size_t wbase = ((size_t)h * (p.dn + p.dv) + p.dn) * p.dc;
-    for (int v = warp; v < p.dv; v += nw) {
+    for (int v = blockIdx.z * nw + warp; v < p.dv; v += gridDim.z * nw) {
         float acc[kRowTile];
 #pragma unroll
         for (int r = 0; r < kRowTile; r++) acc[r] = 0.0f;
+#pragma unroll 4
         for (int c = lane; c < p.dc; c += 32) {
             const float w = ld_w(p.kvb, BF16, wbase + (size_t)v * p.dc + c);
 #pragma unroll
@@ -553,7 +562,10 @@ extern "C" kds_status kern_cuda_mla_attention(const kern_cuda_mla_args *a, void 
     ws += align256(units * (size_t)n_split * sh->dc * 4);
     p.ml = reinterpret_cast<float *>(ws);
 
-    const dim3 tiles((unsigned)((rows + kRowTile - 1) / kRowTile), (unsigned)sh->nh);
+    const unsigned row_tiles = (unsigned)((rows + kRowTile - 1) / kRowTile);
+    const dim3 tiles(row_tiles, (unsigned)sh->nh, (unsigned)((sh->dc + kAbsorbThreads - 1) / kAbsorbThreads));
+    const dim3 combine_tiles(row_tiles, (unsigned)sh->nh,
+                             (unsigned)((sh->dv + kCombineVPerCta - 1) / kCombineVPerCta));
     const size_t absorb_smem = (size_t)kRowTile * sh->dn * sizeof(float);
     const size_t combine_smem = (size_t)kRowTile * sh->dc * sizeof(float);
     cudaError_t e;
@@ -588,14 +600,14 @@ extern "C" kds_status kern_cuda_mla_attention(const kern_cuda_mla_args *a, void 
         e = cudaFuncSetAttribute(mla_combine_kernel<1>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                  (int)combine_smem);
         if (e == cudaSuccess) {
-            mla_combine_kernel<1><<<tiles, kCombineThreads, combine_smem, cs>>>(p);
+            mla_combine_kernel<1><<<combine_tiles, kCombineThreads, combine_smem, cs>>>(p);
             e = cudaGetLastError();
         }
     } else {
         e = cudaFuncSetAttribute(mla_combine_kernel<0>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                  (int)combine_smem);
         if (e == cudaSuccess) {
-            mla_combine_kernel<0><<<tiles, kCombineThreads, combine_smem, cs>>>(p);
+            mla_combine_kernel<0><<<combine_tiles, kCombineThreads, combine_smem, cs>>>(p);
             e = cudaGetLastError();
         }
     }

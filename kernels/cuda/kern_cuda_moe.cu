@@ -157,15 +157,36 @@ count_kernel(const int32_t *sel, int n_pairs, int32_t *exp_off) {
     }
 }
 
-/* exp_off[1..E] = inclusive prefix sums of the counts (one CTA). */
+/* exp_off[1..E] = inclusive prefix sums of the counts (one CTA): thread i
+ * sums its run of kScanRun entries, the runs' totals are scanned across the
+ * block (warp shuffles), then each thread writes its run. (One thread over
+ * all 256 entries of a decode step took ~4 µs.) */
+constexpr int kScanRun = (1025 + kPermThreads - 1) / kPermThreads;
 __global__ void __launch_bounds__(kPermThreads) scan_kernel(int32_t *exp_off, int E) {
-    __shared__ int32_t s[1025];
-    for (int e = threadIdx.x; e <= E; e += kPermThreads) s[e] = exp_off[e];
+    __shared__ int32_t s_warp[kPermThreads / 32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int e0 = threadIdx.x * kScanRun;
+    int32_t run[kScanRun], sum = 0;
+#pragma unroll
+    for (int j = 0; j < kScanRun; j++) {
+        run[j] = e0 + j <= E ? exp_off[e0 + j] : 0;
+        sum += run[j];
+    }
+    int32_t incl = sum; /* inclusive scan of the runs' sums: warp, then block */
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int32_t y = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += y;
+    }
+    if (lane == 31) s_warp[warp] = incl;
     __syncthreads();
-    if (threadIdx.x == 0)
-        for (int e = 1; e <= E; e++) s[e] += s[e - 1];
-    __syncthreads();
-    for (int e = threadIdx.x; e <= E; e += kPermThreads) exp_off[e] = s[e];
+    int32_t before = incl - sum;
+    for (int w = 0; w < warp; w++) before += s_warp[w];
+#pragma unroll
+    for (int j = 0; j < kScanRun; j++) {
+        before += run[j];
+        if (e0 + j <= E) exp_off[e0 + j] = before;
+    }
 }
 
 /* Expert e's pairs, in (token, slot) order, to rows exp_off[e].. */
@@ -205,6 +226,7 @@ __global__ void gather_kernel(const uint4 *src, size_t row_vec, const int32_t *t
     if (r >= n_rows) return;
     const uint4 *s = src + (size_t)tok_of[r] * row_vec;
     uint4 *d = dst + (size_t)r * row_vec;
+#pragma unroll 4 /* loads in flight, not one row walked load by load */
     for (size_t i = lane; i < row_vec; i += 32) d[i] = s[i];
 }
 

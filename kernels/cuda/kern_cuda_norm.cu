@@ -1,6 +1,7 @@
 /*
  * kern_cuda_norm.cu - RMSNorm and the sigmoid-gated output RMSNorm of the
- * KDA layer on the GPU (kern_cuda_rmsnorm in kern_cuda.h), one warp per row.
+ * KDA layer on the GPU (kern_cuda_rmsnorm in kern_cuda.h): one warp per row,
+ * or one CTA per row for rows of kNormRowMin or more.
  * CPU references: kern_rmsnorm and kern_rmsnorm_gated (kern.h).
  *
  * Numerics as the CPU: the sum of squares in double (per lane, then a warp
@@ -15,7 +16,7 @@
 
 namespace {
 
-constexpr int kNormThreads = 256; /* 8 rows per CTA */
+constexpr int kNormThreads = 256; /* 8 rows per CTA, or one wide row */
 
 __device__ __forceinline__ float ld_any(const void *p, int bf16, size_t i) {
     if (bf16) return __uint_as_float((uint32_t)static_cast<const uint16_t *>(p)[i] << 16);
@@ -64,6 +65,46 @@ __global__ void __launch_bounds__(kNormThreads) rmsnorm_kernel(const norm_params
     }
 }
 
+/*
+ * One CTA per row, for wide rows (the hidden-size norms of a decode step:
+ * a few rows of 2304): a warp walking 2304 floats alone waits on 72 loads
+ * in turn (~25 µs on an H200); 256 threads issue them at once. Same
+ * numerics: per-thread double partials, a warp tree, then the warps' sums.
+ */
+__global__ void __launch_bounds__(kNormThreads) rmsnorm_row_kernel(const norm_params p) {
+    __shared__ double s_ss[kNormThreads / 32];
+    const int row = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const size_t off = (size_t)row * p.n;
+    const float *x = p.x + off;
+    double ss = 0.0;
+#pragma unroll 4
+    for (int i = tid; i < p.n; i += kNormThreads) ss += (double)x[i] * x[i];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if (lane == 0) s_ss[warp] = ss;
+    __syncthreads();
+    ss = 0.0;
+#pragma unroll
+    for (int w = 0; w < kNormThreads / 32; w++) ss += s_ss[w];
+    const float r = (float)(1.0 / sqrt(ss / p.n + (double)p.eps));
+#pragma unroll 4
+    for (int i = tid; i < p.n; i += kNormThreads) {
+        float y = __fmul_rn(x[i], r);
+        if (p.w) y = __fmul_rn(y, ld_any(p.w, p.w_bf16, i));
+        if (p.z) {
+            const float s = 1.0f / (1.0f + expf(-ld_any(p.z, p.z_bf16, off + i)));
+            y = __fmul_rn(y, s);
+        }
+        if (p.y_bf16)
+            static_cast<uint16_t *>(p.y)[off + i] = f32_to_bf16(y);
+        else
+            static_cast<float *>(p.y)[off + i] = y;
+    }
+}
+
+/* Rows this wide or wider get a CTA each (rmsnorm_row_kernel). */
+constexpr int kNormRowMin = 512;
+
 bool dtype_ok(kern_dtype d) {
     return d == KERN_F32 || d == KERN_BF16;
 }
@@ -96,7 +137,11 @@ extern "C" kds_status kern_cuda_rmsnorm(const kern_cuda_norm_args *a, void *stre
     p.rows = a->rows;
     p.n = a->n;
     p.eps = a->eps;
-    const unsigned blocks = (unsigned)((a->rows + kNormThreads / 32 - 1) / (kNormThreads / 32));
-    rmsnorm_kernel<<<blocks, kNormThreads, 0, kern_cuda__stream(stream)>>>(p);
+    if (a->n >= kNormRowMin) {
+        rmsnorm_row_kernel<<<(unsigned)a->rows, kNormThreads, 0, kern_cuda__stream(stream)>>>(p);
+    } else {
+        const unsigned blocks = (unsigned)((a->rows + kNormThreads / 32 - 1) / (kNormThreads / 32));
+        rmsnorm_kernel<<<blocks, kNormThreads, 0, kern_cuda__stream(stream)>>>(p);
+    }
     return kern_cuda__status(cudaGetLastError(), err, "rmsnorm launch");
 }
