@@ -669,7 +669,15 @@ typedef struct kern_cuda_matmul_args {
     bool accumulate;
     kern_cuda_gemm_ctx *gemm;  /* NULL: no cuBLAS (GEMV or the tiled fallback) */
     kern_cuda_gemm_mode mode;  /* cuBLAS bf16 products only */
+    /* 0 (the default): the GEMV's geometry; 1 .. KERN_CUDA_GEMV_VARIANTS:
+     * another geometry of the T = 1 bf16 GEMV, same results bit for bit
+     * (kern_cuda_gemv_variant_name; kds_cuda_bench compares them) */
+    int gemv_variant;
 } kern_cuda_matmul_args;
+
+enum { KERN_CUDA_GEMV_VARIANTS = 5 };
+/* "rows/warp R, depth D, warps W" of variant v (0: the default). */
+const char *kern_cuda_gemv_variant_name(int v);
 
 kds_status kern_cuda_matmul(const kern_cuda_matmul_args *a, void *stream, kds_err *err);
 

@@ -134,6 +134,47 @@ Test(cuda_gemm, gemv_small_T_exact) {
     kern_cuda_gemm_ctx_free(ctx);
 }
 
+/* The T = 1 GEMV's other geometries (kds_cuda_bench's sweep): the same
+ * bytes as the default, which the test above holds to the CPU; rows that
+ * fill no geometry's last warp, 16-byte chunks in several batches, with
+ * and without accumulation, the columns past `rows` untouched. */
+Test(cuda_gemm, gemv_variants_match_default_bit_for_bit) {
+    tcu_require_device();
+    const int shapes[][2] = {{37, 72}, {61, 2304}, {5, 520}};
+    uint64_t rs = 91;
+    for (int si = 0; si < 3; si++) {
+        const int rows = shapes[si][0], cols = shapes[si][1], ldy = rows + 3;
+        uint16_t *w = tcu_malloc((size_t)rows * cols * 2);
+        float *x = tcu_malloc((size_t)cols * 4), *y0 = tcu_malloc((size_t)ldy * 4);
+        float *want = tcu_malloc((size_t)ldy * 4), *got = tcu_malloc((size_t)ldy * 4);
+        for (size_t i = 0; i < (size_t)rows * cols; i++) w[i] = (uint16_t)(tcu_next(&rs) >> 48) & 0xbfffu;
+        tcu_fill(&rs, x, (size_t)cols, -1.0f, 1.0f);
+        tcu_fill(&rs, y0, (size_t)ldy, -1.0f, 1.0f);
+        void *dw = tcu_dev_alloc((size_t)rows * cols * 2);
+        float *dx = tcu_dev_alloc((size_t)cols * 4), *dy = tcu_dev_alloc((size_t)ldy * 4);
+        tcu_h2d(dw, w, (size_t)rows * cols * 2);
+        tcu_h2d(dx, x, (size_t)cols * 4);
+        for (int acc = 0; acc < 2; acc++)
+            for (int v = 0; v <= KERN_CUDA_GEMV_VARIANTS; v++) {
+                kds_err err = {0};
+                tcu_h2d(dy, y0, (size_t)ldy * 4);
+                kern_cuda_matmul_args a = {.W = dw, .w_dtype = KERN_BF16, .rows = rows, .cols = cols,
+                                           .x = dx, .ldx = cols, .T = 1, .y = dy, .ldy = ldy,
+                                           .accumulate = acc, .gemv_variant = v};
+                cr_assert_eq(kern_cuda_matmul(&a, NULL, &err), KDS_OK, "%s", err.msg);
+                tcu_d2h(v ? got : want, dy, (size_t)ldy * 4);
+                if (v)
+                    cr_expect_eq(memcmp(got, want, (size_t)ldy * 4), 0,
+                                 "variant %d (%s), rows %d, cols %d, accumulate %d: not the default's bytes",
+                                 v, kern_cuda_gemv_variant_name(v), rows, cols, acc);
+                else
+                    for (int r = rows; r < ldy; r++) cr_expect_eq(want[r], y0[r], "column %d written", r);
+            }
+        kern_cuda_free(dw), kern_cuda_free(dx), kern_cuda_free(dy);
+        free(w), free(x), free(y0), free(want), free(got);
+    }
+}
+
 /* T > 8 with a context: cuBLAS. EXACT within 2e-5, BF16 within its rounding
  * bound, and EXACT at least 10x closer. */
 Test(cuda_gemm, cublas_modes_bf16_weights) {

@@ -237,37 +237,37 @@ __device__ __forceinline__ void fetch_x(const float *xr, int j, int cols, float 
  * ... in batches of kGemvDepth, all kGemvRows x kGemvDepth weight loads of a
  * batch issued before the first is used.
  */
-template <int NT, bool BF16, bool VEC>
-__device__ __forceinline__ void gemv_accumulate(const void *const (&wrow)[kGemvRows], int cols,
+template <int NT, bool BF16, bool VEC, int R = kGemvRows, int D = kGemvDepth>
+__device__ __forceinline__ void gemv_accumulate(const void *const (&wrow)[R], int cols,
                                                 const float *x, int ldx, int nt,
-                                                float (&acc)[kGemvRows * NT]) {
+                                                float (&acc)[R * NT]) {
     constexpr int EPC = BF16 ? 8 : 4;
     const int lane = threadIdx.x & 31;
     const int nchunk = (cols + EPC - 1) / EPC;
-    for (int base = 0; base < nchunk; base += 32 * kGemvDepth) {
-        uint4 w[kGemvDepth][kGemvRows];
+    for (int base = 0; base < nchunk; base += 32 * D) {
+        uint4 w[D][R];
 #pragma unroll
-        for (int u = 0; u < kGemvDepth; u++) {
+        for (int u = 0; u < D; u++) {
             const int j = base + u * 32 + lane;
 #pragma unroll
-            for (int i = 0; i < kGemvRows; i++)
+            for (int i = 0; i < R; i++)
                 w[u][i] = j < nchunk && wrow[i] ? fetch_w<BF16, VEC>(wrow[i], j, cols)
                                                 : make_uint4(0u, 0u, 0u, 0u);
         }
 #pragma unroll
-        for (int u = 0; u < kGemvDepth; u++) {
+        for (int u = 0; u < D; u++) {
             const int j = base + u * 32 + lane;
             if (j >= nchunk) break;
-            float wf[kGemvRows][EPC];
+            float wf[R][EPC];
 #pragma unroll
-            for (int i = 0; i < kGemvRows; i++) unpack<BF16>(w[u][i], wf[i]);
+            for (int i = 0; i < R; i++) unpack<BF16>(w[u][i], wf[i]);
 #pragma unroll
             for (int t = 0; t < NT; t++) {
                 if (t >= nt) break;
                 float xf[EPC];
                 fetch_x<EPC, VEC>(x + (size_t)t * ldx, j, cols, xf);
 #pragma unroll
-                for (int i = 0; i < kGemvRows; i++)
+                for (int i = 0; i < R; i++)
 #pragma unroll
                     for (int e = 0; e < EPC; e++)
                         acc[i * NT + t] = fmaf(wf[i][e], xf[e], acc[i * NT + t]);
@@ -304,26 +304,28 @@ template <int N> struct rscat<N, 0> {
 
 /*
  * y[t, r] (+)= x[t] . W[r] for t < T <= NT: warp w of CTA b owns weight rows
- * (b * kGemvWarps + w) * kGemvRows + [0, kGemvRows). No shared memory, no
- * block barrier: x comes through L1 (the weights bypass it).
+ * (b * WARPS + w) * R + [0, R), D 16-byte chunks per row and lane in flight
+ * (the defaults kGemvWarps, kGemvRows, kGemvDepth; kds_cuda_bench times
+ * other geometries through kern_cuda_matmul_args.gemv_variant). No shared
+ * memory, no block barrier: x comes through L1 (the weights bypass it).
  */
-template <int NT, bool BF16, bool VEC>
-__global__ void __launch_bounds__(kGemvWarps * 32)
+template <int NT, bool BF16, bool VEC, int R = kGemvRows, int D = kGemvDepth, int WARPS = kGemvWarps>
+__global__ void __launch_bounds__(WARPS * 32)
 gemv_kernel(const void *W, int rows, int cols, const float *x, int ldx, int T, float *y, int ldy,
             int accumulate) {
     const int lane = threadIdx.x & 31;
-    const int r0 = (blockIdx.x * kGemvWarps + (threadIdx.x >> 5)) * kGemvRows;
+    const int r0 = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * R;
     if (r0 >= rows) return; /* whole warps */
     const size_t rb = (size_t)cols * (BF16 ? 2 : 4);
-    const void *wrow[kGemvRows];
+    const void *wrow[R];
 #pragma unroll
-    for (int i = 0; i < kGemvRows; i++)
+    for (int i = 0; i < R; i++)
         wrow[i] = r0 + i < rows ? static_cast<const char *>(W) + (size_t)(r0 + i) * rb : nullptr;
-    float acc[kGemvRows * NT];
+    float acc[R * NT];
 #pragma unroll
-    for (int i = 0; i < kGemvRows * NT; i++) acc[i] = 0.0f;
-    gemv_accumulate<NT, BF16, VEC>(wrow, cols, x, ldx, T, acc);
-    constexpr int N = kGemvRows * NT, S = 5 - ilog2(N);
+    for (int i = 0; i < R * NT; i++) acc[i] = 0.0f;
+    gemv_accumulate<NT, BF16, VEC, R, D>(wrow, cols, x, ldx, T, acc);
+    constexpr int N = R * NT, S = 5 - ilog2(N);
     rscat<N, 16>::run(acc, lane);
     if (lane & ((1 << S) - 1)) return;
     const int k = lane >> S, i = k / NT, t = k % NT;
@@ -809,8 +811,25 @@ bool aligned16(const void *p) {
     return ((uintptr_t)p & 15u) == 0;
 }
 
+/* One geometry of the T = 1 bf16 GEMV (rows per warp, depth, warps per CTA). */
+template <int R, int D, int WARPS>
+void launch_gemv_geometry(const kern_cuda_matmul_args *a, cudaStream_t st) {
+    const unsigned grid = (unsigned)((a->rows + WARPS * R - 1) / (WARPS * R));
+    gemv_kernel<1, true, true, R, D, WARPS><<<grid, WARPS * 32, 0, st>>>(a->W, a->rows, a->cols, a->x, a->ldx, a->T, a->y, a->ldy, a->accumulate ? 1 : 0);
+}
+
 template <bool BF16, bool VEC>
 void launch_gemv(const kern_cuda_matmul_args *a, cudaStream_t st) {
+    if (BF16 && VEC && a->T == 1 && a->gemv_variant > 0) {
+        switch (a->gemv_variant) { /* KERN_CUDA_GEMV_VARIANTS of them */
+        case 1: launch_gemv_geometry<2, 8, 4>(a, st); return;
+        case 2: launch_gemv_geometry<1, 8, 8>(a, st); return;
+        case 3: launch_gemv_geometry<1, 16, 4>(a, st); return;
+        case 4: launch_gemv_geometry<4, 8, 4>(a, st); return;
+        case 5: launch_gemv_geometry<2, 4, 8>(a, st); return;
+        default: break;
+        }
+    }
     const unsigned grid = (unsigned)((a->rows + kGemvWarps * kGemvRows - 1) / (kGemvWarps * kGemvRows));
     const int acc = a->accumulate ? 1 : 0;
     if (a->T == 1)
@@ -1002,6 +1021,13 @@ extern "C" kds_status kern_cuda_gemm_ctx_set_stream(kern_cuda_gemm_ctx *c, void 
 }
 
 /* ---- kern_cuda_matmul ------------------------------------------------------------ */
+
+extern "C" const char *kern_cuda_gemv_variant_name(int v) {
+    static const char *const names[KERN_CUDA_GEMV_VARIANTS + 1] = {
+        "rows/warp 4, depth 4, warps 4", "rows/warp 2, depth 8, warps 4", "rows/warp 1, depth 8, warps 8",
+        "rows/warp 1, depth 16, warps 4", "rows/warp 4, depth 8, warps 4", "rows/warp 2, depth 4, warps 8"};
+    return v >= 0 && v <= KERN_CUDA_GEMV_VARIANTS ? names[v] : "no such variant";
+}
 
 extern "C" kds_status kern_cuda_matmul(const kern_cuda_matmul_args *a, void *stream, kds_err *err) {
     if (!a) return kern_cuda__err(err, KDS_INVALID_ARG, "matmul: NULL arguments");

@@ -360,6 +360,22 @@ static void bench_small(int quick) {
         void *f[] = {x, z, w, y};
         for (size_t j = 0; j < 4; j++) CK(cudaFree(f[j]));
     }
+    /* the hidden-size norms of a decode step: one row of 2304 (Kimi-Linear)
+     * and of 7168 (K3), fp32 -> fp32 with a bf16 weight */
+    const int wide_n[] = {2304, 7168};
+    for (int i = 0; i < 2; i++) {
+        const int n = g_tiny ? 512 * (i + 1) : wide_n[i];
+        float *x = dalloc((size_t)n * 4), *y = dalloc((size_t)n * 4);
+        void *w = dalloc((size_t)n * 2);
+        fill(x, KERN_F32, (size_t)n, -3, 3, 44);
+        fill(w, KERN_BF16, (size_t)n, 0.5f, 1.5f, 45);
+        kern_cuda_norm_args a = {.rows = 1, .n = n, .eps = 1e-6f, .x = x, .w = w, .w_dtype = KERN_BF16,
+                                 .y = y, .y_dtype = KERN_F32};
+        printf("| RMSNorm (fp32, bf16 weight) | 1 row x %d | %.2f |\n", n, time_us(run_norm, &a, reps));
+        CK(cudaFree(x));
+        CK(cudaFree(y));
+        CK(cudaFree(w));
+    }
     const int Tr[] = {1, 256, 8192};
     for (int i = 0; i < (g_tiny ? 2 : 3); i++) {
         const int T = Tr[i], E = 256, kk = 8;
@@ -466,6 +482,18 @@ static void bench_gemm(int quick) {
                        bytes / (us * 1e-6) / 1e9, flop / (us * 1e-6) / 1e12);
                 fflush(stdout);
             }
+            /* the T = 1 GEMV's other geometries (same bytes out; the
+             * default is kern_cuda_gemv_variant_name(0)) */
+            for (int v = 1; T == 1 && v <= KERN_CUDA_GEMV_VARIANTS; v++) {
+                g.a.gemv_variant = v;
+                const double us = time_us(run_matmul, &g, reps);
+                const double bytes = (double)wb + (double)cols * 4 + (double)rows * 4;
+                printf("| %s | %d x %d | 1 | GEMV v%d (%s) | %.2f | %.0f | %.2f |\n", g_tiny ? "tiny" : P[pi].name,
+                       rows, cols, v, kern_cuda_gemv_variant_name(v), us, bytes / (us * 1e-6) / 1e9,
+                       2.0 * rows * cols / (us * 1e-6) / 1e12);
+                fflush(stdout);
+            }
+            g.a.gemv_variant = 0;
         }
         CK(cudaFree(g.w0));
     }
