@@ -204,11 +204,16 @@ async function main() {
     const streamed = created && await check('streams a reply token by token', async () => {
       // A tiny model may end its text at once; a few tries make "it stopped
       // after one piece" (the model's choice) distinct from "no streaming".
+      // The server joins the text of tokens made while a token event still
+      // waits to be written (the writer is behind): a short reply on a
+      // loaded machine (the sanitizer build, 2 busy cores) came as a single
+      // event three times running, so each try asks for up to 240 tokens
+      // (about a second there), long enough for the writer to go between.
       let r;
       await page.click(tid('settings') + ' summary'); // open the settings panel, left open
       for (let attempt = 1; attempt <= 3; attempt++) {
         await watchNextReply();
-        await send('It is a truth universally acknowledged', 48);
+        await send('It is a truth universally acknowledged', 240);
         await page.waitForSelector(tid('gen-status') + ':is([data-state="generating"],[data-state="done"],[data-state="failed"])');
         await waitDone();
         r = await lastReply();
