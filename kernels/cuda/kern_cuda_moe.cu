@@ -159,12 +159,11 @@ count_kernel(const int32_t *sel, int n_pairs, int32_t *exp_off) {
 
 /* exp_off[1..E] = inclusive prefix sums of the counts (one CTA): thread i
  * sums its run of kScanRun entries, the runs' totals are scanned across the
- * block (warp shuffles), then each thread writes its run. (One thread over
- * all 256 entries of a decode step took ~4 µs.) */
+ * block, then each thread writes its run. (One thread over all 256 entries
+ * of a decode step took ~4 µs.) */
 constexpr int kScanRun = (1025 + kPermThreads - 1) / kPermThreads;
 __global__ void __launch_bounds__(kPermThreads) scan_kernel(int32_t *exp_off, int E) {
-    __shared__ int32_t s_warp[kPermThreads / 32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __shared__ int s_scan[kPermThreads / 32 + 1];
     const int e0 = threadIdx.x * kScanRun;
     int32_t run[kScanRun], sum = 0;
 #pragma unroll
@@ -172,16 +171,8 @@ __global__ void __launch_bounds__(kPermThreads) scan_kernel(int32_t *exp_off, in
         run[j] = e0 + j <= E ? exp_off[e0 + j] : 0;
         sum += run[j];
     }
-    int32_t incl = sum; /* inclusive scan of the runs' sums: warp, then block */
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const int32_t y = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += y;
-    }
-    if (lane == 31) s_warp[warp] = incl;
-    __syncthreads();
-    int32_t before = incl - sum;
-    for (int w = 0; w < warp; w++) before += s_warp[w];
+    int total;
+    int32_t before = block_exclusive_scan<kPermThreads>(sum, s_scan, &total);
 #pragma unroll
     for (int j = 0; j < kScanRun; j++) {
         before += run[j];

@@ -40,18 +40,13 @@ struct norm_params {
     float eps;
 };
 
-__global__ void __launch_bounds__(kNormThreads) rmsnorm_kernel(const norm_params p) {
-    const int row = (int)((blockIdx.x * (unsigned)blockDim.x + threadIdx.x) >> 5);
-    const int lane = threadIdx.x & 31;
-    if (row >= p.rows) return; /* whole warps: no barrier below */
-    const size_t off = (size_t)row * p.n;
+/* Row `off / n` from its sum of squares ss: y[i] = x[i] * r (* w[i])
+ * (* sigmoid(z[i])) for i = first, first + step, ... (the row's threads). */
+__device__ __forceinline__ void scale_row(const norm_params &p, size_t off, double ss, int first, int step) {
     const float *x = p.x + off;
-    double ss = 0.0;
-    for (int i = lane; i < p.n; i += 32) ss += (double)x[i] * x[i];
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
     const float r = (float)(1.0 / sqrt(ss / p.n + (double)p.eps));
-    for (int i = lane; i < p.n; i += 32) {
+#pragma unroll 4
+    for (int i = first; i < p.n; i += step) {
         float y = __fmul_rn(x[i], r);
         if (p.w) y = __fmul_rn(y, ld_any(p.w, p.w_bf16, i));
         if (p.z) {
@@ -63,6 +58,19 @@ __global__ void __launch_bounds__(kNormThreads) rmsnorm_kernel(const norm_params
         else
             static_cast<float *>(p.y)[off + i] = y;
     }
+}
+
+__global__ void __launch_bounds__(kNormThreads) rmsnorm_kernel(const norm_params p) {
+    const int row = (int)((blockIdx.x * (unsigned)blockDim.x + threadIdx.x) >> 5);
+    const int lane = threadIdx.x & 31;
+    if (row >= p.rows) return; /* whole warps: no barrier below */
+    const size_t off = (size_t)row * p.n;
+    const float *x = p.x + off;
+    double ss = 0.0;
+    for (int i = lane; i < p.n; i += 32) ss += (double)x[i] * x[i];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    scale_row(p, off, ss, lane, 32);
 }
 
 /*
@@ -86,20 +94,7 @@ __global__ void __launch_bounds__(kNormThreads) rmsnorm_row_kernel(const norm_pa
     ss = 0.0;
 #pragma unroll
     for (int w = 0; w < kNormThreads / 32; w++) ss += s_ss[w];
-    const float r = (float)(1.0 / sqrt(ss / p.n + (double)p.eps));
-#pragma unroll 4
-    for (int i = tid; i < p.n; i += kNormThreads) {
-        float y = __fmul_rn(x[i], r);
-        if (p.w) y = __fmul_rn(y, ld_any(p.w, p.w_bf16, i));
-        if (p.z) {
-            const float s = 1.0f / (1.0f + expf(-ld_any(p.z, p.z_bf16, off + i)));
-            y = __fmul_rn(y, s);
-        }
-        if (p.y_bf16)
-            static_cast<uint16_t *>(p.y)[off + i] = f32_to_bf16(y);
-        else
-            static_cast<float *>(p.y)[off + i] = y;
-    }
+    scale_row(p, off, ss, tid, kNormThreads);
 }
 
 /* Rows this wide or wider get a CTA each (rmsnorm_row_kernel). */

@@ -20,6 +20,7 @@
  */
 #include <stdint.h>
 
+#include "kern_cuda_dev.cuh"
 #include "kern_cuda_impl.cuh"
 
 namespace {
@@ -52,36 +53,6 @@ __device__ __forceinline__ float key_to_float(uint32_t k) {
 
 __device__ __forceinline__ uint64_t rotl(uint64_t x, int k) {
     return (x << k) | (x >> (64 - k));
-}
-
-/* Exclusive prefix sum of one int per thread over the block; *total gets
- * the sum. s: kThreads / 32 ints of shared scratch. Contains barriers. */
-__device__ int block_exclusive_scan(int x, int *s, int *total) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    int incl = x;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const int y = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += y;
-    }
-    if (lane == 31) s[warp] = incl;
-    __syncthreads();
-    if (warp == 0) {
-        int w = lane < kThreads / 32 ? s[lane] : 0;
-        int wi = w;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const int y = __shfl_up_sync(0xffffffffu, wi, o);
-            if (lane >= o) wi += y;
-        }
-        if (lane < kThreads / 32) s[lane] = wi - w; /* exclusive warp offsets */
-        if (lane == 31) s[kThreads / 32] = wi;
-    }
-    __syncthreads();
-    const int r = s[warp] + incl - x;
-    *total = s[kThreads / 32];
-    __syncthreads(); /* s reusable */
-    return r;
 }
 
 __global__ void __launch_bounds__(kThreads) sample_kernel(const sample_params p) {
@@ -226,7 +197,7 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(const sample_params p)
     int ties = 0;
     for (int i = i0; i < i1; i++) ties += fkey(lp[i] / temp) == thr;
     int total = 0;
-    int off = block_exclusive_scan(ties, s_scan, &total);
+    int off = block_exclusive_scan<kThreads>(ties, s_scan, &total);
     for (int i = i0; i < i1 && off < need_eq; i++)
         if (fkey(lp[i] / temp) == thr) {
             s_cand[n_gt + off] = ((unsigned long long)thr << 32) | (uint32_t)~(uint32_t)i;
