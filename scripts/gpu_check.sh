@@ -391,7 +391,7 @@ else
     note "ncu: not run (not found, no GPU, or out of time)"
 fi
 
-# ---- where a 48B decode step's time goes: every kernel of the last decode run, timed by ncu ----
+# ---- where a 48B decode step's time goes: every kernel of the decode passes, timed by ncu ----
 # (graphs off, so each launch is its own; the sum of kernel times per token
 # against the bench's ms/token with graphs on is the time between kernels)
 if want profile && [ -n "$ncu" ] && [ -x "$BIN/kdaserve" ] && [ -z "${KDS_GPU_CHECK_FORCE:-}" ] &&
