@@ -9,6 +9,12 @@
 # llama.cpp: medians over the rounds, and the load average. On a shared
 # machine only the ratios of one run mean anything (docs/benchmarks.md).
 #
+# kdaserve's decode is also given as a share of the machine's memory read
+# bandwidth (issue 18's second target): the bytes a token reads at the
+# decode's speed against a plain streaming read in the same kdaserve run,
+# each decode run between two reads when a token's bytes pass the
+# last-level cache (`kdaserve bench --help`). --no-read leaves it out.
+#
 # kdaserve's prefill is measured twice a round: exact (its default: f32
 # sums of the stored bf16 weights) and with --bf16, which rounds a
 # prefill's activations to bf16 as llama.cpp's bf16 path does (equal
@@ -30,6 +36,7 @@ usage() {
 usage: scripts/bench_vs.sh --llama-bench PATH --model DIR [--gguf FILE] [--rounds N]
                            [--threads T] [--prompt P] [--gen G] [--repeats R]
                            [--kdaserve PATH] [--kdaserve-args "ARGS"] [--llama-args "ARGS"]
+                           [--no-bf16] [--no-depth] [--no-read]
 
   --llama-bench PATH  llama.cpp's llama-bench (or llama-cli: llama-bench beside it)
   --model DIR         the kdaserve model directory (safetensors)
@@ -47,6 +54,8 @@ usage: scripts/bench_vs.sh --llama-bench PATH --model DIR [--gguf FILE] [--round
   --llama-args ARGS   more llama-bench options, e.g. "-fa 0"
   --no-depth          llama.cpp decodes from an empty context, not at depth P
                       (for llama-bench builds without -d)
+  --no-read           leave out kdaserve's streaming read of the memory (the
+                      "decode % of read" column)
 EOF
 }
 
@@ -57,7 +66,7 @@ die() {
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 llama="" model="" gguf="" rounds=4 threads="" prompt=512 gen=128 repeats=3 kds="" largs="" kargs=""
-nobf16=0 nodepth=0
+nobf16=0 nodepth=0 noread=0
 while [[ $# -gt 0 ]]; do
     case "$1" in
     --llama-bench) llama=${2:-}; shift 2 ;;
@@ -73,6 +82,7 @@ while [[ $# -gt 0 ]]; do
     --kdaserve-args) kargs=${2:-}; shift 2 ;;
     --no-bf16) nobf16=1; shift ;;
     --no-depth) nodepth=1; shift ;;
+    --no-read) noread=1; shift ;;
     -h | --help) usage; exit 0 ;;
     *) usage >&2; die "unknown argument '$1'" ;;
     esac
@@ -108,19 +118,27 @@ fi
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 
-# kdaserve bench: the best prefill and decode tokens/s of R repeats (its
-# streaming read of the memory left out: it would only lengthen the round);
-# extra options in $1 (--bf16 runs the prefill only: decode is exact either way)
+# kdaserve bench: the best prefill and decode tokens/s of R repeats, and
+# the decode as a percentage of the memory read of the same run (the median
+# of each decode run against the reads around it when kdaserve pairs them,
+# else the best run against its one read; - without a read); extra options
+# in $1 (--bf16 runs the prefill only, without the read: decode is exact
+# either way)
 run_kds() {
-    local extra=${1:-} g=$gen
+    local extra=${1:-} g=$gen bw=""
     [[ -n $extra ]] && g=0
+    { [[ -n $extra ]] || ((noread)); } && bw="--bandwidth-mib 0"
     # shellcheck disable=SC2086
     "$kds" bench --model "$model" --threads "$threads" --prompt-tokens "$prompt" \
-        --gen-tokens "$g" --repeats "$repeats" --bandwidth-mib 0 $kargs $extra >"$tmp/kds.out" \
+        --gen-tokens "$g" --repeats "$repeats" $bw $kargs $extra >"$tmp/kds.out" \
         2>"$tmp/kds.err" ||
         { cat "$tmp/kds.err" >&2; die "kdaserve bench failed"; }
-    awk '$1 == "prefill" {p = $2} $1 == "decode" {d = $2} END {
-        if (p == "" || d == "") exit 1; print p, d }' "$tmp/kds.out" ||
+    awk '$1 == "prefill" {p = $2} $1 == "decode" {d = $2}
+        /-> decode at [0-9.]+% of it/ { s = $0; sub(/.*-> decode at /, "", s); sub(/%.*/, "", s); one = s }
+        /reads just before and after it:/ { s = $0; sub(/.*after it: /, "", s); sub(/%.*/, "", s); pair = s }
+        END {
+        if (p == "" || d == "") exit 1
+        print p, d, pair != "" ? pair : one != "" ? one : "-" }' "$tmp/kds.out" ||
         die "cannot read kdaserve bench's output: $(cat "$tmp/kds.out")"
 }
 
@@ -181,9 +199,9 @@ else
 fi
 echo "load average at start: $(loadavg)"
 echo
-printf '%-6s %-10s %12s %12s %13s %12s %12s %9s %9s %9s  %s\n' round first "kds prefill" \
+printf '%-6s %-10s %12s %12s %13s %12s %12s %9s %9s %9s %9s  %s\n' round first "kds prefill" \
     "kds bf16 pf" "llama prefill" "kds decode" "llama decode" "prefill x" "bf16 pf x" "decode x" \
-    "load"
+    "kds read%" "load"
 : >"$tmp/rounds"
 for ((r = 1; r <= rounds; r++)); do
     bres="0 0"
@@ -198,17 +216,18 @@ for ((r = 1; r <= rounds; r++)); do
         kres=$(run_kds)
         ((nobf16)) || bres=$(run_kds --bf16)
     fi
-    read -r kp kd <<<"$kres"
+    read -r kp kd kr <<<"$kres"
     read -r bp _ <<<"$bres"
     read -r lp ld <<<"$lres"
     rp=$(awk -v a="$kp" -v b="$lp" 'BEGIN { printf "%.3f", a / b }')
     rb=$(awk -v a="$bp" -v b="$lp" 'BEGIN { printf "%.3f", a / b }')
     rd=$(awk -v a="$kd" -v b="$ld" 'BEGIN { printf "%.3f", a / b }')
-    echo "$kp $lp $kd $ld $rp $rd $bp $rb" >>"$tmp/rounds"
+    echo "$kp $lp $kd $ld $rp $rd $bp $rb $kr" >>"$tmp/rounds"
     # without the --bf16 run its two columns say so, not 0.0
     if ((nobf16)); then bcol=-; bx=-; else bcol=$(printf '%.1f' "$bp"); bx=${rb}x; fi
-    printf '%-6s %-10s %12.1f %12s %13.1f %12.2f %12.2f %8sx %9s %8sx  %s\n' "$r" "$first" \
-        "$kp" "$bcol" "$lp" "$kd" "$ld" "$rp" "$bx" "$rd" "$(loadavg)"
+    if [[ $kr == - ]]; then kcol=-; else kcol=$kr%; fi
+    printf '%-6s %-10s %12.1f %12s %13.1f %12.2f %12.2f %8sx %9s %8sx %9s  %s\n' "$r" "$first" \
+        "$kp" "$bcol" "$lp" "$kd" "$ld" "$rp" "$bx" "$rd" "$kcol" "$(loadavg)"
 done
 
 col() { awk -v c="$1" '{print $c}' "$tmp/rounds" | median; }
@@ -223,5 +242,11 @@ printf '| prefill, %s tokens (kdaserve exact) | %.1f | %.1f | %.2fx |\n' "$promp
     "$prompt" "$(col 7)" "$(col 2)" "$(col 8)"
 printf '| decode, %s tokens after the prompt | %.2f | %.2f | %.2fx |\n' "$gen" "$(col 3)" "$(col 4)" \
     "$(col 6)"
+if [[ $(col 9) != "" ]] && awk '$9 == "-" {bad = 1} END {exit bad}' "$tmp/rounds"; then
+    echo
+    printf 'kdaserve decode against the memory read of its own run: %.0f%% (median over the rounds; %s-%s%%)\n' \
+        "$(col 9)" "$(awk '{print $9}' "$tmp/rounds" | sort -g | head -1)" \
+        "$(awk '{print $9}' "$tmp/rounds" | sort -g | tail -1)"
+fi
 echo
 echo "load average at end: $(loadavg)"
