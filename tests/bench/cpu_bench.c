@@ -11,9 +11,9 @@
  *       runs (a) too: its percentages are of (a)'s read).
  *
  * Prints markdown tables (the same lines go to docs/benchmarks.md):
- *   (a) memory read bandwidth: a streaming read (AVX-512 loads, four
- *       independent sums) of a buffer of max(1 GiB, 4 x L3), 1 and 2
- *       threads;
+ *   (a) memory read bandwidth: a streaming read (kern_read_sum: 64-byte
+ *       AVX-512 loads, or 8-byte loads without, four independent sums)
+ *       of a buffer of max(1 GiB, 4 x L3), 1 and 2 threads;
  *   (b) T = 1 products (decode): MXFP4, Q8_0 and, for comparison, bf16
  *       (kern_matmul) on [3072, 3584] and [3584, 3072], each one matrix
  *       over and over (it stays in L3: the kernels' compute ceiling) and a
@@ -218,8 +218,14 @@ static void bench_bandwidth(void) {
     unsigned char *buf = xalloc(n);
     fill_bytes(buf, n, 1);
     printf("### (a) Memory read bandwidth\n\n");
-    printf("Streaming read of %.0f MiB (AVX-512 loads, 4 independent sums), median of %d.\n\n",
-           n / 1048576.0, g_runs);
+    printf("Streaming read of %.0f MiB (kern_read_sum: 4 independent sums, %s), median of %d.\n\n",
+           n / 1048576.0,
+#if defined(__AVX512F__) /* kern_simd.h's KERN_AVX512: the kernels' flags are this file's */
+           "64-byte AVX-512 loads",
+#else
+           "8-byte loads",
+#endif
+           g_runs);
     printf("| threads | GB/s |\n|---|---|\n");
     for (int th = 1; th <= 2; th++) {
         double gbs[64];
