@@ -186,6 +186,47 @@ Test(matmul, bf16_one_token_loops_agree_on_and_off_lines) {
     }
 }
 
+/* A one-token product of a matrix from memory with rows shorter than a
+ * page goes (AVX2) as eight sequential runs of rows instead of eight rows
+ * side by side; every element format must keep each row's bits and write
+ * only [r0, r1): row ranges of 16 rows and more, ragged at both ends, as a
+ * thread's share of full27's [2304, 1024] down projection would be, and
+ * below 16 rows (side by side), against the same product from cache. */
+Test(matmul, streamed_short_rows_keep_each_rows_bits) {
+    const kern_dtype dts[] = {KERN_F32, KERN_BF16, KERN_F16};
+    const int shapes[][2] = {{90, 1024}, {203, 256}, {40, 96}, {21, 1024}};
+    for (int d = 0; d < 3; d++)
+        for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+            const int rows = shapes[s][0], in = shapes[s][1], r0 = 3, r1 = rows - 2;
+            float *wf = malloc((size_t)rows * in * sizeof(float)), *x = malloc(in * sizeof(float));
+            float *ya = malloc(rows * sizeof(float)), *yb = malloc(rows * sizeof(float));
+            float *scratch = malloc(kern_matmul_scratch_floats(in) * sizeof(float));
+            void *w = make_w(dts[d], rows, in, wf, 0x51ed27ull + (uint64_t)s * 7 + dts[d]);
+            cr_assert(wf && x && ya && yb && scratch && w);
+            uint64_t seed = 4242 + s;
+            for (int i = 0; i < in; i++)
+                x[i] = unit(&seed);
+            for (int r = 0; r < rows; r++)
+                ya[r] = yb[r] = NAN;
+            kern_weight kw = {.dt = dts[d], .data = w, .rows = rows, .cols = in};
+            kern_matmul_w(&kw, x, 1, ya, rows, r0, r1, scratch);
+            kw.streamed = true;
+            kern_matmul_w(&kw, x, 1, yb, rows, r0, r1, scratch);
+            cr_assert_eq(memcmp(ya + r0, yb + r0, (size_t)(r1 - r0) * sizeof(float)), 0,
+                         "%s [%d, %d] rows [%d, %d): streamed and cached products differ",
+                         kern_dtype_name(dts[d]), rows, in, r0, r1);
+            cr_assert(isnan(yb[r0 - 1]) && isnan(yb[r1]), "rows outside [r0, r1) written");
+            for (int r = r0; r < r1; r++)
+                cr_assert(isfinite(yb[r]), "row %d not written", r);
+            free(w);
+            free(wf);
+            free(x);
+            free(ya);
+            free(yb);
+            free(scratch);
+        }
+}
+
 /* The GEMM path (T >= 64 with scratch; kern_matmul_w_prefill from
  * KERN_PREFILL_GEMM_MIN_T) against its specification: each output the
  * sequential fmaf chain over its row, compared bit for bit, for row ranges

@@ -502,15 +502,25 @@ static void dot8(kern_dtype dt, const void *W, int in, const float *x, int nt, i
 #endif
 
 #if KERN_AVX2
+/* The AVX2 one-token loop of a matrix from memory takes rows shorter than
+ * this many bytes in eight sequential streams (dot8_avx2_body), each
+ * prefetched DOT_SPREAD_PF bytes ahead. 4 KiB: wide's and full27's
+ * [1024, 2304] up projections (4.5 KiB rows) read as fast side by side
+ * (one thread, the same harness: 20.0 GB/s side by side, 17.8 spread). */
+#define DOT_SPREAD_BELOW 4096
+#define DOT_SPREAD_PF 4096
+
 /* Eight rows from w (row stride `stride` bytes) dotted with one token x
- * [in], into y[0..8): per eight columns each row's vector feeds its own
- * FMA, one eight-lane chain per row, then hsum8 and the scalar tail as
- * dot_row. Each 64-byte line of each row (32 bf16 or f16 columns, 16 f32)
- * is prefetched pf bytes ahead as the loop reaches it (the rows are
- * contiguous, so that is the matrix pf bytes on). */
+ * [in], into y[k * ystep] for k in [0, 8): per eight columns each row's
+ * vector feeds its own FMA, one eight-lane chain per row, then hsum8 and
+ * the scalar tail as dot_row. Each 64-byte line of each row (32 bf16 or
+ * f16 columns, 16 f32) is prefetched pf bytes ahead as the loop reaches
+ * it: with the eight rows side by side (stride one row) that is the
+ * matrix pf bytes on; with rows far apart, each row's own stream pf bytes
+ * on (dot8_avx2_body). */
 static inline __attribute__((always_inline)) void
 rows8_avx2(const kern_dtype dt, const char *w, size_t stride, int in, const float *x, float *y,
-           size_t pf) {
+           size_t ystep, size_t pf) {
     const int vec_end = in & ~7;
     const size_t esz = kern_dtype_size(dt);
     __m256 a[8];
@@ -525,7 +535,7 @@ rows8_avx2(const kern_dtype dt, const char *w, size_t stride, int in, const floa
     for (int k = 0; k < 8; k++) {
         float acc = hsum8(a[k]);
         for (int i = vec_end; i < in; i++) acc += load1(dt, w + k * stride, i) * x[i];
-        y[k] = acc;
+        y[(size_t)k * ystep] = acc;
     }
 }
 
@@ -654,7 +664,7 @@ static __attribute__((noinline)) void rows4_tile_avx2(const kern_dtype dt, const
  * lone product's, bit for bit, however it is grouped. y: [T, ldy]. */
 static inline __attribute__((always_inline)) void
 dot8_avx2_body(const kern_dtype dt, const void *W, int in, const float *x, int T, int r0, int r1,
-               float *y, int ldy) {
+               float *y, int ldy, bool streamed) {
     const size_t stride = (size_t)in * kern_dtype_size(dt);
     /* The first token's pass over eight rows (the first group's over
      * four) prefetches the matrix this far ahead (at least 16 KiB and
@@ -665,8 +675,27 @@ dot8_avx2_body(const kern_dtype dt, const void *W, int in, const float *x, int T
     const size_t pf = 8 * stride > 16384 ? 8 * stride : 16384;
     const char *w0 = (const char *)W;
     int r = r0;
+    if (T == 1 && streamed && stride < DOT_SPREAD_BELOW && r1 - r0 >= 16) {
+        /* Rows shorter than a page, from memory (a [2304, 1024] down
+         * projection: 2 KiB rows): eight rows side by side are 16 KiB
+         * read as eight 2 KiB pieces, then a jump, and read slower than
+         * long rows (the same bytes, `kds_cpu_bench --only b`: 15 against
+         * 20 GB/s on one thread). Taken instead as eight runs of n8
+         * consecutive rows, the eight rows of a step n8 rows apart, each
+         * run is one sequential stream, prefetched DOT_SPREAD_PF bytes
+         * ahead along itself. Each row keeps its chain, so the bits are
+         * those of eight rows side by side. full27's decode (instrumented
+         * build, three alternations in one session): the down
+         * projections' dispatches read at 0.80-0.82x the up projections'
+         * speed before, 0.88-0.92x after (docs/benchmarks.md). */
+        const int n8 = (r1 - r0) / 8;
+        for (int j = 0; j < n8; j++)
+            rows8_avx2(dt, w0 + (size_t)(r0 + j) * stride, (size_t)n8 * stride, in, x, y + r0 + j,
+                       (size_t)n8, DOT_SPREAD_PF);
+        r = r0 + 8 * n8;
+    }
     for (; T == 1 && r + 8 <= r1; r += 8)
-        rows8_avx2(dt, w0 + (size_t)r * stride, stride, in, x, y + r, pf);
+        rows8_avx2(dt, w0 + (size_t)r * stride, stride, in, x, y + r, 1, pf);
     const int ng = (T + 2) / 3, steps = in / 8 > 0 ? in / 8 : 1;
     const size_t share = (4 * stride + (size_t)ng - 1) / (size_t)ng;
     const size_t pf_step = (share + (size_t)steps - 1) / (size_t)steps;
@@ -688,13 +717,13 @@ dot8_avx2_body(const kern_dtype dt, const void *W, int in, const float *x, int T
 /* dot8_avx2_body with the format a constant in each copy: a format tested
  * in the inner loop cost a compare and a spill per eight columns. */
 static void dot8_avx2(kern_dtype dt, const void *W, int in, const float *x, int T, int r0,
-                      int r1, float *y, int ldy) {
+                      int r1, float *y, int ldy, bool streamed) {
     if (dt == KERN_BF16)
-        dot8_avx2_body(KERN_BF16, W, in, x, T, r0, r1, y, ldy);
+        dot8_avx2_body(KERN_BF16, W, in, x, T, r0, r1, y, ldy, streamed);
     else if (dt == KERN_F16)
-        dot8_avx2_body(KERN_F16, W, in, x, T, r0, r1, y, ldy);
+        dot8_avx2_body(KERN_F16, W, in, x, T, r0, r1, y, ldy, streamed);
     else
-        dot8_avx2_body(KERN_F32, W, in, x, T, r0, r1, y, ldy);
+        dot8_avx2_body(KERN_F32, W, in, x, T, r0, r1, y, ldy, streamed);
 }
 #endif
 
@@ -752,7 +781,7 @@ void kern__matmul_blas(kern_dtype dt, const void *W, int in, const float *x, int
 
 void kern__matmul_hinted(kern_dtype dt, const void *W, int in, const float *x, int T, float *y,
                          int ldy, int r0, int r1, float *scratch, bool streamed) {
-    (void)streamed; /* used by the AVX-512 one-token bf16 loop only */
+    (void)streamed; /* used by the one-token loops of AVX-512 (bf16) and AVX2 (short rows) */
     if (r1 <= r0 || T <= 0) return;
 #if KERN_GEMM_SIMD
     if (T >= MATMUL_GEMM_MIN_T && scratch) {
@@ -793,7 +822,7 @@ void kern__matmul_hinted(kern_dtype dt, const void *W, int in, const float *x, i
         }
     }
 #elif KERN_AVX2
-    dot8_avx2(dt, W, in, x, T, r0, r1, y, ldy);
+    dot8_avx2(dt, W, in, x, T, r0, r1, y, ldy, streamed);
     return;
 #endif
     const size_t ez = kern_dtype_size(dt);
