@@ -505,8 +505,9 @@ static void dot8(kern_dtype dt, const void *W, int in, const float *x, int nt, i
 /* The AVX2 one-token loop of a matrix from memory takes rows shorter than
  * this many bytes in eight sequential streams (dot8_avx2_body), each
  * prefetched DOT_SPREAD_PF bytes ahead. 4 KiB: wide's and full27's
- * [1024, 2304] up projections (4.5 KiB rows) read as fast side by side
- * (one thread, the same harness: 20.0 GB/s side by side, 17.8 spread). */
+ * [1024, 2304] up projections (4.5 KiB rows) read faster side by side
+ * (from memory, one thread: 20.0 GB/s side by side, 17.8 spread;
+ * docs/benchmarks.md, "Side by side at today's head"). */
 #define DOT_SPREAD_BELOW 4096
 #define DOT_SPREAD_PF 4096
 
@@ -679,8 +680,8 @@ dot8_avx2_body(const kern_dtype dt, const void *W, int in, const float *x, int T
         /* Rows shorter than a page, from memory (a [2304, 1024] down
          * projection: 2 KiB rows): eight rows side by side are 16 KiB
          * read as eight 2 KiB pieces, then a jump, and read slower than
-         * long rows (the same bytes, `kds_cpu_bench --only b`: 15 against
-         * 20 GB/s on one thread). Taken instead as eight runs of n8
+         * long rows (the same bytes from memory, one thread: 15-16 against
+         * 20-21 GB/s; `kds_cpu_bench --only b` has both shapes). Taken instead as eight runs of n8
          * consecutive rows, the eight rows of a step n8 rows apart, each
          * run is one sequential stream, prefetched DOT_SPREAD_PF bytes
          * ahead along itself. Each row keeps its chain, so the bits are

@@ -15,7 +15,8 @@
  *       AVX-512 loads, or 8-byte loads without, four independent sums)
  *       of a buffer of max(1 GiB, 4 x L3), 1 and 2 threads;
  *   (b) T = 1 products (decode): MXFP4, Q8_0 and, for comparison, bf16
- *       (kern_matmul) on [3072, 3584] and [3584, 3072], each one matrix
+ *       (kern_matmul) on [3072, 3584] and [3584, 3072] (and bf16 on the
+ *       48B layout's expert shapes [1024, 2304], [2304, 1024]), each one matrix
  *       over and over (it stays in L3: the kernels' compute ceiling) and a
  *       stack of experts whose total is >= 4 x L3 (each expert once per
  *       sweep, as routed experts come from memory), in bytes read per
@@ -331,6 +332,30 @@ static double time_sweeps(const kern_weight *w, int n, int reps, const float *x,
 
 static const int SHAPES[2][2] = {{3072, 3584}, {3584, 3072}};
 
+/* One row pair of (b): format dt, [rows, cols], hot and as a stack. */
+static void decode_rows(kern_dtype dt, int rows, int cols) {
+    const size_t per = kern_weight_layout(dt, rows, cols).bytes;
+    const int n = stack_count(per);
+    stack st = make_stack(dt, rows, cols, n);
+    float *x = random_x((size_t)cols, 3), *y = xalloc((size_t)rows * sizeof(float));
+    const double bytes = (double)per + 4.0 * cols;
+    for (int th = 1; th <= 2; th++) {
+        const int reps_hot = 40;
+        const double hot = time_sweeps(st.w, 1, reps_hot, x, 1, y, th, 0) / reps_hot;
+        const double cold = time_sweeps(st.w, n, n, x, 1, y, th, 0) / n;
+        printf("| %s | [%d, %d] | hot (%.1f MB) | %d | %.0f | %.1f | %.0f%% |\n",
+               kern_dtype_name(dt), rows, cols, bytes / 1e6, th, hot * 1e6, bytes / hot / 1e9,
+               100.0 * bytes / hot / 1e9 / g_bw[th]);
+        printf("| %s | [%d, %d] | stack of %d (%.0f MB) | %d | %.0f | %.1f | **%.0f%%** |\n",
+               kern_dtype_name(dt), rows, cols, n, bytes * n / 1e6, th, cold * 1e6,
+               bytes / cold / 1e9, 100.0 * bytes / cold / 1e9 / g_bw[th]);
+    }
+    fflush(stdout);
+    free(x);
+    free(y);
+    free_stack(&st);
+}
+
 static void bench_decode(void) {
     const kern_dtype dts[3] = {KERN_MXFP4, KERN_Q8_0, KERN_BF16};
     printf("### (b) T = 1 (decode): bytes read per second\n\n");
@@ -341,30 +366,11 @@ static void bench_decode(void) {
     printf("| format | shape | weights | threads | µs / matrix | GB/s | %% of bandwidth |\n");
     printf("|---|---|---|---|---|---|---|\n");
     for (int d = 0; d < 3; d++)
-        for (int s = 0; s < 2; s++) {
-            const int rows = SHAPES[s][0], cols = SHAPES[s][1];
-            const size_t per = kern_weight_layout(dts[d], rows, cols).bytes;
-            const int n = stack_count(per);
-            stack st = make_stack(dts[d], rows, cols, n);
-            float *x = random_x((size_t)cols, 3), *y = xalloc((size_t)rows * sizeof(float));
-            const double bytes = (double)per + 4.0 * cols;
-            for (int th = 1; th <= 2; th++) {
-                const int reps_hot = 40;
-                const double hot = time_sweeps(st.w, 1, reps_hot, x, 1, y, th, 0) / reps_hot;
-                const double cold = time_sweeps(st.w, n, n, x, 1, y, th, 0) / n;
-                printf("| %s | [%d, %d] | hot (%.1f MB) | %d | %.0f | %.1f | %.0f%% |\n",
-                       kern_dtype_name(dts[d]), rows, cols, bytes / 1e6, th, hot * 1e6,
-                       bytes / hot / 1e9, 100.0 * bytes / hot / 1e9 / g_bw[th]);
-                printf(
-                    "| %s | [%d, %d] | stack of %d (%.0f MB) | %d | %.0f | %.1f | **%.0f%%** |\n",
-                    kern_dtype_name(dts[d]), rows, cols, n, bytes * n / 1e6, th, cold * 1e6,
-                    bytes / cold / 1e9, 100.0 * bytes / cold / 1e9 / g_bw[th]);
-            }
-            fflush(stdout);
-            free(x);
-            free(y);
-            free_stack(&st);
-        }
+        for (int s = 0; s < 2; s++) decode_rows(dts[d], SHAPES[s][0], SHAPES[s][1]);
+    /* the bf16 experts of wide and full27: up / gate (4.5 KiB rows) and
+     * down (2 KiB rows, shorter than a page: ops.c's DOT_SPREAD_BELOW) */
+    decode_rows(KERN_BF16, 1024, 2304);
+    decode_rows(KERN_BF16, 2304, 1024);
     printf("\n");
 }
 
