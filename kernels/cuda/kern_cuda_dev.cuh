@@ -27,7 +27,7 @@
  * of the block calls it. */
 template <int NT>
 __device__ __forceinline__ int block_exclusive_scan(int x, int *s, int *total) {
-    static_assert(NT % 32 == 0 && NT <= 1024, "block_exclusive_scan: whole warps, at most 32");
+    static_assert(NT % 32 == 0 && NT <= 1024, "block_exclusive_scan: whole warps, at most 32 of them");
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int incl = x;
 #pragma unroll
