@@ -59,9 +59,16 @@ typedef struct eng_cpu {
      * the owner would. */
     bool prefill;
     bool bf16_act;       /* eng_ctx_params.bf16_act: a prefill's bf16 products round x */
-    /* A decoded token reads more weight bytes than the last-level cache
-     * holds, so every product's matrix comes from memory (kern_weight's
-     * `streamed`: how the one-token product reads it; results unchanged). */
+    /* A decoded token reads more weight bytes than half the last-level
+     * cache, so every product's matrix comes from memory (kern_weight's
+     * `streamed`: how the one-token product reads it; results unchanged).
+     * Half, not all: the cache also holds the state, the activations and,
+     * on a shared machine, other tenants' lines. llamacpp-tiny's token
+     * (30.9 MB of weights against a 32 MiB L3, Zen 4 VM) read at 65-80%
+     * of the streaming read with the from-cache loops and 663-892 tok/s;
+     * taken as streamed, 1,322-1,628 (docs/benchmarks.md, "Short rows on
+     * a Zen 4"). Models of 10 MB a token (models/default, tiny) ran the
+     * same either way. */
     bool streamed;
     thread_scratch *ts;  /* [n_threads] */
     eng_matmul jobs[MAX_MM_TABLE];
@@ -723,7 +730,8 @@ static kds_status cpu_create(const eng_model *m, const eng_ctx_params *p, eng_ba
     c->max_seqs = p->max_seqs;
     c->max_rows = p->max_batch > p->max_seqs ? p->max_batch : p->max_seqs;
     const size_t llc = eng_llc_bytes();
-    c->streamed = eng_model_decode_bytes(m, 0).weights > (double)(llc ? llc : (size_t)32 << 20);
+    c->streamed =
+        eng_model_decode_bytes(m, 0).weights > 0.5 * (double)(llc ? llc : (size_t)32 << 20);
     int widest = 1; /* the most inputs of any matrix: the widening scratch */
     for (int i = 1; i < m->n_weights; i++)
         if (m->weights[i]->cols > widest) widest = m->weights[i]->cols;

@@ -233,6 +233,21 @@ static void dot_row(kern_dtype dt, const void *row, int in, const float *x, int 
     for (int t = 0; t < nt; t++) out[t] = acc[t];
 }
 
+/* The one-token loops of a matrix from memory (AVX-512 bf16: dot8_bf16;
+ * AVX2: dot8_avx2_body) take rows shorter than this many bytes in eight
+ * sequential streams, each prefetched DOT_SPREAD_PF bytes ahead along
+ * itself: eight rows side by side are then eight short pieces of one
+ * block and a jump, and AVX-512's one row at a time (rows8_one_stream)
+ * waits on its one chain of FMAs (a 512-byte row is 16 FMAs in a row).
+ * 4 KiB: wide's and full27's [1024, 2304] up projections (4.5 KiB rows)
+ * read faster side by side on a Zen 3 (from memory, one thread: 20.0
+ * GB/s side by side, 17.8 spread); llamacpp-tiny's [50304, 256] lm_head
+ * (25.8 of the 31.8 MB a token reads) and the [2304, 1024] down
+ * projections are spread (docs/benchmarks.md, "Side by side at today's
+ * head" and "Short rows on a Zen 4"). */
+#define DOT_SPREAD_BELOW 4096
+#define DOT_SPREAD_PF 4096
+
 #if KERN_AVX512
 /* Columns per block when more than three tokens share eight rows: the
  * rows' block (8 KiB) and the tokens' (up to 63 x 2 KiB) stay in L1 / L2
@@ -347,6 +362,34 @@ rows8_one_stream(const uint16_t *w, int in, const float *xd, const int nt, __m51
     }
 }
 
+/* Eight rows w + k * stride (k in [0, 8), stride in elements) dotted with
+ * one token xd [in] (split even/odd as dot8_bf16's), into y[k * ystep]:
+ * each row's chain of FMAs is the one the other one-token loops give it,
+ * then reduce8, so the same bits however the rows are grouped. Each
+ * row's line at column i is prefetched pf bytes on along the row's own
+ * stream (the rows are n8 rows apart, each stream a run of consecutive
+ * rows). */
+static inline __attribute__((always_inline)) void
+rows8_spread_bf16(const uint16_t *w, size_t stride, int in, const float *xd, float *y,
+                  size_t ystep, size_t pf) {
+    const __m512i hi_mask = _mm512_set1_epi32((int)0xffff0000u);
+    __m512 a[8];
+    for (int k = 0; k < 8; k++) a[k] = _mm512_setzero_ps();
+    for (int i = 0; i < in; i += 32) {
+        const __m512 xe = _mm512_loadu_ps(xd + i), xo = _mm512_loadu_ps(xd + i + 16);
+        for (int k = 0; k < 8; k++)
+            _mm_prefetch((const char *)(w + (size_t)k * stride + i) + pf, _MM_HINT_T0);
+        for (int k = 0; k < 8; k++) {
+            const __m512i v = _mm512_loadu_si512((const void *)(w + (size_t)k * stride + i));
+            a[k] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), xe, a[k]);
+            a[k] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(v, hi_mask)), xo, a[k]);
+        }
+    }
+    _Alignas(32) float sums[8];
+    _mm256_store_ps(sums, reduce8(a));
+    for (int k = 0; k < 8; k++) y[(size_t)k * ystep] = sums[k];
+}
+
 /* Eight weight rows at a time, every token over them: the activation
  * vectors are loaded once per eight rows and each (row, token) pair gets
  * its own accumulator, so the loop is bound by streaming W. Tokens go in
@@ -381,6 +424,17 @@ static void dot8_bf16(const uint16_t *W, int in, const float *xd, int nt, int r0
     const bool one_stream = streamed && (uintptr_t)W % 4 == 0;
     _Alignas(64) __m512 acc[64][8];
     int r = r0;
+    if (nt == 1 && streamed && (size_t)in * 2 < DOT_SPREAD_BELOW && r1 - r0 >= 16) {
+        /* Short rows from memory: eight runs of n8 consecutive rows, the
+         * eight rows of a step n8 rows apart, so that each run is one
+         * sequential stream and the eight chains hide each other's
+         * latency (rows8_spread_bf16). */
+        const int n8 = (r1 - r0) / 8;
+        for (int j = 0; j < n8; j++)
+            rows8_spread_bf16(W + (size_t)(r0 + j) * in, (size_t)n8 * in, in, xd, y + r0 + j,
+                              (size_t)n8, DOT_SPREAD_PF);
+        r = r0 + 8 * n8;
+    }
     for (; r + 8 <= r1; r += 8) {
         const uint16_t *w = W + (size_t)r * in;
         if (one_stream && nt <= 3) {
@@ -502,15 +556,6 @@ static void dot8(kern_dtype dt, const void *W, int in, const float *x, int nt, i
 #endif
 
 #if KERN_AVX2
-/* The AVX2 one-token loop of a matrix from memory takes rows shorter than
- * this many bytes in eight sequential streams (dot8_avx2_body), each
- * prefetched DOT_SPREAD_PF bytes ahead. 4 KiB: wide's and full27's
- * [1024, 2304] up projections (4.5 KiB rows) read faster side by side
- * (from memory, one thread: 20.0 GB/s side by side, 17.8 spread;
- * docs/benchmarks.md, "Side by side at today's head"). */
-#define DOT_SPREAD_BELOW 4096
-#define DOT_SPREAD_PF 4096
-
 /* Eight rows from w (row stride `stride` bytes) dotted with one token x
  * [in], into y[k * ystep] for k in [0, 8): per eight columns each row's
  * vector feeds its own FMA, one eight-lane chain per row, then hsum8 and
