@@ -262,41 +262,69 @@ typedef struct kda_run {
  *                   the new row ext[taps+t]; that tail then moves on by one
  *                   row (safe in parallel: each sequence owns one row).
  */
+/* The taps of token t's short convolution: taps + 1 rows of conv_ch
+ * values, oldest first (a batch of sequences: t's own tail, then its input
+ * row in a->ext; one sequence: rows t .. t + taps of a->ext). */
+static void conv_taps(const kda_run *r, int t, const float **tap) {
+    const eng_dims *d = &r->c->d;
+    const int C = d->conv_ch, taps = d->W - 1;
+    if (r->n_seqs > 1) {
+        const float *tail = r->seqs[t]->conv_tail + (size_t)r->a->layer * taps * C;
+        for (int j = 0; j < taps; j++) tap[j] = tail + (size_t)j * C;
+        tap[taps] = r->a->ext + (size_t)(taps + t) * C;
+    } else {
+        for (int j = 0; j <= taps; j++) tap[j] = r->a->ext + (size_t)(t + j) * C;
+    }
+}
+
+/* Channels per block of kda_pre_fn's convolution: the block's weights,
+ * transposed to [W, CONV_BLOCK], stay in L1 over the part's tokens. */
+#define CONV_BLOCK 64
+
 static void kda_pre_fn(void *arg, int part, int thread) {
     (void)thread;
     kda_run *r = arg;
     const eng_dims *d = &r->c->d;
     const eng_kda_args *a = r->a;
     const eng_kda_weights *w = a->w;
-    const int C = d->conv_ch, taps = d->W - 1;
+    const int C = d->conv_ch, taps = d->W - 1, W = d->W;
     int t0 = (int)((int64_t)r->T * part / r->n_parts), t1 = (int)((int64_t)r->T * (part + 1) / r->n_parts);
-    for (int t = t0; t < t1; t++) {
-        const float *tap[MAX_CONV_W];
-        float *tail = NULL; /* [taps, C] of seqs[t], oldest first */
-        if (r->n_seqs > 1) {
-            tail = r->seqs[t]->conv_tail + (size_t)a->layer * taps * C;
-            for (int j = 0; j < taps; j++) tap[j] = tail + (size_t)j * C;
-            tap[taps] = a->ext + (size_t)(taps + t) * C;
-        } else {
-            for (int j = 0; j <= taps; j++) tap[j] = a->ext + (size_t)(t + j) * C;
-        }
-        for (int which = 0; which < 3; which++) {
-            int base = which == 0 ? 0 : which == 1 ? d->kda_qk : 2 * d->kda_qk;
-            int n = which == 2 ? d->kda_v : d->kda_qk;
-            const float *wc = which == 0 ? w->q_conv : which == 1 ? w->k_conv : w->v_conv;
-            float *out = (which == 0 ? a->q : which == 1 ? a->k : a->v) + (size_t)t * n;
-            for (int ch = 0; ch < n; ch++) {
-                float acc = 0.0f;
-                for (int j = 0; j <= taps; j++) acc += wc[(size_t)ch * d->W + j] * tap[j][base + ch];
-                out[ch] = acc;
+    /* q, k and v through their depthwise convolutions. Each channel's sum
+     * is 0 + w_0 x_0 + w_1 x_1 + ... in tap order, a product then a sum
+     * each rounded (C11: no contraction), as one channel at a time gave
+     * it; here sixteen and more channels go at once, the weights of a
+     * block of channels transposed so that a tap's are contiguous. */
+    for (int which = 0; which < 3; which++) {
+        const int base = which == 0 ? 0 : which == 1 ? d->kda_qk : 2 * d->kda_qk;
+        const int n = which == 2 ? d->kda_v : d->kda_qk;
+        const float *wc = which == 0 ? w->q_conv : which == 1 ? w->k_conv : w->v_conv;
+        float *out = which == 0 ? a->q : which == 1 ? a->k : a->v;
+        for (int c0 = 0; c0 < n; c0 += CONV_BLOCK) {
+            const int nc = n - c0 < CONV_BLOCK ? n - c0 : CONV_BLOCK;
+            float wt[MAX_CONV_W][CONV_BLOCK];
+            for (int j = 0; j < W; j++)
+                for (int c = 0; c < nc; c++) wt[j][c] = wc[(size_t)(c0 + c) * W + j];
+            for (int t = t0; t < t1; t++) {
+                const float *tap[MAX_CONV_W];
+                conv_taps(r, t, tap);
+                float acc[CONV_BLOCK];
+                for (int c = 0; c < nc; c++) acc[c] = 0.0f;
+                for (int j = 0; j < W; j++) {
+                    const float *x = tap[j] + base + c0;
+                    for (int c = 0; c < nc; c++) acc[c] += wt[j][c] * x[c];
+                }
+                memcpy(out + (size_t)t * n + c0, acc, (size_t)nc * sizeof(float));
             }
-            kern_silu(out, (size_t)n);
         }
-        if (tail && taps > 0) {
-            memmove(tail, tail + C, (size_t)(taps - 1) * C * sizeof(float));
-            memcpy(tail + (size_t)(taps - 1) * C, tap[taps], (size_t)C * sizeof(float));
-        }
+        for (int t = t0; t < t1; t++) kern_silu(out + (size_t)t * n, (size_t)n);
     }
+    if (r->n_seqs > 1 && taps > 0)
+        for (int t = t0; t < t1; t++) {
+            float *tail = r->seqs[t]->conv_tail + (size_t)a->layer * taps * C;
+            memmove(tail, tail + C, (size_t)(taps - 1) * C * sizeof(float));
+            memcpy(tail + (size_t)(taps - 1) * C, a->ext + (size_t)(taps + t) * C,
+                   (size_t)C * sizeof(float));
+        }
     int n = t1 - t0;
     if (n <= 0) return;
     kern_l2norm(a->q + (size_t)t0 * d->kda_qk, n * d->H, d->K, 1e-6f);
