@@ -16,7 +16,8 @@
  *       of a buffer of max(1 GiB, 4 x L3), 1 and 2 threads;
  *   (b) T = 1 products (decode): MXFP4, Q8_0 and, for comparison, bf16
  *       (kern_matmul) on [3072, 3584] and [3584, 3072] (and bf16 on the
- *       48B layout's expert shapes [1024, 2304], [2304, 1024]), each one matrix
+ *       48B layout's expert shapes [1024, 2304], [2304, 1024], and
+ *       llamacpp-tiny's lm_head [50304, 256]), each one matrix
  *       over and over (it stays in L3: the kernels' compute ceiling) and a
  *       stack of experts whose total is >= 4 x L3 (each expert once per
  *       sweep, as routed experts come from memory), in bytes read per
@@ -368,9 +369,11 @@ static void bench_decode(void) {
     for (int d = 0; d < 3; d++)
         for (int s = 0; s < 2; s++) decode_rows(dts[d], SHAPES[s][0], SHAPES[s][1]);
     /* the bf16 experts of wide and full27: up / gate (4.5 KiB rows) and
-     * down (2 KiB rows, shorter than a page: ops.c's DOT_SPREAD_BELOW) */
+     * down (2 KiB rows, shorter than a page: ops.c's DOT_SPREAD_BELOW),
+     * and llamacpp-tiny's lm_head (512-byte rows, 81% of its token) */
     decode_rows(KERN_BF16, 1024, 2304);
     decode_rows(KERN_BF16, 2304, 1024);
+    decode_rows(KERN_BF16, 50304, 256);
     printf("\n");
 }
 
