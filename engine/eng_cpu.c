@@ -64,11 +64,11 @@ typedef struct eng_cpu {
      * `streamed`: how the one-token product reads it; results unchanged).
      * Half, not all: the cache also holds the state, the activations and,
      * on a shared machine, other tenants' lines. llamacpp-tiny's token
-     * (30.9 MB of weights against a 32 MiB L3, Zen 4 VM) read at 65-80%
-     * of the streaming read with the from-cache loops and 663-892 tok/s;
-     * taken as streamed, 1,322-1,628 (docs/benchmarks.md, "Short rows on
-     * a Zen 4"). Models of 10 MB a token (models/default, tiny) ran the
-     * same either way. */
+     * (30.9 MB of weights against a 32 MiB L3, Zen 4 VM) decoded at
+     * 742-828 tok/s with the from-cache loops, 1,350-1,628 taken as
+     * streamed (docs/benchmarks.md, "A Zen 4 with AVX-512, side by side,
+     * and short rows"). Models of 10 MB a token (models/default, tiny)
+     * ran the same either way. */
     bool streamed;
     thread_scratch *ts;  /* [n_threads] */
     eng_matmul jobs[MAX_MM_TABLE];

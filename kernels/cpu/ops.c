@@ -244,7 +244,7 @@ static void dot_row(kern_dtype dt, const void *row, int in, const float *x, int 
  * GB/s side by side, 17.8 spread); llamacpp-tiny's [50304, 256] lm_head
  * (25.8 of the 31.8 MB a token reads) and the [2304, 1024] down
  * projections are spread (docs/benchmarks.md, "Side by side at today's
- * head" and "Short rows on a Zen 4"). */
+ * head" and "A Zen 4 with AVX-512, side by side, and short rows"). */
 #define DOT_SPREAD_BELOW 4096
 #define DOT_SPREAD_PF 4096
 
