@@ -187,11 +187,12 @@ Test(matmul, bf16_one_token_loops_agree_on_and_off_lines) {
 }
 
 /* A one-token product of a matrix from memory with rows shorter than a
- * page goes (AVX2) as eight sequential runs of rows instead of eight rows
- * side by side; every element format must keep each row's bits and write
- * only [r0, r1): row ranges of 16 rows and more, ragged at both ends, as a
- * thread's share of full27's [2304, 1024] down projection would be, and
- * below 16 rows (side by side), against the same product from cache. */
+ * page goes (AVX2; AVX-512 for bf16) as eight sequential runs of rows
+ * instead of eight rows side by side; every element format must keep
+ * each row's bits and write only [r0, r1): row ranges of 16 rows and
+ * more, ragged at both ends, as a thread's share of full27's [2304, 1024]
+ * down projection would be, and below 16 rows (side by side), against the
+ * same product from cache. */
 Test(matmul, streamed_short_rows_keep_each_rows_bits) {
     const kern_dtype dts[] = {KERN_F32, KERN_BF16, KERN_F16};
     const int shapes[][2] = {{90, 1024}, {203, 256}, {40, 96}, {21, 1024}};

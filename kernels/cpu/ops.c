@@ -364,13 +364,14 @@ rows8_one_stream(const uint16_t *w, int in, const float *xd, const int nt, __m51
 
 /* Eight rows w + k * stride (k in [0, 8), stride in elements) dotted with
  * one token xd [in] (split even/odd as dot8_bf16's), into y[k * ystep]:
- * each row's chain of FMAs is the one the other one-token loops give it,
- * then reduce8, so the same bits however the rows are grouped. Each
- * row's line at column i is prefetched pf bytes on along the row's own
- * stream (the rows are n8 rows apart, each stream a run of consecutive
- * rows). */
+ * eight FMA chains side by side, one a row, each the chain the other
+ * one-token loops give that row, then reduce8, so the same bits however
+ * the rows are grouped. Each row's line at column i is prefetched pf
+ * bytes on: with the rows side by side (stride one row) that is the
+ * same columns pf / (2 in) rows on; with rows n8 apart (short rows from
+ * memory), each run of consecutive rows' own stream pf bytes on. */
 static inline __attribute__((always_inline)) void
-rows8_spread_bf16(const uint16_t *w, size_t stride, int in, const float *xd, float *y,
+rows8_bf16_t1(const uint16_t *w, size_t stride, int in, const float *xd, float *y,
                   size_t ystep, size_t pf) {
     const __m512i hi_mask = _mm512_set1_epi32((int)0xffff0000u);
     __m512 a[8];
@@ -428,11 +429,11 @@ static void dot8_bf16(const uint16_t *W, int in, const float *xd, int nt, int r0
         /* Short rows from memory: eight runs of n8 consecutive rows, the
          * eight rows of a step n8 rows apart, so that each run is one
          * sequential stream and the eight chains hide each other's
-         * latency (rows8_spread_bf16). */
+         * latency (rows8_bf16_t1). */
         const int n8 = (r1 - r0) / 8;
         for (int j = 0; j < n8; j++)
-            rows8_spread_bf16(W + (size_t)(r0 + j) * in, (size_t)n8 * in, in, xd, y + r0 + j,
-                              (size_t)n8, DOT_SPREAD_PF);
+            rows8_bf16_t1(W + (size_t)(r0 + j) * in, (size_t)n8 * in, in, xd, y + r0 + j,
+                          (size_t)n8, DOT_SPREAD_PF);
         r = r0 + 8 * n8;
     }
     for (; r + 8 <= r1; r += 8) {
@@ -460,20 +461,7 @@ static void dot8_bf16(const uint16_t *W, int in, const float *xd, int nt, int r0
              * row prefetched in the next eight; the row group's generic
              * path below costs a fifth of the bandwidth here (measured
              * 20-26 against 29-30 GB/s on one thread, 1 GiB of rows). */
-            __m512 a1[8];
-            for (int k = 0; k < 8; k++) a1[k] = _mm512_setzero_ps();
-            for (int i = 0; i < in; i += 32) {
-                const __m512 xe = _mm512_loadu_ps(xd + i), xo = _mm512_loadu_ps(xd + i + 16);
-                for (int k = 0; k < 8; k++)
-                    _mm_prefetch((const char *)(w + (size_t)(k + pf_rows) * in + i), _MM_HINT_T0);
-                for (int k = 0; k < 8; k++) {
-                    const __m512i v = _mm512_loadu_si512((const void *)(w + (size_t)k * in + i));
-                    a1[k] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), xe, a1[k]);
-                    a1[k] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(v, hi_mask)), xo,
-                                            a1[k]);
-                }
-            }
-            _mm256_storeu_ps(y + r, reduce8(a1));
+            rows8_bf16_t1(w, (size_t)in, in, xd, y + r, 1, (size_t)pf_rows * in * 2);
             continue;
         }
         const int cb = nt <= 3 ? in : DOT_COL_BLOCK;
@@ -726,10 +714,10 @@ dot8_avx2_body(const kern_dtype dt, const void *W, int in, const float *x, int T
          * projection: 2 KiB rows): eight rows side by side are 16 KiB
          * read as eight 2 KiB pieces, then a jump, and read slower than
          * long rows (the same bytes from memory, one thread: 15-16 against
-         * 20-21 GB/s; `kds_cpu_bench --only b` has both shapes). Taken instead as eight runs of n8
-         * consecutive rows, the eight rows of a step n8 rows apart, each
-         * run is one sequential stream, prefetched DOT_SPREAD_PF bytes
-         * ahead along itself. Each row keeps its chain, so the bits are
+         * 20-21 GB/s; `kds_cpu_bench --only b` has both shapes). Taken
+         * instead as eight runs of n8 consecutive rows, the eight rows of
+         * a step n8 rows apart, each run is one sequential stream,
+         * prefetched DOT_SPREAD_PF bytes ahead along itself. Each row keeps its chain, so the bits are
          * those of eight rows side by side. full27's decode (instrumented
          * build, three alternations in one session): the down
          * projections' dispatches read at 0.80-0.82x the up projections'
