@@ -70,6 +70,9 @@ typedef struct eng_cpu {
      * and short rows"). Models of 10 MB a token (models/default, tiny)
      * ran the same either way. */
     bool streamed;
+    /* kern_weight's stream_prefetch for every product: this CPU's
+     * (kern_stream_prefetch_bytes) */
+    int stream_prefetch;
     thread_scratch *ts;  /* [n_threads] */
     eng_matmul jobs[MAX_MM_TABLE];
     mm_task tasks[MAX_MM_TASKS];
@@ -98,6 +101,7 @@ static void mm_task_fn(void *arg, int t, int thread) {
     const eng_matmul *j = &c->jobs[task->job];
     kern_weight w = eng__kern_weight(j->w);
     w.streamed = c->streamed;
+    w.stream_prefetch = c->stream_prefetch;
     if (c->prefill)
         kern_matmul_w_prefill(&w, j->x, j->T, j->y, j->ldy, task->r0, task->r1, c->ts[thread].mm,
                               c->bf16_act);
@@ -764,6 +768,7 @@ static kds_status cpu_create(const eng_model *m, const eng_ctx_params *p, eng_ba
     const size_t llc = eng_llc_bytes();
     c->streamed =
         eng_model_decode_bytes(m, 0).weights > 0.5 * (double)(llc ? llc : (size_t)32 << 20);
+    c->stream_prefetch = kern_stream_prefetch_bytes();
     int widest = 1; /* the most inputs of any matrix: the widening scratch */
     for (int i = 1; i < m->n_weights; i++)
         if (m->weights[i]->cols > widest) widest = m->weights[i]->cols;

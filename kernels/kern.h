@@ -72,11 +72,24 @@ typedef struct kern_weight {
     int rows, cols;
     /* A hint, never a change in the results: the matrix comes from memory
      * at every product (the model's per-token bytes exceed the last-level
-     * cache), not from cache. A bf16 product of one to three tokens then
-     * reads the rows as one stream, which memory serves faster and the
-     * cache slower than eight rows side by side. */
+     * cache), not from cache. A bf16 product of one token then reads
+     * the rows as one stream, which memory serves faster and the cache
+     * slower than eight rows side by side. */
     bool streamed;
+    /* A hint too: how many bytes ahead the one-token product of a streamed
+     * bf16 matrix (AVX-512: its rows read one after another, one stream)
+     * prefetches along that stream; 0: not at all, the hardware prefetcher
+     * alone. kern_stream_prefetch_bytes() gives this CPU's. */
+    int stream_prefetch;
 } kern_weight;
+
+/* The stream_prefetch that suits this CPU (docs/benchmarks.md, "No
+ * software prefetch on a Zen 4"): 0 on AMD family 19h (Zen 4; its Zen 3
+ * parts have no AVX-512, where the hint is unused), whose hardware
+ * prefetcher alone reads one stream at 101-108% of a plain streaming read
+ * and an 8 KiB software prefetch lost it 7-30%; 8 KiB elsewhere (measured
+ * best on a Zen 5). Thread-safe: reads CPUID, keeps nothing. */
+int kern_stream_prefetch_bytes(void);
 
 /* The byte layout of a weight: the one place the size of a format is
  * computed. */

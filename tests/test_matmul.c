@@ -113,15 +113,17 @@ Test(matmul, all_paths_match_reference) {
     }
 }
 
-/* The bf16 product of one to three tokens has two loops: a matrix that
- * comes from memory (kern_weight's `streamed`) is read one row after
- * another (one stream; rows off the 64-byte lines by a multiple of 4 bytes
+/* The bf16 product of one token has two loops: a matrix that comes from
+ * memory (kern_weight's `streamed`) is read one row after another (one
+ * stream, with or without a software prefetch along it: kern_weight's
+ * stream_prefetch; rows off the 64-byte lines by a multiple of 4 bytes
  * put together from aligned lines); from cache, or rows only 2-byte
  * aligned, eight rows side by side. Both must give the bits of the
  * many-token path's rows, so batched and lone decoding agree whatever the
- * hint and the file's alignment: W placed on a line and 2, 8, 32 and 34
+ * hints and the file's alignment: W placed on a line and 2, 8, 32 and 34
  * bytes off it, row ranges with ragged ends, through kern_matmul and
- * kern_matmul_w with and without the hint. */
+ * kern_matmul_w with and without the hints. Two and three tokens (a
+ * routed expert's share of a batch) too, with the hints. */
 Test(matmul, bf16_one_token_loops_agree_on_and_off_lines) {
     const int shapes[][2] = {{77, 256}, {300, 96}, {16, 2304}};
     for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
@@ -142,9 +144,10 @@ Test(matmul, bf16_one_token_loops_agree_on_and_off_lines) {
         for (size_t o = 0; o < sizeof offs / sizeof offs[0]; o++) {
             memcpy(base + offs[o], w, wb);
             for (int t = 0; t < T; t++)
-                for (int how = 0; how < 3; how++) {
+                for (int how = 0; how < 4; how++) {
                     const kern_weight kw = {.dt = KERN_BF16, .data = base + offs[o], .rows = rows,
-                                            .cols = in, .streamed = how == 2};
+                                            .cols = in, .streamed = how >= 2,
+                                            .stream_prefetch = how == 3 ? 8192 : 0};
                     for (int r = 0; r < rows; r++)
                         y1[r] = NAN;
                     if (how == 0)
@@ -155,17 +158,23 @@ Test(matmul, bf16_one_token_loops_agree_on_and_off_lines) {
                     cr_assert_eq(
                         memcmp(y1 + r0, yT + (size_t)t * rows + r0, (size_t)(r1 - r0) * 4), 0,
                         "[%d, %d], W %zu bytes off a line, %s: token %d alone differs", rows, in,
-                        offs[o], how == 2 ? "streamed" : how == 1 ? "cached" : "kern_matmul", t);
+                        offs[o],
+                        how == 3   ? "streamed, prefetched"
+                        : how == 2 ? "streamed"
+                        : how == 1 ? "cached"
+                                   : "kern_matmul",
+                        t);
                     cr_assert(isnan(y1[r0 - 1]) && isnan(y1[r1]), "rows outside [r0, r1) written");
                 }
             /* two and three tokens, streamed (a routed expert's share of a
-             * batch): one stream too, and still each token's lone bits */
+             * batch): still each token's lone bits */
             float *y3 = malloc((size_t)3 * rows * sizeof(float));
             cr_assert(y3);
             for (int n = 2; n <= 3; n++)
                 for (int t0 = 0; t0 + n <= T; t0 += n) {
                     const kern_weight kw = {.dt = KERN_BF16, .data = base + offs[o], .rows = rows,
-                                            .cols = in, .streamed = true};
+                                            .cols = in, .streamed = true,
+                                            .stream_prefetch = 8192};
                     kern_matmul_w(&kw, x + (size_t)t0 * in, n, y3, rows, r0, r1, scratch);
                     for (int t = 0; t < n; t++)
                         cr_assert_eq(memcmp(y3 + (size_t)t * rows + r0,

@@ -85,10 +85,11 @@ typedef struct kern_prefetch {
 void kern__panel_gemm(const float *P, int kc, const float *x, int ldx, int T, float *y, int ldy,
                       int nr, bool accumulate, const kern_prefetch *next);
 
-/* kern_matmul with kern_weight's `streamed` hint (kern_matmul_w's element
- * formats): the same results, bit for bit, either way. */
+/* kern_matmul with kern_weight's hints `streamed` and `stream_prefetch`
+ * taken from `hint` (kern_matmul_w's element formats; NULL: no hints): the
+ * same results, bit for bit, whatever they are. */
 void kern__matmul_hinted(kern_dtype dt, const void *W, int in, const float *x, int T, float *y,
-                         int ldy, int r0, int r1, float *scratch, bool streamed);
+                         int ldy, int r0, int r1, float *scratch, const kern_weight *hint);
 
 /* kern_matmul's product by BLAS: row blocks of W widened to f32 in
  * scratch (kern_matmul_scratch_floats(in); unused for f32), then sgemm.

@@ -21,6 +21,9 @@
 #include <cblas.h>
 #include <math.h>
 #include <string.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
 
 bool kern_bf16_products(void) {
 #if KERN_AVX512 && defined(__AVX512BF16__)
@@ -28,6 +31,27 @@ bool kern_bf16_products(void) {
 #else
     return false;
 #endif
+}
+
+/* How far ahead the one-token product of a streamed matrix prefetches
+ * along its one stream (rows8_one_stream) where the CPU is not a Zen 4:
+ * 8 KiB. Decode of `wide` on a Zen 5 (rows on the lines), tok/s, two runs
+ * each: one thread 2 KiB 15.5-16.0, 4 KiB 16.8-17.9, 6-10 KiB 18.2-18.9,
+ * 16 KiB 17.2-17.4; two threads, three runs, 4 KiB 24.4-26.0, 8 KiB
+ * 26.0-26.5, 12 KiB 25.8-30.1. */
+#define DOT_T1_PF_AHEAD 8192
+
+int kern_stream_prefetch_bytes(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    unsigned a, b, c, d;
+    /* vendor "AuthenticAMD" (ebx "Auth"), family = base 0xf + extended */
+    if (__get_cpuid(0, &a, &b, &c, &d) && b == 0x68747541u && __get_cpuid(1, &a, &b, &c, &d)) {
+        const unsigned base = (a >> 8) & 0xfu;
+        const unsigned family = base == 0xfu ? base + ((a >> 20) & 0xffu) : base;
+        if (family == 0x19u) return 0;
+    }
+#endif
+    return DOT_T1_PF_AHEAD;
 }
 
 size_t kern_dtype_size(kern_dtype dt) {
@@ -254,13 +278,6 @@ static void dot_row(kern_dtype dt, const void *row, int in, const float *x, int 
  * while every group of three runs over them. */
 #define DOT_COL_BLOCK 512
 
-/* How far ahead the one-token product of a streamed matrix prefetches
- * along its one stream (dot8_bf16): 8 KiB. Decode of `wide` (rows on the
- * lines), tok/s, two runs each: one thread 2 KiB 15.5-16.0, 4 KiB
- * 16.8-17.9, 6-10 KiB 18.2-18.9, 16 KiB 17.2-17.4; two threads, three
- * runs, 4 KiB 24.4-26.0, 8 KiB 26.0-26.5, 12 KiB 25.8-30.1. */
-#define DOT_T1_PF_AHEAD 8192
-
 /* Rows w[0..8) (row stride in), columns [i0, i1), dotted with nt (1..3,
  * a constant at each call) tokens x0 [nt, in] (split even/odd as
  * dot8_bf16's xd), continuing the 8 x nt running sums acc[t][k] (16 lanes
@@ -302,25 +319,29 @@ rows8_cols(const uint16_t *w, int in, const float *x0, const int nt, int i0, int
         for (int k = 0; k < 8; k++) acc[j][k] = a[j][k];
 }
 
-/* Rows w[0..8) (row stride in, a multiple of 32; w 4-byte aligned) dotted with nt
- * (1..3, a constant at each call) tokens xd [nt, in] (split even/odd as
- * dot8_bf16's), into out[t][k] (16 lanes each, for reduce8), reading the
- * eight rows one after another: the matrix is then one stream from start
- * to end, prefetched DOT_T1_PF_AHEAD bytes ahead. For a matrix from
- * memory this beats eight rows side by side (rows8_cols, and the
- * one-token loop in dot8_bf16): one token read at 91-100% of a plain
- * streaming read measured beside it against 72-79% (1 GiB of
+/* Rows w[0..8) (row stride in, a multiple of 32; w 4-byte aligned) dotted
+ * with one token xd [in] (split even/odd as dot8_bf16's), into out[k] (16
+ * lanes each, for reduce8), reading the eight rows one after another: the
+ * matrix is then one stream from start to end, prefetched pf bytes ahead
+ * along it (0: by the hardware prefetcher alone; kern_weight's
+ * stream_prefetch). For a matrix from memory this beats eight rows side
+ * by side (rows8_bf16_t1): on a Zen 5, one token read at 91-100% of a
+ * plain streaming read measured beside it against 72-79% (1 GiB of
  * [4096, 2304] bf16 matrices, one and two threads, medians of 15
  * alternations; two or four rows side by side 80-84%); in the engine on
  * `wide`, one thread, a routed expert's [1024, 2304] product went from
- * 198 to 178 us and the lm_head's from 30.5 to 28 ms. But one row's
- * chain of FMAs at a time is bound by the FMAs' latency: from cache one
- * token reads 35-42 GB/s against 50-65 side by side, so a model that
- * stays in cache keeps the other loops (kern_weight's `streamed`). Each
- * (row, token) sum is the same chain of FMAs as there, so the results are
- * the same, bit for bit. */
+ * 198 to 178 us and the lm_head's from 30.5 to 28 ms. On a Zen 4 without
+ * the software prefetch, 101-104% (docs/benchmarks.md, "No software
+ * prefetch on a Zen 4"). But one row's chain of FMAs at a time is bound
+ * by the FMAs' latency: from cache one token reads 35-42 GB/s against
+ * 50-65 side by side, so a model that stays in cache keeps the other
+ * loop (kern_weight's `streamed`). Two and three tokens keep it too: each
+ * row here would read their x again, 18-28 KiB that crowd L1 beside the
+ * stream (from memory at 57-63% and 37-42% of the read against 70-75%
+ * side by side, one thread). Each row's sum is the same chain of FMAs as
+ * there, so the results are the same, bit for bit. */
 static inline __attribute__((always_inline)) void
-rows8_one_stream(const uint16_t *w, int in, const float *xd, const int nt, __m512 (*out)[8]) {
+rows8_one_stream(const uint16_t *w, int in, const float *xd, size_t pf, __m512 *out) {
     const __m512i hi_mask = _mm512_set1_epi32((int)0xffff0000u);
     /* Rows off the lines by a multiple of 4 bytes (a Hugging Face
      * checkpoint's data is 8-byte aligned): each 64 bytes of a row are
@@ -337,10 +358,9 @@ rows8_one_stream(const uint16_t *w, int in, const float *xd, const int nt, __m51
         const uint16_t *wk = w + (size_t)k * in;
         const char *line = (const char *)((uintptr_t)wk & ~(uintptr_t)63);
         __m512i lo = _mm512_load_si512((const void *)line);
-        __m512 s[3];
-        for (int t = 0; t < nt; t++) s[t] = _mm512_setzero_ps();
+        __m512 s = _mm512_setzero_ps();
         for (int i = 0; i < in; i += 32) {
-            _mm_prefetch((const char *)(wk + i) + DOT_T1_PF_AHEAD, _MM_HINT_T0);
+            if (pf) _mm_prefetch((const char *)(wk + i) + pf, _MM_HINT_T0);
             __m512i v;
             if (shift == 0) {
                 v = _mm512_load_si512((const void *)(wk + i));
@@ -350,15 +370,12 @@ rows8_one_stream(const uint16_t *w, int in, const float *xd, const int nt, __m51
                 v = _mm512_permutex2var_epi32(lo, pick, hi);
                 lo = hi;
             }
-            const __m512 ve = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-            const __m512 vo = _mm512_castsi512_ps(_mm512_and_si512(v, hi_mask));
-            for (int t = 0; t < nt; t++) {
-                const float *xt = xd + (size_t)t * in;
-                s[t] = _mm512_fmadd_ps(ve, _mm512_loadu_ps(xt + i), s[t]);
-                s[t] = _mm512_fmadd_ps(vo, _mm512_loadu_ps(xt + i + 16), s[t]);
-            }
+            s = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)),
+                                _mm512_loadu_ps(xd + i), s);
+            s = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(v, hi_mask)),
+                                _mm512_loadu_ps(xd + i + 16), s);
         }
-        for (int t = 0; t < nt; t++) out[t][k] = s[t];
+        out[k] = s;
     }
 }
 
@@ -414,7 +431,7 @@ rows8_bf16_t1(const uint16_t *w, size_t stride, int in, const float *xd, float *
  * 16 odd values), so each block costs two cheap integer ops and two FMAs per
  * row. nt < 64. y: [nt, ldy]. */
 static void dot8_bf16(const uint16_t *W, int in, const float *xd, int nt, int r0, int r1,
-                      float *y, int ldy, bool streamed) {
+                      float *y, int ldy, bool streamed, int stream_prefetch) {
     const __m512i hi_mask = _mm512_set1_epi32((int)0xffff0000u);
     /* Software prefetch ~16 KiB ahead: the hardware prefetcher alone left
      * decode at about half the machine's streaming bandwidth on lm_head-sized
@@ -422,7 +439,8 @@ static void dot8_bf16(const uint16_t *W, int in, const float *xd, int nt, int r0
      * fault, so running past the last row is harmless. */
     const int pf_rows = 16384 / (2 * in) > 8 ? 16384 / (2 * in) : 8;
     /* in % 32 == 0, so every row is as far off a 64-byte line as W */
-    const bool one_stream = streamed && (uintptr_t)W % 4 == 0;
+    const bool one_stream = streamed && nt == 1 && (uintptr_t)W % 4 == 0;
+    const size_t pf = stream_prefetch > 0 ? (size_t)stream_prefetch : 0;
     _Alignas(64) __m512 acc[64][8];
     int r = r0;
     if (nt == 1 && streamed && (size_t)in * 2 < DOT_SPREAD_BELOW && r1 - r0 >= 16) {
@@ -438,21 +456,14 @@ static void dot8_bf16(const uint16_t *W, int in, const float *xd, int nt, int r0
     }
     for (; r + 8 <= r1; r += 8) {
         const uint16_t *w = W + (size_t)r * in;
-        if (one_stream && nt <= 3) {
-            /* One to three tokens (decode; a routed expert's share of a
-             * batch) of a matrix that comes from memory (rows 4-byte
-             * aligned, as every file's are but a 2-byte odd one):
+        if (one_stream) {
+            /* One token (decode) of a matrix that comes from memory (rows
+             * 4-byte aligned, as every file's are but a 2-byte odd one):
              * rows8_one_stream reads the eight rows one after another,
              * one stream. */
-            __m512 a1[3][8];
-            if (nt == 1)
-                rows8_one_stream(w, in, xd, 1, a1);
-            else if (nt == 2)
-                rows8_one_stream(w, in, xd, 2, a1);
-            else
-                rows8_one_stream(w, in, xd, 3, a1);
-            for (int t = 0; t < nt; t++)
-                _mm256_storeu_ps(y + (size_t)t * ldy + r, reduce8(a1[t]));
+            __m512 a1[8];
+            rows8_one_stream(w, in, xd, pf, a1);
+            _mm256_storeu_ps(y + r, reduce8(a1));
             continue;
         }
         if (nt == 1) {
@@ -793,7 +804,7 @@ size_t kern_matmul_scratch_floats(int in) {
 
 void kern_matmul(kern_dtype dt, const void *W, int in, const float *x, int T, float *y, int ldy,
                  int r0, int r1, float *scratch) {
-    kern__matmul_hinted(dt, W, in, x, T, y, ldy, r0, r1, scratch, false);
+    kern__matmul_hinted(dt, W, in, x, T, y, ldy, r0, r1, scratch, NULL);
 }
 
 void kern__matmul_blas(kern_dtype dt, const void *W, int in, const float *x, int T, float *y,
@@ -814,8 +825,10 @@ void kern__matmul_blas(kern_dtype dt, const void *W, int in, const float *x, int
 }
 
 void kern__matmul_hinted(kern_dtype dt, const void *W, int in, const float *x, int T, float *y,
-                         int ldy, int r0, int r1, float *scratch, bool streamed) {
-    (void)streamed; /* used by the one-token loops of AVX-512 (bf16) and AVX2 (short rows) */
+                         int ldy, int r0, int r1, float *scratch, const kern_weight *hint) {
+    /* used by the one-token loops of AVX-512 (bf16) and AVX2 (short rows) */
+    const bool streamed = hint && hint->streamed;
+    (void)streamed;
     if (r1 <= r0 || T <= 0) return;
 #if KERN_GEMM_SIMD
     if (T >= MATMUL_GEMM_MIN_T && scratch) {
@@ -847,7 +860,7 @@ void kern__matmul_hinted(kern_dtype dt, const void *W, int in, const float *x, i
                         st[i + 16 + j] = xt[i + 2 * j + 1];
                     }
             }
-            dot8_bf16(W, in, scratch, T, r0, r1, y, ldy, streamed);
+            dot8_bf16(W, in, scratch, T, r0, r1, y, ldy, streamed, hint ? hint->stream_prefetch : 0);
             return;
         }
         if (dt != KERN_BF16) {

@@ -805,7 +805,7 @@ static void row_blocks_f32_avx2(const kern_weight *w, const kern_layout *l, int 
 void kern_matmul_w(const kern_weight *w, const float *x, int T, float *y, int ldy, int r0, int r1,
                    float *scratch) {
     if (!kern_dtype_is_block(w->dt)) {
-        kern__matmul_hinted(w->dt, w->data, w->cols, x, T, y, ldy, r0, r1, scratch, w->streamed);
+        kern__matmul_hinted(w->dt, w->data, w->cols, x, T, y, ldy, r0, r1, scratch, w);
         return;
     }
 #if KERN_AVX512

@@ -47,9 +47,11 @@
  *   (h) batched decode: bf16 [4096, 2304] for T = 1 .. 16 tokens on the
  *       direct path, 1 and 2 threads, with its rows in L2 (128 of them,
  *       over and over), in the last-level cache (one matrix over and over)
- *       and in memory (a stack as (b)), against the FMA peak measured in
- *       the same run and a read of the stack's bytes in the same round:
- *       where the products of a batched step lose their time;
+ *       and in memory (a stack as (b); one token also with the software
+ *       prefetch this CPU does not get, kern_stream_prefetch_bytes),
+ *       against the FMA peak measured in the same run and a read of the
+ *       stack's bytes in the same round: where the products of a batched
+ *       step lose their time;
  *   (i) prefill's GEMM (kern__gemm) on bf16 [2304, in] for in = 1024,
  *       2304, 4096, 9216 (wide's expert down, projections, attention out
  *       and dense down) and T = 64, 256, one thread, with x read in place
@@ -291,7 +293,8 @@ static stack make_stack(kern_dtype dt, int rows, int cols, int n) {
             /* a stack of several matrices is read from memory (the engine's
              * hint for a model larger than the cache); one, over and over,
              * from cache */
-            .streamed = n > 1};
+            .streamed = n > 1,
+            .stream_prefetch = kern_stream_prefetch_bytes()};
     return s;
 }
 
@@ -729,6 +732,7 @@ static void bench_batched(void) {
     const kern_layout l = kern_weight_layout(KERN_BF16, rows, cols);
     const int n = stack_count(l.bytes);
     stack st = make_stack(KERN_BF16, rows, cols, n);
+    const int own_pf = kern_stream_prefetch_bytes(), alt_pf = own_pf ? 0 : 8192;
     kern_weight hot = st.w[0];
     hot.streamed = false;
     float *x = random_x((size_t)16 * cols, 9), *y = xalloc((size_t)16 * rows * sizeof(float));
@@ -739,17 +743,20 @@ static void bench_batched(void) {
            "2. Per "
            "round: its first 128 rows 640 times, each thread its share (`L2`: they stay in "
            "its L2), one matrix 20 times (`L3`: %.1f MB, in the last-level cache), a read of "
-           "the stack (%d matrices, %.0f MB), a sweep over the stack (`memory`); %d rounds, "
+           "the stack (%d matrices, %.0f MB), a sweep over the stack (`memory`; this CPU's "
+           "kern_stream_prefetch_bytes %d; T = 1 also with the other `prefetch`); %d rounds, "
            "medians. `overlap` = max(L3 time, read time) / memory time, for the same "
            "bytes.\n\n",
-           g_runs, peak[1], peak[2], (double)l.bytes / 1e6, n, (double)l.bytes * n / 1e6, rounds);
+           g_runs, peak[1], peak[2], (double)l.bytes / 1e6, n, (double)l.bytes * n / 1e6, own_pf,
+           rounds);
     printf("| T | threads | L2: %% of peak | L3: %% of peak | memory GFLOP/s | %% of peak | memory "
-           "GB/s | read GB/s | overlap |\n|---|---|---|---|---|---|---|---|---|\n");
+           "GB/s | prefetch %s | read GB/s | overlap |\n|---|---|---|---|---|---|---|---|---|---|\n",
+           own_pf ? "none" : "8 KiB");
     for (size_t k = 0; k < sizeof Ts / sizeof Ts[0]; k++) {
         const int T = Ts[k];
         const double flops = 2.0 * T * rows * cols;
         for (int th = 1; th <= 2; th++) {
-            double l2_g[64], hot_g[64], mem_g[64], mem_b[64], rd_b[64], ov[64];
+            double l2_g[64], hot_g[64], mem_g[64], mem_b[64], rd_b[64], ov[64], alt_b[64];
             for (int r = 0; r <= rounds; r++) {
                 const int reps = 20;
                 l2_job lj = {&hot, x, y, T, 32 * reps, th};
@@ -765,7 +772,19 @@ static void bench_batched(void) {
                 for (int i = 0; i < n; i++)
                     product(&st.w[i], x, T, y, th, 0);
                 const double t_mem = (now_s() - t0) / n;
+                /* one token: the same sweep with the other software
+                 * prefetch (none against 8 KiB along the stream) */
+                double t_alt = 0;
+                if (T == 1) {
+                    for (int i = 0; i < n; i++) st.w[i].stream_prefetch = alt_pf;
+                    t0 = now_s();
+                    for (int i = 0; i < n; i++)
+                        product(&st.w[i], x, T, y, th, 0);
+                    t_alt = (now_s() - t0) / n;
+                    for (int i = 0; i < n; i++) st.w[i].stream_prefetch = own_pf;
+                }
                 if (r == 0) continue; /* warm-up */
+                alt_b[r - 1] = T == 1 ? (double)l.bytes / t_alt / 1e9 : 0;
                 l2_g[r - 1] = flops / t_l2 / 1e9;
                 hot_g[r - 1] = flops / t_hot / 1e9;
                 mem_g[r - 1] = flops / t_mem / 1e9;
@@ -775,11 +794,12 @@ static void bench_batched(void) {
             }
             const double lg = median(l2_g, rounds), hg = median(hot_g, rounds),
                          mg = median(mem_g, rounds);
-            char p1[16], p2[16], p3[16];
-            printf("| %d | %d | %s | %s | %.0f | %s | %.1f | %.1f | **%.0f%%** |\n", T, th,
+            char p1[16], p2[16], p3[16], alt[16] = "-";
+            if (T == 1) snprintf(alt, sizeof alt, "%.1f", median(alt_b, rounds));
+            printf("| %d | %d | %s | %s | %.0f | %s | %.1f | %s | %.1f | **%.0f%%** |\n", T, th,
                    pct(p1, sizeof p1, lg, peak[th]), pct(p2, sizeof p2, hg, peak[th]), mg,
-                   pct(p3, sizeof p3, mg, peak[th]), median(mem_b, rounds), median(rd_b, rounds),
-                   100.0 * median(ov, rounds));
+                   pct(p3, sizeof p3, mg, peak[th]), median(mem_b, rounds), alt,
+                   median(rd_b, rounds), 100.0 * median(ov, rounds));
             fflush(stdout);
         }
     }
