@@ -160,6 +160,8 @@ int cli_open_with(const char *cmd, const char *model_dir, const eng_ctx_params *
     eng_model_params mp = eng_model_default_params();
     mp.progress = true;
     cli_model_params_ranks(&mp);
+    /* a GPU holds its own copy: the host's would only cost the read */
+    if (cp->device && strcmp(cp->device, "cpu") != 0) mp.weights = ENG_WEIGHTS_MAPPED;
     eng_ctx_params q = *cp;
     q.comm = cli_comm(); /* under mpirun: this context drives every rank */
     if (eng_model_load(model_dir, &mp, m, &err) != KDS_OK) return cli_fail(cmd, &err);

@@ -175,6 +175,7 @@ int cmd_info(int argc, char **argv) {
     eng_model *m = NULL;
     eng_model_params mp = eng_model_default_params();
     mp.progress = true;
+    mp.weights = ENG_WEIGHTS_MAPPED; /* runs nothing: no copy of the weights */
     if (eng_model_load(dir, &mp, &m, &err) != KDS_OK) return cli_fail("info", &err);
     const eng_config *cfg = eng_model_config(m);
     printf("model        %s\n", dir);

@@ -957,6 +957,22 @@ int cmd_bench(int argc, char **argv) {
            cfg->num_hidden_layers, cfg->n_kda_layers, cfg->n_mla_layers, cfg->num_experts,
            cfg->num_experts_per_token, cfg->vocab_size);
     printf("state        %zu bytes fixed + %zu bytes/token\n", z.fixed, z.per_token);
+    const size_t resident = eng_model_resident_bytes(m);
+    if (resident) {
+        /* how much of it the kernel gave in huge pages (a hint it may not honour) */
+        size_t huge = 0;
+        FILE *sm = fopen("/proc/self/smaps_rollup", "r");
+        char line[256];
+        while (sm && fgets(line, sizeof line, sm))
+            if (!strncmp(line, "AnonHugePages:", 14))
+                huge = (size_t)strtoull(line + 14, NULL, 10) << 10;
+        if (sm) fclose(sm);
+        printf("weights      read into memory, %.2f GB (%.2f GB of this process in 2 MiB pages; "
+               "KDS_WEIGHTS=mapped maps them)\n",
+               resident / 1e9, huge / 1e9);
+    } else {
+        printf("weights      mapped from the files\n");
+    }
     printf("threads      %d\n", eng_ctx_threads(c));
     printf("device       %s%s\n", eng_ctx_device(c),
            eng_ctx_device_kind(c) != ENG_DEVICE_CUDA

@@ -143,6 +143,7 @@ static int load_model(const char *dir, eng_model **m) {
     kds_err err = {0};
     eng_model_params mp = eng_model_default_params();
     mp.progress = true;
+    mp.weights = ENG_WEIGHTS_MAPPED; /* states are checked against it, nothing runs */
     if (eng_model_load(dir, &mp, m, &err) != KDS_OK) return cli_fail(CMD, &err);
     return 0;
 }

@@ -350,6 +350,7 @@ int cmd_tokenize(int argc, char **argv) {
     } else {
         eng_model_params mp = eng_model_default_params();
         mp.progress = true;
+        mp.weights = ENG_WEIGHTS_MAPPED; /* the tokenizer alone: no copy of the weights */
         if (eng_model_load(model, &mp, &m, &err) != KDS_OK) return cli_fail("tokenize", &err);
         tok = eng_model_tokenizer(m);
     }

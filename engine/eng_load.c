@@ -148,6 +148,8 @@ typedef struct loader {
     kds_status rc;  /* sticky: the first failure wins */
     char name[256]; /* tensor being bound */
     bool expert;    /* it is a routed expert's matrix */
+    eng_weights_mode weights; /* resolved: never AUTO from KDS_WEIGHTS */
+    bool progress;
 } loader;
 
 static void fail(loader *ld, kds_status s, const char *fmt, ...)
@@ -189,9 +191,55 @@ static const cat_entry *cat_find(const loader *ld, const char *name) {
     return NULL;
 }
 
+/* The amount from a line "key: N kB" of /proc/meminfo, in bytes; 0 if absent. */
+static size_t meminfo_bytes(const char *key) {
+    FILE *f = fopen("/proc/meminfo", "r");
+    if (!f) return 0;
+    char line[256];
+    size_t v = 0, klen = strlen(key);
+    while (fgets(line, sizeof line, f))
+        if (!strncmp(line, key, klen) && line[klen] == ':') {
+            v = (size_t)strtoull(line + klen + 1, NULL, 10) << 10;
+            break;
+        }
+    fclose(f);
+    return v;
+}
+
+/* Whether AUTO reads a weights file of `bytes` into memory: it is larger
+ * than half the last-level cache (a decode streams it from memory, where
+ * 2 MiB pages read 10-20% faster: docs/benchmarks.md, "Weights in 2 MiB
+ * pages"), transparent huge pages are not off, and the memory available
+ * holds it with an eighth and 512 MiB to spare. */
+static bool resident_pays(size_t bytes) {
+    const size_t llc = eng_llc_bytes();
+    if (bytes <= (llc ? llc : (size_t)32 << 20) / 2) return false;
+    FILE *f = fopen("/sys/kernel/mm/transparent_hugepage/enabled", "r");
+    if (!f) return false;
+    char mode[128] = "";
+    const bool read_ok = fgets(mode, sizeof mode, f) != NULL;
+    fclose(f);
+    if (!read_ok || strstr(mode, "[never]")) return false;
+    return meminfo_bytes("MemAvailable") >= bytes + bytes / 8 + ((size_t)512 << 20);
+}
+
+/* One weights file, mapped or read into memory as ld->weights says (AUTO:
+ * resident_pays; there a failed allocation falls back to the mapping). */
+static kds_status open_weights_file(loader *ld, const char *path, eng_st_file **out) {
+    bool resident = ld->weights == ENG_WEIGHTS_RESIDENT;
+    if (ld->weights == ENG_WEIGHTS_AUTO) {
+        struct stat sb;
+        resident = stat(path, &sb) == 0 && S_ISREG(sb.st_mode) && resident_pays((size_t)sb.st_size);
+    }
+    if (!resident) return eng_st_open(path, out, ld->err);
+    kds_status rc = eng_st_open_resident(path, ld->progress, out, ld->err);
+    if (rc == KDS_NOMEM && ld->weights == ENG_WEIGHTS_AUTO) rc = eng_st_open(path, out, ld->err);
+    return rc;
+}
+
 static kds_status open_single(loader *ld, const char *path) {
     eng_model *m = ld->m;
-    kds_status rc = eng_st_open(path, &m->shards[0], ld->err);
+    kds_status rc = open_weights_file(ld, path, &m->shards[0]);
     if (rc != KDS_OK) return rc;
     m->n_shards = 1;
     size_t n = eng_st_count(m->shards[0]);
@@ -269,7 +317,7 @@ static kds_status open_sharded(loader *ld) {
                 rc = kds_err_set(ld->err, KDS_NOMEM, "out of memory reading %s", ld->index_path);
                 goto out;
             }
-            rc = eng_st_open(path, &m->shards[s], ld->err);
+            rc = open_weights_file(ld, path, &m->shards[s]);
             free(path);
             if (rc != KDS_OK) {
                 kds_err_prefix(ld->err, "%s: shard '%s' (holding '%s')", ld->index_path,
@@ -844,6 +892,25 @@ kds_status eng_model_load(const char *dir, const eng_model_params *params, eng_m
     if (rc != KDS_OK) goto fail;
     if (m->ep_ranks > 1 && (rc = eng_ep_check_config(&m->cfg, m->ep_ranks, err)) != KDS_OK)
         goto fail;
+    ld.progress = p.progress;
+    ld.weights = p.weights;
+    if (ld.weights == ENG_WEIGHTS_AUTO) {
+        const char *env = getenv("KDS_WEIGHTS");
+        if (env && env[0] && strcmp(env, "auto") != 0) {
+            if (!strcmp(env, "mapped")) {
+                ld.weights = ENG_WEIGHTS_MAPPED;
+            } else if (!strcmp(env, "resident")) {
+                ld.weights = ENG_WEIGHTS_RESIDENT;
+            } else {
+                rc = kds_err_set(err, KDS_INVALID_ARG,
+                                 "KDS_WEIGHTS=%s: expected auto, mapped or resident", env);
+                goto fail;
+            }
+        }
+    }
+    /* a rank binds only its own experts: a copy of the whole files would
+     * hold every rank's */
+    if (ld.weights == ENG_WEIGHTS_AUTO && m->ep_ranks > 1) ld.weights = ENG_WEIGHTS_MAPPED;
     rc = open_weights(&ld);
     if (rc != KDS_OK) goto fail;
     rc = bind_all(&ld);
@@ -867,6 +934,13 @@ fail:
     free(cfg_text);
     free(cfg_path);
     return rc;
+}
+
+size_t eng_model_resident_bytes(const eng_model *m) {
+    size_t n = 0;
+    for (int s = 0; s < m->n_shards; s++)
+        if (eng_st_resident(m->shards[s])) n += eng_st_bytes(m->shards[s]);
+    return n;
 }
 
 void eng_model_free(eng_model *m) {

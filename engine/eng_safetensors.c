@@ -12,6 +12,7 @@
 #include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -21,8 +22,9 @@
 
 struct eng_st_file {
     char *path;
-    void *map;
+    void *map;               /* the file's bytes: mapped, or anonymous memory (resident) */
     size_t map_len;
+    bool resident;
     cJSON *json;             /* parsed header; tensor names borrow from it */
     eng_st_tensor *tensors;
     size_t n_tensors;
@@ -124,7 +126,89 @@ static kds_status parse_entry(const char *path, const cJSON *item, eng_st_tensor
     return KDS_OK;
 }
 
+/* Huge pages are 2 MiB on x86-64 (and 4 KiB-page arm64). */
+#define ST_HUGE_PAGE ((size_t)2 << 20)
+/* Bytes per read() and between progress updates. */
+#define ST_READ_STEP ((size_t)64 << 20)
+/* Files smaller than this read in well under a second: no progress line. */
+#define ST_PROGRESS_MIN_BYTES ((size_t)256 << 20)
+
+static double st_now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* The len bytes of fd read into fresh anonymous memory, 2 MiB aligned and
+ * asked for in huge pages, then made read-only: *out, to munmap with len. */
+static kds_status read_resident(const char *path, int fd, size_t len, bool progress, void **out,
+                                kds_err *err) {
+    *out = NULL;
+    /* over-allocate by one huge page and trim, so the start is aligned on
+     * kernels that do not align large anonymous mappings themselves */
+    const size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    const size_t body = (len + page - 1) / page * page;
+    char *raw = mmap(NULL, body + ST_HUGE_PAGE, PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (raw == MAP_FAILED)
+        return kds_err_set(err, KDS_NOMEM, "%s: no memory to hold its %zu bytes (%s); "
+                           "KDS_WEIGHTS=mapped maps the file instead", path, len, strerror(errno));
+    char *p = (char *)(((uintptr_t)raw + ST_HUGE_PAGE - 1) & ~(uintptr_t)(ST_HUGE_PAGE - 1));
+    if (p > raw) munmap(raw, (size_t)(p - raw));
+    const size_t tail = (size_t)(raw + body + ST_HUGE_PAGE - (p + body));
+    if (tail) munmap(p + body, tail);
+    (void)madvise(p, body, MADV_HUGEPAGE); /* a hint: 4 KiB pages where THP is off */
+    const bool show = progress && len > ST_PROGRESS_MIN_BYTES;
+    const double t0 = st_now_s();
+    double last = 0;
+    size_t done = 0;
+    while (done < len) {
+        const size_t want = len - done < ST_READ_STEP ? len - done : ST_READ_STEP;
+        const ssize_t n = pread(fd, p + done, want, (off_t)done);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) {
+            kds_status rc = n < 0 ? kds_err_set(err, KDS_IO, "%s: read at byte %zu: %s", path,
+                                                done, strerror(errno))
+                                  : kds_err_set(err, KDS_IO, "%s: the file ended at byte %zu of "
+                                                "%zu while being read (truncated meanwhile?)",
+                                                path, done, len);
+            munmap(p, body);
+            if (show) fprintf(stderr, "\n");
+            return rc;
+        }
+        done += (size_t)n;
+        const double now = st_now_s();
+        if (show && (now - last > 0.5 || done == len)) {
+            last = now;
+            const double rate = (double)done / (now - t0 > 1e-9 ? now - t0 : 1e-9);
+            fprintf(stderr, "\rreading %s into memory: %3d%% (%.1f / %.1f GB, %.0fs left)", path,
+                    (int)(100.0 * (double)done / (double)len), done / 1e9, len / 1e9,
+                    (double)(len - done) / rate);
+        }
+    }
+    if (show) fprintf(stderr, "\n");
+    (void)mprotect(p, body, PROT_READ); /* the weights are read-only, as the map's */
+    *out = p;
+    return KDS_OK;
+}
+
+static kds_status st_open(const char *path, bool resident, bool progress, eng_st_file **out,
+                          kds_err *err);
+
 kds_status eng_st_open(const char *path, eng_st_file **out, kds_err *err) {
+    return st_open(path, false, false, out, err);
+}
+
+kds_status eng_st_open_resident(const char *path, bool progress, eng_st_file **out,
+                                kds_err *err) {
+    return st_open(path, true, progress, out, err);
+}
+
+bool eng_st_resident(const eng_st_file *f) { return f->resident; }
+size_t eng_st_bytes(const eng_st_file *f) { return f->map_len; }
+
+static kds_status st_open(const char *path, bool resident, bool progress, eng_st_file **out,
+                          kds_err *err) {
     kds_status rc = KDS_OK;
     *out = NULL;
     eng_st_file *f = calloc(1, sizeof *f);
@@ -146,7 +230,12 @@ kds_status eng_st_open(const char *path, eng_st_file **out, kds_err *err) {
         goto fail;
     }
     f->map_len = file_size;
-    f->map = mmap(NULL, f->map_len, PROT_READ, MAP_PRIVATE, fd, 0);
+    if (resident) {
+        if ((rc = read_resident(path, fd, file_size, progress, &f->map, err)) != KDS_OK) goto fail;
+        f->resident = true;
+    } else {
+        f->map = mmap(NULL, f->map_len, PROT_READ, MAP_PRIVATE, fd, 0);
+    }
     if (f->map == MAP_FAILED) {
         f->map = NULL;
         rc = kds_err_set(err, KDS_IO, "%s: mmap: %s", path, strerror(errno));

@@ -352,6 +352,7 @@ kds_status repl_create(const repl_params *p, FILE *out, FILE *errf, repl **out_r
         goto fail;
     }
     eng_model_params mp = eng_model_default_params();
+    mp.progress = true; /* reading a large model into memory takes seconds */
     eng_ep_model_params(&mp, p->comm, p->ep_placement);
     if (eng_model_load(dir, &mp, &r->m, e) != KDS_OK) goto fail;
     eng_ctx_params cp = eng_ctx_default_params();

@@ -340,3 +340,102 @@ Test(model_load, layout_variants) {
     tmu_rmtree(tmp);
     free(tmp);
 }
+
+/* The logits of one prefill of micro-hybrid loaded with `mode`, into out
+ * [vocab]; *resident gets eng_model_resident_bytes. */
+static void prefill_logits(eng_weights_mode mode, float *out, int vocab, size_t *resident) {
+    eng_model_params p = no_cache();
+    p.weights = mode;
+    eng_model *m = load_ok(TMU_MICRO_HYBRID, &p);
+    *resident = eng_model_resident_bytes(m);
+    eng_ctx_params cp = eng_ctx_default_params();
+    cp.n_threads = 1;
+    eng_ctx *c = NULL;
+    eng_seq *s = NULL;
+    kds_err err = {0};
+    cr_assert_eq(eng_ctx_create(m, &cp, &c, &err), KDS_OK, "%s", err.msg);
+    cr_assert_eq(eng_seq_create(m, 1, &s, &err), KDS_OK, "%s", err.msg);
+    const int32_t ids[] = {1, 7, 42, 3, 99, 5, 64, 2};
+    cr_assert_eq(eng_prefill(c, s, ids, 8, NULL, NULL, NULL, &err), KDS_OK, "%s", err.msg);
+    memcpy(out, eng_seq_logits(s), (size_t)vocab * sizeof(float));
+    eng_seq_free(s);
+    eng_ctx_free(c);
+    eng_model_free(m);
+}
+
+/* Weights read into memory (ENG_WEIGHTS_RESIDENT) are the mapped file's
+ * bytes at the same offsets from a 64-byte line (the loops that read rows
+ * off the lines must take the same path), and give the mapped model's
+ * logits, bit for bit. */
+Test(model_load, resident_weights_match_the_mapping) {
+    const char *path = TMU_MICRO_HYBRID "/model.safetensors";
+    eng_st_file *mf = NULL, *rf = NULL;
+    kds_err err = {0};
+    cr_assert_eq(eng_st_open(path, &mf, &err), KDS_OK, "%s", err.msg);
+    cr_assert_eq(eng_st_open_resident(path, false, &rf, &err), KDS_OK, "%s", err.msg);
+    cr_assert(eng_st_resident(rf) && !eng_st_resident(mf));
+    cr_assert_eq(eng_st_bytes(rf), eng_st_bytes(mf));
+    cr_assert_eq(eng_st_count(rf), eng_st_count(mf));
+    for (size_t i = 0; i < eng_st_count(mf); i++) {
+        const eng_st_tensor *a = eng_st_at(mf, i), *b = eng_st_at(rf, i);
+        cr_assert_str_eq(a->name, b->name);
+        cr_assert_eq(a->n_bytes, b->n_bytes);
+        cr_assert_neq(a->data, b->data, "%s: the resident copy points into the mapping", a->name);
+        cr_assert_eq((uintptr_t)a->data % 64, (uintptr_t)b->data % 64, "%s: off its line", a->name);
+        cr_assert_eq(memcmp(a->data, b->data, a->n_bytes), 0, "%s: bytes differ", a->name);
+    }
+    eng_st_close(rf);
+    eng_st_close(mf);
+
+    eng_model_params p = no_cache();
+    eng_model *m = load_ok(TMU_MICRO_HYBRID, &p);
+    const int vocab = eng_model_config(m)->vocab_size;
+    eng_model_free(m);
+    float *lm = malloc((size_t)vocab * sizeof(float)), *lr = malloc((size_t)vocab * sizeof(float));
+    cr_assert(lm && lr);
+    size_t res_m = 1, res_r = 0;
+    prefill_logits(ENG_WEIGHTS_MAPPED, lm, vocab, &res_m);
+    prefill_logits(ENG_WEIGHTS_RESIDENT, lr, vocab, &res_r);
+    cr_assert_eq(res_m, 0, "mapped, yet %zu bytes read into memory", res_m);
+    cr_assert_gt(res_r, 0, "resident, yet nothing read into memory");
+    cr_assert_eq(memcmp(lm, lr, (size_t)vocab * sizeof(float)), 0, "logits differ");
+    free(lm);
+    free(lr);
+}
+
+/* A damaged file read into memory is refused as the mapped one is, and
+ * KDS_WEIGHTS takes only auto, mapped or resident (AUTO reads it). */
+Test(model_load, resident_refuses_what_the_mapping_refuses) {
+    char *tmp = tmu_mkdtemp();
+    char *path = tmu_path(tmp, "model.safetensors");
+    size_t len = 0;
+    char *bytes = tmu_read(TMU_MICRO_HYBRID "/model.safetensors", &len);
+    cr_assert(bytes && len > 4096);
+    cr_assert(tmu_write(path, bytes, len / 2)); /* truncated: the data runs past the end */
+    eng_st_file *f = NULL;
+    kds_err em = {0}, er = {0};
+    const kds_status sm = eng_st_open(path, &f, &em);
+    const kds_status sr = eng_st_open_resident(path, false, &f, &er);
+    cr_assert_neq(sm, KDS_OK);
+    cr_assert_eq(sr, sm, "resident: %s; mapped: %s", er.msg, em.msg);
+    cr_assert_str_eq(er.msg, em.msg);
+    cr_assert_null(f);
+    free(bytes);
+
+    cr_assert_eq(setenv("KDS_WEIGHTS", "in-ram", 1), 0);
+    eng_model_params p = no_cache();
+    eng_model *m = NULL;
+    kds_err err = {0};
+    cr_assert_eq(eng_model_load(TMU_MICRO_HYBRID, &p, &m, &err), KDS_INVALID_ARG);
+    cr_assert_null(m);
+    cr_assert(strstr(err.msg, "KDS_WEIGHTS=in-ram") && strstr(err.msg, "resident"), "%s",
+              err.msg);
+    cr_assert_eq(setenv("KDS_WEIGHTS", "resident", 1), 0);
+    m = load_ok(TMU_MICRO_HYBRID, &p);
+    cr_assert_gt(eng_model_resident_bytes(m), 0, "KDS_WEIGHTS=resident not taken");
+    eng_model_free(m);
+    unsetenv("KDS_WEIGHTS");
+    tmu_rmtree(tmp);
+    free(tmp);
+    free(path);
+}

@@ -7,7 +7,10 @@
  * Properties beyond "no crash, no leak, no undefined behaviour": every
  * tensor an open file hands out lies inside the mapping with exactly
  * n_elems * dtype size bytes (every byte is read, so ASan sees an overrun),
- * its name finds it again, and at most ENG_ST_MAX_DIMS dims.
+ * its name finds it again, and at most ENG_ST_MAX_DIMS dims. The same file
+ * read into memory (eng_st_open_resident, as the loader does for large
+ * files) is refused or accepted alike, with the same message, and holds
+ * the same tensors with the same bytes.
  */
 #include "fuzz_util.h"
 
@@ -16,12 +19,24 @@
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     const char *path = fz_path(0, "model.safetensors");
     fz_write_file(path, data, size);
-    eng_st_file *f = NULL;
-    kds_err e = {0};
-    if (eng_st_open(path, &f, &e) != KDS_OK) {
+    eng_st_file *f = NULL, *r = NULL;
+    kds_err e = {0}, er = {0};
+    const kds_status rc = eng_st_open(path, &f, &e);
+    const kds_status rr = eng_st_open_resident(path, false, &r, &er);
+    if (rr != rc || (rc != KDS_OK && strcmp(e.msg, er.msg) != 0))
+        fz_fail("mapped: %d '%s'; read into memory: %d '%s'", (int)rc, e.msg, (int)rr, er.msg);
+    if (rc != KDS_OK) {
         if (e.status == KDS_OK || !e.msg[0]) fz_fail("eng_st_open failed without a message");
         return 0;
     }
+    if (eng_st_count(r) != eng_st_count(f)) fz_fail("read into memory: another tensor count");
+    for (size_t i = 0; i < eng_st_count(f); i++) {
+        const eng_st_tensor *a = eng_st_at(f, i), *b = eng_st_at(r, i);
+        if (strcmp(a->name, b->name) != 0 || a->n_bytes != b->n_bytes ||
+            memcmp(a->data, b->data, a->n_bytes) != 0)
+            fz_fail("tensor '%s' read into memory differs from the mapping", a->name);
+    }
+    eng_st_close(r);
     unsigned sum = 0;
     for (size_t i = 0; i < eng_st_count(f); i++) {
         const eng_st_tensor *t = eng_st_at(f, i);
