@@ -285,7 +285,8 @@ int eng_ctx_threads(const eng_ctx *c);
 
 /*
  * The machine's memory read bandwidth in GB/s (10^9 bytes/s): the best of
- * `reps` plain streaming reads (kern_read_sum) of a buffer of `bytes` on
+ * `reps` plain streaming reads (kern_read_sum) of a buffer of `bytes` (in
+ * 2 MiB pages where the kernel gives them, as resident weights are) on
  * n_threads threads (1..64), each thread reading its share (four per
  * thread) as the forward pass cuts its products. What decode at batch 1
  * is judged against (`kdaserve bench` prints both): bytes
