@@ -643,9 +643,10 @@ static void bench_usage(FILE *f) {
                "its clock starts (the restore is `snap bench --device cuda`'s figure).\n\n"
                "--bf16 rounds activations to bf16 in the products where speed is bound by\n"
                "arithmetic (llama.cpp's and vLLM's precision, ~3e-3 relative error per\n"
-               "product; default: exact): on the CPU the bf16 matrices of a prefill\n"
-               "(AVX-512 BF16), on a GPU the products above 8 rows (default: split into\n"
-               "bf16 hi + lo). --gpu-bf16 is its old name.\n\n"
+               "product; default: exact): on the CPU the bf16 matrices of a prefill and\n"
+               "a decode step's products of 4 tokens and more (a batched step of --seqs;\n"
+               "AVX-512 BF16; a lone decode stays exact), on a GPU the products above 8\n"
+               "rows (default: split into bf16 hi + lo). --gpu-bf16 is its old name.\n\n"
                "--gen PRESET benchmarks a model generated on the GPU itself (gen-model's\n"
                "weights for that preset and --seed, default 1; no files: e.g. the 98 GB\n"
                "kimi-linear-48b). Needs --device cuda (implied). Presets: see gen-model.\n");
@@ -977,7 +978,7 @@ int cmd_bench(int argc, char **argv) {
     printf("device       %s%s\n", eng_ctx_device(c),
            eng_ctx_device_kind(c) != ENG_DEVICE_CUDA
                ? (!gpu_bf16                 ? " (exact)"
-                  : eng_cpu_bf16_products() ? " (a prefill's bf16 products: bf16 activations)"
+                  : eng_cpu_bf16_products() ? " (bf16 activations: a prefill's bf16 products, a batched step's)"
                                             : " (exact: this build has no bf16 dot products)")
            : gpu_bf16 ? " (products above 8 rows: bf16 activations)"
                       : " (products above 8 rows: exact, bf16 hi + lo)");

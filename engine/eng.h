@@ -254,10 +254,14 @@ typedef struct eng_ctx_params {
      * stored weights). On "cuda": matrix products of more than 8 rows
      * (about half the tensor-core work of the default split into bf16 hi +
      * lo, ~1e-5). On the CPU: the bf16 matrices of a prefill from
-     * KERN_PREFILL_GEMM_MIN_T tokens (AVX-512 BF16 dot products, about
-     * twice the multiply-adds per second of the exact kernel; where the
-     * build lacks AVX512_BF16 it stays exact). Decode products (a CPU's
-     * batched decode; a GPU's up to 8 rows) are exact either way. */
+     * KERN_PREFILL_GEMM_MIN_T tokens, and of a decode step the products
+     * of 4 tokens and more (a batched step's projections and lm_head, the
+     * routed experts several sequences chose: kern_matmul_w_bf16act), by
+     * AVX-512 BF16 dot products, about twice the multiply-adds per second
+     * of the exact kernel; where the build lacks AVX512_BF16 it stays
+     * exact. Products of fewer tokens (a lone decode; a GPU's up to 8
+     * rows) are exact either way, so a sequence's results in a batched
+     * step under bf16_act depend on what shares the step. */
     bool bf16_act;
     /* Expert parallelism (docs/expert-parallel.md): the job's ranks
      * (borrowed; must outlive the context), or NULL for one process as

@@ -86,6 +86,16 @@ typedef struct eng_cpu {
 
 static eng_cpu *cpu_of(eng_backend *b) { return (eng_cpu *)b; }
 
+/* Under bf16_act, a decode step's products of this many tokens and more
+ * (a batched step's projections and lm_head, and routed experts that
+ * several sequences chose) round x to bf16 (kern_matmul_w_bf16act):
+ * there the exact f32 FMAs bound the step, while a product of one to
+ * three tokens is bound by reading its matrix and stays exact. So a lone
+ * decode is exact in either mode, and under bf16_act a sequence's
+ * results in a batched step depend on how many share its experts (as
+ * the GPU's products above 8 rows). */
+#define BF16_DECODE_MIN_T 4
+
 /* An op's contract was broken (a caller bug): recorded like any failure. */
 static void internal(eng_cpu *c, const char *what) {
     if (c->base.rc != KDS_OK) return;
@@ -105,6 +115,8 @@ static void mm_task_fn(void *arg, int t, int thread) {
     if (c->prefill)
         kern_matmul_w_prefill(&w, j->x, j->T, j->y, j->ldy, task->r0, task->r1, c->ts[thread].mm,
                               c->bf16_act);
+    else if (c->bf16_act && j->T >= BF16_DECODE_MIN_T)
+        kern_matmul_w_bf16act(&w, j->x, j->T, j->y, j->ldy, task->r0, task->r1, c->ts[thread].mm);
     else
         kern_matmul_w(&w, j->x, j->T, j->y, j->ldy, task->r0, task->r1, c->ts[thread].mm);
 }

@@ -672,3 +672,74 @@ Test(decode_batch, cpu_bf16_activations_within_bf16_error) {
     eng_ctx_free(cb);
     close_fixture(&f);
 }
+
+/* bf16_act in a batched decode step: the step's products of 4 tokens and
+ * more round x to bf16 (kern_matmul_w_bf16act), so each sequence's logits
+ * move from the exact step's by about bf16's error and no more; a lone
+ * decode stays exact in that mode, bit for bit. */
+Test(decode_batch, cpu_bf16_activations_in_a_batched_step) {
+    enum { N = 8, P = 12 };
+    fixture f = open_preset("tiny", 1, 32, N);
+    kds_err err = {0};
+    eng_ctx_params cp = eng_ctx_default_params();
+    cp.n_threads = 2;
+    cp.max_batch = 32;
+    cp.max_seqs = N;
+    cp.bf16_act = true;
+    eng_ctx *cb = NULL;
+    cr_assert_eq(eng_ctx_create(f.m, &cp, &cb, &err), KDS_OK, "%s", err.msg);
+    eng_seq *a[N], *b[N];
+    int32_t next[N];
+    for (int i = 0; i < N; i++) {
+        int32_t ids[P];
+        prompt(ids, P, f.vocab, 100u + (uint32_t)i);
+        cr_assert_eq(eng_seq_create(f.m, 1, &a[i], &err), KDS_OK, "%s", err.msg);
+        cr_assert_eq(eng_seq_create(f.m, 1, &b[i], &err), KDS_OK, "%s", err.msg);
+        /* both from the same exact prefill */
+        cr_assert_eq(eng_prefill(f.c, a[i], ids, P, NULL, NULL, NULL, &err), KDS_OK, "%s", err.msg);
+        cr_assert_eq(eng_prefill(f.c, b[i], ids, P, NULL, NULL, NULL, &err), KDS_OK, "%s", err.msg);
+        next[i] = (int32_t)((7u + 13u * (unsigned)i) % (unsigned)f.vocab);
+    }
+    cr_assert_eq(eng_decode_batch(f.c, a, next, N, &err), KDS_OK, "%s", err.msg);
+    cr_assert_eq(eng_decode_batch(cb, b, next, N, &err), KDS_OK, "%s", err.msg);
+    double worst = 0.0;
+    bool moved = false;
+    for (int i = 0; i < N; i++) {
+        const float *la = eng_seq_logits(a[i]), *lb = eng_seq_logits(b[i]);
+        double big = 0.0, diff = 0.0;
+        for (int v = 0; v < f.vocab; v++) {
+            if (fabs(la[v]) > big) big = fabs(la[v]);
+            if (fabs(la[v] - lb[v]) > diff) diff = fabs(la[v] - lb[v]);
+        }
+        const double ratio = diff / (big > 1.0 ? big : 1.0);
+        if (ratio > worst) worst = ratio;
+        if (memcmp(la, lb, (size_t)f.vocab * sizeof *la) != 0) moved = true;
+    }
+    cr_log_info("cpu bf16 activations, batched step of %d: logits error / largest %g", N, worst);
+    cr_expect_leq(worst, 3e-2, "bf16 activations in a batched step: %g (limit 3e-2)", worst);
+    if (eng_cpu_bf16_products())
+        cr_expect(moved, "bf16 activations changed nothing in a batched step of %d", N);
+    else
+        cr_expect(!moved, "without bf16 dot products the mode moved a batched step's logits");
+    /* a lone decode: exact in either mode */
+    eng_seq *c0 = NULL;
+    int32_t ids[P];
+    prompt(ids, P, f.vocab, 300u);
+    cr_assert_eq(eng_seq_create(f.m, 1, &c0, &err), KDS_OK, "%s", err.msg);
+    eng_seq *d0 = NULL;
+    cr_assert_eq(eng_seq_create(f.m, 1, &d0, &err), KDS_OK, "%s", err.msg);
+    cr_assert_eq(eng_prefill(f.c, c0, ids, P, NULL, NULL, NULL, &err), KDS_OK, "%s", err.msg);
+    cr_assert_eq(eng_prefill(f.c, d0, ids, P, NULL, NULL, NULL, &err), KDS_OK, "%s", err.msg);
+    cr_assert_eq(eng_decode(f.c, c0, 9, &err), KDS_OK, "%s", err.msg);
+    cr_assert_eq(eng_decode(cb, d0, 9, &err), KDS_OK, "%s", err.msg);
+    cr_expect(!memcmp(eng_seq_logits(c0), eng_seq_logits(d0), (size_t)f.vocab * sizeof(float)),
+              "a lone decode under bf16_act is not the exact one");
+    eng_seq_free(c0);
+    eng_seq_free(d0);
+    for (int i = 0; i < N; i++) {
+        eng_seq_free(a[i]);
+        eng_seq_free(b[i]);
+    }
+    eng_ctx_free(cb);
+    close_fixture(&f);
+}

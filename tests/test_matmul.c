@@ -467,3 +467,79 @@ Test(matmul, prefill_bf16_activations_within_rounding) {
     free(scratch);
 }
 #endif
+
+/* A decode step's product under bf16_act (kern_matmul_w_bf16act): each
+ * value is the product of x rounded to bf16 (nearest even) with the bf16
+ * row, summed in f32 (checked against a double sum of the same rounded
+ * values, to 1e-5 of the sum of |products|), and row t of a T-token
+ * product is token t's one-token product bit for bit, whatever tokens
+ * and rows share the call: 1 to 9 and 17 tokens (groups of three, column
+ * blocks above three), ragged row ranges, widths on and off the 512-column
+ * blocks. Without AVX-512 BF16 it is kern_matmul_w, bit for bit. */
+Test(matmul, bf16act_decode_rounds_x_and_keeps_each_tokens_bits) {
+    const int shapes[][2] = {{77, 256}, {45, 2304}, {19, 96}};
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+        const int rows = shapes[s][0], in = shapes[s][1], r0 = 3, r1 = rows - 2, TM = 17;
+        float *wf = malloc((size_t)rows * in * sizeof(float));
+        float *x = malloc((size_t)TM * in * sizeof(float));
+        float *y = malloc((size_t)TM * rows * sizeof(float)), *y1 = malloc(rows * sizeof(float));
+        float *ye = malloc((size_t)TM * rows * sizeof(float));
+        float *scratch = malloc(kern_matmul_scratch_floats(in) * sizeof(float));
+        uint16_t *w = make_w(KERN_BF16, rows, in, wf, 0xbf16ull + (uint64_t)s);
+        cr_assert(wf && x && y && y1 && ye && scratch && w);
+        uint64_t seed = 777 + s;
+        for (int i = 0; i < TM * in; i++)
+            x[i] = unit(&seed) * 3.0f;
+        const kern_weight kw = {.dt = KERN_BF16, .data = w, .rows = rows, .cols = in};
+        const int Ts[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 17};
+        for (size_t k = 0; k < sizeof Ts / sizeof Ts[0]; k++) {
+            const int T = Ts[k];
+            for (int i = 0; i < T * rows; i++)
+                y[i] = NAN;
+            kern_matmul_w_bf16act(&kw, x, T, y, rows, r0, r1, scratch);
+            if (!kern_bf16_products()) {
+                kern_matmul_w(&kw, x, T, ye, rows, r0, r1, scratch);
+                for (int t = 0; t < T; t++)
+                    cr_assert_eq(memcmp(y + (size_t)t * rows + r0, ye + (size_t)t * rows + r0,
+                                        (size_t)(r1 - r0) * sizeof(float)),
+                                 0, "without bf16 products: not kern_matmul_w");
+                continue;
+            }
+            for (int t = 0; t < T; t++) {
+                const float *xt = x + (size_t)t * in;
+                for (int r = r0; r < r1; r++) {
+                    double ref = 0, mag = 0;
+                    for (int i = 0; i < in; i++) {
+                        const double p = (double)kern_bf16_to_f32(kern_f32_to_bf16(xt[i])) *
+                                         (double)wf[(size_t)r * in + i];
+                        ref += p;
+                        mag += fabs(p);
+                    }
+                    const float got = y[(size_t)t * rows + r];
+                    cr_assert(fabs(got - ref) <= 1e-5 * mag + 1e-30,
+                              "[%d, %d] T %d token %d row %d: %.9g, want %.9g (sum |p| %.3g)",
+                              rows, in, T, t, r, got, ref, mag);
+                }
+                cr_assert(isnan(y[(size_t)t * rows + r0 - 1]) && isnan(y[(size_t)t * rows + r1]),
+                          "rows outside [r0, r1) written");
+                /* alone, and with the rows cut in two on an eight-row
+                 * boundary (as the CPU backend cuts): the same bits */
+                for (int r = 0; r < rows; r++)
+                    y1[r] = NAN;
+                kern_matmul_w_bf16act(&kw, xt, 1, y1, rows, r0, r0 + 8, scratch);
+                kern_matmul_w_bf16act(&kw, xt, 1, y1, rows, r0 + 8, r1, scratch);
+                cr_assert_eq(memcmp(y1 + r0, y + (size_t)t * rows + r0,
+                                    (size_t)(r1 - r0) * sizeof(float)),
+                             0, "[%d, %d]: token %d of %d differs from its lone product", rows,
+                             in, t, T);
+            }
+        }
+        free(w);
+        free(wf);
+        free(x);
+        free(y);
+        free(y1);
+        free(ye);
+        free(scratch);
+    }
+}

@@ -824,6 +824,111 @@ void kern__matmul_blas(kern_dtype dt, const void *W, int in, const float *x, int
     }
 }
 
+#if KERN_AVX512 && defined(__AVX512BF16__)
+/* Rows w[0..8) (row stride in) dotted with nt (1..3, a constant at each
+ * call) tokens xb [nt, in] (x rounded to bf16, in column order), columns
+ * [i0, i1), continuing the 8 x nt running sums acc[t][k] (16 lanes each):
+ * per 32 columns one vdpbf16ps per (row, token) adds the products of a
+ * pair of columns in each lane. Each row is loaded once for the nt
+ * tokens. pf > 0: rows [pk0, pk1) are prefetched pf elements ahead of
+ * column i (pf_wrap: past the row's end, into the same row of the next
+ * eight), as rows8_cols. */
+static inline __attribute__((always_inline)) void
+rows8_cols_bf16act(const uint16_t *w, int in, const uint16_t *xb, const int nt, int i0, int i1,
+                   int pf, bool pf_wrap, int pk0, int pk1, __m512 (*acc)[8]) {
+    __m512 a[3][8];
+    for (int j = 0; j < nt; j++)
+        for (int k = 0; k < 8; k++) a[j][k] = acc[j][k];
+    for (int i = i0; i < i1; i += 32) {
+        if (pf > 0) {
+            size_t off = (size_t)i + (size_t)pf;
+            if (pf_wrap && off >= (size_t)in) off += (size_t)7 * in; /* the next eight rows */
+            for (int k = pk0; k < pk1; k++)
+                _mm_prefetch((const char *)(w + (size_t)k * in + off), _MM_HINT_T0);
+        }
+        __m512bh xv[3];
+        for (int j = 0; j < nt; j++)
+            xv[j] = (__m512bh)_mm512_loadu_si512((const void *)(xb + (size_t)j * in + i));
+        for (int k = 0; k < 8; k++) {
+            const __m512bh v = (__m512bh)_mm512_loadu_si512((const void *)(w + (size_t)k * in + i));
+            for (int j = 0; j < nt; j++) a[j][k] = _mm512_dpbf16_ps(a[j][k], v, xv[j]);
+        }
+    }
+    for (int j = 0; j < nt; j++)
+        for (int k = 0; k < 8; k++) acc[j][k] = a[j][k];
+}
+
+/* y[t, r] = bf16(x[t]) . W[r] for rows [r0, r1) and nt (< 64) tokens xb
+ * [nt, in] already rounded (in % 32 == 0): eight rows at a time, tokens
+ * in groups of three over them, in column blocks of DOT_COL_BLOCK when
+ * there are more than three (the rows' block stays in L1 for the later
+ * groups; the block after next is prefetched, its eight rows dealt out
+ * among the groups, as dot8_bf16 does), then reduce8. Every (row, token) sum is the same chain of
+ * vdpbf16ps whatever the tokens beside it and the row cut, so a token's
+ * results do not depend on the batch (in this mode). */
+static void dot8_bf16act(const uint16_t *W, int in, const uint16_t *xb, int nt, int r0, int r1,
+                         float *y, int ldy) {
+    _Alignas(64) __m512 acc[64][8];
+    int r = r0;
+    const int cb = nt <= 3 ? in : DOT_COL_BLOCK;
+    const int ng = (nt + 2) / 3;
+    const int pf_far = 2 * DOT_COL_BLOCK < in ? 2 * DOT_COL_BLOCK : in;
+    for (; r + 8 <= r1; r += 8) {
+        const uint16_t *w = W + (size_t)r * in;
+        for (int t = 0; t < nt; t++)
+            for (int k = 0; k < 8; k++) acc[t][k] = _mm512_setzero_ps();
+        for (int i0 = 0; i0 < in; i0 += cb) {
+            const int i1 = in - i0 < cb ? in : i0 + cb;
+            for (int t = 0, g = 0; t < nt; t += 3, g++) {
+                /* up to three tokens: the same columns of the next eight
+                 * rows; more: the block after next, dealt out */
+                const int pf = nt <= 3 ? 8 * in : pf_far;
+                const int pk0 = nt <= 3 ? 0 : 8 * g / ng, pk1 = nt <= 3 ? 8 : 8 * (g + 1) / ng;
+                const uint16_t *x0 = xb + (size_t)t * in;
+                if (nt - t >= 3)
+                    rows8_cols_bf16act(w, in, x0, 3, i0, i1, pf, nt > 3, pk0, pk1, acc + t);
+                else if (nt - t == 2)
+                    rows8_cols_bf16act(w, in, x0, 2, i0, i1, pf, nt > 3, pk0, pk1, acc + t);
+                else
+                    rows8_cols_bf16act(w, in, x0, 1, i0, i1, pf, nt > 3, pk0, pk1, acc + t);
+            }
+        }
+        for (int t = 0; t < nt; t++) _mm256_storeu_ps(y + (size_t)t * ldy + r, reduce8(acc[t]));
+    }
+    for (; r < r1; r++) {
+        const uint16_t *w0 = W + (size_t)r * in;
+        for (int t = 0; t < nt; t++) {
+            __m512 a0 = _mm512_setzero_ps();
+            for (int i = 0; i < in; i += 32)
+                a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512((const void *)(w0 + i)),
+                                      (__m512bh)_mm512_loadu_si512(
+                                          (const void *)(xb + (size_t)t * in + i)));
+            y[(size_t)t * ldy + r] = _mm512_reduce_add_ps(a0);
+        }
+    }
+}
+#endif
+
+void kern_matmul_w_bf16act(const kern_weight *w, const float *x, int T, float *y, int ldy, int r0,
+                           int r1, float *scratch) {
+#if KERN_AVX512 && defined(__AVX512BF16__)
+    const int in = w->cols;
+    if (w->dt == KERN_BF16 && in % 32 == 0 && scratch && T > 0 && T < 64 && r1 > r0) {
+        /* x rounded to bf16 (nearest even) in column order, [T, in] */
+        uint16_t *xb = (uint16_t *)scratch;
+        for (int t = 0; t < T; t++)
+            for (int i = 0; i < in; i += 32) {
+                const float *xt = x + (size_t)t * in + i;
+                const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(xt + 16), _mm512_loadu_ps(xt));
+                _mm512_storeu_si512((void *)(xb + (size_t)t * in + i), (__m512i)v);
+            }
+        dot8_bf16act(w->data, in, xb, T, r0, r1, y, ldy);
+        return;
+    }
+#endif
+    kern_matmul_w(w, x, T, y, ldy, r0, r1, scratch);
+}
+
 void kern__matmul_hinted(kern_dtype dt, const void *W, int in, const float *x, int T, float *y,
                          int ldy, int r0, int r1, float *scratch, const kern_weight *hint) {
     /* used by the one-token loops of AVX-512 (bf16) and AVX2 (short rows) */
