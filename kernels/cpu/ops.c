@@ -279,16 +279,19 @@ static void dot_row(kern_dtype dt, const void *row, int in, const float *x, int 
 #define DOT_COL_BLOCK 512
 
 /* Rows w[0..8) (row stride in), columns [i0, i1), dotted with nt (1..3,
- * a constant at each call) tokens x0 [nt, in] (split even/odd as
- * dot8_bf16's xd), continuing the 8 x nt running sums acc[t][k] (16 lanes
- * each; zero before the first columns): per 32 columns, each of the eight
- * rows' vectors feeds the nt tokens' FMAs, the eight rows read as eight
- * streams. pf > 0: rows [pk0, pk1) are prefetched pf elements ahead of
+ * a constant at each call) tokens xv0 [nt, in], continuing the 8 x nt
+ * running sums acc[t][k] (16 lanes each; zero before the first columns):
+ * per 32 columns, each of the eight rows' vectors feeds the nt tokens'
+ * products, the eight rows read as eight streams. bf16x (a constant at
+ * each call): xv0 is x rounded to bf16 in column order and each product
+ * is one vdpbf16ps (a pair of columns a lane: kern_matmul_w_bf16act);
+ * else xv0 is f32 split even/odd as dot8_bf16's xd, each product two
+ * FMAs on the widened row. pf > 0: rows [pk0, pk1) are prefetched pf elements ahead of
  * column i (pf_wrap: past the row's end, into the same row of the next
  * eight; then pf <= in). */
 static inline __attribute__((always_inline)) void
-rows8_cols(const uint16_t *w, int in, const float *x0, const int nt, int i0, int i1, int pf,
-           bool pf_wrap, int pk0, int pk1, __m512 (*acc)[8]) {
+rows8_cols(const uint16_t *w, int in, const void *xv0, const int nt, int i0, int i1, int pf,
+           bool pf_wrap, int pk0, int pk1, __m512 (*acc)[8], const bool bf16x) {
     const __m512i hi_mask = _mm512_set1_epi32((int)0xffff0000u);
     __m512 a[3][8];
     for (int j = 0; j < nt; j++)
@@ -300,6 +303,22 @@ rows8_cols(const uint16_t *w, int in, const float *x0, const int nt, int i0, int
             for (int k = pk0; k < pk1; k++)
                 _mm_prefetch((const char *)(w + (size_t)k * in + off), _MM_HINT_T0);
         }
+#if defined(__AVX512BF16__)
+        if (bf16x) {
+            /* one vdpbf16ps per (row, token): a pair of columns a lane */
+            const uint16_t *xb = xv0;
+            __m512bh xv[3];
+            for (int j = 0; j < nt; j++)
+                xv[j] = (__m512bh)_mm512_loadu_si512((const void *)(xb + (size_t)j * in + i));
+            for (int k = 0; k < 8; k++) {
+                const __m512bh v =
+                    (__m512bh)_mm512_loadu_si512((const void *)(w + (size_t)k * in + i));
+                for (int j = 0; j < nt; j++) a[j][k] = _mm512_dpbf16_ps(a[j][k], v, xv[j]);
+            }
+            continue;
+        }
+#endif
+        const float *x0 = xv0;
         __m512 xe[3], xo[3];
         for (int j = 0; j < nt; j++) {
             xe[j] = _mm512_loadu_ps(x0 + (size_t)j * in + i);
@@ -408,6 +427,55 @@ rows8_bf16_t1(const uint16_t *w, size_t stride, int in, const float *xd, float *
     for (int k = 0; k < 8; k++) y[(size_t)k * ystep] = sums[k];
 }
 
+/* Rows [r, r + 8) of W, nt (2..63) tokens xv [nt, in] (as rows8_cols,
+ * bf16x a constant at each call), into y[t * ldy + r ..]: the tokens in
+ * groups of three over the eight rows, in column blocks of DOT_COL_BLOCK
+ * when there are more than three (the first group reads the rows from
+ * memory, the others from L1), then reduce8. acc: 64 x 8 scratch sums.
+ * Every (row, token) sum is the same chain whatever the tokens beside it.
+ * pf_rows: the first group's prefetch with up to three tokens, that many
+ * rows on. */
+static inline __attribute__((always_inline)) void
+rows8_tokens(const uint16_t *W, int in, const void *xv, int nt, int r, int pf_rows, float *y,
+             int ldy, __m512 (*acc)[8], const bool bf16x) {
+    const uint16_t *w = W + (size_t)r * in;
+    const size_t xsz = bf16x ? sizeof(uint16_t) : sizeof(float);
+    const int cb = nt <= 3 ? in : DOT_COL_BLOCK;
+    for (int t = 0; t < nt; t++)
+        for (int k = 0; k < 8; k++) acc[t][k] = _mm512_setzero_ps();
+    /* the first group's prefetch: with whole rows (up to three
+     * tokens), the same columns pf_rows rows on; with column blocks,
+     * the next block, which the other groups give time to arrive
+     * (T = 5, 6 read 10-17% faster than with the rows on) */
+    const int pf_first = nt <= 3 ? pf_rows * in : DOT_COL_BLOCK;
+    /* Rows on lines, column blocks: the block after next (at most a
+     * row on), its eight rows dealt out among the token groups, so
+     * that the lines are asked for evenly over the block's time:
+     * wide's lm_head for 8 tokens from memory, two threads, 27-28 ->
+     * 21-23 ms in a standalone harness; in the engine (--seqs 8, six
+     * rounds alternating) 80-87 -> 81-98 tok/s, median 86.3 -> 89.7.
+     * Rows off the lines lost 9% that way (83.7 -> 76.3), so they keep
+     * the first group's prefetch. */
+    const bool spread = nt > 3 && (uintptr_t)W % 64 == 0;
+    const int ng = (nt + 2) / 3;
+    const int pf_far = 2 * DOT_COL_BLOCK < in ? 2 * DOT_COL_BLOCK : in;
+    for (int i0 = 0; i0 < in; i0 += cb) {
+        const int i1 = in - i0 < cb ? in : i0 + cb;
+        for (int t = 0, g = 0; t < nt; t += 3, g++) {
+            const int pf_dist = spread ? pf_far : t > 0 ? 0 : pf_first;
+            const int pk0 = spread ? 8 * g / ng : 0, pk1 = spread ? 8 * (g + 1) / ng : 8;
+            const void *x0 = (const char *)xv + (size_t)t * in * xsz;
+            if (nt - t >= 3)
+                rows8_cols(w, in, x0, 3, i0, i1, pf_dist, nt > 3, pk0, pk1, acc + t, bf16x);
+            else if (nt - t == 2)
+                rows8_cols(w, in, x0, 2, i0, i1, pf_dist, nt > 3, pk0, pk1, acc + t, bf16x);
+            else
+                rows8_cols(w, in, x0, 1, i0, i1, pf_dist, nt > 3, pk0, pk1, acc + t, bf16x);
+        }
+    }
+    for (int t = 0; t < nt; t++) _mm256_storeu_ps(y + (size_t)t * ldy + r, reduce8(acc[t]));
+}
+
 /* Eight weight rows at a time, every token over them: the activation
  * vectors are loaded once per eight rows and each (row, token) pair gets
  * its own accumulator, so the loop is bound by streaming W. Tokens go in
@@ -475,40 +543,7 @@ static void dot8_bf16(const uint16_t *W, int in, const float *xd, int nt, int r0
             rows8_bf16_t1(w, (size_t)in, in, xd, y + r, 1, (size_t)pf_rows * in * 2);
             continue;
         }
-        const int cb = nt <= 3 ? in : DOT_COL_BLOCK;
-        for (int t = 0; t < nt; t++)
-            for (int k = 0; k < 8; k++) acc[t][k] = _mm512_setzero_ps();
-        /* the first group's prefetch: with whole rows (up to three
-         * tokens), the same columns pf_rows rows on; with column blocks,
-         * the next block, which the other groups give time to arrive
-         * (T = 5, 6 read 10-17% faster than with the rows on) */
-        const int pf_first = nt <= 3 ? pf_rows * in : DOT_COL_BLOCK;
-        /* Rows on lines, column blocks: the block after next (at most a
-         * row on), its eight rows dealt out among the token groups, so
-         * that the lines are asked for evenly over the block's time:
-         * wide's lm_head for 8 tokens from memory, two threads, 27-28 ->
-         * 21-23 ms in a standalone harness; in the engine (--seqs 8, six
-         * rounds alternating) 80-87 -> 81-98 tok/s, median 86.3 -> 89.7.
-         * Rows off the lines lost 9% that way (83.7 -> 76.3), so they keep
-         * the first group's prefetch. */
-        const bool spread = nt > 3 && (uintptr_t)W % 64 == 0;
-        const int ng = (nt + 2) / 3;
-        const int pf_far = 2 * DOT_COL_BLOCK < in ? 2 * DOT_COL_BLOCK : in;
-        for (int i0 = 0; i0 < in; i0 += cb) {
-            const int i1 = in - i0 < cb ? in : i0 + cb;
-            for (int t = 0, g = 0; t < nt; t += 3, g++) {
-                const int pf_dist = spread ? pf_far : t > 0 ? 0 : pf_first;
-                const int pk0 = spread ? 8 * g / ng : 0, pk1 = spread ? 8 * (g + 1) / ng : 8;
-                const float *x0 = xd + (size_t)t * in;
-                if (nt - t >= 3)
-                    rows8_cols(w, in, x0, 3, i0, i1, pf_dist, nt > 3, pk0, pk1, acc + t);
-                else if (nt - t == 2)
-                    rows8_cols(w, in, x0, 2, i0, i1, pf_dist, nt > 3, pk0, pk1, acc + t);
-                else
-                    rows8_cols(w, in, x0, 1, i0, i1, pf_dist, nt > 3, pk0, pk1, acc + t);
-            }
-        }
-        for (int t = 0; t < nt; t++) _mm256_storeu_ps(y + (size_t)t * ldy + r, reduce8(acc[t]));
+        rows8_tokens(W, in, xd, nt, r, pf_rows, y, ldy, acc, false);
     }
     for (; r < r1; r++) {
         const uint16_t *w0 = W + (size_t)r * in;
@@ -825,76 +860,19 @@ void kern__matmul_blas(kern_dtype dt, const void *W, int in, const float *x, int
 }
 
 #if KERN_AVX512 && defined(__AVX512BF16__)
-/* Rows w[0..8) (row stride in) dotted with nt (1..3, a constant at each
- * call) tokens xb [nt, in] (x rounded to bf16, in column order), columns
- * [i0, i1), continuing the 8 x nt running sums acc[t][k] (16 lanes each):
- * per 32 columns one vdpbf16ps per (row, token) adds the products of a
- * pair of columns in each lane. Each row is loaded once for the nt
- * tokens. pf > 0: rows [pk0, pk1) are prefetched pf elements ahead of
- * column i (pf_wrap: past the row's end, into the same row of the next
- * eight), as rows8_cols. */
-static inline __attribute__((always_inline)) void
-rows8_cols_bf16act(const uint16_t *w, int in, const uint16_t *xb, const int nt, int i0, int i1,
-                   int pf, bool pf_wrap, int pk0, int pk1, __m512 (*acc)[8]) {
-    __m512 a[3][8];
-    for (int j = 0; j < nt; j++)
-        for (int k = 0; k < 8; k++) a[j][k] = acc[j][k];
-    for (int i = i0; i < i1; i += 32) {
-        if (pf > 0) {
-            size_t off = (size_t)i + (size_t)pf;
-            if (pf_wrap && off >= (size_t)in) off += (size_t)7 * in; /* the next eight rows */
-            for (int k = pk0; k < pk1; k++)
-                _mm_prefetch((const char *)(w + (size_t)k * in + off), _MM_HINT_T0);
-        }
-        __m512bh xv[3];
-        for (int j = 0; j < nt; j++)
-            xv[j] = (__m512bh)_mm512_loadu_si512((const void *)(xb + (size_t)j * in + i));
-        for (int k = 0; k < 8; k++) {
-            const __m512bh v = (__m512bh)_mm512_loadu_si512((const void *)(w + (size_t)k * in + i));
-            for (int j = 0; j < nt; j++) a[j][k] = _mm512_dpbf16_ps(a[j][k], v, xv[j]);
-        }
-    }
-    for (int j = 0; j < nt; j++)
-        for (int k = 0; k < 8; k++) acc[j][k] = a[j][k];
-}
-
 /* y[t, r] = bf16(x[t]) . W[r] for rows [r0, r1) and nt (< 64) tokens xb
- * [nt, in] already rounded (in % 32 == 0): eight rows at a time, tokens
- * in groups of three over them, in column blocks of DOT_COL_BLOCK when
- * there are more than three (the rows' block stays in L1 for the later
- * groups; the block after next is prefetched, its eight rows dealt out
- * among the groups, as dot8_bf16 does), then reduce8. Every (row, token) sum is the same chain of
- * vdpbf16ps whatever the tokens beside it and the row cut, so a token's
- * results do not depend on the batch (in this mode). */
+ * [nt, in] already rounded (in % 32 == 0): eight rows at a time through
+ * dot8_bf16's row-group driver (rows8_tokens, one vdpbf16ps per pair of
+ * columns), the rows past the last eight one at a time. Every (row,
+ * token) sum is the same chain of vdpbf16ps whatever the tokens beside
+ * it and the row cut, so a token's results do not depend on the batch
+ * (in this mode). */
 static void dot8_bf16act(const uint16_t *W, int in, const uint16_t *xb, int nt, int r0, int r1,
                          float *y, int ldy) {
     _Alignas(64) __m512 acc[64][8];
+    const int pf_rows = 16384 / (2 * in) > 8 ? 16384 / (2 * in) : 8; /* as dot8_bf16's */
     int r = r0;
-    const int cb = nt <= 3 ? in : DOT_COL_BLOCK;
-    const int ng = (nt + 2) / 3;
-    const int pf_far = 2 * DOT_COL_BLOCK < in ? 2 * DOT_COL_BLOCK : in;
-    for (; r + 8 <= r1; r += 8) {
-        const uint16_t *w = W + (size_t)r * in;
-        for (int t = 0; t < nt; t++)
-            for (int k = 0; k < 8; k++) acc[t][k] = _mm512_setzero_ps();
-        for (int i0 = 0; i0 < in; i0 += cb) {
-            const int i1 = in - i0 < cb ? in : i0 + cb;
-            for (int t = 0, g = 0; t < nt; t += 3, g++) {
-                /* up to three tokens: the same columns of the next eight
-                 * rows; more: the block after next, dealt out */
-                const int pf = nt <= 3 ? 8 * in : pf_far;
-                const int pk0 = nt <= 3 ? 0 : 8 * g / ng, pk1 = nt <= 3 ? 8 : 8 * (g + 1) / ng;
-                const uint16_t *x0 = xb + (size_t)t * in;
-                if (nt - t >= 3)
-                    rows8_cols_bf16act(w, in, x0, 3, i0, i1, pf, nt > 3, pk0, pk1, acc + t);
-                else if (nt - t == 2)
-                    rows8_cols_bf16act(w, in, x0, 2, i0, i1, pf, nt > 3, pk0, pk1, acc + t);
-                else
-                    rows8_cols_bf16act(w, in, x0, 1, i0, i1, pf, nt > 3, pk0, pk1, acc + t);
-            }
-        }
-        for (int t = 0; t < nt; t++) _mm256_storeu_ps(y + (size_t)t * ldy + r, reduce8(acc[t]));
-    }
+    for (; r + 8 <= r1; r += 8) rows8_tokens(W, in, xb, nt, r, pf_rows, y, ldy, acc, true);
     for (; r < r1; r++) {
         const uint16_t *w0 = W + (size_t)r * in;
         for (int t = 0; t < nt; t++) {
