@@ -123,9 +123,12 @@ Test(matmul, all_paths_match_reference) {
  * hints and the file's alignment: W placed on a line and 2, 8, 32 and 34
  * bytes off it, row ranges with ragged ends, through kern_matmul and
  * kern_matmul_w with and without the hints. Two and three tokens (a
- * routed expert's share of a batch) too, with the hints. */
+ * routed expert's share of a batch) too, with the hints. Rows of 1-4 KiB
+ * and over 6 KiB on the lines go eight side by side from memory, the
+ * next eight prefetched in order ([37, 1024], [19, 4096]): the same bits
+ * again. */
 Test(matmul, bf16_one_token_loops_agree_on_and_off_lines) {
-    const int shapes[][2] = {{77, 256}, {300, 96}, {16, 2304}};
+    const int shapes[][2] = {{77, 256}, {300, 96}, {16, 2304}, {37, 1024}, {19, 4096}};
     for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
         const int rows = shapes[s][0], in = shapes[s][1], T = 5, r0 = 3, r1 = rows - 2;
         float *wf = malloc((size_t)rows * in * sizeof(float));

@@ -272,6 +272,24 @@ static void dot_row(kern_dtype dt, const void *row, int in, const float *x, int 
 #define DOT_SPREAD_BELOW 4096
 #define DOT_SPREAD_PF 4096
 
+/* AVX-512's one-token loop of a matrix from memory, by row length in
+ * bytes: rows of 4 to 6 KiB are read one after another
+ * (rows8_one_stream), rows of 1 to 4 KiB and over 6 KiB eight side by
+ * side with the next eight prefetched into L2 in the order they lie
+ * (rows8_bf16_t1's next_in_order), shorter rows spread (DOT_SPREAD_PF).
+ * Memory sees one stream in the first two. One chain of FMAs a row reads
+ * at most 42 GB/s on a Zen 4 thread from L2 at 2304 columns, 35 at
+ * 4096 and 30 at 9216, where x (4 bytes a column, split) no longer
+ * stays in L1 beside the row, so two threads fell short of memory in its
+ * fast minutes; eight chains from L2 do not. From memory, two threads,
+ * the two loops alternating (docs/benchmarks.md, "Rows side by side,
+ * fetched in order"): [2304, 9216] 25 -> 52 GB/s, [2304, 4096] 48 ->
+ * 54, [2304, 1024] 39 -> 47, [16384, 512] 38 -> 42; [4096, 2304] 57
+ * against 53 and [50304, 256] 38 against 36 keep their loops. */
+#define DOT_ONE_STREAM_FROM 4096
+#define DOT_ONE_STREAM_TO 6144
+#define DOT_IN_ORDER_FROM 1024
+
 #if KERN_AVX512
 /* Columns per block when more than three tokens share eight rows: the
  * rows' block (8 KiB) and the tokens' (up to 63 x 2 KiB) stay in L1 / L2
@@ -405,17 +423,27 @@ rows8_one_stream(const uint16_t *w, int in, const float *xd, size_t pf, __m512 *
  * the rows are grouped. Each row's line at column i is prefetched pf
  * bytes on: with the rows side by side (stride one row) that is the
  * same columns pf / (2 in) rows on; with rows n8 apart (short rows from
- * memory), each run of consecutive rows' own stream pf bytes on. */
+ * memory), each run of consecutive rows' own stream pf bytes on.
+ * next_in_order (a constant at each call; stride == in): instead, the
+ * next eight rows' bytes are prefetched into L2 in the order they lie,
+ * eight lines for each 32 columns here, so memory sees one stream, as
+ * rows8_one_stream's, while the eight chains here read it from L2
+ * (DOT_ONE_STREAM_FROM). */
 static inline __attribute__((always_inline)) void
 rows8_bf16_t1(const uint16_t *w, size_t stride, int in, const float *xd, float *y,
-                  size_t ystep, size_t pf) {
+                  size_t ystep, size_t pf, const bool next_in_order) {
     const __m512i hi_mask = _mm512_set1_epi32((int)0xffff0000u);
     __m512 a[8];
     for (int k = 0; k < 8; k++) a[k] = _mm512_setzero_ps();
-    for (int i = 0; i < in; i += 32) {
+    const char *next = (const char *)(w + 8 * stride);
+    for (int i = 0; i < in; i += 32, next += 8 * 64) {
         const __m512 xe = _mm512_loadu_ps(xd + i), xo = _mm512_loadu_ps(xd + i + 16);
-        for (int k = 0; k < 8; k++)
-            _mm_prefetch((const char *)(w + (size_t)k * stride + i) + pf, _MM_HINT_T0);
+        for (int k = 0; k < 8; k++) {
+            if (next_in_order)
+                _mm_prefetch(next + 64 * k, _MM_HINT_T1);
+            else
+                _mm_prefetch((const char *)(w + (size_t)k * stride + i) + pf, _MM_HINT_T0);
+        }
         for (int k = 0; k < 8; k++) {
             const __m512i v = _mm512_loadu_si512((const void *)(w + (size_t)k * stride + i));
             a[k] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), xe, a[k]);
@@ -510,8 +538,13 @@ static void dot8_bf16(const uint16_t *W, int in, const float *xd, int nt, int r0
     const bool one_stream = streamed && nt == 1 && (uintptr_t)W % 4 == 0;
     const size_t pf = stream_prefetch > 0 ? (size_t)stream_prefetch : 0;
     _Alignas(64) __m512 acc[64][8];
+    /* rows of 1-4 KiB and over 6 KiB from memory (DOT_ONE_STREAM_FROM),
+     * on 64-byte lines: rows8_bf16_t1's loads would straddle lines */
+    const size_t row_bytes = (size_t)in * 2;
+    const bool in_order = one_stream && (uintptr_t)W % 64 == 0 && row_bytes >= DOT_IN_ORDER_FROM &&
+                          (row_bytes < DOT_ONE_STREAM_FROM || row_bytes > DOT_ONE_STREAM_TO);
     int r = r0;
-    if (nt == 1 && streamed && (size_t)in * 2 < DOT_SPREAD_BELOW && r1 - r0 >= 16) {
+    if (nt == 1 && streamed && row_bytes < DOT_SPREAD_BELOW && r1 - r0 >= 16 && !in_order) {
         /* Short rows from memory: eight runs of n8 consecutive rows, the
          * eight rows of a step n8 rows apart, so that each run is one
          * sequential stream and the eight chains hide each other's
@@ -519,11 +552,15 @@ static void dot8_bf16(const uint16_t *W, int in, const float *xd, int nt, int r0
         const int n8 = (r1 - r0) / 8;
         for (int j = 0; j < n8; j++)
             rows8_bf16_t1(W + (size_t)(r0 + j) * in, (size_t)n8 * in, in, xd, y + r0 + j,
-                          (size_t)n8, DOT_SPREAD_PF);
+                          (size_t)n8, DOT_SPREAD_PF, false);
         r = r0 + 8 * n8;
     }
     for (; r + 8 <= r1; r += 8) {
         const uint16_t *w = W + (size_t)r * in;
+        if (in_order) {
+            rows8_bf16_t1(w, (size_t)in, in, xd, y + r, 1, 0, true);
+            continue;
+        }
         if (one_stream) {
             /* One token (decode) of a matrix that comes from memory (rows
              * 4-byte aligned, as every file's are but a 2-byte odd one):
@@ -540,7 +577,7 @@ static void dot8_bf16(const uint16_t *W, int in, const float *xd, int nt, int r0
              * row prefetched in the next eight; the row group's generic
              * path below costs a fifth of the bandwidth here (measured
              * 20-26 against 29-30 GB/s on one thread, 1 GiB of rows). */
-            rows8_bf16_t1(w, (size_t)in, in, xd, y + r, 1, (size_t)pf_rows * in * 2);
+            rows8_bf16_t1(w, (size_t)in, in, xd, y + r, 1, (size_t)pf_rows * in * 2, false);
             continue;
         }
         rows8_tokens(W, in, xd, nt, r, pf_rows, y, ldy, acc, false);
