@@ -166,7 +166,9 @@ static void mm_task(void *arg, int task, int thread) {
     const int rows = j->w->rows;
     const int r0 = (int)((int64_t)rows * task / j->n_tasks);
     const int r1 = (int)((int64_t)rows * (task + 1) / j->n_tasks);
-    if (j->ref)
+    if (j->ref == 2)
+        kern_matmul_w_bf16act(j->w, j->x, j->T, j->y, rows, r0, r1, g_scratch[thread]);
+    else if (j->ref)
         kern_matmul_w_ref(j->w, j->x, j->T, j->y, rows, r0, r1, g_scratch[thread]);
     else
         kern_matmul_w(j->w, j->x, j->T, j->y, rows, r0, r1, g_scratch[thread]);
@@ -182,7 +184,8 @@ static void run_tasks(int threads, eng_pool_fn fn, void *arg, int n_tasks) {
         eng_pool_run(g_pool[threads], fn, arg, n_tasks);
 }
 
-/* y [T, rows] = x [T, cols] W^T on `threads` threads. */
+/* y [T, rows] = x [T, cols] W^T on `threads` threads; ref 1: the
+ * reference loops, 2: x rounded to bf16 (kern_matmul_w_bf16act). */
 static void product(const kern_weight *w, const float *x, int T, float *y, int threads, int ref) {
     mm_job j = {w, x, T, threads == 1 ? 1 : 4 * threads, ref, y};
     run_tasks(threads, mm_task, &j, j.n_tasks);
@@ -376,6 +379,10 @@ static void bench_decode(void) {
      * and llamacpp-tiny's lm_head (512-byte rows, 81% of its token) */
     decode_rows(KERN_BF16, 1024, 2304);
     decode_rows(KERN_BF16, 2304, 1024);
+    /* wide's and full27's attention output [2304, 4096] and dense down
+     * [2304, 9216]: x split even/odd is 16 and 36 KiB beside the rows */
+    decode_rows(KERN_BF16, 2304, 4096);
+    decode_rows(KERN_BF16, 2304, 9216);
     decode_rows(KERN_BF16, 50304, 256);
     printf("\n");
 }
@@ -660,6 +667,25 @@ typedef struct peak_job {
 #define PEAK_ADD(i) memcpy(lanes, &a##i, sizeof lanes), s += lanes[0];
 #endif
 
+#if defined(__AVX512BF16__)
+/* The same 24 chains of vdpbf16ps (a pair of bf16 products a lane). */
+#define PEAK_DP_DECL(i) __m512 d##i = _mm512_set1_ps(0.001f * (i));
+#define PEAK_DP(i) d##i = _mm512_dpbf16_ps(d##i, mb, cb);
+#define PEAK_DP_ADD(i) memcpy(lanes, &d##i, sizeof lanes), s += lanes[0];
+static void peak_dp_task(void *arg, int task, int thread) {
+    peak_job *j = arg;
+    (void)thread;
+    PEAK_CHAINS(PEAK_DP_DECL)
+    const __m512bh mb = (__m512bh)_mm512_set1_epi16(0x3f80), cb = (__m512bh)_mm512_set1_epi16(0x3580);
+    for (long n = 0; n < j->iters; n++) {
+        PEAK_CHAINS(PEAK_DP)
+    }
+    float s = 0, lanes[16];
+    PEAK_CHAINS(PEAK_DP_ADD)
+    j->sink[task] = s;
+}
+#endif
+
 static void peak_task(void *arg, int task, int thread) {
     peak_job *j = arg;
     (void)thread;
@@ -679,18 +705,25 @@ static void peak_task(void *arg, int task, int thread) {
 
 /* GFLOP/s of `threads` threads of peak_task, the best of g_runs: a peak
  * is what the cores do when nothing else takes them. */
-static double fma_peak(int threads) {
+static double fma_peak_of(int threads, bool dp) {
     double best = 0;
     for (int run = 0; run <= g_runs; run++) {
         peak_job j = {g_quick ? 50000 : 250000, {0}};
         const double t0 = now_s();
+#if defined(__AVX512BF16__)
+        run_tasks(threads, dp ? peak_dp_task : peak_task, &j, PEAK_TASKS);
+#else
         run_tasks(threads, peak_task, &j, PEAK_TASKS);
+#endif
         const double dt = now_s() - t0;
-        const double gflops = 24.0 * 2 * PEAK_LANES * (double)j.iters * PEAK_TASKS / dt / 1e9;
+        const double gflops = (dp ? 2.0 : 1.0) * 24.0 * 2 * PEAK_LANES * (double)j.iters *
+                              PEAK_TASKS / dt / 1e9;
         if (run > 0 && gflops > best) best = gflops;
     }
     return best;
 }
+
+static double fma_peak(int threads) { return fma_peak_of(threads, false); }
 
 /* "62%": v as a share of the peak, or "-" where no peak was measured. */
 static const char *pct(char *buf, size_t n, double v, double peak) {
@@ -707,14 +740,18 @@ typedef struct l2_job {
     const kern_weight *w;
     const float *x;
     float *y;
-    int T, reps, n_tasks;
+    int T, reps, n_tasks, ref;
 } l2_job;
 
 static void l2_task(void *arg, int task, int thread) {
     const l2_job *j = arg;
     const int r0 = 128 * task / j->n_tasks, r1 = 128 * (task + 1) / j->n_tasks;
-    for (int i = 0; i < j->reps; i++)
-        kern_matmul_w(j->w, j->x, j->T, j->y, j->w->rows, r0, r1, g_scratch[thread]);
+    for (int i = 0; i < j->reps; i++) {
+        if (j->ref == 2)
+            kern_matmul_w_bf16act(j->w, j->x, j->T, j->y, j->w->rows, r0, r1, g_scratch[thread]);
+        else
+            kern_matmul_w(j->w, j->x, j->T, j->y, j->w->rows, r0, r1, g_scratch[thread]);
+    }
 }
 
 /* bf16 [4096, 2304] (wide's q, k, v projections; its lm_head's rows are
@@ -724,8 +761,10 @@ static void l2_task(void *arg, int task, int thread) {
  * cache), a read of the stack's bytes (the memory's speed that second)
  * and a sweep over the stack (from memory). `overlap`: the larger of the
  * L3 and read times over the memory time; 100% would mean arithmetic and
- * memory overlap perfectly. */
-static void bench_batched(void) {
+ * memory overlap perfectly. mode 0: the exact products (kern_matmul_w);
+ * 2: x rounded to bf16 (--bf16's kern_matmul_w_bf16act), its shares of
+ * the vdpbf16ps peak. */
+static void bench_batched(int mode) {
     const int Ts[] = {1, 2, 3, 4, 6, 8, 12, 16};
     const int rows = 4096, cols = 2304;
     const int rounds = g_runs < 5 ? 5 : g_runs;
@@ -736,10 +775,15 @@ static void bench_batched(void) {
     kern_weight hot = st.w[0];
     hot.streamed = false;
     float *x = random_x((size_t)16 * cols, 9), *y = xalloc((size_t)16 * rows * sizeof(float));
-    printf("### (h) Batched decode: bf16 [%d, %d] for T tokens, from cache and from memory\n\n",
-           rows, cols);
-    const double peak[3] = {0, fma_peak(1), fma_peak(2)};
-    printf("FMA peak (24 chains of register fmas, best of %d): %.0f GFLOP/s on 1 thread, %.0f on "
+    if (mode == 2)
+        printf("### (h) Batched decode under --bf16: bf16 [%d, %d] for T tokens, x rounded to "
+               "bf16 (vdpbf16ps), from cache and from memory\n\n",
+               rows, cols);
+    else
+        printf("### (h) Batched decode: bf16 [%d, %d] for T tokens, from cache and from memory\n\n",
+               rows, cols);
+    const double peak[3] = {0, fma_peak_of(1, mode == 2), fma_peak_of(2, mode == 2)};
+    printf("%s peak (24 chains of register %s, best of %d): %.0f GFLOP/s on 1 thread, %.0f on "
            "2. Per "
            "round: its first 128 rows 640 times, each thread its share (`L2`: they stay in "
            "its L2), one matrix 20 times (`L3`: %.1f MB, in the last-level cache), a read of "
@@ -747,7 +791,8 @@ static void bench_batched(void) {
            "kern_stream_prefetch_bytes %d; T = 1 also with the other `prefetch`); %d rounds, "
            "medians. `overlap` = max(L3 time, read time) / memory time, for the same "
            "bytes.\n\n",
-           g_runs, peak[1], peak[2], (double)l.bytes / 1e6, n, (double)l.bytes * n / 1e6, own_pf,
+           mode == 2 ? "vdpbf16ps" : "FMA", mode == 2 ? "vdpbf16ps" : "fmas", g_runs, peak[1],
+           peak[2], (double)l.bytes / 1e6, n, (double)l.bytes * n / 1e6, own_pf,
            rounds);
     printf("| T | threads | L2: %% of peak | L3: %% of peak | memory GFLOP/s | %% of peak | memory "
            "GB/s | prefetch %s | read GB/s | overlap |\n|---|---|---|---|---|---|---|---|---|---|\n",
@@ -759,23 +804,23 @@ static void bench_batched(void) {
             double l2_g[64], hot_g[64], mem_g[64], mem_b[64], rd_b[64], ov[64], alt_b[64];
             for (int r = 0; r <= rounds; r++) {
                 const int reps = 20;
-                l2_job lj = {&hot, x, y, T, 32 * reps, th};
+                l2_job lj = {&hot, x, y, T, 32 * reps, th, mode};
                 double t0 = now_s();
                 run_tasks(th, l2_task, &lj, th);
                 const double t_l2 = (now_s() - t0) / (32.0 * reps) * (rows / 128.0);
                 t0 = now_s();
                 for (int i = 0; i < reps; i++)
-                    product(&hot, x, T, y, th, 0);
+                    product(&hot, x, T, y, th, mode);
                 const double t_hot = (now_s() - t0) / reps;
                 const double t_read = read_sweep(st.codes, l.data_bytes * (size_t)n, th) / n;
                 t0 = now_s();
                 for (int i = 0; i < n; i++)
-                    product(&st.w[i], x, T, y, th, 0);
+                    product(&st.w[i], x, T, y, th, mode);
                 const double t_mem = (now_s() - t0) / n;
                 /* one token: the same sweep with the other software
                  * prefetch (none against 8 KiB along the stream) */
                 double t_alt = 0;
-                if (T == 1) {
+                if (T == 1 && mode == 0) {
                     for (int i = 0; i < n; i++) st.w[i].stream_prefetch = alt_pf;
                     t0 = now_s();
                     for (int i = 0; i < n; i++)
@@ -784,7 +829,7 @@ static void bench_batched(void) {
                     for (int i = 0; i < n; i++) st.w[i].stream_prefetch = own_pf;
                 }
                 if (r == 0) continue; /* warm-up */
-                alt_b[r - 1] = T == 1 ? (double)l.bytes / t_alt / 1e9 : 0;
+                alt_b[r - 1] = t_alt > 0 ? (double)l.bytes / t_alt / 1e9 : 0;
                 l2_g[r - 1] = flops / t_l2 / 1e9;
                 hot_g[r - 1] = flops / t_hot / 1e9;
                 mem_g[r - 1] = flops / t_mem / 1e9;
@@ -795,7 +840,7 @@ static void bench_batched(void) {
             const double lg = median(l2_g, rounds), hg = median(hot_g, rounds),
                          mg = median(mem_g, rounds);
             char p1[16], p2[16], p3[16], alt[16] = "-";
-            if (T == 1) snprintf(alt, sizeof alt, "%.1f", median(alt_b, rounds));
+            if (T == 1 && mode == 0) snprintf(alt, sizeof alt, "%.1f", median(alt_b, rounds));
             printf("| %d | %d | %s | %s | %.0f | %s | %.1f | %s | %.1f | **%.0f%%** |\n", T, th,
                    pct(p1, sizeof p1, lg, peak[th]), pct(p2, sizeof p2, hg, peak[th]), mg,
                    pct(p3, sizeof p3, mg, peak[th]), median(mem_b, rounds), alt,
@@ -922,7 +967,10 @@ int main(int argc, char **argv) {
     if (strchr(g_only, 'e')) bench_alternating();
     if (strchr(g_only, 'f')) bench_long();
     if (strchr(g_only, 'g')) bench_decode_attention();
-    if (strchr(g_only, 'h')) bench_batched();
+    if (strchr(g_only, 'h')) {
+        bench_batched(0);
+        if (kern_bf16_products()) bench_batched(2);
+    }
     if (strchr(g_only, 'i')) bench_gemm_packing();
     for (int t = 0; t < 2; t++)
         free(g_scratch[t]);
