@@ -296,6 +296,17 @@ static void dot_row(kern_dtype dt, const void *row, int in, const float *x, int 
  * while every group of three runs over them. */
 #define DOT_COL_BLOCK 512
 
+/* Up to this many tokens, eight rows on the lines are read with the
+ * next eight prefetched into L2 in the order they lie (rows8_tokens), as
+ * one token's long rows (DOT_ONE_STREAM_FROM): memory sees one stream
+ * instead of eight. [4096, 2304] from memory, two threads, alternating
+ * with the earlier prefetches (docs/benchmarks.md, "Rows side by side,
+ * fetched in order"): exact 2, 3, 4, 8 tokens 34 -> 45, 34 -> 48,
+ * 29 -> 42, 21 -> 23 GB/s; [2304, 1024] for 2 tokens 28 -> 45; under
+ * --bf16, 4 to 8 tokens +16-17%. From 12 tokens on the products are
+ * bound by arithmetic, and 16 under --bf16 lost 9% (18.4 -> 16.6). */
+#define DOT_IN_ORDER_MAX_T 8
+
 /* Rows w[0..8) (row stride in), columns [i0, i1), dotted with nt (1..3,
  * a constant at each call) tokens xv0 [nt, in], continuing the 8 x nt
  * running sums acc[t][k] (16 lanes each; zero before the first columns):
@@ -306,10 +317,11 @@ static void dot_row(kern_dtype dt, const void *row, int in, const float *x, int 
  * else xv0 is f32 split even/odd as dot8_bf16's xd, each product two
  * FMAs on the widened row. pf > 0: rows [pk0, pk1) are prefetched pf elements ahead of
  * column i (pf_wrap: past the row's end, into the same row of the next
- * eight; then pf <= in). */
+ * eight; then pf <= in). next (NULL: none): the next eight rows, whose
+ * 512 bytes for columns [i, i + 32) are prefetched into L2 here. */
 static inline __attribute__((always_inline)) void
 rows8_cols(const uint16_t *w, int in, const void *xv0, const int nt, int i0, int i1, int pf,
-           bool pf_wrap, int pk0, int pk1, __m512 (*acc)[8], const bool bf16x) {
+           bool pf_wrap, int pk0, int pk1, __m512 (*acc)[8], const bool bf16x, const char *next) {
     const __m512i hi_mask = _mm512_set1_epi32((int)0xffff0000u);
     __m512 a[3][8];
     for (int j = 0; j < nt; j++)
@@ -320,6 +332,10 @@ rows8_cols(const uint16_t *w, int in, const void *xv0, const int nt, int i0, int
             if (pf_wrap && off >= (size_t)in) off += (size_t)7 * in; /* the next eight rows */
             for (int k = pk0; k < pk1; k++)
                 _mm_prefetch((const char *)(w + (size_t)k * in + off), _MM_HINT_T0);
+        }
+        if (next) {
+            const char *nx = next + (size_t)(i / 32) * 512;
+            for (int k = 0; k < 8; k++) _mm_prefetch(nx + 64 * k, _MM_HINT_T1);
         }
 #if defined(__AVX512BF16__)
         if (bf16x) {
@@ -461,8 +477,10 @@ rows8_bf16_t1(const uint16_t *w, size_t stride, int in, const float *xd, float *
  * when there are more than three (the first group reads the rows from
  * memory, the others from L1), then reduce8. acc: 64 x 8 scratch sums.
  * Every (row, token) sum is the same chain whatever the tokens beside it.
- * pf_rows: the first group's prefetch with up to three tokens, that many
- * rows on. */
+ * Rows on the lines, up to DOT_IN_ORDER_MAX_T tokens: the first group
+ * prefetches the next eight rows into L2 in the order they lie. Else
+ * pf_rows: the first group's prefetch with up to three tokens, that
+ * many rows on. */
 static inline __attribute__((always_inline)) void
 rows8_tokens(const uint16_t *W, int in, const void *xv, int nt, int r, int pf_rows, float *y,
              int ldy, __m512 (*acc)[8], const bool bf16x) {
@@ -483,22 +501,26 @@ rows8_tokens(const uint16_t *W, int in, const void *xv, int nt, int r, int pf_ro
      * 21-23 ms in a standalone harness; in the engine (--seqs 8, six
      * rounds alternating) 80-87 -> 81-98 tok/s, median 86.3 -> 89.7.
      * Rows off the lines lost 9% that way (83.7 -> 76.3), so they keep
-     * the first group's prefetch. */
-    const bool spread = nt > 3 && (uintptr_t)W % 64 == 0;
+     * the first group's prefetch. Up to DOT_IN_ORDER_MAX_T tokens the
+     * rows go in order instead. */
+    const bool on_lines = (uintptr_t)W % 64 == 0;
+    const bool in_order = on_lines && nt <= DOT_IN_ORDER_MAX_T;
+    const bool spread = on_lines && !in_order && nt > 3;
     const int ng = (nt + 2) / 3;
     const int pf_far = 2 * DOT_COL_BLOCK < in ? 2 * DOT_COL_BLOCK : in;
     for (int i0 = 0; i0 < in; i0 += cb) {
         const int i1 = in - i0 < cb ? in : i0 + cb;
         for (int t = 0, g = 0; t < nt; t += 3, g++) {
-            const int pf_dist = spread ? pf_far : t > 0 ? 0 : pf_first;
+            const int pf_dist = in_order ? 0 : spread ? pf_far : t > 0 ? 0 : pf_first;
             const int pk0 = spread ? 8 * g / ng : 0, pk1 = spread ? 8 * (g + 1) / ng : 8;
             const void *x0 = (const char *)xv + (size_t)t * in * xsz;
+            const char *next = in_order && t == 0 ? (const char *)(w + (size_t)8 * in) : NULL;
             if (nt - t >= 3)
-                rows8_cols(w, in, x0, 3, i0, i1, pf_dist, nt > 3, pk0, pk1, acc + t, bf16x);
+                rows8_cols(w, in, x0, 3, i0, i1, pf_dist, nt > 3, pk0, pk1, acc + t, bf16x, next);
             else if (nt - t == 2)
-                rows8_cols(w, in, x0, 2, i0, i1, pf_dist, nt > 3, pk0, pk1, acc + t, bf16x);
+                rows8_cols(w, in, x0, 2, i0, i1, pf_dist, nt > 3, pk0, pk1, acc + t, bf16x, next);
             else
-                rows8_cols(w, in, x0, 1, i0, i1, pf_dist, nt > 3, pk0, pk1, acc + t, bf16x);
+                rows8_cols(w, in, x0, 1, i0, i1, pf_dist, nt > 3, pk0, pk1, acc + t, bf16x, next);
         }
     }
     for (int t = 0; t < nt; t++) _mm256_storeu_ps(y + (size_t)t * ldy + r, reduce8(acc[t]));
