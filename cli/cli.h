@@ -35,8 +35,10 @@ int cmd_plan(int argc, char **argv);
  * context that drives the other ranks. placement: KDASERVE_EP_PLACEMENT. */
 void cli_set_comm(eng_comm *comm, eng_ep_placement placement);
 eng_comm *cli_comm(void);
-/* eng_model_params for this process's rank (all experts without ranks). */
-void cli_model_params_ranks(eng_model_params *mp);
+/* eng_model_params for this process's rank (all experts without ranks)
+ * and a context on `device` (NULL or "cpu": the host; else a GPU, which
+ * holds its own copy of the weights, so the host's stay mapped). */
+void cli_model_params(eng_model_params *mp, const char *device);
 eng_ep_placement cli_placement(void);
 
 /* Print "kdaserve <cmd>: <msg>" to stderr; returns 1. */

@@ -26,7 +26,11 @@ void cli_set_comm(eng_comm *comm, eng_ep_placement placement) {
 
 eng_comm *cli_comm(void) { return g_comm; }
 
-void cli_model_params_ranks(eng_model_params *mp) { eng_ep_model_params(mp, g_comm, g_placement); }
+void cli_model_params(eng_model_params *mp, const char *device) {
+    eng_ep_model_params(mp, g_comm, g_placement);
+    /* a GPU holds its own copy: the host's would only cost the read */
+    if (device && strcmp(device, "cpu") != 0) mp->weights = ENG_WEIGHTS_MAPPED;
+}
 
 eng_ep_placement cli_placement(void) { return g_placement; }
 
@@ -159,9 +163,7 @@ int cli_open_with(const char *cmd, const char *model_dir, const eng_ctx_params *
     cli_note_bf16(cmd, cp);
     eng_model_params mp = eng_model_default_params();
     mp.progress = true;
-    cli_model_params_ranks(&mp);
-    /* a GPU holds its own copy: the host's would only cost the read */
-    if (cp->device && strcmp(cp->device, "cpu") != 0) mp.weights = ENG_WEIGHTS_MAPPED;
+    cli_model_params(&mp, cp->device);
     eng_ctx_params q = *cp;
     q.comm = cli_comm(); /* under mpirun: this context drives every rank */
     if (eng_model_load(model_dir, &mp, m, &err) != KDS_OK) return cli_fail(cmd, &err);

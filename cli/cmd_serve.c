@@ -247,9 +247,7 @@ int cmd_serve(int argc, char **argv) {
     int rc = 1;
     eng_model_params mp = eng_model_default_params();
     mp.progress = !p.quiet;
-    cli_model_params_ranks(&mp); /* under mpirun: this rank's share of the experts */
-    /* a GPU holds its own copy: the host's would only cost the read */
-    if (p.ctx.device && strcmp(p.ctx.device, "cpu") != 0) mp.weights = ENG_WEIGHTS_MAPPED;
+    cli_model_params(&mp, p.ctx.device); /* under mpirun: this rank's share of the experts */
     p.ctx.comm = cli_comm();     /* and a context that drives the other ranks */
     if (eng_model_load(dir, &mp, &m, &err) != KDS_OK) return cli_fail("serve", &err);
     if (sess_open(db, NULL, &st, &err) != KDS_OK) {
