@@ -268,7 +268,9 @@ static void dot_row(kern_dtype dt, const void *row, int in, const float *x, int 
  * GB/s side by side, 17.8 spread); llamacpp-tiny's [50304, 256] lm_head
  * (25.8 of the 31.8 MB a token reads) and the [2304, 1024] down
  * projections are spread (docs/benchmarks.md, "Side by side at today's
- * head" and "A Zen 4 with AVX-512, side by side, and short rows"). */
+ * head" and "A Zen 4 with AVX-512, side by side, and short rows").
+ * AVX-512 spreads only rows under 1 KiB when W is on the lines
+ * (DOT_IN_ORDER_FROM); longer ones go in order there. */
 #define DOT_SPREAD_BELOW 4096
 #define DOT_SPREAD_PF 4096
 
@@ -307,6 +309,16 @@ static void dot_row(kern_dtype dt, const void *row, int in, const float *x, int 
  * bound by arithmetic, and 16 under --bf16 lost 9% (18.4 -> 16.6). */
 #define DOT_IN_ORDER_MAX_T 8
 
+/* The in-order prefetch of the loops below: of the next eight rows
+ * (next: their start, row stride in, so 16 in bytes), the 512 bytes that
+ * follow what columns [i, i + 32) of eight rows take, into L2: eight
+ * lines in the order they lie, so that memory sees one stream while the
+ * eight rows here are read side by side (DOT_ONE_STREAM_FROM). */
+static inline __attribute__((always_inline)) void prefetch_next8(const char *next, int i) {
+    const char *nx = next + (size_t)(i / 32) * 512;
+    for (int k = 0; k < 8; k++) _mm_prefetch(nx + 64 * k, _MM_HINT_T1);
+}
+
 /* Rows w[0..8) (row stride in), columns [i0, i1), dotted with nt (1..3,
  * a constant at each call) tokens xv0 [nt, in], continuing the 8 x nt
  * running sums acc[t][k] (16 lanes each; zero before the first columns):
@@ -317,8 +329,8 @@ static void dot_row(kern_dtype dt, const void *row, int in, const float *x, int 
  * else xv0 is f32 split even/odd as dot8_bf16's xd, each product two
  * FMAs on the widened row. pf > 0: rows [pk0, pk1) are prefetched pf elements ahead of
  * column i (pf_wrap: past the row's end, into the same row of the next
- * eight; then pf <= in). next (NULL: none): the next eight rows, whose
- * 512 bytes for columns [i, i + 32) are prefetched into L2 here. */
+ * eight; then pf <= in). next (NULL: none): the next eight rows,
+ * prefetched in order (prefetch_next8). */
 static inline __attribute__((always_inline)) void
 rows8_cols(const uint16_t *w, int in, const void *xv0, const int nt, int i0, int i1, int pf,
            bool pf_wrap, int pk0, int pk1, __m512 (*acc)[8], const bool bf16x, const char *next) {
@@ -333,10 +345,7 @@ rows8_cols(const uint16_t *w, int in, const void *xv0, const int nt, int i0, int
             for (int k = pk0; k < pk1; k++)
                 _mm_prefetch((const char *)(w + (size_t)k * in + off), _MM_HINT_T0);
         }
-        if (next) {
-            const char *nx = next + (size_t)(i / 32) * 512;
-            for (int k = 0; k < 8; k++) _mm_prefetch(nx + 64 * k, _MM_HINT_T1);
-        }
+        if (next) prefetch_next8(next, i);
 #if defined(__AVX512BF16__)
         if (bf16x) {
             /* one vdpbf16ps per (row, token): a pair of columns a lane */
@@ -441,25 +450,22 @@ rows8_one_stream(const uint16_t *w, int in, const float *xd, size_t pf, __m512 *
  * same columns pf / (2 in) rows on; with rows n8 apart (short rows from
  * memory), each run of consecutive rows' own stream pf bytes on.
  * next_in_order (a constant at each call; stride == in): instead, the
- * next eight rows' bytes are prefetched into L2 in the order they lie,
- * eight lines for each 32 columns here, so memory sees one stream, as
- * rows8_one_stream's, while the eight chains here read it from L2
- * (DOT_ONE_STREAM_FROM). */
+ * next eight rows are prefetched in order (prefetch_next8), so memory
+ * sees one stream, as rows8_one_stream's, while the eight chains here
+ * read it from L2. */
 static inline __attribute__((always_inline)) void
 rows8_bf16_t1(const uint16_t *w, size_t stride, int in, const float *xd, float *y,
                   size_t ystep, size_t pf, const bool next_in_order) {
     const __m512i hi_mask = _mm512_set1_epi32((int)0xffff0000u);
     __m512 a[8];
     for (int k = 0; k < 8; k++) a[k] = _mm512_setzero_ps();
-    const char *next = (const char *)(w + 8 * stride);
-    for (int i = 0; i < in; i += 32, next += 8 * 64) {
+    for (int i = 0; i < in; i += 32) {
         const __m512 xe = _mm512_loadu_ps(xd + i), xo = _mm512_loadu_ps(xd + i + 16);
-        for (int k = 0; k < 8; k++) {
-            if (next_in_order)
-                _mm_prefetch(next + 64 * k, _MM_HINT_T1);
-            else
+        if (next_in_order)
+            prefetch_next8((const char *)(w + 8 * stride), i);
+        else
+            for (int k = 0; k < 8; k++)
                 _mm_prefetch((const char *)(w + (size_t)k * stride + i) + pf, _MM_HINT_T0);
-        }
         for (int k = 0; k < 8; k++) {
             const __m512i v = _mm512_loadu_si512((const void *)(w + (size_t)k * stride + i));
             a[k] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), xe, a[k]);
