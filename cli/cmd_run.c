@@ -978,6 +978,8 @@ int cmd_bench(int argc, char **argv) {
     printf("device       %s%s\n", eng_ctx_device(c),
            eng_ctx_device_kind(c) != ENG_DEVICE_CUDA
                ? (!gpu_bf16                 ? " (exact)"
+                  : eng_cpu_bf16_tiles()
+                      ? " (bf16 activations on AMX tiles: a prefill's bf16 products, a batched step's)"
                   : eng_cpu_bf16_products() ? " (bf16 activations: a prefill's bf16 products, a batched step's)"
                                             : " (exact: this build has no bf16 dot products)")
            : gpu_bf16 ? " (products above 8 rows: bf16 activations)"

@@ -319,6 +319,8 @@ size_t eng_llc_bytes(void);
  * has AVX-512 BF16 dot products. Without them the mode changes nothing
  * on the CPU (its products stay exact); front ends say so. */
 bool eng_cpu_bf16_products(void);
+/* Whether they run on AMX tiles (kern_bf16_tiles). */
+bool eng_cpu_bf16_tiles(void);
 /* Where this context runs the forward pass, and its name ("cpu", "cuda"). */
 eng_device eng_ctx_device_kind(const eng_ctx *c);
 const char *eng_ctx_device(const eng_ctx *c);

@@ -144,3 +144,5 @@ kds_status eng_read_bandwidth(int n_threads, size_t bytes, int reps, double *gbs
 }
 
 bool eng_cpu_bf16_products(void) { return kern_bf16_products(); }
+
+bool eng_cpu_bf16_tiles(void) { return kern_bf16_tiles(); }

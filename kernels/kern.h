@@ -184,8 +184,8 @@ void kern_matmul_w(const kern_weight *w, const float *x, int T, float *y, int ld
  * (llama.cpp's precision): a bf16 matrix (cols a multiple of 32, T < 64,
  * in AVX-512 BF16 builds) takes x rounded to bf16 (nearest even) and
  * AVX-512 BF16 dot products, twice the multiply-adds of f32 FMAs an
- * instruction, where a batched step of 8 or more sequences is bound by
- * them. Row t of the result is token t's own product in this mode, bit
+ * instruction (on AMX CPUs, tiles: kern_gemm.h's kern__amx_rows_bf16), where
+ * a batched step of 8 or more sequences is bound by them. Row t of the result is token t's own product in this mode, bit
  * for bit, whatever tokens share the call (~3e-3 relative error against
  * the exact product). Anything else: kern_matmul_w. Same arguments and
  * scratch.
@@ -215,6 +215,10 @@ void kern_matmul_w_bf16act(const kern_weight *w, const float *x, int T, float *y
 /* Whether this build has bf16 dot products (AVX-512 BF16), which bf16_act
  * needs; without them the products it would round stay exact. */
 bool kern_bf16_products(void);
+/* Whether those products run on AMX tiles here (an AMX build, a CPU with
+ * AMX-BF16 and the kernel's leave for this process; asked anew at each
+ * call): a prefill's bf16 GEMM and a batched step's bf16 products. */
+bool kern_bf16_tiles(void);
 void kern_matmul_w_prefill(const kern_weight *w, const float *x, int T, float *y, int ldy, int r0,
                            int r1, float *scratch, bool bf16_act);
 

@@ -433,6 +433,72 @@ Test(matmul, gemm_bf16x_f32_matrices) {
     free(scratch);
 }
 
+/* kern__gemm_bf16x on bf16 rows, on AMX tiles where this machine has them
+ * and on vdpbf16ps (kern__gemm_bf16x_on): both within f32 summation error
+ * of a double sum of the rounded values, over two blocks of columns (4,096
+ * + 64), a panel cut short (rows 2..45: 32 + 11), a last step of 13 tokens
+ * and the accumulate form; and each token's sums the same bits alone as
+ * among 45 tokens, and under another row cut. Without AMX the tile half
+ * is the dot-product kernel again, and says so. */
+Test(matmul, gemm_bf16x_tiles_and_dot_products) {
+    const int rows = 45, in = 4160, T = 45, ldy = 48;
+    float *wf = malloc((size_t)rows * in * sizeof(float)), *x = malloc((size_t)T * in * 4);
+    float *y = malloc((size_t)T * ldy * 4), *y0 = malloc((size_t)T * ldy * 4);
+    float *one = malloc((size_t)ldy * 4);
+    const size_t scratch_floats = kern__gemm_scratch_floats(in, T) + (size_t)T * in;
+    float *scratch = malloc(scratch_floats * sizeof(float));
+    uint16_t *w = make_w(KERN_BF16, rows, in, wf, 31);
+    cr_assert(x && y && y0 && one && scratch && w);
+    uint64_t seed = 17;
+    for (int i = 0; i < T * in; i++) x[i] = unit(&seed);
+    if (!kern__gemm_amx())
+        cr_log_info("no AMX tiles on this machine: both runs take the vdpbf16ps kernel");
+    const kern_gemm_w gw = {KERN_BF16, w, in, false};
+    for (int amx = 0; amx < 2; amx++)
+        for (int acc = 0; acc < 2; acc++) {
+            for (int i = 0; i < T * ldy; i++) y0[i] = y[i] = unit(&seed);
+            kern__gemm_bf16x_on(amx, &gw, in, x, in, T, y, ldy, 2, rows, acc, scratch,
+                                scratch_floats);
+            for (int t = 0; t < T; t++)
+                for (int r = 0; r < ldy; r++) {
+                    const float got = y[(size_t)t * ldy + r];
+                    if (r < 2 || r >= rows) {
+                        cr_assert(got == y0[(size_t)t * ldy + r], "amx %d: column %d written", amx,
+                                  r);
+                        continue;
+                    }
+                    double ref = acc ? y0[(size_t)t * ldy + r] : 0.0, mag = fabs(ref);
+                    for (int c = 0; c < in; c++) {
+                        const double p = (double)wf[(size_t)r * in + c] *
+                                         kern_bf16_to_f32(kern_f32_to_bf16(x[(size_t)t * in + c]));
+                        ref += p;
+                        mag += fabs(p);
+                    }
+                    cr_assert_leq(fabs(got - ref), 2e-6 * mag + 1e-7,
+                                  "amx %d accumulate %d: y[%d, %d] = %.9g, rounded %.9g", amx, acc,
+                                  t, r, got, ref);
+                }
+            if (acc) continue;
+            /* token 40 alone (the 13-token step's ninth), rows cut at 20 */
+            for (int r = 0; r < ldy; r++) one[r] = -1.0f;
+            kern__gemm_bf16x_on(amx, &gw, in, x + (size_t)40 * in, in, 1, one, ldy, 2, 20, false,
+                                scratch, scratch_floats);
+            kern__gemm_bf16x_on(amx, &gw, in, x + (size_t)40 * in, in, 1, one, ldy, 20, rows,
+                                false, scratch, scratch_floats);
+            for (int r = 2; r < rows; r++)
+                cr_assert(memcmp(&one[r], &y[(size_t)40 * ldy + r], sizeof(float)) == 0,
+                          "amx %d: token 40 row %d alone %a, among 45 %a", amx, r, one[r],
+                          y[(size_t)40 * ldy + r]);
+        }
+    free(w);
+    free(wf);
+    free(x);
+    free(y);
+    free(y0);
+    free(one);
+    free(scratch);
+}
+
 /* kern_matmul_w_prefill's bf16 activations: within the error of rounding x
  * to bf16 (2^-9 relative per value, so 2^-8 of sum |w x| with room for the
  * sums' own rounding), and not the exact products (the mode reached them). */

@@ -6,6 +6,8 @@
  * kern_gemm_ref's bits. The blocking that feeds them (panels, packed x,
  * prefetch) is shared.
  */
+/* syscall(2), for the AMX permission (amx_ready) */
+#define _DEFAULT_SOURCE
 #include "kern_gemm.h"
 
 #include <stddef.h>
@@ -14,6 +16,14 @@
 
 #if KERN_GEMM_SIMD
 #include <immintrin.h>
+#endif
+#if KERN_GEMM_AMX
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#if KERN_GEMM_SIMD
 
 /* The next panel's prefetch (kern_prefetch) spread over a step's `cols`
  * columns, a few lines each: row `row` of it, byte `off` of that row. */
@@ -803,9 +813,211 @@ static void round_tile(const float *x, int ldx, int mt, int c0, int kc, uint32_t
     }
 }
 
-void kern__gemm_bf16x(const kern_gemm_w *w, int in, const float *x, int ldx, int T, float *y,
-                      int ldy, int r0, int r1, bool accumulate, float *scratch,
-                      size_t scratch_floats) {
+
+#if KERN_GEMM_AMX
+/* ------------------------------------------------------------------------ */
+/* The same products on AMX tiles                                           */
+
+/* Intel's AMX (Sapphire Rapids and later) multiplies bf16 tiles: one
+ * TDPBF16PS adds a [16, 32] x [32, 16] product to 16 x 16 f32 sums, 16 K
+ * multiply-adds a cycle against vdpbf16ps's 32 (on the dev machine's Xeon
+ * vdpbf16ps runs at half the f32 fma rate, so without tiles --bf16 was
+ * the slower prefill; docs/benchmarks.md, "AMX tiles"). The word panel P2
+ * [kc2, 32] is already the B operand's layout (pairs of columns, rows
+ * side by side: rows 16 h .. 16 h + 15 are the tile at P2 + 16 h, 128
+ * bytes a row) and the rounded x [mt, ldx2] words the A operand's, so the
+ * packing is shared with the vdpbf16ps kernel. Tiles: 0-3 the sums
+ * (tokens 0-15 / 16-31 x rows 0-15 / 16-31), 4-5 x, 6-7 the panel. */
+enum { AMX_TOKENS = 32 };
+
+/* The tile configuration LDTILECFG reads (palette 1): rows and bytes a
+ * row of each tile; mt tokens (1..32) in the sums and x tiles. */
+typedef struct amx_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config;
+
+static void amx_configure(int mt) {
+    amx_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    const int lo = mt < 16 ? mt : 16, hi = mt > 16 ? mt - 16 : 0;
+    const int rows[8] = {lo, lo, hi, hi, lo, hi, 16, 16};
+    for (int t = 0; t < 8; t++) {
+        c.rows[t] = (uint8_t)rows[t];
+        c.colsb[t] = rows[t] ? 64 : 0;
+    }
+    _tile_loadconfig(&c);
+}
+
+/* Whether this thread may use the tiles: the CPU has AMX-BF16 and the
+ * kernel lets the process use their state (Linux asks each process to
+ * request it: arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA, which is
+ * granted again at no cost once granted). Asked at each product rather
+ * than remembered, so that no state hides here; a syscall against a
+ * product's milliseconds. */
+static bool amx_ready(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d >> 22 & 1u) || !(d >> 24 & 1u))
+        return false;
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+}
+
+bool kern__gemm_amx(void) { return amx_ready(); }
+
+/* y[t, i] (+)= sum over the kc2 column pairs of bf16 products, t < mt
+ * (the tiles configured for mt by amx_configure), i < nr: P2 and xw as
+ * panel_tokens_bf16's, kc2 a multiple of 16. Rows past nr are zero in P2;
+ * their sums go to `stage` [32, 32], never to y, whose columns past nr
+ * belong to other rows (another thread's). */
+static void amx_panel(const uint32_t *P2, int kc2, const uint32_t *xw, int ldx2, int mt, float *y,
+                      int ldy, int nr, bool accumulate, float *stage) {
+    float *ys = y;
+    size_t lds = (size_t)ldy;
+    if (nr < KERN_PANEL_ROWS) {
+        ys = stage, lds = KERN_PANEL_ROWS;
+        for (int t = 0; t < mt; t++)
+            for (int i = 0; i < KERN_PANEL_ROWS; i++)
+                stage[t * KERN_PANEL_ROWS + i] = accumulate && i < nr ? y[(size_t)t * ldy + i] : 0;
+        accumulate = true;
+    }
+    const size_t sb = lds * sizeof(float), xb = (size_t)ldx2 * sizeof(uint32_t);
+    const bool two = mt > 16;
+    if (accumulate) {
+        _tile_loadd(0, ys, sb);
+        _tile_loadd(1, ys + 16, sb);
+        if (two) {
+            _tile_loadd(2, ys + 16 * lds, sb);
+            _tile_loadd(3, ys + 16 * lds + 16, sb);
+        }
+    } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        if (two) {
+            _tile_zero(2);
+            _tile_zero(3);
+        }
+    }
+    for (int k = 0; k < kc2; k += 16) {
+        _tile_loadd(6, P2 + (size_t)k * KERN_PANEL_ROWS, KERN_PANEL_ROWS * sizeof(uint32_t));
+        _tile_loadd(7, P2 + (size_t)k * KERN_PANEL_ROWS + 16, KERN_PANEL_ROWS * sizeof(uint32_t));
+        _tile_loadd(4, xw + k, xb);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (two) {
+            _tile_loadd(5, xw + (size_t)16 * ldx2 + k, xb);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, ys, sb);
+    _tile_stored(1, ys + 16, sb);
+    if (two) {
+        _tile_stored(2, ys + 16 * lds, sb);
+        _tile_stored(3, ys + 16 * lds + 16, sb);
+    }
+    if (ys == stage)
+        for (int t = 0; t < mt; t++)
+            for (int i = 0; i < nr; i++) y[(size_t)t * ldy + i] = stage[t * KERN_PANEL_ROWS + i];
+}
+
+/* The tile configuration for W's rows as the A operand (amx_rows_bf16):
+ * nr rows (1..32) of W in tiles 4-5 (16 + the rest), nb tokens (1..32)
+ * of x in tiles 6-7 (16 + the rest), their sums in 0-3 (rows 0-15 /
+ * 16-31 x tokens 0-15 / 16-31). */
+static void amx_configure_rows(int nr, int nb) {
+    amx_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    const int r0 = nr < 16 ? nr : 16, r1 = nr > 16 ? nr - 16 : 0;
+    const int t0 = nb < 16 ? nb : 16, t1 = nb > 16 ? nb - 16 : 0;
+    const int rows[8] = {r0, r1, r0, r1, r0, r1, 16, t1 ? 16 : 0};
+    const int colsb[8] = {4 * t0, 4 * t0, 4 * t1, 4 * t1, 64, 64, 4 * t0, 4 * t1};
+    for (int t = 0; t < 8; t++) {
+        const bool used = rows[t] && colsb[t];
+        c.rows[t] = (uint8_t)(used ? rows[t] : 0);
+        c.colsb[t] = (uint16_t)(used ? colsb[t] : 0);
+    }
+    _tile_loadconfig(&c);
+}
+
+void kern__amx_rows_bf16(const uint16_t *W, int in, const float *x, int ldx, int T, float *y,
+                         int ldy, int r0, int r1, float *scratch) {
+    uint32_t *xv = (uint32_t *)scratch; /* [in2, 32] words a block of 32 tokens */
+    _Alignas(64) float stage[32 * 32];  /* [32 rows, 32 tokens] */
+    const __m512i by_row = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32(32));
+    int cfg_nr = 0, cfg_nb = 0;
+    for (int tb = 0; tb < T; tb += 32) {
+        const int nb = T - tb < 32 ? T - tb : 32;
+        /* x rounded to bf16 (nearest even), token t's pair p at word
+         * xv[p * 32 + t]: the B operand's rows are column pairs */
+        for (int t = 0; t < nb; t++) {
+            const float *xt = x + (size_t)(tb + t) * ldx;
+            for (int i = 0; i < in; i += 32) {
+                const __m512i v = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(xt + i + 16),
+                                                               _mm512_loadu_ps(xt + i));
+                _mm512_i32scatter_epi32(xv + (size_t)(i / 2) * 32 + t, by_row, v, 4);
+            }
+        }
+        for (int r = r0; r < r1; r += 32) {
+            const int nr = r1 - r < 32 ? r1 - r : 32;
+            if (nr != cfg_nr || nb != cfg_nb) amx_configure_rows(nr, nb), cfg_nr = nr, cfg_nb = nb;
+            const uint16_t *w = W + (size_t)r * in;
+            const size_t wb = (size_t)in * sizeof(uint16_t);
+            const bool two_r = nr > 16, two_t = nb > 16;
+            _tile_zero(0);
+            if (two_r) _tile_zero(1);
+            if (two_t) {
+                _tile_zero(2);
+                if (two_r) _tile_zero(3);
+            }
+            for (int i = 0; i < in; i += 32) {
+                const uint32_t *xk = xv + (size_t)(i / 2) * 32;
+                _tile_loadd(4, w + i, wb);
+                _tile_loadd(6, xk, 128);
+                _tile_dpbf16ps(0, 4, 6);
+                if (two_r) {
+                    _tile_loadd(5, w + (size_t)16 * in + i, wb);
+                    _tile_dpbf16ps(1, 5, 6);
+                }
+                if (two_t) {
+                    _tile_loadd(7, xk + 16, 128);
+                    _tile_dpbf16ps(2, 4, 7);
+                    if (two_r) _tile_dpbf16ps(3, 5, 7);
+                }
+            }
+            /* sums [rows, tokens] -> y [tokens, rows] */
+            _tile_stored(0, stage, 128);
+            if (two_r) _tile_stored(1, stage + 16 * 32, 128);
+            if (two_t) {
+                _tile_stored(2, stage + 16, 128);
+                if (two_r) _tile_stored(3, stage + 16 * 32 + 16, 128);
+            }
+            for (int t = 0; t < nb; t++) {
+                float *yt = y + (size_t)(tb + t) * ldy + r;
+                for (int h = 0; h < nr; h += 16) {
+                    const int left = nr - h < 16 ? nr - h : 16;
+                    const __mmask16 m = (__mmask16)((1u << left) - 1);
+                    const __m512 v = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, by_row,
+                                                              stage + h * 32 + t, 4);
+                    _mm512_mask_storeu_ps(yt + h, m, v);
+                }
+            }
+        }
+    }
+    if (cfg_nr) _tile_release();
+}
+#endif
+
+/* kern__gemm_bf16x on the tiles (amx: amx_ready() said yes, in % 32 ==
+ * 0) or on vdpbf16ps: the same panels and rounded x, 32 or 12 tokens a
+ * step. */
+static void gemm_bf16x(const kern_gemm_w *w, int in, const float *x, int ldx, int T, float *y,
+                       int ldy, int r0, int r1, bool accumulate, float *scratch,
+                       size_t scratch_floats, bool amx) {
     static const panel_bf16_fn step[PANEL_TOKENS + 1] = {
         NULL,           panel_bf16_1, panel_bf16_2,  panel_bf16_3,  panel_bf16_4,
         panel_bf16_5,   panel_bf16_6, panel_bf16_7,  panel_bf16_8,  panel_bf16_9,
@@ -814,11 +1026,19 @@ void kern__gemm_bf16x(const kern_gemm_w *w, int in, const float *x, int ldx, int
     const size_t p2_words = (size_t)KERN_PANEL_ROWS * ((kmax + 1) / 2);
     const size_t ld = (size_t)w->ld;
     uint32_t *P2 = (uint32_t *)scratch, *xw = P2 + p2_words;
+#if KERN_GEMM_AMX
+    const int tile = amx ? AMX_TOKENS : PANEL_TOKENS;
+    float stage[KERN_PANEL_ROWS * AMX_TOKENS];
+    int configured = 0; /* the tokens the tiles are configured for */
+#else
+    const int tile = PANEL_TOKENS;
+    amx = false;
+#endif
     /* the tokens whose rounded x fits the rest of the scratch, in steps of
-     * 12 (at least one step): each block's x is rounded once, and W is
-     * unpacked once per block */
+     * a tile (at least one step of 12): each block's x is rounded once,
+     * and W is unpacked once per block */
     int cap = scratch_floats > p2_words ? (int)((scratch_floats - p2_words) / (size_t)in2) : 0;
-    cap = cap / PANEL_TOKENS * PANEL_TOKENS;
+    cap = cap >= tile ? cap / tile * tile : cap / PANEL_TOKENS * PANEL_TOKENS;
     if (cap < PANEL_TOKENS) cap = PANEL_TOKENS;
     for (int tb = 0; tb < T; tb += cap) {
         const int nb = T - tb < cap ? T - tb : cap;
@@ -832,15 +1052,41 @@ void kern__gemm_bf16x(const kern_gemm_w *w, int in, const float *x, int ldx, int
                 else
                     pack_pairs_f32(w, r, nr, c0, kc, P2);
                 const kern_prefetch next = next_panel(w, in, r, nr, r1, c0, kc);
-                for (int t0 = 0; t0 < nb; t0 += PANEL_TOKENS) {
-                    const int mt = nb - t0 < PANEL_TOKENS ? nb - t0 : PANEL_TOKENS;
-                    step[mt](P2, (kc + 1) / 2, xw + (size_t)t0 * in2 + c0 / 2, in2,
-                             y + (size_t)(tb + t0) * ldy + r, ldy, nr, accumulate || c0 > 0,
+                for (int t0 = 0; t0 < nb; t0 += tile) {
+                    const int mt = nb - t0 < tile ? nb - t0 : tile;
+                    const uint32_t *xt = xw + (size_t)t0 * in2 + c0 / 2;
+                    float *yt = y + (size_t)(tb + t0) * ldy + r;
+#if KERN_GEMM_AMX
+                    if (amx) {
+                        if (configured != mt) amx_configure(mt), configured = mt;
+                        amx_panel(P2, kc / 2, xt, in2, mt, yt, ldy, nr, accumulate || c0 > 0,
+                                  stage);
+                        continue;
+                    }
+#endif
+                    step[mt](P2, (kc + 1) / 2, xt, in2, yt, ldy, nr, accumulate || c0 > 0,
                              t0 == 0 && next.rows > 0 ? &next : NULL);
                 }
             }
         }
     }
+#if KERN_GEMM_AMX
+    if (configured) _tile_release();
+#endif
+}
+
+void kern__gemm_bf16x(const kern_gemm_w *w, int in, const float *x, int ldx, int T, float *y,
+                      int ldy, int r0, int r1, bool accumulate, float *scratch,
+                      size_t scratch_floats) {
+    gemm_bf16x(w, in, x, ldx, T, y, ldy, r0, r1, accumulate, scratch, scratch_floats,
+               in % 32 == 0 && kern__gemm_amx());
+}
+
+void kern__gemm_bf16x_on(bool amx, const kern_gemm_w *w, int in, const float *x, int ldx, int T,
+                         float *y, int ldy, int r0, int r1, bool accumulate, float *scratch,
+                         size_t scratch_floats) {
+    gemm_bf16x(w, in, x, ldx, T, y, ldy, r0, r1, accumulate, scratch, scratch_floats,
+               amx && in % 32 == 0 && kern__gemm_amx());
 }
 
 void kern__gemm_bf16act(const uint16_t *W, int in, const float *x, int T, float *y, int ldy,
@@ -849,4 +1095,8 @@ void kern__gemm_bf16act(const uint16_t *W, int in, const float *x, int T, float 
     kern__gemm_bf16x(&w, in, x, in, T, y, ldy, r0, r1, false, scratch,
                      kern_matmul_scratch_floats(in));
 }
+#endif
+
+#if !KERN_GEMM_AMX
+bool kern__gemm_amx(void) { return false; }
 #endif

@@ -41,6 +41,16 @@
 #define KERN_PANEL_ROWS 32 /* sizes scratch only */
 #endif
 
+/* KERN_GEMM_AMX: this build can run kern__gemm_bf16x on AMX tiles (built
+ * for a CPU with AMX-BF16, on Linux); whether it does is asked at run
+ * time (kern__gemm_amx). */
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AMX_TILE__) &&                   \
+    defined(__AMX_BF16__) && defined(__linux__) && defined(__x86_64__)
+#define KERN_GEMM_AMX 1
+#else
+#define KERN_GEMM_AMX 0
+#endif
+
 /* Columns per panel: P (kc * R floats, at most 512 KiB) stays in L2 while
  * every tile of tokens runs over it (the AVX-512 kernel reads 128 bytes of
  * it per 24 fmas, the AVX2 kernel 64 per 12). One panel over the whole
@@ -163,5 +173,36 @@ void kern__gemm_bf16act(const uint16_t *W, int in, const float *x, int T, float 
 void kern__gemm_bf16x(const kern_gemm_w *w, int in, const float *x, int ldx, int T, float *y,
                       int ldy, int r0, int r1, bool accumulate, float *scratch,
                       size_t scratch_floats);
+
+/*
+ * Whether kern__gemm_bf16x (and so kern__gemm_bf16act) runs on AMX tiles
+ * here: a KERN_GEMM_AMX build, a CPU with AMX-BF16, and the kernel granting
+ * this process the tiles' state (asked at every call, no state kept; false
+ * in every other build). With tiles, in % 32 == 0: 32 tokens x 32 rows a
+ * step, each sum a chain of TDPBF16PS over 32 columns at a time (its own
+ * order inside; the same bits whatever the tokens beside it and the row
+ * cut, but not vdpbf16ps's bits: both carry bf16(x)'s error, the order
+ * adds ~1e-6 relative). Else the vdpbf16ps kernel. Any thread.
+ */
+bool kern__gemm_amx(void);
+
+/*
+ * y[t, r] = bf16(x[t]) . W[r] on AMX tiles with W's rows read in place as
+ * the A operand (no panel: 16 rows x 32 columns a tile, straight from the
+ * matrix), x rounded to bf16 and laid out as the B operand in scratch
+ * (16 * in floats): for bf16 W [rows, in], in % 32 == 0, rows [r0, r1),
+ * T >= 1 tokens x [T, ldx], y [T, ldy]. Only where kern__gemm_amx() (a
+ * KERN_GEMM_AMX build). Each sum a chain of TDPBF16PS over 32 columns at
+ * a time: the same bits whatever the tokens beside it and the row cut.
+ */
+void kern__amx_rows_bf16(const uint16_t *W, int in, const float *x, int ldx, int T, float *y,
+                         int ldy, int r0, int r1, float *scratch);
+
+/* kern__gemm_bf16x with the choice made by the caller: amx false gives the
+ * vdpbf16ps kernel even where tiles run (tests and kds_cpu_bench compare
+ * the two), true the tiles where kern__gemm_amx() and in % 32 == 0. */
+void kern__gemm_bf16x_on(bool amx, const kern_gemm_w *w, int in, const float *x, int ldx, int T,
+                         float *y, int ldy, int r0, int r1, bool accumulate, float *scratch,
+                         size_t scratch_floats);
 
 #endif

@@ -33,6 +33,8 @@ bool kern_bf16_products(void) {
 #endif
 }
 
+bool kern_bf16_tiles(void) { return kern__gemm_amx(); }
+
 /* How far ahead the one-token product of a streamed matrix prefetches
  * along its one stream (rows8_one_stream) where the CPU is not a Zen 4:
  * 8 KiB. Decode of `wide` on a Zen 5 (rows on the lines), tok/s, two runs
@@ -956,6 +958,18 @@ void kern_matmul_w_bf16act(const kern_weight *w, const float *x, int T, float *y
                            int r1, float *scratch) {
 #if KERN_AVX512 && defined(__AVX512BF16__)
     const int in = w->cols;
+#if KERN_GEMM_AMX
+    /* AMX tiles where the CPU has them: W's rows straight from memory as
+     * the A operand, 16 x 32 a tile, so the step reads each row once at
+     * the memory's speed while vdpbf16ps (half the fma rate on Intel's
+     * cores) would keep it bound by arithmetic (docs/benchmarks.md, "AMX
+     * tiles") */
+    if (w->dt == KERN_BF16 && in % 32 == 0 && scratch && T > 0 && T < 64 && r1 > r0 &&
+        kern__gemm_amx()) {
+        kern__amx_rows_bf16(w->data, in, x, in, T, y, ldy, r0, r1, scratch);
+        return;
+    }
+#endif
     if (w->dt == KERN_BF16 && in % 32 == 0 && scratch && T > 0 && T < 64 && r1 > r0) {
         /* x rounded to bf16 (nearest even) in column order, [T, in] */
         uint16_t *xb = (uint16_t *)scratch;

@@ -57,7 +57,13 @@
  *       and dense down) and T = 64, 256, one thread, with x read in place
  *       (the panel's scratch alone) and packed 12 tokens side by side (the
  *       engine's scratch), alternating round by round, against the FMA peak
- *       measured in the same run.
+ *       measured in the same run;
+ *   (j) --bf16's prefill GEMM (kern__gemm_bf16act's kernel) on the same
+ *       matrices, T = 64, 256, 512, one thread: the vdpbf16ps kernel
+ *       against AMX tiles where the CPU has them (kern__gemm_bf16x_on),
+ *       alternating round by round, against the vdpbf16ps and FMA peaks
+ *       measured in the same run, with the largest difference between the
+ *       two outputs (relative to the largest output).
  * Threads: products go through the engine's pool (eng_pool), their rows cut
  * into 4 tasks per thread as eng_cpu.c's run_mm does; with one thread the
  * call is made inline, as there. OpenBLAS is pinned to one thread (the
@@ -150,7 +156,7 @@ static void cpu_model(char *out, size_t n) {
 static eng_pool *g_pool[3]; /* [threads] */
 static float *g_scratch[2]; /* one kern_matmul_scratch_floats(widest) per thread */
 static int g_runs = 7, g_quick;
-static const char *g_only = "abcdefghi";
+static const char *g_only = "abcdefghij";
 static size_t g_l3;
 static double g_bw[3]; /* measured read bandwidth, GB/s, [threads] */
 
@@ -917,6 +923,83 @@ static void bench_gemm_packing(void) {
 #endif
 }
 
+/* (j) --bf16's prefill GEMM, vdpbf16ps against AMX tiles: one thread,
+ * the engine's scratch (x rounded once for all T tokens), the better of 2
+ * products per form per round, the forms alternating. */
+static void bench_gemm_amx(void) {
+#if KERN_GEMM_SIMD && defined(__AVX512BF16__)
+    const int ins[] = {1024, 2304, 4096, 9216}, Ts[] = {64, 256, 512}, rows = 2304;
+    const int rounds = g_runs < 3 ? 3 : g_runs;
+    const bool amx = kern__gemm_amx();
+    const double dp_peak = fma_peak_of(1, true), fma = fma_peak(1);
+    printf("### (j) Prefill GEMM under --bf16: vdpbf16ps against AMX tiles (bf16 [%d, in], 1 "
+           "thread)\n\n",
+           rows);
+    printf("AMX tiles here: %s. Peaks on 1 thread: vdpbf16ps %.0f GFLOP/s, f32 FMA %.0f (the "
+           "exact prefill's ceiling). %d rounds, each timing both forms once (the better of 2 "
+           "products); medians. `diff`: the largest |tiles - vdpbf16ps| over the largest "
+           "|output|.\n\n",
+           amx ? "yes" : "no (both columns are the vdpbf16ps kernel)", dp_peak, fma, rounds);
+    printf("| in | T | vdpbf16ps GFLOP/s | %% of its peak | tiles GFLOP/s | rows in place "
+           "GFLOP/s | tiles / vdpbf16ps | tiles / FMA peak | diff |\n"
+           "|---|---|---|---|---|---|---|---|---|\n");
+    for (size_t a = 0; a < sizeof ins / sizeof ins[0]; a++) {
+        const int in = ins[a];
+        uint16_t *W = xalloc((size_t)rows * in * sizeof(uint16_t));
+        fill_bytes(W, (size_t)rows * in * sizeof(uint16_t), 77 + (uint64_t)in);
+        for (size_t i = 0; i < (size_t)rows * in; i++)
+            W[i] = (uint16_t)(0x3c00 + (W[i] & 0xff)); /* finite values near 0.01 */
+        const kern_gemm_w gw = {KERN_BF16, W, in, false};
+        for (size_t b = 0; b < sizeof Ts / sizeof Ts[0]; b++) {
+            const int T = Ts[b];
+            float *x = random_x((size_t)T * in, 5);
+            float *y[2] = {xalloc((size_t)T * rows * sizeof(float)),
+                           xalloc((size_t)T * rows * sizeof(float))};
+            const size_t sf = kern__gemm_scratch_floats(in, T) + (size_t)T * in;
+            float *scr = xalloc(sf * sizeof(float));
+            double g[3][64];
+            const double flops = 2.0 * rows * in * T;
+            for (int r = 0; r < rounds; r++)
+                for (int form = 0; form < (amx ? 3 : 2); form++) {
+                    double best = 1e30;
+                    for (int k = 0; k < 2; k++) {
+                        const double t0 = now_s();
+                        if (form == 2)
+                            kern__amx_rows_bf16(W, in, x, in, T, y[1], rows, 0, rows, scr);
+                        else
+                            kern__gemm_bf16x_on(form == 1, &gw, in, x, in, T, y[form], rows, 0,
+                                                rows, false, scr, sf);
+                        const double dt = now_s() - t0;
+                        if (dt < best) best = dt;
+                    }
+                    g[form][r] = flops / best / 1e9;
+                }
+            double big = 0, diff = 0;
+            for (size_t i = 0; i < (size_t)T * rows; i++) {
+                const double d = fabs((double)y[1][i] - y[0][i]), m = fabs((double)y[0][i]);
+                if (d > diff) diff = d;
+                if (m > big) big = m;
+            }
+            const double dp = median(g[0], rounds), tl = median(g[1], rounds);
+            const double direct = amx ? median(g[2], rounds) : 0;
+            char p1[16];
+            printf("| %d | %d | %.0f | %s | %.0f | %.0f | %.2fx | %.2fx | %.1e |\n", in, T, dp,
+                   pct(p1, sizeof p1, dp, dp_peak), tl, direct, tl / dp, tl / fma,
+                   big > 0 ? diff / big : 0.0);
+            fflush(stdout);
+            free(x);
+            free(y[0]);
+            free(y[1]);
+            free(scr);
+        }
+        free(W);
+    }
+    printf("\n");
+#else
+    printf("### (j) Prefill GEMM under --bf16: needs AVX-512 BF16 (not built)\n\n");
+#endif
+}
+
 int main(int argc, char **argv) {
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--quick")) {
@@ -928,7 +1011,7 @@ int main(int argc, char **argv) {
         } else if (!strcmp(argv[i], "--only") && i + 1 < argc) {
             g_only = argv[++i];
         } else {
-            fprintf(stderr, "usage: %s [--quick] [--runs N (1..63)] [--only abcdefghi]\n", argv[0]);
+            fprintf(stderr, "usage: %s [--quick] [--runs N (1..63)] [--only abcdefghij]\n", argv[0]);
             return 2;
         }
     }
@@ -972,6 +1055,7 @@ int main(int argc, char **argv) {
         if (kern_bf16_products()) bench_batched(2);
     }
     if (strchr(g_only, 'i')) bench_gemm_packing();
+    if (strchr(g_only, 'j')) bench_gemm_amx();
     for (int t = 0; t < 2; t++)
         free(g_scratch[t]);
     for (int th = 1; th <= 2; th++)
