@@ -542,13 +542,15 @@ Test(matmul, prefill_bf16_activations_within_rounding) {
  * row, summed in f32 (checked against a double sum of the same rounded
  * values, to 1e-5 of the sum of |products|), and row t of a T-token
  * product is token t's one-token product bit for bit, whatever tokens
- * and rows share the call: 1 to 9 and 17 tokens (groups of three, column
- * blocks above three), ragged row ranges, widths on and off the 512-column
- * blocks. Without AVX-512 BF16 it is kern_matmul_w, bit for bit. */
+ * and rows share the call: 1 to 9, 17 and 33 tokens (groups of three,
+ * column blocks above three; on AMX tiles one and two blocks of 32), and
+ * on tiles 70 and 300 (three blocks; two runs of up to 256), ragged row
+ * ranges, widths on and off the 512-column blocks. Without AVX-512 BF16
+ * it is kern_matmul_w, bit for bit. */
 Test(matmul, bf16act_decode_rounds_x_and_keeps_each_tokens_bits) {
     const int shapes[][2] = {{77, 256}, {45, 2304}, {19, 96}};
     for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
-        const int rows = shapes[s][0], in = shapes[s][1], r0 = 3, r1 = rows - 2, TM = 17;
+        const int rows = shapes[s][0], in = shapes[s][1], r0 = 3, r1 = rows - 2, TM = 300;
         float *wf = malloc((size_t)rows * in * sizeof(float));
         float *x = malloc((size_t)TM * in * sizeof(float));
         float *y = malloc((size_t)TM * rows * sizeof(float)), *y1 = malloc(rows * sizeof(float));
@@ -560,9 +562,10 @@ Test(matmul, bf16act_decode_rounds_x_and_keeps_each_tokens_bits) {
         for (int i = 0; i < TM * in; i++)
             x[i] = unit(&seed) * 3.0f;
         const kern_weight kw = {.dt = KERN_BF16, .data = w, .rows = rows, .cols = in};
-        const int Ts[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 17};
+        const int Ts[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 33, 70, 300};
         for (size_t k = 0; k < sizeof Ts / sizeof Ts[0]; k++) {
             const int T = Ts[k];
+            if (T >= 64 && !kern_bf16_tiles()) continue; /* kern_matmul_w from 64 */
             for (int i = 0; i < T * rows; i++)
                 y[i] = NAN;
             kern_matmul_w_bf16act(&kw, x, T, y, rows, r0, r1, scratch);

@@ -923,6 +923,8 @@ static void amx_panel(const uint32_t *P2, int kc2, const uint32_t *xw, int ldx2,
  * nr rows (1..32) of W in tiles 4-5 (16 + the rest), nb tokens (1..32)
  * of x in tiles 6-7 (16 + the rest), their sums in 0-3 (rows 0-15 /
  * 16-31 x tokens 0-15 / 16-31). */
+enum { AMX_ROWS_TOKENS = 256 }; /* kern__amx_rows_bf16's tokens at a time */
+
 static void amx_configure_rows(int nr, int nb) {
     amx_config c;
     memset(&c, 0, sizeof c);
@@ -941,66 +943,76 @@ static void amx_configure_rows(int nr, int nb) {
 
 void kern__amx_rows_bf16(const uint16_t *W, int in, const float *x, int ldx, int T, float *y,
                          int ldy, int r0, int r1, float *scratch) {
-    uint32_t *xv = (uint32_t *)scratch; /* [in2, 32] words a block of 32 tokens */
-    _Alignas(64) float stage[32 * 32];  /* [32 rows, 32 tokens] */
+    _Alignas(64) float stage[32 * 32]; /* [32 rows, 32 tokens] */
     const __m512i by_row = _mm512_mullo_epi32(
         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
         _mm512_set1_epi32(32));
+    const size_t block_words = (size_t)in / 2 * 32; /* a block of 32 tokens' x */
     int cfg_nr = 0, cfg_nb = 0;
-    for (int tb = 0; tb < T; tb += 32) {
-        const int nb = T - tb < 32 ? T - tb : 32;
-        /* x rounded to bf16 (nearest even), token t's pair p at word
-         * xv[p * 32 + t]: the B operand's rows are column pairs */
-        for (int t = 0; t < nb; t++) {
-            const float *xt = x + (size_t)(tb + t) * ldx;
+    /* up to AMX_ROWS_TOKENS tokens at a time, their x laid out first, so
+     * that each 32-row panel is read from memory once and then stays in
+     * L2 for every block of 32 tokens */
+    for (int tc = 0; tc < T; tc += AMX_ROWS_TOKENS) {
+        const int nc = T - tc < AMX_ROWS_TOKENS ? T - tc : AMX_ROWS_TOKENS;
+        /* x rounded to bf16 (nearest even): block b's token t, pair p at
+         * word xv[b][p * 32 + t] (the B operand's rows are column pairs) */
+        for (int t = 0; t < nc; t++) {
+            const float *xt = x + (size_t)(tc + t) * ldx;
+            uint32_t *xb = (uint32_t *)scratch + (size_t)(t / 32) * block_words + t % 32;
             for (int i = 0; i < in; i += 32) {
                 const __m512i v = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(xt + i + 16),
                                                                _mm512_loadu_ps(xt + i));
-                _mm512_i32scatter_epi32(xv + (size_t)(i / 2) * 32 + t, by_row, v, 4);
+                _mm512_i32scatter_epi32(xb + (size_t)(i / 2) * 32, by_row, v, 4);
             }
         }
         for (int r = r0; r < r1; r += 32) {
             const int nr = r1 - r < 32 ? r1 - r : 32;
-            if (nr != cfg_nr || nb != cfg_nb) amx_configure_rows(nr, nb), cfg_nr = nr, cfg_nb = nb;
             const uint16_t *w = W + (size_t)r * in;
             const size_t wb = (size_t)in * sizeof(uint16_t);
-            const bool two_r = nr > 16, two_t = nb > 16;
-            _tile_zero(0);
-            if (two_r) _tile_zero(1);
-            if (two_t) {
-                _tile_zero(2);
-                if (two_r) _tile_zero(3);
-            }
-            for (int i = 0; i < in; i += 32) {
-                const uint32_t *xk = xv + (size_t)(i / 2) * 32;
-                _tile_loadd(4, w + i, wb);
-                _tile_loadd(6, xk, 128);
-                _tile_dpbf16ps(0, 4, 6);
-                if (two_r) {
-                    _tile_loadd(5, w + (size_t)16 * in + i, wb);
-                    _tile_dpbf16ps(1, 5, 6);
-                }
+            const bool two_r = nr > 16;
+            for (int tb = 0; tb < nc; tb += 32) {
+                const int nb = nc - tb < 32 ? nc - tb : 32;
+                const bool two_t = nb > 16;
+                const uint32_t *xv = (const uint32_t *)scratch + (size_t)(tb / 32) * block_words;
+                if (nr != cfg_nr || nb != cfg_nb)
+                    amx_configure_rows(nr, nb), cfg_nr = nr, cfg_nb = nb;
+                _tile_zero(0);
+                if (two_r) _tile_zero(1);
                 if (two_t) {
-                    _tile_loadd(7, xk + 16, 128);
-                    _tile_dpbf16ps(2, 4, 7);
-                    if (two_r) _tile_dpbf16ps(3, 5, 7);
+                    _tile_zero(2);
+                    if (two_r) _tile_zero(3);
                 }
-            }
-            /* sums [rows, tokens] -> y [tokens, rows] */
-            _tile_stored(0, stage, 128);
-            if (two_r) _tile_stored(1, stage + 16 * 32, 128);
-            if (two_t) {
-                _tile_stored(2, stage + 16, 128);
-                if (two_r) _tile_stored(3, stage + 16 * 32 + 16, 128);
-            }
-            for (int t = 0; t < nb; t++) {
-                float *yt = y + (size_t)(tb + t) * ldy + r;
-                for (int h = 0; h < nr; h += 16) {
-                    const int left = nr - h < 16 ? nr - h : 16;
-                    const __mmask16 m = (__mmask16)((1u << left) - 1);
-                    const __m512 v = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, by_row,
-                                                              stage + h * 32 + t, 4);
-                    _mm512_mask_storeu_ps(yt + h, m, v);
+                for (int i = 0; i < in; i += 32) {
+                    const uint32_t *xk = xv + (size_t)(i / 2) * 32;
+                    _tile_loadd(4, w + i, wb);
+                    _tile_loadd(6, xk, 128);
+                    _tile_dpbf16ps(0, 4, 6);
+                    if (two_r) {
+                        _tile_loadd(5, w + (size_t)16 * in + i, wb);
+                        _tile_dpbf16ps(1, 5, 6);
+                    }
+                    if (two_t) {
+                        _tile_loadd(7, xk + 16, 128);
+                        _tile_dpbf16ps(2, 4, 7);
+                        if (two_r) _tile_dpbf16ps(3, 5, 7);
+                    }
+                }
+                /* sums [rows, tokens] -> y [tokens, rows] */
+                _tile_stored(0, stage, 128);
+                if (two_r) _tile_stored(1, stage + 16 * 32, 128);
+                if (two_t) {
+                    _tile_stored(2, stage + 16, 128);
+                    if (two_r) _tile_stored(3, stage + 16 * 32 + 16, 128);
+                }
+                for (int t = 0; t < nb; t++) {
+                    float *yt = y + (size_t)(tc + tb + t) * ldy + r;
+                    for (int h = 0; h < nr; h += 16) {
+                        const int left = nr - h < 16 ? nr - h : 16;
+                        const __mmask16 m = (__mmask16)((1u << left) - 1);
+                        const __m512 v = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, by_row,
+                                                                  stage + h * 32 + t, 4);
+                        _mm512_mask_storeu_ps(yt + h, m, v);
+                    }
                 }
             }
         }

@@ -190,8 +190,10 @@ bool kern__gemm_amx(void);
  * y[t, r] = bf16(x[t]) . W[r] on AMX tiles with W's rows read in place as
  * the A operand (no panel: 16 rows x 32 columns a tile, straight from the
  * matrix), x rounded to bf16 and laid out as the B operand in scratch
- * (16 * in floats): for bf16 W [rows, in], in % 32 == 0, rows [r0, r1),
- * T >= 1 tokens x [T, ldx], y [T, ldy]. Only where kern__gemm_amx() (a
+ * (16 * in floats a block of 32 tokens, up to 256 tokens at a time: at
+ * most 128 * in, which kern_matmul_scratch_floats(in) holds): for bf16 W
+ * [rows, in], in % 32 == 0, rows [r0, r1), T >= 1 tokens x [T, ldx], y
+ * [T, ldy]. Each 32-row panel is read once per 256 tokens. Only where kern__gemm_amx() (a
  * KERN_GEMM_AMX build). Each sum a chain of TDPBF16PS over 32 columns at
  * a time: the same bits whatever the tokens beside it and the row cut.
  */

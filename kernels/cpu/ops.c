@@ -964,8 +964,7 @@ void kern_matmul_w_bf16act(const kern_weight *w, const float *x, int T, float *y
      * the memory's speed while vdpbf16ps (half the fma rate on Intel's
      * cores) would keep it bound by arithmetic (docs/benchmarks.md, "AMX
      * tiles") */
-    if (w->dt == KERN_BF16 && in % 32 == 0 && scratch && T > 0 && T < 64 && r1 > r0 &&
-        kern__gemm_amx()) {
+    if (w->dt == KERN_BF16 && in % 32 == 0 && scratch && T > 0 && r1 > r0 && kern__gemm_amx()) {
         kern__amx_rows_bf16(w->data, in, x, in, T, y, ldy, r0, r1, scratch);
         return;
     }
