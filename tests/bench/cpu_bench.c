@@ -860,6 +860,15 @@ static void bench_batched(int mode) {
     free_stack(&st);
 }
 
+/* (i) and (j)'s bf16 W [rows, in]: finite values near 0.01, seeded by in. */
+static uint16_t *gemm_matrix(int rows, int in) {
+    uint16_t *W = xalloc((size_t)rows * in * sizeof(uint16_t));
+    fill_bytes(W, (size_t)rows * in * sizeof(uint16_t), 77 + (uint64_t)in);
+    for (size_t i = 0; i < (size_t)rows * in; i++)
+        W[i] = (uint16_t)(0x3c00 + (W[i] & 0xff));
+    return W;
+}
+
 /* (i) The prefill GEMM with x read in place (12 token rows `in` floats
  * apart: a multiple of 4 KiB for in = 1024, 4096, 9216) against x packed
  * 12 tokens side by side, the same product and bits, alternating round by
@@ -879,10 +888,7 @@ static void bench_gemm_packing(void) {
            "| packed / in place |\n|---|---|---|---|---|---|---|\n");
     for (size_t a = 0; a < sizeof ins / sizeof ins[0]; a++) {
         const int in = ins[a];
-        uint16_t *W = xalloc((size_t)rows * in * sizeof(uint16_t));
-        fill_bytes(W, (size_t)rows * in * sizeof(uint16_t), 77 + (uint64_t)in);
-        for (size_t i = 0; i < (size_t)rows * in; i++)
-            W[i] = (uint16_t)(0x3c00 + (W[i] & 0xff)); /* finite values near 0.01 */
+        uint16_t *W = gemm_matrix(rows, in);
         const kern_gemm_w gw = {KERN_BF16, W, in, false};
         for (size_t b = 0; b < sizeof Ts / sizeof Ts[0]; b++) {
             const int T = Ts[b];
@@ -945,10 +951,7 @@ static void bench_gemm_amx(void) {
            "|---|---|---|---|---|---|---|---|---|\n");
     for (size_t a = 0; a < sizeof ins / sizeof ins[0]; a++) {
         const int in = ins[a];
-        uint16_t *W = xalloc((size_t)rows * in * sizeof(uint16_t));
-        fill_bytes(W, (size_t)rows * in * sizeof(uint16_t), 77 + (uint64_t)in);
-        for (size_t i = 0; i < (size_t)rows * in; i++)
-            W[i] = (uint16_t)(0x3c00 + (W[i] & 0xff)); /* finite values near 0.01 */
+        uint16_t *W = gemm_matrix(rows, in);
         const kern_gemm_w gw = {KERN_BF16, W, in, false};
         for (size_t b = 0; b < sizeof Ts / sizeof Ts[0]; b++) {
             const int T = Ts[b];
