@@ -384,16 +384,19 @@ Test(matmul, gemm_f32_strides_transposed_accumulate) {
 /* kern__gemm_bf16x on f32 matrices (rows and cols_major, own strides, the
  * accumulate form): every value of W and x rounded to bf16 first, then the
  * exact products summed in f32, so against a double sum of the rounded
- * values it is within f32 summation error, and it is not the f32 product. */
-Test(matmul, gemm_bf16x_f32_matrices) {
-    const int rows = 45, in = 70, T = 29, ldw = 77, ldx = 75, ldy = 50;
-    float *w = malloc((size_t)ldw * 80 * sizeof(float)), *x = malloc((size_t)T * ldx * 4);
+ * values it is within f32 summation error, and it is not the f32 product.
+ * 70 columns take the vdpbf16ps kernel everywhere, 96 the AMX tiles where
+ * the CPU has them (MLA attention's products under bf16_act). */
+static void gemm_bf16x_f32_case(int in) {
+    const int rows = 45, T = 29, ldw = in + 7, ldx = in + 5, ldy = 50;
+    const int wrows = in + 10; /* rows of W's storage: in for cols_major, 45 else */
+    float *w = malloc((size_t)ldw * wrows * sizeof(float)), *x = malloc((size_t)T * ldx * 4);
     float *y = malloc((size_t)T * ldy * 4), *y0 = malloc((size_t)T * ldy * 4);
     const size_t scratch_floats = 64 * 1024;
     float *scratch = malloc(scratch_floats * sizeof(float));
     cr_assert(w && x && y && y0 && scratch);
     uint64_t seed = 99;
-    for (int i = 0; i < ldw * 80; i++) w[i] = unit(&seed);
+    for (int i = 0; i < ldw * wrows; i++) w[i] = unit(&seed);
     for (int i = 0; i < T * ldx; i++) x[i] = unit(&seed);
     for (int cm = 0; cm < 2; cm++)
         for (int acc = 0; acc < 2; acc++) {
@@ -420,17 +423,23 @@ Test(matmul, gemm_bf16x_f32_matrices) {
                         exact += (double)wv * xv;
                     }
                     cr_assert_leq(fabs(got - ref), 1e-6 * mag + 1e-7,
-                                  "cols_major %d accumulate %d: y[%d, %d] = %g, rounded %g", cm,
-                                  acc, t, r, got, ref);
+                                  "in %d cols_major %d accumulate %d: y[%d, %d] = %g, rounded %g",
+                                  in, cm, acc, t, r, got, ref);
                     differ += fabs(got - exact) > 1e-6 * mag;
                 }
-            cr_expect_gt(differ, T * (rows - 2) / 2, "cols_major %d: the f32 product's values", cm);
+            cr_expect_gt(differ, T * (rows - 2) / 2, "in %d cols_major %d: the f32 product's values",
+                         in, cm);
         }
     free(w);
     free(x);
     free(y);
     free(y0);
     free(scratch);
+}
+
+Test(matmul, gemm_bf16x_f32_matrices) {
+    gemm_bf16x_f32_case(70);
+    gemm_bf16x_f32_case(96);
 }
 
 /* kern__gemm_bf16x on bf16 rows, on AMX tiles where this machine has them

@@ -818,10 +818,11 @@ static void round_tile(const float *x, int ldx, int mt, int c0, int kc, uint32_t
 /* The same products on AMX tiles                                           */
 
 /* Intel's AMX (Sapphire Rapids and later) multiplies bf16 tiles: one
- * TDPBF16PS adds a [16, 32] x [32, 16] product to 16 x 16 f32 sums, 16 K
- * multiply-adds a cycle against vdpbf16ps's 32 (on the dev machine's Xeon
- * vdpbf16ps runs at half the f32 fma rate, so without tiles --bf16 was
- * the slower prefill; docs/benchmarks.md, "AMX tiles"). The word panel P2
+ * TDPBF16PS adds a [16, 32] x [32, 16] product to 16 x 16 f32 sums, 8,192
+ * multiply-adds an instruction. On the dev machine's Xeon this GEMM ran
+ * at 5-9x the vdpbf16ps kernel's speed (kds_cpu_bench --only j). There
+ * vdpbf16ps runs at half the f32 FMA's rate, so without tiles --bf16 was
+ * the slower prefill (docs/benchmarks.md, "AMX tiles"). The word panel P2
  * [kc2, 32] is already the B operand's layout (pairs of columns, rows
  * side by side: rows 16 h .. 16 h + 15 are the tile at P2 + 16 h, 128
  * bytes a row) and the rounded x [mt, ldx2] words the A operand's, so the
@@ -919,11 +920,12 @@ static void amx_panel(const uint32_t *P2, int kc2, const uint32_t *xw, int ldx2,
             for (int i = 0; i < nr; i++) y[(size_t)t * ldy + i] = stage[t * KERN_PANEL_ROWS + i];
 }
 
-/* The tile configuration for W's rows as the A operand (amx_rows_bf16):
- * nr rows (1..32) of W in tiles 4-5 (16 + the rest), nb tokens (1..32)
- * of x in tiles 6-7 (16 + the rest), their sums in 0-3 (rows 0-15 /
- * 16-31 x tokens 0-15 / 16-31). */
 enum { AMX_ROWS_TOKENS = 256 }; /* kern__amx_rows_bf16's tokens at a time */
+
+/* The tile configuration for W's rows as the A operand
+ * (kern__amx_rows_bf16): nr rows (1..32) of W in tiles 4-5 (16 + the
+ * rest), nb tokens (1..32) of x in tiles 6-7 (16 + the rest), their sums
+ * in 0-3 (rows 0-15 / 16-31 x tokens 0-15 / 16-31). */
 
 static void amx_configure_rows(int nr, int nb) {
     amx_config c;
