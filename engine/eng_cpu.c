@@ -73,6 +73,8 @@ typedef struct eng_cpu {
     /* kern_weight's stream_prefetch for every product: this CPU's
      * (kern_stream_prefetch_bytes) */
     int stream_prefetch;
+    /* kern_weight's prefetch_rows_ahead: this CPU's (kern_prefetch_rows_ahead) */
+    bool prefetch_rows_ahead;
     thread_scratch *ts;  /* [n_threads] */
     eng_matmul jobs[MAX_MM_TABLE];
     mm_task tasks[MAX_MM_TASKS];
@@ -112,6 +114,7 @@ static void mm_task_fn(void *arg, int t, int thread) {
     kern_weight w = eng__kern_weight(j->w);
     w.streamed = c->streamed;
     w.stream_prefetch = c->stream_prefetch;
+    w.prefetch_rows_ahead = c->prefetch_rows_ahead;
     if (c->prefill)
         kern_matmul_w_prefill(&w, j->x, j->T, j->y, j->ldy, task->r0, task->r1, c->ts[thread].mm,
                               c->bf16_act);
@@ -781,6 +784,7 @@ static kds_status cpu_create(const eng_model *m, const eng_ctx_params *p, eng_ba
     c->streamed =
         eng_model_decode_bytes(m, 0).weights > 0.5 * (double)(llc ? llc : (size_t)32 << 20);
     c->stream_prefetch = kern_stream_prefetch_bytes();
+    c->prefetch_rows_ahead = kern_prefetch_rows_ahead();
     int widest = 1; /* the most inputs of any matrix: the widening scratch */
     for (int i = 1; i < m->n_weights; i++)
         if (m->weights[i]->cols > widest) widest = m->weights[i]->cols;

@@ -546,6 +546,46 @@ Test(matmul, prefill_bf16_activations_within_rounding) {
 }
 #endif
 
+/* kern_weight's prefetch_rows_ahead changes where lines are fetched from,
+ * never a result: 2 to 9 tokens of a bf16 matrix on 64-byte lines (where
+ * the rows would go in order without it), exact and under bf16_act,
+ * streamed or not, give the same bits with the hint on and off. */
+Test(matmul, prefetch_rows_ahead_changes_no_bits) {
+    const int rows = 77, in = 2304, TM = 9;
+    float *wf = malloc((size_t)rows * in * sizeof(float)), *x = malloc((size_t)TM * in * 4);
+    float *ya = malloc((size_t)TM * rows * 4), *yb = malloc((size_t)TM * rows * 4);
+    float *scratch = malloc(kern_matmul_scratch_floats(in) * sizeof(float));
+    uint16_t *w0 = make_w(KERN_BF16, rows, in, wf, 4321);
+    uint16_t *w = aligned_alloc(64, (size_t)rows * in * sizeof(uint16_t));
+    cr_assert(wf && x && ya && yb && scratch && w0 && w);
+    memcpy(w, w0, (size_t)rows * in * sizeof(uint16_t));
+    uint64_t seed = 1234;
+    for (int i = 0; i < TM * in; i++) x[i] = unit(&seed);
+    for (int T = 2; T <= TM; T++)
+        for (int mode = 0; mode < 4; mode++) {
+            kern_weight kw = {.dt = KERN_BF16, .data = w, .rows = rows, .cols = in,
+                              .streamed = mode & 1};
+            float *out[2] = {ya, yb};
+            for (int ahead = 0; ahead < 2; ahead++) {
+                kw.prefetch_rows_ahead = ahead;
+                if (mode & 2)
+                    kern_matmul_w_bf16act(&kw, x, T, out[ahead], rows, 0, rows, scratch);
+                else
+                    kern_matmul_w(&kw, x, T, out[ahead], rows, 0, rows, scratch);
+            }
+            cr_assert_eq(memcmp(ya, yb, (size_t)T * rows * sizeof(float)), 0,
+                         "T %d %s%s: the hint changed the results", T,
+                         mode & 2 ? "bf16_act" : "exact", mode & 1 ? ", streamed" : "");
+        }
+    free(w);
+    free(w0);
+    free(wf);
+    free(x);
+    free(ya);
+    free(yb);
+    free(scratch);
+}
+
 /* A decode step's product under bf16_act (kern_matmul_w_bf16act): each
  * value is the product of x rounded to bf16 (nearest even) with the bf16
  * row, summed in f32 (checked against a double sum of the same rounded

@@ -56,6 +56,15 @@ int kern_stream_prefetch_bytes(void) {
     return DOT_T1_PF_AHEAD;
 }
 
+bool kern_prefetch_rows_ahead(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    unsigned a, b, c, d;
+    /* vendor "AuthenticAMD" (ebx "Auth") */
+    if (__get_cpuid(0, &a, &b, &c, &d) && b == 0x68747541u) return false;
+#endif
+    return true;
+}
+
 size_t kern_dtype_size(kern_dtype dt) {
     switch (dt) {
     case KERN_F32: return 4;
@@ -308,7 +317,9 @@ static void dot_row(kern_dtype dt, const void *row, int in, const float *x, int 
  * fetched in order"): exact 2, 3, 4, 8 tokens 34 -> 45, 34 -> 48,
  * 29 -> 42, 21 -> 23 GB/s; [2304, 1024] for 2 tokens 28 -> 45; under
  * --bf16, 4 to 8 tokens +16-17%. From 12 tokens on the products are
- * bound by arithmetic, and 16 under --bf16 lost 9% (18.4 -> 16.6). */
+ * bound by arithmetic, and 16 under --bf16 lost 9% (18.4 -> 16.6). Not
+ * where kern_weight's prefetch_rows_ahead says the CPU does better
+ * without (an Intel Xeon: 15-30% slower in order). */
 #define DOT_IN_ORDER_MAX_T 8
 
 /* The in-order prefetch of the loops below: of the next eight rows
@@ -491,7 +502,7 @@ rows8_bf16_t1(const uint16_t *w, size_t stride, int in, const float *xd, float *
  * many rows on. */
 static inline __attribute__((always_inline)) void
 rows8_tokens(const uint16_t *W, int in, const void *xv, int nt, int r, int pf_rows, float *y,
-             int ldy, __m512 (*acc)[8], const bool bf16x) {
+             int ldy, __m512 (*acc)[8], const bool bf16x, bool rows_ahead) {
     const uint16_t *w = W + (size_t)r * in;
     const size_t xsz = bf16x ? sizeof(uint16_t) : sizeof(float);
     const int cb = nt <= 3 ? in : DOT_COL_BLOCK;
@@ -510,9 +521,12 @@ rows8_tokens(const uint16_t *W, int in, const void *xv, int nt, int r, int pf_ro
      * rounds alternating) 80-87 -> 81-98 tok/s, median 86.3 -> 89.7.
      * Rows off the lines lost 9% that way (83.7 -> 76.3), so they keep
      * the first group's prefetch. Up to DOT_IN_ORDER_MAX_T tokens the
-     * rows go in order instead. */
+     * rows go in order instead, but where the CPU reads them faster with
+     * each row's lines prefetched ahead (rows_ahead: kern_weight's
+     * prefetch_rows_ahead; an Intel Xeon, 2 to 8 tokens of [4096, 2304]
+     * from memory on two threads 16-27 -> 21-31 GB/s). */
     const bool on_lines = (uintptr_t)W % 64 == 0;
-    const bool in_order = on_lines && nt <= DOT_IN_ORDER_MAX_T;
+    const bool in_order = on_lines && nt <= DOT_IN_ORDER_MAX_T && !rows_ahead;
     const bool spread = on_lines && !in_order && nt > 3;
     const int ng = (nt + 2) / 3;
     const int pf_far = 2 * DOT_COL_BLOCK < in ? 2 * DOT_COL_BLOCK : in;
@@ -557,7 +571,7 @@ rows8_tokens(const uint16_t *W, int in, const void *xv, int nt, int r, int pf_ro
  * 16 odd values), so each block costs two cheap integer ops and two FMAs per
  * row. nt < 64. y: [nt, ldy]. */
 static void dot8_bf16(const uint16_t *W, int in, const float *xd, int nt, int r0, int r1,
-                      float *y, int ldy, bool streamed, int stream_prefetch) {
+                      float *y, int ldy, bool streamed, int stream_prefetch, bool rows_ahead) {
     const __m512i hi_mask = _mm512_set1_epi32((int)0xffff0000u);
     /* Software prefetch ~16 KiB ahead: the hardware prefetcher alone left
      * decode at about half the machine's streaming bandwidth on lm_head-sized
@@ -610,7 +624,7 @@ static void dot8_bf16(const uint16_t *W, int in, const float *xd, int nt, int r0
             rows8_bf16_t1(w, (size_t)in, in, xd, y + r, 1, (size_t)pf_rows * in * 2, false);
             continue;
         }
-        rows8_tokens(W, in, xd, nt, r, pf_rows, y, ldy, acc, false);
+        rows8_tokens(W, in, xd, nt, r, pf_rows, y, ldy, acc, false, rows_ahead);
     }
     for (; r < r1; r++) {
         const uint16_t *w0 = W + (size_t)r * in;
@@ -935,11 +949,12 @@ void kern__matmul_blas(kern_dtype dt, const void *W, int in, const float *x, int
  * it and the row cut, so a token's results do not depend on the batch
  * (in this mode). */
 static void dot8_bf16act(const uint16_t *W, int in, const uint16_t *xb, int nt, int r0, int r1,
-                         float *y, int ldy) {
+                         float *y, int ldy, bool rows_ahead) {
     _Alignas(64) __m512 acc[64][8];
     const int pf_rows = 16384 / (2 * in) > 8 ? 16384 / (2 * in) : 8; /* as dot8_bf16's */
     int r = r0;
-    for (; r + 8 <= r1; r += 8) rows8_tokens(W, in, xb, nt, r, pf_rows, y, ldy, acc, true);
+    for (; r + 8 <= r1; r += 8)
+        rows8_tokens(W, in, xb, nt, r, pf_rows, y, ldy, acc, true, rows_ahead);
     for (; r < r1; r++) {
         const uint16_t *w0 = W + (size_t)r * in;
         for (int t = 0; t < nt; t++) {
@@ -978,7 +993,7 @@ void kern_matmul_w_bf16act(const kern_weight *w, const float *x, int T, float *y
                 const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(xt + 16), _mm512_loadu_ps(xt));
                 _mm512_storeu_si512((void *)(xb + (size_t)t * in + i), (__m512i)v);
             }
-        dot8_bf16act(w->data, in, xb, T, r0, r1, y, ldy);
+        dot8_bf16act(w->data, in, xb, T, r0, r1, y, ldy, w->prefetch_rows_ahead);
         return;
     }
 #endif
@@ -1021,7 +1036,8 @@ void kern__matmul_hinted(kern_dtype dt, const void *W, int in, const float *x, i
                         st[i + 16 + j] = xt[i + 2 * j + 1];
                     }
             }
-            dot8_bf16(W, in, scratch, T, r0, r1, y, ldy, streamed, hint ? hint->stream_prefetch : 0);
+            dot8_bf16(W, in, scratch, T, r0, r1, y, ldy, streamed, hint ? hint->stream_prefetch : 0,
+                      hint && hint->prefetch_rows_ahead);
             return;
         }
         if (dt != KERN_BF16) {

@@ -303,7 +303,8 @@ static stack make_stack(kern_dtype dt, int rows, int cols, int n) {
              * hint for a model larger than the cache); one, over and over,
              * from cache */
             .streamed = n > 1,
-            .stream_prefetch = kern_stream_prefetch_bytes()};
+            .stream_prefetch = kern_stream_prefetch_bytes(),
+            .prefetch_rows_ahead = kern_prefetch_rows_ahead()};
     return s;
 }
 
