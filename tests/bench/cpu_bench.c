@@ -968,9 +968,11 @@ static void bench_gemm_amx(void) {
                     double best = 1e30;
                     for (int k = 0; k < 2; k++) {
                         const double t0 = now_s();
+#if KERN_GEMM_AMX
                         if (form == 2)
                             kern__amx_rows_bf16(W, in, x, in, T, y[1], rows, 0, rows, scr);
                         else
+#endif
                             kern__gemm_bf16x_on(form == 1, &gw, in, x, in, T, y[form], rows, 0,
                                                 rows, false, scr, sf);
                         const double dt = now_s() - t0;
