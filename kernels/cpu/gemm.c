@@ -6,7 +6,7 @@
  * kern_gemm_ref's bits. The blocking that feeds them (panels, packed x,
  * prefetch) is shared.
  */
-/* syscall(2), for the AMX permission (amx_ready) */
+/* syscall(2), for the AMX permission (kern__gemm_amx) */
 #define _DEFAULT_SOURCE
 #include "kern_gemm.h"
 
@@ -46,6 +46,22 @@ static inline void pf_walk_column(pf_walk *w) {
         _mm_prefetch(w->pf->base + (size_t)w->row * w->pf->stride + w->off, _MM_HINT_T1);
         if (++w->row == w->pf->rows) w->row = 0, w->off += 64;
     }
+}
+
+/* A panel of nr < KERN_PANEL_ROWS rows runs on a copy of its sums, edge
+ * [mt, KERN_PANEL_ROWS]: y's values where accumulating (rows < nr), else
+ * zero, so that no store of a whole row of sums reaches y's columns past
+ * nr (another thread's rows); edge_store copies the nr back. */
+static inline void edge_load(const float *y, int ldy, int mt, int nr, bool accumulate,
+                             float *edge) {
+    for (int t = 0; t < mt; t++)
+        for (int i = 0; i < KERN_PANEL_ROWS; i++)
+            edge[t * KERN_PANEL_ROWS + i] = accumulate && i < nr ? y[(size_t)t * ldy + i] : 0;
+}
+
+static inline void edge_store(const float *edge, int mt, int nr, float *y, int ldy) {
+    for (int t = 0; t < mt; t++)
+        memcpy(y + (size_t)t * ldy, edge + t * KERN_PANEL_ROWS, (size_t)nr * sizeof(float));
 }
 
 static float elem(kern_dtype dt, const char *p) {
@@ -329,9 +345,7 @@ panel_tokens(const float *P, int kc, const float *x, int ldx, const int mt, floa
     size_t lds = (size_t)ldy;
     if (nr < KERN_PANEL_ROWS) {
         ys = edge, lds = KERN_PANEL_ROWS;
-        for (int t = 0; t < mt; t++)
-            for (int i = 0; i < KERN_PANEL_ROWS; i++)
-                edge[t * KERN_PANEL_ROWS + i] = accumulate && i < nr ? y[(size_t)t * ldy + i] : 0;
+        edge_load(y, ldy, mt, nr, accumulate, edge);
     }
     __m256 acc[PANEL_TOKENS][2];
     #pragma GCC unroll 6
@@ -372,9 +386,7 @@ panel_tokens(const float *P, int kc, const float *x, int ldx, const int mt, floa
         _mm256_storeu_ps(ys + t * lds, acc[t][0]);
         _mm256_storeu_ps(ys + t * lds + 8, acc[t][1]);
     }
-    if (nr < KERN_PANEL_ROWS)
-        for (int t = 0; t < mt; t++)
-            memcpy(y + (size_t)t * ldy, edge + t * KERN_PANEL_ROWS, (size_t)nr * sizeof(float));
+    if (nr < KERN_PANEL_ROWS) edge_store(edge, mt, nr, y, ldy);
 }
 
 /* a[i] (row i, 8 floats) -> a[j] = column j of rows 0..7. */
@@ -838,17 +850,24 @@ typedef struct amx_config {
     uint8_t rows[16];
 } amx_config;
 
-static void amx_configure(int mt) {
+/* Tiles 0-7 as rows[t] x colsb[t] bytes (a tile with either 0 unused). */
+static void amx_load_config(const int rows[8], const int colsb[8]) {
     amx_config c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
-    const int lo = mt < 16 ? mt : 16, hi = mt > 16 ? mt - 16 : 0;
-    const int rows[8] = {lo, lo, hi, hi, lo, hi, 16, 16};
     for (int t = 0; t < 8; t++) {
-        c.rows[t] = (uint8_t)rows[t];
-        c.colsb[t] = rows[t] ? 64 : 0;
+        const bool used = rows[t] && colsb[t];
+        c.rows[t] = (uint8_t)(used ? rows[t] : 0);
+        c.colsb[t] = (uint16_t)(used ? colsb[t] : 0);
     }
     _tile_loadconfig(&c);
+}
+
+static void amx_configure(int mt) {
+    const int lo = mt < 16 ? mt : 16, hi = mt > 16 ? mt - 16 : 0;
+    const int rows[8] = {lo, lo, hi, hi, lo, hi, 16, 16};
+    const int colsb[8] = {64, 64, 64, 64, 64, 64, 64, 64};
+    amx_load_config(rows, colsb);
 }
 
 /* Whether this thread may use the tiles: the kernel lets the process use
@@ -858,11 +877,9 @@ static void amx_configure(int mt) {
  * granted: 62 ns). Asked at each product rather than remembered, so that
  * no state hides here. Not CPUID: in a VM each CPUID traps to the host,
  * and asking it per product cost 16% of llamacpp-tiny's --bf16 prefill. */
-static bool amx_ready(void) {
+bool kern__gemm_amx(void) {
     return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
 }
-
-bool kern__gemm_amx(void) { return amx_ready(); }
 
 /* y[t, i] (+)= sum over the kc2 column pairs of bf16 products, t < mt
  * (the tiles configured for mt by amx_configure), i < nr: P2 and xw as
@@ -875,9 +892,7 @@ static void amx_panel(const uint32_t *P2, int kc2, const uint32_t *xw, int ldx2,
     size_t lds = (size_t)ldy;
     if (nr < KERN_PANEL_ROWS) {
         ys = stage, lds = KERN_PANEL_ROWS;
-        for (int t = 0; t < mt; t++)
-            for (int i = 0; i < KERN_PANEL_ROWS; i++)
-                stage[t * KERN_PANEL_ROWS + i] = accumulate && i < nr ? y[(size_t)t * ldy + i] : 0;
+        edge_load(y, ldy, mt, nr, accumulate, stage);
         accumulate = true;
     }
     const size_t sb = lds * sizeof(float), xb = (size_t)ldx2 * sizeof(uint32_t);
@@ -915,9 +930,7 @@ static void amx_panel(const uint32_t *P2, int kc2, const uint32_t *xw, int ldx2,
         _tile_stored(2, ys + 16 * lds, sb);
         _tile_stored(3, ys + 16 * lds + 16, sb);
     }
-    if (ys == stage)
-        for (int t = 0; t < mt; t++)
-            for (int i = 0; i < nr; i++) y[(size_t)t * ldy + i] = stage[t * KERN_PANEL_ROWS + i];
+    if (ys == stage) edge_store(stage, mt, nr, y, ldy);
 }
 
 enum { AMX_ROWS_TOKENS = 256 }; /* kern__amx_rows_bf16's tokens at a time */
@@ -928,19 +941,11 @@ enum { AMX_ROWS_TOKENS = 256 }; /* kern__amx_rows_bf16's tokens at a time */
  * in 0-3 (rows 0-15 / 16-31 x tokens 0-15 / 16-31). */
 
 static void amx_configure_rows(int nr, int nb) {
-    amx_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
     const int r0 = nr < 16 ? nr : 16, r1 = nr > 16 ? nr - 16 : 0;
     const int t0 = nb < 16 ? nb : 16, t1 = nb > 16 ? nb - 16 : 0;
-    const int rows[8] = {r0, r1, r0, r1, r0, r1, 16, t1 ? 16 : 0};
+    const int rows[8] = {r0, r1, r0, r1, r0, r1, 16, 16};
     const int colsb[8] = {4 * t0, 4 * t0, 4 * t1, 4 * t1, 64, 64, 4 * t0, 4 * t1};
-    for (int t = 0; t < 8; t++) {
-        const bool used = rows[t] && colsb[t];
-        c.rows[t] = (uint8_t)(used ? rows[t] : 0);
-        c.colsb[t] = (uint16_t)(used ? colsb[t] : 0);
-    }
-    _tile_loadconfig(&c);
+    amx_load_config(rows, colsb);
 }
 
 void kern__amx_rows_bf16(const uint16_t *W, int in, const float *x, int ldx, int T, float *y,
@@ -1023,7 +1028,7 @@ void kern__amx_rows_bf16(const uint16_t *W, int in, const float *x, int ldx, int
 }
 #endif
 
-/* kern__gemm_bf16x on the tiles (amx: amx_ready() said yes, in % 32 ==
+/* kern__gemm_bf16x on the tiles (amx: kern__gemm_amx() said yes, in % 32 ==
  * 0) or on vdpbf16ps: the same panels and rounded x, 32 or 12 tokens a
  * step. */
 static void gemm_bf16x(const kern_gemm_w *w, int in, const float *x, int ldx, int T, float *y,
@@ -1089,8 +1094,8 @@ static void gemm_bf16x(const kern_gemm_w *w, int in, const float *x, int ldx, in
 void kern__gemm_bf16x(const kern_gemm_w *w, int in, const float *x, int ldx, int T, float *y,
                       int ldy, int r0, int r1, bool accumulate, float *scratch,
                       size_t scratch_floats) {
-    gemm_bf16x(w, in, x, ldx, T, y, ldy, r0, r1, accumulate, scratch, scratch_floats,
-               in % 32 == 0 && kern__gemm_amx());
+    kern__gemm_bf16x_on(true, w, in, x, ldx, T, y, ldy, r0, r1, accumulate, scratch,
+                        scratch_floats);
 }
 
 void kern__gemm_bf16x_on(bool amx, const kern_gemm_w *w, int in, const float *x, int ldx, int T,

@@ -193,9 +193,10 @@ bool kern__gemm_amx(void);
  * (16 * in floats a block of 32 tokens, up to 256 tokens at a time: at
  * most 128 * in, which kern_matmul_scratch_floats(in) holds): for bf16 W
  * [rows, in], in % 32 == 0, rows [r0, r1), T >= 1 tokens x [T, ldx], y
- * [T, ldy]. Each 32-row panel is read once per 256 tokens. Only where kern__gemm_amx() (a
- * KERN_GEMM_AMX build). Each sum a chain of TDPBF16PS over 32 columns at
- * a time: the same bits whatever the tokens beside it and the row cut.
+ * [T, ldy]. Each 32-row panel is read once per 256 tokens. Only where
+ * kern__gemm_amx() (a KERN_GEMM_AMX build). Each sum a chain of TDPBF16PS
+ * over 32 columns at a time: the same bits whatever the tokens beside it
+ * and the row cut.
  */
 void kern__amx_rows_bf16(const uint16_t *W, int in, const float *x, int ldx, int T, float *y,
                          int ldy, int r0, int r1, float *scratch);

@@ -43,27 +43,23 @@ bool kern_bf16_tiles(void) { return kern__gemm_amx(); }
  * 26.0-26.5, 12 KiB 25.8-30.1. */
 #define DOT_T1_PF_AHEAD 8192
 
-int kern_stream_prefetch_bytes(void) {
+/* The CPU's family if it is AMD's (CPUID), else 0: the prefetch hints
+ * below depend on it. */
+static unsigned amd_family(void) {
 #if defined(__x86_64__) || defined(__i386__)
     unsigned a, b, c, d;
     /* vendor "AuthenticAMD" (ebx "Auth"), family = base 0xf + extended */
     if (__get_cpuid(0, &a, &b, &c, &d) && b == 0x68747541u && __get_cpuid(1, &a, &b, &c, &d)) {
         const unsigned base = (a >> 8) & 0xfu;
-        const unsigned family = base == 0xfu ? base + ((a >> 20) & 0xffu) : base;
-        if (family == 0x19u) return 0;
+        return base == 0xfu ? base + ((a >> 20) & 0xffu) : base;
     }
 #endif
-    return DOT_T1_PF_AHEAD;
+    return 0;
 }
 
-bool kern_prefetch_rows_ahead(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    unsigned a, b, c, d;
-    /* vendor "AuthenticAMD" (ebx "Auth") */
-    if (__get_cpuid(0, &a, &b, &c, &d) && b == 0x68747541u) return false;
-#endif
-    return true;
-}
+int kern_stream_prefetch_bytes(void) { return amd_family() == 0x19u ? 0 : DOT_T1_PF_AHEAD; }
+
+bool kern_prefetch_rows_ahead(void) { return amd_family() == 0; }
 
 size_t kern_dtype_size(kern_dtype dt) {
     switch (dt) {
