@@ -48,6 +48,12 @@
 #include "kds_status.h"
 #include "sess.h"
 
+/* Tokens of a prefill slice unless the context's max_batch says otherwise:
+ * one scheduler step prefills at most this much of each stream, so it
+ * bounds how long a prefill holds up the other streams' decode (wide,
+ * exact, two threads: about a second). Half the engine's own default,
+ * which is for one stream's throughput. */
+#define SRV_PREFILL_SLICE 256
 #define SRV_STOP_COUNT 4 /* stop strings of one reply */
 #define SRV_STOP_MAX 256 /* bytes of one stop string */
 
@@ -265,7 +271,8 @@ typedef struct srv_sched_hooks {
 typedef struct srv_sched_params {
     int max_sessions;   /* sessions in memory (64) */
     int max_streams;    /* streams at once, the largest batch (32) */
-    eng_ctx_params ctx; /* the compute context (max_seqs raised to max_streams) */
+    eng_ctx_params ctx; /* the compute context (max_seqs raised to max_streams;
+                         * max_batch: the prefill slice, SRV_PREFILL_SLICE) */
     srv_sched_hooks hooks;
 } srv_sched_params;
 
@@ -283,7 +290,8 @@ kds_status srv_sched_create(const srv_sched_params *p, const eng_model *m, sess_
  * NULL is a no-op. */
 void srv_sched_free(srv_sched *S);
 
-/* Tokens of one prefill slice (eng_ctx_params.max_batch; 0 there = 256). */
+/* Tokens of one prefill slice (eng_ctx_params.max_batch; 0 there =
+ * SRV_PREFILL_SLICE). */
 int64_t srv_sched_slice(const srv_sched *S);
 /* Whether session `info` continues in chat mode: sess_session_chat_mode,
  * with the model's chat format as the fallback (a mode this version does

@@ -133,8 +133,9 @@ static void count_sessions(srv_sched *S) {
 }
 
 srv_sched_params srv_sched_default_params(void) {
-    return (srv_sched_params){
-        .max_sessions = 64, .max_streams = 32, .ctx = eng_ctx_default_params()};
+    srv_sched_params p = {.max_sessions = 64, .max_streams = 32, .ctx = eng_ctx_default_params()};
+    p.ctx.max_batch = SRV_PREFILL_SLICE;
+    return p;
 }
 
 srv_stream_params srv_stream_default_params(void) {
@@ -985,11 +986,12 @@ kds_status srv_sched_create(const srv_sched_params *p, const eng_model *m, sess_
     S->m = m;
     S->st = st;
     S->model_chat = eng_model_chat_format(m);
-    S->slice = p->ctx.max_batch > 0 ? p->ctx.max_batch : 256;
+    S->slice = p->ctx.max_batch > 0 ? p->ctx.max_batch : SRV_PREFILL_SLICE;
     pthread_mutex_init(&S->save_lock, NULL);
     pthread_cond_init(&S->save_wake, NULL);
     pthread_mutex_init(&S->done_lock, NULL);
     eng_ctx_params cp = p->ctx;
+    cp.max_batch = (int)S->slice; /* scratch for a slice, not the engine's default step */
     if (cp.max_seqs < p->max_streams) cp.max_seqs = p->max_streams;
     kds_status rc = eng_ctx_create(m, &cp, &S->c, err);
     if (rc != KDS_OK) goto fail;

@@ -229,7 +229,7 @@ const char *eng_device_name(eng_device d);
 
 typedef struct eng_ctx_params {
     int n_threads;        /* 0 = number of online CPUs */
-    int max_batch;        /* tokens per prefill step (scratch is sized for it); 0 = 256 */
+    int max_batch;        /* tokens per prefill step (scratch is sized for it); 0 = 512 */
     int kda_chunk;        /* WY chunk length of the prefill path; 0 = 64 */
     int max_seqs;         /* sequences per eng_decode_batch (sizes a [max_seqs, vocab]
                            * logits scratch and the row buffers); 0 = 64 */

@@ -67,8 +67,16 @@ struct eng_ctx {
     int32_t *samp_dev_tok;
 };
 
+/* Prefill steps of 512 tokens: a routed expert's product gets twice the
+ * tokens of 256 for each panel of its weights unpacked (wide, top-8 of 32:
+ * about 128 a product), and the weights come from memory half as often.
+ * Measured on an Intel Xeon, two threads, 512-token prompts (docs/
+ * benchmarks.md, "Prefill steps of 512 tokens"): wide +5-8% exact, +10%
+ * under --bf16, full27 +4-9%. A server keeps 256-token slices
+ * (SRV_PREFILL_SLICE), which bound how long a prefill holds up the other
+ * streams' decode. */
 eng_ctx_params eng_ctx_default_params(void) {
-    return (eng_ctx_params){.n_threads = 0, .max_batch = 256, .kda_chunk = 64, .max_seqs = 64};
+    return (eng_ctx_params){.n_threads = 0, .max_batch = 512, .kda_chunk = 64, .max_seqs = 64};
 }
 
 eng_sampler_params eng_sampler_default_params(void) {

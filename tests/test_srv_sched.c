@@ -234,10 +234,11 @@ Test(srv_sched, batched_streams_equal_each_alone, .timeout = 120) {
         const turn_case *t = &CASES[i];
         cr_assert_eq(sn[i].done, 1, "case %d: done %d times", i, sn[i].done);
         cr_expect_eq(sn[i].save_rc, KDS_OK, "case %d", i);
-        /* alone */
+        /* alone, its prompt prefilled in the scheduler's slices */
         eng_ctx *c = NULL;
         eng_ctx_params cp = eng_ctx_default_params();
         cp.n_threads = 1;
+        cp.max_batch = (int)srv_sched_slice(f.S);
         cr_assert_eq(eng_ctx_create(f.m, &cp, &c, &e), KDS_OK, "%s", e.msg);
         eng_seq *s = NULL;
         cr_assert_eq(eng_seq_create(f.m, t->seed, &s, &e), KDS_OK, "%s", e.msg);
@@ -369,6 +370,7 @@ Test(srv_sched, cancel, .timeout = 120) {
     eng_ctx *c = NULL;
     eng_ctx_params cp = eng_ctx_default_params();
     cp.n_threads = 1;
+    cp.max_batch = (int)slice; /* as the scheduler prefilled it */
     cr_assert_eq(eng_ctx_create(f.m, &cp, &c, &e), KDS_OK, "%s", e.msg);
     eng_seq *s = NULL;
     cr_assert_eq(eng_seq_create(f.m, long_case.seed, &s, &e), KDS_OK);
@@ -522,10 +524,12 @@ Test(srv_sched, document_in_pieces_and_its_resume_point, .timeout = 120) {
     cr_expect_str_eq(sd.reason, "complete");
     cr_expect_eq(sd.fed, n);
     cr_expect_eq(sd.doc_fed, n, "no opener: every token is the document's");
-    /* the same tokens as one prompt */
+    /* the same tokens as one prompt, prefilled in the scheduler's slices
+     * (a reply's prompt is; the engine's own default step is larger) */
     eng_ctx *c = NULL;
     eng_ctx_params cp = eng_ctx_default_params();
     cp.n_threads = 1;
+    cp.max_batch = (int)slice;
     cr_assert_eq(eng_ctx_create(f.m, &cp, &c, &e), KDS_OK, "%s", e.msg);
     eng_seq *s = NULL;
     cr_assert_eq(eng_seq_create(f.m, 0, &s, &e), KDS_OK);
