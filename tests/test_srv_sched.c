@@ -320,6 +320,8 @@ Test(srv_sched, cancel, .timeout = 120) {
     cr_assert_eq(srv_stream_start(f.S, hb, &p, &stb, &e), KDS_OK, "%s", e.msg);
     /* a prompt of three slices, cancelled before its first: nothing fed */
     int64_t slice = srv_sched_slice(f.S), nl = 3 * slice;
+    cr_expect_eq(slice, SRV_PREFILL_SLICE, "the server's slice, not the engine's %d-token step",
+                 eng_ctx_default_params().max_batch);
     int32_t *big = malloc((size_t)nl * sizeof *big);
     for (int64_t i = 0; i < nl; i++)
         big[i] = ids_a[i % na];
