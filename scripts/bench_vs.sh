@@ -26,6 +26,11 @@
 # empty context, which at long prompts is another, cheaper measurement.
 # --no-depth gives llama-bench builds from before -d (2025) the old way.
 #
+# --seqs N,N,... adds issue 18's third target, which is kdaserve's own:
+# after the rounds, `kdaserve bench --seqs` (N sequences decoding together
+# against one after another, 64-token prompts), exact and with --bf16, and
+# prints each N's aggregate tokens/s and its ratio to one at a time.
+#
 # It does not build llama.cpp: give it a llama-bench that is already built
 # (or a llama-cli, beside which llama-bench is looked for). The project's
 # tests do not use this script.
@@ -36,7 +41,7 @@ usage() {
 usage: scripts/bench_vs.sh --llama-bench PATH --model DIR [--gguf FILE] [--rounds N]
                            [--threads T] [--prompt P] [--gen G] [--repeats R]
                            [--kdaserve PATH] [--kdaserve-args "ARGS"] [--llama-args "ARGS"]
-                           [--no-bf16] [--no-depth] [--no-read]
+                           [--no-bf16] [--no-depth] [--no-read] [--seqs N,N,...]
 
   --llama-bench PATH  llama.cpp's llama-bench (or llama-cli: llama-bench beside it)
   --model DIR         the kdaserve model directory (safetensors)
@@ -56,6 +61,11 @@ usage: scripts/bench_vs.sh --llama-bench PATH --model DIR [--gguf FILE] [--round
                       (for llama-bench builds without -d)
   --no-read           leave out kdaserve's streaming read of the memory (the
                       "decode % of read" column)
+  --seqs N,N,...      then kdaserve's batched decode: N sequences together
+                      against one after another (kdaserve bench --seqs, 64-token
+                      prompts, --gen tokens each), exact and with --bf16; the
+                      sequences one after another take N times a lone decode,
+                      so large N take minutes on big models
 EOF
 }
 
@@ -66,7 +76,7 @@ die() {
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 llama="" model="" gguf="" rounds=4 threads="" prompt=512 gen=128 repeats=3 kds="" largs="" kargs=""
-nobf16=0 nodepth=0 noread=0
+nobf16=0 nodepth=0 noread=0 seqs=""
 while [[ $# -gt 0 ]]; do
     case "$1" in
     --llama-bench) llama=${2:-}; shift 2 ;;
@@ -83,6 +93,7 @@ while [[ $# -gt 0 ]]; do
     --no-bf16) nobf16=1; shift ;;
     --no-depth) nodepth=1; shift ;;
     --no-read) noread=1; shift ;;
+    --seqs) seqs=${2:-}; shift 2 ;;
     -h | --help) usage; exit 0 ;;
     *) usage >&2; die "unknown argument '$1'" ;;
     esac
@@ -93,6 +104,8 @@ done
 for v in rounds prompt gen repeats; do
     [[ ${!v} =~ ^[1-9][0-9]*$ ]] || die "--$v wants a positive whole number, got '${!v}'"
 done
+[[ -z $seqs || $seqs =~ ^[1-9][0-9]*(,[1-9][0-9]*)*$ ]] ||
+    die "--seqs wants counts like 8,16,32,64, got '$seqs'"
 threads=${threads:-$(nproc)}
 [[ $threads =~ ^[1-9][0-9]*$ ]] || die "--threads wants a positive whole number, got '$threads'"
 
@@ -247,6 +260,44 @@ if awk '$9 == "-" {bad = 1} END {exit bad}' "$tmp/rounds"; then
     printf 'kdaserve decode against the memory read of its own run: %.0f%% (median over the rounds; %s-%s%%)\n' \
         "$(col 9)" "$(awk '{print $9}' "$tmp/rounds" | sort -g | head -1)" \
         "$(awk '{print $9}' "$tmp/rounds" | sort -g | tail -1)"
+fi
+
+# kdaserve bench --seqs: "N=8  together 66.4 (66.4)  one after another
+# 18.3 (18.3)  x3.64" -> "8 66.4 18.3 3.64", one line per N
+run_seqs() {
+    local extra=${1:-}
+    # shellcheck disable=SC2086
+    "$kds" bench --model "$model" --threads "$threads" --prompt-tokens 64 --gen-tokens "$gen" \
+        --repeats 1 --seqs "$seqs" --bandwidth-mib 0 $kargs $extra >"$tmp/seqs.out" \
+        2>"$tmp/seqs.err" ||
+        { cat "$tmp/seqs.err" >&2; die "kdaserve bench --seqs failed"; }
+    awk '$1 ~ /^N=[0-9]+$/ && $2 == "together" {
+            n = substr($1, 3); one = ""
+            for (i = 3; i < NF; i++) if ($i == "another") one = $(i + 1)
+            r = $NF; sub(/^x/, "", r)
+            print n, $3, one, r; found = 1
+        }
+        END { exit !found }' "$tmp/seqs.out" ||
+        die "cannot read kdaserve bench --seqs's output: $(cat "$tmp/seqs.out")"
+}
+
+if [[ -n $seqs ]]; then
+    echo
+    echo "kdaserve batched decode (bench --seqs $seqs: 64-token prompts, $gen tokens each;"
+    echo "aggregate tokens/s of N sequences together, one after another, and the ratio):"
+    run_seqs >"$tmp/seqs.exact"
+    ((nobf16)) || run_seqs --bf16 >"$tmp/seqs.bf16"
+    echo
+    if ((nobf16)); then
+        echo "| N | exact together | one after another | x |"
+        echo "|---|---|---|---|"
+        awk '{printf "| %s | %.1f | %.1f | %.2fx |\n", $1, $2, $3, $4}' "$tmp/seqs.exact"
+    else
+        echo "| N | exact together | one after another | x | --bf16 together | one after another | x |"
+        echo "|---|---|---|---|---|---|---|"
+        paste -d' ' "$tmp/seqs.exact" "$tmp/seqs.bf16" |
+            awk '{printf "| %s | %.1f | %.1f | %.2fx | %.1f | %.1f | %.2fx |\n", $1, $2, $3, $4, $6, $7, $8}'
+    fi
 fi
 echo
 echo "load average at end: $(loadavg)"
