@@ -56,6 +56,10 @@ static void serve_usage(FILE *f) {
                "  --idle-timeout S       ping a silent connection after S s, drop it when it\n"
                "                         does not answer (default 300)\n"
                "  --threads N            compute threads (default: all CPUs)\n"
+               "  --prefill-slice N      tokens of each stream's prompt or document one\n"
+               "                         scheduler step prefills (default 256; at most 16384):\n"
+               "                         smaller keeps the other streams' decode steps closer\n"
+               "                         together, larger prefills faster (one user: 512)\n"
                "  --device cpu|cuda      where the model runs (default cpu; cuda: the current\n"
                "                         GPU, see kernels/cuda/README.md)\n"
                "  --bf16                 prompts' and documents' products round their\n"
@@ -85,7 +89,8 @@ enum {
     OPT_QUIET,
     OPT_DEVICE,
     OPT_MAXQUEUE,
-    OPT_MAXQUEUE_TOTAL
+    OPT_MAXQUEUE_TOTAL,
+    OPT_SLICE
 };
 
 /* Signals reach the process in any thread (OpenBLAS starts threads before
@@ -160,6 +165,7 @@ int cmd_serve(int argc, char **argv) {
         {"max-queue-total", required_argument, 0, OPT_MAXQUEUE_TOTAL},
         {"idle-timeout", required_argument, 0, OPT_IDLE},
         {"threads", required_argument, 0, OPT_THREADS},
+        {"prefill-slice", required_argument, 0, OPT_SLICE},
         {"quiet", no_argument, 0, OPT_QUIET},
         {"device", required_argument, 0, OPT_DEVICE},
         {"bf16", no_argument, 0, OPT_BF16},
@@ -196,6 +202,11 @@ int cmd_serve(int argc, char **argv) {
             p.max_http_body = (size_t)v;
             break;
         case OPT_NORESUME: p.no_resume = true; break;
+        case OPT_SLICE:
+            if (!cli_parse_i64(optarg, 1, 16384, &v))
+                return cli_failf("serve", "--prefill-slice wants 1..16384 tokens, got '%s'", optarg);
+            p.ctx.max_batch = (int)v;
+            break;
         case OPT_MAXPEND:
             if (!cli_parse_i64(optarg, 1024, (int64_t)1 << 30, &v))
                 return cli_failf("serve", "--max-pending wants 1024..1073741824 bytes");
@@ -281,12 +292,15 @@ int cmd_serve(int argc, char **argv) {
     signal(SIGPIPE, SIG_IGN);
     if (!p.quiet) {
         cli_note_bf16("serve", &p.ctx);
-        fprintf(stderr, "kdaserve serve: model %s, store %s, web page %s, products %s\n", dir,
-                sess_store_dir(st), www ? www : "none (no web/www found; --www DIR)",
+        fprintf(stderr,
+                "kdaserve serve: model %s, store %s, web page %s, products %s, prefill slices "
+                "of %d tokens\n",
+                dir, sess_store_dir(st), www ? www : "none (no web/www found; --www DIR)",
                 p.ctx.bf16_act && ((p.ctx.device && strcmp(p.ctx.device, "cpu") != 0) ||
                                    eng_cpu_bf16_products())
                     ? "with bf16 activations in a prefill (--bf16)"
-                    : "exact");
+                    : "exact",
+                p.ctx.max_batch);
         cli_note_other_models("serve", st, m);
     }
     /* the line tests and scripts wait for (the port is known now) */

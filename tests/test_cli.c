@@ -287,6 +287,8 @@ Test(cli, refusals_are_one_clear_line) {
     cr_expect(strstr(out, "nope"), "%s", out);
     cr_expect_eq(run(out, sizeof out, KDASERVE " gen-model --preset tiny --dtype f8 --out /tmp/x 2>&1"), 1);
     cr_expect(strstr(out, "--dtype"), "%s", out);
+    cr_expect_eq(run(out, sizeof out, KDASERVE " serve --prefill-slice 0 2>&1"), 1);
+    cr_expect(strstr(out, "--prefill-slice wants 1..16384 tokens, got '0'"), "%s", out);
 }
 
 Test(cli, dry_run_reports_48b_sizes) {

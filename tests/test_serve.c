@@ -331,3 +331,30 @@ Test(serve, flood_is_bounded_and_stops_quickly) {
 Test(serve, ingest_document_in_chunks) {
     groups_on_server("ingest", NULL, "--max-message", "8388608", NULL);
 }
+
+/* --prefill-slice: the server says its slice at start (256 by default,
+ * whatever the engine's own prefill step), and with slices of 64 a
+ * document in chunks still equals the same text in one generate (both
+ * prefilled in the same slices; their resume points on 64s). */
+Test(serve, prefill_slice_flag) {
+    need_node();
+    char dir[64];
+    make_tmp(dir, sizeof dir);
+    ts_server s;
+    start(&s, dir, NULL);
+    char *log = tmu_read(s.log, NULL);
+    cr_assert(log);
+    cr_expect(strstr(log, "prefill slices of 256 tokens"), "%s", log);
+    free(log);
+    stop_clean(&s);
+    rm_tmp(dir);
+    make_tmp(dir, sizeof dir);
+    start(&s, dir, "--prefill-slice", "64", "--max-message", "8388608", NULL);
+    log = tmu_read(s.log, NULL);
+    cr_assert(log);
+    cr_expect(strstr(log, "prefill slices of 64 tokens"), "%s", log);
+    free(log);
+    expect_groups(&s, "ingest", NULL);
+    stop_clean(&s);
+    rm_tmp(dir);
+}

@@ -190,7 +190,7 @@ async function complete(prompt, session) {
                        cached_tokens: r.usage.prompt_tokens_details.cached_tokens,
                        prefilled: r.usage.prompt_tokens - r.usage.prompt_tokens_details.cached_tokens };
         // the stored state is the document up to one prefill slice before its
-        // end (docs/http-api.md, "Resume points"): 512 covers --max-batch 256
+        // end (docs/http-api.md, "Resume points"): 512 covers the default --prefill-slice 256
         const doc = row.ingest ? row.ingest.tokens : r.usage.prompt_tokens - 16;
         if (row.resume.cached_tokens < doc - 512) {
           bad++;
