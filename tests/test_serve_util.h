@@ -107,10 +107,30 @@ static inline int ts_decode_status(int st) {
     return -1;
 }
 
+/* Whether the file at `path` holds `needle` past its first `from` bytes. */
+static inline bool ts_log_has(const char *path, long from, const char *needle) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return false;
+    bool found = false;
+    long n = fseek(f, 0, SEEK_END) == 0 ? ftell(f) : -1;
+    char *text = n > from ? malloc((size_t)(n - from) + 1) : NULL;
+    if (text && fseek(f, from, SEEK_SET) == 0) {
+        size_t got = fread(text, 1, (size_t)(n - from), f);
+        text[got] = '\0';
+        found = strstr(text, needle) != NULL;
+    }
+    free(text);
+    fclose(f);
+    return found;
+}
+
 /* Start `kdaserve serve --listen 127.0.0.1:PORT args...` (args: NULL-terminated,
  * may be NULL). log_path: where its output goes (NULL: /tmp/kds_serve_<port>.log).
- * True once the port accepts connections; false (log_tail filled, nothing left
- * running) when it exited first or did not listen within 60 s. */
+ * True once the port accepts connections and the server has said so ("listening
+ * on", written after its start lines and its signal handlers: the port opens a
+ * moment before, and a SIGTERM then ended the process unsaved, status 143);
+ * false (log_tail filled, nothing left running) when it exited first or did not
+ * listen within 60 s. */
 static inline bool ts_start_once(ts_server *s, const char *const *args, const char *log_path) {
     memset(s, 0, sizeof *s);
     s->status = -1;
@@ -133,11 +153,13 @@ static inline bool ts_start_once(ts_server *s, const char *const *args, const ch
     argv[n] = NULL;
 
     FILE *lf = fopen(s->log, "ab");
+    long from = 0; /* this start's output, after earlier starts' in the same log */
     if (lf) {
         fprintf(lf, "$");
         for (int i = 0; i < n; i++)
             fprintf(lf, " %s", argv[i]);
         fprintf(lf, "\n");
+        from = ftell(lf);
         fclose(lf);
     }
     fflush(stdout);
@@ -176,7 +198,7 @@ static inline bool ts_start_once(ts_server *s, const char *const *args, const ch
             ts_fill_tail(s);
             return false;
         }
-        if (ts_port_open(s->port)) return true;
+        if (ts_port_open(s->port) && ts_log_has(s->log, from, "listening on http://")) return true;
         ts_sleep_ms(50);
     }
     kill(pid, SIGKILL);
