@@ -939,7 +939,6 @@ enum { AMX_ROWS_TOKENS = 256 }; /* kern__amx_rows_bf16's tokens at a time */
  * (kern__amx_rows_bf16): nr rows (1..32) of W in tiles 4-5 (16 + the
  * rest), nb tokens (1..32) of x in tiles 6-7 (16 + the rest), their sums
  * in 0-3 (rows 0-15 / 16-31 x tokens 0-15 / 16-31). */
-
 static void amx_configure_rows(int nr, int nb) {
     const int r0 = nr < 16 ? nr : 16, r1 = nr > 16 ? nr - 16 : 0;
     const int t0 = nb < 16 ? nb : 16, t1 = nb > 16 ? nb - 16 : 0;
