@@ -45,8 +45,7 @@ web_params web_default_params(void) {
     p.max_generations = 32;
     p.max_tokens = 4096;
     p.idle_timeout_s = 300;
-    p.ctx = eng_ctx_default_params();
-    p.ctx.max_batch = SRV_PREFILL_SLICE; /* the scheduler's slice, not one stream's step */
+    p.ctx = srv_sched_default_params().ctx; /* the scheduler's slice, not one stream's step */
     return p;
 }
 
