@@ -860,7 +860,11 @@ static void amx_load_config(const int rows[8], const int colsb[8]) {
         c.rows[t] = (uint8_t)(used ? rows[t] : 0);
         c.colsb[t] = (uint16_t)(used ? colsb[t] : 0);
     }
-    _tile_loadconfig(&c);
+    /* Not _tile_loadconfig: GCC 12's tells the compiler it reads only the
+     * first 8 bytes ("m" of a pointer's size), so the stores of the rest
+     * may be dropped as dead, and LDTILECFG then faults on what was on the
+     * stack. This operand is the whole 64 bytes. */
+    __asm__ volatile("ldtilecfg %0" ::"m"(c));
 }
 
 static void amx_configure(int mt) {
