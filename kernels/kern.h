@@ -88,7 +88,28 @@ typedef struct kern_weight {
      * slower (docs/benchmarks.md, "AMX tiles for --bf16"). Never a change
      * in the results. kern_prefetch_rows_ahead() gives this CPU's. */
     bool prefetch_rows_ahead;
+    /* Not a hint: this changes the bits. Where the CPU has AMX tiles (and
+     * the build can use them), the exact products of this bf16 matrix of
+     * up to 63 tokens (in >= KERN_TILES_MIN_IN, in % 32 == 0) run on them,
+     * x split exactly into three bf16 values (kern_gemm.h,
+     * kern__amx_rows_split): the products stay exact and the sums f32, in
+     * the tiles' order. A step of 8 tokens is then bound by reading W
+     * rather than by the f32 FMAs (docs/benchmarks.md, "Exact products on
+     * AMX tiles"). Each token's sums are the same whatever the tokens and
+     * rows beside it, so a caller that sets this for a matrix at every
+     * product keeps batched and lone products bit for bit equal; the
+     * engine sets it for all but routed experts, whose few tokens a
+     * product leave them bound by reading W either way and which the
+     * tiles' 32 rows side by side read slower than one stream. */
+    bool exact_tiles;
 } kern_weight;
+
+/* The shortest rows (in columns) that kern_weight's exact_tiles puts on
+ * the tiles: shorter rows read slower there one token at a time (an
+ * Intel Xeon, one thread, [16384, 512] from memory 11.6 against 14.3
+ * GB/s, [8192, 1024] 12.7 against 14.0; [4096, 2304] 13.8 against 12.5),
+ * and llamacpp-tiny's (256) decode lost 13%. */
+#define KERN_TILES_MIN_IN 2048
 
 /* The stream_prefetch that suits this CPU (docs/benchmarks.md, "No
  * software prefetch on a Zen 4"): 0 on AMD family 19h (Zen 4; its Zen 3

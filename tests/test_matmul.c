@@ -664,3 +664,82 @@ Test(matmul, bf16act_decode_rounds_x_and_keeps_each_tokens_bits) {
         free(scratch);
     }
 }
+
+/* kern_weight's exact_tiles (kern__amx_rows_split where the CPU has AMX
+ * tiles): every output within f32 summation error of a double sum of the
+ * exact products (x not rounded: a rounding of x to bf16 would miss it by
+ * far more, and the test checks that it would), and row t of a T-token
+ * product is token t's one-token product bit for bit, whatever tokens
+ * share the call (1 to 12, 23: one block of 10 tokens, two, three) and
+ * under another row cut (rows 3..40 and 40..77 against 0..77: ragged
+ * panels of 32). Rows shorter than KERN_TILES_MIN_IN stay on the FMA
+ * loops, flag or not, bit for bit. Without AMX the flag changes nothing,
+ * and the test says so. */
+Test(matmul, exact_tiles_keep_x_exact_and_each_tokens_bits) {
+    const int rows = 77, in = 2304, TM = 23, short_in = 1024;
+    float *wf = malloc((size_t)rows * in * sizeof(float)), *x = malloc((size_t)TM * in * 4);
+    float *y = malloc((size_t)TM * rows * 4), *one = malloc((size_t)rows * 4);
+    float *plain = malloc((size_t)TM * rows * 4);
+    float *scratch = malloc(kern_matmul_scratch_floats(in) * sizeof(float));
+    uint16_t *w = make_w(KERN_BF16, rows, in, wf, 777);
+    cr_assert(wf && x && y && one && plain && scratch && w);
+    uint64_t seed = 4242;
+    for (int i = 0; i < TM * in; i++) x[i] = unit(&seed);
+    const bool tiles = kern_bf16_tiles();
+    if (!tiles)
+        cr_log_info("no AMX tiles on this machine: exact_tiles takes the FMA loops, as checked");
+    kern_weight kw = {.dt = KERN_BF16, .data = w, .rows = rows, .cols = in, .streamed = true,
+                      .exact_tiles = true};
+    kern_weight kp = kw;
+    kp.exact_tiles = false;
+    const int Ts[] = {1, 2, 3, 5, 8, 10, 11, 12, 23};
+
+    for (size_t n = 0; n < sizeof Ts / sizeof Ts[0]; n++) {
+        const int T = Ts[n];
+        kern_matmul_w(&kw, x, T, y, rows, 0, rows, scratch);
+        kern_matmul_w(&kp, x, T, plain, rows, 0, rows, scratch);
+        int far_from_rounded = 0;
+        for (int t = 0; t < T; t++) {
+            /* token t alone, rows cut at 40 (and starting at 3) */
+            for (int r = 0; r < rows; r++) one[r] = -1.0f;
+            kern_matmul_w(&kw, x + (size_t)t * in, 1, one, rows, 3, 40, scratch);
+            kern_matmul_w(&kw, x + (size_t)t * in, 1, one, rows, 40, rows, scratch);
+            for (int r = 0; r < rows; r++) {
+                const float got = y[(size_t)t * rows + r];
+                double ref = 0.0, mag = 0.0, rounded = 0.0;
+                for (int c = 0; c < in; c++) {
+                    const double xv = x[(size_t)t * in + c], wv = wf[(size_t)r * in + c];
+                    ref += wv * xv;
+                    mag += fabs(wv * xv);
+                    rounded += wv * kern_bf16_to_f32(kern_f32_to_bf16((float)xv));
+                }
+                cr_assert_leq(fabs(got - ref), 2e-7 * mag,
+                              "T %d: y[%d, %d] = %.9g, exact %.9g", T, t, r, got, ref);
+                far_from_rounded += fabs(rounded - ref) > 2e-7 * mag;
+
+                if (r >= 3)
+                    cr_assert(memcmp(&one[r], &got, sizeof got) == 0,
+                              "T %d: token %d row %d alone %a, among %d %a", T, t, r, one[r], T,
+                              got);
+                if (!tiles)
+                    cr_assert(memcmp(&plain[(size_t)t * rows + r], &got, sizeof got) == 0,
+                              "no tiles: the flag changed y[%d, %d]", t, r);
+            }
+        }
+        cr_expect_gt(far_from_rounded, T * rows / 2, "T %d: bf16(x) would have passed too", T);
+    }
+    /* short rows keep the FMA loops whatever the flag */
+    kern_weight ks = kw, ksp = kp;
+    ks.cols = ksp.cols = short_in;
+    kern_matmul_w(&ks, x, 8, y, rows, 0, rows, scratch);
+    kern_matmul_w(&ksp, x, 8, plain, rows, 0, rows, scratch);
+    cr_assert_eq(memcmp(y, plain, (size_t)8 * rows * sizeof(float)), 0,
+                 "rows of %d columns left the FMA loops", short_in);
+    free(w);
+    free(wf);
+    free(x);
+    free(y);
+    free(one);
+    free(plain);
+    free(scratch);
+}

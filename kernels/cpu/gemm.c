@@ -937,8 +937,6 @@ static void amx_panel(const uint32_t *P2, int kc2, const uint32_t *xw, int ldx2,
     if (ys == stage) edge_store(stage, mt, nr, y, ldy);
 }
 
-enum { AMX_ROWS_TOKENS = 256 }; /* kern__amx_rows_bf16's tokens at a time */
-
 /* The tile configuration for W's rows as the A operand
  * (kern__amx_rows_bf16): nr rows (1..32) of W in tiles 4-5 (16 + the
  * rest), nb tokens (1..32) of x in tiles 6-7 (16 + the rest), their sums
@@ -951,39 +949,70 @@ static void amx_configure_rows(int nr, int nb) {
     amx_load_config(rows, colsb);
 }
 
-void kern__amx_rows_bf16(const uint16_t *W, int in, const float *x, int ldx, int T, float *y,
-                         int ldy, int r0, int r1, float *scratch) {
-    _Alignas(64) float stage[32 * 32]; /* [32 rows, 32 tokens] */
+/* Tokens a block of the B operand holds: 32 rounded tokens, or 10 split
+ * ones (three columns each, kern__amx_rows_split). */
+enum { AMX_SPLIT_BLOCK = 10 };
+
+/* x [in] of one token as the B operand's columns: at word xb[p * 32 + c]
+ * the pair of columns (2p, 2p + 1). Rounded (split false): bf16(x) in
+ * column c. Split: x = hi + mid + lo exactly, each a bf16 value (hi is x
+ * with its low 16 bits cut, mid the same of x - hi, lo the rest: 8
+ * significant bits each), in columns c, c + 1, c + 2. */
+static void amx_lay_token(const float *xt, int in, uint32_t *xb, int c, bool split,
+                          __m512i by_row) {
+    const __m512i cut = _mm512_set1_epi32((int)0xffff0000u);
+    for (int i = 0; i < in; i += 32) {
+        const __m512 a = _mm512_loadu_ps(xt + i), b = _mm512_loadu_ps(xt + i + 16);
+        uint32_t *dst = xb + (size_t)(i / 2) * 32 + c;
+        if (!split) {
+            _mm512_i32scatter_epi32(dst, by_row, (__m512i)_mm512_cvtne2ps_pbh(b, a), 4);
+            continue;
+        }
+        const __m512 ah = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(a), cut));
+        const __m512 bh = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(b), cut));
+        const __m512 ar = _mm512_sub_ps(a, ah), br = _mm512_sub_ps(b, bh);
+        const __m512 am = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(ar), cut));
+        const __m512 bm = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(br), cut));
+        const __m512 al = _mm512_sub_ps(ar, am), bl = _mm512_sub_ps(br, bm);
+        /* each value already a bf16's, so the conversion is exact */
+        _mm512_i32scatter_epi32(dst, by_row, (__m512i)_mm512_cvtne2ps_pbh(bh, ah), 4);
+        _mm512_i32scatter_epi32(dst + 1, by_row, (__m512i)_mm512_cvtne2ps_pbh(bm, am), 4);
+        _mm512_i32scatter_epi32(dst + 2, by_row, (__m512i)_mm512_cvtne2ps_pbh(bl, al), 4);
+    }
+}
+
+/* kern__amx_rows_bf16 (split false) and kern__amx_rows_split (true). */
+static void amx_rows(const uint16_t *W, int in, const float *x, int ldx, int T, float *y, int ldy,
+                     int r0, int r1, float *scratch, const bool split) {
+    _Alignas(64) float stage[32 * 32]; /* [32 rows, 32 columns] */
     const __m512i by_row = _mm512_mullo_epi32(
         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
         _mm512_set1_epi32(32));
-    const size_t block_words = (size_t)in / 2 * 32; /* a block of 32 tokens' x */
+    const size_t block_words = (size_t)in / 2 * 32; /* a block of B's 32 columns */
+    const int per_block = split ? AMX_SPLIT_BLOCK : 32; /* tokens a block */
+    const int cols_per = split ? 3 : 1;                   /* columns a token */
+    /* up to eight blocks at a time (128 * in floats of scratch), their x
+     * laid out first, so that each 32-row panel is read from memory once
+     * and then stays in L2 for every block */
+    const int chunk = 8 * per_block;
     int cfg_nr = 0, cfg_nb = 0;
-    /* up to AMX_ROWS_TOKENS tokens at a time, their x laid out first, so
-     * that each 32-row panel is read from memory once and then stays in
-     * L2 for every block of 32 tokens */
-    for (int tc = 0; tc < T; tc += AMX_ROWS_TOKENS) {
-        const int nc = T - tc < AMX_ROWS_TOKENS ? T - tc : AMX_ROWS_TOKENS;
-        /* x rounded to bf16 (nearest even): block b's token t, pair p at
-         * word xv[b][p * 32 + t] (the B operand's rows are column pairs) */
-        for (int t = 0; t < nc; t++) {
-            const float *xt = x + (size_t)(tc + t) * ldx;
-            uint32_t *xb = (uint32_t *)scratch + (size_t)(t / 32) * block_words + t % 32;
-            for (int i = 0; i < in; i += 32) {
-                const __m512i v = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(xt + i + 16),
-                                                               _mm512_loadu_ps(xt + i));
-                _mm512_i32scatter_epi32(xb + (size_t)(i / 2) * 32, by_row, v, 4);
-            }
-        }
+    for (int tc = 0; tc < T; tc += chunk) {
+        const int nc = T - tc < chunk ? T - tc : chunk;
+        for (int t = 0; t < nc; t++)
+            amx_lay_token(x + (size_t)(tc + t) * ldx, in,
+                          (uint32_t *)scratch + (size_t)(t / per_block) * block_words,
+                          cols_per * (t % per_block), split, by_row);
         for (int r = r0; r < r1; r += 32) {
             const int nr = r1 - r < 32 ? r1 - r : 32;
             const uint16_t *w = W + (size_t)r * in;
             const size_t wb = (size_t)in * sizeof(uint16_t);
             const bool two_r = nr > 16;
-            for (int tb = 0; tb < nc; tb += 32) {
-                const int nb = nc - tb < 32 ? nc - tb : 32;
+            for (int tb = 0; tb < nc; tb += per_block) {
+                const int nt = nc - tb < per_block ? nc - tb : per_block;
+                const int nb = cols_per * nt; /* B's columns */
                 const bool two_t = nb > 16;
-                const uint32_t *xv = (const uint32_t *)scratch + (size_t)(tb / 32) * block_words;
+                const uint32_t *xv =
+                    (const uint32_t *)scratch + (size_t)(tb / per_block) * block_words;
                 if (nr != cfg_nr || nb != cfg_nb)
                     amx_configure_rows(nr, nb), cfg_nr = nr, cfg_nb = nb;
                 _tile_zero(0);
@@ -1007,20 +1036,29 @@ void kern__amx_rows_bf16(const uint16_t *W, int in, const float *x, int ldx, int
                         if (two_r) _tile_dpbf16ps(3, 5, 7);
                     }
                 }
-                /* sums [rows, tokens] -> y [tokens, rows] */
+                /* sums [rows, columns] -> y [tokens, rows]; split: a
+                 * token's three columns added as (hi + mid) + lo */
                 _tile_stored(0, stage, 128);
                 if (two_r) _tile_stored(1, stage + 16 * 32, 128);
                 if (two_t) {
                     _tile_stored(2, stage + 16, 128);
                     if (two_r) _tile_stored(3, stage + 16 * 32 + 16, 128);
                 }
-                for (int t = 0; t < nb; t++) {
+                for (int t = 0; t < nt; t++) {
                     float *yt = y + (size_t)(tc + tb + t) * ldy + r;
+                    const float *col = stage + cols_per * t;
                     for (int h = 0; h < nr; h += 16) {
                         const int left = nr - h < 16 ? nr - h : 16;
                         const __mmask16 m = (__mmask16)((1u << left) - 1);
-                        const __m512 v = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, by_row,
-                                                                  stage + h * 32 + t, 4);
+                        __m512 v = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, by_row,
+                                                            col + h * 32, 4);
+                        if (split) {
+                            const __m512 vm = _mm512_mask_i32gather_ps(
+                                _mm512_setzero_ps(), m, by_row, col + h * 32 + 1, 4);
+                            const __m512 vl = _mm512_mask_i32gather_ps(
+                                _mm512_setzero_ps(), m, by_row, col + h * 32 + 2, 4);
+                            v = _mm512_add_ps(_mm512_add_ps(v, vm), vl);
+                        }
                         _mm512_mask_storeu_ps(yt + h, m, v);
                     }
                 }
@@ -1028,6 +1066,16 @@ void kern__amx_rows_bf16(const uint16_t *W, int in, const float *x, int ldx, int
         }
     }
     if (cfg_nr) _tile_release();
+}
+
+void kern__amx_rows_bf16(const uint16_t *W, int in, const float *x, int ldx, int T, float *y,
+                         int ldy, int r0, int r1, float *scratch) {
+    amx_rows(W, in, x, ldx, T, y, ldy, r0, r1, scratch, false);
+}
+
+void kern__amx_rows_split(const uint16_t *W, int in, const float *x, int ldx, int T, float *y,
+                          int ldy, int r0, int r1, float *scratch) {
+    amx_rows(W, in, x, ldx, T, y, ldy, r0, r1, scratch, true);
 }
 #endif
 

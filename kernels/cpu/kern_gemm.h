@@ -201,6 +201,19 @@ bool kern__gemm_amx(void);
 void kern__amx_rows_bf16(const uint16_t *W, int in, const float *x, int ldx, int T, float *y,
                          int ldy, int r0, int r1, float *scratch);
 
+/*
+ * kern__amx_rows_bf16 without rounding x: y[t, r] = x[t] . W[r] with x
+ * split exactly into three bf16 values (hi + mid + lo, 8 significant bits
+ * each), three columns of the B operand a token, so every product is
+ * exact and each column's sum a chain of TDPBF16PS (f32, round to nearest
+ * even; denormals flushed, as the tiles do), the three added as
+ * (hi + mid) + lo. Blocks of 10 tokens (16 * in floats each, up to 80
+ * tokens at a time: at most 128 * in). The same bits whatever the tokens
+ * beside it and the row cut, so a lone decode and a batched step agree.
+ */
+void kern__amx_rows_split(const uint16_t *W, int in, const float *x, int ldx, int T, float *y,
+                          int ldy, int r0, int r1, float *scratch);
+
 /* kern__gemm_bf16x with the choice made by the caller: amx false gives the
  * vdpbf16ps kernel even where tiles run (tests and kds_cpu_bench compare
  * the two), true the tiles where kern__gemm_amx() and in % 32 == 0. */

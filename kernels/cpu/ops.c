@@ -1018,6 +1018,16 @@ void kern__matmul_hinted(kern_dtype dt, const void *W, int in, const float *x, i
         return;
     }
 #endif
+#if KERN_GEMM_AMX
+    /* A matrix marked exact_tiles, where the CPU has AMX tiles, takes them
+     * at every T here, one token too, so a lone decode and a batched step
+     * still agree bit for bit (kern_weight) */
+    if (hint && hint->exact_tiles && dt == KERN_BF16 && in % 32 == 0 && in >= KERN_TILES_MIN_IN &&
+        scratch && kern__gemm_amx()) {
+        kern__amx_rows_split(W, in, x, in, T, y, ldy, r0, r1, scratch);
+        return;
+    }
+#endif
 #if KERN_AVX512
     /* With scratch, T < MATMUL_GEMM_MIN_T here, so the split rows fit it. */
     if (in % 32 == 0) {
