@@ -106,6 +106,8 @@ typedef struct eng_matmul {
     int ldy;
     bool accumulate;     /* y += x W^T: the residual add fused into the product (at most
                           * one accumulating product per call) */
+    bool routed;         /* a routed expert's product (the CPU leaves these off its AMX
+                          * tiles: kern_weight's exact_tiles) */
 } eng_matmul;
 
 /* The KDA token mixer after its projections (spec §3): the causal short

@@ -115,6 +115,7 @@ static void mm_task_fn(void *arg, int t, int thread) {
     w.streamed = c->streamed;
     w.stream_prefetch = c->stream_prefetch;
     w.prefetch_rows_ahead = c->prefetch_rows_ahead;
+    w.exact_tiles = !j->routed;
     if (c->prefill)
         kern_matmul_w_prefill(&w, j->x, j->T, j->y, j->ldy, task->r0, task->r1, c->ts[thread].mm,
                               c->bf16_act);
@@ -547,9 +548,9 @@ static void cpu_moe_route(eng_backend *b, const eng_moe_args *a) {
  * for (eng_moe_args.sched_rows), T: the tokens it has here (0: none, the
  * product is only planned). */
 static void add_job(eng_cpu *c, int *nj, int *work_T, const eng_weight *w, const float *x, int T,
-                    int plan_T, float *y, int ldy) {
+                    int plan_T, float *y, int ldy, bool routed) {
     work_T[*nj] = plan_T;
-    c->jobs[(*nj)++] = (eng_matmul){w, x, T, y, ldy, false};
+    c->jobs[(*nj)++] = (eng_matmul){w, x, T, y, ldy, false, routed};
 }
 
 /* The routed experts over their gathered rows and the shared expert over
@@ -591,8 +592,8 @@ static void cpu_moe_experts(eng_backend *b, const eng_moe_args *a) {
      * dispatches as the job table allows. */
     int nj = 0;
     if (sh_inner > 0) {
-        add_job(c, &nj, work_T, &f->sh_gate, a->x, T, plan_T, sh_a, sh_inner);
-        add_job(c, &nj, work_T, &f->sh_up, a->x, T, plan_T, sh_b, sh_inner);
+        add_job(c, &nj, work_T, &f->sh_gate, a->x, T, plan_T, sh_a, sh_inner, false);
+        add_job(c, &nj, work_T, &f->sh_up, a->x, T, plan_T, sh_b, sh_inner, false);
     }
     for (int e = 0; e < E; e++) {
         int n_e = a->exp_off[e + 1] - a->exp_off[e];
@@ -604,14 +605,15 @@ static void cpu_moe_experts(eng_backend *b, const eng_moe_args *a) {
         }
         size_t off = (size_t)a->exp_off[e];
         add_job(c, &nj, work_T, &f->w1[e], a->xg + off * X, n_e, plan_e, a->act_a + off * inner,
-                inner);
+                inner, true);
         add_job(c, &nj, work_T, &f->w3[e], a->xg + off * X, n_e, plan_e, a->act_b + off * inner,
-                inner);
+                inner, true);
     }
     if (nj) run_mm_cut(c, nj, work_T, per_thread, align);
     act(cfg, a->act_a, a->act_b, routed * inner + (size_t)T * sh_inner);
     nj = 0;
-    if (sh_inner > 0) add_job(c, &nj, work_T, &f->sh_down, sh_a, T, plan_T, a->shared_out, hid);
+    if (sh_inner > 0)
+        add_job(c, &nj, work_T, &f->sh_down, sh_a, T, plan_T, a->shared_out, hid, false);
     for (int e = 0; e < E; e++) {
         int n_e = a->exp_off[e + 1] - a->exp_off[e];
         int plan_e = a->sched_rows ? a->sched_rows[e] : n_e;
@@ -621,7 +623,8 @@ static void cpu_moe_experts(eng_backend *b, const eng_moe_args *a) {
             nj = 0;
         }
         size_t off = (size_t)a->exp_off[e];
-        add_job(c, &nj, work_T, &f->w2[e], a->act_a + off * inner, n_e, plan_e, a->yg + off * X, X);
+        add_job(c, &nj, work_T, &f->w2[e], a->act_a + off * inner, n_e, plan_e, a->yg + off * X, X,
+                true);
     }
     if (nj) run_mm_cut(c, nj, work_T, per_thread, align);
 }

@@ -959,9 +959,9 @@ static kds_status moe_experts(eng_cuda *g, const eng_moe_args *a, kds_err *err) 
     const int inner = cfg->moe_intermediate_size, sh_inner = f->sh_gate.rows;
     float *sh_a = a->act_a + (size_t)T * k * inner, *sh_b = a->act_b + (size_t)T * k * inner;
     if (sh_inner > 0) {
-        const eng_matmul gate = {&f->sh_gate, a->x, T, sh_a, sh_inner, false};
-        const eng_matmul up = {&f->sh_up, a->x, T, sh_b, sh_inner, false};
-        const eng_matmul down = {&f->sh_down, sh_a, T, a->shared_out, hid, false};
+        const eng_matmul gate = {&f->sh_gate, a->x, T, sh_a, sh_inner, false, false};
+        const eng_matmul up = {&f->sh_up, a->x, T, sh_b, sh_inner, false, false};
+        const eng_matmul down = {&f->sh_down, sh_a, T, a->shared_out, hid, false, false};
         if ((rc = product(g, &gate, err)) || (rc = product(g, &up, err)) ||
             (rc = glu_rows(g, sh_a, sh_b, (size_t)T * sh_inner, err)) ||
             (rc = product(g, &down, err)))

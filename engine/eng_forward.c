@@ -103,7 +103,7 @@ const char *eng_device_name(eng_device d) { return d == ENG_DEVICE_CUDA ? "cuda"
 
 /* One product y = x W^T. */
 static eng_matmul mm(const eng_weight *w, const float *x, int T, float *y, int ldy) {
-    return (eng_matmul){w, x, T, y, ldy, false};
+    return (eng_matmul){w, x, T, y, ldy, false, false};
 }
 
 /*
@@ -126,7 +126,7 @@ typedef struct stream {
 
 /* The product that ends a sublayer: its output into the stream. */
 static eng_matmul mm_out(stream *s, const eng_weight *w, const float *x, int T, int hidden) {
-    const eng_matmul j = {w, x, T, s->p, hidden, !s->fresh};
+    const eng_matmul j = {w, x, T, s->p, hidden, !s->fresh, false};
     s->fresh = false;
     return j;
 }

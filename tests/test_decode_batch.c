@@ -35,10 +35,12 @@ typedef struct fixture {
     int vocab;
 } fixture;
 
-static fixture open_preset(const char *preset, int n_threads, int max_batch, int max_seqs) {
+/* hidden: the preset's hidden_size replaced (0: its own) */
+static fixture open_hidden(const char *preset, int hidden, int n_threads, int max_batch,
+                           int max_seqs) {
     fixture f = {0};
     kds_err err = {0};
-    f.m = tmu_gen_load(preset, 11, &f.dir, &err);
+    f.m = tmu_gen_load_hidden(preset, hidden, 11, &f.dir, &err);
     cr_assert(f.m, "%s", err.msg);
     eng_ctx_params cp = eng_ctx_default_params();
     cp.n_threads = n_threads;
@@ -47,6 +49,10 @@ static fixture open_preset(const char *preset, int n_threads, int max_batch, int
     cr_assert_eq(eng_ctx_create(f.m, &cp, &f.c, &err), KDS_OK, "%s", err.msg);
     f.vocab = eng_model_config(f.m)->vocab_size;
     return f;
+}
+
+static fixture open_preset(const char *preset, int n_threads, int max_batch, int max_seqs) {
+    return open_hidden(preset, 0, n_threads, max_batch, max_seqs);
 }
 
 static void close_fixture(fixture *f) {
@@ -151,8 +157,9 @@ static void expect_states_match(const fixture *f, const eng_seq *a, const eng_se
  * path (EXACT_ROWS); beyond it, logits close and greedy picks equal where
  * the best two logits are further apart than that rounding.
  */
-static void batch_matches_one_at_a_time(const char *preset, int n_seqs, int n_threads, int steps) {
-    fixture f = open_preset(preset, n_threads, 16, n_seqs);
+static void batch_matches_hidden(const char *preset, int hidden, int n_seqs, int n_threads,
+                                 int steps) {
+    fixture f = open_hidden(preset, hidden, n_threads, 16, n_seqs);
     kds_err err = {0};
     eng_seq *ref[64], *bat[64], *in[64];
     int32_t ids[64];
@@ -209,6 +216,10 @@ static void batch_matches_one_at_a_time(const char *preset, int n_seqs, int n_th
     close_fixture(&f);
 }
 
+static void batch_matches_one_at_a_time(const char *preset, int n_seqs, int n_threads, int steps) {
+    batch_matches_hidden(preset, 0, n_seqs, n_threads, steps);
+}
+
 Test(decode_batch, matches_one_at_a_time_tiny, .timeout = 120) {
     batch_matches_one_at_a_time("tiny", 5, 0, 12);
 }
@@ -225,6 +236,14 @@ Test(decode_batch, matches_one_at_a_time_many_seqs_tiny_hybrid, .timeout = 120) 
 }
 Test(decode_batch, matches_one_at_a_time_single_thread, .timeout = 120) {
     batch_matches_one_at_a_time("tiny-hybrid", 9, 1, 4);
+}
+/* Rows of 2048 columns: where the CPU has AMX tiles, the dense products
+ * (lm_head, shared and dense MLPs, router) take them (kern_weight's
+ * exact_tiles) while the routed experts keep the FMA loops, and a batched
+ * step still gives each sequence its lone decode's bits. */
+Test(decode_batch, matches_one_at_a_time_wide_rows, .timeout = 120) {
+    if (!kern_bf16_tiles()) cr_log_info("no AMX tiles here: every product takes the FMA loops");
+    batch_matches_hidden("tiny-hybrid", 2048, 9, 0, 4);
 }
 
 /* Four sequences prefilled (1 to 50 tokens: passes on the direct path and

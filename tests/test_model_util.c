@@ -156,10 +156,16 @@ bool tmu_replace_in_file(const char *path, const char *from, const char *to) {
 }
 
 eng_model *tmu_gen_load(const char *preset, uint64_t seed, char **dir, kds_err *err) {
+    return tmu_gen_load_hidden(preset, 0, seed, dir, err);
+}
+
+eng_model *tmu_gen_load_hidden(const char *preset, int hidden, uint64_t seed, char **dir,
+                               kds_err *err) {
     eng_config cfg;
     eng_model *m = NULL;
     *dir = NULL;
     if (eng_genmodel_preset(preset, &cfg, err) != KDS_OK) return NULL;
+    if (hidden > 0) cfg.hidden_size = hidden;
     if (!(*dir = tmu_mkdtemp())) {
         kds_err_set(err, KDS_IO, "cannot make a temporary directory");
         return NULL;

@@ -53,6 +53,11 @@ bool tmu_write_st(const char *path, const char *header, size_t data_len);
  * fingerprint cache. NULL with err filled on failure (*dir then NULL). */
 eng_model *tmu_gen_load(const char *preset, uint64_t seed, char **dir, kds_err *err);
 
+/* As tmu_gen_load, with the preset's hidden_size replaced by `hidden`
+ * (0: the preset's own). */
+eng_model *tmu_gen_load_hidden(const char *preset, int hidden, uint64_t seed, char **dir,
+                               kds_err *err);
+
 /* Replace the first occurrence of `from` by `to` in a text file. */
 bool tmu_replace_in_file(const char *path, const char *from, const char *to);
 
