@@ -981,7 +981,10 @@ int cmd_bench(int argc, char **argv) {
     printf("threads      %d\n", eng_ctx_threads(c));
     printf("device       %s%s\n", eng_ctx_device(c),
            eng_ctx_device_kind(c) != ENG_DEVICE_CUDA
-               ? (!gpu_bf16                 ? " (exact)"
+               ? (!gpu_bf16 ? (eng_cpu_bf16_tiles()
+                                   ? " (exact; AMX tiles for rows of 2048+ columns but routed "
+                                     "experts', x as bf16 hi + mid + lo)"
+                                   : " (exact)")
                   : eng_cpu_bf16_tiles()
                       ? " (bf16 activations on AMX tiles: a prefill's bf16 products, a batched step's)"
                   : eng_cpu_bf16_products() ? " (bf16 activations: a prefill's bf16 products, a batched step's)"
