@@ -45,9 +45,10 @@
  *       largest difference between the two outputs (relative to the
  *       largest output);
  *   (h) batched decode: bf16 [4096, 2304] for T = 1 .. 16 tokens on the
- *       direct path, 1 and 2 threads, with its rows in L2 (128 of them,
- *       over and over), in the last-level cache (one matrix over and over)
- *       and in memory (a stack as (b); one token also with the software
+ *       direct path (exact; where the CPU has AMX tiles, exact on them as
+ *       well; and under --bf16), 1 and 2 threads, with its rows in L2 (128
+ *       of them, over and over), in the last-level cache (one matrix over
+ *       and over) and in memory (a stack as (b); one token also with the software
  *       prefetch this CPU does not get, kern_stream_prefetch_bytes),
  *       against the FMA peak measured in the same run and a read of the
  *       stack's bytes in the same round: where the products of a batched
@@ -769,8 +770,10 @@ static void l2_task(void *arg, int task, int thread) {
  * and a sweep over the stack (from memory). `overlap`: the larger of the
  * L3 and read times over the memory time; 100% would mean arithmetic and
  * memory overlap perfectly. mode 0: the exact products (kern_matmul_w);
- * 2: x rounded to bf16 (--bf16's kern_matmul_w_bf16act), its shares of
- * the vdpbf16ps peak. */
+ * 1: the same on AMX tiles (kern_weight.exact_tiles, where the CPU has
+ * them), as the engine runs all but routed experts there; 2: x rounded to
+ * bf16 (--bf16's kern_matmul_w_bf16act), its shares of the vdpbf16ps
+ * peak. */
 static void bench_batched(int mode) {
     const int Ts[] = {1, 2, 3, 4, 6, 8, 12, 16};
     const int rows = 4096, cols = 2304;
@@ -779,12 +782,17 @@ static void bench_batched(int mode) {
     const int n = stack_count(l.bytes);
     stack st = make_stack(KERN_BF16, rows, cols, n);
     const int own_pf = kern_stream_prefetch_bytes(), alt_pf = own_pf ? 0 : 8192;
+    for (int i = 0; i < n; i++) st.w[i].exact_tiles = mode == 1;
     kern_weight hot = st.w[0];
     hot.streamed = false;
     float *x = random_x((size_t)16 * cols, 9), *y = xalloc((size_t)16 * rows * sizeof(float));
     if (mode == 2)
         printf("### (h) Batched decode under --bf16: bf16 [%d, %d] for T tokens, x rounded to "
                "bf16 (vdpbf16ps), from cache and from memory\n\n",
+               rows, cols);
+    else if (mode == 1)
+        printf("### (h) Batched decode on AMX tiles: bf16 [%d, %d] for T tokens, exact (x split "
+               "into three bf16 values, kern_weight.exact_tiles), from cache and from memory\n\n",
                rows, cols);
     else
         printf("### (h) Batched decode: bf16 [%d, %d] for T tokens, from cache and from memory\n\n",
@@ -1062,6 +1070,7 @@ int main(int argc, char **argv) {
     if (strchr(g_only, 'g')) bench_decode_attention();
     if (strchr(g_only, 'h')) {
         bench_batched(0);
+        if (kern_bf16_tiles()) bench_batched(1);
         if (kern_bf16_products()) bench_batched(2);
     }
     if (strchr(g_only, 'i')) bench_gemm_packing();
