@@ -48,8 +48,9 @@
  *       direct path (exact; where the CPU has AMX tiles, exact on them as
  *       well; and under --bf16), 1 and 2 threads, with its rows in L2 (128
  *       of them, over and over), in the last-level cache (one matrix over
- *       and over) and in memory (a stack as (b); one token also with the software
- *       prefetch this CPU does not get, kern_stream_prefetch_bytes),
+ *       and over) and in memory (a stack as (b); one token also with
+ *       the software prefetch this CPU does not get,
+ *       kern_stream_prefetch_bytes),
  *       against the FMA peak measured in the same run and a read of the
  *       stack's bytes in the same round: where the products of a batched
  *       step lose their time;
