@@ -700,9 +700,14 @@ Test(matmul, exact_tiles_keep_x_exact_and_each_tokens_bits) {
         kern_matmul_w(&kp, x, T, plain, rows, 0, rows, scratch);
         int far_from_rounded = 0;
         for (int t = 0; t < T; t++) {
-            /* token t alone, rows cut at 40 (and starting at 3) */
+            /* token t alone, rows cut at 40 and starting at `first`. On
+             * the tiles each row's sums are its own, so any cut; the FMA
+             * loops give a row its bits on cuts at multiples of eight
+             * rows (the engine's), a cut elsewhere leaving rows to the
+             * single-row tail, whose sum is reduced in another order. */
+            const int first = tiles ? 3 : 8;
             for (int r = 0; r < rows; r++) one[r] = -1.0f;
-            kern_matmul_w(&kw, x + (size_t)t * in, 1, one, rows, 3, 40, scratch);
+            kern_matmul_w(&kw, x + (size_t)t * in, 1, one, rows, first, 40, scratch);
             kern_matmul_w(&kw, x + (size_t)t * in, 1, one, rows, 40, rows, scratch);
             for (int r = 0; r < rows; r++) {
                 const float got = y[(size_t)t * rows + r];
@@ -717,7 +722,7 @@ Test(matmul, exact_tiles_keep_x_exact_and_each_tokens_bits) {
                               "T %d: y[%d, %d] = %.9g, exact %.9g", T, t, r, got, ref);
                 far_from_rounded += fabs(rounded - ref) > 2e-7 * mag;
 
-                if (r >= 3)
+                if (r >= first)
                     cr_assert(memcmp(&one[r], &got, sizeof got) == 0,
                               "T %d: token %d row %d alone %a, among %d %a", T, t, r, one[r], T,
                               got);
