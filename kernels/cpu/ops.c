@@ -323,9 +323,10 @@ static void dot_row(kern_dtype dt, const void *row, int in, const float *x, int 
  * follow what columns [i, i + 32) of eight rows take, into L2: eight
  * lines in the order they lie, so that memory sees one stream while the
  * eight rows here are read side by side (DOT_ONE_STREAM_FROM). */
-static inline __attribute__((always_inline)) void prefetch_next8(const char *next, int i) {
+static inline __attribute__((always_inline)) void prefetch_next8(const char *next, int i, int k0,
+                                                                  int k1) {
     const char *nx = next + (size_t)(i / 32) * 512;
-    for (int k = 0; k < 8; k++) _mm_prefetch(nx + 64 * k, _MM_HINT_T1);
+    for (int k = k0; k < k1; k++) _mm_prefetch(nx + 64 * k, _MM_HINT_T1);
 }
 
 /* Rows w[0..8) (row stride in), columns [i0, i1), dotted with nt (1..3,
@@ -354,7 +355,7 @@ rows8_cols(const uint16_t *w, int in, const void *xv0, const int nt, int i0, int
             for (int k = pk0; k < pk1; k++)
                 _mm_prefetch((const char *)(w + (size_t)k * in + off), _MM_HINT_T0);
         }
-        if (next) prefetch_next8(next, i);
+        if (next) prefetch_next8(next, i, pk0, pk1);
 #if defined(__AVX512BF16__)
         if (bf16x) {
             /* one vdpbf16ps per (row, token): a pair of columns a lane */
@@ -471,7 +472,7 @@ rows8_bf16_t1(const uint16_t *w, size_t stride, int in, const float *xd, float *
     for (int i = 0; i < in; i += 32) {
         const __m512 xe = _mm512_loadu_ps(xd + i), xo = _mm512_loadu_ps(xd + i + 16);
         if (next_in_order)
-            prefetch_next8((const char *)(w + 8 * stride), i);
+            prefetch_next8((const char *)(w + 8 * stride), i, 0, 8);
         else
             for (int k = 0; k < 8; k++)
                 _mm_prefetch((const char *)(w + (size_t)k * stride + i) + pf, _MM_HINT_T0);
@@ -492,10 +493,10 @@ rows8_bf16_t1(const uint16_t *w, size_t stride, int in, const float *xd, float *
  * when there are more than three (the first group reads the rows from
  * memory, the others from L1), then reduce8. acc: 64 x 8 scratch sums.
  * Every (row, token) sum is the same chain whatever the tokens beside it.
- * Rows on the lines, up to DOT_IN_ORDER_MAX_T tokens: the first group
- * prefetches the next eight rows into L2 in the order they lie. Else
- * pf_rows: the first group's prefetch with up to three tokens, that
- * many rows on. */
+ * Rows on the lines, up to DOT_IN_ORDER_MAX_T tokens: the next eight
+ * rows are prefetched into L2 in the order they lie, by the first group
+ * (exact) or dealt out among the groups (bf16x). Else pf_rows: the first
+ * group's prefetch with up to three tokens, that many rows on. */
 static inline __attribute__((always_inline)) void
 rows8_tokens(const uint16_t *W, int in, const void *xv, int nt, int r, int pf_rows, float *y,
              int ldy, __m512 (*acc)[8], const bool bf16x, bool rows_ahead) {
@@ -520,7 +521,18 @@ rows8_tokens(const uint16_t *W, int in, const void *xv, int nt, int r, int pf_ro
      * rows go in order instead, but where the CPU reads them faster with
      * each row's lines prefetched ahead (rows_ahead: kern_weight's
      * prefetch_rows_ahead; an Intel Xeon, 2 to 8 tokens of [4096, 2304]
-     * from memory on two threads 16-27 -> 21-31 GB/s). */
+     * from memory on two threads 16-27 -> 21-31 GB/s). In order, under
+     * bf16x the next rows' lines are dealt out among the groups as well,
+     * each group a share of the eight lines at each 32 columns: the
+     * first group alone asked for them in a third of a block's time,
+     * and the other groups' vdpbf16ps ran with no read in flight. A Zen
+     * 4, kds_cpu_bench (h), two threads, --bf16 4 to 8 tokens from
+     * memory at 80-100% of the read against 70-93%; wide's --seqs 8
+     * --bf16 93.8-115.9 tok/s against 93.0-101.5, four rounds
+     * alternating. The exact products of 8 tokens, bound by their FMAs,
+     * gained nothing (--seqs 8: 78-86 against 83-89), so they keep the
+     * first group's (docs/benchmarks.md, "The in-order prefetch dealt
+     * out"). */
     const bool on_lines = (uintptr_t)W % 64 == 0;
     const bool in_order = on_lines && nt <= DOT_IN_ORDER_MAX_T && !rows_ahead;
     const bool spread = on_lines && !in_order && nt > 3;
@@ -530,9 +542,11 @@ rows8_tokens(const uint16_t *W, int in, const void *xv, int nt, int r, int pf_ro
         const int i1 = in - i0 < cb ? in : i0 + cb;
         for (int t = 0, g = 0; t < nt; t += 3, g++) {
             const int pf_dist = in_order ? 0 : spread ? pf_far : t > 0 ? 0 : pf_first;
-            const int pk0 = spread ? 8 * g / ng : 0, pk1 = spread ? 8 * (g + 1) / ng : 8;
+            const bool deal = spread || (in_order && bf16x);
+            const int pk0 = deal ? 8 * g / ng : 0, pk1 = deal ? 8 * (g + 1) / ng : 8;
             const void *x0 = (const char *)xv + (size_t)t * in * xsz;
-            const char *next = in_order && t == 0 ? (const char *)(w + (size_t)8 * in) : NULL;
+            const char *next =
+                in_order && (bf16x || t == 0) ? (const char *)(w + (size_t)8 * in) : NULL;
             if (nt - t >= 3)
                 rows8_cols(w, in, x0, 3, i0, i1, pf_dist, nt > 3, pk0, pk1, acc + t, bf16x, next);
             else if (nt - t == 2)
