@@ -671,8 +671,9 @@ Test(matmul, bf16act_decode_rounds_x_and_keeps_each_tokens_bits) {
  * far more, and the test checks that it would), and row t of a T-token
  * product is token t's one-token product bit for bit, whatever tokens
  * share the call (1 to 12, 23: one block of 10 tokens, two, three) and
- * under another row cut (rows 3..40 and 40..77 against 0..77: ragged
- * panels of 32). Rows shorter than KERN_TILES_MIN_IN stay on the FMA
+ * under another row cut (rows 3..40 and 40..77 against 0..77 on the
+ * tiles: ragged panels of 32; 8..40 and 40..77 on the FMA loops, whose
+ * row groups of eight a cut must keep whole). Rows shorter than KERN_TILES_MIN_IN stay on the FMA
  * loops, flag or not, bit for bit. Without AMX the flag changes nothing,
  * and the test says so. */
 Test(matmul, exact_tiles_keep_x_exact_and_each_tokens_bits) {

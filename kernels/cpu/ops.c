@@ -536,13 +536,14 @@ rows8_tokens(const uint16_t *W, int in, const void *xv, int nt, int r, int pf_ro
     const bool on_lines = (uintptr_t)W % 64 == 0;
     const bool in_order = on_lines && nt <= DOT_IN_ORDER_MAX_T && !rows_ahead;
     const bool spread = on_lines && !in_order && nt > 3;
+    /* the groups share out the prefetch: the spread one, or in order under bf16x */
+    const bool deal = spread || (in_order && bf16x);
     const int ng = (nt + 2) / 3;
     const int pf_far = 2 * DOT_COL_BLOCK < in ? 2 * DOT_COL_BLOCK : in;
     for (int i0 = 0; i0 < in; i0 += cb) {
         const int i1 = in - i0 < cb ? in : i0 + cb;
         for (int t = 0, g = 0; t < nt; t += 3, g++) {
             const int pf_dist = in_order ? 0 : spread ? pf_far : t > 0 ? 0 : pf_first;
-            const bool deal = spread || (in_order && bf16x);
             const int pk0 = deal ? 8 * g / ng : 0, pk1 = deal ? 8 * (g + 1) / ng : 8;
             const void *x0 = (const char *)xv + (size_t)t * in * xsz;
             const char *next =
