@@ -337,13 +337,13 @@ static inline __attribute__((always_inline)) void prefetch_next8(const char *nex
  * each call): xv0 is x rounded to bf16 in column order and each product
  * is one vdpbf16ps (a pair of columns a lane: kern_matmul_w_bf16act);
  * else xv0 is f32 split even/odd as dot8_bf16's xd, each product two
- * FMAs on the widened row. pf > 0: rows [pk0, pk1) are prefetched pf elements ahead of
- * column i (pf_wrap: past the row's end, into the same row of the next
- * eight; then pf <= in). next (NULL: none): the next eight rows,
- * prefetched in order (prefetch_next8). */
+ * FMAs on the widened row. pf > 0: rows [pk0, pk1) are prefetched pf
+ * elements ahead of column i (pf_wrap: past the row's end, into the same
+ * row of the next eight; then pf <= in). Rows read in order take
+ * rows8_cols_in_order instead. */
 static inline __attribute__((always_inline)) void
 rows8_cols(const uint16_t *w, int in, const void *xv0, const int nt, int i0, int i1, int pf,
-           bool pf_wrap, int pk0, int pk1, __m512 (*acc)[8], const bool bf16x, const char *next) {
+           bool pf_wrap, int pk0, int pk1, __m512 (*acc)[8], const bool bf16x) {
     const __m512i hi_mask = _mm512_set1_epi32((int)0xffff0000u);
     __m512 a[3][8];
     for (int j = 0; j < nt; j++)
@@ -355,7 +355,6 @@ rows8_cols(const uint16_t *w, int in, const void *xv0, const int nt, int i0, int
             for (int k = pk0; k < pk1; k++)
                 _mm_prefetch((const char *)(w + (size_t)k * in + off), _MM_HINT_T0);
         }
-        if (next) prefetch_next8(next, i, pk0, pk1);
 #if defined(__AVX512BF16__)
         if (bf16x) {
             /* one vdpbf16ps per (row, token): a pair of columns a lane */
@@ -386,6 +385,84 @@ rows8_cols(const uint16_t *w, int in, const void *xv0, const int nt, int i0, int
                 a[j][k] = _mm512_fmadd_ps(vo, xo[j], a[j][k]);
             }
         }
+    }
+    for (int j = 0; j < nt; j++)
+        for (int k = 0; k < 8; k++) acc[j][k] = a[j][k];
+}
+
+/* What rows8_cols_in_order prefetches of the next eight rows at each 32
+ * columns: nothing, all eight lines (prefetch_next8), or four of them,
+ * lines pk0, pk0 + 1, pk1 - 2 and pk1 - 1 (a group's share, pk1 - pk0 in
+ * 2..4, when two or three groups deal the eight out). */
+enum { NEXT8_NONE, NEXT8_ALL, NEXT8_SHARE };
+
+/* rows8_cols for rows on the lines read in order (rows8_tokens'
+ * in_order), with the same products in the same order, so the same sums
+ * bit for bit, written so that the loop needs few general registers:
+ * rows 0-3 and 4-7 are two pointers plus the row stride (1, 2 and 3
+ * times), the nt tokens' x one pointer plus the token stride. rows8_cols'
+ * general loop holds eight row pointers, three x pointers and its
+ * prefetch's state, and GCC 12 ran out of registers there: it reloaded
+ * row pointers from the stack on every pass and sent rows' vectors
+ * through the stack (docs/benchmarks.md, "Fewer registers for the
+ * batched products"). next: the next eight rows' start; next_mode a
+ * constant at each call. */
+static inline __attribute__((always_inline)) void
+rows8_cols_in_order(const uint16_t *w, int in, const void *xv0, const int nt, int i0, int i1,
+                    __m512 (*acc)[8], const bool bf16x, const int next_mode, const char *next,
+                    int pk0, int pk1) {
+    const __m512i hi_mask = _mm512_set1_epi32((int)0xffff0000u);
+    const size_t rs = (size_t)in * sizeof(uint16_t), rs3 = 3 * rs;
+    const size_t xs = (size_t)in * (bf16x ? sizeof(uint16_t) : sizeof(float));
+    const char *p = (const char *)(w + i0), *q = p + 4 * rs;
+    const char *xp = (const char *)xv0 + (size_t)i0 * (bf16x ? sizeof(uint16_t) : sizeof(float));
+    /* prefetch_next8's lines for column i0: 512 bytes each 32 columns */
+    const char *nx = next + (size_t)(i0 / 32) * 512 + 64 * (next_mode == NEXT8_SHARE ? pk0 : 0);
+    const size_t nd = next_mode == NEXT8_SHARE ? (size_t)64 * (pk1 - 2 - pk0) : 0;
+    __m512 a[3][8];
+    for (int j = 0; j < nt; j++)
+        for (int k = 0; k < 8; k++) a[j][k] = acc[j][k];
+    for (int n = (i1 - i0) / 32; n > 0; n--) {
+        if (next_mode == NEXT8_ALL) {
+            for (int k = 0; k < 8; k++) _mm_prefetch(nx + 64 * k, _MM_HINT_T1);
+        } else if (next_mode == NEXT8_SHARE) {
+            _mm_prefetch(nx, _MM_HINT_T1);
+            _mm_prefetch(nx + 64, _MM_HINT_T1);
+            _mm_prefetch(nx + nd, _MM_HINT_T1);
+            _mm_prefetch(nx + nd + 64, _MM_HINT_T1);
+        }
+        const char *row[8] = {p, p + rs, p + 2 * rs, p + rs3, q, q + rs, q + 2 * rs, q + rs3};
+#if defined(__AVX512BF16__)
+        if (bf16x) {
+            __m512bh xv[3];
+            for (int j = 0; j < nt; j++)
+                xv[j] = (__m512bh)_mm512_loadu_si512((const void *)(xp + (size_t)j * xs));
+            for (int k = 0; k < 8; k++) {
+                const __m512bh v = (__m512bh)_mm512_loadu_si512((const void *)row[k]);
+                for (int j = 0; j < nt; j++) a[j][k] = _mm512_dpbf16_ps(a[j][k], v, xv[j]);
+            }
+        } else
+#endif
+        {
+            __m512 xe[3], xo[3];
+            for (int j = 0; j < nt; j++) {
+                xe[j] = _mm512_loadu_ps((const float *)(xp + (size_t)j * xs));
+                xo[j] = _mm512_loadu_ps((const float *)(xp + (size_t)j * xs) + 16);
+            }
+            for (int k = 0; k < 8; k++) {
+                const __m512i v = _mm512_loadu_si512((const void *)row[k]);
+                const __m512 ve = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+                const __m512 vo = _mm512_castsi512_ps(_mm512_and_si512(v, hi_mask));
+                for (int j = 0; j < nt; j++) {
+                    a[j][k] = _mm512_fmadd_ps(ve, xe[j], a[j][k]);
+                    a[j][k] = _mm512_fmadd_ps(vo, xo[j], a[j][k]);
+                }
+            }
+        }
+        p += 64;
+        q += 64;
+        xp += bf16x ? 64 : 128;
+        nx += 512;
     }
     for (int j = 0; j < nt; j++)
         for (int k = 0; k < 8; k++) acc[j][k] = a[j][k];
@@ -487,6 +564,20 @@ rows8_bf16_t1(const uint16_t *w, size_t stride, int in, const float *xd, float *
     for (int k = 0; k < 8; k++) y[(size_t)k * ystep] = sums[k];
 }
 
+/* rows8_cols_in_order with next_mode picked at run time (mode: NEXT8_*)
+ * among its three constant forms; the next eight rows follow w's. */
+static inline __attribute__((always_inline)) void
+group_in_order(const uint16_t *w, int in, const void *x0, const int nt, int i0, int i1,
+               __m512 (*acc)[8], const bool bf16x, int mode, int pk0, int pk1) {
+    const char *next = (const char *)(w + (size_t)8 * in);
+    if (mode == NEXT8_ALL)
+        rows8_cols_in_order(w, in, x0, nt, i0, i1, acc, bf16x, NEXT8_ALL, next, 0, 8);
+    else if (mode == NEXT8_SHARE)
+        rows8_cols_in_order(w, in, x0, nt, i0, i1, acc, bf16x, NEXT8_SHARE, next, pk0, pk1);
+    else
+        rows8_cols_in_order(w, in, x0, nt, i0, i1, acc, bf16x, NEXT8_NONE, next, 0, 0);
+}
+
 /* Rows [r, r + 8) of W, nt (2..63) tokens xv [nt, in] (as rows8_cols,
  * bf16x a constant at each call), into y[t * ldy + r ..]: the tokens in
  * groups of three over the eight rows, in column blocks of DOT_COL_BLOCK
@@ -536,24 +627,34 @@ rows8_tokens(const uint16_t *W, int in, const void *xv, int nt, int r, int pf_ro
     const bool on_lines = (uintptr_t)W % 64 == 0;
     const bool in_order = on_lines && nt <= DOT_IN_ORDER_MAX_T && !rows_ahead;
     const bool spread = on_lines && !in_order && nt > 3;
-    /* the groups share out the prefetch: the spread one, or in order under bf16x */
-    const bool deal = spread || (in_order && bf16x);
     const int ng = (nt + 2) / 3;
     const int pf_far = 2 * DOT_COL_BLOCK < in ? 2 * DOT_COL_BLOCK : in;
     for (int i0 = 0; i0 < in; i0 += cb) {
         const int i1 = in - i0 < cb ? in : i0 + cb;
-        for (int t = 0, g = 0; t < nt; t += 3, g++) {
-            const int pf_dist = in_order ? 0 : spread ? pf_far : t > 0 ? 0 : pf_first;
-            const int pk0 = deal ? 8 * g / ng : 0, pk1 = deal ? 8 * (g + 1) / ng : 8;
+        for (int t = 0, g = 0; t < nt && in_order; t += 3, g++) {
             const void *x0 = (const char *)xv + (size_t)t * in * xsz;
-            const char *next =
-                in_order && (bf16x || t == 0) ? (const char *)(w + (size_t)8 * in) : NULL;
+            /* exact: the first group prefetches all eight lines; bf16x:
+             * the groups deal them out */
+            const int mode = bf16x ? (ng == 1 ? NEXT8_ALL : NEXT8_SHARE)
+                                   : (t == 0 ? NEXT8_ALL : NEXT8_NONE);
+            const int pk0 = 8 * g / ng, pk1 = 8 * (g + 1) / ng;
             if (nt - t >= 3)
-                rows8_cols(w, in, x0, 3, i0, i1, pf_dist, nt > 3, pk0, pk1, acc + t, bf16x, next);
+                group_in_order(w, in, x0, 3, i0, i1, acc + t, bf16x, mode, pk0, pk1);
             else if (nt - t == 2)
-                rows8_cols(w, in, x0, 2, i0, i1, pf_dist, nt > 3, pk0, pk1, acc + t, bf16x, next);
+                group_in_order(w, in, x0, 2, i0, i1, acc + t, bf16x, mode, pk0, pk1);
             else
-                rows8_cols(w, in, x0, 1, i0, i1, pf_dist, nt > 3, pk0, pk1, acc + t, bf16x, next);
+                group_in_order(w, in, x0, 1, i0, i1, acc + t, bf16x, mode, pk0, pk1);
+        }
+        for (int t = 0, g = 0; t < nt && !in_order; t += 3, g++) {
+            const int pf_dist = spread ? pf_far : t > 0 ? 0 : pf_first;
+            const int pk0 = spread ? 8 * g / ng : 0, pk1 = spread ? 8 * (g + 1) / ng : 8;
+            const void *x0 = (const char *)xv + (size_t)t * in * xsz;
+            if (nt - t >= 3)
+                rows8_cols(w, in, x0, 3, i0, i1, pf_dist, nt > 3, pk0, pk1, acc + t, bf16x);
+            else if (nt - t == 2)
+                rows8_cols(w, in, x0, 2, i0, i1, pf_dist, nt > 3, pk0, pk1, acc + t, bf16x);
+            else
+                rows8_cols(w, in, x0, 1, i0, i1, pf_dist, nt > 3, pk0, pk1, acc + t, bf16x);
         }
     }
     for (int t = 0; t < nt; t++) _mm256_storeu_ps(y + (size_t)t * ldy + r, reduce8(acc[t]));
