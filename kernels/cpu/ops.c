@@ -329,6 +329,43 @@ static inline __attribute__((always_inline)) void prefetch_next8(const char *nex
     for (int k = k0; k < k1; k++) _mm_prefetch(nx + 64 * k, _MM_HINT_T1);
 }
 
+/* One step of 32 columns of the loops below: row[k] (k in [0, 8)) the
+ * eight rows' 32 bf16 values, xp token 0's x at those columns (token j at
+ * xp + j * xs bytes), into the running sums a[j][k]. bf16x: x rounded to
+ * bf16, one vdpbf16ps per (row, token); else x f32 split even/odd
+ * (dot8_bf16's xd), the row widened by shift and mask, two FMAs. */
+static inline __attribute__((always_inline)) void
+rows8_step32(const char *const row[8], const char *xp, size_t xs, const int nt, __m512 (*a)[8],
+             const bool bf16x) {
+#if defined(__AVX512BF16__)
+    if (bf16x) {
+        __m512bh xv[3];
+        for (int j = 0; j < nt; j++)
+            xv[j] = (__m512bh)_mm512_loadu_si512((const void *)(xp + (size_t)j * xs));
+        for (int k = 0; k < 8; k++) {
+            const __m512bh v = (__m512bh)_mm512_loadu_si512((const void *)row[k]);
+            for (int j = 0; j < nt; j++) a[j][k] = _mm512_dpbf16_ps(a[j][k], v, xv[j]);
+        }
+        return;
+    }
+#endif
+    const __m512i hi_mask = _mm512_set1_epi32((int)0xffff0000u);
+    __m512 xe[3], xo[3];
+    for (int j = 0; j < nt; j++) {
+        xe[j] = _mm512_loadu_ps((const float *)(xp + (size_t)j * xs));
+        xo[j] = _mm512_loadu_ps((const float *)(xp + (size_t)j * xs) + 16);
+    }
+    for (int k = 0; k < 8; k++) {
+        const __m512i v = _mm512_loadu_si512((const void *)row[k]);
+        const __m512 ve = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+        const __m512 vo = _mm512_castsi512_ps(_mm512_and_si512(v, hi_mask));
+        for (int j = 0; j < nt; j++) {
+            a[j][k] = _mm512_fmadd_ps(ve, xe[j], a[j][k]);
+            a[j][k] = _mm512_fmadd_ps(vo, xo[j], a[j][k]);
+        }
+    }
+}
+
 /* Rows w[0..8) (row stride in), columns [i0, i1), dotted with nt (1..3,
  * a constant at each call) tokens xv0 [nt, in], continuing the 8 x nt
  * running sums acc[t][k] (16 lanes each; zero before the first columns):
@@ -344,7 +381,6 @@ static inline __attribute__((always_inline)) void prefetch_next8(const char *nex
 static inline __attribute__((always_inline)) void
 rows8_cols(const uint16_t *w, int in, const void *xv0, const int nt, int i0, int i1, int pf,
            bool pf_wrap, int pk0, int pk1, __m512 (*acc)[8], const bool bf16x) {
-    const __m512i hi_mask = _mm512_set1_epi32((int)0xffff0000u);
     __m512 a[3][8];
     for (int j = 0; j < nt; j++)
         for (int k = 0; k < 8; k++) a[j][k] = acc[j][k];
@@ -355,36 +391,10 @@ rows8_cols(const uint16_t *w, int in, const void *xv0, const int nt, int i0, int
             for (int k = pk0; k < pk1; k++)
                 _mm_prefetch((const char *)(w + (size_t)k * in + off), _MM_HINT_T0);
         }
-#if defined(__AVX512BF16__)
-        if (bf16x) {
-            /* one vdpbf16ps per (row, token): a pair of columns a lane */
-            const uint16_t *xb = xv0;
-            __m512bh xv[3];
-            for (int j = 0; j < nt; j++)
-                xv[j] = (__m512bh)_mm512_loadu_si512((const void *)(xb + (size_t)j * in + i));
-            for (int k = 0; k < 8; k++) {
-                const __m512bh v =
-                    (__m512bh)_mm512_loadu_si512((const void *)(w + (size_t)k * in + i));
-                for (int j = 0; j < nt; j++) a[j][k] = _mm512_dpbf16_ps(a[j][k], v, xv[j]);
-            }
-            continue;
-        }
-#endif
-        const float *x0 = xv0;
-        __m512 xe[3], xo[3];
-        for (int j = 0; j < nt; j++) {
-            xe[j] = _mm512_loadu_ps(x0 + (size_t)j * in + i);
-            xo[j] = _mm512_loadu_ps(x0 + (size_t)j * in + i + 16);
-        }
-        for (int k = 0; k < 8; k++) {
-            const __m512i v = _mm512_loadu_si512((const void *)(w + (size_t)k * in + i));
-            const __m512 ve = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-            const __m512 vo = _mm512_castsi512_ps(_mm512_and_si512(v, hi_mask));
-            for (int j = 0; j < nt; j++) {
-                a[j][k] = _mm512_fmadd_ps(ve, xe[j], a[j][k]);
-                a[j][k] = _mm512_fmadd_ps(vo, xo[j], a[j][k]);
-            }
-        }
+        const size_t xsz = bf16x ? sizeof(uint16_t) : sizeof(float);
+        const char *row[8];
+        for (int k = 0; k < 8; k++) row[k] = (const char *)(w + (size_t)k * in + i);
+        rows8_step32(row, (const char *)xv0 + (size_t)i * xsz, (size_t)in * xsz, nt, a, bf16x);
     }
     for (int j = 0; j < nt; j++)
         for (int k = 0; k < 8; k++) acc[j][k] = a[j][k];
@@ -411,7 +421,6 @@ static inline __attribute__((always_inline)) void
 rows8_cols_in_order(const uint16_t *w, int in, const void *xv0, const int nt, int i0, int i1,
                     __m512 (*acc)[8], const bool bf16x, const int next_mode, const char *next,
                     int pk0, int pk1) {
-    const __m512i hi_mask = _mm512_set1_epi32((int)0xffff0000u);
     const size_t rs = (size_t)in * sizeof(uint16_t), rs3 = 3 * rs;
     const size_t xs = (size_t)in * (bf16x ? sizeof(uint16_t) : sizeof(float));
     const char *p = (const char *)(w + i0), *q = p + 4 * rs;
@@ -432,33 +441,7 @@ rows8_cols_in_order(const uint16_t *w, int in, const void *xv0, const int nt, in
             _mm_prefetch(nx + nd + 64, _MM_HINT_T1);
         }
         const char *row[8] = {p, p + rs, p + 2 * rs, p + rs3, q, q + rs, q + 2 * rs, q + rs3};
-#if defined(__AVX512BF16__)
-        if (bf16x) {
-            __m512bh xv[3];
-            for (int j = 0; j < nt; j++)
-                xv[j] = (__m512bh)_mm512_loadu_si512((const void *)(xp + (size_t)j * xs));
-            for (int k = 0; k < 8; k++) {
-                const __m512bh v = (__m512bh)_mm512_loadu_si512((const void *)row[k]);
-                for (int j = 0; j < nt; j++) a[j][k] = _mm512_dpbf16_ps(a[j][k], v, xv[j]);
-            }
-        } else
-#endif
-        {
-            __m512 xe[3], xo[3];
-            for (int j = 0; j < nt; j++) {
-                xe[j] = _mm512_loadu_ps((const float *)(xp + (size_t)j * xs));
-                xo[j] = _mm512_loadu_ps((const float *)(xp + (size_t)j * xs) + 16);
-            }
-            for (int k = 0; k < 8; k++) {
-                const __m512i v = _mm512_loadu_si512((const void *)row[k]);
-                const __m512 ve = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-                const __m512 vo = _mm512_castsi512_ps(_mm512_and_si512(v, hi_mask));
-                for (int j = 0; j < nt; j++) {
-                    a[j][k] = _mm512_fmadd_ps(ve, xe[j], a[j][k]);
-                    a[j][k] = _mm512_fmadd_ps(vo, xo[j], a[j][k]);
-                }
-            }
-        }
+        rows8_step32(row, xp, xs, nt, a, bf16x);
         p += 64;
         q += 64;
         xp += bf16x ? 64 : 128;
@@ -631,30 +614,31 @@ rows8_tokens(const uint16_t *W, int in, const void *xv, int nt, int r, int pf_ro
     const int pf_far = 2 * DOT_COL_BLOCK < in ? 2 * DOT_COL_BLOCK : in;
     for (int i0 = 0; i0 < in; i0 += cb) {
         const int i1 = in - i0 < cb ? in : i0 + cb;
-        for (int t = 0, g = 0; t < nt && in_order; t += 3, g++) {
+        for (int t = 0, g = 0; t < nt; t += 3, g++) {
             const void *x0 = (const char *)xv + (size_t)t * in * xsz;
-            /* exact: the first group prefetches all eight lines; bf16x:
-             * the groups deal them out */
-            const int mode = bf16x ? (ng == 1 ? NEXT8_ALL : NEXT8_SHARE)
-                                   : (t == 0 ? NEXT8_ALL : NEXT8_NONE);
             const int pk0 = 8 * g / ng, pk1 = 8 * (g + 1) / ng;
-            if (nt - t >= 3)
-                group_in_order(w, in, x0, 3, i0, i1, acc + t, bf16x, mode, pk0, pk1);
-            else if (nt - t == 2)
-                group_in_order(w, in, x0, 2, i0, i1, acc + t, bf16x, mode, pk0, pk1);
-            else
-                group_in_order(w, in, x0, 1, i0, i1, acc + t, bf16x, mode, pk0, pk1);
-        }
-        for (int t = 0, g = 0; t < nt && !in_order; t += 3, g++) {
+            if (in_order) {
+                /* exact: the first group prefetches all eight lines;
+                 * bf16x: the groups deal them out */
+                const int mode = bf16x ? (ng == 1 ? NEXT8_ALL : NEXT8_SHARE)
+                                       : (t == 0 ? NEXT8_ALL : NEXT8_NONE);
+                if (nt - t >= 3)
+                    group_in_order(w, in, x0, 3, i0, i1, acc + t, bf16x, mode, pk0, pk1);
+                else if (nt - t == 2)
+                    group_in_order(w, in, x0, 2, i0, i1, acc + t, bf16x, mode, pk0, pk1);
+                else
+                    group_in_order(w, in, x0, 1, i0, i1, acc + t, bf16x, mode, pk0, pk1);
+                continue;
+            }
+            /* the spread prefetch is dealt out too; else the first group's */
             const int pf_dist = spread ? pf_far : t > 0 ? 0 : pf_first;
-            const int pk0 = spread ? 8 * g / ng : 0, pk1 = spread ? 8 * (g + 1) / ng : 8;
-            const void *x0 = (const char *)xv + (size_t)t * in * xsz;
+            const int pa = spread ? pk0 : 0, pb = spread ? pk1 : 8;
             if (nt - t >= 3)
-                rows8_cols(w, in, x0, 3, i0, i1, pf_dist, nt > 3, pk0, pk1, acc + t, bf16x);
+                rows8_cols(w, in, x0, 3, i0, i1, pf_dist, nt > 3, pa, pb, acc + t, bf16x);
             else if (nt - t == 2)
-                rows8_cols(w, in, x0, 2, i0, i1, pf_dist, nt > 3, pk0, pk1, acc + t, bf16x);
+                rows8_cols(w, in, x0, 2, i0, i1, pf_dist, nt > 3, pa, pb, acc + t, bf16x);
             else
-                rows8_cols(w, in, x0, 1, i0, i1, pf_dist, nt > 3, pk0, pk1, acc + t, bf16x);
+                rows8_cols(w, in, x0, 1, i0, i1, pf_dist, nt > 3, pa, pb, acc + t, bf16x);
         }
     }
     for (int t = 0; t < nt; t++) _mm256_storeu_ps(y + (size_t)t * ldy + r, reduce8(acc[t]));
