@@ -323,10 +323,9 @@ static void dot_row(kern_dtype dt, const void *row, int in, const float *x, int 
  * follow what columns [i, i + 32) of eight rows take, into L2: eight
  * lines in the order they lie, so that memory sees one stream while the
  * eight rows here are read side by side (DOT_ONE_STREAM_FROM). */
-static inline __attribute__((always_inline)) void prefetch_next8(const char *next, int i, int k0,
-                                                                  int k1) {
+static inline __attribute__((always_inline)) void prefetch_next8(const char *next, int i) {
     const char *nx = next + (size_t)(i / 32) * 512;
-    for (int k = k0; k < k1; k++) _mm_prefetch(nx + 64 * k, _MM_HINT_T1);
+    for (int k = 0; k < 8; k++) _mm_prefetch(nx + 64 * k, _MM_HINT_T1);
 }
 
 /* One step of 32 columns of the loops below: row[k] (k in [0, 8)) the
@@ -381,6 +380,7 @@ rows8_step32(const char *const row[8], const char *xp, size_t xs, const int nt, 
 static inline __attribute__((always_inline)) void
 rows8_cols(const uint16_t *w, int in, const void *xv0, const int nt, int i0, int i1, int pf,
            bool pf_wrap, int pk0, int pk1, __m512 (*acc)[8], const bool bf16x) {
+    const size_t xsz = bf16x ? sizeof(uint16_t) : sizeof(float);
     __m512 a[3][8];
     for (int j = 0; j < nt; j++)
         for (int k = 0; k < 8; k++) a[j][k] = acc[j][k];
@@ -391,7 +391,6 @@ rows8_cols(const uint16_t *w, int in, const void *xv0, const int nt, int i0, int
             for (int k = pk0; k < pk1; k++)
                 _mm_prefetch((const char *)(w + (size_t)k * in + off), _MM_HINT_T0);
         }
-        const size_t xsz = bf16x ? sizeof(uint16_t) : sizeof(float);
         const char *row[8];
         for (int k = 0; k < 8; k++) row[k] = (const char *)(w + (size_t)k * in + i);
         rows8_step32(row, (const char *)xv0 + (size_t)i * xsz, (size_t)in * xsz, nt, a, bf16x);
@@ -415,18 +414,19 @@ enum { NEXT8_NONE, NEXT8_ALL, NEXT8_SHARE };
  * prefetch's state, and GCC 12 ran out of registers there: it reloaded
  * row pointers from the stack on every pass and sent rows' vectors
  * through the stack (docs/benchmarks.md, "Fewer registers for the
- * batched products"). next: the next eight rows' start; next_mode a
- * constant at each call. */
+ * batched products"). next_mode a constant at each call; the next
+ * eight rows follow w's. */
 static inline __attribute__((always_inline)) void
 rows8_cols_in_order(const uint16_t *w, int in, const void *xv0, const int nt, int i0, int i1,
-                    __m512 (*acc)[8], const bool bf16x, const int next_mode, const char *next,
-                    int pk0, int pk1) {
+                    __m512 (*acc)[8], const bool bf16x, const int next_mode, int pk0, int pk1) {
     const size_t rs = (size_t)in * sizeof(uint16_t), rs3 = 3 * rs;
-    const size_t xs = (size_t)in * (bf16x ? sizeof(uint16_t) : sizeof(float));
+    const size_t xsz = bf16x ? sizeof(uint16_t) : sizeof(float), xs = (size_t)in * xsz;
     const char *p = (const char *)(w + i0), *q = p + 4 * rs;
-    const char *xp = (const char *)xv0 + (size_t)i0 * (bf16x ? sizeof(uint16_t) : sizeof(float));
-    /* prefetch_next8's lines for column i0: 512 bytes each 32 columns */
-    const char *nx = next + (size_t)(i0 / 32) * 512 + 64 * (next_mode == NEXT8_SHARE ? pk0 : 0);
+    const char *xp = (const char *)xv0 + (size_t)i0 * xsz;
+    /* prefetch_next8's lines for column i0 of the next eight rows: 512
+     * bytes each 32 columns */
+    const char *nx = (const char *)(w + (size_t)8 * in) + (size_t)(i0 / 32) * 512 +
+                     64 * (next_mode == NEXT8_SHARE ? pk0 : 0);
     const size_t nd = next_mode == NEXT8_SHARE ? (size_t)64 * (pk1 - 2 - pk0) : 0;
     __m512 a[3][8];
     for (int j = 0; j < nt; j++)
@@ -444,7 +444,7 @@ rows8_cols_in_order(const uint16_t *w, int in, const void *xv0, const int nt, in
         rows8_step32(row, xp, xs, nt, a, bf16x);
         p += 64;
         q += 64;
-        xp += bf16x ? 64 : 128;
+        xp += 32 * xsz;
         nx += 512;
     }
     for (int j = 0; j < nt; j++)
@@ -532,7 +532,7 @@ rows8_bf16_t1(const uint16_t *w, size_t stride, int in, const float *xd, float *
     for (int i = 0; i < in; i += 32) {
         const __m512 xe = _mm512_loadu_ps(xd + i), xo = _mm512_loadu_ps(xd + i + 16);
         if (next_in_order)
-            prefetch_next8((const char *)(w + 8 * stride), i, 0, 8);
+            prefetch_next8((const char *)(w + 8 * stride), i);
         else
             for (int k = 0; k < 8; k++)
                 _mm_prefetch((const char *)(w + (size_t)k * stride + i) + pf, _MM_HINT_T0);
@@ -548,17 +548,16 @@ rows8_bf16_t1(const uint16_t *w, size_t stride, int in, const float *xd, float *
 }
 
 /* rows8_cols_in_order with next_mode picked at run time (mode: NEXT8_*)
- * among its three constant forms; the next eight rows follow w's. */
+ * among its three constant forms. */
 static inline __attribute__((always_inline)) void
 group_in_order(const uint16_t *w, int in, const void *x0, const int nt, int i0, int i1,
                __m512 (*acc)[8], const bool bf16x, int mode, int pk0, int pk1) {
-    const char *next = (const char *)(w + (size_t)8 * in);
     if (mode == NEXT8_ALL)
-        rows8_cols_in_order(w, in, x0, nt, i0, i1, acc, bf16x, NEXT8_ALL, next, 0, 8);
+        rows8_cols_in_order(w, in, x0, nt, i0, i1, acc, bf16x, NEXT8_ALL, pk0, pk1);
     else if (mode == NEXT8_SHARE)
-        rows8_cols_in_order(w, in, x0, nt, i0, i1, acc, bf16x, NEXT8_SHARE, next, pk0, pk1);
+        rows8_cols_in_order(w, in, x0, nt, i0, i1, acc, bf16x, NEXT8_SHARE, pk0, pk1);
     else
-        rows8_cols_in_order(w, in, x0, nt, i0, i1, acc, bf16x, NEXT8_NONE, next, 0, 0);
+        rows8_cols_in_order(w, in, x0, nt, i0, i1, acc, bf16x, NEXT8_NONE, pk0, pk1);
 }
 
 /* Rows [r, r + 8) of W, nt (2..63) tokens xv [nt, in] (as rows8_cols,
