@@ -215,15 +215,18 @@ void kern_matmul_w(const kern_weight *w, const float *x, int T, float *y, int ld
 
 /*
  * kern_matmul_w for a decode step's product under eng_ctx_params.bf16_act
- * (llama.cpp's precision): a bf16 matrix (cols a multiple of 32, T < 64
- * or any T on AMX tiles, in AVX-512 BF16 builds) takes x rounded to bf16
- * (nearest even) and AVX-512 BF16 dot products, twice the multiply-adds
- * of f32 FMAs an instruction (on AMX CPUs, tiles: kern_gemm.h's
- * kern__amx_rows_bf16), where a batched step of 8 or more sequences is
- * bound by them. Row t of the result is token t's own product in this
- * mode, bit for bit, whatever tokens share the call (~3e-3 relative
- * error against the exact product). Anything else: kern_matmul_w. Same
- * arguments and scratch.
+ * (llama.cpp's precision): a bf16 matrix (in AVX-512 BF16 builds) takes
+ * x rounded to bf16 (nearest even) and AVX-512 BF16 dot products, twice
+ * the multiply-adds of f32 FMAs an instruction (on AMX CPUs, tiles:
+ * kern_gemm.h's kern__amx_rows_bf16), where a batched step of 8 or more
+ * sequences is bound by them: below 64 tokens (cols a multiple of 32)
+ * eight rows at a time, from 64 tokens the prefill's GEMM
+ * (kern__gemm_bf16act). Row t of the result is token t's own product in
+ * this mode, bit for bit, whatever tokens share the call, below 64
+ * tokens (at any T on AMX tiles); from 64 each sum is added in another
+ * order, as kern_matmul_w's exact GEMM from 64 (~3e-3 relative error
+ * against the exact product either way). Anything else: kern_matmul_w.
+ * Same arguments and scratch.
  */
 void kern_matmul_w_bf16act(const kern_weight *w, const float *x, int T, float *y, int ldy, int r0,
                            int r1, float *scratch);

@@ -593,9 +593,12 @@ Test(matmul, prefetch_rows_ahead_changes_no_bits) {
  * product is token t's one-token product bit for bit, whatever tokens
  * and rows share the call: 1 to 9, 17 and 33 tokens (groups of three,
  * column blocks above three; on AMX tiles one and two blocks of 32), and
- * on tiles 70 and 300 (three blocks; two runs of up to 256), ragged row
- * ranges, widths on and off the 512-column blocks. Without AVX-512 BF16
- * it is kern_matmul_w, bit for bit. */
+ * 70 and 300 (on tiles three blocks, two runs of up to 256; else the
+ * GEMM, whose sums are in another order than a lone token's, so there
+ * a token's bits are those it has among other tokens of a call of 64 or
+ * more, and a cut of the rows), ragged row ranges, widths on and off the
+ * 512-column blocks. Without AVX-512 BF16 it is kern_matmul_w, bit for
+ * bit. */
 Test(matmul, bf16act_decode_rounds_x_and_keeps_each_tokens_bits) {
     const int shapes[][2] = {{77, 256}, {45, 2304}, {19, 96}};
     for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
@@ -614,7 +617,6 @@ Test(matmul, bf16act_decode_rounds_x_and_keeps_each_tokens_bits) {
         const int Ts[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 33, 70, 300};
         for (size_t k = 0; k < sizeof Ts / sizeof Ts[0]; k++) {
             const int T = Ts[k];
-            if (T >= 64 && !kern_bf16_tiles()) continue; /* kern_matmul_w from 64 */
             for (int i = 0; i < T * rows; i++)
                 y[i] = NAN;
             kern_matmul_w_bf16act(&kw, x, T, y, rows, r0, r1, scratch);
@@ -643,6 +645,7 @@ Test(matmul, bf16act_decode_rounds_x_and_keeps_each_tokens_bits) {
                 }
                 cr_assert(isnan(y[(size_t)t * rows + r0 - 1]) && isnan(y[(size_t)t * rows + r1]),
                           "rows outside [r0, r1) written");
+                if (T >= 64 && !kern_bf16_tiles()) continue; /* the GEMM's, below */
                 /* alone, and with the rows cut in two on an eight-row
                  * boundary (as the CPU backend cuts): the same bits */
                 for (int r = 0; r < rows; r++)
@@ -654,6 +657,18 @@ Test(matmul, bf16act_decode_rounds_x_and_keeps_each_tokens_bits) {
                              0, "[%d, %d]: token %d of %d differs from its lone product", rows,
                              in, t, T);
             }
+            if (T < 64 || kern_bf16_tiles()) continue;
+            /* the GEMM: tokens [1, T) as a call of their own, the rows cut
+             * in two on an eight-row boundary, give each token its bits */
+            for (int i = 0; i < T * rows; i++)
+                ye[i] = NAN;
+            kern_matmul_w_bf16act(&kw, x + in, T - 1, ye, rows, r0, r0 + 8, scratch);
+            kern_matmul_w_bf16act(&kw, x + in, T - 1, ye, rows, r0 + 8, r1, scratch);
+            for (int t = 1; t < T; t++)
+                cr_assert_eq(memcmp(ye + (size_t)(t - 1) * rows + r0, y + (size_t)t * rows + r0,
+                                    (size_t)(r1 - r0) * sizeof(float)),
+                             0, "[%d, %d]: token %d of %d differs among other tokens", rows, in,
+                             t, T);
         }
         free(w);
         free(wf);

@@ -1099,7 +1099,7 @@ static void gemm_bf16x(const kern_gemm_w *w, int in, const float *x, int ldx, in
     int configured = 0; /* the tokens the tiles are configured for */
 #else
     const int tile = PANEL_TOKENS;
-    amx = false;
+    (void)amx; /* no tiles in this build */
 #endif
     /* the tokens whose rounded x fits the rest of the scratch, in steps of
      * a tile (at least one step of 12): each block's x is rounded once,

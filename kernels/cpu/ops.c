@@ -1079,7 +1079,8 @@ void kern_matmul_w_bf16act(const kern_weight *w, const float *x, int T, float *y
         return;
     }
 #endif
-    if (w->dt == KERN_BF16 && in % 32 == 0 && scratch && T > 0 && T < 64 && r1 > r0) {
+    if (w->dt == KERN_BF16 && in % 32 == 0 && scratch && T > 0 && T < MATMUL_GEMM_MIN_T &&
+        r1 > r0) {
         /* x rounded to bf16 (nearest even) in column order, [T, in] */
         uint16_t *xb = (uint16_t *)scratch;
         for (int t = 0; t < T; t++)
@@ -1089,6 +1090,19 @@ void kern_matmul_w_bf16act(const kern_weight *w, const float *x, int T, float *y
                 _mm512_storeu_si512((void *)(xb + (size_t)t * in + i), (__m512i)v);
             }
         dot8_bf16act(w->data, in, xb, T, r0, r1, y, ldy, w->prefetch_rows_ahead);
+        return;
+    }
+    /* From MATMUL_GEMM_MIN_T tokens (a batched step of 64 sequences and
+     * more), the prefill's vdpbf16ps GEMM, as the exact products take
+     * the exact GEMM there: before, these went to the exact GEMM, at
+     * half the multiply-adds per second (wide --bf16 --seqs 64 on a Zen
+     * 4, docs/benchmarks.md "A batched step of 64 under --bf16"). Each
+     * (row, token) sum is then one chain over the columns in order,
+     * whatever the tokens beside it, but not dot8_bf16act's chain: a step
+     * keeps the bits of its sequences' lone products below 64 tokens, as
+     * the exact mode does. */
+    if (w->dt == KERN_BF16 && scratch && T > 0 && r1 > r0) {
+        kern__gemm_bf16act(w->data, in, x, T, y, ldy, r0, r1, scratch);
         return;
     }
 #endif
