@@ -680,6 +680,36 @@ Test(matmul, bf16act_decode_rounds_x_and_keeps_each_tokens_bits) {
     }
 }
 
+/* kern_matmul_w_bf16act below 64 tokens on a width that is not a
+ * multiple of 32 (no eight-row loop for it) and not on AMX tiles: "anything
+ * else", kern_matmul_w, bit for bit, not the GEMM that takes 64 tokens and
+ * more. */
+Test(matmul, bf16act_ragged_width_below_64_tokens_is_kern_matmul_w) {
+    if (kern_bf16_tiles()) cr_skip_test("AMX tiles take every width here");
+    const int rows = 21, in = 100, T = 5;
+    float *wf = malloc((size_t)rows * in * sizeof(float));
+    float *x = malloc((size_t)T * in * sizeof(float));
+    float *y = malloc((size_t)T * rows * sizeof(float));
+    float *ye = malloc((size_t)T * rows * sizeof(float));
+    float *scratch = malloc(kern_matmul_scratch_floats(in) * sizeof(float));
+    cr_assert(wf && x && y && ye && scratch);
+    uint16_t *w = make_w(KERN_BF16, rows, in, wf, 0x5a11ull);
+    uint64_t seed = 99;
+    for (int i = 0; i < T * in; i++)
+        x[i] = unit(&seed) * 3.0f;
+    const kern_weight kw = {.dt = KERN_BF16, .data = w, .rows = rows, .cols = in};
+    kern_matmul_w_bf16act(&kw, x, T, y, rows, 0, rows, scratch);
+    kern_matmul_w(&kw, x, T, ye, rows, 0, rows, scratch);
+    cr_assert_eq(memcmp(y, ye, (size_t)T * rows * sizeof(float)), 0,
+                 "[%d, %d], %d tokens: not kern_matmul_w", rows, in, T);
+    free(w);
+    free(wf);
+    free(x);
+    free(y);
+    free(ye);
+    free(scratch);
+}
+
 /* kern_weight's exact_tiles (kern__amx_rows_split where the CPU has AMX
  * tiles): every output within f32 summation error of a double sum of the
  * exact products (x not rounded: a rounding of x to bf16 would miss it by

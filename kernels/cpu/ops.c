@@ -1101,7 +1101,7 @@ void kern_matmul_w_bf16act(const kern_weight *w, const float *x, int T, float *y
      * whatever the tokens beside it, but not dot8_bf16act's chain: a step
      * keeps the bits of its sequences' lone products below 64 tokens, as
      * the exact mode does. */
-    if (w->dt == KERN_BF16 && scratch && T > 0 && r1 > r0) {
+    if (w->dt == KERN_BF16 && scratch && T >= MATMUL_GEMM_MIN_T && r1 > r0) {
         kern__gemm_bf16act(w->data, in, x, T, y, ldy, r0, r1, scratch);
         return;
     }
