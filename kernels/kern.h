@@ -84,9 +84,10 @@ typedef struct kern_weight {
     /* A hint too: a bf16 product of 2 to 8 tokens prefetches each row's
      * lines ahead of where it reads them, as from 9 tokens on, rather than
      * the next eight rows in the order they lie (false, where unset). The
-     * order they lie made a Zen 4 16-45% faster and an Intel Xeon 15-30%
-     * slower (docs/benchmarks.md, "AMX tiles for --bf16"). Never a change
-     * in the results. kern_prefetch_rows_ahead() gives this CPU's. */
+     * order they lie made a Zen 4 16-45% faster, and an Intel Xeon 15-30%
+     * and a Zen 5 up to a third slower (docs/benchmarks.md, "AMX tiles
+     * for --bf16", "A Zen 5 at today's head"). Never a change in the
+     * results. kern_prefetch_rows_ahead() gives this CPU's. */
     bool prefetch_rows_ahead;
     /* Not a hint: this changes the bits. Where the CPU has AMX tiles (and
      * the build can use them), the exact products of this bf16 matrix of
@@ -119,10 +120,11 @@ typedef struct kern_weight {
  * best on a Zen 5). Thread-safe: reads CPUID, keeps nothing. */
 int kern_stream_prefetch_bytes(void);
 
-/* The prefetch_rows_ahead that suits this CPU: false on AMD (the rows in
- * the order they lie; measured on a Zen 4), true elsewhere (measured on
- * an Intel Xeon). Thread-safe: reads CPUID (so call it once, not per
- * product: in a VM each CPUID traps to the host), keeps nothing. */
+/* The prefetch_rows_ahead that suits this CPU: false on AMD family 19h
+ * (the rows in the order they lie; measured on a Zen 4), true elsewhere
+ * (measured on an Intel Xeon and a Zen 5). Thread-safe: reads CPUID (so
+ * call it once, not per product: in a VM each CPUID traps to the host),
+ * keeps nothing. */
 bool kern_prefetch_rows_ahead(void);
 
 /* The byte layout of a weight: the one place the size of a format is
