@@ -85,7 +85,7 @@ typedef struct kern_weight {
      * lines ahead of where it reads them, as from 9 tokens on, rather than
      * the next eight rows in the order they lie (false, where unset). The
      * order they lie made a Zen 4 16-45% faster, and an Intel Xeon 15-30%
-     * and a Zen 5 up to a third slower (docs/benchmarks.md, "AMX tiles
+     * and a Zen 5 up to 40% slower (docs/benchmarks.md, "AMX tiles
      * for --bf16", "A Zen 5 at today's head"). Never a change in the
      * results. kern_prefetch_rows_ahead() gives this CPU's. */
     bool prefetch_rows_ahead;

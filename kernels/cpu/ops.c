@@ -61,8 +61,8 @@ int kern_stream_prefetch_bytes(void) { return amd_family() == 0x19u ? 0 : DOT_T1
 
 /* In order on AMD family 19h (a Zen 4; its Zen 3 parts have no AVX-512,
  * where the hint is unused); each row's lines ahead elsewhere: an Intel
- * Xeon, and a Zen 5 (family 1Ah), where 2 to 8 tokens of [4096, 2304]
- * from memory read up to 1.5x faster that way (docs/benchmarks.md, "A
+ * Xeon, and a Zen 5 (family 1Ah), where 4 to 8 tokens of [4096, 2304]
+ * from memory read 1.1-1.7x faster that way (docs/benchmarks.md, "A
  * Zen 5 at today's head"). */
 bool kern_prefetch_rows_ahead(void) { return amd_family() != 0x19u; }
 
@@ -320,8 +320,8 @@ static void dot_row(kern_dtype dt, const void *row, int in, const float *x, int 
  * --bf16, 4 to 8 tokens +16-17%. From 12 tokens on the products are
  * bound by arithmetic, and 16 under --bf16 lost 9% (18.4 -> 16.6). Not
  * where kern_weight's prefetch_rows_ahead says the CPU does better
- * without (an Intel Xeon: 15-30% slower in order; a Zen 5, up to a
- * third). */
+ * without (an Intel Xeon: 15-30% slower in order; a Zen 5, up to
+ * 40%). */
 #define DOT_IN_ORDER_MAX_T 8
 
 /* The in-order prefetch of the loops below: of the next eight rows
