@@ -651,9 +651,41 @@ static void bench_usage(FILE *f) {
                "AVX-512 BF16, or AMX tiles where the CPU has them: the `device` line says\n"
                "which; a lone decode stays exact), on a GPU the products above 8\n"
                "rows (default: split into bf16 hi + lo). --gpu-bf16 is its old name.\n\n"
+               "On the CPU the prefill is also given in GFLOP/s (two a multiply-add of its\n"
+               "matrix products, the lm_head once) against the machine's multiply-add peak\n"
+               "measured in the same run on as many threads (24 chains of f32 FMAs; with\n"
+               "--bf16 also of AVX-512 BF16 dot products, about twice as many): the bound\n"
+               "of a prefill, as the memory's read is decode's.\n\n"
                "--gen PRESET benchmarks a model generated on the GPU itself (gen-model's\n"
                "weights for that preset and --seed, default 1; no files: e.g. the 98 GB\n"
                "kimi-linear-48b). Needs --device cuda (implied). Presets: see gen-model.\n");
+}
+
+/* The prefill's multiply-adds (eng_model_prefill_madds) at the best and
+ * median runs' speed, against the machine's multiply-add peak measured
+ * now on the same threads: f32 FMAs, and with bf16 (--bf16 where the
+ * build has the dot products) vdpbf16ps too, whose peak is about twice
+ * as many multiply-adds. What decode's line does for the memory, for a
+ * prefill bound by arithmetic. */
+static void print_prefill_peak(const eng_model *m, int64_t pt, double best_tps,
+                               double median_tps, int threads, bool bf16) {
+    const double madds = eng_model_prefill_madds(m, pt) / (double)pt;
+    const double best = 2.0 * madds * best_tps / 1e9, median = 2.0 * madds * median_tps / 1e9;
+    printf("arithmetic   a prefill token multiply-adds %.1f M in products (the lm_head once): "
+           "%.1f GFLOP/s at the best run (median %.1f)\n",
+           madds / 1e6, best, median);
+    for (int dp = 0; dp <= (bf16 ? 1 : 0); dp++) {
+        double peak = 0.0;
+        kds_err err = {0};
+        if (eng_madd_peak(threads, dp == 1, 3, &peak, &err) != KDS_OK || peak <= 0) {
+            printf("             no multiply-add peak this run: %s\n", err.msg);
+            continue;
+        }
+        printf("             %s peak on %d threads, this run: %.0f GFLOP/s (best of 3 runs) -> "
+               "prefill at %.0f%% of it (median %.0f%%)\n",
+               dp ? "vdpbf16ps (bf16 pairs)" : "f32 FMA", threads, peak, 100.0 * best / peak,
+               100.0 * median / peak);
+    }
 }
 
 #define MAX_SEQ_COUNTS 16
@@ -997,6 +1029,9 @@ int cmd_bench(int argc, char **argv) {
            "median %.1f; %.3f ms/token)\n",
            dec[reps - 1], (long long)gt, (long long)reps, dec[reps / 2],
            dec[reps - 1] > 0 ? 1000.0 / dec[reps - 1] : 0.0);
+    if (eng_ctx_device_kind(c) == ENG_DEVICE_CPU && pre[reps - 1] > 0)
+        print_prefill_peak(m, pt, pre[reps - 1], pre[reps / 2], eng_ctx_threads(c),
+                           gpu_bf16 && eng_cpu_bf16_products());
     if (want_bw) {
         /* what the decode read per token (at its middle position), against
          * a streaming read of the machine's memory measured now */

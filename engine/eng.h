@@ -156,6 +156,17 @@ typedef struct eng_decode_bytes {
 } eng_decode_bytes;
 eng_decode_bytes eng_model_decode_bytes(const eng_model *m, int64_t pos);
 
+/* The multiply-adds of a prefill of `tokens` tokens (>= 1) in its matrix
+ * products: the figure a prefill bound by arithmetic is judged by against
+ * the machine's multiply-add peak (eng_madd_peak). Every matrix's rows x
+ * columns for each token, but of each MoE layer's routed experts top-k of
+ * E, none of the embedding table (a lookup; unless it is also the
+ * lm_head), and the lm_head once: a prefill's logits are its last
+ * token's. Left out: the attention's own arithmetic (KDA's chunks, MLA's
+ * scores over the context), the small vectors, and a block format's
+ * decoding. */
+double eng_model_prefill_madds(const eng_model *m, int64_t tokens);
+
 /* Create a fresh sequence (position 0, zero state, RNG seeded with `seed`).
  * Caller owns *out: free with eng_seq_free. */
 kds_status eng_seq_create(const eng_model *m, uint64_t seed, eng_seq **out, kds_err *err);
@@ -313,6 +324,18 @@ kds_status eng_membw_create(int n_threads, size_t bytes, eng_membw **out, kds_er
 double eng_membw_read(eng_membw *b, int reps);
 void eng_membw_free(eng_membw *b);
 size_t eng_read_bandwidth_default_bytes(void);
+/*
+ * The machine's multiply-add peak in GFLOP/s (two flops a multiply-add) on
+ * n_threads threads (1..64): 24 independent chains of register-only f32
+ * FMAs per thread (kern_madd_chains), or with bf16 AVX-512 BF16 dot
+ * products, the best of `reps` (>= 1) runs of about 50 ms. What a prefill
+ * is judged against (`kdaserve bench` prints both), as decode is against
+ * eng_read_bandwidth. Starts and ends a thread pool. Errors:
+ * KDS_INVALID_ARG; KDS_UNSUPPORTED where the build has no such loop
+ * (neither AVX-512 nor AVX2 with FMA; bf16 without AVX512_BF16);
+ * KDS_NOMEM.
+ */
+kds_status eng_madd_peak(int n_threads, bool bf16, int reps, double *gflops, kds_err *err);
 /* The largest CPU cache's size in bytes (sysfs; 0 when unknown). */
 size_t eng_llc_bytes(void);
 /* Whether the CPU backend can honour eng_ctx_params.bf16_act: this build

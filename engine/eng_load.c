@@ -984,6 +984,28 @@ eng_decode_bytes eng_model_decode_bytes(const eng_model *m, int64_t pos) {
     return b;
 }
 
+double eng_model_prefill_madds(const eng_model *m, int64_t tokens) {
+    const eng_config *c = &m->cfg;
+    double per_token = 0.0; /* every matrix but the embedding and the lm_head */
+    for (int i = 1; i < m->n_weights; i++) {
+        const eng_weight *w = m->weights[i];
+        per_token += (double)w->rows * w->cols;
+    }
+    if (m->embed_tokens.rows > 0) per_token -= (double)m->embed_tokens.rows * m->embed_tokens.cols;
+    if (m->lm_head.id != m->embed_tokens.id)
+        per_token -= (double)m->lm_head.rows * m->lm_head.cols;
+    const int E = c->num_experts, k = c->num_experts_per_token;
+    for (int l = 0; l < m->n_moe && E > 0; l++) {
+        const eng_ffn_weights *f = m->banks[l];
+        double bank = 0.0;
+        for (int e = 0; e < E; e++)
+            bank += (double)f->w1[e].rows * f->w1[e].cols + (double)f->w3[e].rows * f->w3[e].cols +
+                    (double)f->w2[e].rows * f->w2[e].cols;
+        per_token -= bank * (1.0 - (double)k / E);
+    }
+    return per_token * (double)tokens + (double)m->lm_head.rows * m->lm_head.cols;
+}
+
 const char *eng_model_dir(const eng_model *m) {
     return m->dir;
 }

@@ -6,6 +6,8 @@
  * pages where the kernel gives them (as the weights are held: see
  * eng_weights_mode), since 4 KiB pages read 15-20% slower in this
  * machine's fast minutes and the read is the best the memory can do.
+ * And the machine's multiply-add peak, what a prefill is measured
+ * against the same way (eng_madd_peak).
  */
 #define _GNU_SOURCE
 #include <stdio.h>
@@ -146,3 +148,56 @@ kds_status eng_read_bandwidth(int n_threads, size_t bytes, int reps, double *gbs
 bool eng_cpu_bf16_products(void) { return kern_bf16_products(); }
 
 bool eng_cpu_bf16_tiles(void) { return kern_bf16_tiles(); }
+
+/* ------------------------------------------------------------------------ */
+/* The multiply-add peak                                                     */
+
+/* Tasks of `iters` rounds each: many small ones, so that a thread the pool
+ * wakes late still gets its share. */
+#define PEAK_TASKS 64
+
+typedef struct peak_job {
+    bool bf16;
+    long iters;
+    float sink[PEAK_TASKS]; /* a sum per task, so that no chain is dead */
+} peak_job;
+
+static void peak_task(void *arg, int task, int thread) {
+    peak_job *j = arg;
+    (void)thread;
+    j->sink[task] = kern_madd_chains(j->bf16, j->iters);
+}
+
+kds_status eng_madd_peak(int n_threads, bool bf16, int reps, double *gflops, kds_err *err) {
+    if (!gflops) return kds_err_set(err, KDS_INVALID_ARG, "eng_madd_peak: no output");
+    *gflops = 0.0;
+    if (n_threads < 1 || n_threads > 64 || reps < 1)
+        return kds_err_set(err, KDS_INVALID_ARG,
+                           "eng_madd_peak: %d threads, %d repeats (want 1..64, >= 1)", n_threads,
+                           reps);
+    const int per_round = kern_madd_per_round(bf16);
+    if (per_round == 0)
+        return kds_err_set(err, KDS_UNSUPPORTED,
+                           bf16 ? "this build has no AVX-512 BF16 dot products"
+                                : "this build has no vector FMAs (AVX-512, or AVX2 with FMA)");
+    eng_pool *pool = NULL;
+    if (n_threads > 1) {
+        const kds_status rc = eng_pool_create(n_threads, &pool, err);
+        if (rc != KDS_OK) return rc;
+    }
+    /* about 50 ms a run at 100 GFLOP/s a thread; a faster core is done sooner */
+    peak_job j = {.bf16 = bf16, .iters = (long)(5e9 * n_threads / PEAK_TASKS / per_round / 2)};
+    if (j.iters < 1) j.iters = 1;
+    for (int r = 0; r <= reps; r++) { /* the first run wakes the cores: not counted */
+        const double t0 = now_s();
+        if (pool)
+            eng_pool_run(pool, peak_task, &j, PEAK_TASKS);
+        else
+            for (int t = 0; t < PEAK_TASKS; t++) peak_task(&j, t, 0);
+        const double dt = now_s() - t0;
+        const double g = 2.0 * per_round * (double)j.iters * PEAK_TASKS / dt / 1e9;
+        if (r > 0 && dt > 0 && j.sink[0] == j.sink[0] && g > *gflops) *gflops = g;
+    }
+    eng_pool_free(pool);
+    return KDS_OK;
+}

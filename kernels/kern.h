@@ -173,6 +173,17 @@ void kern_to_f32(kern_dtype dt, const void *src, float *dst, size_t n);
  * machine's read bandwidth, which decode is judged against. */
 uint64_t kern_read_sum(const void *p, size_t n);
 
+/* The multiply-add peak (kernels/cpu/peak.c): `iters` rounds of 24
+ * independent chains of register-only multiply-adds, what the arithmetic-
+ * bound products are judged against. bf16 false: f32 FMAs (AVX-512 or
+ * AVX2); true: AVX-512 BF16 dot products (vdpbf16ps, a pair of products
+ * a lane: the --bf16 products' instruction). Returns a sum of the chains,
+ * so that they cannot be left out. kern_madd_per_round: the multiply-adds
+ * of one round, 0 where the build has no such loop (then kern_madd_chains
+ * does nothing). Pure functions of their arguments; any thread. */
+int kern_madd_per_round(bool bf16);
+float kern_madd_chains(bool bf16, long iters);
+
 /* ------------------------------------------------------------------------ */
 /* Dense products                                                            */
 

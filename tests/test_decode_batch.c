@@ -15,6 +15,7 @@
 #include "eng.h"
 #include "eng_config.h"
 #include "eng_safetensors.h"
+#include "kern.h"
 #include "test_helpers.h"
 #include "test_model_util.h"
 #include "test_sess_util.h"
@@ -561,6 +562,70 @@ Test(decode_batch, decode_bytes_from_the_file) {
     close_fixture(&f);
 }
 
+/* A prefill's multiply-adds (eng_model_prefill_madds), counted here from
+ * the model file itself: rows x columns of every matrix (2-D tensor of
+ * more than one row and column) for each token, of the routed experts
+ * top-k of E, none of the embedding table, the lm_head once (or, tied,
+ * the embedding table once). */
+Test(decode_batch, prefill_madds_from_the_file) {
+    const char *presets[] = {"tiny-hybrid", "tiny"};
+    for (size_t p = 0; p < sizeof presets / sizeof presets[0]; p++) {
+        fixture f = open_preset(presets[p], 1, 16, 4);
+        const eng_config *cfg = eng_model_config(f.m);
+        char path[4096];
+        snprintf(path, sizeof path, "%s/model.safetensors", f.dir);
+        eng_st_file *st = NULL;
+        kds_err err = {0};
+        cr_assert_eq(eng_st_open(path, &st, &err), KDS_OK, "%s", err.msg);
+        double per_token = 0.0, experts = 0.0, embed = 0.0, head = 0.0;
+        for (size_t i = 0; i < eng_st_count(st); i++) {
+            const eng_st_tensor *t = eng_st_at(st, i);
+            if (t->n_dims != 2 || t->shape[0] < 2 || t->shape[1] < 2) continue;
+            const double madds = (double)t->shape[0] * (double)t->shape[1];
+            if (strstr(t->name, "embed_tokens")) embed = madds;
+            else if (strstr(t->name, "lm_head")) head = madds;
+            else if (strstr(t->name, ".experts.")) experts += madds;
+            else per_token += madds;
+        }
+        eng_st_close(st);
+        cr_assert(experts > 0 && embed > 0, "%s has routed experts and an embedding", presets[p]);
+        per_token += experts * cfg->num_experts_per_token / cfg->num_experts;
+        const double once = head > 0 ? head : embed; /* tied: the embedding is the lm_head */
+        for (int64_t tokens = 1; tokens <= 512; tokens *= 8) {
+            const double want = per_token * (double)tokens + once;
+            const double got = eng_model_prefill_madds(f.m, tokens);
+            cr_expect(fabs(got - want) < 1e-9 * want, "%s, %lld tokens: %.0f, the file says %.0f",
+                      presets[p], (long long)tokens, got, want);
+        }
+        close_fixture(&f);
+    }
+}
+
+/* The multiply-add peak: a positive figure where the build has the loop,
+ * KDS_UNSUPPORTED where it does not, and arguments checked. */
+Test(decode_batch, madd_peak_measures_or_says_why_not) {
+    kds_err err = {0};
+    double g = -1.0;
+    cr_expect_eq(eng_madd_peak(0, false, 1, &g, &err), KDS_INVALID_ARG);
+    cr_expect(strstr(err.msg, "threads"), "%s", err.msg);
+    cr_expect_eq(eng_madd_peak(1, false, 0, &g, &err), KDS_INVALID_ARG);
+    cr_expect_eq(eng_madd_peak(1, false, 1, NULL, &err), KDS_INVALID_ARG);
+    for (int bf16 = 0; bf16 <= 1; bf16++) {
+        err = (kds_err){0};
+        g = -1.0;
+        const kds_status rc = eng_madd_peak(2, bf16, 1, &g, &err);
+        if (kern_madd_per_round(bf16) == 0) {
+            cr_expect_eq(rc, KDS_UNSUPPORTED, "bf16 %d: %s", bf16, err.msg);
+            cr_expect(g == 0.0 && strstr(err.msg, "this build has no"), "%s", err.msg);
+        } else {
+            cr_expect_eq(rc, KDS_OK, "bf16 %d: %s", bf16, err.msg);
+            cr_expect(g > 1.0 && g < 1e6, "bf16 %d: %.1f GFLOP/s", bf16, g);
+        }
+    }
+    cr_expect(eng_cpu_bf16_products() == (kern_madd_per_round(true) > 0),
+              "the bf16 peak's loop is there exactly where the bf16 products are");
+}
+
 /* bench prints that figure against a streaming read measured in the run. */
 Test(decode_batch, bench_prints_bandwidth, .timeout = 120) {
     fixture f = open_preset("tiny", 1, 16, 4);
@@ -579,6 +644,24 @@ Test(decode_batch, bench_prints_bandwidth, .timeout = 120) {
     cr_assert(line, "no bandwidth line in:\n%s", out);
     cr_assert_eq(sscanf(line, "streaming read of 64 MiB on 1 threads, this run: %lf", &bw), 1);
     cr_expect(bw > 0.1, "%.120s", line);
+    /* and the prefill against the multiply-add peak */
+    line = strstr(out, "arithmetic   a prefill token multiply-adds ");
+    cr_assert(line, "no arithmetic line in:\n%s", out);
+    double mm = 0, gflops = 0, peak = 0;
+    cr_assert_eq(sscanf(line, "arithmetic   a prefill token multiply-adds %lf M in products (the "
+                              "lm_head once): %lf GFLOP/s", &mm, &gflops), 2, "%.160s", line);
+    const double want_mm = eng_model_prefill_madds(f.m, 5) / 5 / 1e6;
+    cr_expect(fabs(mm - want_mm) < 0.051 && gflops > 0, "%.1f M, want %.2f: %.160s", mm, want_mm,
+              line);
+    if (kern_madd_per_round(false) > 0) {
+        line = strstr(out, "f32 FMA peak on 1 threads, this run: ");
+        cr_assert(line, "no peak line in:\n%s", out);
+        cr_assert_eq(sscanf(line, "f32 FMA peak on 1 threads, this run: %lf", &peak), 1);
+        cr_expect(peak > 1.0 && strstr(line, "-> prefill at "), "%.120s", line);
+    } else {
+        cr_expect(strstr(out, "no multiply-add peak this run: this build has no"), "%s", out);
+    }
+    cr_expect(!strstr(out, "vdpbf16ps"), "no bf16 peak without --bf16:\n%s", out);
     cr_expect(strstr(out, "(best of 3)") && !strstr(out, "each decode run"),
               "tiny fits in the cache: one read after the runs, no pairs:\n%s", out);
     /* a read buffer the machine cannot give: said, and the bench stands */

@@ -642,91 +642,38 @@ static void bench_decode_attention(void) {
 }
 
 /* (h) Batched decode's products. The FMA peak first: 24 independent
- * chains of register-only fmas per thread (the most this core's FMA pipes
- * retire), PEAK_LANES lanes x 2 flops each. Without FMA the peak is not
- * measured and the percentages of (h) are left out. */
-#if defined(__AVX512F__)
-typedef __m512 peak_vec;
-#define PEAK_LANES 16
-#define peak_set1 _mm512_set1_ps
-#define peak_fmadd _mm512_fmadd_ps
-#elif defined(__FMA__)
-typedef __m256 peak_vec;
-#define PEAK_LANES 8
-#define peak_set1 _mm256_set1_ps
-#define peak_fmadd _mm256_fmadd_ps
-#else
-#define PEAK_LANES 0
-#endif
+ * chains of register-only fmas per thread (kern_madd_chains, the loop
+ * `kdaserve bench` judges a prefill by), two flops a multiply-add. Without
+ * FMA the peak is not measured and the percentages of (h) are left out. */
 
-/* PEAK_TASKS tasks of `iters` steps each, small enough that a thread the
+/* PEAK_TASKS tasks of `iters` rounds each, small enough that a thread the
  * pool wakes late still gets its share. */
 #define PEAK_TASKS 64
 typedef struct peak_job {
+    bool dp; /* vdpbf16ps, not f32 FMAs */
     long iters;
     float sink[PEAK_TASKS]; /* a sum per task, so that the chains are not optimised away */
 } peak_job;
 
-#if PEAK_LANES
-#define PEAK_CHAINS(M)                                                                             \
-    M(0) M(1) M(2) M(3) M(4) M(5) M(6) M(7) M(8) M(9) M(10) M(11) M(12) M(13) M(14) M(15) M(16)   \
-        M(17) M(18) M(19) M(20) M(21) M(22) M(23)
-#define PEAK_DECL(i) peak_vec a##i = peak_set1(0.001f * (i));
-#define PEAK_FMA(i) a##i = peak_fmadd(a##i, m, c);
-#define PEAK_ADD(i) memcpy(lanes, &a##i, sizeof lanes), s += lanes[0];
-#endif
-
-#if defined(__AVX512BF16__)
-/* The same 24 chains of vdpbf16ps (a pair of bf16 products a lane). */
-#define PEAK_DP_DECL(i) __m512 d##i = _mm512_set1_ps(0.001f * (i));
-#define PEAK_DP(i) d##i = _mm512_dpbf16_ps(d##i, mb, cb);
-#define PEAK_DP_ADD(i) memcpy(lanes, &d##i, sizeof lanes), s += lanes[0];
-static void peak_dp_task(void *arg, int task, int thread) {
-    peak_job *j = arg;
-    (void)thread;
-    PEAK_CHAINS(PEAK_DP_DECL)
-    const __m512bh mb = (__m512bh)_mm512_set1_epi16(0x3f80), cb = (__m512bh)_mm512_set1_epi16(0x3580);
-    for (long n = 0; n < j->iters; n++) {
-        PEAK_CHAINS(PEAK_DP)
-    }
-    float s = 0, lanes[16];
-    PEAK_CHAINS(PEAK_DP_ADD)
-    j->sink[task] = s;
-}
-#endif
-
 static void peak_task(void *arg, int task, int thread) {
     peak_job *j = arg;
     (void)thread;
-#if PEAK_LANES
-    PEAK_CHAINS(PEAK_DECL)
-    const peak_vec m = peak_set1(0.9999f), c = peak_set1(1e-6f);
-    for (long n = 0; n < j->iters; n++) {
-        PEAK_CHAINS(PEAK_FMA)
-    }
-    float s = 0, lanes[PEAK_LANES];
-    PEAK_CHAINS(PEAK_ADD)
-    j->sink[task] = s;
-#else
-    j->sink[task] = 0;
-#endif
+    j->sink[task] = kern_madd_chains(j->dp, j->iters);
 }
 
 /* GFLOP/s of `threads` threads of peak_task, the best of g_runs: a peak
- * is what the cores do when nothing else takes them. */
+ * is what the cores do when nothing else takes them. 0 where the build
+ * has no such loop. */
 static double fma_peak_of(int threads, bool dp) {
+    const int per_round = kern_madd_per_round(dp);
     double best = 0;
+    if (per_round == 0) return 0;
     for (int run = 0; run <= g_runs; run++) {
-        peak_job j = {g_quick ? 50000 : 250000, {0}};
+        peak_job j = {dp, g_quick ? 50000 : 250000, {0}};
         const double t0 = now_s();
-#if defined(__AVX512BF16__)
-        run_tasks(threads, dp ? peak_dp_task : peak_task, &j, PEAK_TASKS);
-#else
         run_tasks(threads, peak_task, &j, PEAK_TASKS);
-#endif
         const double dt = now_s() - t0;
-        const double gflops = (dp ? 2.0 : 1.0) * 24.0 * 2 * PEAK_LANES * (double)j.iters *
-                              PEAK_TASKS / dt / 1e9;
+        const double gflops = 2.0 * per_round * (double)j.iters * PEAK_TASKS / dt / 1e9;
         if (run > 0 && gflops > best) best = gflops;
     }
     return best;
