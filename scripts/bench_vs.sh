@@ -149,9 +149,12 @@ run_kds() {
     awk '$1 == "prefill" {p = $2} $1 == "decode" {d = $2}
         /-> decode at [0-9.]+% of it/ { s = $0; sub(/.*-> decode at /, "", s); sub(/%.*/, "", s); one = s }
         /reads just before and after it:/ { s = $0; sub(/.*after it: /, "", s); sub(/%.*/, "", s); pair = s }
+        /a prefill token multiply-adds/ { s = $0; sub(/.*multiply-adds /, "", s); sub(/ M.*/, "", s); madds = s }
+        /f32 FMA peak on/ { s = $0; sub(/.*this run: /, "", s); sub(/ GFLOP.*/, "", s); peak = s }
         END {
         if (p == "" || d == "") exit 1
-        print p, d, pair != "" ? pair : one != "" ? one : "-" }' "$tmp/kds.out" ||
+        print p, d, pair != "" ? pair : one != "" ? one : "-", madds != "" ? madds : "-",
+            peak != "" ? peak : "-" }' "$tmp/kds.out" ||
         die "cannot read kdaserve bench's output: $(cat "$tmp/kds.out")"
 }
 
@@ -229,13 +232,20 @@ for ((r = 1; r <= rounds; r++)); do
         kres=$(run_kds)
         ((nobf16)) || bres=$(run_kds --bf16)
     fi
-    read -r kp kd kr <<<"$kres"
+    read -r kp kd kr km kpk <<<"$kres"
     read -r bp _ <<<"$bres"
     read -r lp ld <<<"$lres"
     rp=$(awk -v a="$kp" -v b="$lp" 'BEGIN { printf "%.3f", a / b }')
     rb=$(awk -v a="$bp" -v b="$lp" 'BEGIN { printf "%.3f", a / b }')
     rd=$(awk -v a="$kd" -v b="$ld" 'BEGIN { printf "%.3f", a / b }')
-    echo "$kp $lp $kd $ld $rp $rd $bp $rb $kr" >>"$tmp/rounds"
+    # each engine's prefill as a share of the f32 FMA peak of kdaserve's
+    # exact run: the products' multiply-adds a token (kdaserve's count,
+    # the same weights for both) at each engine's tokens/s
+    if [[ $km == - || $kpk == - ]]; then kf=-; lf=-; else
+        kf=$(awk -v t="$kp" -v m="$km" -v g="$kpk" 'BEGIN { printf "%.1f", 100 * t * m * 2e-3 / g }')
+        lf=$(awk -v t="$lp" -v m="$km" -v g="$kpk" 'BEGIN { printf "%.1f", 100 * t * m * 2e-3 / g }')
+    fi
+    echo "$kp $lp $kd $ld $rp $rd $bp $rb $kr $kf $lf" >>"$tmp/rounds"
     # without the --bf16 run its two columns say so, not 0.0
     if ((nobf16)); then bcol=-; bx=-; else bcol=$(printf '%.1f' "$bp"); bx=${rb}x; fi
     if [[ $kr == - ]]; then kcol=-; else kcol=$kr%; fi
@@ -260,6 +270,13 @@ if awk '$9 == "-" {bad = 1} END {exit bad}' "$tmp/rounds"; then
     printf 'kdaserve decode against the memory read of its own run: %.0f%% (median over the rounds; %s-%s%%)\n' \
         "$(col 9)" "$(awk '{print $9}' "$tmp/rounds" | sort -g | head -1)" \
         "$(awk '{print $9}' "$tmp/rounds" | sort -g | tail -1)"
+fi
+
+if awk '$10 == "-" {bad = 1} END {exit bad}' "$tmp/rounds"; then
+    echo
+    printf 'prefill against the f32 FMA peak measured in kdaserve'"'"'s run (the products'"'"' multiply-adds\n'
+    printf 'a token at each engine'"'"'s speed; medians): kdaserve exact %.0f%%, llama.cpp %.0f%%\n' \
+        "$(col 10)" "$(col 11)"
 fi
 
 # kdaserve bench --seqs: "N=8  together 66.4 (66.4)  one after another
