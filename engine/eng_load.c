@@ -965,45 +965,42 @@ static double weight_bytes(const eng_weight *w) {
     return (double)kern_weight_layout(w->dt, w->rows, w->cols).bytes;
 }
 
-eng_decode_bytes eng_model_decode_bytes(const eng_model *m, int64_t pos) {
-    const eng_config *c = &m->cfg;
-    eng_decode_bytes b = {0.0, 0.0};
-    for (int i = 1; i < m->n_weights; i++) b.weights += weight_bytes(m->weights[i]);
-    if (m->embed_tokens.id != m->lm_head.id && m->embed_tokens.rows > 0)
-        b.weights -= weight_bytes(&m->embed_tokens) * (1.0 - 1.0 / m->embed_tokens.rows);
-    const int E = c->num_experts, k = c->num_experts_per_token;
+static double weight_madds(const eng_weight *w) {
+    return (double)w->rows * w->cols;
+}
+
+/* measure summed over every matrix a token uses: all of them, but of each
+ * MoE layer's routed experts top-k of E (the embedding table and the
+ * lm_head whole: the callers say what a token takes of them) */
+static double token_sum(const eng_model *m, double (*measure)(const eng_weight *)) {
+    double sum = 0.0;
+    for (int i = 1; i < m->n_weights; i++) sum += measure(m->weights[i]);
+    const int E = m->cfg.num_experts, k = m->cfg.num_experts_per_token;
     for (int l = 0; l < m->n_moe && E > 0; l++) {
         const eng_ffn_weights *f = m->banks[l];
         double bank = 0.0;
         for (int e = 0; e < E; e++)
-            bank += weight_bytes(&f->w1[e]) + weight_bytes(&f->w3[e]) + weight_bytes(&f->w2[e]);
-        b.weights -= bank * (1.0 - (double)k / E);
+            bank += measure(&f->w1[e]) + measure(&f->w3[e]) + measure(&f->w2[e]);
+        sum -= bank * (1.0 - (double)k / E);
     }
-    const eng_state_size z = eng_config_state_size(c);
+    return sum;
+}
+
+eng_decode_bytes eng_model_decode_bytes(const eng_model *m, int64_t pos) {
+    eng_decode_bytes b = {token_sum(m, weight_bytes), 0.0};
+    if (m->embed_tokens.id != m->lm_head.id && m->embed_tokens.rows > 0)
+        b.weights -= weight_bytes(&m->embed_tokens) * (1.0 - 1.0 / m->embed_tokens.rows);
+    const eng_state_size z = eng_config_state_size(&m->cfg);
     b.state = 2.0 * (double)(z.kda_state + z.conv_state) + (double)z.per_token * (double)pos;
     return b;
 }
 
 double eng_model_prefill_madds(const eng_model *m, int64_t tokens) {
-    const eng_config *c = &m->cfg;
-    double per_token = 0.0; /* every matrix but the embedding and the lm_head */
-    for (int i = 1; i < m->n_weights; i++) {
-        const eng_weight *w = m->weights[i];
-        per_token += (double)w->rows * w->cols;
-    }
-    if (m->embed_tokens.rows > 0) per_token -= (double)m->embed_tokens.rows * m->embed_tokens.cols;
-    if (m->lm_head.id != m->embed_tokens.id)
-        per_token -= (double)m->lm_head.rows * m->lm_head.cols;
-    const int E = c->num_experts, k = c->num_experts_per_token;
-    for (int l = 0; l < m->n_moe && E > 0; l++) {
-        const eng_ffn_weights *f = m->banks[l];
-        double bank = 0.0;
-        for (int e = 0; e < E; e++)
-            bank += (double)f->w1[e].rows * f->w1[e].cols + (double)f->w3[e].rows * f->w3[e].cols +
-                    (double)f->w2[e].rows * f->w2[e].cols;
-        per_token -= bank * (1.0 - (double)k / E);
-    }
-    return per_token * (double)tokens + (double)m->lm_head.rows * m->lm_head.cols;
+    /* every matrix but the embedding (a lookup) and the lm_head, a token */
+    double per_token = token_sum(m, weight_madds);
+    if (m->embed_tokens.rows > 0) per_token -= weight_madds(&m->embed_tokens);
+    if (m->lm_head.id != m->embed_tokens.id) per_token -= weight_madds(&m->lm_head);
+    return per_token * (double)tokens + weight_madds(&m->lm_head);
 }
 
 const char *eng_model_dir(const eng_model *m) {

@@ -524,6 +524,22 @@ Test(decode_batch, bench_seqs_cli, .timeout = 120) {
     close_fixture(&f);
 }
 
+/* The fixture's model file, read by the safetensors reader alone (close
+ * with eng_st_close): what the counts below are checked against. */
+static eng_st_file *open_model_file(const fixture *f) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/model.safetensors", f->dir);
+    eng_st_file *st = NULL;
+    kds_err err = {0};
+    cr_assert_eq(eng_st_open(path, &st, &err), KDS_OK, "%s", err.msg);
+    return st;
+}
+
+/* A matrix: a 2-D tensor of more than one row and column. */
+static bool is_matrix(const eng_st_tensor *t) {
+    return t->n_dims == 2 && t->shape[0] >= 2 && t->shape[1] >= 2;
+}
+
 /* What a decoded token reads (eng_model_decode_bytes), counted here from
  * the model file itself: every matrix (2-D tensor of more than one row and
  * column), one embedding row, top-k of E of the routed experts; the state:
@@ -531,15 +547,11 @@ Test(decode_batch, bench_seqs_cli, .timeout = 120) {
 Test(decode_batch, decode_bytes_from_the_file) {
     fixture f = open_preset("tiny-hybrid", 1, 16, 4);
     const eng_config *cfg = eng_model_config(f.m);
-    char path[4096];
-    snprintf(path, sizeof path, "%s/model.safetensors", f.dir);
-    eng_st_file *st = NULL;
-    kds_err err = {0};
-    cr_assert_eq(eng_st_open(path, &st, &err), KDS_OK, "%s", err.msg);
+    eng_st_file *st = open_model_file(&f);
     double want = 0.0, experts = 0.0;
     for (size_t i = 0; i < eng_st_count(st); i++) {
         const eng_st_tensor *t = eng_st_at(st, i);
-        if (t->n_dims != 2 || t->shape[0] < 2 || t->shape[1] < 2) continue;
+        if (!is_matrix(t)) continue;
         if (strstr(t->name, "embed_tokens")) {
             want += (double)t->n_bytes / (double)t->shape[0];
             continue;
@@ -572,15 +584,11 @@ Test(decode_batch, prefill_madds_from_the_file) {
     for (size_t p = 0; p < sizeof presets / sizeof presets[0]; p++) {
         fixture f = open_preset(presets[p], 1, 16, 4);
         const eng_config *cfg = eng_model_config(f.m);
-        char path[4096];
-        snprintf(path, sizeof path, "%s/model.safetensors", f.dir);
-        eng_st_file *st = NULL;
-        kds_err err = {0};
-        cr_assert_eq(eng_st_open(path, &st, &err), KDS_OK, "%s", err.msg);
+        eng_st_file *st = open_model_file(&f);
         double per_token = 0.0, experts = 0.0, embed = 0.0, head = 0.0;
         for (size_t i = 0; i < eng_st_count(st); i++) {
             const eng_st_tensor *t = eng_st_at(st, i);
-            if (t->n_dims != 2 || t->shape[0] < 2 || t->shape[1] < 2) continue;
+            if (!is_matrix(t)) continue;
             const double madds = (double)t->shape[0] * (double)t->shape[1];
             if (strstr(t->name, "embed_tokens")) embed = madds;
             else if (strstr(t->name, "lm_head")) head = madds;
