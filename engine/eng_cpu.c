@@ -25,8 +25,8 @@
 #include "eng_pool.h"
 
 #define MAX_MM_JOBS 8
-/* The job table's size: block-format routed experts go out up to this many
- * products per dispatch (cpu_moe_experts); everything else up to
+/* The job table's size: routed experts go out up to this many products
+ * per dispatch (cpu_moe_experts); every other call (cpu_matmul) up to
  * MAX_MM_JOBS. */
 #define MAX_MM_TABLE 64
 #define MAX_MM_TASKS 1024
@@ -589,7 +589,6 @@ static void cpu_moe_experts(eng_backend *b, const eng_moe_args *a) {
      * -> 3.5-4.4% of perf's samples, tok/s within the machine's noise
      * (medians of four runs alternating 25.1-28.2 -> 25.6-28.6). */
     const bool block = E > 0 && kern_dtype_is_block(f->w1[0].dt);
-    const int max_jobs = MAX_MM_TABLE;
     const int per_thread = block ? 16 : 4, align = block ? 32 : 8;
     int work_T[MAX_MM_TABLE];
     /* Up projections of all active experts and the shared expert, in as few
@@ -603,7 +602,7 @@ static void cpu_moe_experts(eng_backend *b, const eng_moe_args *a) {
         int n_e = a->exp_off[e + 1] - a->exp_off[e];
         int plan_e = a->sched_rows ? a->sched_rows[e] : n_e;
         if (plan_e == 0) continue;
-        if (nj + 2 > max_jobs) {
+        if (nj + 2 > MAX_MM_TABLE) {
             run_mm_cut(c, nj, work_T, per_thread, align);
             nj = 0;
         }
@@ -622,7 +621,7 @@ static void cpu_moe_experts(eng_backend *b, const eng_moe_args *a) {
         int n_e = a->exp_off[e + 1] - a->exp_off[e];
         int plan_e = a->sched_rows ? a->sched_rows[e] : n_e;
         if (plan_e == 0) continue;
-        if (nj + 1 > max_jobs) {
+        if (nj + 1 > MAX_MM_TABLE) {
             run_mm_cut(c, nj, work_T, per_thread, align);
             nj = 0;
         }
