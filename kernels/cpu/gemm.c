@@ -311,6 +311,84 @@ static void pack_tokens(const float *x, size_t ldx, int mt, int in, float *xp) {
             xp[(size_t)c * PANEL_TOKENS + t] = x[(size_t)t * ldx + c];
 }
 
+/* Rows [r, r + nr) of the bf16 matrix W [rows, ld], columns [c0, c0 + kc),
+ * as the word panel P2 [ceil(kc / 2), 32] (rows nr..31 zero; an odd last
+ * column paired with 0): full blocks of 16 rows x 32 columns through
+ * transpose16 (no widening: the words stay bf16 pairs), the rest through
+ * gathers and single values. */
+static void pack_pairs(const uint16_t *W, size_t ld, int r, int nr, int c0, int kc, uint32_t *P2) {
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i idx = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)ld));
+    for (int h = 0; h < 2; h++) {
+        const int left = nr - 16 * h;
+        const __mmask16 m = left >= 16 ? 0xffff : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
+        const uint16_t *row = W + (size_t)(r + 16 * h) * ld + c0;
+        uint32_t *p = P2 + 16 * h;
+        int c = 0;
+        if (m == 0xffff)
+            for (; c + 32 <= kc; c += 32) {
+                __m512i a[16];
+                for (int i = 0; i < 16; i++)
+                    a[i] = _mm512_loadu_si512((const void *)(row + (size_t)i * ld + c));
+                transpose16(a);
+                for (int j = 0; j < 16; j++)
+                    _mm512_storeu_si512((void *)(p + (size_t)(c / 2 + j) * KERN_PANEL_ROWS), a[j]);
+            }
+        for (; c + 2 <= kc; c += 2)
+            _mm512_storeu_si512((void *)(p + (size_t)(c / 2) * KERN_PANEL_ROWS),
+                                _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, idx,
+                                                            row + c, 2));
+        if (c < kc)
+            for (int i = 0; i < 16; i++)
+                p[(size_t)(c / 2) * KERN_PANEL_ROWS + i] = i < left ? row[(size_t)i * ld + c] : 0u;
+    }
+}
+
+/* panel_tokens' packed form for a bf16 matrix's word panel P2
+ * [ceil(kc / 2), 32] (pack_pairs: row i's columns 2 c2 and 2 c2 + 1 as the
+ * low and high halves of a word): each pair of columns is one load per 16
+ * rows, widened in registers (shift: the even column, mask: the odd one)
+ * instead of in the panel. pack_panel widens and stores 32 floats a column;
+ * this panel is half the bytes and no widening, and the shift and the mask
+ * are 4 integer ops beside a pair's 48 fmas. The same fmas in the same
+ * order as panel_tokens', so the same bits. One wide matrix, `kds_cpu_bench
+ * --only i` (one thread, bf16 [2304, in], T = 64 and 256; six rounds
+ * alternating, Zen 5): 78-85% of the FMA peak -> 80-86% (median of the
+ * eight shapes' medians 80.9 -> 83.3%); in wide's exact prefill pack time
+ * 4.6% -> 3.2% of the samples (docs/benchmarks.md, "The prefill's panels
+ * as bf16 pairs"). x is packed [kc, 12] (pack_tokens). */
+static inline __attribute__((always_inline)) void
+pairs_tokens(const uint32_t *P2, int kc, const float *x, const int mt, float *y, int ldy, int nr,
+             bool accumulate, const kern_prefetch *pf) {
+    const __m512i hi_mask = _mm512_set1_epi32((int)0xffff0000u);
+    __m512 acc[PANEL_TOKENS][2];
+    __mmask16 m0, m1;
+    panel_masks(nr, &m0, &m1);
+    sums_start(acc, mt, y, ldy, m0, m1, accumulate);
+    pf_walk walk = pf_walk_start(pf, (kc + 1) / 2);
+    for (int c = 0; c < kc; c += 2, P2 += KERN_PANEL_ROWS, x += 2 * PANEL_TOKENS) {
+        pf_walk_column(&walk);
+        const __m512i v0 = _mm512_loadu_si512((const void *)P2);
+        const __m512i v1 = _mm512_loadu_si512((const void *)(P2 + 16));
+        const __m512 e0 = _mm512_castsi512_ps(_mm512_slli_epi32(v0, 16));
+        const __m512 e1 = _mm512_castsi512_ps(_mm512_slli_epi32(v1, 16));
+        for (int t = 0; t < mt; t++) {
+            const __m512 b = _mm512_set1_ps(x[t]);
+            acc[t][0] = _mm512_fmadd_ps(e0, b, acc[t][0]);
+            acc[t][1] = _mm512_fmadd_ps(e1, b, acc[t][1]);
+        }
+        if (c + 1 == kc) break; /* an odd last column: its pair's high half is 0 */
+        const __m512 o0 = _mm512_castsi512_ps(_mm512_and_si512(v0, hi_mask));
+        const __m512 o1 = _mm512_castsi512_ps(_mm512_and_si512(v1, hi_mask));
+        for (int t = 0; t < mt; t++) {
+            const __m512 b = _mm512_set1_ps(x[PANEL_TOKENS + t]);
+            acc[t][0] = _mm512_fmadd_ps(o0, b, acc[t][0]);
+            acc[t][1] = _mm512_fmadd_ps(o1, b, acc[t][1]);
+        }
+    }
+    sums_store(acc, mt, y, ldy, m0, m1);
+}
+
 #elif KERN_GEMM_SIMD
 /* ------------------------------------------------------------------------ */
 /* AVX2: 6 tokens x 16 rows                                                  */
@@ -513,6 +591,16 @@ static void pack_tokens(const float *x, size_t ldx, int mt, int in, float *xp) {
 PANEL_STEPS(PANEL_STEP)
 #define IN_PLACE_STEP(n) panel_tokens##n,
 #define PACKED_STEP(n) packed_tokens##n,
+#if defined(__AVX512F__)
+#define PAIRS_STEP(n)                                                                              \
+    static void pairs_tokens##n(const float *P, int kc, const float *x, int ldx, float *y,        \
+                                int ldy, int nr, bool accumulate, const kern_prefetch *pf) {      \
+        (void)ldx;                                                                                 \
+        pairs_tokens((const uint32_t *)P, kc, x, n, y, ldy, nr, accumulate, pf);                  \
+    }
+PANEL_STEPS(PAIRS_STEP)
+#define PAIRS_ENTRY(n) pairs_tokens##n,
+#endif
 
 typedef void (*panel_step_fn)(const float *, int, const float *, int, float *, int, int, bool,
                               const kern_prefetch *);
@@ -599,9 +687,32 @@ static void gemm_in_place(const kern_gemm_w *w, int in, const float *x, int ldx,
     }
 }
 
+/* The panel of rows [r, r + nr), columns [c0, c0 + kc) that kern__gemm's
+ * steps read: bf16 column pairs for pairs_tokens (pairs), else f32. */
+static void pack_step_panel(const kern_gemm_w *w, bool pairs, int r, int nr, int c0, int kc,
+                            float *P) {
+#if defined(__AVX512F__)
+    if (pairs) {
+        pack_pairs(w->data, (size_t)w->ld, r, nr, c0, kc, (uint32_t *)P);
+        return;
+    }
+#endif
+    (void)pairs;
+    pack_panel(w, r, nr, c0, kc, P);
+}
+
 void kern__gemm(const kern_gemm_w *w, int in, const float *x, int ldx, int T, float *y, int ldy,
                 int r0, int r1, bool accumulate, float *scratch, size_t scratch_floats) {
-    static const panel_step_fn step[PANEL_TOKENS + 1] = {NULL, PANEL_STEPS(PACKED_STEP)};
+    static const panel_step_fn widened[PANEL_TOKENS + 1] = {NULL, PANEL_STEPS(PACKED_STEP)};
+#if defined(__AVX512F__)
+    /* bf16 rows: panels of column pairs, widened in the kernel (pairs_tokens) */
+    static const panel_step_fn paired[PANEL_TOKENS + 1] = {NULL, PANEL_STEPS(PAIRS_ENTRY)};
+    const bool pairs = w->dt == KERN_BF16 && !w->cols_major;
+    const panel_step_fn *step = pairs ? paired : widened;
+#else
+    const bool pairs = false;
+    const panel_step_fn *step = widened;
+#endif
     const int kb = block_cols(in);
     const size_t panel = (size_t)KERN_PANEL_ROWS * kb, tile = (size_t)PANEL_TOKENS * kb;
     /* the tokens whose packed x fits the rest of the scratch, in steps of
@@ -630,7 +741,7 @@ void kern__gemm(const kern_gemm_w *w, int in, const float *x, int ldx, int T, fl
             }
             for (int r = r0; r < r1; r += KERN_PANEL_ROWS) {
                 const int nr = r1 - r < KERN_PANEL_ROWS ? r1 - r : KERN_PANEL_ROWS;
-                pack_panel(w, r, nr, c0, kc, P);
+                pack_step_panel(w, pairs, r, nr, c0, kc, P);
                 const kern_prefetch next = next_block_panel(w, in, r, nr, r0, r1, c0, kc, kb);
                 for (int i = 0; i < n_tiles; i++) {
                     const int t0 = nb * i / n_tiles, mt = nb * (i + 1) / n_tiles - t0;
@@ -727,39 +838,6 @@ PANEL_STEP_BF16(12)
 
 typedef void (*panel_bf16_fn)(const uint32_t *, int, const uint32_t *, int, float *, int, int,
                               bool, const kern_prefetch *);
-
-/* Rows [r, r + nr) of the bf16 matrix W [rows, ld], columns [c0, c0 + kc),
- * as the word panel P2 [ceil(kc / 2), 32] (rows nr..31 zero; an odd last
- * column paired with 0): full blocks of 16 rows x 32 columns through
- * transpose16 (no widening: the words stay bf16 pairs), the rest through
- * gathers and single values. */
-static void pack_pairs(const uint16_t *W, size_t ld, int r, int nr, int c0, int kc, uint32_t *P2) {
-    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i idx = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)ld));
-    for (int h = 0; h < 2; h++) {
-        const int left = nr - 16 * h;
-        const __mmask16 m = left >= 16 ? 0xffff : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
-        const uint16_t *row = W + (size_t)(r + 16 * h) * ld + c0;
-        uint32_t *p = P2 + 16 * h;
-        int c = 0;
-        if (m == 0xffff)
-            for (; c + 32 <= kc; c += 32) {
-                __m512i a[16];
-                for (int i = 0; i < 16; i++)
-                    a[i] = _mm512_loadu_si512((const void *)(row + (size_t)i * ld + c));
-                transpose16(a);
-                for (int j = 0; j < 16; j++)
-                    _mm512_storeu_si512((void *)(p + (size_t)(c / 2 + j) * KERN_PANEL_ROWS), a[j]);
-            }
-        for (; c + 2 <= kc; c += 2)
-            _mm512_storeu_si512((void *)(p + (size_t)(c / 2) * KERN_PANEL_ROWS),
-                                _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, idx,
-                                                            row + c, 2));
-        if (c < kc)
-            for (int i = 0; i < 16; i++)
-                p[(size_t)(c / 2) * KERN_PANEL_ROWS + i] = i < left ? row[(size_t)i * ld + c] : 0u;
-    }
-}
 
 /* The same word panel from an f32 matrix, each value rounded to bf16
  * (nearest even): rows stored as rows (16 rows x 32 columns converted and
