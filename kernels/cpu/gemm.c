@@ -351,9 +351,9 @@ static void pack_pairs(const uint16_t *W, size_t ld, int r, int nr, int c0, int 
  * instead of in the panel. pack_panel widens and stores 32 floats a column;
  * this panel is half the bytes and no widening, and the shift and the mask
  * are 4 integer ops beside a pair's 48 fmas. The same fmas in the same
- * order as panel_tokens', so the same bits. One wide matrix, `kds_cpu_bench
+ * order as panel_tokens', so the same bits. `kds_cpu_bench
  * --only i` (one thread, bf16 [2304, in], T = 64 and 256; six rounds
- * alternating, Zen 5): 78-85% of the FMA peak -> 80-86% (median of the
+ * alternating, Zen 5): 75-85% of the FMA peak -> 80-86% (the mean of the
  * eight shapes' medians 80.9 -> 83.3%); in wide's exact prefill pack time
  * 4.6% -> 3.2% of the samples (docs/benchmarks.md, "The prefill's panels
  * as bf16 pairs"). x is packed [kc, 12] (pack_tokens). */

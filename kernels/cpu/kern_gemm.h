@@ -132,8 +132,9 @@ typedef struct kern_gemm_w {
  * scratch_floats >= kern__gemm_scratch_floats(in, 1) (one tile): per block of
  * columns (KERN_GEMM_BLOCK_COLS), the tokens' x is packed a tile side by
  * side ([kc, tile] per tile), then per panel of R rows the panel is
- * unpacked (transposed, f32) and run over every tile, which reads one
- * stream of x. As many tokens are packed at once as the scratch holds; W is
+ * unpacked (transposed: f32, or with AVX-512 a bf16 matrix's pairs of
+ * columns as words, widened in the kernel) and run over every tile, which
+ * reads one stream of x. As many tokens are packed at once as the scratch holds; W is
  * unpacked once per such block of tokens. Below that (0 included), x is
  * read in place, a tile's rows ldx apart, and scratch must hold that form's
  * panel, R * min(in, KERN_PANEL_COLS) floats, whatever scratch_floats
