@@ -114,6 +114,17 @@ sums_store(__m512 (*acc)[2], const int mt, float *y, int ldy, __mmask16 m0, __mm
     }
 }
 
+/* One column of a step: x[t] (t < mt, a constant at each call) times the
+ * column's 32 weights w0 | w1, into 2 accumulators per token. */
+static inline __attribute__((always_inline)) void
+column_fmas(__m512 (*acc)[2], const int mt, __m512 w0, __m512 w1, const float *x) {
+    for (int t = 0; t < mt; t++) {
+        const __m512 b = _mm512_set1_ps(x[t]);
+        acc[t][0] = _mm512_fmadd_ps(w0, b, acc[t][0]);
+        acc[t][1] = _mm512_fmadd_ps(w1, b, acc[t][1]);
+    }
+}
+
 /* y[t, i] (+)= sum_c x[t, c] P[c, i] for t < mt (1..12), i < nr: per
  * column c, one broadcast of x[t, c] times the panel's 32 values, into 2
  * accumulators per token. mt and packed are constants at each call (the
@@ -140,11 +151,7 @@ panel_tokens(const float *P, int kc, const float *x, int ldx, const int mt, floa
         const __m512 w0 = _mm512_loadu_ps(P), w1 = _mm512_loadu_ps(P + 16);
         if (packed) {
             /* x packed (pack_tokens): this column's mt values side by side */
-            for (int t = 0; t < mt; t++) {
-                const __m512 b = _mm512_set1_ps(x[t]);
-                acc[t][0] = _mm512_fmadd_ps(w0, b, acc[t][0]);
-                acc[t][1] = _mm512_fmadd_ps(w1, b, acc[t][1]);
-            }
+            column_fmas(acc, mt, w0, w1, x);
             x += PANEL_TOKENS;
             continue;
         }
@@ -370,21 +377,11 @@ pairs_tokens(const uint32_t *P2, int kc, const float *x, const int mt, float *y,
         pf_walk_column(&walk);
         const __m512i v0 = _mm512_loadu_si512((const void *)P2);
         const __m512i v1 = _mm512_loadu_si512((const void *)(P2 + 16));
-        const __m512 e0 = _mm512_castsi512_ps(_mm512_slli_epi32(v0, 16));
-        const __m512 e1 = _mm512_castsi512_ps(_mm512_slli_epi32(v1, 16));
-        for (int t = 0; t < mt; t++) {
-            const __m512 b = _mm512_set1_ps(x[t]);
-            acc[t][0] = _mm512_fmadd_ps(e0, b, acc[t][0]);
-            acc[t][1] = _mm512_fmadd_ps(e1, b, acc[t][1]);
-        }
+        column_fmas(acc, mt, _mm512_castsi512_ps(_mm512_slli_epi32(v0, 16)),
+                    _mm512_castsi512_ps(_mm512_slli_epi32(v1, 16)), x);
         if (c + 1 == kc) break; /* an odd last column: its pair's high half is 0 */
-        const __m512 o0 = _mm512_castsi512_ps(_mm512_and_si512(v0, hi_mask));
-        const __m512 o1 = _mm512_castsi512_ps(_mm512_and_si512(v1, hi_mask));
-        for (int t = 0; t < mt; t++) {
-            const __m512 b = _mm512_set1_ps(x[PANEL_TOKENS + t]);
-            acc[t][0] = _mm512_fmadd_ps(o0, b, acc[t][0]);
-            acc[t][1] = _mm512_fmadd_ps(o1, b, acc[t][1]);
-        }
+        column_fmas(acc, mt, _mm512_castsi512_ps(_mm512_and_si512(v0, hi_mask)),
+                    _mm512_castsi512_ps(_mm512_and_si512(v1, hi_mask)), x + PANEL_TOKENS);
     }
     sums_store(acc, mt, y, ldy, m0, m1);
 }

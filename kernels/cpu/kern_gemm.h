@@ -2,7 +2,8 @@
  * kern_gemm.h - the compute-bound product of prefill (internal to
  * kernels/cpu): the register-blocked micro-kernel that ops.c (element
  * formats), quant.c (block formats) and mla.c run over panels of weight
- * rows they have unpacked to f32.
+ * rows they have unpacked to f32 (kern__gemm, with AVX-512, keeps a bf16
+ * matrix's panel as pairs of bf16 columns and widens them in the kernel).
  *
  * A panel is KERN_PANEL_ROWS weight rows over kc columns, transposed:
  * P [kc, R] f32 (R = KERN_PANEL_ROWS: 32 with AVX-512, 16 with AVX2),
@@ -134,8 +135,8 @@ typedef struct kern_gemm_w {
  * side ([kc, tile] per tile), then per panel of R rows the panel is
  * unpacked (transposed: f32, or with AVX-512 a bf16 matrix's pairs of
  * columns as words, widened in the kernel) and run over every tile, which
- * reads one stream of x. As many tokens are packed at once as the scratch holds; W is
- * unpacked once per such block of tokens. Below that (0 included), x is
+ * reads one stream of x. As many tokens are packed at once as the scratch
+ * holds; W is unpacked once per such block of tokens. Below that (0 included), x is
  * read in place, a tile's rows ldx apart, and scratch must hold that form's
  * panel, R * min(in, KERN_PANEL_COLS) floats, whatever scratch_floats
  * says. In place, rows a multiple of 4 KiB apart (in = 1024, 4096, 9216
