@@ -29,6 +29,7 @@
  * a branch-free polynomial that vectorises (libm's expf does not, here).
  */
 #include "kern.h"
+#include "kern_gemm.h"
 #include "kern_math.h"
 
 #include <cblas.h>
@@ -50,8 +51,8 @@
 /* Key rows whose decay factors are computed in one vectorised batch. */
 #define RT_K 64
 
-/* Below this many multiply-adds a product runs in plain loops: the BLAS
- * call and packing overhead would dominate (tiny heads of the test files). */
+/* Below this many multiply-adds a product runs in plain loops: a GEMM or
+ * BLAS call's overhead would dominate (tiny heads of the test files). */
 #define BLAS_MIN_MACS (32 * 32 * 32)
 
 /* ------------------------------------------------------------------------ */
@@ -225,30 +226,51 @@ static float dot(const float *a, const float *b, int n) {
     return s;
 }
 
+/* Floats of the GEMM's panel for products over at most `in` columns
+ * (kern_gemm.h: x read in place). */
+static size_t gemm_panel_floats(int in) {
+#if KERN_GEMM_SIMD
+    return (size_t)KERN_PANEL_ROWS * (size_t)(in < KERN_PANEL_COLS ? in : KERN_PANEL_COLS);
+#else
+    (void)in;
+    return 0;
+#endif
+}
+
 /*
- * C[M, N] = alpha * op(A) B + beta * C, op(A) = A [M, P] or A^T with A [P, M];
- * B [P, N]; row-major with leading dims. BLAS for real sizes, plain loops
- * (vectorised over N) for the tiny heads where a BLAS call costs more than
- * the arithmetic. beta == 0 ignores C's old contents (may be garbage).
+ * C[M, N] (+)= A B, A [M, P], B [P, N], row-major with leading dims;
+ * without `accumulate` C's old contents are ignored (may be garbage). Real
+ * sizes go to the GEMM of kern_gemm.h (B as a column-major W, x = A read in
+ * place; panel: gemm_panel_floats(P) floats): every output one fma chain
+ * in column order, so the same bits on every CPU that has the GEMM
+ * (OpenBLAS's sums depend on the kernel it picks), and faster than
+ * Debian's OpenBLAS 0.3.21, which runs its AVX2 kernels on a Zen 5: the
+ * chunked core at 32 heads of 128, chunks of 64 (kds_cpu_bench --only f,
+ * one thread) 56-65 -> 40-48 us a token there. Without the GEMM, BLAS.
+ * Plain loops (vectorised over N) for the tiny heads where either call
+ * costs more than the arithmetic.
  */
-static void mm(int trans_a, int M, int N, int P, float alpha, const float *A, int lda,
-               const float *B, int ldb, float beta, float *C, int ldc) {
+static void mm(int M, int N, int P, const float *A, int lda, const float *B, int ldb,
+               bool accumulate, float *C, int ldc, float *panel) {
     if (M <= 0 || N <= 0) return;
     if ((long)M * N * P >= BLAS_MIN_MACS) {
-        cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, CblasNoTrans, M, N, P,
-                    alpha, A, lda, B, ldb, beta, C, ldc);
+#if KERN_GEMM_SIMD
+        const kern_gemm_w gw = {KERN_F32, B, ldb, true};
+        kern__gemm(&gw, P, A, lda, M, C, ldc, 0, N, accumulate, panel, 0);
+#else
+        (void)panel;
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, M, N, P, 1.0f, A, lda, B, ldb,
+                    accumulate ? 1.0f : 0.0f, C, ldc);
+#endif
         return;
     }
     for (int i = 0; i < M; i++) {
         float *c = C + (size_t)i * ldc;
-        if (beta == 0.0f)
+        if (!accumulate)
             for (int j = 0; j < N; j++)
                 c[j] = 0.0f;
-        else if (beta != 1.0f)
-            for (int j = 0; j < N; j++)
-                c[j] *= beta;
         for (int p = 0; p < P; p++) {
-            float a = alpha * (trans_a ? A[(size_t)p * lda + i] : A[(size_t)i * lda + p]);
+            float a = A[(size_t)i * lda + p];
             const float *b = B + (size_t)p * ldb;
             for (int j = 0; j < N; j++)
                 c[j] = fmaf(a, b[j], c[j]);
@@ -284,13 +306,15 @@ typedef struct chunk_ws {
     double *G;  /* [C, K] chunk-local cumulative log-decay Gamma_r (double: see top) */
     float *QK;  /* [2C, K] rows 0..L-1: q~ = scale q_r e^{Gamma_r} (reads S0);
                  * rows L..2L-1: k~ = k_r e^{Gamma_r} (predicts v from S0) */
-    float *Kb;  /* [C, K] k-bar = k_r e^{Gamma_last - Gamma_r} (writes the state) */
+    float *Kb;  /* [K, C] k-bar^T: column r is k_r e^{Gamma_last - Gamma_r} (writes
+                 * the state; transposed, so that the update is a plain product) */
     float *P;   /* [K, pad16(C)] column j: k_j e^{Gamma_r - Gamma_j} while row r is built */
     float *Ea;  /* [C, K] e^{g_r}, the per-token decay */
     float *Aqk; /* [C, C] scale sum_d q_r k_j e^{Gamma_r - Gamma_j}, j <= r, 0 above */
     float *Akk; /* [C, C] beta_r sum_d k_r k_j e^{Gamma_r - Gamma_j}, j < r (rest unread) */
     float *PS;  /* [2C, V] [q~; k~] S0; then rows 0..L-1 become O, rows L..2L-1
                  * beta (v - k~ S0), then nu = (I + Akk)^-1 of that */
+    float *GP;  /* the GEMM's panel for mm: gemm_panel_floats(max(K, C)) */
 } chunk_ws;
 
 static size_t pad16(size_t n) {
@@ -318,6 +342,8 @@ static size_t ws_layout(int C, int K, int V, float *base, chunk_ws *w) {
     off += cc;
     if (w) w->PS = base + off;
     off += 2 * cv;
+    if (w) w->GP = base + off;
+    off += pad16(gemm_panel_floats(K > C ? K : C));
     return base ? off : off + 16;
 }
 
@@ -450,19 +476,18 @@ static void chunk_step(int K, int V, int L, int C, float scale, const float *q, 
         const double *Gr = G + (size_t)r * K;
         const float *qr = q + r * ldqk, *kr = k + r * ldqk;
         float *qt = Qt + (size_t)r * K, *kt = Kt + (size_t)r * K;
-        float *kb = w->Kb + (size_t)r * K;
         for (int d = 0; d < K; d++) {
             float e = vexp((float)Gr[d]);
             qt[d] = scale * qr[d] * e;
             kt[d] = kr[d] * e;
-            kb[d] = kr[d] * vexp((float)(Gl[d] - Gr[d]));
+            w->Kb[(size_t)d * C + r] = kr[d] * vexp((float)(Gl[d] - Gr[d]));
         }
     }
     intra_chunk(K, L, C, scale, q, k, ldqk, w->Ea, beta, ldb, w->P, (int)pad16((size_t)C), w->Aqk,
                 w->Akk);
     /* [O'; R'] = [q~; k~] S0 in one product of 2L rows */
     float *O = w->PS, *R = w->PS + (size_t)L * V;
-    mm(0, 2 * L, V, K, 1.0f, w->QK, K, S, V, 0.0f, w->PS, V);
+    mm(2 * L, V, K, w->QK, K, S, V, false, w->PS, V, w->GP);
     /* R = beta (v - k~ S0), then nu = (I + A_kk)^-1 R */
     for (int r = 0; r < L; r++) {
         float br = beta[r * ldb];
@@ -473,7 +498,7 @@ static void chunk_step(int K, int V, int L, int C, float scale, const float *q, 
     }
     unit_lower_solve(L, V, w->Akk, C, R, V);
     /* O = q~ S0 + A_qk nu */
-    mm(0, L, V, L, 1.0f, w->Aqk, C, R, V, 1.0f, O, V);
+    mm(L, V, L, w->Aqk, C, R, V, true, O, V, w->GP);
     for (int r = 0; r < L; r++)
         memcpy(o + r * ldv, O + (size_t)r * V, (size_t)V * sizeof *o);
     /* S = diag(e^{Gamma_last}) S0 + k-bar^T nu */
@@ -483,7 +508,7 @@ static void chunk_step(int K, int V, int L, int C, float scale, const float *q, 
         for (int c = 0; c < V; c++)
             row[c] *= e;
     }
-    mm(1, K, V, L, 1.0f, w->Kb, K, R, V, 1.0f, S, V);
+    mm(K, V, L, w->Kb, C, R, V, true, S, V, w->GP);
 }
 
 void kern_kda_chunked(const kern_kda_shape *sh, int T, int chunk, const float *q, const float *k,
