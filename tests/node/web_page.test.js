@@ -237,7 +237,13 @@ async function main() {
     });
 
     created && await check('shows session stats after generating', async () => {
-      await page.waitForFunction(() => /tok\/s/.test(document.querySelector('#stats-decode').textContent));
+      /* the stats the page asks for when the reply ends: a decode rate
+       * (before any decode the page shows '–', not '0.0 tok/s') and the
+       * session's tokens, from the same answer. Under the sanitizers the
+       * reply can end before that answer is back, so wait for it. */
+      await page.waitForFunction(() => /tok\/s/.test(document.querySelector('#stats-decode').textContent)
+        && /[1-9]/.test(document.querySelector('#stats-tokens').textContent), null, { timeout: 15000 })
+        .catch(() => {});
       const tokens = (await page.textContent(tid('stats-tokens'))).trim();
       expect(/[1-9]/.test(tokens), 'stats-tokens is ' + tokens);
       return 'tokens ' + tokens + ', decode ' + (await page.textContent(tid('stats-decode'))).trim()

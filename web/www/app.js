@@ -464,9 +464,10 @@
     el['stats-state-bytes'].textContent = fmtBytes(s.state_bytes);
     if (typeof s.last_resume_ms === 'number')
       el['stats-resume-ms'].textContent = fmtNum(s.last_resume_ms, 2) + ' ms';
-    el['stats-prefill'].textContent = typeof s.last_prefill_tok_s === 'number'
+    // 0: nothing prefilled or decoded yet in this server's run (not a rate)
+    el['stats-prefill'].textContent = s.last_prefill_tok_s > 0
       ? fmtNum(s.last_prefill_tok_s, 1) + ' tok/s' : '–';
-    el['stats-decode'].textContent = typeof s.last_decode_tok_s === 'number'
+    el['stats-decode'].textContent = s.last_decode_tok_s > 0
       ? fmtNum(s.last_decode_tok_s, 1) + ' tok/s' : '–';
   }
 
