@@ -226,22 +226,11 @@ static float dot(const float *a, const float *b, int n) {
     return s;
 }
 
-/* Floats of the GEMM's panel for products over at most `in` columns
- * (kern_gemm.h: x read in place). */
-static size_t gemm_panel_floats(int in) {
-#if KERN_GEMM_SIMD
-    return (size_t)KERN_PANEL_ROWS * (size_t)(in < KERN_PANEL_COLS ? in : KERN_PANEL_COLS);
-#else
-    (void)in;
-    return 0;
-#endif
-}
-
 /*
  * C[M, N] (+)= A B, A [M, P], B [P, N], row-major with leading dims;
  * without `accumulate` C's old contents are ignored (may be garbage). Real
  * sizes go to the GEMM of kern_gemm.h (B as a column-major W, x = A read in
- * place; panel: gemm_panel_floats(P) floats): every output one fma chain
+ * place; panel: kern__gemm_panel_floats(P) floats): every output one fma chain
  * in column order, so the same bits on every CPU that has the GEMM
  * (OpenBLAS's sums depend on the kernel it picks), and faster than
  * Debian's OpenBLAS 0.3.21, which runs its AVX2 kernels on a Zen 5: the
@@ -314,7 +303,7 @@ typedef struct chunk_ws {
     float *Akk; /* [C, C] beta_r sum_d k_r k_j e^{Gamma_r - Gamma_j}, j < r (rest unread) */
     float *PS;  /* [2C, V] [q~; k~] S0; then rows 0..L-1 become O, rows L..2L-1
                  * beta (v - k~ S0), then nu = (I + Akk)^-1 of that */
-    float *GP;  /* the GEMM's panel for mm: gemm_panel_floats(max(K, C)) */
+    float *GP;  /* the GEMM's panel for mm: kern__gemm_panel_floats(max(K, C)) */
 } chunk_ws;
 
 static size_t pad16(size_t n) {
@@ -343,7 +332,7 @@ static size_t ws_layout(int C, int K, int V, float *base, chunk_ws *w) {
     if (w) w->PS = base + off;
     off += 2 * cv;
     if (w) w->GP = base + off;
-    off += pad16(gemm_panel_floats(K > C ? K : C));
+    off += pad16(kern__gemm_panel_floats(K > C ? K : C));
     return base ? off : off + 16;
 }
 

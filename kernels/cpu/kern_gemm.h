@@ -150,6 +150,13 @@ void kern__gemm(const kern_gemm_w *w, int in, const float *x, int ldx, int T, fl
  * panel). */
 size_t kern__gemm_scratch_floats(int in, int T);
 
+/* Scratch floats of the panel that kern__gemm needs with x read in place
+ * (scratch_floats below kern__gemm_scratch_floats(in, 1)), for products
+ * over at most `in` columns. */
+static inline size_t kern__gemm_panel_floats(int in) {
+    return (size_t)KERN_PANEL_ROWS * (size_t)(in < KERN_PANEL_COLS ? in : KERN_PANEL_COLS);
+}
+
 /*
  * The GEMM with the activations rounded to bf16 (nearest even), for a bf16
  * W [rows, in] (row-major, ld = in): rows [r0, r1) of y [T, ldy] =

@@ -26,8 +26,7 @@ static size_t panel_floats(const kern_mla_shape *sh) {
     size_t w = (size_t)sh->dc + sh->dr;
     if ((size_t)sh->dn > w) w = (size_t)sh->dn;
     if (KERN_MLA_KEY_BLOCK > w) w = KERN_MLA_KEY_BLOCK;
-    if (w > KERN_PANEL_COLS) w = KERN_PANEL_COLS;
-    return KERN_PANEL_ROWS * w;
+    return kern__gemm_panel_floats((int)w);
 }
 
 /* The GEMM's scratch: a panel, and with bf16 activations the queries'

@@ -850,8 +850,7 @@ static void bench_gemm_packing(void) {
         for (size_t b = 0; b < sizeof Ts / sizeof Ts[0]; b++) {
             const int T = Ts[b];
             float *x = random_x((size_t)T * in, 5), *y = xalloc((size_t)T * rows * sizeof(float));
-            const int kp = in < KERN_PANEL_COLS ? in : KERN_PANEL_COLS;
-            const size_t panel = (size_t)KERN_PANEL_ROWS * kp;
+            const size_t panel = kern__gemm_panel_floats(in);
             const size_t packed = kern__gemm_scratch_floats(in, T);
             float *scr = xalloc((panel > packed ? panel : packed) * sizeof(float));
             double g[2][64];
