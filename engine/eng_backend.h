@@ -163,7 +163,9 @@ typedef struct eng_moe_args {
     int32_t *row_of;          /* [T, k]: the gathered row of each choice */
     int32_t *tok_of;          /* [T * k]: the token of each gathered row */
     float *xg, *yg;           /* [T * k, X]: gathered inputs, expert outputs */
-    float *act_a, *act_b;     /* [T * k + T, width]: the gate and up products, routed then shared */
+    /* the gate and up products: routed rows [exp_off[E], moe_intermediate_size], then
+     * the shared experts' [T, moe_intermediate_size * num_shared_experts] */
+    float *act_a, *act_b;
     float *shared_out;        /* [T, hidden]: the shared experts' output (when there are some) */
     float *out;               /* [T, X]: the weighted sum of the routed experts' outputs per
                                * token, plus shared_out when add_shared */

@@ -45,7 +45,8 @@ struct eng_ctx {
     float *q, *k, *v;                    /* [B, H*K], [B, H*K], [B, HV*V] */
     float *fa, *ga, *g, *beta, *gz, *o;  /* gate/beta/output-gate inputs, mixer output */
     float *mq, *kva;                     /* MLA: [B, nh*(dn+dr)], [B, dc+dr] */
-    float *fa_buf, *fb_buf, *shared_out; /* FFN: [B*top_k + B, width] x2, [B, hidden] */
+    /* FFN: gate and up products (alloc_activations), [B, hidden] */
+    float *fa_buf, *fb_buf, *shared_out;
     float *router, *selw;                /* [B, E], [B, top_k] */
     int32_t *sel, *exp_off, *row_of, *tok_of; /* [B, top_k], [E+1], [B, top_k], [B*top_k] */
     float *xg, *yg;                      /* [B*top_k, max(hidden, L)] gathered in / expert out */
@@ -640,15 +641,22 @@ static kds_status alloc_activations(eng_ctx *c, kds_err *err) {
     const eng_config *cfg = &m->cfg;
     const eng_dims *d = &c->d;
     eng_backend *b = c->b;
-    int width = cfg->intermediate_size; /* widest FFN hidden width (dense, shared or routed) */
-    if (cfg->num_experts > 0) {
-        if (cfg->moe_intermediate_size > width) width = cfg->moe_intermediate_size;
-        if (cfg->moe_intermediate_size * cfg->num_shared_experts > width)
-            width = cfg->moe_intermediate_size * cfg->num_shared_experts;
-    }
     /* a batched decode runs max_seqs rows through the same buffers */
     const size_t B = (size_t)(c->max_batch > c->max_seqs ? c->max_batch : c->max_seqs);
     const size_t Bk = B * (size_t)c->top_k;
+    /* The FFN's gate and up products (each): a dense layer's [B,
+     * intermediate_size], or the MoE's routed rows [B*top_k,
+     * moe_intermediate_size] followed by the shared experts' [B,
+     * moe_intermediate_size * num_shared_experts] (eng_moe_args.act_a);
+     * the larger. Every one of those B*top_k + B rows was sized for the
+     * widest FFN before: nine times this on wide (its dense layer's 9,216
+     * for each routed row), 300 MB of a 512-token context's 3.8 GB. */
+    size_t ffn = B * (size_t)cfg->intermediate_size;
+    if (cfg->num_experts > 0) {
+        const size_t moe = Bk * (size_t)cfg->moe_intermediate_size +
+                           B * (size_t)cfg->moe_intermediate_size * (size_t)cfg->num_shared_experts;
+        if (moe > ffn) ffn = moe;
+    }
     int rank = d->K > d->V ? d->K : d->V; /* the gates' and q LoRA's inner widths */
     for (int l = 0; l < cfg->num_hidden_layers; l++) {
         if (m->layers[l].kda.f_a_proj.rows > rank) rank = m->layers[l].kda.f_a_proj.rows;
@@ -684,9 +692,8 @@ static kds_status alloc_activations(eng_ctx *c, kds_err *err) {
         {(void **)&c->o, B * o_width * 4},
         {(void **)&c->mq, d->n_mla ? B * d->mla_heads * (d->dn + d->dr) * 4 : 0},
         {(void **)&c->kva, d->n_mla ? B * d->mla_row * 4 : 0},
-        /* routed rows [B*top_k, width] followed by the shared expert's [B, width] */
-        {(void **)&c->fa_buf, (Bk + B) * width * 4},
-        {(void **)&c->fb_buf, (Bk + B) * width * 4},
+        {(void **)&c->fa_buf, ffn * 4},
+        {(void **)&c->fb_buf, ffn * 4},
         {(void **)&c->shared_out, B * d->hidden * 4},
         {(void **)&c->router, B * E * 4},
         {(void **)&c->sel, E ? Bk * 4 : 0},
