@@ -36,12 +36,13 @@ typedef struct fixture {
     int vocab;
 } fixture;
 
-/* hidden: the preset's hidden_size replaced (0: its own) */
-static fixture open_hidden(const char *preset, int hidden, int n_threads, int max_batch,
-                           int max_seqs) {
+/* hidden, dense_inner: the preset's hidden_size and dense intermediate_size
+ * replaced (0: its own) */
+static fixture open_sized(const char *preset, int hidden, int dense_inner, int n_threads,
+                          int max_batch, int max_seqs) {
     fixture f = {0};
     kds_err err = {0};
-    f.m = tmu_gen_load_hidden(preset, hidden, 11, &f.dir, &err);
+    f.m = tmu_gen_load_sized(preset, hidden, dense_inner, 11, &f.dir, &err);
     cr_assert(f.m, "%s", err.msg);
     eng_ctx_params cp = eng_ctx_default_params();
     cp.n_threads = n_threads;
@@ -50,6 +51,11 @@ static fixture open_hidden(const char *preset, int hidden, int n_threads, int ma
     cr_assert_eq(eng_ctx_create(f.m, &cp, &f.c, &err), KDS_OK, "%s", err.msg);
     f.vocab = eng_model_config(f.m)->vocab_size;
     return f;
+}
+
+static fixture open_hidden(const char *preset, int hidden, int n_threads, int max_batch,
+                           int max_seqs) {
+    return open_sized(preset, hidden, 0, n_threads, max_batch, max_seqs);
 }
 
 static fixture open_preset(const char *preset, int n_threads, int max_batch, int max_seqs) {
@@ -158,9 +164,9 @@ static void expect_states_match(const fixture *f, const eng_seq *a, const eng_se
  * path (EXACT_ROWS); beyond it, logits close and greedy picks equal where
  * the best two logits are further apart than that rounding.
  */
-static void batch_matches_hidden(const char *preset, int hidden, int n_seqs, int n_threads,
-                                 int steps) {
-    fixture f = open_hidden(preset, hidden, n_threads, 16, n_seqs);
+static void batch_matches_sized(const char *preset, int hidden, int dense_inner, int n_seqs,
+                                int n_threads, int steps) {
+    fixture f = open_sized(preset, hidden, dense_inner, n_threads, 16, n_seqs);
     kds_err err = {0};
     eng_seq *ref[64], *bat[64], *in[64];
     int32_t ids[64];
@@ -217,6 +223,11 @@ static void batch_matches_hidden(const char *preset, int hidden, int n_seqs, int
     close_fixture(&f);
 }
 
+static void batch_matches_hidden(const char *preset, int hidden, int n_seqs, int n_threads,
+                                 int steps) {
+    batch_matches_sized(preset, hidden, 0, n_seqs, n_threads, steps);
+}
+
 static void batch_matches_one_at_a_time(const char *preset, int n_seqs, int n_threads, int steps) {
     batch_matches_hidden(preset, 0, n_seqs, n_threads, steps);
 }
@@ -238,6 +249,17 @@ Test(decode_batch, matches_one_at_a_time_many_seqs_tiny_hybrid, .timeout = 120) 
 Test(decode_batch, matches_one_at_a_time_single_thread, .timeout = 120) {
     batch_matches_one_at_a_time("tiny-hybrid", 9, 1, 4);
 }
+/* The context's FFN buffers hold a dense layer's rows or the MoE's routed
+ * and shared rows, whichever is larger (eng_forward.c, alloc_activations):
+ * here the dense layer (64 wide) is the narrower, so full prefill steps of
+ * 16 tokens and batched steps of up to 24 rows run on the MoE's side of
+ * that size (2 x 128 routed + 128 shared a token); under the sanitizers
+ * a buffer one row short is an error, and every sequence keeps its lone
+ * decode's bits. */
+Test(decode_batch, moe_rows_wider_than_the_dense_layer, .timeout = 120) {
+    batch_matches_sized("tiny-hybrid", 0, 64, 24, 0, 5);
+}
+
 /* Rows of 2048 columns: where the CPU has AMX tiles, the dense products
  * (lm_head, shared and dense MLPs, router) take them (kern_weight's
  * exact_tiles) while the routed experts keep the FMA loops, and a batched

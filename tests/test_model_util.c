@@ -161,11 +161,17 @@ eng_model *tmu_gen_load(const char *preset, uint64_t seed, char **dir, kds_err *
 
 eng_model *tmu_gen_load_hidden(const char *preset, int hidden, uint64_t seed, char **dir,
                                kds_err *err) {
+    return tmu_gen_load_sized(preset, hidden, 0, seed, dir, err);
+}
+
+eng_model *tmu_gen_load_sized(const char *preset, int hidden, int dense_inner, uint64_t seed,
+                              char **dir, kds_err *err) {
     eng_config cfg;
     eng_model *m = NULL;
     *dir = NULL;
     if (eng_genmodel_preset(preset, &cfg, err) != KDS_OK) return NULL;
     if (hidden > 0) cfg.hidden_size = hidden;
+    if (dense_inner > 0) cfg.intermediate_size = dense_inner;
     if (!(*dir = tmu_mkdtemp())) {
         kds_err_set(err, KDS_IO, "cannot make a temporary directory");
         return NULL;

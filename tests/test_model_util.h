@@ -58,6 +58,11 @@ eng_model *tmu_gen_load(const char *preset, uint64_t seed, char **dir, kds_err *
 eng_model *tmu_gen_load_hidden(const char *preset, int hidden, uint64_t seed, char **dir,
                                kds_err *err);
 
+/* As tmu_gen_load_hidden, with the dense MLP's intermediate_size replaced
+ * by `dense_inner` too (0: the preset's own). */
+eng_model *tmu_gen_load_sized(const char *preset, int hidden, int dense_inner, uint64_t seed,
+                              char **dir, kds_err *err);
+
 /* Replace the first occurrence of `from` by `to` in a text file. */
 bool tmu_replace_in_file(const char *path, const char *from, const char *to);
 
