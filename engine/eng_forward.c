@@ -648,9 +648,9 @@ static kds_status alloc_activations(eng_ctx *c, kds_err *err) {
      * intermediate_size], or the MoE's routed rows [B*top_k,
      * moe_intermediate_size] followed by the shared experts' [B,
      * moe_intermediate_size * num_shared_experts] (eng_moe_args.act_a);
-     * the larger. Every one of those B*top_k + B rows was sized for the
-     * widest FFN before: nine times this on wide (its dense layer's 9,216
-     * for each routed row), 300 MB of a 512-token context's 3.8 GB. */
+     * the larger. Sizing all B*top_k + B rows for the widest FFN would
+     * take nine times this on wide (its dense layer's 9,216 columns for
+     * each routed row's 1,024): 295 MB more in a 512-token context. */
     size_t ffn = B * (size_t)cfg->intermediate_size;
     if (cfg->num_experts > 0) {
         const size_t moe = Bk * (size_t)cfg->moe_intermediate_size +

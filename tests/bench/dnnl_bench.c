@@ -82,9 +82,10 @@ static void ours_task(void *arg, int task, int thread) {
     const int rows = j->w->rows;
     int r0 = (int)((int64_t)rows * task / j->n_tasks);
     int r1 = (int)((int64_t)rows * (task + 1) / j->n_tasks);
-    /* row blocks on multiples of 32, as the engine's cut (run_mm_cut) */
-    r0 -= r0 % 32;
-    if (task + 1 < j->n_tasks) r1 -= r1 % 32;
+    /* row blocks on multiples of 8, as the engine cuts a bf16 product
+     * (eng_cpu.c, run_mm_as) */
+    r0 -= r0 % 8;
+    if (task + 1 < j->n_tasks) r1 -= r1 % 8;
     if (r1 > r0)
         kern_matmul_w_prefill(j->w, j->x, j->T, j->y, rows, r0, r1, j->scratch[thread],
                               j->bf16_act);
@@ -176,6 +177,45 @@ static void dnnl_run(dnnl_case *c, dnnl_stream_t st, const float *x, size_t n, b
     }
 }
 
+/* One run of a product being timed (ours on the pool, or a oneDNN case). */
+typedef void (*run_fn)(void *arg);
+
+/* The median of `runs` timings of run(arg), after one untimed warm-up, in
+ * seconds. */
+static double median_seconds(run_fn run, void *arg, int runs) {
+    double t[64];
+    for (int i = 0; i <= runs; i++) {
+        const double t0 = now_s();
+        run(arg);
+        if (i) t[i - 1] = now_s() - t0;
+    }
+    qsort(t, (size_t)runs, sizeof t[0], cmp_double);
+    return t[runs / 2];
+}
+
+typedef struct ours_run {
+    eng_pool *pool;
+    ours_job job;
+} ours_run;
+
+static void run_ours(void *arg) {
+    ours_run *o = arg;
+    eng_pool_run(o->pool, ours_task, &o->job, o->job.n_tasks);
+}
+
+typedef struct dnnl_timed {
+    dnnl_case *c;
+    dnnl_stream_t st;
+    const float *x;
+    size_t n;
+    bool src_bf16;
+} dnnl_timed;
+
+static void run_dnnl(void *arg) {
+    const dnnl_timed *d = arg;
+    dnnl_run(d->c, d->st, d->x, d->n, d->src_bf16);
+}
+
 /* Largest |a - b| over the largest |b|. */
 static double rel_diff(const float *a, const float *b, size_t n) {
     double d = 0, m = 0;
@@ -255,20 +295,13 @@ int main(int argc, char **argv) {
         for (int t = 0; t < threads; t++)
             scratch[t] = xalloc(kern_matmul_scratch_floats(in) * sizeof(float));
         const double flop = 2.0 * T * rows * in;
-        double g[8] = {0}, diff[8] = {0};
-        bool have[8] = {false};
-        double t_run[64];
+        double g[7] = {0}, diff[7] = {0};
+        bool have[7] = {false};
         /* 0, 1: ours exact, bf16 */
         for (int k = 0; k < 2; k++) {
-            ours_job j = {&w, x, k == 0 ? y0 : y, T, threads == 1 ? 1 : 4 * threads, k == 1,
-                          scratch};
-            for (int run = 0; run <= runs; run++) {
-                const double t0 = now_s();
-                eng_pool_run(pool, ours_task, &j, j.n_tasks);
-                if (run) t_run[run - 1] = now_s() - t0;
-            }
-            qsort(t_run, (size_t)runs, sizeof t_run[0], cmp_double);
-            g[k] = flop / t_run[runs / 2] / 1e9;
+            ours_run o = {pool, {&w, x, k == 0 ? y0 : y, T, threads == 1 ? 1 : 4 * threads,
+                                 k == 1, scratch}};
+            g[k] = flop / median_seconds(run_ours, &o, runs) / 1e9;
             have[k] = true;
             if (k == 1) diff[k] = rel_diff(y, y0, ny);
         }
@@ -279,13 +312,8 @@ int main(int argc, char **argv) {
             dnnl_case c = dnnl_make(eng, st, T, rows, in, sdt, bf16w ? dnnl_bf16 : dnnl_f32,
                                     bf16w ? (void *)wb : (void *)wf, packed, y);
             if (c.ok) {
-                for (int run = 0; run <= runs; run++) {
-                    const double t0 = now_s();
-                    dnnl_run(&c, st, x, nx, sdt == dnnl_bf16);
-                    if (run) t_run[run - 1] = now_s() - t0;
-                }
-                qsort(t_run, (size_t)runs, sizeof t_run[0], cmp_double);
-                g[k] = flop / t_run[runs / 2] / 1e9;
+                dnnl_timed d = {&c, st, x, nx, sdt == dnnl_bf16};
+                g[k] = flop / median_seconds(run_dnnl, &d, runs) / 1e9;
                 have[k] = true;
                 diff[k] = rel_diff(y, y0, ny);
             }
