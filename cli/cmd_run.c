@@ -43,6 +43,7 @@ enum {
     OPT_GEN,
     OPT_GPU_BF16,
     OPT_BANDWIDTH_MIB,
+    OPT_PROFILE,
 };
 
 /* Print a token's bytes; control bytes other than newline and tab are shown
@@ -618,7 +619,7 @@ static void bench_usage(FILE *f) {
     fprintf(f, "usage: kdaserve bench [--model DIR | --gen PRESET [--seed S]] [--prompt-tokens N]\n"
                "                      [--gen-tokens N] [--repeats R] [--threads N] [--batch B]\n"
                "                      [--seqs N,N,...] [--device cpu|cuda] [--bf16]\n"
-               "                      [--bandwidth-mib M]\n\n"
+               "                      [--bandwidth-mib M] [--profile]\n\n"
                "Measures prefill tokens/s (N random tokens through the prefill path, default\n"
                "512) and decode tokens/s (N tokens one at a time after that prompt, default\n"
                "128), best of R runs (default 3), and prints them with the model, thread\n"
@@ -656,6 +657,12 @@ static void bench_usage(FILE *f) {
                "measured in the same run on as many threads (24 chains of f32 FMAs; with\n"
                "--bf16 also of AVX-512 BF16 dot products, about twice as many): the bound\n"
                "of a prefill, as the memory's read is decode's.\n\n"
+               "--profile (CPU) then runs one more prefill and decode with every matrix\n"
+               "product's tasks timed, and prints where their time went by matrix (role\n"
+               "and shape, layers and experts summed): each one's share of the threads'\n"
+               "time, its GFLOP/s a thread in the prefill against the FMA peak, its GB/s a\n"
+               "thread in the decode against the streaming read, and the share outside\n"
+               "the products (the other ops, waits at joins). See docs/benchmarks.md.\n\n"
                "--gen PRESET benchmarks a model generated on the GPU itself (gen-model's\n"
                "weights for that preset and --seed, default 1; no files: e.g. the 98 GB\n"
                "kimi-linear-48b). Needs --device cuda (implied). Presets: see gen-model.\n");
@@ -667,8 +674,9 @@ static void bench_usage(FILE *f) {
  * build has the dot products) vdpbf16ps too, whose peak is about twice
  * as many multiply-adds. What decode's line does for the memory, for a
  * prefill bound by arithmetic. */
-static void print_prefill_peak(const eng_model *m, int64_t pt, double best_tps,
-                               double median_tps, int threads, bool bf16) {
+static double print_prefill_peak(const eng_model *m, int64_t pt, double best_tps,
+                                 double median_tps, int threads, bool bf16) {
+    double fma_peak = 0.0;
     const double madds = eng_model_prefill_madds(m, pt) / (double)pt;
     const double best = 2.0 * madds * best_tps / 1e9, median = 2.0 * madds * median_tps / 1e9;
     printf("arithmetic   a prefill token multiply-adds %.1f M in products (the lm_head once): "
@@ -685,7 +693,90 @@ static void print_prefill_peak(const eng_model *m, int64_t pt, double best_tps,
                "prefill at %.0f%% of it (median %.0f%%)\n",
                dp ? "vdpbf16ps (bf16 pairs)" : "f32 FMA", threads, peak, 100.0 * best / peak,
                100.0 * median / peak);
+        if (dp == 0) fma_peak = peak;
     }
+    return fma_peak;
+}
+
+#define MAX_PROFILE_ROWS 64
+
+/* One profiled pass's table (eng_ctx_profile_stop's rows): prefill
+ * (decode false) in GFLOP/s a thread against a thread's share of the FMA
+ * peak, decode in bytes a token and GB/s a thread against a thread's
+ * share of the streaming read (0: not measured, no column). */
+static void print_profile(const eng_product_time *r, int n, bool decode, int64_t tokens,
+                          double wall_s, int threads, double peak, double read_gbs) {
+    double busy = 0.0;
+    for (int i = 0; i < n; i++) busy += r[i].busy_s;
+    const double all = wall_s * threads;
+    printf("  %s of %lld tokens, %.3f ms%s: products %.1f%% of the %d threads' time, the rest "
+           "%.1f%% (the other ops, waits at joins)\n",
+           decode ? "decode" : "prefill", (long long)tokens,
+           1e3 * (decode ? wall_s / (double)tokens : wall_s), decode ? " a token" : "",
+           100.0 * busy / all, threads, 100.0 * (all - busy) / all);
+    if (decode)
+        printf("    share   MB/token  GB/s a thread%s  matrix (shape, products a token)\n",
+               read_gbs > 0 ? "  of the read" : "");
+    else
+        printf("    share   GFLOP/s a thread%s  matrix (shape, tokens a product)\n",
+               peak > 0 ? "  of the peak" : "");
+    for (int i = 0; i < n; i++) {
+        const double share = 100.0 * r[i].busy_s / all;
+        const double rate = decode ? r[i].bytes / r[i].busy_s / 1e9
+                                   : 2.0 * r[i].rows * r[i].cols * (double)r[i].tokens /
+                                         r[i].busy_s / 1e9;
+        const double of = decode ? read_gbs / threads : peak / threads;
+        char pct[16] = "";
+        if (of > 0) snprintf(pct, sizeof pct, "  %9.0f%%", 100.0 * rate / of);
+        if (decode)
+            printf("  %6.1f%%  %9.2f  %13.1f%s  %s [%d, %d] %s, %.1f\n", share,
+                   r[i].bytes / (double)tokens / 1e6, rate, pct, r[i].role, r[i].rows,
+                   r[i].cols, r[i].dtype, (double)r[i].products / (double)tokens);
+        else
+            printf("  %6.1f%%  %16.1f%s  %s [%d, %d] %s, %.0f\n", share, rate, pct, r[i].role,
+                   r[i].rows, r[i].cols, r[i].dtype,
+                   (double)r[i].tokens / (double)r[i].products);
+    }
+}
+
+/* --profile: one prefill of pt tokens and gt decode steps from a fresh
+ * state, each pass timed product by product (eng_ctx_profile_*). */
+static kds_status bench_profile(eng_ctx *c, eng_seq *s, const int32_t *ids, int64_t pt,
+                                int64_t gt, double peak, double read_gbs, kds_err *err) {
+    eng_product_time rows[MAX_PROFILE_ROWS];
+    int n = 0;
+    eng_sampler_params greedy = eng_sampler_default_params();
+    greedy.temperature = 0.0f;
+    const int threads = eng_ctx_threads(c);
+    eng_seq_reset(s, 0);
+    kds_status rc = eng_ctx_attach(c, s, err);
+    if (rc != KDS_OK || (rc = eng_ctx_profile_start(c, err)) != KDS_OK) return rc;
+    printf("profile      one more prefill and decode, every product's tasks timed:\n");
+    double t0 = cli_now();
+    rc = eng_prefill(c, s, ids, pt, NULL, NULL, NULL, err);
+    const double t_pre = cli_now() - t0;
+    if (rc != KDS_OK) {
+        eng_ctx_profile_stop(c, rows, MAX_PROFILE_ROWS, &n, NULL);
+        return rc;
+    }
+    if ((rc = eng_ctx_profile_stop(c, rows, MAX_PROFILE_ROWS, &n, err)) != KDS_OK) return rc;
+    print_profile(rows, n, false, pt, t_pre, threads, peak, 0.0);
+    if (gt == 0) return KDS_OK;
+    if ((rc = eng_ctx_profile_start(c, err)) != KDS_OK) return rc;
+    t0 = cli_now();
+    for (int64_t i = 0; i < gt && rc == KDS_OK; i++) {
+        int32_t next;
+        rc = eng_sample(c, s, &greedy, &next, err);
+        if (rc == KDS_OK) rc = eng_decode(c, s, next, err);
+    }
+    const double t_dec = cli_now() - t0;
+    if (rc != KDS_OK) {
+        eng_ctx_profile_stop(c, rows, MAX_PROFILE_ROWS, &n, NULL);
+        return rc;
+    }
+    if ((rc = eng_ctx_profile_stop(c, rows, MAX_PROFILE_ROWS, &n, err)) != KDS_OK) return rc;
+    print_profile(rows, n, true, gt, t_dec, threads, 0.0, read_gbs);
+    return KDS_OK;
 }
 
 #define MAX_SEQ_COUNTS 16
@@ -810,11 +901,13 @@ int cmd_bench(int argc, char **argv) {
         {"gpu-bf16", no_argument, 0, OPT_GPU_BF16},
         {"seed", required_argument, 0, OPT_SEED},
         {"bandwidth-mib", required_argument, 0, OPT_BANDWIDTH_MIB},
+        {"profile", no_argument, 0, OPT_PROFILE},
         {"help", no_argument, 0, 'h'}, {0, 0, 0, 0}};
     const char *model = NULL, *device = NULL, *gen = NULL;
     int64_t pt = 512, gt = 128, reps = 3, threads = 0, batch = 0, seed = 1;
     int64_t bw_mib = (int64_t)(eng_read_bandwidth_default_bytes() >> 20);
     bool gpu_bf16 = false; /* --bf16 */
+    bool profile = false;
     int seq_counts[MAX_SEQ_COUNTS], n_counts = 0;
     optind = 1;
     for (int o; (o = getopt_long(argc, argv, "m:h", opts, NULL)) != -1;) {
@@ -827,6 +920,8 @@ int cmd_bench(int argc, char **argv) {
             gen = optarg;
         } else if (o == OPT_GPU_BF16) {
             gpu_bf16 = true;
+        } else if (o == OPT_PROFILE) {
+            profile = true;
         } else if (o == OPT_SEED) {
             if (!cli_parse_i64(optarg, 0, INT64_MAX, &seed))
                 return cli_failf("bench", "--seed wants a number, got '%s'", optarg);
@@ -857,6 +952,9 @@ int cmd_bench(int argc, char **argv) {
     }
     if (n_counts > 0 && gt == 0) return cli_failf("bench", "--seqs needs --gen-tokens of at least 1");
     if (gen && model) return cli_failf("bench", "--gen and --model exclude each other");
+    if (profile && (gen || (device && strcmp(device, "cpu"))))
+        return cli_failf("bench", "--profile times the CPU's products: leave it out with "
+                                  "--device cuda or --gen");
     eng_device dev = ENG_DEVICE_CPU;
     if (gen && device && !(eng_device_from_name(device, &dev) && dev == ENG_DEVICE_CUDA))
         return cli_failf("bench", "--gen makes the model on the GPU: it runs with --device cuda only");
@@ -1029,9 +1127,10 @@ int cmd_bench(int argc, char **argv) {
            "median %.1f; %.3f ms/token)\n",
            dec[reps - 1], (long long)gt, (long long)reps, dec[reps / 2],
            dec[reps - 1] > 0 ? 1000.0 / dec[reps - 1] : 0.0);
+    double fma_peak = 0.0;
     if (eng_ctx_device_kind(c) == ENG_DEVICE_CPU && pre[reps - 1] > 0)
-        print_prefill_peak(m, pt, pre[reps - 1], pre[reps / 2], eng_ctx_threads(c),
-                           gpu_bf16 && eng_cpu_bf16_products());
+        fma_peak = print_prefill_peak(m, pt, pre[reps - 1], pre[reps / 2], eng_ctx_threads(c),
+                                      gpu_bf16 && eng_cpu_bf16_products());
     if (want_bw) {
         /* what the decode read per token (at its middle position), against
          * a streaming read of the machine's memory measured now */
@@ -1082,6 +1181,9 @@ int cmd_bench(int argc, char **argv) {
                "layer; rows back: with the wait for the slowest rank's experts)\n");
     }
 
+    if (profile && bench_profile(c, s, ids, pt, gt, fma_peak, want_bw && membw ? bw : 0.0,
+                                 &err) != KDS_OK)
+        goto fail;
     if (n_counts > 0) {
         int most = 0;
         for (int i = 0; i < n_counts; i++) most = seq_counts[i] > most ? seq_counts[i] : most;

@@ -344,6 +344,32 @@ size_t eng_llc_bytes(void);
 bool eng_cpu_bf16_products(void);
 /* Whether they run on AMX tiles (kern_bf16_tiles). */
 bool eng_cpu_bf16_tiles(void);
+/*
+ * Where a CPU context's matrix products spend their time (`kdaserve bench
+ * --profile`). Between eng_ctx_profile_start and eng_ctx_profile_stop
+ * every product task is timed on the thread that runs it (two clock reads
+ * a task; the results do not change), and stop sums the time by what the
+ * matrix is and its shape: one row per role (the checkpoint's name without
+ * layer and expert indices, e.g. "experts w2 (down)", "kda o_proj",
+ * "lm_head") and shape, most time first. Time outside the products (the
+ * other ops, waits at the pool's joins) is what the caller's clock saw
+ * times the threads, less the rows' busy_s. start restarts a running
+ * profile. Errors: KDS_UNSUPPORTED (a CUDA or expert-parallel context),
+ * KDS_NOMEM; stop: KDS_INVALID_ARG without a start, or with more than
+ * `cap` rows (the profile ends either way).
+ */
+typedef struct eng_product_time {
+    const char *role;  /* static strings */
+    const char *dtype; /* "bf16", "mxfp4", ... */
+    int rows, cols;
+    int64_t products;  /* products of such a matrix dispatched */
+    int64_t tokens;    /* their token rows, summed */
+    double bytes;      /* their matrices' bytes, once a product */
+    double busy_s;     /* seconds in their tasks, summed over the threads */
+} eng_product_time;
+kds_status eng_ctx_profile_start(eng_ctx *c, kds_err *err);
+kds_status eng_ctx_profile_stop(eng_ctx *c, eng_product_time *out, int cap, int *n,
+                                kds_err *err);
 /* Where this context runs the forward pass, and its name ("cpu", "cuda"). */
 eng_device eng_ctx_device_kind(const eng_ctx *c);
 const char *eng_ctx_device(const eng_ctx *c);

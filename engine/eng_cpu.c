@@ -19,6 +19,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "eng_backend.h"
@@ -75,6 +76,12 @@ typedef struct eng_cpu {
     int stream_prefetch;
     /* kern_weight's prefetch_rows_ahead: this CPU's (kern_prefetch_rows_ahead) */
     bool prefetch_rows_ahead;
+    /* A product profile (eng_ctx_profile_start .. stop), or NULL: seconds
+     * in each matrix's product tasks, [n_threads, n_weights], each thread
+     * adding to its own row; and the products and their token rows
+     * dispatched, [n_weights], counted by the dispatching thread. */
+    double *prof_busy;
+    int64_t *prof_products, *prof_tokens;
     thread_scratch *ts;  /* [n_threads] */
     eng_matmul jobs[MAX_MM_TABLE];
     mm_task tasks[MAX_MM_TASKS];
@@ -107,9 +114,31 @@ static void internal(eng_cpu *c, const char *what) {
 /* ------------------------------------------------------------------------ */
 /* Matrix products on the pool                                               */
 
+/* The profile's clock: two reads a task, against tasks of tens of
+ * microseconds and more (a decode step's smallest products). */
+static double prof_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static void mm_task_run(eng_cpu *c, const mm_task *task, int thread);
+
 static void mm_task_fn(void *arg, int t, int thread) {
     eng_cpu *c = arg;
     const mm_task *task = &c->tasks[t];
+    if (!c->prof_busy) {
+        mm_task_run(c, task, thread);
+        return;
+    }
+    const double t0 = prof_now();
+    mm_task_run(c, task, thread);
+    const int id = c->jobs[task->job].w->id;
+    if (id > 0 && id < c->m->n_weights)
+        c->prof_busy[(size_t)thread * (size_t)c->m->n_weights + (size_t)id] += prof_now() - t0;
+}
+
+static void mm_task_run(eng_cpu *c, const mm_task *task, int thread) {
     const eng_matmul *j = &c->jobs[task->job];
     kern_weight w = eng__kern_weight(j->w);
     w.streamed = c->streamed;
@@ -142,6 +171,13 @@ static void mm_task_fn(void *arg, int t, int thread) {
  * bits. With 1, rows at a cut could fall to the single-row tail, whose sum
  * is reduced in another order. */
 static void run_mm_cut(eng_cpu *c, int n_jobs, const int *work_T, int per_thread, int align) {
+    if (c->prof_busy)
+        for (int i = 0; i < n_jobs; i++) {
+            const int id = c->jobs[i].w->id;
+            if (c->jobs[i].T <= 0 || id <= 0 || id >= c->m->n_weights) continue;
+            c->prof_products[id]++;
+            c->prof_tokens[id] += c->jobs[i].T;
+        }
     double total = 0;
     for (int i = 0; i < n_jobs; i++)
         total += (double)c->jobs[i].w->rows * c->jobs[i].w->cols * (work_T ? work_T[i] : c->jobs[i].T);
@@ -762,6 +798,9 @@ static void cpu_free(eng_backend *b) {
             free(c->ts[i].mla_dec_ws);
         }
     free(c->ts);
+    free(c->prof_busy);
+    free(c->prof_products);
+    free(c->prof_tokens);
     for (int i = 0; i < c->n_allocs; i++) free(c->allocs[i]);
     free(c->allocs);
     free(c->acc);
@@ -864,3 +903,157 @@ const eng_backend_ops eng__cpu_ops = {
     .fetch = cpu_fetch,
     .detach = cpu_detach,
 };
+
+/* ------------------------------------------------------------------------ */
+/* Product profiles (eng.h: eng_ctx_profile_start, eng_ctx_profile_stop)     */
+
+static eng_cpu *profile_cpu(eng_ctx *ctx, kds_err *err) {
+    eng_backend *b = eng__ctx_backend(ctx);
+    if (b->ops != &eng__cpu_ops) {
+        kds_err_set(err, KDS_UNSUPPORTED,
+                    "product profiles time the CPU backend's tasks; this context runs on %s",
+                    b->ops == &eng__ep_ops ? "expert-parallel ranks" : b->ops->name);
+        return NULL;
+    }
+    return cpu_of(b);
+}
+
+kds_status eng_ctx_profile_start(eng_ctx *ctx, kds_err *err) {
+    eng_cpu *c = profile_cpu(ctx, err);
+    if (!c) return KDS_UNSUPPORTED;
+    const size_t nw = (size_t)c->m->n_weights;
+    free(c->prof_busy);
+    free(c->prof_products);
+    free(c->prof_tokens);
+    c->prof_busy = calloc((size_t)c->n_threads * nw, sizeof *c->prof_busy);
+    c->prof_products = calloc(nw, sizeof *c->prof_products);
+    c->prof_tokens = calloc(nw, sizeof *c->prof_tokens);
+    if (c->prof_busy && c->prof_products && c->prof_tokens) return KDS_OK;
+    free(c->prof_busy);
+    free(c->prof_products);
+    free(c->prof_tokens);
+    c->prof_busy = NULL, c->prof_products = NULL, c->prof_tokens = NULL;
+    return kds_err_set(err, KDS_NOMEM, "out of memory for a profile of %zu matrices", nw);
+}
+
+typedef struct named_weight {
+    const eng_weight *w;
+    const char *role;
+} named_weight;
+
+static void name_all(const eng_model *m, const char **role, const named_weight *nw, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (nw[i].w->id > 0 && nw[i].w->id < m->n_weights) role[nw[i].w->id] = nw[i].role;
+}
+
+/* role[id]: what each bound matrix is, by the checkpoint's names (layer
+ * and expert indices left out, so that the layers' and experts' matrices
+ * of one role add up); NULL where no product reads it. */
+static void name_roles(const eng_model *m, const char **role) {
+    for (int l = 0; l < m->cfg.num_hidden_layers; l++) {
+        const eng_layer_weights *L = &m->layers[l];
+        const eng_kda_weights *k = &L->kda;
+        const eng_mla_weights *a = &L->mla;
+        const eng_ffn_weights *f = &L->ffn;
+        const named_weight kda[] = {
+            {&k->q_proj, "kda q_proj"},     {&k->k_proj, "kda k_proj"},
+            {&k->v_proj, "kda v_proj"},     {&k->f_a_proj, "kda f_a_proj"},
+            {&k->f_b_proj, "kda f_b_proj"}, {&k->b_proj, "kda b_proj"},
+            {&k->g_a_proj, "kda g_a_proj"}, {&k->g_b_proj, "kda g_b_proj"},
+            {&k->g_proj, "kda g_proj"},     {&k->o_proj, "kda o_proj"}};
+        const named_weight mla[] = {
+            {&a->q_proj, "mla q_proj"},
+            {&a->q_a_proj, "mla q_a_proj"},
+            {&a->q_b_proj, "mla q_b_proj"},
+            {&a->kv_a_proj_with_mqa, "mla kv_a_proj_with_mqa"},
+            {&a->kv_b_proj, "mla kv_b_proj"},
+            {&a->g_proj, "mla g_proj"},
+            {&a->o_proj, "mla o_proj"}};
+        const named_weight dense[] = {{&f->gate_proj, "mlp gate_proj"},
+                                      {&f->up_proj, "mlp up_proj"},
+                                      {&f->down_proj, "mlp down_proj"}};
+        const named_weight moe[] = {{&f->router, "moe router"},
+                                    {&f->sh_gate, "shared_experts gate_proj"},
+                                    {&f->sh_up, "shared_experts up_proj"},
+                                    {&f->sh_down, "shared_experts down_proj"},
+                                    {&f->latent_down, "moe latent_down"},
+                                    {&f->latent_up, "moe latent_up"}};
+        if (L->kind == ENG_LAYER_KDA)
+            name_all(m, role, kda, sizeof kda / sizeof kda[0]);
+        else
+            name_all(m, role, mla, sizeof mla / sizeof mla[0]);
+        if (L->ffn_kind == ENG_FFN_DENSE) {
+            name_all(m, role, dense, sizeof dense / sizeof dense[0]);
+            continue;
+        }
+        name_all(m, role, moe, sizeof moe / sizeof moe[0]);
+        for (int e = 0; e < m->cfg.num_experts; e++) {
+            const named_weight ex[] = {{&f->w1[e], "experts w1 (gate)"},
+                                       {&f->w3[e], "experts w3 (up)"},
+                                       {&f->w2[e], "experts w2 (down)"}};
+            name_all(m, role, ex, sizeof ex / sizeof ex[0]);
+        }
+    }
+    const named_weight head[] = {{&m->lm_head, "lm_head"}};
+    name_all(m, role, head, 1);
+}
+
+/* out's rows by the time they took, most first */
+static int by_busy_desc(const void *a, const void *b) {
+    const double x = ((const eng_product_time *)a)->busy_s, y = ((const eng_product_time *)b)->busy_s;
+    return x < y ? 1 : x > y ? -1 : 0;
+}
+
+kds_status eng_ctx_profile_stop(eng_ctx *ctx, eng_product_time *out, int cap, int *n,
+                                kds_err *err) {
+    *n = 0;
+    eng_cpu *c = profile_cpu(ctx, err);
+    if (!c) return KDS_UNSUPPORTED;
+    if (!c->prof_busy)
+        return kds_err_set(err, KDS_INVALID_ARG,
+                           "no product profile is running (eng_ctx_profile_start first)");
+    const eng_model *m = c->m;
+    const char **role = calloc((size_t)m->n_weights, sizeof *role);
+    kds_status rc = KDS_OK;
+    if (!role) {
+        rc = kds_err_set(err, KDS_NOMEM, "out of memory naming %d matrices", m->n_weights);
+        goto done;
+    }
+    name_roles(m, role);
+    for (int id = 1; id < m->n_weights; id++) {
+        if (!c->prof_products[id]) continue;
+        const eng_weight *w = m->weights[id];
+        double busy = 0.0;
+        for (int t = 0; t < c->n_threads; t++)
+            busy += c->prof_busy[(size_t)t * (size_t)m->n_weights + (size_t)id];
+        const char *name = role[id] ? role[id] : "other";
+        const char *dt = kern_dtype_name(w->dt);
+        int k = 0;
+        while (k < *n && !(out[k].rows == w->rows && out[k].cols == w->cols &&
+                           !strcmp(out[k].role, name) && !strcmp(out[k].dtype, dt)))
+            k++;
+        if (k == *n) {
+            if (*n == cap) {
+                rc = kds_err_set(err, KDS_INVALID_ARG,
+                                 "more than %d kinds of matrix in the profile", cap);
+                goto done;
+            }
+            out[(*n)++] = (eng_product_time){.role = name, .dtype = dt, .rows = w->rows,
+                                             .cols = w->cols};
+        }
+        out[k].products += c->prof_products[id];
+        out[k].tokens += c->prof_tokens[id];
+        out[k].bytes += (double)c->prof_products[id] *
+                        (double)kern_weight_layout(w->dt, w->rows, w->cols).bytes;
+        out[k].busy_s += busy;
+    }
+    qsort(out, (size_t)*n, sizeof *out, by_busy_desc);
+done:
+    free(role);
+    free(c->prof_busy);
+    free(c->prof_products);
+    free(c->prof_tokens);
+    c->prof_busy = NULL, c->prof_products = NULL, c->prof_tokens = NULL;
+    if (rc != KDS_OK) *n = 0;
+    return rc;
+}

@@ -329,3 +329,25 @@ Test(cli, bench_gen_refusals) {
     cr_expect_eq(run(out, sizeof out, KDASERVE " bench --gen tiny 2>&1"), 1);
     cr_expect(strstr(out, "cuda"), "names the device: %s", out);
 }
+
+/* bench --profile: one more prefill and decode timed product by product,
+ * a row per matrix role with the decode's count a token; refused where the
+ * products do not run on the CPU's pool. */
+Test(cli, bench_profile) {
+    char out[16384];
+    cr_assert_eq(run(out, sizeof out,
+                     KDASERVE " bench --model %s --prompt-tokens 16 --gen-tokens 4 --repeats 1 "
+                              "--threads 2 --bandwidth-mib 0 --profile 2>&1",
+                     GOLDEN_ROOT "/model/micro-hybrid"),
+                 0, "%s", out);
+    cr_expect(strstr(out, "prefill of 16 tokens"), "%s", out);
+    cr_expect(strstr(out, "decode of 4 tokens"), "%s", out);
+    cr_expect(strstr(out, "of the 2 threads' time"), "%s", out);
+    /* 8 experts top-2: two w2 products a MoE layer a token, three MoE layers */
+    cr_expect(strstr(out, "experts w2 (down) [64, 32] f32, 6.0"), "%s", out);
+    cr_expect(strstr(out, "lm_head [512, 64] f32, 1.0"), "%s", out);
+    cr_expect_eq(run(out, sizeof out, KDASERVE " bench --model %s --device cuda --profile 2>&1",
+                     GOLDEN_ROOT "/model/micro-hybrid"),
+                 1);
+    cr_expect(strstr(out, "--profile times the CPU's products"), "%s", out);
+}
