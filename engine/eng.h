@@ -318,10 +318,18 @@ kds_status eng_read_bandwidth(int n_threads, size_t bytes, int reps, double *gbs
  * eng_membw_create: Errors KDS_INVALID_ARG, KDS_NOMEM (also the pool's).
  * eng_membw_read: the best of `reps` (>= 1) reads, GB/s. A handle is used
  * by one thread at a time; eng_membw_free(NULL) is a no-op.
+ * eng_membw_read_for: reads back to back for at least `seconds` (one at
+ * least), GB/s over all of them: what the memory gave over that time, as
+ * a decode run's GB/s is over its tokens (on a shared machine the best of
+ * a few short reads catches the quietest instant, 9-19% above such a mean
+ * on the dev machine: docs/benchmarks.md, "A sustained read beside each
+ * decode run"); *best (may be NULL) the best single read, *reads (may be
+ * NULL) how many.
  */
 typedef struct eng_membw eng_membw;
 kds_status eng_membw_create(int n_threads, size_t bytes, eng_membw **out, kds_err *err);
 double eng_membw_read(eng_membw *b, int reps);
+double eng_membw_read_for(eng_membw *b, double seconds, double *best, int *reads);
 void eng_membw_free(eng_membw *b);
 size_t eng_read_bandwidth_default_bytes(void);
 /*

@@ -106,22 +106,42 @@ fail:
     return rc;
 }
 
+/* One read of the buffer: its seconds. */
+static double read_once(eng_membw *b) {
+    read_job j = {.p = b->buf, .share = b->share};
+    const double t0 = now_s();
+    if (b->pool)
+        eng_pool_run(b->pool, read_task, &j, b->n_tasks);
+    else
+        read_task(&j, 0, 0);
+    const double dt = now_s() - t0;
+    uint64_t sum = 0;
+    for (int t = 0; t < b->n_tasks; t++) sum += j.sum[t];
+    /* the sum is used (never 1 for these bytes), so no read is dead */
+    return sum != 1 ? dt : 0.0;
+}
+
 double eng_membw_read(eng_membw *b, int reps) {
     double best = 0.0;
     for (int r = 0; r < reps; r++) {
-        read_job j = {.p = b->buf, .share = b->share};
-        const double t0 = now_s();
-        if (b->pool)
-            eng_pool_run(b->pool, read_task, &j, b->n_tasks);
-        else
-            read_task(&j, 0, 0);
-        const double dt = now_s() - t0;
-        uint64_t sum = 0;
-        for (int t = 0; t < b->n_tasks; t++) sum += j.sum[t];
-        /* the sum is used (never 1 for these bytes), so no read is dead */
-        if (sum != 1 && dt > 0 && b->total / dt / 1e9 > best) best = b->total / dt / 1e9;
+        const double dt = read_once(b);
+        if (dt > 0 && b->total / dt / 1e9 > best) best = b->total / dt / 1e9;
     }
     return best;
+}
+
+double eng_membw_read_for(eng_membw *b, double seconds, double *best, int *reads) {
+    double spent = 0.0, top = 0.0;
+    int n = 0;
+    do {
+        const double dt = read_once(b);
+        if (dt > 0 && b->total / dt / 1e9 > top) top = b->total / dt / 1e9;
+        spent += dt;
+        n++;
+    } while (spent < seconds);
+    if (best) *best = top;
+    if (reads) *reads = n;
+    return spent > 0 ? (double)b->total * n / spent / 1e9 : 0.0;
 }
 
 void eng_membw_free(eng_membw *b) {
