@@ -665,7 +665,9 @@ static void bench_usage(FILE *f) {
                "and shape, layers and experts summed): each one's share of the threads'\n"
                "time, its GFLOP/s a thread in the prefill against the FMA peak, its GB/s a\n"
                "thread in the decode against the streaming read, and the share outside\n"
-               "the products (the other ops, waits at joins). See docs/benchmarks.md.\n\n"
+               "the products (the other ops, waits at joins); with --seqs, also one more\n"
+               "batched run of each N (GB/s and GFLOP/s a thread: a step's products\n"
+               "multiply-add each weight once a token). See docs/benchmarks.md.\n\n"
                "--gen PRESET benchmarks a model generated on the GPU itself (gen-model's\n"
                "weights for that preset and --seed, default 1; no files: e.g. the 98 GB\n"
                "kimi-linear-48b). Needs --device cuda (implied). Presets: see gen-model.\n");
@@ -708,45 +710,67 @@ static double print_prefill_peak(const eng_model *m, int64_t pt, double best_tps
  * up to 2x; over a quarter of a second it is the load of that time. */
 #define PAIR_READ_S 0.25
 
-/* One profiled pass's table (eng_ctx_profile_stop's rows): prefill
- * (decode false) in GFLOP/s a thread against a thread's share of the FMA
- * peak, decode in bytes a token and GB/s a thread against a thread's
- * share of the streaming read (0: not measured, no column). */
-static void print_profile(const eng_product_time *r, int n, bool decode, int64_t tokens,
-                          double wall_s, int threads, double peak, double read_gbs) {
+/* What a profiled pass was: a prefill of `tokens` tokens (n_seqs 0), or
+ * `tokens` decode steps of n_seqs sequences (1: a lone decode). */
+typedef struct profiled_pass {
+    int n_seqs;
+    int64_t tokens;
+    double wall_s;
+} profiled_pass;
+
+/* One profiled pass's table (eng_ctx_profile_stop's rows): a prefill in
+ * GFLOP/s a thread against a thread's share of the FMA peak (0: no
+ * column); decode steps in bytes a step and GB/s a thread against a
+ * thread's share of the read (0: no column), and with several sequences
+ * also GFLOP/s a thread, since a batched step's products multiply-add
+ * each weight once per token. */
+static void print_profile(const eng_product_time *r, int n, profiled_pass pp, int threads,
+                          double peak, double read_gbs) {
+    const bool decode = pp.n_seqs > 0, batched = pp.n_seqs > 1;
     double busy = 0.0;
     for (int i = 0; i < n; i++) busy += r[i].busy_s;
-    const double all = wall_s * threads;
-    printf("  %s of %lld tokens, %.3f ms%s: products %.1f%% of the %d threads' time, the rest "
-           "%.1f%% (the other ops, waits at joins)\n",
-           decode ? "decode" : "prefill", (long long)tokens,
-           1e3 * (decode ? wall_s / (double)tokens : wall_s), decode ? " a token" : "",
-           100.0 * busy / all, threads, 100.0 * (all - busy) / all);
+    const double all = pp.wall_s * threads, steps = (double)pp.tokens;
+    char what[64];
+    if (!decode)
+        snprintf(what, sizeof what, "prefill of %lld tokens, %.3f ms", (long long)pp.tokens,
+                 1e3 * pp.wall_s);
+    else if (!batched)
+        snprintf(what, sizeof what, "decode of %lld tokens, %.3f ms a token",
+                 (long long)pp.tokens, 1e3 * pp.wall_s / steps);
+    else
+        snprintf(what, sizeof what, "%lld batched steps of %d sequences, %.3f ms a step",
+                 (long long)pp.tokens, pp.n_seqs, 1e3 * pp.wall_s / steps);
+    printf("  %s: products %.1f%% of the %d threads' time, the rest %.1f%% (the other ops, "
+           "waits at joins)\n",
+           what, 100.0 * busy / all, threads, 100.0 * (all - busy) / all);
     if (decode && read_gbs > 0)
         printf("    (the read: %.1f GB/s on %d threads, %.1f a thread, the mean of the reads "
                "beside the decode runs above)\n", read_gbs, threads, read_gbs / threads);
     if (decode)
-        printf("    share   MB/token  GB/s a thread%s  matrix (shape, products a token)\n",
-               read_gbs > 0 ? "  of the read" : "");
+        printf("    share    MB/%s  GB/s a thread%s%s  matrix (shape, products a %s%s)\n",
+               batched ? "step " : "token", read_gbs > 0 ? "  of the read" : "",
+               batched ? "  GFLOP/s a thread" : "", batched ? "step" : "token",
+               batched ? ", tokens a product" : "");
     else
         printf("    share   GFLOP/s a thread%s  matrix (shape, tokens a product)\n",
                peak > 0 ? "  of the peak" : "");
     for (int i = 0; i < n; i++) {
         const double share = 100.0 * r[i].busy_s / all;
-        const double rate = decode ? r[i].bytes / r[i].busy_s / 1e9
-                                   : 2.0 * r[i].rows * r[i].cols * (double)r[i].tokens /
-                                         r[i].busy_s / 1e9;
+        const double gbs = r[i].bytes / r[i].busy_s / 1e9;
+        const double gflops = 2.0 * r[i].rows * r[i].cols * (double)r[i].tokens / r[i].busy_s / 1e9;
         const double of = decode ? read_gbs / threads : peak / threads;
-        char pct[16] = "";
-        if (of > 0) snprintf(pct, sizeof pct, "  %9.0f%%", 100.0 * rate / of);
+        const double per_product = (double)r[i].tokens / (double)r[i].products;
+        char pct[16] = "", flops[24] = "", per[24] = "";
+        if (of > 0) snprintf(pct, sizeof pct, "  %10.0f%%", 100.0 * (decode ? gbs : gflops) / of);
+        if (batched) snprintf(flops, sizeof flops, "  %16.1f", gflops);
+        if (batched) snprintf(per, sizeof per, ", %.1f", per_product);
         if (decode)
-            printf("  %6.1f%%  %9.2f  %13.1f%s  %s [%d, %d] %s, %.1f\n", share,
-                   r[i].bytes / (double)tokens / 1e6, rate, pct, r[i].role, r[i].rows,
-                   r[i].cols, r[i].dtype, (double)r[i].products / (double)tokens);
+            printf("  %6.1f%%  %9.2f  %13.1f%s%s  %s [%d, %d] %s, %.1f%s\n", share,
+                   r[i].bytes / steps / 1e6, gbs, pct, flops, r[i].role, r[i].rows, r[i].cols,
+                   r[i].dtype, (double)r[i].products / steps, per);
         else
-            printf("  %6.1f%%  %16.1f%s  %s [%d, %d] %s, %.0f\n", share, rate, pct, r[i].role,
-                   r[i].rows, r[i].cols, r[i].dtype,
-                   (double)r[i].tokens / (double)r[i].products);
+            printf("  %6.1f%%  %16.1f%s  %s [%d, %d] %s, %.0f\n", share, gflops, pct, r[i].role,
+                   r[i].rows, r[i].cols, r[i].dtype, per_product);
     }
 }
 
@@ -771,7 +795,7 @@ static kds_status bench_profile(eng_ctx *c, eng_seq *s, const int32_t *ids, int6
         return rc;
     }
     if ((rc = eng_ctx_profile_stop(c, rows, MAX_PROFILE_ROWS, &n, err)) != KDS_OK) return rc;
-    print_profile(rows, n, false, pt, t_pre, threads, peak, 0.0);
+    print_profile(rows, n, (profiled_pass){0, pt, t_pre}, threads, peak, 0.0);
     if (gt == 0) return KDS_OK;
     if ((rc = eng_ctx_profile_start(c, err)) != KDS_OK) return rc;
     t0 = cli_now();
@@ -786,7 +810,7 @@ static kds_status bench_profile(eng_ctx *c, eng_seq *s, const int32_t *ids, int6
         return rc;
     }
     if ((rc = eng_ctx_profile_stop(c, rows, MAX_PROFILE_ROWS, &n, err)) != KDS_OK) return rc;
-    print_profile(rows, n, true, gt, t_dec, threads, 0.0, read_gbs);
+    print_profile(rows, n, (profiled_pass){1, gt, t_dec}, threads, 0.0, read_gbs);
     return KDS_OK;
 }
 
@@ -817,10 +841,40 @@ static bool parse_seq_counts(const char *arg, int *counts, int *n) {
  * states and times gt greedy steps twice: together (sample each, one
  * eng_decode_batch) and one after another (sample and eng_decode each in
  * turn, as a server without batching would). out: best and median aggregate
- * tokens/s, together then apart.
+ * tokens/s, together then apart, printed as a line; then with `profile`
+ * one more run together, product by product (profile_together).
  */
+/* One more run of the n sequences together from their saved states, gt
+ * steps, each product timed (bench --profile --seqs). */
+static kds_status profile_together(eng_ctx *c, eng_seq **s, void **saved, const size_t *len,
+                                   int n, int64_t gt, double read_gbs, int32_t *next,
+                                   kds_err *err) {
+    eng_product_time rows[MAX_PROFILE_ROWS];
+    int n_rows = 0;
+    eng_sampler_params greedy = eng_sampler_default_params();
+    greedy.temperature = 0.0f;
+    kds_status rc = KDS_OK;
+    for (int i = 0; i < n && rc == KDS_OK; i++)
+        if ((rc = eng_seq_state_load(s[i], saved[i], len[i], err)) == KDS_OK)
+            rc = eng_ctx_attach(c, s[i], err);
+    for (int i = 0; i < n && rc == KDS_OK; i++) rc = eng_sample(c, s[i], &greedy, &next[i], err);
+    if (rc != KDS_OK || (rc = eng_ctx_profile_start(c, err)) != KDS_OK) return rc;
+    const double t0 = cli_now();
+    for (int64_t step = 0; step < gt && rc == KDS_OK; step++)
+        rc = eng_decode_batch_sample(c, s, next, n, &greedy, next, err);
+    const double wall = cli_now() - t0;
+    if (rc != KDS_OK) {
+        eng_ctx_profile_stop(c, rows, MAX_PROFILE_ROWS, &n_rows, NULL);
+        return rc;
+    }
+    if ((rc = eng_ctx_profile_stop(c, rows, MAX_PROFILE_ROWS, &n_rows, err)) != KDS_OK) return rc;
+    print_profile(rows, n_rows, (profiled_pass){n, gt, wall}, eng_ctx_threads(c), 0.0, read_gbs);
+    return KDS_OK;
+}
+
 static kds_status bench_seqs(eng_ctx *c, const eng_model *m, int n, int64_t pt, int64_t gt,
-                             int64_t reps, double out[4], kds_err *err) {
+                             int64_t reps, bool profile, double read_gbs, double out[4],
+                             kds_err *err) {
     const int vocab = eng_model_config(m)->vocab_size;
     const int64_t plen = pt > 0 ? pt : 1;
     kds_status rc = KDS_OK;
@@ -882,6 +936,10 @@ static kds_status bench_seqs(eng_ctx *c, const eng_model *m, int n, int64_t pt, 
     out[1] = tog[reps / 2];
     out[2] = apart[reps - 1];
     out[3] = apart[reps / 2];
+    printf("  N=%-4d     together %9.1f (%9.1f)   one after another %9.1f (%9.1f)   x%.2f\n", n,
+           out[0], out[1], out[2], out[3], out[2] > 0 ? out[0] / out[2] : 0.0);
+    fflush(stdout);
+    if (profile) rc = profile_together(c, s, saved, len, n, gt, read_gbs, next, err);
 out:
     if (s)
         for (int i = 0; i < n; i++) eng_seq_free(s[i]);
@@ -1222,11 +1280,9 @@ int cmd_bench(int argc, char **argv) {
                (long long)pt, (long long)gt, (long long)reps);
         for (int i = 0; i < n_counts; i++) {
             double r[4] = {0};
-            if (bench_seqs(c, m, seq_counts[i], pt, gt, reps, r, &err) != KDS_OK) goto fail;
-            printf("  N=%-4d     together %9.1f (%9.1f)   one after another %9.1f (%9.1f)   "
-                   "x%.2f\n",
-                   seq_counts[i], r[0], r[1], r[2], r[3], r[2] > 0 ? r[0] / r[2] : 0.0);
-            fflush(stdout);
+            if (bench_seqs(c, m, seq_counts[i], pt, gt, reps, profile, prof_read, r, &err) !=
+                KDS_OK)
+                goto fail;
         }
     }
     goto out;

@@ -346,6 +346,14 @@ Test(cli, bench_profile) {
     /* 8 experts top-2: two w2 products a MoE layer a token, three MoE layers */
     cr_expect(strstr(out, "experts w2 (down) [64, 32] f32, 6.0"), "%s", out);
     cr_expect(strstr(out, "lm_head [512, 64] f32, 1.0"), "%s", out);
+    /* with --seqs, each N's batched steps too: one lm_head product a step of 3 tokens */
+    cr_assert_eq(run(out, sizeof out,
+                     KDASERVE " bench --model %s --prompt-tokens 4 --gen-tokens 3 --repeats 1 "
+                              "--threads 2 --bandwidth-mib 0 --seqs 3 --profile 2>&1",
+                     GOLDEN_ROOT "/model/micro-hybrid"),
+                 0, "%s", out);
+    cr_expect(strstr(out, "3 batched steps of 3 sequences"), "%s", out);
+    cr_expect(strstr(out, "lm_head [512, 64] f32, 1.0, 3.0"), "%s", out);
     cr_expect_eq(run(out, sizeof out, KDASERVE " bench --model %s --device cuda --profile 2>&1",
                      GOLDEN_ROOT "/model/micro-hybrid"),
                  1);
