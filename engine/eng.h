@@ -322,9 +322,9 @@ kds_status eng_read_bandwidth(int n_threads, size_t bytes, int reps, double *gbs
  * least), GB/s over all of them: what the memory gave over that time, as
  * a decode run's GB/s is over its tokens (on a shared machine the best of
  * a few short reads catches the quietest instant, 9-19% above such a mean
- * on the dev machine: docs/benchmarks.md, "A sustained read beside each
- * decode run"); *best (may be NULL) the best single read, *reads (may be
- * NULL) how many.
+ * on the dev machine: docs/benchmarks.md, "Where the time goes, matrix by
+ * matrix, and a sustained read"); *best (may be NULL) the best single
+ * read, *reads (may be NULL) how many.
  */
 typedef struct eng_membw eng_membw;
 kds_status eng_membw_create(int n_threads, size_t bytes, eng_membw **out, kds_err *err);
