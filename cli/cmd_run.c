@@ -663,8 +663,9 @@ static void bench_usage(FILE *f) {
                "--profile (CPU) then runs one more prefill and decode with every matrix\n"
                "product's tasks timed, and prints where their time went by matrix (role\n"
                "and shape, layers and experts summed): each one's share of the threads'\n"
-               "time, its GFLOP/s a thread in the prefill against the FMA peak, its GB/s a\n"
-               "thread in the decode against the streaming read, and the share outside\n"
+               "time, its GFLOP/s a thread in the prefill against the f32 FMA peak (the\n"
+               "bf16 pairs of --bf16 have about twice that), its GB/s a thread in the\n"
+               "decode against the sustained read beside the runs, and the share outside\n"
                "the products (the other ops, waits at joins); with --seqs, also one more\n"
                "batched run of each N (GB/s and GFLOP/s a thread: a step's products\n"
                "multiply-add each weight once a token). See docs/benchmarks.md.\n\n"
@@ -729,7 +730,9 @@ static void print_profile(const eng_product_time *r, int n, profiled_pass pp, in
     const bool decode = pp.n_seqs > 0, batched = pp.n_seqs > 1;
     double busy = 0.0;
     for (int i = 0; i < n; i++) busy += r[i].busy_s;
-    const double all = pp.wall_s * threads, steps = (double)pp.tokens;
+    /* a clock that saw no time gives no rates (0), not a division by zero */
+    const double all = pp.wall_s > 0 ? pp.wall_s * threads : 0.0, steps = (double)pp.tokens;
+    const double all_pct = all > 0 ? 100.0 / all : 0.0;
     char what[64];
     if (!decode)
         snprintf(what, sizeof what, "prefill of %lld tokens, %.3f ms", (long long)pp.tokens,
@@ -742,7 +745,7 @@ static void print_profile(const eng_product_time *r, int n, profiled_pass pp, in
                  (long long)pp.tokens, pp.n_seqs, 1e3 * pp.wall_s / steps);
     printf("  %s: products %.1f%% of the %d threads' time, the rest %.1f%% (the other ops, "
            "waits at joins)\n",
-           what, 100.0 * busy / all, threads, 100.0 * (all - busy) / all);
+           what, busy * all_pct, threads, (all - busy) * all_pct);
     if (decode && read_gbs > 0)
         printf("    (the read: %.1f GB/s on %d threads, %.1f a thread, the mean of the reads "
                "beside the decode runs above)\n", read_gbs, threads, read_gbs / threads);
@@ -753,15 +756,18 @@ static void print_profile(const eng_product_time *r, int n, profiled_pass pp, in
                batched ? ", tokens a product" : "");
     else
         printf("    share   GFLOP/s a thread%s  matrix (shape, tokens a product)\n",
-               peak > 0 ? "  of the peak" : "");
+               peak > 0 ? "  of the f32 FMA peak" : "");
     for (int i = 0; i < n; i++) {
-        const double share = 100.0 * r[i].busy_s / all;
-        const double gbs = r[i].bytes / r[i].busy_s / 1e9;
-        const double gflops = 2.0 * r[i].rows * r[i].cols * (double)r[i].tokens / r[i].busy_s / 1e9;
+        const double share = r[i].busy_s * all_pct;
+        const double per_s = r[i].busy_s > 0 ? 1.0 / r[i].busy_s : 0.0;
+        const double gbs = r[i].bytes * per_s / 1e9;
+        const double gflops = 2.0 * r[i].rows * r[i].cols * (double)r[i].tokens * per_s / 1e9;
         const double of = decode ? read_gbs / threads : peak / threads;
         const double per_product = (double)r[i].tokens / (double)r[i].products;
-        char pct[16] = "", flops[24] = "", per[24] = "";
-        if (of > 0) snprintf(pct, sizeof pct, "  %10.0f%%", 100.0 * (decode ? gbs : gflops) / of);
+        char pct[32] = "", flops[32] = "", per[32] = "";
+        if (of > 0)
+            snprintf(pct, sizeof pct, "  %*.0f%%", decode ? 10 : 18,
+                     100.0 * (decode ? gbs : gflops) / of);
         if (batched) snprintf(flops, sizeof flops, "  %16.1f", gflops);
         if (batched) snprintf(per, sizeof per, ", %.1f", per_product);
         if (decode)
