@@ -122,6 +122,14 @@ static double prof_now(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
+/* Ends a profile: its tables freed, the tasks untimed again. */
+static void profile_end(eng_cpu *c) {
+    free(c->prof_busy);
+    free(c->prof_products);
+    free(c->prof_tokens);
+    c->prof_busy = NULL, c->prof_products = NULL, c->prof_tokens = NULL;
+}
+
 static void mm_task_run(eng_cpu *c, const mm_task *task, int thread);
 
 static void mm_task_fn(void *arg, int t, int thread) {
@@ -798,9 +806,7 @@ static void cpu_free(eng_backend *b) {
             free(c->ts[i].mla_dec_ws);
         }
     free(c->ts);
-    free(c->prof_busy);
-    free(c->prof_products);
-    free(c->prof_tokens);
+    profile_end(c);
     for (int i = 0; i < c->n_allocs; i++) free(c->allocs[i]);
     free(c->allocs);
     free(c->acc);
@@ -922,17 +928,12 @@ kds_status eng_ctx_profile_start(eng_ctx *ctx, kds_err *err) {
     eng_cpu *c = profile_cpu(ctx, err);
     if (!c) return KDS_UNSUPPORTED;
     const size_t nw = (size_t)c->m->n_weights;
-    free(c->prof_busy);
-    free(c->prof_products);
-    free(c->prof_tokens);
+    profile_end(c);
     c->prof_busy = calloc((size_t)c->n_threads * nw, sizeof *c->prof_busy);
     c->prof_products = calloc(nw, sizeof *c->prof_products);
     c->prof_tokens = calloc(nw, sizeof *c->prof_tokens);
     if (c->prof_busy && c->prof_products && c->prof_tokens) return KDS_OK;
-    free(c->prof_busy);
-    free(c->prof_products);
-    free(c->prof_tokens);
-    c->prof_busy = NULL, c->prof_products = NULL, c->prof_tokens = NULL;
+    profile_end(c);
     return kds_err_set(err, KDS_NOMEM, "out of memory for a profile of %zu matrices", nw);
 }
 
@@ -1050,10 +1051,7 @@ kds_status eng_ctx_profile_stop(eng_ctx *ctx, eng_product_time *out, int cap, in
     qsort(out, (size_t)*n, sizeof *out, by_busy_desc);
 done:
     free(role);
-    free(c->prof_busy);
-    free(c->prof_products);
-    free(c->prof_tokens);
-    c->prof_busy = NULL, c->prof_products = NULL, c->prof_tokens = NULL;
+    profile_end(c);
     if (rc != KDS_OK) *n = 0;
     return rc;
 }
