@@ -780,29 +780,35 @@ static void print_profile(const eng_product_time *r, int n, profiled_pass pp, in
     }
 }
 
+/* The end of a profiled pass: rc, the pass's own status; on failure the
+ * profile is dropped and rc returned, else its table printed. */
+static kds_status end_profile(eng_ctx *c, kds_status rc, profiled_pass pp, double peak,
+                              double read_gbs, kds_err *err) {
+    eng_product_time rows[MAX_PROFILE_ROWS];
+    int n = 0;
+    if (rc != KDS_OK) {
+        eng_ctx_profile_stop(c, rows, MAX_PROFILE_ROWS, &n, NULL);
+        return rc;
+    }
+    if ((rc = eng_ctx_profile_stop(c, rows, MAX_PROFILE_ROWS, &n, err)) != KDS_OK) return rc;
+    print_profile(rows, n, pp, eng_ctx_threads(c), peak, read_gbs);
+    return KDS_OK;
+}
+
 /* --profile: one prefill of pt tokens and gt decode steps from a fresh
  * state, each pass timed product by product (eng_ctx_profile_*). */
 static kds_status bench_profile(eng_ctx *c, eng_seq *s, const int32_t *ids, int64_t pt,
                                 int64_t gt, double peak, double read_gbs, kds_err *err) {
-    eng_product_time rows[MAX_PROFILE_ROWS];
-    int n = 0;
     eng_sampler_params greedy = eng_sampler_default_params();
     greedy.temperature = 0.0f;
-    const int threads = eng_ctx_threads(c);
     eng_seq_reset(s, 0);
     kds_status rc = eng_ctx_attach(c, s, err);
     if (rc != KDS_OK || (rc = eng_ctx_profile_start(c, err)) != KDS_OK) return rc;
     printf("profile      one more prefill and decode, every product's tasks timed:\n");
     double t0 = cli_now();
     rc = eng_prefill(c, s, ids, pt, NULL, NULL, NULL, err);
-    const double t_pre = cli_now() - t0;
-    if (rc != KDS_OK) {
-        eng_ctx_profile_stop(c, rows, MAX_PROFILE_ROWS, &n, NULL);
-        return rc;
-    }
-    if ((rc = eng_ctx_profile_stop(c, rows, MAX_PROFILE_ROWS, &n, err)) != KDS_OK) return rc;
-    print_profile(rows, n, (profiled_pass){0, pt, t_pre}, threads, peak, 0.0);
-    if (gt == 0) return KDS_OK;
+    rc = end_profile(c, rc, (profiled_pass){0, pt, cli_now() - t0}, peak, 0.0, err);
+    if (rc != KDS_OK || gt == 0) return rc;
     if ((rc = eng_ctx_profile_start(c, err)) != KDS_OK) return rc;
     t0 = cli_now();
     for (int64_t i = 0; i < gt && rc == KDS_OK; i++) {
@@ -810,14 +816,7 @@ static kds_status bench_profile(eng_ctx *c, eng_seq *s, const int32_t *ids, int6
         rc = eng_sample(c, s, &greedy, &next, err);
         if (rc == KDS_OK) rc = eng_decode(c, s, next, err);
     }
-    const double t_dec = cli_now() - t0;
-    if (rc != KDS_OK) {
-        eng_ctx_profile_stop(c, rows, MAX_PROFILE_ROWS, &n, NULL);
-        return rc;
-    }
-    if ((rc = eng_ctx_profile_stop(c, rows, MAX_PROFILE_ROWS, &n, err)) != KDS_OK) return rc;
-    print_profile(rows, n, (profiled_pass){1, gt, t_dec}, threads, 0.0, read_gbs);
-    return KDS_OK;
+    return end_profile(c, rc, (profiled_pass){1, gt, cli_now() - t0}, 0.0, read_gbs, err);
 }
 
 #define MAX_SEQ_COUNTS 16
@@ -841,22 +840,11 @@ static bool parse_seq_counts(const char *arg, int *counts, int *n) {
     }
 }
 
-/*
- * Continuous batching for n sequences: each gets its own random prompt of
- * pt tokens (prefilled once, state saved), then every repeat restores the
- * states and times gt greedy steps twice: together (sample each, one
- * eng_decode_batch) and one after another (sample and eng_decode each in
- * turn, as a server without batching would). out: best and median aggregate
- * tokens/s, together then apart, printed as a line; then with `profile`
- * one more run together, product by product (profile_together).
- */
 /* One more run of the n sequences together from their saved states, gt
  * steps, each product timed (bench --profile --seqs). */
 static kds_status profile_together(eng_ctx *c, eng_seq **s, void **saved, const size_t *len,
                                    int n, int64_t gt, double read_gbs, int32_t *next,
                                    kds_err *err) {
-    eng_product_time rows[MAX_PROFILE_ROWS];
-    int n_rows = 0;
     eng_sampler_params greedy = eng_sampler_default_params();
     greedy.temperature = 0.0f;
     kds_status rc = KDS_OK;
@@ -868,16 +856,18 @@ static kds_status profile_together(eng_ctx *c, eng_seq **s, void **saved, const 
     const double t0 = cli_now();
     for (int64_t step = 0; step < gt && rc == KDS_OK; step++)
         rc = eng_decode_batch_sample(c, s, next, n, &greedy, next, err);
-    const double wall = cli_now() - t0;
-    if (rc != KDS_OK) {
-        eng_ctx_profile_stop(c, rows, MAX_PROFILE_ROWS, &n_rows, NULL);
-        return rc;
-    }
-    if ((rc = eng_ctx_profile_stop(c, rows, MAX_PROFILE_ROWS, &n_rows, err)) != KDS_OK) return rc;
-    print_profile(rows, n_rows, (profiled_pass){n, gt, wall}, eng_ctx_threads(c), 0.0, read_gbs);
-    return KDS_OK;
+    return end_profile(c, rc, (profiled_pass){n, gt, cli_now() - t0}, 0.0, read_gbs, err);
 }
 
+/*
+ * Continuous batching for n sequences: each gets its own random prompt of
+ * pt tokens (prefilled once, state saved), then every repeat restores the
+ * states and times gt greedy steps twice: together (sample each, one
+ * eng_decode_batch) and one after another (sample and eng_decode each in
+ * turn, as a server without batching would). out: best and median aggregate
+ * tokens/s, together then apart, printed as a line; then with `profile`
+ * one more run together, product by product (profile_together).
+ */
 static kds_status bench_seqs(eng_ctx *c, const eng_model *m, int n, int64_t pt, int64_t gt,
                              int64_t reps, bool profile, double read_gbs, double out[4],
                              kds_err *err) {
