@@ -263,6 +263,56 @@ static void cpu_matmul(eng_backend *b, const eng_matmul *jobs, int n_jobs) {
 /* ------------------------------------------------------------------------ */
 /* Element-wise ops                                                          */
 
+/* A prefill's element-wise ops touch millions of values (wide's SwiGLU
+ * over 512 tokens: 4.7 M; its routed experts' gather and weighted sum:
+ * 9.4 M each), and on one thread the other threads wait at the next join.
+ * So from EW_SPLIT_MIN values on they go out on the pool as ranges of
+ * whole rows, or of EW_GRAIN values (a multiple of every vector width, so
+ * the last range ends on the same tail a single call would), each value
+ * computed as one thread would: the bits do not depend on the cut. Below
+ * that, a dispatch costs more than it saves (a decode step's ops). */
+#define EW_SPLIT_MIN 65536
+#define EW_GRAIN 64
+
+typedef struct ew_split ew_split;
+/* The op over items [i0, i1) (rows, tokens or values). */
+typedef void (*ew_range_fn)(const ew_split *s, size_t i0, size_t i1);
+
+struct ew_split {
+    ew_range_fn range;
+    size_t n, grain; /* items, and the ranges' multiple (1: whole rows) */
+    int n_tasks;
+    /* the op's operands, as each range function reads them */
+    const eng_cpu *c;
+    float *y;
+    const float *x, *w;
+    size_t width; /* values a row */
+    float eps;
+    const eng_moe_args *moe;
+    const eng_attn_res_args *res;
+};
+
+static void ew_task(void *arg, int t, int thread) {
+    (void)thread;
+    const ew_split *s = arg;
+    const size_t units = (s->n + s->grain - 1) / s->grain;
+    const size_t u0 = units * (size_t)t / (size_t)s->n_tasks;
+    const size_t u1 = units * (size_t)(t + 1) / (size_t)s->n_tasks;
+    const size_t i0 = u0 * s->grain, i1 = u1 * s->grain < s->n ? u1 * s->grain : s->n;
+    if (i1 > i0) s->range(s, i0, i1);
+}
+
+/* Runs s over its n items: on the pool when the op touches `values`
+ * values or more, else on this thread. */
+static void ew_run(const eng_cpu *c, ew_split *s, size_t values) {
+    if (c->n_threads == 1 || values < EW_SPLIT_MIN || s->n < 2) {
+        s->range(s, 0, s->n);
+        return;
+    }
+    s->n_tasks = c->n_threads;
+    eng_pool_run(c->pool, ew_task, s, s->n_tasks);
+}
+
 static void cpu_embed(eng_backend *b, const eng_pass *p, const eng_weight *table, float *x) {
     if (b->rc != KDS_OK) return;
     const kern_weight w = eng__kern_weight(table);
@@ -270,11 +320,18 @@ static void cpu_embed(eng_backend *b, const eng_pass *p, const eng_weight *table
         kern_weight_row_f32(&w, p->ids[t], 0, w.cols, x + (size_t)t * w.cols);
 }
 
+static void rmsnorm_rows(const ew_split *s, size_t r0, size_t r1) {
+    for (size_t r = r0; r < r1; r++)
+        kern_rmsnorm(s->x + r * s->width, s->w, KERN_F32, (int)s->width, s->eps,
+                     s->y + r * s->width);
+}
+
 static void cpu_rmsnorm(eng_backend *b, const float *x, const float *w, int rows, int n, float eps,
                         float *y) {
     if (b->rc != KDS_OK) return;
-    for (int r = 0; r < rows; r++)
-        kern_rmsnorm(x + (size_t)r * n, w, KERN_F32, n, eps, y + (size_t)r * n);
+    ew_split s = {.range = rmsnorm_rows, .n = (size_t)rows, .grain = 1, .y = y, .x = x, .w = w,
+                  .width = (size_t)n, .eps = eps};
+    ew_run(cpu_of(b), &s, (size_t)rows * (size_t)n);
 }
 
 /* The model's gated activation: SwiGLU, or K3's SiTU. */
@@ -285,24 +342,54 @@ static void act(const eng_config *cfg, float *a, const float *x, size_t n) {
         kern_swiglu(a, x, n);
 }
 
+static void act_values(const ew_split *s, size_t i0, size_t i1) {
+    act(&s->c->m->cfg, s->y + i0, s->x + i0, i1 - i0);
+}
+
+/* act over n values, split as the element-wise ops are. */
+static void act_split(const eng_cpu *c, float *a, const float *x, size_t n) {
+    ew_split s = {.range = act_values, .n = n, .grain = EW_GRAIN, .c = c, .y = a, .x = x};
+    ew_run(c, &s, n);
+}
+
 static void cpu_glu(eng_backend *b, float *a, const float *x, size_t n) {
-    if (b->rc == KDS_OK) act(&cpu_of(b)->m->cfg, a, x, n);
+    if (b->rc == KDS_OK) act_split(cpu_of(b), a, x, n);
+}
+
+static void sigmoid_mul_values(const ew_split *s, size_t i0, size_t i1) {
+    kern_sigmoid_mul(s->y + i0, s->x + i0, i1 - i0);
 }
 
 static void cpu_sigmoid_mul(eng_backend *b, float *x, const float *g, size_t n) {
-    if (b->rc == KDS_OK) kern_sigmoid_mul(x, g, n);
+    if (b->rc != KDS_OK) return;
+    ew_split s = {.range = sigmoid_mul_values, .n = n, .grain = EW_GRAIN, .y = x, .x = g};
+    ew_run(cpu_of(b), &s, n);
+}
+
+/* Tokens [t0, t1) of the mix: each token's row is its own. */
+static void attn_res_tokens(const ew_split *s, size_t t0, size_t t1) {
+    const eng_attn_res_args *a = s->res;
+    const size_t D = s->width;
+    kern_attn_res_mix((int)(t1 - t0), (int)D, a->blocks + t0 * D, a->block_stride, a->n_blocks,
+                      a->partial ? a->partial + t0 * D : NULL, a->u, s->eps, a->out + t0 * D);
 }
 
 static void cpu_attn_res(eng_backend *b, const eng_attn_res_args *a) {
     eng_cpu *c = cpu_of(b);
     if (b->rc != KDS_OK) return;
-    kern_attn_res_mix(a->T, c->d.hidden, a->blocks, a->block_stride, a->n_blocks, a->partial, a->u,
-                      c->m->cfg.rms_norm_eps, a->out);
+    ew_split s = {.range = attn_res_tokens, .n = (size_t)a->T, .grain = 1, .res = a,
+                  .width = (size_t)c->d.hidden, .eps = c->m->cfg.rms_norm_eps};
+    ew_run(c, &s, (size_t)a->T * (size_t)(a->n_blocks + 1) * (size_t)c->d.hidden);
+}
+
+static void add_values(const ew_split *s, size_t i0, size_t i1) {
+    for (size_t i = i0; i < i1; i++) s->y[i] += s->x[i];
 }
 
 static void cpu_add(eng_backend *b, float *y, const float *x, size_t n) {
     if (b->rc != KDS_OK) return;
-    for (size_t i = 0; i < n; i++) y[i] += x[i];
+    ew_split s = {.range = add_values, .n = n, .grain = EW_GRAIN, .y = y, .x = x};
+    ew_run(cpu_of(b), &s, n);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -568,6 +655,14 @@ static void cpu_mla(eng_backend *b, const eng_pass *p, const eng_mla_args *a) {
 /* Selection uses score + bias (and the group limit); weights use the score
  * alone (project decision, spec §10 Q1). kern_moe_route and
  * kern_moe_permute are also the references of the CUDA routing kernels. */
+/* Gathered rows [r0, r1): the token each comes from. */
+static void gather_rows(const ew_split *s, size_t r0, size_t r1) {
+    const eng_moe_args *a = s->moe;
+    for (size_t r = r0; r < r1; r++)
+        memcpy(a->xg + r * s->width, a->xs + (size_t)a->tok_of[r] * s->width,
+               s->width * sizeof(float));
+}
+
 static void cpu_moe_route(eng_backend *b, const eng_moe_args *a) {
     eng_cpu *c = cpu_of(b);
     if (b->rc != KDS_OK) return;
@@ -584,8 +679,8 @@ static void cpu_moe_route(eng_backend *b, const eng_moe_args *a) {
     kern_moe_route(&rp, T, a->router, a->f->router_bias, a->sel, a->selw);
     kern_moe_permute(E, T, k, a->sel, a->exp_off, a->row_of, a->tok_of);
     /* each expert's tokens into a contiguous block of xg */
-    for (int r = 0; r < T * k; r++)
-        memcpy(a->xg + (size_t)r * X, a->xs + (size_t)a->tok_of[r] * X, (size_t)X * sizeof(float));
+    ew_split s = {.range = gather_rows, .n = (size_t)T * k, .grain = 1, .moe = a, .width = X};
+    ew_run(c, &s, (size_t)T * k * X);
 }
 
 /* A product for the next dispatch; work_T: the tokens its cut is planned
@@ -657,7 +752,7 @@ static void cpu_moe_experts(eng_backend *b, const eng_moe_args *a) {
                 inner, true);
     }
     if (nj) run_mm_cut(c, nj, work_T, per_thread, align);
-    act(cfg, a->act_a, a->act_b, routed * inner + (size_t)T * sh_inner);
+    act_split(c, a->act_a, a->act_b, routed * inner + (size_t)T * sh_inner);
     nj = 0;
     if (sh_inner > 0)
         add_job(c, &nj, work_T, &f->sh_down, sh_a, T, plan_T, a->shared_out, hid, false);
@@ -678,21 +773,30 @@ static void cpu_moe_experts(eng_backend *b, const eng_moe_args *a) {
 
 /* Routed sum in selection order (the same order for prefill and decode),
  * then the shared expert's output. */
-static void cpu_moe_combine(eng_backend *b, const eng_moe_args *a) {
-    eng_cpu *c = cpu_of(b);
-    if (b->rc != KDS_OK) return;
-    const int k = c->m->cfg.num_experts_per_token, X = a->X, T = a->T;
-    for (int t = 0; t < T; t++) {
-        float *out = a->out + (size_t)t * X;
-        memset(out, 0, (size_t)X * sizeof(float));
+static void combine_tokens(const ew_split *s, size_t t0, size_t t1) {
+    const eng_moe_args *a = s->moe;
+    const int k = s->c->m->cfg.num_experts_per_token;
+    const size_t X = s->width;
+    for (size_t t = t0; t < t1; t++) {
+        float *out = a->out + t * X;
+        memset(out, 0, X * sizeof(float));
         for (int n = 0; n < k; n++) {
             const float wgt = a->selw[t * k + n];
             const float *y = a->yg + (size_t)a->row_of[t * k + n] * X;
-            for (int i = 0; i < X; i++) out[i] += wgt * y[i];
+            for (size_t i = 0; i < X; i++) out[i] += wgt * y[i];
         }
+        if (a->add_shared)
+            for (size_t i = 0; i < X; i++) out[i] += a->shared_out[t * X + i];
     }
-    if (a->add_shared)
-        for (size_t i = 0; i < (size_t)T * X; i++) a->out[i] += a->shared_out[i];
+}
+
+static void cpu_moe_combine(eng_backend *b, const eng_moe_args *a) {
+    eng_cpu *c = cpu_of(b);
+    if (b->rc != KDS_OK) return;
+    const size_t k = (size_t)c->m->cfg.num_experts_per_token;
+    ew_split s = {.range = combine_tokens, .n = (size_t)a->T, .grain = 1, .c = c, .moe = a,
+                  .width = (size_t)a->X};
+    ew_run(c, &s, (size_t)a->T * (k + 1) * (size_t)a->X);
 }
 
 /* ------------------------------------------------------------------------ */
