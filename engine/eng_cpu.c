@@ -222,8 +222,15 @@ static void run_mm_cut(eng_cpu *c, int n_jobs, const int *work_T, int per_thread
     if (n_tasks) eng_pool_run(c->pool, mm_task_fn, c, n_tasks);
 }
 
+/* Tasks a thread for a dispatch's products: four, so that a thread that
+ * comes free early takes up the slack; two in a prefill, where each task
+ * packs its tokens' x anew for every block of columns (kern__gemm's
+ * pack_tokens: 2% of perf's samples in wide's prefill of 512 at four) and
+ * the tasks are long enough to even out. wide, prefill of 512, best of
+ * three, alternating (Zen 5): medians of five rounds 467 -> 478 tok/s,
+ * of six 465 -> 477; full27 and llamacpp-tiny the same either way. */
 static void run_mm_as(eng_cpu *c, int n_jobs, const int *work_T) {
-    run_mm_cut(c, n_jobs, work_T, 4, 8);
+    run_mm_cut(c, n_jobs, work_T, c->prefill ? 2 : 4, 8);
 }
 
 static void run_mm(eng_cpu *c, int n_jobs) { run_mm_as(c, n_jobs, NULL); }
