@@ -631,12 +631,13 @@ static void bench_usage(FILE *f) {
                "or four times the last-level cache if more; 0 skips it) on as many\n"
                "threads. When a token reads more than the last-level cache holds, each\n"
                "decode run is put between two such measurements (reads back to back for\n"
-               "0.25 s each, GB/s over them all, as the run's is over its tokens), and\n"
-               "each run's GB/s against the mean of the two is printed too (median and\n"
-               "range over the runs: the figure that holds while other tenants' load\n"
-               "moves); the first line's read is the best single read among them (the\n"
-               "memory at its quietest). A model that fits in the cache gets one read,\n"
-               "best of 3, after the runs.\n\n"
+               "0.25 s each) and gets one more read every 0.25 s inside it (between two\n"
+               "tokens; its time is left out of the run's), and each run's GB/s against\n"
+               "those reads' (GB/s over them all, as the run's is over its tokens) is\n"
+               "printed too (median and range over the runs: the figure that holds while\n"
+               "other tenants' load moves); the first line's read is the best single\n"
+               "read among them (the memory at its quietest). A model that fits in the\n"
+               "cache gets one read, best of 3, after the runs.\n\n"
                "--seqs N,N,... adds continuous batching: for each N, N sequences with\n"
                "different prompts (--prompt-tokens each) decode --gen-tokens greedy tokens\n"
                "each, once together (one eng_decode_batch_sample per step) and once one after\n"
@@ -710,6 +711,33 @@ static double print_prefill_peak(const eng_model *m, int64_t pt, double best_tps
  * shared machine a read's speed moves from one 1 GiB read to the next by
  * up to 2x; over a quarter of a second it is the load of that time. */
 #define PAIR_READ_S 0.25
+
+/* And inside the run, one read (eng_membw's buffer once) whenever this
+ * long has passed since the last, its time left out of the run's: the
+ * tenants' load that the reads on each side see can change within a run
+ * of seconds, the reads inside see the run's own minutes. */
+#define INSIDE_READ_EVERY_S 0.25
+
+/* The reads held against one decode run: GB and seconds over them all,
+ * the best single read and how many. */
+typedef struct read_tally {
+    double gb, seconds, best;
+    int n;
+} read_tally;
+
+/* eng_membw_read_for(b, seconds) into *t; returns the seconds it took. */
+static double timed_read(eng_membw *b, double seconds, read_tally *t) {
+    double best = 0.0;
+    int n = 0;
+    const double t0 = cli_now();
+    const double gbs = eng_membw_read_for(b, seconds, &best, &n);
+    const double took = cli_now() - t0;
+    t->gb += gbs * took;
+    t->seconds += took;
+    t->best = best > t->best ? best : t->best;
+    t->n += n;
+    return took;
+}
 
 /* What a profiled pass was: a prefill of `tokens` tokens (n_seqs 0), or
  * `tokens` decode steps of n_seqs sequences (1: a lone decode). */
@@ -1089,10 +1117,13 @@ int cmd_bench(int argc, char **argv) {
     }
     /* The decode against a streaming read of the machine's memory (CPU).
      * When a token reads more than the last-level cache holds, each decode
-     * run is put between two reads, just before and just after it: on a
-     * shared machine the other tenants' load moves within seconds, and a
-     * read taken once, after all the runs, can see another load than the
-     * run it is held against. A model that fits in the cache keeps the one
+     * run is put between two reads, just before and just after it, and
+     * gets reads inside it: on a shared machine the other tenants' load
+     * moves within seconds, and a read taken once, after all the runs,
+     * can see another load than the run it is held against (a token reads
+     * its weights from memory anyway, so a read between two tokens costs
+     * the next one nothing it would have found in the cache). A model
+     * that fits in the cache keeps the one
      * read after the runs (a read before each would empty the cache of
      * the weights its decode finds there). */
     const eng_decode_bytes db = eng_model_decode_bytes(m, pt + gt / 2);
@@ -1104,7 +1135,7 @@ int cmd_bench(int argc, char **argv) {
     const bool pair_reads = membw && per_tok > (double)eng_llc_bytes();
     double bw = 0.0;   /* the best read of the run */
     int bw_reads = 0;  /* how many reads that was the best of */
-    double sustained = 0.0; /* the sustained reads beside the runs, GB/s, summed */
+    double sustained = 0.0; /* each run's reads' GB/s (beside and inside it), summed */
     for (int64_t r = 0; r < reps; r++) {
         eng_seq_reset(s, 0);
         if (eng_ctx_attach(c, s, &err) != KDS_OK) goto fail; /* a GPU's state upload: untimed */
@@ -1112,28 +1143,31 @@ int cmd_bench(int argc, char **argv) {
         if (eng_prefill(c, s, ids, pt, NULL, NULL, NULL, &err) != KDS_OK) goto fail;
         double tp = cli_now();
         if (ep_on && eng_ctx_ep_stats_all(c, ep_all, true, &err) != KDS_OK) goto fail;
-        /* a sustained read on each side: back to back for PAIR_READ_S, GB/s
-         * over all of it, as the run's own is over its tokens (the best
-         * of a few short reads catches the quietest instant) */
-        double best_before = 0.0, best_after = 0.0;
-        int n_before = 0, n_after = 0;
-        const double read_before =
-            pair_reads ? eng_membw_read_for(membw, PAIR_READ_S, &best_before, &n_before) : 0.0;
-        double t1 = cli_now();
+        /* a sustained read on each side (back to back for PAIR_READ_S)
+         * and reads inside the run (INSIDE_READ_EVERY_S), GB/s over all of
+         * them, as the run's own is over its tokens (the best of a few
+         * short reads catches the quietest instant) */
+        read_tally reads = {0};
+        if (pair_reads) timed_read(membw, PAIR_READ_S, &reads);
+        double t1 = cli_now(), last_read = t1;
+        double inside = 0.0; /* seconds of reads inside the run */
         for (int64_t i = 0; i < gt; i++) {
             int32_t next;
             if (eng_sample(c, s, &greedy, &next, &err) != KDS_OK) goto fail;
             if (eng_decode(c, s, next, &err) != KDS_OK) goto fail;
+            if (pair_reads && i + 1 < gt && cli_now() - last_read >= INSIDE_READ_EVERY_S) {
+                inside += timed_read(membw, 0.0, &reads);
+                last_read = cli_now();
+            }
         }
-        double t2 = cli_now();
+        double t2 = cli_now() - inside;
         if (pair_reads) {
-            const double read_after = eng_membw_read_for(membw, PAIR_READ_S, &best_after, &n_after);
-            const double mean = (read_before + read_after) / 2;
+            timed_read(membw, PAIR_READ_S, &reads);
+            const double mean = reads.seconds > 0 ? reads.gb / reads.seconds : 0.0;
             paired[r] = mean > 0 && t2 > t1 ? per_tok * gt / (t2 - t1) / 1e9 / mean : 0.0;
-            bw = best_before > bw ? best_before : bw;
-            bw = best_after > bw ? best_after : bw;
-            bw_reads += n_before + n_after;
-            sustained += read_before + read_after;
+            bw = reads.best > bw ? reads.best : bw;
+            bw_reads += reads.n;
+            sustained += mean;
         }
         if (ep_on) {
             if (eng_ctx_ep_stats_all(c, ep_all, true, &err) != KDS_OK) goto fail;
@@ -1232,11 +1266,12 @@ int cmd_bench(int argc, char **argv) {
                    pair_reads ? (long long)bw_reads : 3LL, bw > 0 ? 100.0 * best / bw : 0.0,
                    bw > 0 ? 100.0 * median / bw : 0.0, above);
             if (pair_reads)
-                printf("             each decode run against the reads just before and after "
+                printf("             each decode run against the reads beside and inside "
                        "it: %.0f%% (median of %lld runs; %.0f-%.0f%%; each side reads back to "
-                       "back for %.2f s, GB/s over them all)\n",
+                       "back for %.2f s, and one read every %.2f s inside, its time left out "
+                       "of the run's; GB/s over them all)\n",
                        100.0 * paired[reps / 2], (long long)reps, 100.0 * paired[0],
-                       100.0 * paired[reps - 1], PAIR_READ_S);
+                       100.0 * paired[reps - 1], PAIR_READ_S, INSIDE_READ_EVERY_S);
         }
     }
     if (ep_on && ep_sum[0].moe_layers > 0) {
@@ -1258,7 +1293,7 @@ int cmd_bench(int argc, char **argv) {
     }
 
     /* the decode's products against the sustained read where there is one */
-    const double prof_read = !want_bw || !membw ? 0.0 : pair_reads ? sustained / (2.0 * reps) : bw;
+    const double prof_read = !want_bw || !membw ? 0.0 : pair_reads ? sustained / (double)reps : bw;
     if (profile && bench_profile(c, s, ids, pt, gt, fma_peak, prof_read, &err) != KDS_OK)
         goto fail;
     if (n_counts > 0) {

@@ -133,10 +133,10 @@ trap 'rm -rf "$tmp"' EXIT
 
 # kdaserve bench: the best prefill and decode tokens/s of R repeats, and
 # the decode as a percentage of the memory read of the same run (the median
-# of each decode run against the reads around it when kdaserve pairs them,
-# else the best run against its one read; - without a read); extra options
-# in $1 (--bf16 runs the prefill only, without the read: decode is exact
-# either way)
+# of each decode run against the reads beside and inside it when kdaserve
+# makes them, else the best run against its one read; - without a read);
+# extra options in $1 (--bf16 runs the prefill only, without the read:
+# decode is exact either way)
 run_kds() {
     local extra=${1:-} g=$gen bw=""
     [[ -n $extra ]] && g=0
@@ -148,7 +148,7 @@ run_kds() {
         { cat "$tmp/kds.err" >&2; die "kdaserve bench failed"; }
     awk '$1 == "prefill" {p = $2} $1 == "decode" {d = $2}
         /-> decode at [0-9.]+% of it/ { s = $0; sub(/.*-> decode at /, "", s); sub(/%.*/, "", s); one = s }
-        /reads just before and after it:/ { s = $0; sub(/.*after it: /, "", s); sub(/%.*/, "", s); pair = s }
+        /reads beside and inside it:/ { s = $0; sub(/.*inside it: /, "", s); sub(/%.*/, "", s); pair = s }
         /a prefill token multiply-adds/ { s = $0; sub(/.*multiply-adds /, "", s); sub(/ M.*/, "", s); madds = s }
         /f32 FMA peak on/ { s = $0; sub(/.*this run: /, "", s); sub(/ GFLOP.*/, "", s); peak = s }
         END {

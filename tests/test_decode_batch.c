@@ -752,12 +752,12 @@ Test(decode_batch, bench_pairs_reads_with_runs_beyond_the_cache, .timeout = 180)
     cr_assert(line && (line = strstr(line, "(best of ")), "%s", out);
     cr_assert_eq(sscanf(line, "(best of %d)", &reads), 1, "%.80s", line);
     cr_expect(reads >= 6, "%d reads beside 3 runs:\n%s", reads, out);
-    line = strstr(out, "each decode run against the reads just before and after it: ");
+    line = strstr(out, "each decode run against the reads beside and inside it: ");
     cr_assert(line, "no paired line in:\n%s", out);
     double med = 0, lo = 0, hi = 0;
     int runs = 0;
     cr_assert_eq(sscanf(line,
-                        "each decode run against the reads just before and after it: %lf%% "
+                        "each decode run against the reads beside and inside it: %lf%% "
                         "(median of %d runs; %lf-%lf%%; each side reads back to back for 0.25 s",
                         &med, &runs, &lo, &hi),
                  4, "%s", line);
