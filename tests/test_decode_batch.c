@@ -271,7 +271,8 @@ Test(decode_batch, matches_one_at_a_time_wide_rows, .timeout = 120) {
 
 /* Four sequences prefilled (1 to 50 tokens: passes on the direct path and
  * on the GEMM) and decoded together for four greedy steps, on a context of
- * n_threads threads: the final saved states, concatenated. */
+ * n_threads threads, and a long prompt prefilled alone: the final saved
+ * states, concatenated. */
 static unsigned char *run_on_threads(eng_model *m, int n_threads, size_t *len) {
     kds_err err = {0};
     eng_ctx_params cp = eng_ctx_default_params();
@@ -288,18 +289,29 @@ static unsigned char *run_on_threads(eng_model *m, int n_threads, size_t *len) {
             ids[i] = argmax(eng_seq_logits(seqs[i]), f.vocab, &margin);
         cr_assert_eq(eng_decode_batch(f.c, seqs, ids, 4, &err), KDS_OK, "%s", err.msg);
     }
-    size_t total = 0, n[4];
-    void *st[4];
-    for (int i = 0; i < 4; i++) {
-        st[i] = save(seqs[i], &n[i]);
+    /* and a long prompt: a prefill's element-wise ops go out on the pool
+     * from 65,536 values (eng_cpu.c), which the prompts above never reach */
+    enum { LONG_PROMPT = 700 };
+    int32_t *long_ids = malloc(LONG_PROMPT * sizeof *long_ids);
+    cr_assert(long_ids);
+    prompt(long_ids, LONG_PROMPT, f.vocab, 777u);
+    eng_seq *lone = NULL;
+    cr_assert_eq(eng_seq_create(m, 9, &lone, &err), KDS_OK, "%s", err.msg);
+    cr_assert_eq(eng_prefill(f.c, lone, long_ids, LONG_PROMPT, NULL, NULL, NULL, &err), KDS_OK,
+                 "%s", err.msg);
+    free(long_ids);
+    size_t total = 0, n[5];
+    void *st[5];
+    for (int i = 0; i < 5; i++) {
+        st[i] = save(i < 4 ? seqs[i] : lone, &n[i]);
         total += n[i];
     }
     unsigned char *all = malloc(total);
     cr_assert(all);
-    for (int i = 0, at = 0; i < 4; at += (int)n[i], i++) {
+    for (int i = 0, at = 0; i < 5; at += (int)n[i], i++) {
         memcpy(all + at, st[i], n[i]);
         free(st[i]);
-        eng_seq_free(seqs[i]);
+        eng_seq_free(i < 4 ? seqs[i] : lone);
     }
     eng_ctx_free(f.c);
     *len = total;
@@ -308,9 +320,11 @@ static unsigned char *run_on_threads(eng_model *m, int n_threads, size_t *len) {
 
 /* The thread count changes no bit: every product is cut among the threads
  * on eight-row boundaries (32 for block formats), and a row's sums do not
- * depend on the rows beside it (the kernels' own tests), so prefill, decode
- * and batched decode on 2 and 3 threads give the states (logits included)
- * of 1. k3-micro: Kimi K3's layout with MXFP4 routed experts. */
+ * depend on the rows beside it (the kernels' own tests), and a long
+ * prefill's element-wise ops are cut on whole rows or 64 values, so
+ * prefill, decode and batched decode on 2 and 3 threads give the states
+ * (logits included) of 1. k3-micro: Kimi K3's layout with MXFP4 routed
+ * experts. */
 Test(decode_batch, same_bits_on_any_thread_count, .timeout = 120) {
 #if !KERN_GEMM_SIMD
     /* decode and batched decode keep their bits there too (the tests
