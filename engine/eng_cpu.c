@@ -5,7 +5,8 @@
  *
  * Parallelism: every matrix product is cut into row blocks of roughly equal
  * work (several products of one call go out in one dispatch); the KDA core
- * and MLA attention are split by head, the KDA per-token work by token.
+ * and MLA attention are split by head, the KDA per-token work by token,
+ * a long pass's element-wise ops by rows or runs of 64 values.
  * OpenBLAS is pinned to one thread so that it never competes with the pool.
  * The cuts depend only on the shapes and the thread count, so a pass gives
  * the same bits every time.
