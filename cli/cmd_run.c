@@ -666,10 +666,10 @@ static void bench_usage(FILE *f) {
                "and shape, layers and experts summed): each one's share of the threads'\n"
                "time, its GFLOP/s a thread in the prefill against the f32 FMA peak (the\n"
                "bf16 pairs of --bf16 have about twice that), its GB/s a thread in the\n"
-               "decode against the sustained read beside the runs, and the share outside\n"
-               "the products (the other ops, waits at joins); with --seqs, also one more\n"
-               "batched run of each N (GB/s and GFLOP/s a thread: a step's products\n"
-               "multiply-add each weight once a token). See docs/benchmarks.md.\n\n"
+               "decode against the sustained read beside and inside the runs, and the\n"
+               "share outside the products (the other ops, waits at joins); with --seqs,\n"
+               "also one more batched run of each N (GB/s and GFLOP/s a thread: a step's\n"
+               "products multiply-add each weight once a token). See docs/benchmarks.md.\n\n"
                "--gen PRESET benchmarks a model generated on the GPU itself (gen-model's\n"
                "weights for that preset and --seed, default 1; no files: e.g. the 98 GB\n"
                "kimi-linear-48b). Needs --device cuda (implied). Presets: see gen-model.\n");
@@ -776,7 +776,7 @@ static void print_profile(const eng_product_time *r, int n, profiled_pass pp, in
            what, busy * all_pct, threads, (all - busy) * all_pct);
     if (decode && read_gbs > 0)
         printf("    (the read: %.1f GB/s on %d threads, %.1f a thread, the mean of the reads "
-               "beside the decode runs above)\n", read_gbs, threads, read_gbs / threads);
+               "beside and inside the decode runs above)\n", read_gbs, threads, read_gbs / threads);
     if (decode)
         printf("    share    MB/%s  GB/s a thread%s%s  matrix (shape, products a %s%s)\n",
                batched ? "step " : "token", read_gbs > 0 ? "  of the read" : "",
