@@ -715,7 +715,7 @@ static double print_prefill_peak(const eng_model *m, int64_t pt, double best_tps
 /* And inside the run, one read (eng_membw's buffer once) whenever this
  * long has passed since the last, its time left out of the run's: the
  * tenants' load that the reads on each side see can change within a run
- * of seconds, the reads inside see the run's own minutes. */
+ * of seconds, and the reads inside see the load of the run's own time. */
 #define INSIDE_READ_EVERY_S 0.25
 
 /* The reads held against one decode run: GB and seconds over them all,

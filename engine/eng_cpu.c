@@ -660,9 +660,6 @@ static void cpu_mla(eng_backend *b, const eng_pass *p, const eng_mla_args *a) {
 /* ------------------------------------------------------------------------ */
 /* MoE (spec §6.2)                                                           */
 
-/* Selection uses score + bias (and the group limit); weights use the score
- * alone (project decision, spec §10 Q1). kern_moe_route and
- * kern_moe_permute are also the references of the CUDA routing kernels. */
 /* Gathered rows [r0, r1): the token each comes from. */
 static void gather_rows(const ew_split *s, size_t r0, size_t r1) {
     const eng_moe_args *a = s->moe;
@@ -671,6 +668,9 @@ static void gather_rows(const ew_split *s, size_t r0, size_t r1) {
                s->width * sizeof(float));
 }
 
+/* Selection uses score + bias (and the group limit); weights use the score
+ * alone (project decision, spec §10 Q1). kern_moe_route and
+ * kern_moe_permute are also the references of the CUDA routing kernels. */
 static void cpu_moe_route(eng_backend *b, const eng_moe_args *a) {
     eng_cpu *c = cpu_of(b);
     if (b->rc != KDS_OK) return;
