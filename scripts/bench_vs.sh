@@ -19,6 +19,8 @@
 # sums of the stored bf16 weights) and with --bf16, which rounds a
 # prefill's activations to bf16 as llama.cpp's bf16 path does (equal
 # precision; ~3e-3 relative error per product). Decode is exact in both.
+# A build without bf16 dot products (no AVX-512 BF16) would run --bf16
+# exactly, so there the second run is left out and a line says why.
 #
 # Both engines decode after the prompt: kdaserve's decode follows its
 # prefill, and llama.cpp's tg test runs at depth P (llama-bench -d P, which
@@ -55,7 +57,8 @@ usage: scripts/bench_vs.sh --llama-bench PATH --model DIR [--gguf FILE] [--round
   --kdaserve PATH     the kdaserve binary (default: build/kdaserve of this tree,
                       else kdaserve on PATH)
   --kdaserve-args ARGS  more kdaserve bench options for both of its runs
-  --no-bf16           leave out kdaserve's --bf16 prefill run
+  --no-bf16           leave out kdaserve's --bf16 prefill run (left out anyway
+                      where the build has no bf16 dot products: it would be exact)
   --llama-args ARGS   more llama-bench options, e.g. "-fa 0"
   --no-depth          llama.cpp decodes from an empty context, not at depth P
                       (for llama-bench builds without -d)
@@ -130,6 +133,18 @@ fi
 
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
+
+# Without bf16 dot products (no AVX-512 BF16: a Zen 3, a portable build)
+# kdaserve's --bf16 multiplies exactly, so its run would only repeat the
+# exact one: leave it out, as --no-bf16 does, and say why. The build says
+# so on its `device` line; a generated tiny model (9 MB) asks it in a moment.
+bf16_note=""
+if ((!nobf16)) && "$kds" gen-model --preset tiny --out "$tmp/probe" >/dev/null 2>&1 &&
+    "$kds" bench --model "$tmp/probe" --threads 1 --prompt-tokens 1 --gen-tokens 1 --repeats 1 \
+        --bandwidth-mib 0 --bf16 2>/dev/null | grep -q '^device.*no bf16 dot products'; then
+    nobf16=1
+    bf16_note="kdaserve's --bf16 left out: this build has no bf16 dot products, so it would multiply exactly"
+fi
 
 # kdaserve bench: the best prefill and decode tokens/s of R repeats, and
 # the decode as a percentage of the memory read of the same run (the median
@@ -208,6 +223,7 @@ echo "gguf:      $gguf"
 echo "threads $threads, prompt $prompt, gen $gen, best of $repeats per round, $rounds rounds"
 echo "kdaserve bench options: ${kargs:-(none)}; llama-bench options: ${largs:-(none)}"
 ((nobf16)) || echo "kdaserve's prefill: exact, and with --bf16 (llama.cpp's precision)"
+[[ -z $bf16_note ]] || echo "$bf16_note"
 if ((nodepth)); then
     echo "decode: kdaserve after the prompt, llama.cpp from an empty context (--no-depth)"
 else
