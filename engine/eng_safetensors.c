@@ -8,6 +8,9 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdbool.h>
 #include <stdlib.h>
@@ -128,8 +131,14 @@ static kds_status parse_entry(const char *path, const cJSON *item, eng_st_tensor
 
 /* Huge pages are 2 MiB on x86-64 (and 4 KiB-page arm64). */
 #define ST_HUGE_PAGE ((size_t)2 << 20)
-/* Bytes per read() and between progress updates. */
+/* The most bytes a thread reads in one piece, and so between the progress
+ * updates of the caller, which reads too. */
 #define ST_READ_STEP ((size_t)64 << 20)
+/* Pieces are multiples of this; small files still make several, so that
+ * the threads share them (and the suite's small models take that path). */
+#define ST_READ_GRAIN ((size_t)64 << 10)
+/* At most this many threads read one file. */
+#define ST_READ_THREADS 8
 /* Files smaller than this read in well under a second: no progress line. */
 #define ST_PROGRESS_MIN_BYTES ((size_t)256 << 20)
 
@@ -139,8 +148,60 @@ static double st_now_s(void) {
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
+/* One file read into memory by several threads. Pieces of `piece` bytes
+ * are handed out in file order (`next`), so a disk still sees reads close
+ * together. Why threads: what a read into fresh memory costs is mostly
+ * the kernel faulting in and zeroing the pages it copies into, one core's
+ * work; full27's 4.3 GB first shard, in the page cache, on a 2-core VM
+ * (Zen 3): 1.95-2.65 s on one thread, 0.64-0.72 s on two
+ * (docs/benchmarks.md, "Reading the weights in on every core"). */
+typedef struct st_reader {
+    int fd;
+    char *p;
+    size_t len, piece;
+    atomic_size_t next; /* the next piece's index */
+    atomic_size_t done; /* bytes read so far, for the progress line */
+    atomic_bool failed; /* set with the first failure: the others stop */
+    pthread_mutex_t lock;
+    size_t fail_at; /* the lowest offset that failed, SIZE_MAX if none */
+    int fail_errno; /* 0: the file ended there */
+} st_reader;
+
+static void reader_fail(st_reader *r, size_t at, int errno_value) {
+    pthread_mutex_lock(&r->lock);
+    if (at < r->fail_at) r->fail_at = at, r->fail_errno = errno_value;
+    pthread_mutex_unlock(&r->lock);
+    atomic_store(&r->failed, true);
+}
+
+/* Reads one piece; false when there is none left or a read failed. */
+static bool reader_piece(st_reader *r) {
+    if (atomic_load(&r->failed)) return false;
+    const size_t first = atomic_fetch_add(&r->next, 1) * r->piece;
+    if (first >= r->len) return false;
+    const size_t end = r->len - first < r->piece ? r->len : first + r->piece;
+    for (size_t at = first; at < end;) {
+        const ssize_t n = pread(r->fd, r->p + at, end - at, (off_t)at);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) {
+            reader_fail(r, at, n < 0 ? errno : 0);
+            return false;
+        }
+        at += (size_t)n;
+        atomic_fetch_add(&r->done, (size_t)n);
+    }
+    return true;
+}
+
+static void *reader_main(void *arg) {
+    while (reader_piece(arg)) {}
+    return NULL;
+}
+
 /* The len bytes of fd read into fresh anonymous memory, 2 MiB aligned and
- * asked for in huge pages, then made read-only: *out, to munmap with len. */
+ * asked for in huge pages, then made read-only: *out, to munmap with len.
+ * Read by up to ST_READ_THREADS threads, one a CPU, the caller among them;
+ * where no thread can be started the caller reads it all. */
 static kds_status read_resident(const char *path, int fd, size_t len, bool progress, void **out,
                                 kds_err *err) {
     *out = NULL;
@@ -158,35 +219,59 @@ static kds_status read_resident(const char *path, int fd, size_t len, bool progr
     const size_t tail = (size_t)(raw + body + ST_HUGE_PAGE - (p + body));
     if (tail) munmap(p + body, tail);
     (void)madvise(p, body, MADV_HUGEPAGE); /* a hint: 4 KiB pages where THP is off */
+
+    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    const int n_threads = cpus < 1 ? 1 : cpus > ST_READ_THREADS ? ST_READ_THREADS : (int)cpus;
+    /* about four pieces a thread; whole huge pages from 2 MiB on, so that
+     * each huge page is faulted in by one thread */
+    size_t piece = len / ((size_t)n_threads * 4) + 1;
+    piece = (piece + ST_READ_GRAIN - 1) / ST_READ_GRAIN * ST_READ_GRAIN;
+    if (piece >= ST_HUGE_PAGE) piece = (piece + ST_HUGE_PAGE - 1) / ST_HUGE_PAGE * ST_HUGE_PAGE;
+    if (piece > ST_READ_STEP) piece = ST_READ_STEP;
+    st_reader r = {.fd = fd, .p = p, .len = len, .piece = piece, .fail_at = SIZE_MAX};
+    atomic_init(&r.next, 0);
+    atomic_init(&r.done, 0);
+    atomic_init(&r.failed, false);
+    pthread_mutex_init(&r.lock, NULL);
+    pthread_t threads[ST_READ_THREADS];
+    int started = 0;
+    for (int i = 1; i < n_threads && (size_t)i * piece < len; i++) {
+        if (pthread_create(&threads[started], NULL, reader_main, &r) != 0) break;
+        started++;
+    }
+
     const bool show = progress && len > ST_PROGRESS_MIN_BYTES;
     const double t0 = st_now_s();
     double last = 0;
-    size_t done = 0;
-    while (done < len) {
-        const size_t want = len - done < ST_READ_STEP ? len - done : ST_READ_STEP;
-        const ssize_t n = pread(fd, p + done, want, (off_t)done);
-        if (n < 0 && errno == EINTR) continue;
-        if (n <= 0) {
-            kds_status rc = n < 0 ? kds_err_set(err, KDS_IO, "%s: read at byte %zu: %s", path,
-                                                done, strerror(errno))
-                                  : kds_err_set(err, KDS_IO, "%s: the file ended at byte %zu of "
-                                                "%zu while being read (truncated meanwhile?)",
-                                                path, done, len);
-            munmap(p, body);
-            if (show) fprintf(stderr, "\n");
-            return rc;
-        }
-        done += (size_t)n;
+    for (bool more = true; more;) {
+        more = reader_piece(&r);
         const double now = st_now_s();
-        if (show && (now - last > 0.5 || done == len)) {
+        if (show && now - last > 0.5) {
             last = now;
+            const size_t done = atomic_load(&r.done);
             const double rate = (double)done / (now - t0 > 1e-9 ? now - t0 : 1e-9);
             fprintf(stderr, "\rreading %s into memory: %3d%% (%.1f / %.1f GB, %.0fs left)", path,
                     (int)(100.0 * (double)done / (double)len), done / 1e9, len / 1e9,
-                    (double)(len - done) / rate);
+                    rate > 0 ? (double)(len - done) / rate : 0.0);
         }
     }
-    if (show) fprintf(stderr, "\n");
+    for (int i = 0; i < started; i++) pthread_join(threads[i], NULL);
+    pthread_mutex_destroy(&r.lock);
+    if (r.fail_at != SIZE_MAX) {
+        kds_status rc;
+        if (r.fail_errno)
+            rc = kds_err_set(err, KDS_IO, "%s: read at byte %zu: %s", path, r.fail_at,
+                             strerror(r.fail_errno));
+        else
+            rc = kds_err_set(err, KDS_IO, "%s: the file ended at byte %zu of %zu while being "
+                             "read (truncated meanwhile?)", path, r.fail_at, len);
+        munmap(p, body);
+        if (show) fprintf(stderr, "\n");
+        return rc;
+    }
+    if (show)
+        fprintf(stderr, "\rreading %s into memory: 100%% (%.1f GB in %.1fs)           \n", path,
+                len / 1e9, st_now_s() - t0);
     (void)mprotect(p, body, PROT_READ); /* the weights are read-only, as the map's */
     *out = p;
     return KDS_OK;
