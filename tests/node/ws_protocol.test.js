@@ -243,8 +243,11 @@ async function info(c) {
   return INFO;
 }
 
-async function greedy(c, session, text, n, extra = {}) {
-  return checkStream(await c.generate({ session, text, max_tokens: n, temperature: 0, ...extra }),
+// opts: KdsClient.generate's (timeoutMs: the longest wait for the next
+// event, 120 s by default; a generate of a whole document sends nothing
+// between `started` and its first token while its prompt goes in).
+async function greedy(c, session, text, n, extra = {}, opts = {}) {
+  return checkStream(await c.generate({ session, text, max_tokens: n, temperature: 0, ...extra }, opts),
                      `generate on ${session}`);
 }
 
@@ -2169,7 +2172,10 @@ async function groupIngest() {
 
   await check("the chunked document equals the same text in one generate: token count, next greedy reply", async () => {
     ok(ingA && ingA.done, "no ingest to compare (the check above failed)");
-    const one = await greedy(c, B, DOC, 24);
+    // as long a wait as the ingest's: 47K tokens of prompt, no event until
+    // they are in (about 100 s in the sanitizer build, with a second
+    // server on the other core)
+    const one = await greedy(c, B, DOC, 24, {}, { timeoutMs: 600000 });
     eq(one.started.prompt_tokens, ingA.done.document.tokens, "tokens of the whole text in one generate vs the ingest");
     const cont = await greedy(c, A, "", 24);
     eq(cont.started.context, ingA.done.context, "context after the ingest");
@@ -2207,7 +2213,7 @@ async function groupIngest() {
     eq(b.length, 4096 * 64, "document bytes");
     const r = await ingestBytes(c, S, "cut.txt", b, 65536);
     eq(r.done && r.done.reason, "complete", "reason");
-    const one = await greedy(c, T, text, 8);
+    const one = await greedy(c, T, text, 8, {}, { timeoutMs: 600000 }); // 57K tokens of prompt
     eq(one.started.prompt_tokens, r.done.document.tokens, "tokens of the whole text in one generate vs the ingest");
     const cont = await greedy(c, S, "", 8);
     eq(cont.text, one.text, "greedy reply after the ingest vs after one generate");
