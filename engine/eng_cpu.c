@@ -21,7 +21,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-#include <unistd.h>
 
 #include "eng_backend.h"
 #include "eng_pool.h"
@@ -937,8 +936,7 @@ static kds_status cpu_create(const eng_model *m, const eng_ctx_params *p, eng_ba
     c->m = m;
     eng__dims(&m->cfg, &c->d);
     const eng_dims *d = &c->d;
-    long online = sysconf(_SC_NPROCESSORS_ONLN);
-    c->n_threads = p->n_threads > 0 ? p->n_threads : (online > 0 ? (int)online : 1);
+    c->n_threads = p->n_threads > 0 ? p->n_threads : eng_cpus_online(0);
     c->kda_chunk = p->kda_chunk;
     c->bf16_act = p->bf16_act;
     c->max_seqs = p->max_seqs;

@@ -26,10 +26,10 @@
  */
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 #include "eng_backend.h"
 #include "eng_cuda.h"
+#include "eng_pool.h"
 #include "eng_seq.h"
 
 struct eng_ctx {
@@ -758,8 +758,7 @@ kds_status eng_ctx_create(const eng_model *m, const eng_ctx_params *p, eng_ctx *
     q.max_batch = p->max_batch > 0 ? p->max_batch : def.max_batch;
     q.kda_chunk = p->kda_chunk > 0 ? p->kda_chunk : def.kda_chunk;
     q.max_seqs = p->max_seqs > 0 ? p->max_seqs : def.max_seqs;
-    long online = sysconf(_SC_NPROCESSORS_ONLN);
-    q.n_threads = p->n_threads > 0 ? p->n_threads : (online > 0 ? (int)online : 1);
+    q.n_threads = p->n_threads > 0 ? p->n_threads : eng_cpus_online(0);
     eng_ctx *c = calloc(1, sizeof *c);
     if (!c) return kds_err_set(err, KDS_NOMEM, "out of memory creating a context");
     c->m = m;

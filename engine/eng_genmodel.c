@@ -5,6 +5,7 @@
 #include "eng_genmodel.h"
 #include "eng_model.h"
 #include "eng_plan.h"
+#include "eng_pool.h"
 
 #include <cJSON.h>
 #include <errno.h>
@@ -672,11 +673,8 @@ kds_status eng__genmodel_write_sharded(const eng_config *c, uint64_t seed, kern_
     cuts[n_shards] = n;
 
     if ((rc = make_dirs(out_dir, err)) != KDS_OK) goto out;
-    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
     writer w = {.dt = dtype,
-                .n_threads = cpus < 1                 ? 1
-                             : cpus > GEN_MAX_THREADS ? GEN_MAX_THREADS
-                                                      : (int)cpus,
+                .n_threads = eng_cpus_online(GEN_MAX_THREADS),
                 .progress = progress,
                 .total = total,
                 .t0 = now_s()};

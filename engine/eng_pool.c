@@ -6,6 +6,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <unistd.h>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -153,4 +154,10 @@ void eng_pool_run(eng_pool *p, eng_pool_fn fn, void *arg, int n_tasks) {
     }
     drain(p, gen, 0);
     while (atomic_load_explicit(&p->done_tasks, memory_order_acquire) < n_tasks) cpu_relax();
+}
+
+int eng_cpus_online(int cap) {
+    const long online = sysconf(_SC_NPROCESSORS_ONLN);
+    const int n = online < 1 ? 1 : (int)online;
+    return cap > 0 && n > cap ? cap : n;
 }

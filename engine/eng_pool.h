@@ -25,4 +25,9 @@ void eng_pool_free(eng_pool *p);
 int eng_pool_size(const eng_pool *p);
 void eng_pool_run(eng_pool *p, eng_pool_fn fn, void *arg, int n_tasks);
 
+/* The CPUs online (sysconf), at least 1 and, when cap > 0, at most cap:
+ * the thread count of work that takes one thread a CPU by default (a
+ * context's pool, a model's load, gen-model's writer). */
+int eng_cpus_online(int cap);
+
 #endif

@@ -1,6 +1,7 @@
 /* eng_safetensors.c - validated mmap reader and atomic writer for safetensors. */
 #define _GNU_SOURCE
 #include "eng_safetensors.h"
+#include "eng_pool.h"
 #include "eng_util.h"
 #include "kds_file.h"
 
@@ -220,8 +221,7 @@ static kds_status read_resident(const char *path, int fd, size_t len, bool progr
     if (tail) munmap(p + body, tail);
     (void)madvise(p, body, MADV_HUGEPAGE); /* a hint: 4 KiB pages where THP is off */
 
-    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
-    const int n_threads = cpus < 1 ? 1 : cpus > ST_READ_THREADS ? ST_READ_THREADS : (int)cpus;
+    const int n_threads = eng_cpus_online(ST_READ_THREADS);
     /* about four pieces a thread; whole huge pages from 2 MiB on, so that
      * each huge page is faulted in by one thread */
     size_t piece = len / ((size_t)n_threads * 4) + 1;
