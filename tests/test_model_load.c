@@ -403,6 +403,23 @@ Test(model_load, resident_weights_match_the_mapping) {
     free(lr);
 }
 
+/* A file whose read ends before the size it gave (truncated while being
+ * read) is refused naming the byte, with nothing left behind. A sysfs
+ * attribute is such a file: it reports 4096 bytes and reads a few. */
+Test(model_load, resident_read_that_ends_early_is_refused) {
+    const char *path = "/sys/kernel/mm/transparent_hugepage/enabled";
+    struct stat sb;
+    if (stat(path, &sb) != 0 || !S_ISREG(sb.st_mode) || sb.st_size != 4096)
+        cr_skip_test("%s: no sysfs attribute of 4096 bytes here", path);
+    eng_st_file *f = NULL;
+    kds_err err = {0};
+    cr_assert_eq(eng_st_open_resident(path, false, &f, &err), KDS_IO, "%s", err.msg);
+    cr_assert_null(f);
+    cr_assert(strstr(err.msg, path) && strstr(err.msg, "the file ended at byte ") &&
+                  strstr(err.msg, " of 4096 while being read"),
+              "%s", err.msg);
+}
+
 /* A damaged file read into memory is refused as the mapped one is, and
  * KDS_WEIGHTS takes only auto, mapped or resident (AUTO reads it). */
 Test(model_load, resident_refuses_what_the_mapping_refuses) {
