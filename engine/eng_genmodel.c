@@ -6,6 +6,7 @@
 #include "eng_model.h"
 #include "eng_plan.h"
 #include "eng_pool.h"
+#include "eng_progress.h"
 
 #include <cJSON.h>
 #include <errno.h>
@@ -16,7 +17,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <time.h>
 #include <unistd.h>
 #include <xxhash.h>
 
@@ -419,17 +419,8 @@ typedef struct writer {
     const gen_tensor *first; /* tensors of the shard being written */
     kern_dtype dt;
     int n_threads;
-    bool progress;
-    const char *label;
-    uint64_t done, total;
-    double t0, last;
+    eng_progress line; /* bytes of all shards */
 } writer;
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
 
 /* eng_st_fill_fn: values of tensor `index` of the current shard. */
 static kds_status fill(void *user, size_t index, void *buf, size_t n_bytes, kds_err *err) {
@@ -451,14 +442,7 @@ static kds_status fill(void *user, size_t index, void *buf, size_t n_bytes, kds_
     }
     for (int k = 1; k < nt; k++)
         if (started & (1 << k)) pthread_join(th[k], NULL);
-    w->done += n_bytes;
-    double now = now_s();
-    if (w->progress && (now - w->last > 0.5 || w->done == w->total)) {
-        w->last = now;
-        fprintf(stderr, "\rwriting %s: %3d%% (%.2f / %.2f GB, %.0fs)", w->label,
-                (int)(100.0 * (double)w->done / (double)(w->total ? w->total : 1)), w->done / 1e9,
-                w->total / 1e9, now - w->t0);
-    }
+    eng_progress_add(&w->line, n_bytes);
     (void)err;
     return KDS_OK;
 }
@@ -557,7 +541,6 @@ static kds_status write_shard(writer *w, const gen_tensor *t, size_t begin, size
         out[i].data = NULL;
     }
     w->first = &t[begin];
-    w->label = name;
     rc = eng_st_write_stream(path, out, n, metadata, fill, w, err);
 out:
     free(path);
@@ -611,6 +594,7 @@ kds_status eng__genmodel_write_sharded(const eng_config *c, uint64_t seed, kern_
     char *json = NULL;
     gen_list g = {NULL, 0, 0, seed};
     size_t *cuts = NULL;
+    writer w = {.dt = dtype}; /* its progress line off until the writing starts */
     eng_config cfg;
     if (!c || !out_dir || !out_dir[0])
         return kds_err_set(err, KDS_INVALID_ARG, "eng_genmodel_write: no config or directory");
@@ -673,11 +657,8 @@ kds_status eng__genmodel_write_sharded(const eng_config *c, uint64_t seed, kern_
     cuts[n_shards] = n;
 
     if ((rc = make_dirs(out_dir, err)) != KDS_OK) goto out;
-    writer w = {.dt = dtype,
-                .n_threads = eng_cpus_online(GEN_MAX_THREADS),
-                .progress = progress,
-                .total = total,
-                .t0 = now_s()};
+    w.n_threads = eng_cpus_online(GEN_MAX_THREADS);
+    eng_progress_start(&w.line, progress ? stderr : NULL, total, "writing %s", out_dir);
     if (n_shards == 1) {
         rc = write_shard(&w, g.t, 0, n, out_dir, "model.safetensors", err);
         if (rc != KDS_OK) goto out;
@@ -694,9 +675,10 @@ kds_status eng__genmodel_write_sharded(const eng_config *c, uint64_t seed, kern_
         /* the loader prefers model.safetensors: a stale one would win */
         remove_file(out_dir, "model.safetensors");
     }
-    if (progress) fprintf(stderr, "\n");
+    eng_progress_finish(&w.line);
     rc = write_text(out_dir, "config.json", json, err);
 out:
+    if (rc != KDS_OK) eng_progress_abandon(&w.line);
     free(cuts);
     free(g.t);
     free(json);

@@ -41,11 +41,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "eng_genmodel.h"
 #include "eng_model.h"
+#include "eng_progress.h"
 #include "eng_safetensors.h"
 #include "eng_tokenizer.h"
 #include "kds_buf.h"
@@ -89,12 +89,6 @@ typedef struct exporter {
     size_t n_parts, cap_parts;
     kds_err *err;
 } exporter;
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
 
 static const eng_st_tensor *find(const eng_model *m, const char *name) {
     for (int s = 0; s < m->n_shards; s++) {
@@ -662,9 +656,8 @@ static float elem_f32(const eng_st_tensor *t, size_t i) {
 typedef struct writer {
     FILE *f;
     const char *path;
-    uint64_t done, total;
-    double t0, last;
-    bool progress;
+    uint64_t total;
+    eng_progress line; /* bytes written of total */
     kds_err *err;
 } writer;
 
@@ -672,14 +665,7 @@ static kds_status out_bytes(writer *w, const void *p, size_t n) {
     if (n == 0) return KDS_OK;
     if (fwrite(p, 1, n, w->f) != n)
         return kds_err_set(w->err, KDS_IO, "%s: %s", w->path, strerror(errno));
-    w->done += n;
-    const double now = now_s();
-    if (w->progress && (now - w->last > 0.5 || w->done == w->total)) {
-        w->last = now;
-        fprintf(stderr, "\rwriting GGUF: %3d%% (%.2f / %.2f GB, %.0fs)   ",
-                (int)(100.0 * (double)w->done / (double)(w->total ? w->total : 1)), w->done / 1e9,
-                w->total / 1e9, now - w->t0);
-    }
+    eng_progress_add(&w->line, n);
     return KDS_OK;
 }
 
@@ -748,7 +734,7 @@ kds_status eng_model_export_gguf(const char *model_dir, const char *out_path, bo
     char *tmp = NULL;
     unsigned char *buf = NULL;
     const size_t buf_bytes = (size_t)1 << 20;
-    writer w = {.progress = progress, .err = err};
+    writer w = {.err = err}; /* its progress line off until the writing starts */
     kds_status rc = eng_model_load(model_dir, &mp, &m, err);
     if (rc != KDS_OK) goto out;
     if ((rc = check_supported(m, err)) != KDS_OK) goto out;
@@ -822,8 +808,8 @@ kds_status eng_model_export_gguf(const char *model_dir, const char *out_path, bo
         goto out;
     }
     w.path = tmp;
-    w.t0 = now_s();
     w.total += h.b.len;
+    eng_progress_start(&w.line, progress ? stderr : NULL, w.total, "writing %s", out_path);
     if ((rc = out_bytes(&w, h.b.p, h.b.len)) != KDS_OK) goto out;
     for (size_t i = 0; i < x.n && rc == KDS_OK; i++) {
         rc = write_tensor(&w, &x, &x.t[i], buf, buf_bytes);
@@ -831,7 +817,7 @@ kds_status eng_model_export_gguf(const char *model_dir, const char *out_path, bo
         if (rc == KDS_OK) rc = out_bytes(&w, zeros, tail);
     }
     if (rc != KDS_OK) goto out;
-    if (progress) fprintf(stderr, "\n");
+    eng_progress_finish(&w.line);
     if (fflush(w.f) != 0 || fsync(fileno(w.f)) != 0) {
         rc = kds_err_set(err, KDS_IO, "%s: %s", tmp, strerror(errno));
         goto out;
@@ -850,6 +836,7 @@ kds_status eng_model_export_gguf(const char *model_dir, const char *out_path, bo
 fail:
     rc = err->status != KDS_OK ? err->status : KDS_INTERNAL;
 out:
+    eng_progress_abandon(&w.line);
     if (w.f) fclose(w.f);
     if (rc != KDS_OK && tmp) unlink(tmp);
     free(tmp);

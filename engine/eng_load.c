@@ -23,7 +23,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <time.h>
 #include <unistd.h>
 #include <xxhash.h>
 
@@ -31,6 +30,7 @@
 #include "eng_genmodel.h"
 #include "eng_model.h"
 #include "eng_plan.h"
+#include "eng_progress.h"
 #include "eng_tokenizer.h"
 #include "kds_file.h"
 
@@ -636,12 +636,6 @@ static void feed_str(XXH3_state_t *st, const char *s) {
     XXH3_128bits_update(st, s, n);
 }
 
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
 static kds_status hash_model(loader *ld, const char *cfg, size_t cfg_len, bool progress,
                              char out[33]) {
     XXH3_state_t *st = XXH3_createState();
@@ -650,11 +644,12 @@ static kds_status hash_model(loader *ld, const char *cfg, size_t cfg_len, bool p
     feed_u64(st, cfg_len);
     XXH3_128bits_update(st, cfg, cfg_len);
     feed_u64(st, ld->n_cat);
-    uint64_t total = 0, done = 0;
+    uint64_t total = 0;
     for (size_t i = 0; i < ld->n_cat; i++)
         total += ld->cat[i].t->n_bytes;
-    bool show = progress && total > LOAD_PROGRESS_MIN_BYTES;
-    double t0 = now_s(), last = 0;
+    eng_progress line;
+    eng_progress_start(&line, progress && total > LOAD_PROGRESS_MIN_BYTES ? stderr : NULL, total,
+                       "fingerprinting %s", ld->dir);
     for (size_t i = 0; i < ld->n_cat; i++) {
         const eng_st_tensor *t = ld->cat[i].t;
         feed_str(st, ld->cat[i].name);
@@ -667,19 +662,10 @@ static kds_status hash_model(loader *ld, const char *cfg, size_t cfg_len, bool p
         for (size_t off = 0; off < t->n_bytes; off += LOAD_HASH_STEP) {
             size_t n = t->n_bytes - off < LOAD_HASH_STEP ? t->n_bytes - off : LOAD_HASH_STEP;
             XXH3_128bits_update(st, (const char *)t->data + off, n);
-            done += n;
-            double now = now_s();
-            if (show && now - last > 0.5) {
-                last = now;
-                fprintf(stderr, "\rfingerprinting %s: %3d%% (%.1f / %.1f GB, %.0fs)", ld->dir,
-                        (int)(100.0 * (double)done / (double)total), done / 1e9, total / 1e9,
-                        now - t0);
-            }
+            eng_progress_add(&line, n);
         }
     }
-    if (show)
-        fprintf(stderr, "\rfingerprinting %s: 100%% (%.1f GB, %.0fs)\n", ld->dir, total / 1e9,
-                now_s() - t0);
+    eng_progress_finish(&line);
     XXH128_canonical_t canon;
     XXH128_canonicalFromHash(&canon, XXH3_128bits_digest(st));
     XXH3_freeState(st);

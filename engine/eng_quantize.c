@@ -22,12 +22,12 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "eng_genmodel.h"
 #include "eng_model.h"
 #include "eng_plan.h"
+#include "eng_progress.h"
 #include "eng_safetensors.h"
 
 #define QUANT_SHARD_BYTES ((uint64_t)4 << 30)
@@ -58,18 +58,11 @@ typedef struct quantizer {
     const out_tensor *shard; /* the tensors of the shard being written */
     float *row;        /* [cols] one expert row in f32 */
     unsigned char *codes, *scales;
-    bool progress;
-    uint64_t done, total;
-    double t0, last;
+    uint64_t total;
+    eng_progress line; /* bytes written of total */
     kds_status rc;
     kds_err *err;
 } quantizer;
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
 
 static int cmp_str(const void *a, const void *b) {
     return strcmp(*(char *const *)a, *(char *const *)b);
@@ -221,15 +214,7 @@ static kds_status fill(void *user, size_t index, void *buf, size_t n_bytes, kds_
                        l.scale_row_bytes);
         }
     }
-    q->done += n_bytes;
-    const double now = now_s();
-    if (q->progress && (now - q->last > 0.5 || q->done == q->total)) {
-        q->last = now;
-        const double frac = (double)q->done / (double)(q->total ? q->total : 1);
-        const double eta = frac > 0 ? (now - q->t0) * (1 - frac) / frac : 0;
-        fprintf(stderr, "\rquantising: %3d%% (%.2f / %.2f GB written, %.0fs, about %.0fs left)   ",
-                (int)(100 * frac), q->done / 1e9, q->total / 1e9, now - q->t0, eta);
-    }
+    eng_progress_add(&q->line, n_bytes);
     (void)err;
     return KDS_OK;
 }
@@ -356,7 +341,7 @@ kds_status eng_model_quantize(const char *src_dir, const eng_quantize_params *p,
         return kds_err_set(err, KDS_INVALID_ARG,
                            "the other matrices can be quantised to mxfp4 or q8_0");
     quantizer q = {.fmt = experts, .dense = p->dense, .dense_fmt = p->dense_fmt,
-                   .progress = progress, .err = err, .rc = KDS_OK};
+                   .err = err, .rc = KDS_OK};
     eng_model *m = NULL, *back = NULL;
     eng_model_params mp = eng_model_default_params();
     mp.progress = progress;
@@ -414,7 +399,12 @@ kds_status eng_model_quantize(const char *src_dir, const eng_quantize_params *p,
         goto out;
     }
     shard_names = calloc((size_t)n_shards, sizeof *shard_names);
-    q.t0 = now_s();
+    if (!shard_names) {
+        rc = kds_err_set(err, KDS_NOMEM, "out of memory naming shards");
+        free(cuts);
+        goto out;
+    }
+    eng_progress_start(&q.line, progress ? stderr : NULL, q.total, "quantising into %s", out_dir);
     for (int s = 0; s < n_shards && rc == KDS_OK; s++) {
         char name[64];
         if (n_shards == 1)
@@ -425,7 +415,10 @@ kds_status eng_model_quantize(const char *src_dir, const eng_quantize_params *p,
         rc = shard_names[s] ? write_shard(&q, cuts[s], cuts[s + 1], shard_names[s])
                             : kds_err_set(err, KDS_NOMEM, "out of memory");
     }
-    if (progress) fprintf(stderr, "\n");
+    if (rc == KDS_OK)
+        eng_progress_finish(&q.line);
+    else
+        eng_progress_abandon(&q.line);
     if (rc == KDS_OK && n_shards > 1) {
         /* the index: every written tensor's shard */
         cJSON *root = cJSON_CreateObject(), *wm = cJSON_AddObjectToObject(root, "weight_map");

@@ -2,6 +2,7 @@
 #define _GNU_SOURCE
 #include "eng_safetensors.h"
 #include "eng_pool.h"
+#include "eng_progress.h"
 #include "eng_util.h"
 #include "kds_file.h"
 
@@ -16,7 +17,6 @@
 #include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -143,12 +143,6 @@ static kds_status parse_entry(const char *path, const cJSON *item, eng_st_tensor
 /* Files smaller than this read in well under a second: no progress line. */
 #define ST_PROGRESS_MIN_BYTES ((size_t)256 << 20)
 
-static double st_now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
 /* One file read into memory by several threads. Pieces of `piece` bytes
  * are handed out in file order (`next`), so a disk still sees reads close
  * together. Why threads: what a read into fresh memory costs is mostly
@@ -240,20 +234,12 @@ static kds_status read_resident(const char *path, int fd, size_t len, bool progr
         started++;
     }
 
-    const bool show = progress && len > ST_PROGRESS_MIN_BYTES;
-    const double t0 = st_now_s();
-    double last = 0;
+    eng_progress line;
+    eng_progress_start(&line, progress && len > ST_PROGRESS_MIN_BYTES ? stderr : NULL, len,
+                       "reading %s into memory", path);
     for (bool more = true; more;) {
         more = reader_piece(&r);
-        const double now = st_now_s();
-        if (show && now - last > 0.5) {
-            last = now;
-            const size_t done = atomic_load(&r.done);
-            const double rate = (double)done / (now - t0 > 1e-9 ? now - t0 : 1e-9);
-            fprintf(stderr, "\rreading %s into memory: %3d%% (%.1f / %.1f GB, %.0fs left)", path,
-                    (int)(100.0 * (double)done / (double)len), done / 1e9, len / 1e9,
-                    rate > 0 ? (double)(len - done) / rate : 0.0);
-        }
+        eng_progress_set(&line, atomic_load(&r.done));
     }
     for (int i = 0; i < started; i++) pthread_join(threads[i], NULL);
     pthread_mutex_destroy(&r.lock);
@@ -266,12 +252,10 @@ static kds_status read_resident(const char *path, int fd, size_t len, bool progr
             rc = kds_err_set(err, KDS_IO, "%s: the file ended at byte %zu of %zu while being "
                              "read (truncated meanwhile?)", path, r.fail_at, len);
         munmap(p, body);
-        if (show) fprintf(stderr, "\n");
+        eng_progress_abandon(&line);
         return rc;
     }
-    if (show)
-        fprintf(stderr, "\rreading %s into memory: 100%% (%.1f GB in %.1fs)           \n", path,
-                len / 1e9, st_now_s() - t0);
+    eng_progress_finish(&line);
     (void)mprotect(p, body, PROT_READ); /* the weights are read-only, as the map's */
     *out = p;
     return KDS_OK;
