@@ -271,10 +271,10 @@ static void dot_row(kern_dtype dt, const void *row, int in, const float *x, int 
 
 /* The one-token loops of a matrix from memory (AVX-512 bf16: dot8_bf16;
  * AVX2: dot8_avx2_body) take rows shorter than this many bytes in eight
- * sequential streams, each prefetched DOT_SPREAD_PF bytes ahead along
- * itself: eight rows side by side are then eight short pieces of one
- * block and a jump, and AVX-512's one row at a time (rows8_one_stream)
- * waits on its one chain of FMAs (a 512-byte row is 16 FMAs in a row).
+ * (AVX-512) or four (AVX2) sequential streams, each prefetched
+ * DOT_SPREAD_PF bytes ahead along itself: rows side by side are then
+ * short pieces of one block and a jump, and AVX-512's one row at a time
+ * (rows8_one_stream) waits on its one chain of FMAs (a 512-byte row is 16 FMAs in a row).
  * 4 KiB: wide's and full27's [1024, 2304] up projections (4.5 KiB rows)
  * read faster side by side on a Zen 3 (from memory, one thread: 20.0
  * GB/s side by side, 17.8 spread); llamacpp-tiny's [50304, 256] lm_head
@@ -772,29 +772,31 @@ static void dot8(kern_dtype dt, const void *W, int in, const float *x, int nt, i
 #endif
 
 #if KERN_AVX2
-/* Eight rows from w (row stride `stride` bytes) dotted with one token x
- * [in], into y[k * ystep] for k in [0, 8): per eight columns each row's
- * vector feeds its own FMA, one eight-lane chain per row, then hsum8 and
- * the scalar tail as dot_row. Each 64-byte line of each row (32 bf16 or
- * f16 columns, 16 f32) is prefetched pf bytes ahead as the loop reaches
- * it: with the eight rows side by side (stride one row) that is the
- * matrix pf bytes on; with rows far apart, each row's own stream pf bytes
- * on (dot8_avx2_body). */
+/* nr rows (4 or 8, a constant at each call) from w (row stride `stride`
+ * bytes) dotted with one token x [in], into y[k * ystep] for k in [0,
+ * nr): per eight columns each row's vector feeds its own FMA, one
+ * eight-lane chain per row, then hsum8 and the scalar tail as dot_row.
+ * Each 64-byte line of each row (32 bf16 or f16 columns, 16 f32) is
+ * prefetched pf bytes ahead as the loop reaches it (with four rows at
+ * every eight columns, so several times a line: dot8_avx2_body): with
+ * the rows side by side (stride one row) that is the matrix pf bytes on;
+ * with rows far apart, each row's own stream pf bytes on. */
 static inline __attribute__((always_inline)) void
-rows8_avx2(const kern_dtype dt, const char *w, size_t stride, int in, const float *x, float *y,
-           size_t ystep, size_t pf) {
+rows_avx2(const kern_dtype dt, const char *w, size_t stride, int in, const float *x, float *y,
+          size_t ystep, size_t pf, const int nr) {
     const int vec_end = in & ~7;
     const size_t esz = kern_dtype_size(dt);
     __m256 a[8];
-    for (int k = 0; k < 8; k++) a[k] = _mm256_setzero_ps();
+    for (int k = 0; k < nr; k++) a[k] = _mm256_setzero_ps();
     for (int i = 0; i < vec_end; i += 8) {
-        if ((i * esz) % 64 == 0)
-            for (int k = 0; k < 8; k++)
+        if (nr == 4 || (i * esz) % 64 == 0)
+            for (int k = 0; k < nr; k++)
                 _mm_prefetch(w + k * stride + (size_t)i * esz + pf, _MM_HINT_T0);
         const __m256 xv = _mm256_loadu_ps(x + i);
-        for (int k = 0; k < 8; k++) a[k] = _mm256_fmadd_ps(load8(dt, w + k * stride, i), xv, a[k]);
+        for (int k = 0; k < nr; k++)
+            a[k] = _mm256_fmadd_ps(load8(dt, w + k * stride, i), xv, a[k]);
     }
-    for (int k = 0; k < 8; k++) {
+    for (int k = 0; k < nr; k++) {
         float acc = hsum8(a[k]);
         for (int i = vec_end; i < in; i++) acc += load1(dt, w + k * stride, i) * x[i];
         y[(size_t)k * ystep] = acc;
@@ -804,7 +806,7 @@ rows8_avx2(const kern_dtype dt, const char *w, size_t stride, int in, const floa
 /* Four rows from w (row stride `stride` bytes) dotted with nt (1..3, a
  * constant at each call) tokens x [nt, in], into y[t * ldy + k]: per eight
  * columns each row's widened vector feeds the nt tokens' FMAs (12 sums in
- * the 16 registers at nt = 3), each (row, token) sum the chain rows8_avx2
+ * the 16 registers at nt = 3), each (row, token) sum the chain rows_avx2
  * and dot_row give it (the same FMAs, hsum8, the same scalar tail), so
  * the same bits. Every eight columns it prefetches: with pf_step 0, the
  * line of each of the four rows at this column in the rows at pf (each
@@ -886,20 +888,38 @@ static __attribute__((noinline)) void rows4_tile_avx2(const kern_dtype dt, const
 }
 
 /* The direct path with AVX2. One token (decode: bound by the bytes):
- * eight rows at a time, eight chains at once (one row's chain alone,
- * dot_row's loop, is bound by the FMA's latency), the rows read from
- * memory as eight streams. Two tokens or more (a batched step, a routed
+ * several rows at a time, a chain each (one row's chain alone, dot_row's
+ * loop, is bound by the FMA's latency): eight from cache, four from
+ * memory (`streamed`), four streams a thread. Eight rows from memory were
+ * eight streams a thread, and rows whose stride is a multiple of 4 KiB
+ * (8 KiB: the attention's [2304, 4096] output projections) put all eight
+ * of a step's lines in one L1 set, beside the next eight prefetched
+ * there. A harness of our own (1 GB of one shape from memory, the two
+ * loops alternating sweep by sweep in one process, 11-15 rounds, bits
+ * compared; a Zen 3, 2026-12-07), four rows' speed over eight's, two /
+ * one threads: [2304, 4096] 1.15x / 1.25x, [1024, 2304] (4.5 KiB) 1.02x
+ * / 0.99x, and as four runs instead of eight (rows under 4 KiB, above)
+ * [2304, 1024] 1.17x / 1.23x, [4096, 128] 1.27x / 1.23x, [50304, 256]
+ * 1.21x / 0.98x; [2304, 9216] (18 KiB rows) 1.19x in a first try. From
+ * the last-level cache four rows were 4-22% slower (their four chains
+ * wait on the FMA's latency), hence eight there. Four rows take each
+ * line's prefetch at every eight columns, as the tiles do (a prefetch a
+ * line was 0.89-0.98x the tile's speed). Decode, alternating with the
+ * build before (docs/benchmarks.md, "Four streams a thread"): wide
+ * 89-92% -> 95-100% of the reads beside and inside each run, full27 85%
+ * -> 98-108%, llamacpp-tiny 0.94-1.08x. Two tokens or more (a batched step, a routed
  * expert's share of one): four rows at a time, up to three tokens sharing
  * each widened row vector (rows4_tile_avx2), so a widening (a shuffle and
  * a shift, on the FMAs' pipes) is paid once per three FMAs instead of once
  * per FMA; the first group reads the rows from memory, the others from
  * cache. The four rows pf bytes on (two tiles at wide's widths) are
- * prefetched while a tile is worked on: with one group (up to three tokens) row by row at the group's
- * column, as eight rows do; with more, dealt out among the groups, each
- * pass asking for its share of the bytes (one line-sized step at a time),
- * so that the lines are asked for over the whole of the tile's time and
- * not crowded into its first pass (the memory is idle while the later
- * groups work from cache). A harness of our own, wide's lm_head [163840,
+ * prefetched while a tile is worked on: with one group (up to three
+ * tokens) row by row at the group's column, as one token's rows are;
+ * with more, dealt out among the groups, each pass asking for its share
+ * of the bytes (one line-sized step at a time), so that the lines are
+ * asked for over the whole of the tile's time and not crowded into its
+ * first pass (the memory is idle while the later groups work from
+ * cache). A harness of our own, wide's lm_head [163840,
  * 2304] bf16 from memory, 2 threads, new / old time in 21 alternating
  * rounds: T = 4 1.09x, 6 1.16-1.19x, 8 1.13x, 12 1.08-1.12x, 16
  * 1.05-1.09x; the shares for one group too (a single stream through the
@@ -939,25 +959,23 @@ dot8_avx2_body(const kern_dtype dt, const void *W, int in, const float *x, int T
     int r = r0;
     if (T == 1 && streamed && stride < DOT_SPREAD_BELOW && r1 - r0 >= 16) {
         /* Rows shorter than a page, from memory (a [2304, 1024] down
-         * projection: 2 KiB rows): eight rows side by side are 16 KiB
-         * read as eight 2 KiB pieces, then a jump, and read slower than
-         * long rows (the same bytes from memory, one thread: 15-16 against
-         * 20-21 GB/s; `kds_cpu_bench --only b` has both shapes). Taken
-         * instead as eight runs of n8 consecutive rows, the eight rows of
-         * a step n8 rows apart, each run is one sequential stream,
-         * prefetched DOT_SPREAD_PF bytes ahead along itself. Each row keeps its chain, so the bits are
-         * those of eight rows side by side. full27's decode (instrumented
-         * build, three alternations in one session): the down
-         * projections' dispatches read at 0.80-0.82x the up projections'
-         * speed before, 0.88-0.92x after (docs/benchmarks.md). */
-        const int n8 = (r1 - r0) / 8;
-        for (int j = 0; j < n8; j++)
-            rows8_avx2(dt, w0 + (size_t)(r0 + j) * stride, (size_t)n8 * stride, in, x, y + r0 + j,
-                       (size_t)n8, DOT_SPREAD_PF);
-        r = r0 + 8 * n8;
+         * projection: 2 KiB rows): rows side by side are a few short
+         * pieces of one block, then a jump, and read slower than long
+         * rows. Taken instead as four runs of n4 consecutive rows, the
+         * four rows of a step n4 rows apart, each run is one sequential
+         * stream, prefetched DOT_SPREAD_PF bytes ahead along itself
+         * (eight runs were slower: above). */
+        const int n4 = (r1 - r0) / 4;
+        for (int j = 0; j < n4; j++)
+            rows_avx2(dt, w0 + (size_t)(r0 + j) * stride, (size_t)n4 * stride, in, x, y + r0 + j,
+                      (size_t)n4, DOT_SPREAD_PF, 4);
+        r = r0 + 4 * n4;
     }
-    for (; T == 1 && r + 8 <= r1; r += 8)
-        rows8_avx2(dt, w0 + (size_t)r * stride, stride, in, x, y + r, 1, pf);
+    /* from cache eight rows at a time, from memory four (above) */
+    for (; T == 1 && !streamed && r + 8 <= r1; r += 8)
+        rows_avx2(dt, w0 + (size_t)r * stride, stride, in, x, y + r, 1, pf, 8);
+    for (; T == 1 && r + 4 <= r1; r += 4)
+        rows_avx2(dt, w0 + (size_t)r * stride, stride, in, x, y + r, 1, pf, 4);
     const int ng = (T + 2) / 3, steps = in / 8 > 0 ? in / 8 : 1;
     const size_t share = (4 * stride + (size_t)ng - 1) / (size_t)ng;
     const size_t pf_step = (share + (size_t)steps - 1) / (size_t)steps;
