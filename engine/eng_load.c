@@ -41,8 +41,6 @@
 /* How many tensors the plan may lack before the loader refuses without
  * listing it (bind_all): walking 65536 names costs milliseconds. */
 #define LOAD_MAX_MISSING_TENSORS ((size_t)1 << 16)
-/* Models smaller than this hash in well under a second: no progress line. */
-#define LOAD_PROGRESS_MIN_BYTES ((uint64_t)256 << 20)
 /* Bytes hashed between progress updates. */
 #define LOAD_HASH_STEP ((size_t)64 << 20)
 /* Versioned into the cache key so a change of the hashed layout can never
@@ -648,7 +646,7 @@ static kds_status hash_model(loader *ld, const char *cfg, size_t cfg_len, bool p
     for (size_t i = 0; i < ld->n_cat; i++)
         total += ld->cat[i].t->n_bytes;
     eng_progress line;
-    eng_progress_start(&line, progress && total > LOAD_PROGRESS_MIN_BYTES ? stderr : NULL, total,
+    eng_progress_start(&line, progress && total > ENG_PROGRESS_MIN_BYTES ? stderr : NULL, total,
                        "fingerprinting %s", ld->dir);
     for (size_t i = 0; i < ld->n_cat; i++) {
         const eng_st_tensor *t = ld->cat[i].t;

@@ -30,6 +30,9 @@
 #define ENG_PROGRESS_LOG_S 10.0
 /* Seconds between redraws on a terminal. */
 #define ENG_PROGRESS_TTY_S 0.5
+/* Reading or hashing fewer bytes than this takes well under a second:
+ * the loader starts no line for them. */
+#define ENG_PROGRESS_MIN_BYTES ((uint64_t)256 << 20)
 
 typedef struct eng_progress {
     FILE *f;          /* NULL: off (every call does nothing) */

@@ -140,8 +140,6 @@ static kds_status parse_entry(const char *path, const cJSON *item, eng_st_tensor
 #define ST_READ_GRAIN ((size_t)64 << 10)
 /* At most this many threads read one file. */
 #define ST_READ_THREADS 8
-/* Files smaller than this read in well under a second: no progress line. */
-#define ST_PROGRESS_MIN_BYTES ((size_t)256 << 20)
 
 /* One file read into memory by several threads. Pieces of `piece` bytes
  * are handed out in file order (`next`), so a disk still sees reads close
@@ -235,7 +233,7 @@ static kds_status read_resident(const char *path, int fd, size_t len, bool progr
     }
 
     eng_progress line;
-    eng_progress_start(&line, progress && len > ST_PROGRESS_MIN_BYTES ? stderr : NULL, len,
+    eng_progress_start(&line, progress && len > ENG_PROGRESS_MIN_BYTES ? stderr : NULL, len,
                        "reading %s into memory", path);
     for (bool more = true; more;) {
         more = reader_piece(&r);
