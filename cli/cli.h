@@ -61,9 +61,6 @@ bool cli_beside_binary(const char *rel, char *out, size_t cap);
 bool cli_parse_i64(const char *s, int64_t lo, int64_t hi, int64_t *out);
 bool cli_parse_f32(const char *s, float lo, float hi, float *out);
 
-/* Seconds on a monotonic clock. */
-double cli_now(void);
-
 /* Load model + context with the common options; prints what went wrong. */
 int cli_open(const char *cmd, const char *model_dir, int threads, int max_batch, eng_model **m,
              eng_ctx **c);

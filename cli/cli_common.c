@@ -123,12 +123,6 @@ bool cli_parse_f32(const char *s, float lo, float hi, float *out) {
     return true;
 }
 
-double cli_now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
 int cli_open(const char *cmd, const char *model_dir, int threads, int max_batch, eng_model **m,
              eng_ctx **c) {
     return cli_open_on(cmd, model_dir, threads, max_batch, NULL, m, c);
@@ -189,6 +183,7 @@ double cli_median(double *v, int n) {
 
 #ifdef KDS_HAVE_CUDA
 #include "kern_cuda.h"
+#include "kds_clock.h"
 
 kds_status cli_copy_to_device_s(size_t bytes, int reps, double *median_s, kds_err *err) {
     void *host = NULL, *dev = NULL;
@@ -198,10 +193,10 @@ kds_status cli_copy_to_device_s(size_t bytes, int reps, double *median_s, kds_er
     if (rc == KDS_OK) rc = kern_cuda_malloc(&dev, bytes, err);
     if (rc == KDS_OK) memset(host, 1, bytes);
     for (int i = 0; i < reps && rc == KDS_OK; i++) {
-        double t0 = cli_now();
+        double t0 = kds_now_s();
         rc = kern_cuda_memcpy_h2d(dev, host, bytes, NULL, err);
         if (rc == KDS_OK) rc = kern_cuda_sync(NULL, err);
-        t[i] = cli_now() - t0;
+        t[i] = kds_now_s() - t0;
     }
     if (rc == KDS_OK) *median_s = cli_median(t, reps);
     kern_cuda_free(dev);

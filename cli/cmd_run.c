@@ -15,6 +15,7 @@
 #include "repl.h"
 #include "sess.h"
 #include "srv.h"
+#include "kds_clock.h"
 
 /* Options shared by the sampling commands. */
 enum {
@@ -379,7 +380,7 @@ int cmd_generate(int argc, char **argv) {
         rc = cli_fail("generate", &err);
         goto out;
     }
-    double tr0 = cli_now();
+    double tr0 = kds_now_s();
     sess_snapshot_info head = {0};
     if (resume && sess_load(store, si.head, m, s, &head, &err) != KDS_OK) {
         rc = cli_failf("generate", "cannot resume session '%s': %s", session, err.msg);
@@ -397,7 +398,7 @@ int cmd_generate(int argc, char **argv) {
     tp.reply.chat = chat;
     tp.reply.specials_as_text = true;
     srv_turn_hooks hooks = {.user = &go, .text = gen_text, .drawn = logits_out ? gen_drawn : NULL};
-    double t0 = cli_now();
+    double t0 = kds_now_s();
     if (srv_turn_run(c, s, tok, ids, n, &tp, &hooks, &tr, &err) != KDS_OK) {
         rc = cli_fail("generate", &err);
         goto out;
@@ -439,7 +440,7 @@ int cmd_generate(int argc, char **argv) {
         fprintf(stderr, "[kdaserve] session '%s': nothing new, head stays @%llu\n", session,
                 (unsigned long long)si.head);
     } else if (session) {
-        double ts0 = cli_now();
+        double ts0 = kds_now_s();
         sess_save_result res;
         if (srv_turn_save(store, session, resume ? si.head : 0, m, s, prompt, plen, chat, &tp, &tr,
                           &res, &err) != KDS_OK) {
@@ -447,7 +448,7 @@ int cmd_generate(int argc, char **argv) {
             goto out;
         }
         uint64_t snap = res.snapshot;
-        double ts1 = cli_now();
+        double ts1 = kds_now_s();
         if (res.forked)
             fprintf(stderr, "[kdaserve] session '%s' was moved on to @%llu by another writer "
                     "while this turn ran from @%llu: this turn was saved as session '%s' (a "
@@ -729,9 +730,9 @@ typedef struct read_tally {
 static double timed_read(eng_membw *b, double seconds, read_tally *t) {
     double best = 0.0;
     int n = 0;
-    const double t0 = cli_now();
+    const double t0 = kds_now_s();
     const double gbs = eng_membw_read_for(b, seconds, &best, &n);
-    const double took = cli_now() - t0;
+    const double took = kds_now_s() - t0;
     t->gb += gbs * took;
     t->seconds += took;
     t->best = best > t->best ? best : t->best;
@@ -833,18 +834,18 @@ static kds_status bench_profile(eng_ctx *c, eng_seq *s, const int32_t *ids, int6
     kds_status rc = eng_ctx_attach(c, s, err);
     if (rc != KDS_OK || (rc = eng_ctx_profile_start(c, err)) != KDS_OK) return rc;
     printf("profile      one more prefill and decode, every product's tasks timed:\n");
-    double t0 = cli_now();
+    double t0 = kds_now_s();
     rc = eng_prefill(c, s, ids, pt, NULL, NULL, NULL, err);
-    rc = end_profile(c, rc, (profiled_pass){0, pt, cli_now() - t0}, peak, 0.0, err);
+    rc = end_profile(c, rc, (profiled_pass){0, pt, kds_now_s() - t0}, peak, 0.0, err);
     if (rc != KDS_OK || gt == 0) return rc;
     if ((rc = eng_ctx_profile_start(c, err)) != KDS_OK) return rc;
-    t0 = cli_now();
+    t0 = kds_now_s();
     for (int64_t i = 0; i < gt && rc == KDS_OK; i++) {
         int32_t next;
         rc = eng_sample(c, s, &greedy, &next, err);
         if (rc == KDS_OK) rc = eng_decode(c, s, next, err);
     }
-    return end_profile(c, rc, (profiled_pass){1, gt, cli_now() - t0}, 0.0, read_gbs, err);
+    return end_profile(c, rc, (profiled_pass){1, gt, kds_now_s() - t0}, 0.0, read_gbs, err);
 }
 
 #define MAX_SEQ_COUNTS 16
@@ -881,10 +882,10 @@ static kds_status profile_together(eng_ctx *c, eng_seq **s, void **saved, const 
             rc = eng_ctx_attach(c, s[i], err);
     for (int i = 0; i < n && rc == KDS_OK; i++) rc = eng_sample(c, s[i], &greedy, &next[i], err);
     if (rc != KDS_OK || (rc = eng_ctx_profile_start(c, err)) != KDS_OK) return rc;
-    const double t0 = cli_now();
+    const double t0 = kds_now_s();
     for (int64_t step = 0; step < gt && rc == KDS_OK; step++)
         rc = eng_decode_batch_sample(c, s, next, n, &greedy, next, err);
-    return end_profile(c, rc, (profiled_pass){n, gt, cli_now() - t0}, 0.0, read_gbs, err);
+    return end_profile(c, rc, (profiled_pass){n, gt, kds_now_s() - t0}, 0.0, read_gbs, err);
 }
 
 /*
@@ -935,7 +936,7 @@ static kds_status bench_seqs(eng_ctx *c, const eng_model *m, int n, int64_t pt, 
                 if ((rc = eng_seq_state_load(s[i], saved[i], len[i], err)) != KDS_OK ||
                     (rc = eng_ctx_attach(c, s[i], err)) != KDS_OK) /* onto a GPU: untimed */
                     goto out;
-            double t0 = cli_now();
+            double t0 = kds_now_s();
             if (together) {
                 /* each step one batched pass that also samples the next
                  * tokens (on a GPU: on the device, only the tokens come back) */
@@ -951,7 +952,7 @@ static kds_status bench_seqs(eng_ctx *c, const eng_model *m, int n, int64_t pt, 
                             (rc = eng_decode(c, s[i], next[i], err)) != KDS_OK)
                             goto out;
             }
-            double tps = (double)n * gt / (cli_now() - t0);
+            double tps = (double)n * gt / (kds_now_s() - t0);
             (together ? tog : apart)[r] = tps;
         }
     cli_sort_doubles(tog, (size_t)reps);
@@ -1139,9 +1140,9 @@ int cmd_bench(int argc, char **argv) {
     for (int64_t r = 0; r < reps; r++) {
         eng_seq_reset(s, 0);
         if (eng_ctx_attach(c, s, &err) != KDS_OK) goto fail; /* a GPU's state upload: untimed */
-        double t0 = cli_now();
+        double t0 = kds_now_s();
         if (eng_prefill(c, s, ids, pt, NULL, NULL, NULL, &err) != KDS_OK) goto fail;
-        double tp = cli_now();
+        double tp = kds_now_s();
         if (ep_on && eng_ctx_ep_stats_all(c, ep_all, true, &err) != KDS_OK) goto fail;
         /* a sustained read on each side (back to back for PAIR_READ_S)
          * and reads inside the run (INSIDE_READ_EVERY_S), GB/s over all of
@@ -1149,18 +1150,18 @@ int cmd_bench(int argc, char **argv) {
          * short reads catches the quietest instant) */
         read_tally reads = {0};
         if (pair_reads) timed_read(membw, PAIR_READ_S, &reads);
-        double t1 = cli_now(), last_read = t1;
+        double t1 = kds_now_s(), last_read = t1;
         double inside = 0.0; /* seconds of reads inside the run */
         for (int64_t i = 0; i < gt; i++) {
             int32_t next;
             if (eng_sample(c, s, &greedy, &next, &err) != KDS_OK) goto fail;
             if (eng_decode(c, s, next, &err) != KDS_OK) goto fail;
-            if (pair_reads && i + 1 < gt && cli_now() - last_read >= INSIDE_READ_EVERY_S) {
+            if (pair_reads && i + 1 < gt && kds_now_s() - last_read >= INSIDE_READ_EVERY_S) {
                 inside += timed_read(membw, 0.0, &reads);
-                last_read = cli_now();
+                last_read = kds_now_s();
             }
         }
-        double t2 = cli_now() - inside;
+        double t2 = kds_now_s() - inside;
         if (pair_reads) {
             timed_read(membw, PAIR_READ_S, &reads);
             const double mean = reads.seconds > 0 ? reads.gb / reads.seconds : 0.0;

@@ -13,6 +13,7 @@
 #include "cli.h"
 #include "eng_config.h"
 #include "sess.h"
+#include "kds_clock.h"
 
 #define CMD "snap"
 
@@ -816,9 +817,9 @@ static int snap_bench(sub_opts *o) {
         s = NULL;
         if (eng_seq_create(m, 1, &s, &err) != KDS_OK) goto fail;
         if (measured) {
-            double t0 = cli_now();
+            double t0 = kds_now_s();
             if (eng_prefill(c, s, ids, T, NULL, NULL, NULL, &err) != KDS_OK) goto fail;
-            replay = cli_now() - t0;
+            replay = kds_now_s() - t0;
             if (T >= rate_at) rate = T / replay, rate_at = T;
         } else {
             if (z.per_token) {
@@ -858,22 +859,22 @@ static int snap_bench(sub_opts *o) {
         for (int i = 0; i < reps; i++) {
             /* a fresh session each time: a full snapshot, as a first save */
             snprintf(name, sizeof name, "bench-%lld-%d", (long long)T, i);
-            double t0 = cli_now();
+            double t0 = kds_now_s();
             if (sess_save(st, name, 0, m, s, NULL, &snap, &err) != KDS_OK) goto fail;
-            t_save[i] = cli_now() - t0;
+            t_save[i] = kds_now_s() - t0;
         }
         sess_snapshot_info si;
         for (int i = 0; i < reps; i++) {
             eng_seq_free(r);
             r = NULL;
             if (eng_seq_create(m, 0, &r, &err) != KDS_OK) goto fail;
-            double t0 = cli_now();
+            double t0 = kds_now_s();
             if (sess_load(st, snap, m, r, &si, &err) != KDS_OK) goto fail;
-            t_load[i] = cli_now() - t0;
+            t_load[i] = kds_now_s() - t0;
             if (on_gpu) { /* the restored state onto the device */
-                t0 = cli_now();
+                t0 = kds_now_s();
                 if (eng_ctx_attach(c, r, &err) != KDS_OK) goto fail;
-                t_up[i] = cli_now() - t0;
+                t_up[i] = kds_now_s() - t0;
             }
         }
         if (eng_seq_state_save(r, back, n, &err) != KDS_OK) goto fail;
@@ -890,13 +891,13 @@ static int snap_bench(sub_opts *o) {
             if (eng_seq_create(m, 0, &r, &err) != KDS_OK) goto fail;
             sess_close(st);
             st = NULL;
-            double t0 = cli_now();
+            double t0 = kds_now_s();
             sess_session_info ss;
             if (sess_open(db, &sp, &st, &err) != KDS_OK ||
                 sess_session_get(st, name, &ss, &err) != KDS_OK ||
                 sess_load(st, ss.head, m, r, NULL, &err) != KDS_OK)
                 goto fail;
-            t_resume[i] = cli_now() - t0;
+            t_resume[i] = kds_now_s() - t0;
         }
         size_t bytes = si.record_bytes + si.new_chunk_bytes;
         double ms = cli_median(t_save, reps), ml = cli_median(t_load, reps),

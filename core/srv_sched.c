@@ -22,6 +22,7 @@
 #include <time.h>
 
 #include "srv.h"
+#include "kds_clock.h"
 
 struct srv_sess {
     bool used;
@@ -105,11 +106,7 @@ struct srv_sched {
     srv_stream *saved; /* handed back, newest first (under done_lock) */
 };
 
-double srv_now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
+double srv_now_s(void) { return kds_now_s(); }
 
 static uint64_t now_us(void) {
     struct timespec ts;

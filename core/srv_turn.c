@@ -10,12 +10,7 @@
 
 #include "kds_buf.h"
 #include "srv.h"
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
+#include "kds_clock.h"
 
 srv_turn_params srv_turn_default_params(void) {
     return (srv_turn_params){.reply = srv_reply_default_params(),
@@ -46,9 +41,9 @@ kds_status srv_turn_run(eng_ctx *c, eng_seq *s, const eng_tokenizer *tok, const 
     const char *reason = "length";
     int64_t drawn = 0;
     bool stop_token = false;
-    double t0 = now_s();
+    double t0 = kds_now_s();
     if (n > 0 && (rc = eng_prefill(c, s, ids, n, NULL, NULL, NULL, err)) != KDS_OK) goto fail;
-    double t1 = now_s();
+    double t1 = kds_now_s();
     /* SRV_CLOSE: the reply ended and a chat reply is closed (max_tokens 0
      * ends it before any draw) */
     srv_after after = p->reply.max_tokens > 0 ? SRV_DECODE : SRV_CLOSE;
@@ -94,7 +89,7 @@ kds_status srv_turn_run(eng_ctx *c, eng_seq *s, const eng_tokenizer *tok, const 
     out->drawn = drawn;
     out->tokens = srv_reply_produced(rp) - (stop_token ? 1 : 0);
     out->prefill_s = t1 - t0;
-    out->decode_s = now_s() - t1;
+    out->decode_s = kds_now_s() - t1;
     srv_reply_free(rp);
     return KDS_OK;
 fail:

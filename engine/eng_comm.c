@@ -10,6 +10,7 @@
 #include <time.h>
 
 #include "eng_comm_impl.h"
+#include "kds_clock.h"
 
 eng_comm_params eng_comm_default_params(void) {
     return (eng_comm_params){.kind = ENG_COMM_AUTO, .timeout_ms = ENG_COMM_DEFAULT_TIMEOUT_MS};
@@ -58,19 +59,13 @@ const char *eng_comm_kind_name(eng_comm_kind kind) {
 /* ------------------------------------------------------------------------ */
 /* Waiting                                                                   */
 
-static double now_ms(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6;
-}
-
 int eng__comm_poll(int (*done)(void *arg), void *arg, int timeout_ms) {
-    const double t0 = now_ms();
+    const double t0 = 1e3 * kds_now_s();
     long sleep_ns = 10000;
     for (;;) {
         int r = done(arg);
         if (r != 0) return r > 0 ? 1 : -1;
-        const double waited = now_ms() - t0;
+        const double waited = 1e3 * kds_now_s() - t0;
         if (timeout_ms > 0 && waited > timeout_ms) return 0;
         /* Within a pass a rank waits for the others' compute of a layer
          * (tens of microseconds to milliseconds): yield for the first 2 ms

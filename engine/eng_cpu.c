@@ -24,6 +24,7 @@
 
 #include "eng_backend.h"
 #include "eng_pool.h"
+#include "kds_clock.h"
 
 #define MAX_MM_JOBS 8
 /* The job table's size: routed experts go out up to this many products
@@ -114,14 +115,6 @@ static void internal(eng_cpu *c, const char *what) {
 /* ------------------------------------------------------------------------ */
 /* Matrix products on the pool                                               */
 
-/* The profile's clock: two reads a task, against tasks of tens of
- * microseconds and more (a decode step's smallest products). */
-static double prof_now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 /* Ends a profile: its tables freed, the tasks untimed again. */
 static void profile_end(eng_cpu *c) {
     free(c->prof_busy);
@@ -139,11 +132,13 @@ static void mm_task_fn(void *arg, int t, int thread) {
         mm_task_run(c, task, thread);
         return;
     }
-    const double t0 = prof_now();
+    /* Two clock reads a task, against tasks of tens of microseconds and
+     * more (a decode step's smallest products). */
+    const double t0 = kds_now_s();
     mm_task_run(c, task, thread);
     const int id = c->jobs[task->job].w->id;
     if (id > 0 && id < c->m->n_weights)
-        c->prof_busy[(size_t)thread * (size_t)c->m->n_weights + (size_t)id] += prof_now() - t0;
+        c->prof_busy[(size_t)thread * (size_t)c->m->n_weights + (size_t)id] += kds_now_s() - t0;
 }
 
 static void mm_task_run(eng_cpu *c, const mm_task *task, int thread) {

@@ -58,6 +58,7 @@
 #include "eng_comm.h"
 #include "eng_ep.h"
 #include "eng_seq.h"
+#include "kds_clock.h"
 
 #define EP_MAGIC 0x5045444bu /* "KDEP" */
 #define EP_STATE_ROW 4096u   /* states travel in rows of 4 KiB: counts stay in an int */
@@ -150,12 +151,6 @@ typedef struct ep_status {
     unsigned char digest[16];
     char msg[232];
 } ep_status;
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
 
 /*
  * All-gather every rank's answer; KDS_OK when all succeeded, else the
@@ -350,12 +345,12 @@ static void dispatch(eng_ep *e, const eng_moe_args *a) {
     for (int x = 0; x < E; x++) e->mine[x] = failed ? 0 : a->exp_off[x + 1] - a->exp_off[x];
     e->mine[E] = failed ? 0 : a->T;
     e->mine[E + 1] = failed;
-    const double t0 = now_s();
+    const double t0 = kds_now_s();
     if (eng_comm_allgather(e->comm, e->mine, (size_t)W * sizeof(int32_t), e->all, &cerr) != KDS_OK) {
         note(e, &cerr);
         return;
     }
-    e->stats.counts_s += now_s() - t0;
+    e->stats.counts_s += kds_now_s() - t0;
     for (int r = 0; r < N; r++)
         if (e->all[(size_t)r * W + E + 1]) {
             if (!failed) {
@@ -481,22 +476,22 @@ static void finish_layers(eng_ep *e) {
 
 static void ep_moe_route(eng_backend *b, const eng_moe_args *a) {
     eng_ep *e = ep_of(b);
-    const double t0 = now_s();
+    const double t0 = kds_now_s();
     e->inner->ops->moe_route(e->inner, a);
     dispatch(e, a);
-    e->stats.dispatch_s += now_s() - t0;
+    e->stats.dispatch_s += kds_now_s() - t0;
     e->stats.moe_layers++;
 }
 
 static void ep_moe_experts(eng_backend *b, const eng_moe_args *a) {
     eng_ep *e = ep_of(b);
     if (!e->layer_ok) return; /* every rank skips this layer's rows alike */
-    const double t0 = now_s();
+    const double t0 = kds_now_s();
     e->inner->ops->moe_experts(e->inner, &e->ra);
-    const double t1 = now_s();
+    const double t1 = kds_now_s();
     combine_back(e, a);
     e->stats.experts_s += t1 - t0;
-    e->stats.combine_s += now_s() - t1;
+    e->stats.combine_s += kds_now_s() - t1;
 }
 
 static void ep_moe_combine(eng_backend *b, const eng_moe_args *a) {
@@ -758,7 +753,7 @@ static kds_status run_local(eng_ep *e, const eng_pass *p, eng_pass_fn fn, void *
 
 /* Rank 0's pass: see the top of this file. */
 static kds_status drive(eng_ep *e, const eng_pass *p, eng_pass_fn fn, void *arg, kds_err *err) {
-    const double t0 = now_s();
+    const double t0 = kds_now_s();
     const int N = e->N;
     kds_status rc = KDS_OK;
     for (int i = 0; i < p->n_seqs && rc == KDS_OK; i++) rc = make_resident(e, p->seqs[i], err);
@@ -822,7 +817,7 @@ static kds_status drive(eng_ep *e, const eng_pass *p, eng_pass_fn fn, void *arg,
 out:
     if (rc == KDS_COMM && eng_comm_broken(e->comm, NULL)) bury(e);
     e->stats.passes++;
-    e->stats.pass_s += now_s() - t0;
+    e->stats.pass_s += kds_now_s() - t0;
     return rc;
 }
 

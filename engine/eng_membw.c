@@ -20,6 +20,7 @@
 #include "eng.h"
 #include "eng_pool.h"
 #include "kern.h"
+#include "kds_clock.h"
 
 typedef struct read_job {
     const unsigned char *p;
@@ -31,12 +32,6 @@ static void read_task(void *arg, int task, int thread) {
     read_job *j = arg;
     (void)thread;
     j->sum[task] = kern_read_sum(j->p + j->share * (size_t)task, j->share);
-}
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
 size_t eng_llc_bytes(void) {
@@ -109,12 +104,12 @@ fail:
 /* One read of the buffer: its seconds. */
 static double read_once(eng_membw *b) {
     read_job j = {.p = b->buf, .share = b->share};
-    const double t0 = now_s();
+    const double t0 = kds_now_s();
     if (b->pool)
         eng_pool_run(b->pool, read_task, &j, b->n_tasks);
     else
         read_task(&j, 0, 0);
-    const double dt = now_s() - t0;
+    const double dt = kds_now_s() - t0;
     uint64_t sum = 0;
     for (int t = 0; t < b->n_tasks; t++) sum += j.sum[t];
     /* the sum is used (never 1 for these bytes), so no read is dead */
@@ -209,12 +204,12 @@ kds_status eng_madd_peak(int n_threads, bool bf16, int reps, double *gflops, kds
     peak_job j = {.bf16 = bf16, .iters = (long)(5e9 * n_threads / PEAK_TASKS / per_round / 2)};
     if (j.iters < 1) j.iters = 1;
     for (int r = 0; r <= reps; r++) { /* the first run wakes the cores: not counted */
-        const double t0 = now_s();
+        const double t0 = kds_now_s();
         if (pool)
             eng_pool_run(pool, peak_task, &j, PEAK_TASKS);
         else
             for (int t = 0; t < PEAK_TASKS; t++) peak_task(&j, t, 0);
-        const double dt = now_s() - t0;
+        const double dt = kds_now_s() - t0;
         const double g = 2.0 * per_round * (double)j.iters * PEAK_TASKS / dt / 1e9;
         if (r > 0 && dt > 0 && j.sink[0] == j.sink[0] && g > *gflops) *gflops = g;
     }

@@ -1,16 +1,11 @@
 /* eng_progress.c - one progress line: redrawn on a terminal, whole lines
  * at long intervals in a log (eng_progress.h). */
 #include "eng_progress.h"
+#include "kds_clock.h"
 
 #include <stdarg.h>
 #include <time.h>
 #include <unistd.h>
-
-static double progress_now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 void eng_progress_start(eng_progress *p, FILE *f, uint64_t total, const char *label_fmt, ...) {
     *p = (eng_progress){.f = total > 0 ? f : NULL, .total = total};
@@ -21,7 +16,7 @@ void eng_progress_start(eng_progress *p, FILE *f, uint64_t total, const char *la
     va_start(ap, label_fmt);
     vsnprintf(p->label, sizeof p->label, label_fmt, ap);
     va_end(ap);
-    p->t0 = p->last = progress_now();
+    p->t0 = p->last = kds_now_s();
 }
 
 /* "LABEL:  42% (1.80 / 4.30 GB, 3s, about 4s left)"; the time left from
@@ -43,7 +38,7 @@ static void draw(eng_progress *p, double now) {
 void eng_progress_set(eng_progress *p, uint64_t done) {
     if (!p->f) return;
     p->done = done < p->total ? done : p->total;
-    const double now = progress_now();
+    const double now = kds_now_s();
     if (now - p->last >= p->every) draw(p, now);
 }
 
@@ -52,7 +47,7 @@ void eng_progress_add(eng_progress *p, uint64_t n) { eng_progress_set(p, p->done
 void eng_progress_finish(eng_progress *p) {
     if (!p->f) return;
     fprintf(p->f, "%s%s: 100%% (%.2f GB in %.1fs)%s\n", p->tty ? "\r" : "", p->label,
-            (double)p->total / 1e9, progress_now() - p->t0, p->tty ? "                    " : "");
+            (double)p->total / 1e9, kds_now_s() - p->t0, p->tty ? "                    " : "");
     fflush(p->f);
     p->f = NULL;
 }

@@ -20,6 +20,7 @@
 #include "srv.h"
 #include "kds_buf.h"
 #include "repl_internal.h"
+#include "kds_clock.h"
 
 static volatile sig_atomic_t g_interrupt;
 
@@ -38,12 +39,6 @@ repl_params repl_default_params(void) {
     p.max_tokens = 256;
     p.sampler = eng_sampler_default_params();
     return p;
-}
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
 /* ------------------------------------------------------------------------ */
@@ -227,9 +222,9 @@ kds_status repl__open(repl *r, const char *name, kds_err *e) {
     if (sess_session_get(r->st, name, &si, e) != KDS_OK) return e->status;
     if (session_mode(r, &si, &chat, e) != KDS_OK) return e->status;
     sess_snapshot_info head;
-    double t0 = now_s();
+    double t0 = kds_now_s();
     if (sess_load(r->st, si.head, r->m, r->s, &head, e) != KDS_OK) return e->status;
-    r->last_resume_ms = (now_s() - t0) * 1e3;
+    r->last_resume_ms = (kds_now_s() - t0) * 1e3;
     if (si.mode[0] && strcmp(si.mode, chat ? "chat" : "plain"))
         repl__info(r, "session '%s' was written in %s mode; continuing in %s mode as asked", name,
                    si.mode, chat ? "chat" : "plain");

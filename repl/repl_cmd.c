@@ -10,6 +10,7 @@
 #include <cJSON.h>
 
 #include "repl_internal.h"
+#include "kds_clock.h"
 
 typedef struct command {
     const char *name;
@@ -451,12 +452,6 @@ typedef struct ingest_progress {
     int shown_pct; /* not a terminal: the last 10% step printed */
 } ingest_progress;
 
-static double mono_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
 /* A terminal gets one bar redrawn at most five times a second; a file or
  * pipe a line per 10% (at most eleven lines, however long the document);
  * JSON an event at most five times a second. The final 100% always shows. */
@@ -464,7 +459,7 @@ static void on_progress(void *user, int64_t slice_done, int64_t slice_total) {
     (void)slice_total;
     ingest_progress *g = user;
     int64_t done = g->offset + slice_done, total = g->total;
-    double t = mono_s();
+    double t = kds_now_s();
     double tps = t > g->t0 ? done / (t - g->t0) : 0.0;
     int pct = total ? (int)(100 * done / total) : 100;
     if (g->r->json || g->tty) {
@@ -566,7 +561,7 @@ static bool c_ingest(repl *r, char *arg) {
     }
     FILE *pf = r->interactive ? r->out : r->err;
     ingest_progress g = {
-        .r = r, .f = pf, .tty = isatty(fileno(pf)), .total = n, .t0 = mono_s(), .shown_pct = 0};
+        .r = r, .f = pf, .tty = isatty(fileno(pf)), .total = n, .t0 = kds_now_s(), .shown_pct = 0};
     repl__clear_interrupt();
     bool stopped = false;
     while (done < n) {
@@ -594,7 +589,7 @@ static bool c_ingest(repl *r, char *arg) {
             goto out;
         }
     }
-    double dt = mono_s() - g.t0;
+    double dt = kds_now_s() - g.t0;
     r->last_prefill_n = done;
     r->last_prefill_s = dt;
     char prompt[4200];

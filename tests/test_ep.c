@@ -51,6 +51,7 @@
 #include "test_serve_util.h"
 #ifdef KDS_HAVE_CUDA
 #include "kern_cuda.h"
+#include "kds_clock.h"
 #endif
 
 #define KDASERVE KDS_BINARY_DIR "/kdaserve"
@@ -342,12 +343,6 @@ static int rank_of(pid_t pid) {
     return -1;
 }
 
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
 static void nap_ms(long ms) {
     struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
     nanosleep(&ts, NULL);
@@ -375,8 +370,8 @@ Test(ep, hung_rank_fails_the_job_with_an_error) {
         _exit(127);
     }
     /* generating: tokens are coming out */
-    double t0 = now_s();
-    while (file_size(out_path) < 64 && now_s() - t0 < 60) nap_ms(50);
+    double t0 = kds_now_s();
+    while (file_size(out_path) < 64 && kds_now_s() - t0 < 60) nap_ms(50);
     cr_assert_geq(file_size(out_path), 64, "the job did not start generating");
     pid_t kids[8];
     int n = children_of(job, kids, 8), stopped = 0;
@@ -386,14 +381,14 @@ Test(ep, hung_rank_fails_the_job_with_an_error) {
             stopped = 1;
         }
     cr_assert(stopped, "no rank 1 among mpirun's %d children", n);
-    const double t_stop = now_s();
+    const double t_stop = kds_now_s();
     int st = 0;
     pid_t w = 0;
-    while ((w = waitpid(job, &st, WNOHANG)) == 0 && now_s() - t_stop < 60) nap_ms(50);
+    while ((w = waitpid(job, &st, WNOHANG)) == 0 && kds_now_s() - t_stop < 60) nap_ms(50);
     if (w == 0) kill(-job, SIGKILL); /* our own job's process group */
     if (w == 0) waitpid(job, &st, 0);
     cr_assert_neq(w, 0, "the job still ran 60 s after rank 1 stopped (deadline 3 s)");
-    const double took = now_s() - t_stop;
+    const double took = kds_now_s() - t_stop;
     cr_expect(!WIFEXITED(st) || WEXITSTATUS(st) != 0, "the job ended with status 0");
     char errs[16384] = "";
     FILE *f = fopen(err_path, "r");
@@ -419,9 +414,9 @@ Test(ep, comm_collectives_mpi) {
         cr_expect(strstr(out, want), "%s", out);
     }
     /* a rank that stalls: the others' barrier fails at its deadline */
-    double t0 = now_s();
+    double t0 = kds_now_s();
     run(out, sizeof out, "%s " COMM_CHECK " --stall-rank 2 --timeout-ms 1000 2>&1", mpirun(3));
-    double took = now_s() - t0;
+    double took = kds_now_s() - t0;
     cr_expect(strstr(out, "rank 0: timed out as expected") && strstr(out, "rank 1: timed out as "
               "expected"), "%s", out);
     cr_expect_lt(took, 30.0, "the stalled job took %.1f s to end", took);
@@ -662,8 +657,8 @@ static bool serve_start(ep_job *j, const char *mpi, const char *env, const char 
         execl("/bin/sh", "sh", "-c", cmd, (char *)NULL);
         _exit(127);
     }
-    double t0 = now_s();
-    while (now_s() - t0 < 60) {
+    double t0 = kds_now_s();
+    while (kds_now_s() - t0 < 60) {
         int st;
         if (waitpid(j->pid, &st, WNOHANG) == j->pid) {
             j->pid = 0;
@@ -678,10 +673,10 @@ static bool serve_start(ep_job *j, const char *mpi, const char *env, const char 
 /* Wait up to timeout_s for the job to end by itself; its exit status, or
  * -1 (then it is killed: our own process group). */
 static int serve_wait(ep_job *j, int timeout_s) {
-    double t0 = now_s();
+    double t0 = kds_now_s();
     int st = 0;
     pid_t w = 0;
-    while ((w = waitpid(j->pid, &st, WNOHANG)) == 0 && now_s() - t0 < timeout_s) nap_ms(50);
+    while ((w = waitpid(j->pid, &st, WNOHANG)) == 0 && kds_now_s() - t0 < timeout_s) nap_ms(50);
     if (w == 0) {
         kill(-j->pid, SIGKILL);
         waitpid(j->pid, &st, 0);
@@ -764,8 +759,8 @@ Test(ep, serve_rank_killed_mid_generation) {
         _exit(127);
     }
     char got[4096] = "";
-    double t0 = now_s();
-    while (!strstr(got, "generating") && now_s() - t0 < 60) {
+    double t0 = kds_now_s();
+    while (!strstr(got, "generating") && kds_now_s() - t0 < 60) {
         nap_ms(100);
         FILE *f = fopen(out_path, "r");
         if (f) {
@@ -778,9 +773,9 @@ Test(ep, serve_rank_killed_mid_generation) {
     cr_assert_gt(r1, 0, "no rank 1 under mpirun");
     kill(r1, SIGKILL);
     int cst = 0;
-    t0 = now_s();
+    t0 = kds_now_s();
     pid_t w;
-    while ((w = waitpid(client, &cst, WNOHANG)) == 0 && now_s() - t0 < 60) nap_ms(100);
+    while ((w = waitpid(client, &cst, WNOHANG)) == 0 && kds_now_s() - t0 < 60) nap_ms(100);
     if (w == 0) {
         kill(client, SIGKILL);
         waitpid(client, &cst, 0);

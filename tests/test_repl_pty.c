@@ -27,6 +27,7 @@
 #include <unistd.h>
 
 #include "test_helpers.h"
+#include "kds_clock.h"
 
 #define KDASERVE KDS_BINARY_DIR "/kdaserve"
 #define MODEL KDS_SOURCE_DIR "/models/default"
@@ -128,12 +129,6 @@ static bool pump(term *t, int ms) {
     return false;
 }
 
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
 /* Start `kdaserve chat --model MODEL --db DB --threads 1 ARGS...` on a new
  * 200x50 terminal. */
 static void term_start(term *t, const char *args) {
@@ -164,7 +159,7 @@ static void term_start(term *t, const char *args) {
  * it. Returns a malloc'd copy of the text between the old mark and the
  * needle. */
 static char *term_until_s(term *t, const char *needle, int secs) {
-    double end = now_s() + secs;
+    double end = kds_now_s() + secs;
     for (;;) {
         char *at = strstr(t->text + t->mark, needle);
         if (at) {
@@ -178,7 +173,7 @@ static char *term_until_s(term *t, const char *needle, int secs) {
         cr_assert(open || strstr(t->text + t->mark, needle),
                   "the program left before printing '%s'; its screen after the mark:\n%s", needle,
                   t->text + t->mark);
-        cr_assert(now_s() < end, "no '%s' within %d s; the screen after the mark:\n%s", needle,
+        cr_assert(kds_now_s() < end, "no '%s' within %d s; the screen after the mark:\n%s", needle,
                   secs, t->text + t->mark);
     }
 }
@@ -193,10 +188,10 @@ static void term_wait(term *t, const char *needle) {
 
 /* Wait until at least `bytes` more bytes of text follow the mark. */
 static void term_wait_bytes(term *t, size_t bytes) {
-    double end = now_s() + WAIT_S;
+    double end = kds_now_s() + WAIT_S;
     while (t->n < t->mark + bytes) {
         cr_assert(pump(t, 200), "the program left; its screen:\n%s", t->text + t->mark);
-        cr_assert(now_s() < end, "fewer than %zu bytes within %d s:\n%s", bytes, WAIT_S,
+        cr_assert(kds_now_s() < end, "fewer than %zu bytes within %d s:\n%s", bytes, WAIT_S,
                   t->text + t->mark);
     }
 }
@@ -214,7 +209,7 @@ static void term_send(term *t, const char *keys) {
 /* Wait for the program to end (reading what it still writes); its exit
  * status. */
 static int term_exit(term *t) {
-    double end = now_s() + WAIT_S;
+    double end = kds_now_s() + WAIT_S;
     while (!t->reaped) {
         pid_t p = waitpid(t->pid, &t->status, WNOHANG);
         if (p == t->pid) {
@@ -222,7 +217,7 @@ static int term_exit(term *t) {
             break;
         }
         if (!pump(t, 200)) usleep(50000);
-        cr_assert(now_s() < end, "the program did not leave within %d s:\n%s", WAIT_S,
+        cr_assert(kds_now_s() < end, "the program did not leave within %d s:\n%s", WAIT_S,
                   t->text + t->mark);
     }
     while (pump(t, 0) && t->fd >= 0) {

@@ -33,6 +33,7 @@
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
+#include "kds_clock.h"
 
 #define TS_KDASERVE KDS_BINARY_DIR "/kdaserve"
 #define TS_NODE_DIR KDS_SOURCE_DIR "/tests/node"
@@ -47,12 +48,6 @@ typedef struct ts_server {
     char log_tail[2048]; /* the log's last bytes, filled when start or stop fails */
     int status;          /* exit status once stopped: 0-255, 128+signal, or -1 */
 } ts_server;
-
-static inline double ts_now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
-}
 
 static inline void ts_sleep_ms(int ms) {
     struct timespec t = {ms / 1000, (long)(ms % 1000) * 1000000L};
@@ -189,8 +184,8 @@ static inline bool ts_start_once(ts_server *s, const char *const *args, const ch
         _exit(127);
     }
     s->pid = pid;
-    double t0 = ts_now();
-    while (ts_now() - t0 < TS_START_TIMEOUT_S) {
+    double t0 = kds_now_s();
+    while (kds_now_s() - t0 < TS_START_TIMEOUT_S) {
         int st;
         if (waitpid(pid, &st, WNOHANG) == pid) {
             s->pid = 0;
@@ -229,9 +224,9 @@ static inline bool ts_start(ts_server *s, const char *const *args) {
  * (128+signal if a signal ended it, -1 if it had to be killed). */
 static inline int ts_wait(ts_server *s, int timeout_s) {
     if (s->pid <= 0) return s->status;
-    double t0 = ts_now();
+    double t0 = kds_now_s();
     int st;
-    while (ts_now() - t0 < timeout_s) {
+    while (kds_now_s() - t0 < timeout_s) {
         pid_t r = waitpid(s->pid, &st, WNOHANG);
         if (r == s->pid) {
             s->pid = 0;

@@ -25,6 +25,7 @@
 
 #include "eng.h"
 #include "test_helpers.h"
+#include "kds_clock.h"
 
 #define TOK_NODE_DIR KDS_SOURCE_DIR "/tests/node"
 #define TOK_REF_DIR KDS_BINARY_DIR "/tok-ref"
@@ -40,12 +41,6 @@ typedef struct tok_ids {
     int32_t *v;
     int64_t n;
 } tok_ids;
-
-static inline double tok_clock(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
 
 static inline bool tok_exists(const char *p) {
     struct stat st;

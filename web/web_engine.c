@@ -45,6 +45,7 @@
 
 #include "eng_config.h"
 #include "web_internal.h"
+#include "kds_clock.h"
 
 #define LAST_TURNS 4
 #define LINEAGE_MAX 100000
@@ -817,7 +818,7 @@ static void on_text(void *user, srv_stream *st, const char *p, size_t n) {
     web_engine *E = w->E;
     if (!n) return;
     if (!w->t_first) {
-        w->t_first = web__now_s();
+        w->t_first = kds_now_s();
         web__hist_add(&E->s->metrics.ttft_ms, (w->t_first - w->t_arrive) * 1e3);
     }
     if (srv_stream_get(st)->gone || (w->route != WEB_ROUTE_WS && !w->sse)) return;
@@ -929,7 +930,7 @@ static void op_generate(web_engine *E, const web_req *r, const cJSON *id) {
     }
     const char *text = mv ? mv->valuestring : tv->valuestring;
     size_t len = strlen(text);
-    double t_start = web__now_s();
+    double t_start = kds_now_s();
     wturn *w = wturn_new(E, r, id);
     int32_t *ids = NULL;
     int64_t n = 0;
@@ -1191,7 +1192,7 @@ static void on_ingest_fed(void *user, srv_stream *st, int64_t n) {
     wturn *w = user;
     ingest *in = w->ing;
     const srv_stream_info *i = srv_stream_get(st);
-    double now = web__now_s();
+    double now = kds_now_s();
     if (i->gone || now - in->t_progress < INGEST_PROGRESS_S) return;
     in->t_progress = now;
     int64_t done = i->doc_fed;
@@ -1312,7 +1313,7 @@ static wturn *ingest_create(web_engine *E, const web_req *r, const cJSON *id, sr
     sp->kind = SRV_STREAM_DOCUMENT;
     sp->reply.chat = si.chat;
     sp->index_fork = true;
-    sp->t_start = web__now_s();
+    sp->t_start = kds_now_s();
     sp->hooks = &INGEST_HOOKS;
     /* When every token of the session is known (the scheduler's session
      * hash, or an empty session's new one), the document's end goes into the
@@ -1814,7 +1815,7 @@ static void http_generate(web_engine *E, const web_req *r) {
                 E->s->p.max_sessions);
         goto out;
     }
-    p.t_start = web__now_s();
+    p.t_start = kds_now_s();
     if (!(g = wturn_new(E, r, NULL))) goto nomem;
     g->sse = q.stream;
     g->include_usage = q.include_usage;
@@ -1977,7 +1978,7 @@ static void on_decoded(void *user, int rows) {
 }
 
 static void update_rate(web_engine *E) {
-    double now = web__now_s();
+    double now = kds_now_s();
     if (!E->rate_t0) E->rate_t0 = now;
     double dt = now - E->rate_t0;
     if (dt < 2.0) return;
@@ -2075,7 +2076,7 @@ static void cancels_ahead(web_engine *E, conn_queue *q) {
 }
 
 static void answer_requests(web_engine *E) {
-    double t0 = web__now_s();
+    double t0 = kds_now_s();
     while (E->queues) {
         bool any = false;
         for (conn_queue **pp = &E->queues; *pp;) {
@@ -2098,7 +2099,7 @@ static void answer_requests(web_engine *E) {
                 pp = &q->next;
             }
         }
-        if (!any || (!E->stopping && web__now_s() - t0 > REQUEST_BUDGET_S)) break;
+        if (!any || (!E->stopping && kds_now_s() - t0 > REQUEST_BUDGET_S)) break;
     }
 }
 

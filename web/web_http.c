@@ -50,6 +50,7 @@
 #include <strings.h>
 
 #include "web_internal.h"
+#include "kds_clock.h"
 
 /* A body declared larger than this is refused without reading it. */
 #define DISCARD_MAX ((uint64_t)4 << 30)
@@ -235,7 +236,7 @@ static void submit(web_server *s, http_pss *pss, cJSON *body) {
     r->auth = s->n_tenants > 0;
     snprintf(r->tenant, sizeof r->tenant, "%s", pss->tenant);
     snprintf(r->session_hdr, sizeof r->session_hdr, "%s", pss->session_hdr);
-    r->t_arrive = web__now_s();
+    r->t_arrive = kds_now_s();
     atomic_fetch_add(&s->metrics.requests_total, 1);
     /* Every HTTP request is a connection of its own with nothing waiting,
      * which web__submit_op always lets in: the total bound is applied here

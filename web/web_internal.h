@@ -89,7 +89,7 @@ typedef struct web_req {
     bool msgpack;
     bool auth;                   /* the server uses tenants */
     char tenant[WEB_TENANT_MAX + 1];
-    double t_arrive;             /* web__now_s() */
+    double t_arrive;             /* kds_now_s() */
     web_route route;             /* HTTP: the endpoint; msg is the body (NULL for GET) */
     char session_hdr[SESS_NAME_MAX + 1]; /* HTTP: the X-Kdaserve-Session header ("" = none) */
 } web_req;
@@ -160,7 +160,6 @@ struct web_server {
 };
 
 /* -- time ---------------------------------------------------------------- */
-double web__now_s(void);
 int64_t web__now_us(void);
 
 /* -- codec (web_codec.c) -------------------------------------------------- */

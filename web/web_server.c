@@ -19,12 +19,7 @@
 #include <time.h>
 
 #include "web_internal.h"
-
-double web__now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
+#include "kds_clock.h"
 
 int64_t web__now_us(void) {
     struct timespec ts;
@@ -289,7 +284,7 @@ static void handle_message(web_server *s, web_conn *c, const unsigned char *p, s
     r->msgpack = binary;
     r->auth = auth;
     snprintf(r->tenant, sizeof r->tenant, "%s", c->tenant);
-    r->t_arrive = web__now_s();
+    r->t_arrive = kds_now_s();
     if (!web__submit_op(s, c, r)) {
         /* refused here, at once: a flood costs the engine nothing */
         reply_now(s, c,
@@ -690,12 +685,12 @@ kds_status web_server_run(web_server *s, kds_err *err) {
     pthread_mutex_lock(&s->lock);
     for (web_conn *c = s->conns; c; c = c->next) c->close_code = LWS_CLOSE_STATUS_GOINGAWAY;
     pthread_mutex_unlock(&s->lock);
-    double until = web__now_s() + 1.0;
+    double until = kds_now_s() + 1.0;
     for (;;) {
         pthread_mutex_lock(&s->lock);
         bool open = s->conns != NULL;
         pthread_mutex_unlock(&s->lock);
-        if (!open || web__now_s() > until) break;
+        if (!open || kds_now_s() > until) break;
         lws_cancel_service(s->lws); /* never sleep in the loop below */
         lws_service(s->lws, 0);
     }

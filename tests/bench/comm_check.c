@@ -26,13 +26,8 @@
 #include "eng_comm.h"
 #ifdef KDS_HAVE_CUDA
 #include "kern_cuda.h"
+#include "kds_clock.h"
 #endif
-
-static double now_ms(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6;
-}
 
 /* Buffers in the communicator's memory (the GPU's for nccl). */
 typedef struct mem {
@@ -183,9 +178,9 @@ static int stall(eng_comm *c, int rank, int timeout_ms) {
         struct timespec ts = {(time_t)(timeout_ms * 3 / 1000), (long)(timeout_ms * 3 % 1000) * 1000000L};
         nanosleep(&ts, NULL);
     }
-    double t0 = now_ms();
+    double t0 = 1e3 * kds_now_s();
     kds_status rc = eng_comm_barrier(c, &err);
-    double dt = now_ms() - t0;
+    double dt = 1e3 * kds_now_s() - t0;
     if (eng_comm_rank(c) == rank) return 0;
     if (rc != KDS_COMM) return fail(c, "the barrier did not time out", NULL);
     printf("rank %d: timed out as expected after %.0f ms: %s\n", eng_comm_rank(c), dt, err.msg);
@@ -205,10 +200,10 @@ static int bench(eng_comm *c, const mem *m, int64_t rows, size_t rb, int reps) {
     double *t = calloc((size_t)reps, sizeof *t);
     for (int i = -2; i < reps; i++) {
         eng_comm_barrier(c, NULL);
-        double t0 = now_ms();
+        double t0 = 1e3 * kds_now_s();
         if (eng_comm_alltoallv(c, s, sr, so, r, sr, so, rb, &err) != KDS_OK)
             return fail(c, "alltoallv", &err);
-        if (i >= 0) t[i] = now_ms() - t0;
+        if (i >= 0) t[i] = 1e3 * kds_now_s() - t0;
     }
     for (int i = 1; i < reps; i++) /* insertion sort: a few values */
         for (int j = i; j > 0 && t[j - 1] > t[j]; j--) {

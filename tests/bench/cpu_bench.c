@@ -85,12 +85,7 @@
 #include "cpu/kern_gemm.h"
 #include "eng_pool.h"
 #include "kern.h"
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
+#include "kds_clock.h"
 
 static void *xalloc(size_t bytes) {
     void *p = aligned_alloc(64, (bytes + 63) / 64 * 64);
@@ -219,9 +214,9 @@ static void read_task(void *arg, int task, int thread) {
 /* Seconds of one streaming read of p[0, n) on `threads` threads. */
 static double read_sweep(const unsigned char *p, size_t n, int threads) {
     read_job j = {p, n, threads == 1 ? 1 : 4 * threads, {0}};
-    const double t0 = now_s();
+    const double t0 = kds_now_s();
     run_tasks(threads, read_task, &j, j.n_tasks);
-    return now_s() - t0;
+    return kds_now_s() - t0;
 }
 
 /* ------------------------------------------------------------------------ */
@@ -338,10 +333,10 @@ static double time_sweeps(const kern_weight *w, int n, int reps, const float *x,
                           int threads, int ref) {
     double t[64];
     for (int run = 0; run <= g_runs; run++) {
-        const double t0 = now_s();
+        const double t0 = kds_now_s();
         for (int i = 0; i < reps; i++)
             product(&w[i % n], x, T, y, threads, ref);
-        if (run > 0) t[run - 1] = now_s() - t0; /* run 0: warm-up */
+        if (run > 0) t[run - 1] = kds_now_s() - t0; /* run 0: warm-up */
     }
     return median(t, g_runs);
 }
@@ -488,10 +483,10 @@ static void bench_alternating(void) {
             double rd[128], pr[128], ra[128];
             for (int r = 0; r <= rounds; r++) {
                 const double tr = read_sweep(st.codes, codes, th);
-                const double t0 = now_s();
+                const double t0 = kds_now_s();
                 for (int i = 0; i < n; i++)
                     product(&st.w[i], x, 1, y, th, 0);
-                const double tp = now_s() - t0;
+                const double tp = kds_now_s() - t0;
                 if (r == 0) continue; /* warm-up */
                 rd[r - 1] = (double)codes / tr / 1e9;
                 pr[r - 1] = bytes / tp / 1e9;
@@ -615,13 +610,13 @@ static void bench_decode_attention(void) {
         double t_head = 1e30, t_all = 1e30;
         const int runs = P[p] >= 65536 ? 3 : g_runs;
         for (int r = 0; r < runs; r++) {
-            double t0 = now_s();
+            double t0 = kds_now_s();
             kern_mla_attend(&msh, KERN_BF16, kvb.codes, q, 1, P[p], cache, o_head, 0, H, ws_head);
-            double dt = now_s() - t0;
+            double dt = kds_now_s() - t0;
             if (dt < t_head) t_head = dt;
-            t0 = now_s();
+            t0 = kds_now_s();
             kern_mla_decode_heads(&msh, &kw, q, 0, H, P[p], cache, o_all, ws_all);
-            dt = now_s() - t0;
+            dt = kds_now_s() - t0;
             if (dt < t_all) t_all = dt;
         }
         double diff = 0, mag = 0;
@@ -670,9 +665,9 @@ static double fma_peak_of(int threads, bool dp) {
     if (per_round == 0) return 0;
     for (int run = 0; run <= g_runs; run++) {
         peak_job j = {dp, g_quick ? 50000 : 250000, {0}};
-        const double t0 = now_s();
+        const double t0 = kds_now_s();
         run_tasks(threads, peak_task, &j, PEAK_TASKS);
-        const double dt = now_s() - t0;
+        const double dt = kds_now_s() - t0;
         const double gflops = 2.0 * per_round * (double)j.iters * PEAK_TASKS / dt / 1e9;
         if (run > 0 && gflops > best) best = gflops;
     }
@@ -768,27 +763,27 @@ static void bench_batched(int mode) {
             for (int r = 0; r <= rounds; r++) {
                 const int reps = 20;
                 l2_job lj = {&hot, x, y, T, 32 * reps, th, mode};
-                double t0 = now_s();
+                double t0 = kds_now_s();
                 run_tasks(th, l2_task, &lj, th);
-                const double t_l2 = (now_s() - t0) / (32.0 * reps) * (rows / 128.0);
-                t0 = now_s();
+                const double t_l2 = (kds_now_s() - t0) / (32.0 * reps) * (rows / 128.0);
+                t0 = kds_now_s();
                 for (int i = 0; i < reps; i++)
                     product(&hot, x, T, y, th, mode);
-                const double t_hot = (now_s() - t0) / reps;
+                const double t_hot = (kds_now_s() - t0) / reps;
                 const double t_read = read_sweep(st.codes, l.data_bytes * (size_t)n, th) / n;
-                t0 = now_s();
+                t0 = kds_now_s();
                 for (int i = 0; i < n; i++)
                     product(&st.w[i], x, T, y, th, mode);
-                const double t_mem = (now_s() - t0) / n;
+                const double t_mem = (kds_now_s() - t0) / n;
                 /* one token: the same sweep with the other software
                  * prefetch (none against 8 KiB along the stream) */
                 double t_alt = 0;
                 if (T == 1 && mode == 0) {
                     for (int i = 0; i < n; i++) st.w[i].stream_prefetch = alt_pf;
-                    t0 = now_s();
+                    t0 = kds_now_s();
                     for (int i = 0; i < n; i++)
                         product(&st.w[i], x, T, y, th, 0);
-                    t_alt = (now_s() - t0) / n;
+                    t_alt = (kds_now_s() - t0) / n;
                     for (int i = 0; i < n; i++) st.w[i].stream_prefetch = own_pf;
                 }
                 if (r == 0) continue; /* warm-up */
@@ -859,10 +854,10 @@ static void bench_gemm_packing(void) {
                 for (int form = 0; form < 2; form++) {
                     double best = 1e30;
                     for (int k = 0; k < 2; k++) {
-                        const double t0 = now_s();
+                        const double t0 = kds_now_s();
                         kern__gemm(&gw, in, x, in, T, y, rows, 0, rows, false, scr,
                                    form ? packed : panel);
-                        const double dt = now_s() - t0;
+                        const double dt = kds_now_s() - t0;
                         if (dt < best) best = dt;
                     }
                     g[form][r] = flops / best / 1e9;
@@ -923,7 +918,7 @@ static void bench_gemm_amx(void) {
                 for (int form = 0; form < (amx ? 3 : 2); form++) {
                     double best = 1e30;
                     for (int k = 0; k < 2; k++) {
-                        const double t0 = now_s();
+                        const double t0 = kds_now_s();
 #if KERN_GEMM_AMX
                         if (form == 2)
                             kern__amx_rows_bf16(W, in, x, in, T, y[2], rows, 0, rows, scr);
@@ -931,7 +926,7 @@ static void bench_gemm_amx(void) {
 #endif
                             kern__gemm_bf16x_on(form == 1, &gw, in, x, in, T, y[form], rows, 0,
                                                 rows, false, scr, sf);
-                        const double dt = now_s() - t0;
+                        const double dt = kds_now_s() - t0;
                         if (dt < best) best = dt;
                     }
                     g[form][r] = flops / best / 1e9;

@@ -41,15 +41,10 @@
 
 #include "eng_pool.h"
 #include "kern.h"
+#include "kds_clock.h"
 
 /* libgomp's, which oneDNN's OpenMP runtime reads */
 void omp_set_num_threads(int n);
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 static int cmp_double(const void *a, const void *b) {
     const double x = *(const double *)a, y = *(const double *)b;
@@ -185,9 +180,9 @@ typedef void (*run_fn)(void *arg);
 static double median_seconds(run_fn run, void *arg, int runs) {
     double t[64];
     for (int i = 0; i <= runs; i++) {
-        const double t0 = now_s();
+        const double t0 = kds_now_s();
         run(arg);
-        if (i) t[i - 1] = now_s() - t0;
+        if (i) t[i - 1] = kds_now_s() - t0;
     }
     qsort(t, (size_t)runs, sizeof t[0], cmp_double);
     return t[runs / 2];

@@ -5,9 +5,9 @@
  * by hand from the repo root:
  *
  *   gcc -O3 -march=native -std=c11 -D_POSIX_C_SOURCE=200809L -I kernels \
- *       kernels/cpu/kda.c kernels/cpu/ops.c tests/bench/kda_bench.c \
- *       $(pkg-config --cflags --libs openblas) \
- *       -lm -o /tmp/kda_bench && OPENBLAS_NUM_THREADS=1 /tmp/kda_bench [T] [chunk]
+ *       kernels/cpu/kda.c kernels/cpu/ops.c kernels/cpu/gemm.c kernels/cpu/quant.c \
+ *       tests/bench/kda_bench.c $(pkg-config --cflags --libs openblas) \
+ *       -lm -lpthread -o /tmp/kda_bench && OPENBLAS_NUM_THREADS=1 /tmp/kda_bench [T] [chunk]
  *
  * Prints the decode step (one token, all 32 heads, state 2 MiB) in
  * microseconds, and the prefill throughput in tokens per second of the
@@ -19,12 +19,7 @@
 #include <time.h>
 
 #include "kern.h"
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
+#include "kds_clock.h"
 
 static unsigned long long rng = 88172645463325252ull;
 static float frand(float lo, float hi) { /* xorshift64 */
@@ -67,13 +62,13 @@ int main(int argc, char **argv) {
     kern_kda_recurrent(&sh, 1, q, k, v, g, beta, state, o, 0, H);
     for (int trial = 0; trial < 7; trial++) {
         int steps = 300;
-        double t0 = now_s();
+        double t0 = kds_now_s();
         for (int i = 0; i < steps; i++) {
             size_t t = (size_t)(i % T);
             kern_kda_recurrent(&sh, 1, q + t * H * K, k + t * H * K, v + t * H * V, g + t * H * K,
                                beta + t * H, state, o, 0, H);
         }
-        double dt = (now_s() - t0) / steps;
+        double dt = (kds_now_s() - t0) / steps;
         if (dt < dec) dec = dt;
     }
 
@@ -82,19 +77,19 @@ int main(int argc, char **argv) {
     kern_kda_chunked(&sh, T < 256 ? T : 256, chunk, q, k, v, g, beta, state, o, 0, H, ws);
     double best = 1e30, best1 = 1e30, rec = 1e30;
     for (int r = 0; r < 3; r++) {
-        double t0 = now_s();
+        double t0 = kds_now_s();
         for (int hv = 0; hv < H; hv++)
             kern_kda_chunked(&sh, T, chunk, q, k, v, g, beta, state, o, hv, hv + 1, ws);
-        double dt = now_s() - t0;
+        double dt = kds_now_s() - t0;
         if (dt < best) best = dt;
-        t0 = now_s();
+        t0 = kds_now_s();
         kern_kda_chunked(&sh, T, chunk, q, k, v, g, beta, state, o, 0, H, ws);
-        dt = now_s() - t0;
+        dt = kds_now_s() - t0;
         if (dt < best1) best1 = dt;
-        t0 = now_s();
+        t0 = kds_now_s();
         for (int hv = 0; hv < H; hv++)
             kern_kda_recurrent(&sh, T, q, k, v, g, beta, state, o, hv, hv + 1);
-        dt = now_s() - t0;
+        dt = kds_now_s() - t0;
         if (dt < rec) rec = dt;
     }
 
