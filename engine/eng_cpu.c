@@ -44,7 +44,9 @@ typedef struct thread_scratch {
     float *kda_ws; /* chunked KDA workspace */
     float *mla_w;  /* one head's kv_b rows, widened: [(dn+dv), dc] */
     float *mla_ws; /* kern_mla_attend_head workspace for B queries */
-    float *mla_dec_ws; /* kern_mla_decode_heads workspace */
+    float *mla_dec_ws; /* kern_mla_decode_rows workspace for mla_dec_rows rows */
+    int64_t *mla_dec_pos;        /* [mla_dec_rows]: those rows' positions */
+    const float **mla_dec_cache; /* [mla_dec_rows]: their latent caches */
 } thread_scratch;
 
 typedef struct eng_cpu {
@@ -53,6 +55,7 @@ typedef struct eng_cpu {
     eng_dims d;
     eng_pool *pool;
     int n_threads, kda_chunk, max_rows, max_seqs;
+    int mla_dec_rows; /* the most rows one MLA decode task takes (mla_dec_split) */
     /* The pass being run is a prefill (eng_pass.chunked: one sequence's
      * tokens), whose products need not equal one-token products row for
      * row: they take kern_matmul_w_prefill's GEMM from fewer tokens. Taken
@@ -587,29 +590,52 @@ static void mla_head_fn(void *arg, int h, int thread) {
                          c->bf16_act && c->prefill, ts->mla_ws);
 }
 
-/* Decode (one row per sequence): task = row * n_groups + head group; each
- * group's heads attend together, so the row's cache is read once per group
- * rather than twice per head. */
+/* Decode (one row per sequence): task = block * n_groups + head group,
+ * a block being consecutive rows. A task widens each kv_b row of its heads
+ * once for all its rows (kv_b is 8 MB in bf16 at Kimi-Linear's shape, so a
+ * task per row read it once per sequence), and each group's heads attend
+ * together, so a row's cache is read once per group. */
 typedef struct mla_dec_run {
     eng_cpu *c;
     const eng_pass *p;
     const eng_mla_args *a;
-    int n_groups;
+    int T, n_blocks, n_groups;
 } mla_dec_run;
+
+/* The split of T decode rows: as many blocks as threads, so kv_b is read
+ * once a thread (blocks differ by a row at most: with T not a multiple of
+ * the threads one waits on a row's attention, not on another read of kv_b);
+ * with fewer rows than threads a block per row and the heads in groups, the
+ * fewest that split the tasks evenly among the threads or give each four. */
+static void mla_dec_split(const eng_cpu *c, int T, int *n_blocks, int *n_groups) {
+    *n_blocks = T < c->n_threads ? T : c->n_threads;
+    while ((T + *n_blocks - 1) / *n_blocks > c->mla_dec_rows) (*n_blocks)++; /* the workspace's */
+    *n_groups = 1;
+    if (c->n_threads > 1)
+        while (*n_groups < c->d.mla_heads && (*n_blocks * *n_groups) % c->n_threads != 0 &&
+               *n_blocks * *n_groups < 4 * c->n_threads)
+            (*n_groups)++;
+}
 
 static void mla_decode_fn(void *arg, int task, int thread) {
     mla_dec_run *r = arg;
     eng_cpu *c = r->c;
     const eng_dims *d = &c->d;
     const eng_mla_args *a = r->a;
-    const int nh = d->mla_heads, t = task / r->n_groups, g = task % r->n_groups;
+    thread_scratch *ts = &c->ts[thread];
+    const int nh = d->mla_heads, b = task / r->n_groups, g = task % r->n_groups;
     const int h0 = nh * g / r->n_groups, h1 = nh * (g + 1) / r->n_groups;
+    const int t0 = r->T * b / r->n_blocks, t1 = r->T * (b + 1) / r->n_blocks;
     const kern_mla_shape sh = {nh, d->dc, d->dr, d->dn, d->dv};
     const kern_weight kvb = eng__kern_weight(&a->w->kv_b_proj);
-    const eng_seq *s = r->p->seqs[r->p->n_seqs > 1 ? t : 0];
-    kern_mla_decode_heads(&sh, &kvb, a->q + (size_t)t * nh * (d->dn + d->dr), h0, h1, s->pos,
-                          s->mla_cache[a->layer], a->o + (size_t)t * nh * d->dv,
-                          c->ts[thread].mla_dec_ws);
+    for (int t = t0; t < t1; t++) {
+        const eng_seq *s = r->p->seqs[r->p->n_seqs > 1 ? t : 0];
+        ts->mla_dec_pos[t - t0] = s->pos;
+        ts->mla_dec_cache[t - t0] = s->mla_cache[a->layer];
+    }
+    kern_mla_decode_rows(&sh, &kvb, t1 - t0, a->q + (size_t)t0 * nh * (d->dn + d->dr), h0, h1,
+                         ts->mla_dec_pos, ts->mla_dec_cache, a->o + (size_t)t0 * nh * d->dv,
+                         ts->mla_dec_ws);
 }
 
 static void cpu_mla(eng_backend *b, const eng_pass *p, const eng_mla_args *a) {
@@ -627,16 +653,10 @@ static void cpu_mla(eng_backend *b, const eng_pass *p, const eng_mla_args *a) {
         memcpy(dst + d->dc, kva + d->dc, (size_t)d->dr * sizeof(float));
     }
     if (multi || T == 1) {
-        /* one query per sequence: its heads in groups, a task per (row,
-         * group). Every group reads the row's cache once, so as few groups
-         * as keep the threads evenly busy: the fewest that split the tasks
-         * evenly among them, or give each four. */
-        mla_dec_run r = {c, p, a, 1};
-        if (c->n_threads > 1)
-            while (r.n_groups < d->mla_heads && (T * r.n_groups) % c->n_threads != 0 &&
-                   T * r.n_groups < 4 * c->n_threads)
-                r.n_groups++;
-        const int n_tasks = T * r.n_groups;
+        /* one query per sequence: a task per (block of rows, head group) */
+        mla_dec_run r = {c, p, a, T, 1, 1};
+        mla_dec_split(c, T, &r.n_blocks, &r.n_groups);
+        const int n_tasks = r.n_blocks * r.n_groups;
         if (c->n_threads == 1 || n_tasks == 1)
             for (int i = 0; i < n_tasks; i++) mla_decode_fn(&r, i, 0);
         else
@@ -910,6 +930,8 @@ static void cpu_free(eng_backend *b) {
             free(c->ts[i].mla_w);
             free(c->ts[i].mla_ws);
             free(c->ts[i].mla_dec_ws);
+            free(c->ts[i].mla_dec_pos);
+            free(c->ts[i].mla_dec_cache);
         }
     free(c->ts);
     profile_end(c);
@@ -936,6 +958,8 @@ static kds_status cpu_create(const eng_model *m, const eng_ctx_params *p, eng_ba
     c->bf16_act = p->bf16_act;
     c->max_seqs = p->max_seqs;
     c->max_rows = p->max_batch > p->max_seqs ? p->max_batch : p->max_seqs;
+    c->mla_dec_rows =
+        c->max_seqs > c->n_threads ? (c->max_seqs + c->n_threads - 1) / c->n_threads : 1;
     const size_t llc = eng_llc_bytes();
     c->streamed =
         eng_model_decode_bytes(m, 0).weights > 0.5 * (double)(llc ? llc : (size_t)32 << 20);
@@ -952,6 +976,7 @@ static kds_status cpu_create(const eng_model *m, const eng_ctx_params *p, eng_ba
     if (!c->acc || !c->logits || !c->cand_p || !c->cand_id || !c->ts) goto nomem;
     const kern_kda_shape sh = {d->H, d->HV, d->K, d->V, 1.0f};
     const kern_mla_shape msh = {d->mla_heads, d->dc, d->dr, d->dn, d->dv};
+    const size_t mla_dec_floats = kern_mla_decode_rows_workspace_floats(&msh, c->mla_dec_rows);
     for (int i = 0; i < c->n_threads; i++) {
         thread_scratch *ts = &c->ts[i];
         if (!(ts->mm = calloc(kern_matmul_scratch_floats(widest) + 1, sizeof(float)))) goto nomem;
@@ -962,8 +987,9 @@ static kds_status cpu_create(const eng_model *m, const eng_ctx_params *p, eng_ba
             (!(ts->mla_w = calloc((size_t)(d->dn + d->dv) * d->dc + 1, sizeof(float))) ||
              !(ts->mla_ws = calloc(kern_mla_attend_head_workspace_floats(&msh, c->max_rows) + 1,
                                    sizeof(float))) ||
-             !(ts->mla_dec_ws =
-                   calloc(kern_mla_decode_heads_workspace_floats(&msh) + 1, sizeof(float)))))
+             !(ts->mla_dec_ws = calloc(mla_dec_floats + 1, sizeof(float))) ||
+             !(ts->mla_dec_pos = calloc((size_t)c->mla_dec_rows, sizeof *ts->mla_dec_pos)) ||
+             !(ts->mla_dec_cache = calloc((size_t)c->mla_dec_rows, sizeof *ts->mla_dec_cache))))
             goto nomem;
     }
     kds_status rc = eng_pool_create(c->n_threads, &c->pool, err);

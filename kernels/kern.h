@@ -482,6 +482,20 @@ void kern_mla_decode_heads(const kern_mla_shape *sh, const kern_weight *kv_b, co
                            float *workspace);
 size_t kern_mla_decode_heads_workspace_floats(const kern_mla_shape *sh);
 
+/*
+ * kern_mla_decode_heads for n rows at once, each one query of its own
+ * sequence (a batched decode step): q [n, nh*(dn+dr)], pos[s] and cache[s]
+ * row s's position and latent cache, o [n, nh*dv]. Each kv_b row is widened
+ * once for all n rows rather than once per row (kv_b is 8 MB in bf16 at
+ * Kimi-Linear's shape); row s's result is bit for bit
+ * kern_mla_decode_heads of that row alone.
+ * workspace: kern_mla_decode_rows_workspace_floats(sh, n) floats.
+ */
+void kern_mla_decode_rows(const kern_mla_shape *sh, const kern_weight *kv_b, int n,
+                          const float *q, int h0, int h1, const int64_t *pos,
+                          const float *const *cache, float *o, float *workspace);
+size_t kern_mla_decode_rows_workspace_floats(const kern_mla_shape *sh, int n);
+
 /* ------------------------------------------------------------------------ */
 /* MoE routing (CPU reference of the CUDA routing kernels)                   */
 

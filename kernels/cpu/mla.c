@@ -254,60 +254,83 @@ void kern_mla_attend_head(const kern_mla_shape *sh, const float *wuk, const floa
     gemm(wuv, dc, false, dv, dc, acc, dc, T, oh, o_stride, false, P);
 }
 
-size_t kern_mla_decode_heads_workspace_floats(const kern_mla_shape *sh) {
-    if (!sh || sh->nh < 1) return 0;
+size_t kern_mla_decode_rows_workspace_floats(const kern_mla_shape *sh, int n) {
+    if (!sh || sh->nh < 1 || n < 1) return 0;
     const size_t nh = (size_t)sh->nh, row = (size_t)sh->dc + sh->dr;
-    /* one widened kv_b row [dc], Q [nh, row], S [nh,
-     * KEY_BLOCK], Lat [nh, dc], max and denominator [2, nh], GEMM scratch */
-    return (size_t)sh->dc +
-           nh * (row + KERN_MLA_KEY_BLOCK + (size_t)sh->dc + 2) + gemm_floats(sh, sh->nh);
+    /* one widened kv_b row [dc], Q [n, nh, row], Lat [n, nh, dc], S [nh,
+     * KEY_BLOCK], max and denominator [2, nh], GEMM scratch */
+    return (size_t)sh->dc + (size_t)n * nh * (row + (size_t)sh->dc) +
+           nh * (KERN_MLA_KEY_BLOCK + 2) + gemm_floats(sh, sh->nh);
+}
+
+size_t kern_mla_decode_heads_workspace_floats(const kern_mla_shape *sh) {
+    return kern_mla_decode_rows_workspace_floats(sh, 1);
+}
+
+void kern_mla_decode_rows(const kern_mla_shape *sh, const kern_weight *kv_b, int n,
+                          const float *q, int h0, int h1, const int64_t *pos,
+                          const float *const *cache, float *o, float *workspace) {
+    const int dc = sh->dc, dn = sh->dn, dr = sh->dr, dv = sh->dv, row = dc + dr, nq = h1 - h0;
+    if (nq < 1 || n < 1) return;
+    const size_t q_stride = (size_t)sh->nh * (dn + dr), o_stride = (size_t)sh->nh * dv;
+    const size_t q_rows = (size_t)nq * row, lat_rows = (size_t)nq * dc;
+    const float scale = 1.0f / sqrtf((float)(dn + dr));
+    float *w = workspace, *Q = w + dc, *lat = Q + (size_t)n * q_rows;
+    float *S = lat + (size_t)n * lat_rows, *mx = S + (size_t)nq * KERN_MLA_KEY_BLOCK;
+    float *den = mx + nq, *P = den + nq;
+    /* Q[s, h] = [q_nope_sh W_UK_h | q_pe_sh] * scale. One query per head
+     * and row, so no GEMM (whose panel packing cost more than the product
+     * here): each row i of W_UK_h is widened once and added into every
+     * row's query, q[s, h, i] W_UK_h[i, :], every Q[s, h, j] the same chain
+     * over i whatever heads and rows share the call. */
+    for (int h = h0; h < h1; h++) {
+        for (int s = 0; s < n; s++)
+            memset(Q + s * q_rows + (size_t)(h - h0) * row, 0, (size_t)dc * sizeof(float));
+        for (int i = 0; i < dn; i++) {
+            kern_weight_row_f32(kv_b, h * (dn + dv) + i, 0, dc, w);
+            for (int s = 0; s < n; s++) {
+                float *Qsh = Q + s * q_rows + (size_t)(h - h0) * row;
+                const float qi = q[s * q_stride + (size_t)h * (dn + dr) + i];
+                for (int j = 0; j < dc; j++) Qsh[j] += qi * w[j];
+            }
+        }
+        for (int s = 0; s < n; s++) {
+            float *Qsh = Q + s * q_rows + (size_t)(h - h0) * row;
+            const float *qsh = q + s * q_stride + (size_t)h * (dn + dr);
+            for (int j = 0; j < dc; j++) Qsh[j] *= scale;
+            for (int j = 0; j < dr; j++) Qsh[dc + j] = scale * qsh[dn + j];
+        }
+    }
+    /* each row's heads against its keys 0 .. pos[s]: each of its cache
+     * blocks read once */
+    const attn_form f = {NULL, NULL, NULL, NULL};
+    for (int s = 0; s < n; s++)
+        attend_rows(sh, &f, Q + s * q_rows, nq, pos[s], 0, cache[s], S, lat + s * lat_rows, mx,
+                    den, P, gemm_floats(sh, sh->nh), false);
+    /* o[s, h, r] = Lat[s, h] . W_UV_h[r, :]: sixteen running sums over the
+     * columns, added up in a fixed order; W_UV_h's row widened once */
+    for (int h = h0; h < h1; h++) {
+        for (int r = 0; r < dv; r++) {
+            kern_weight_row_f32(kv_b, h * (dn + dv) + dn + r, 0, dc, w);
+            for (int s = 0; s < n; s++) {
+                const float *lh = lat + s * lat_rows + (size_t)(h - h0) * dc;
+                float part[16] = {0};
+                int j = 0;
+                for (; j + 16 <= dc; j += 16)
+                    for (int l = 0; l < 16; l++) part[l] += lh[j + l] * w[j + l];
+                for (; j < dc; j++) part[j % 16] += lh[j] * w[j];
+                float sum = 0.0f;
+                for (int l = 0; l < 16; l++) sum += part[l];
+                o[s * o_stride + (size_t)h * dv + r] = sum;
+            }
+        }
+    }
 }
 
 void kern_mla_decode_heads(const kern_mla_shape *sh, const kern_weight *kv_b, const float *q,
                            int h0, int h1, int64_t pos, const float *cache, float *o,
                            float *workspace) {
-    const int dc = sh->dc, dn = sh->dn, dr = sh->dr, dv = sh->dv, row = dc + dr, nq = h1 - h0;
-    if (nq < 1) return;
-    const float scale = 1.0f / sqrtf((float)(dn + dr));
-    float *w = workspace, *Q = w + dc, *S = Q + (size_t)nq * row;
-    float *lat = S + (size_t)nq * KERN_MLA_KEY_BLOCK, *mx = lat + (size_t)nq * dc, *den = mx + nq;
-    float *P = den + nq;
-    /* Q[h] = [q_nope_h W_UK_h | q_pe_h] * scale. One query per head, so
-     * no GEMM (whose panel packing cost more than the product here): each
-     * row i of W_UK_h is widened in turn and added in, q[i] W_UK_h[i, :],
-     * every Q[h, j] the same chain over i whatever heads share the call. */
-    for (int h = h0; h < h1; h++) {
-        const float *qh = q + (size_t)h * (dn + dr);
-        float *Qh = Q + (size_t)(h - h0) * row;
-        memset(Qh, 0, (size_t)dc * sizeof(float));
-        for (int i = 0; i < dn; i++) {
-            kern_weight_row_f32(kv_b, h * (dn + dv) + i, 0, dc, w);
-            const float qi = qh[i];
-            for (int j = 0; j < dc; j++) Qh[j] += qi * w[j];
-        }
-        for (int j = 0; j < dc; j++) Qh[j] *= scale;
-        for (int j = 0; j < dr; j++) Qh[dc + j] = scale * qh[dn + j];
-    }
-    /* every head against the same keys 0 .. pos: each cache block read once */
-    const attn_form f = {NULL, NULL, NULL, NULL};
-    attend_rows(sh, &f, Q, nq, pos, 0, cache, S, lat, mx, den, P, gemm_floats(sh, sh->nh), false);
-    /* o_h[r] = Lat[h] . W_UV_h[r, :]: sixteen running sums over the
-     * columns, added up in a fixed order */
-    for (int h = h0; h < h1; h++) {
-        const float *lh = lat + (size_t)(h - h0) * dc;
-        float *oh = o + (size_t)h * dv;
-        for (int r = 0; r < dv; r++) {
-            kern_weight_row_f32(kv_b, h * (dn + dv) + dn + r, 0, dc, w);
-            float part[16] = {0};
-            int j = 0;
-            for (; j + 16 <= dc; j += 16)
-                for (int l = 0; l < 16; l++) part[l] += lh[j + l] * w[j + l];
-            for (; j < dc; j++) part[j % 16] += lh[j] * w[j];
-            float sum = 0.0f;
-            for (int l = 0; l < 16; l++) sum += part[l];
-            oh[r] = sum;
-        }
-    }
+    kern_mla_decode_rows(sh, kv_b, 1, q, h0, h1, &pos, &cache, o, workspace);
 }
 
 size_t kern_mla_attend_workspace_floats(const kern_mla_shape *sh, int T) {

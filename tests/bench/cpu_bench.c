@@ -43,7 +43,9 @@
  *       128K (16K with --quick), one thread, head by head (kern_mla_attend,
  *       T = 1) against all heads at once (kern_mla_decode_heads), with the
  *       largest difference between the two outputs (relative to the
- *       largest output);
+ *       largest output); and a batched step's, 8 sequences at context
+ *       256 .. 4K, row by row against the rows at once
+ *       (kern_mla_decode_rows), whose outputs must be the same bits;
  *   (h) batched decode: bf16 [4096, 2304] for T = 1 .. 16 tokens on the
  *       direct path (exact; where the CPU has AMX tiles, exact on them as
  *       well; and under --bf16), 1 and 2 threads, with its rows in L2 (128
@@ -584,6 +586,56 @@ static void bench_long(void) {
     free_stack(&w);
 }
 
+/* (g, second table) a batched step's MLA attention: N sequences, one
+ * query each, at context P, one thread: row by row (kern_mla_decode_heads,
+ * which widens all of kv_b, 8 MB of bf16, for every row) against one call
+ * for the N rows (kern_mla_decode_rows: each kv_b row widened once), whose
+ * outputs must be the same bits. kv_b stays in the last-level cache here;
+ * in a step the other matrices stream through between two calls. */
+static void bench_decode_attention_rows(const kern_mla_shape *msh, const kern_weight *kw) {
+    enum { N = 8 };
+    const int64_t P[3] = {256, 1024, 4096};
+    const int H = msh->nh, row = msh->dc + msh->dr;
+    float *q = random_x((size_t)N * H * (msh->dn + msh->dr), 23);
+    const size_t o_bytes = (size_t)N * H * msh->dv * 4;
+    float *o_row = xalloc(o_bytes), *o_all = xalloc(o_bytes);
+    float *ws_row = xalloc(kern_mla_decode_heads_workspace_floats(msh) * 4);
+    float *ws_all = xalloc(kern_mla_decode_rows_workspace_floats(msh, N) * 4);
+    printf("### (g) A batched step's MLA attention: %d sequences at context P, 32 heads, one "
+           "thread, best of %d (wall time)\n\n", N, g_runs);
+    printf("| P | row by row, ms | the rows at once, ms | ratio | same bits |\n"
+           "|---|---|---|---|---|\n");
+    for (int p = 0; p < 3; p++) {
+        const float *caches[N];
+        int64_t pos[N];
+        float *cache_mem = random_x((size_t)N * (P[p] + 1) * row, 41 + p);
+        for (int i = 0; i < N; i++) {
+            caches[i] = cache_mem + (size_t)i * (P[p] + 1) * row;
+            pos[i] = P[p];
+        }
+        double t_row = 1e30, t_all = 1e30;
+        for (int r = 0; r < g_runs; r++) {
+            double t0 = kds_now_s();
+            for (int i = 0; i < N; i++)
+                kern_mla_decode_heads(msh, kw, q + (size_t)i * H * (msh->dn + msh->dr), 0, H,
+                                      pos[i], caches[i], o_row + (size_t)i * H * msh->dv, ws_row);
+            double dt = kds_now_s() - t0;
+            if (dt < t_row) t_row = dt;
+            t0 = kds_now_s();
+            kern_mla_decode_rows(msh, kw, N, q, 0, H, pos, caches, o_all, ws_all);
+            dt = kds_now_s() - t0;
+            if (dt < t_all) t_all = dt;
+        }
+        const bool same = !memcmp(o_row, o_all, o_bytes);
+        printf("| %lld | %.2f | %.2f | %.2fx | %s |\n", (long long)P[p], t_row * 1e3,
+               t_all * 1e3, t_row / t_all, same ? "yes" : "NO");
+        fflush(stdout);
+        free(cache_mem);
+    }
+    printf("\n");
+    free(q), free(o_row), free(o_all), free(ws_row), free(ws_all);
+}
+
 /* (g) one decode step's MLA attention at context P, one thread: head by
  * head (kern_mla_attend, T = 1: each head reads the cache twice) against
  * all heads at once (kern_mla_decode_heads: each cache block read once),
@@ -633,6 +685,7 @@ static void bench_decode_attention(void) {
     }
     printf("\n");
     free(q), free(o_head), free(o_all), free(ws_head), free(ws_all);
+    bench_decode_attention_rows(&msh, &kw);
     free_stack(&kvb);
 }
 
