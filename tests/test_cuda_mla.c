@@ -228,6 +228,49 @@ static void decode_heads_case(const kern_mla_shape *sh, kern_dtype dt, int64_t p
     case_free(&c);
 }
 
+/* kern_mla_decode_rows (a batched step: n rows, each its own cache and
+ * position) against kern_mla_decode_heads row by row: the same bits, and
+ * heads outside [h0, h1) of every row untouched. */
+static void decode_rows_case(const kern_mla_shape *sh, kern_dtype dt, int h0, int h1,
+                             uint64_t seed) {
+    enum { N = 3 };
+    const int64_t pos[N] = {0, 300, 17}; /* one key, two key blocks, one */
+    mla_case c;
+    case_make(&c, sh, dt, N, seed);
+    const float *caches[N];
+    float *own[N];
+    for (int s = 0; s < N; s++) caches[s] = own[s] = cache_make(sh, pos[s] + 1, seed + 1 + s);
+    const size_t no = (size_t)sh->nh * sh->dv, qw = (size_t)sh->nh * (sh->dn + sh->dr);
+    float *want = mla_alloc(N * no * 4), *got = mla_alloc(N * no * 4);
+    float *ws_one = mla_alloc(kern_mla_decode_heads_workspace_floats(sh) * 4);
+    float *ws = mla_alloc(kern_mla_decode_rows_workspace_floats(sh, N) * 4);
+    const kern_weight kw = {
+        .dt = dt, .data = c.kvb_st, .rows = sh->nh * (sh->dn + sh->dv), .cols = sh->dc};
+    for (size_t i = 0; i < N * no; i++) want[i] = got[i] = NAN;
+    for (int s = 0; s < N; s++)
+        kern_mla_decode_heads(sh, &kw, c.q + s * qw, h0, h1, pos[s], caches[s], want + s * no,
+                              ws_one);
+    kern_mla_decode_rows(sh, &kw, N, c.q, h0, h1, pos, caches, got, ws);
+    for (size_t i = 0; i < N * no; i++) {
+        const int h = (int)(i % no / sh->dv), s = (int)(i / no);
+        if (h < h0 || h >= h1)
+            cr_assert(isnan(got[i]), "row %d: head %d written", s, h);
+        else
+            cr_assert(!memcmp(&got[i], &want[i], 4), "row %d head %d: %g, alone %g", s, h,
+                      got[i], want[i]);
+    }
+    free(want), free(got), free(ws_one), free(ws);
+    for (int s = 0; s < N; s++) free(own[s]);
+    case_free(&c);
+}
+
+Test(mla_ref, decode_rows_are_each_row_alone) {
+    const kern_mla_shape sh = {3, 64, 16, 32, 24};
+    decode_rows_case(&sh, KERN_F32, 0, 3, 21);
+    decode_rows_case(&sh, KERN_BF16, 0, 3, 22);
+    decode_rows_case(&sh, KERN_BF16, 1, 3, 23); /* heads [1, 3) only */
+}
+
 Test(mla_ref, decode_heads_match_naive_and_each_other) {
     const kern_mla_shape sh = {3, 64, 16, 32, 24};
     decode_heads_case(&sh, KERN_F32, 0, 11);
