@@ -13,6 +13,7 @@
 #include "cli.h"
 #include "eng_comm.h"
 #include "eng_ep.h"
+#include "kds_clock.h"
 
 /* The process's ranks: MPI is per process, so this is too (set once by
  * main before any command runs, read by the commands' model opening). */
@@ -183,7 +184,6 @@ double cli_median(double *v, int n) {
 
 #ifdef KDS_HAVE_CUDA
 #include "kern_cuda.h"
-#include "kds_clock.h"
 
 kds_status cli_copy_to_device_s(size_t bytes, int reps, double *median_s, kds_err *err) {
     void *host = NULL, *dev = NULL;

@@ -47,11 +47,11 @@
 #include "eng_model.h"
 #include "eng_plan.h"
 #include "eng_safetensors.h"
+#include "kds_clock.h"
 #include "test_helpers.h"
 #include "test_serve_util.h"
 #ifdef KDS_HAVE_CUDA
 #include "kern_cuda.h"
-#include "kds_clock.h"
 #endif
 
 #define KDASERVE KDS_BINARY_DIR "/kdaserve"

@@ -24,9 +24,9 @@
 #include <unistd.h>
 
 #include "eng_comm.h"
+#include "kds_clock.h"
 #ifdef KDS_HAVE_CUDA
 #include "kern_cuda.h"
-#include "kds_clock.h"
 #endif
 
 /* Buffers in the communicator's memory (the GPU's for nccl). */
