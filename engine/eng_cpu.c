@@ -45,8 +45,6 @@ typedef struct thread_scratch {
     float *mla_w;  /* one head's kv_b rows, widened: [(dn+dv), dc] */
     float *mla_ws; /* kern_mla_attend_head workspace for B queries */
     float *mla_dec_ws; /* kern_mla_decode_rows workspace for mla_dec_rows rows */
-    int64_t *mla_dec_pos;        /* [mla_dec_rows]: those rows' positions */
-    const float **mla_dec_cache; /* [mla_dec_rows]: their latent caches */
 } thread_scratch;
 
 typedef struct eng_cpu {
@@ -56,6 +54,8 @@ typedef struct eng_cpu {
     eng_pool *pool;
     int n_threads, kda_chunk, max_rows, max_seqs;
     int mla_dec_rows; /* the most rows one MLA decode task takes (mla_dec_split) */
+    int64_t *mla_dec_pos;        /* [max_rows]: a decode pass's rows' positions (cpu_mla) */
+    const float **mla_dec_cache; /* [max_rows]: and their latent caches of the layer */
     /* The pass being run is a prefill (eng_pass.chunked: one sequence's
      * tokens), whose products need not equal one-token products row for
      * row: they take kern_matmul_w_prefill's GEMM from fewer tokens. Taken
@@ -622,20 +622,14 @@ static void mla_decode_fn(void *arg, int task, int thread) {
     eng_cpu *c = r->c;
     const eng_dims *d = &c->d;
     const eng_mla_args *a = r->a;
-    thread_scratch *ts = &c->ts[thread];
     const int nh = d->mla_heads, b = task / r->n_groups, g = task % r->n_groups;
     const int h0 = nh * g / r->n_groups, h1 = nh * (g + 1) / r->n_groups;
     const int t0 = r->T * b / r->n_blocks, t1 = r->T * (b + 1) / r->n_blocks;
     const kern_mla_shape sh = {nh, d->dc, d->dr, d->dn, d->dv};
     const kern_weight kvb = eng__kern_weight(&a->w->kv_b_proj);
-    for (int t = t0; t < t1; t++) {
-        const eng_seq *s = r->p->seqs[r->p->n_seqs > 1 ? t : 0];
-        ts->mla_dec_pos[t - t0] = s->pos;
-        ts->mla_dec_cache[t - t0] = s->mla_cache[a->layer];
-    }
     kern_mla_decode_rows(&sh, &kvb, t1 - t0, a->q + (size_t)t0 * nh * (d->dn + d->dr), h0, h1,
-                         ts->mla_dec_pos, ts->mla_dec_cache, a->o + (size_t)t0 * nh * d->dv,
-                         ts->mla_dec_ws);
+                         c->mla_dec_pos + t0, c->mla_dec_cache + t0,
+                         a->o + (size_t)t0 * nh * d->dv, c->ts[thread].mla_dec_ws);
 }
 
 static void cpu_mla(eng_backend *b, const eng_pass *p, const eng_mla_args *a) {
@@ -654,6 +648,11 @@ static void cpu_mla(eng_backend *b, const eng_pass *p, const eng_mla_args *a) {
     }
     if (multi || T == 1) {
         /* one query per sequence: a task per (block of rows, head group) */
+        for (int t = 0; t < T; t++) {
+            const eng_seq *s = p->seqs[multi ? t : 0];
+            c->mla_dec_pos[t] = s->pos;
+            c->mla_dec_cache[t] = s->mla_cache[a->layer];
+        }
         mla_dec_run r = {c, p, a, T, 1, 1};
         mla_dec_split(c, T, &r.n_blocks, &r.n_groups);
         const int n_tasks = r.n_blocks * r.n_groups;
@@ -930,8 +929,6 @@ static void cpu_free(eng_backend *b) {
             free(c->ts[i].mla_w);
             free(c->ts[i].mla_ws);
             free(c->ts[i].mla_dec_ws);
-            free(c->ts[i].mla_dec_pos);
-            free(c->ts[i].mla_dec_cache);
         }
     free(c->ts);
     profile_end(c);
@@ -939,6 +936,8 @@ static void cpu_free(eng_backend *b) {
     free(c->allocs);
     free(c->acc);
     free(c->logits);
+    free(c->mla_dec_pos);
+    free(c->mla_dec_cache);
     free(c->cand_p);
     free(c->cand_id);
     free(c);
@@ -970,10 +969,14 @@ static kds_status cpu_create(const eng_model *m, const eng_ctx_params *p, eng_ba
         if (m->weights[i]->cols > widest) widest = m->weights[i]->cols;
     c->acc = calloc((size_t)c->max_rows * d->hidden + 1, sizeof *c->acc);
     c->logits = calloc((size_t)c->max_seqs * d->vocab + 1, sizeof *c->logits);
+    c->mla_dec_pos = calloc((size_t)c->max_rows + 1, sizeof *c->mla_dec_pos);
+    c->mla_dec_cache = calloc((size_t)c->max_rows + 1, sizeof *c->mla_dec_cache);
     c->cand_p = calloc((size_t)d->vocab + 1, sizeof *c->cand_p);
     c->cand_id = calloc((size_t)d->vocab + 1, sizeof *c->cand_id);
     c->ts = calloc((size_t)c->n_threads, sizeof *c->ts);
-    if (!c->acc || !c->logits || !c->cand_p || !c->cand_id || !c->ts) goto nomem;
+    if (!c->acc || !c->logits || !c->cand_p || !c->cand_id || !c->ts || !c->mla_dec_pos ||
+        !c->mla_dec_cache)
+        goto nomem;
     const kern_kda_shape sh = {d->H, d->HV, d->K, d->V, 1.0f};
     const kern_mla_shape msh = {d->mla_heads, d->dc, d->dr, d->dn, d->dv};
     const size_t mla_dec_floats = kern_mla_decode_rows_workspace_floats(&msh, c->mla_dec_rows);
@@ -987,9 +990,7 @@ static kds_status cpu_create(const eng_model *m, const eng_ctx_params *p, eng_ba
             (!(ts->mla_w = calloc((size_t)(d->dn + d->dv) * d->dc + 1, sizeof(float))) ||
              !(ts->mla_ws = calloc(kern_mla_attend_head_workspace_floats(&msh, c->max_rows) + 1,
                                    sizeof(float))) ||
-             !(ts->mla_dec_ws = calloc(mla_dec_floats + 1, sizeof(float))) ||
-             !(ts->mla_dec_pos = calloc((size_t)c->mla_dec_rows, sizeof *ts->mla_dec_pos)) ||
-             !(ts->mla_dec_cache = calloc((size_t)c->mla_dec_rows, sizeof *ts->mla_dec_cache))))
+             !(ts->mla_dec_ws = calloc(mla_dec_floats + 1, sizeof(float)))))
             goto nomem;
     }
     kds_status rc = eng_pool_create(c->n_threads, &c->pool, err);
